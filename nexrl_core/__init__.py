@@ -1,0 +1,28 @@
+"""nexrl-core: hook specs, plugin manager, controller and data flow of the nexrl RL framework."""
+
+from .activity import ActivityTracker, ActivityTrackerProxy
+from .controller import NexRLController, RunFailed, RunSummary
+from .dataloader import BaseDataLoader, FileDataLoader
+from .errors import ConfigError, DataError, ErrorReporter, ErrorSeverity, NexRLError, PluginError
+from .evaluation import BaseEvaluationTarget, EvaluationRunResult, Evaluator
+from .execute import execute, execute_async
+from .inference import CompletionResult, InferenceClient, InferenceError, SamplingParams
+from .markers import hookimpl
+from .module import NexRLModule
+from .rollout_worker import BaseRolloutWorker, ItemFailure, SimpleRolloutWorker
+from .trainer import BaseTrainer
+from .trajectory_pool import (GroupedTrajectoryStore, HierarchicalTrajectoryStore, SimpleTrajectoryStore,
+                              TrajectoryPool, TrajectoryPoolInstance)
+from .types import Batch, ModelTag, NexRLRole, Trajectory
+from .validator import Validator
+from .weight_sync import WeightSyncBackend, WeightSyncController
+
+__all__ = [
+    "ActivityTracker", "ActivityTrackerProxy", "BaseDataLoader", "BaseEvaluationTarget", "BaseRolloutWorker",
+    "BaseTrainer", "Batch", "CompletionResult", "ConfigError", "DataError", "ErrorReporter", "ErrorSeverity",
+    "EvaluationRunResult", "Evaluator", "FileDataLoader", "GroupedTrajectoryStore", "HierarchicalTrajectoryStore",
+    "InferenceClient", "InferenceError", "ItemFailure", "ModelTag", "NexRLController", "NexRLError", "NexRLModule",
+    "NexRLRole", "PluginError", "RunFailed", "RunSummary", "SamplingParams", "SimpleRolloutWorker",
+    "SimpleTrajectoryStore", "Trajectory", "TrajectoryPool", "TrajectoryPoolInstance", "Validator",
+    "WeightSyncBackend", "WeightSyncController", "execute", "execute_async", "hookimpl",
+]

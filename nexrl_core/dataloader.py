@@ -1,0 +1,266 @@
+"""Data loaders: the source of rollout tasks (training cycles, validation is one ordered pass).
+
+Every item handed out is a *task*: a copy of one data row plus
+``uid`` (the row's group id), ``sample_index`` (0..group_size-1) and ``seq`` (issue
+order). A task stays *outstanding* until the trainer consumed it or it was
+recorded as lost; checkpoints store the outstanding tasks so nothing is dropped
+by a resume.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import threading
+from abc import ABC, abstractmethod
+from collections import deque
+from typing import Any
+
+from .errors import ConfigError, DataError
+from .module import NexRLModule
+
+
+class BaseDataLoader(NexRLModule, ABC):
+    """Queue of tasks over a list of rows. Subclasses implement :meth:`load_rows`."""
+
+    def __init__(self, config: Any, is_validate: bool = False):
+        super().__init__()
+        self._config = config
+        self._is_validate = is_validate
+        self._seed = int(config.get("seed", 0) or 0)
+        self._shuffle = bool(config.get("shuffle", not is_validate))
+        self._group_size = int(config.get("group_size", 1) or 1)
+        self._lock = threading.Condition()
+        self._rows: list[dict[str, Any]] = self.load_rows()
+        if not self._rows:
+            raise DataError(f"{self.describe()}: the data has no rows")
+        self._epoch = 0
+        self._order: list[int] = []
+        self._cursor = 0  # next row in self._order
+        self._pending: deque[dict[str, Any]] = deque()  # expanded tasks not yet handed out
+        self._requeued: deque[dict[str, Any]] = deque()
+        self._outstanding: dict[int, dict[str, Any]] = {}
+        self._next_seq = 0
+        self._locked = is_validate  # validation data flows only while a validation runs
+        self._new_epoch()
+
+    # -- subclass API ---------------------------------------------------------
+    @abstractmethod
+    def load_rows(self) -> list[dict[str, Any]]:
+        """Return every data row (dicts). Raise DataError naming ``file:line`` on bad input."""
+
+    def describe(self) -> str:
+        return type(self).__name__
+
+    # -- seed API ---------------------------------------------------------------
+    def __len__(self) -> int:
+        """Tasks left before the current pass ends (training: in this epoch)."""
+        with self._lock:
+            return self._remaining_locked()
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return dict(self._rows[index])
+
+    def get_next_item(self) -> dict[str, Any] | None:
+        with self._lock:
+            if self._locked:
+                return None
+            task = self._take_locked()
+            if task is not None:
+                self._outstanding[task["seq"]] = task
+            return None if task is None else dict(task)
+
+    def is_finished(self) -> bool:
+        with self._lock:
+            if self._is_validate:
+                return self._remaining_locked() == 0
+            return False  # training data cycles for ever; total_train_steps ends the run
+
+    def can_return_item(self) -> bool:
+        with self._lock:
+            return not self._locked and self._remaining_locked() > 0
+
+    def reset(self) -> None:
+        """Start a fresh ordered pass (validation) or epoch 0 (training)."""
+        with self._lock:
+            self._epoch = 0
+            self._requeued.clear()
+            self._pending.clear()
+            self._outstanding.clear()
+            self._new_epoch()
+            self._lock.notify_all()
+
+    def add_item(self, item: dict[str, Any]) -> None:
+        self.add_item_back(item)
+
+    def add_item_front(self, item: dict[str, Any]) -> None:
+        with self._lock:
+            self._requeued.appendleft(dict(item))
+            self._outstanding.pop(item.get("seq"), None)
+            self._lock.notify_all()
+
+    def add_item_back(self, item: dict[str, Any]) -> None:
+        with self._lock:
+            self._requeued.append(dict(item))
+            self._outstanding.pop(item.get("seq"), None)
+            self._lock.notify_all()
+
+    def lock_for_weight_sync(self) -> None:
+        with self._lock:
+            self._locked = True
+
+    def unlock_for_weight_sync(self) -> None:
+        with self._lock:
+            self._locked = False
+            self._lock.notify_all()
+
+    def wait_for_item(self, timeout: float) -> bool:
+        """Wait (no polling) until an item can be returned; False on timeout."""
+        with self._lock:
+            return self._lock.wait_for(lambda: not self._locked and self._remaining_locked() > 0, timeout)
+
+    # -- accounting -------------------------------------------------------------
+    def mark_done(self, seqs: list[int]) -> None:
+        """Tasks consumed for good (trained on, or recorded as lost)."""
+        with self._lock:
+            for seq in seqs:
+                self._outstanding.pop(seq, None)
+
+    def outstanding(self) -> list[dict[str, Any]]:
+        with self._lock:
+            return [dict(t) for _, t in sorted(self._outstanding.items())]
+
+    def num_rows(self) -> int:
+        return len(self._rows)
+
+    @property
+    def group_size(self) -> int:
+        return self._group_size
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything a resume needs; outstanding tasks come first again on load."""
+        with self._lock:
+            queued = sorted(list(self._outstanding.values()) + list(self._requeued), key=lambda t: t["seq"])
+            return {
+                "epoch": self._epoch,
+                "order": list(self._order),
+                "cursor": self._cursor,
+                "pending": [dict(t) for t in self._pending],
+                "requeued": [dict(t) for t in queued],
+                "next_seq": self._next_seq,
+            }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        with self._lock:
+            self._epoch = int(state["epoch"])
+            self._order = [int(i) for i in state["order"]]
+            self._cursor = int(state["cursor"])
+            self._pending = deque(dict(t) for t in state["pending"])
+            self._requeued = deque(dict(t) for t in state["requeued"])
+            self._outstanding.clear()
+            self._next_seq = int(state["next_seq"])
+
+    # -- internals --------------------------------------------------------------
+    def _new_epoch(self) -> None:
+        self._order = list(range(len(self._rows)))
+        if self._shuffle:
+            random.Random(self._seed * 1_000_003 + self._epoch).shuffle(self._order)
+        self._cursor = 0
+
+    def _remaining_locked(self) -> int:
+        return len(self._requeued) + len(self._pending) + (len(self._order) - self._cursor) * self._group_size
+
+    def _take_locked(self) -> dict[str, Any] | None:
+        if self._requeued:
+            return self._requeued.popleft()
+        if not self._pending:
+            if self._cursor >= len(self._order):
+                if self._is_validate:
+                    return None
+                self._epoch += 1
+                self._new_epoch()
+            index = self._order[self._cursor]
+            self._cursor += 1
+            row = self._rows[index]
+            for j in range(self._group_size):
+                task = dict(row)
+                task["uid"] = f"{self._epoch}:{index}"
+                task["row_index"] = index
+                task["sample_index"] = j
+                task["seq"] = self._next_seq
+                self._next_seq += 1
+                self._pending.append(task)
+        return self._pending.popleft()
+
+
+class FileDataLoader(BaseDataLoader):
+    """Rows from JSONL or Parquet files (``path``: one path or a list)."""
+
+    def __init__(self, config: Any, is_validate: bool = False):
+        paths = config.get("path") or config.get("dataset_paths")
+        if not paths:
+            raise ConfigError(f"{_section(is_validate)}.path: the file data loader needs a path (JSONL or Parquet)")
+        self._paths = [str(paths)] if isinstance(paths, (str, os.PathLike)) else [str(p) for p in paths]
+        self._prompt_key = str(config.get("prompt_key", "prompt"))
+        super().__init__(config, is_validate)
+
+    def describe(self) -> str:
+        return ", ".join(self._paths)
+
+    def load_rows(self) -> list[dict[str, Any]]:
+        rows: list[dict[str, Any]] = []
+        for path in self._paths:
+            rows.extend(read_rows(path, self._prompt_key))
+        return rows
+
+
+def _section(is_validate: bool) -> str:
+    return "validate.data" if is_validate else "data"
+
+
+def read_rows(path: str, prompt_key: str = "prompt") -> list[dict[str, Any]]:
+    """Read a JSONL or Parquet file; every row must be an object holding ``prompt_key``."""
+    if not os.path.exists(path):
+        raise DataError(f"{path}: data file not found")
+    if path.endswith(".parquet"):
+        rows = _read_parquet(path)
+        locate = lambda i: f"{path}: row {i + 1}"  # noqa: E731
+    else:
+        rows, lines = _read_jsonl(path)
+        locate = lambda i: f"{path}:{lines[i]}"  # noqa: E731
+    if not rows:
+        raise DataError(f"{path}: the file holds no rows")
+    for i, row in enumerate(rows):
+        if prompt_key not in row or row[prompt_key] in (None, ""):
+            raise DataError(f"{locate(i)}: the row has no '{prompt_key}' field "
+                            f"(set data.prompt_key if the prompt lives under another name)")
+    return rows
+
+
+def _read_jsonl(path: str) -> tuple[list[dict[str, Any]], list[int]]:
+    rows, lines = [], []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DataError(f"{path}:{lineno}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+            if not isinstance(row, dict):
+                raise DataError(f"{path}:{lineno}: each line must be a JSON object, got {type(row).__name__}")
+            rows.append(row)
+            lines.append(lineno)
+    return rows, lines
+
+
+def _read_parquet(path: str) -> list[dict[str, Any]]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DataError(f"{path}: reading Parquet needs pyarrow (pip install pyarrow)") from None
+    try:
+        return pq.read_table(path).to_pylist()
+    except Exception as exc:
+        raise DataError(f"{path}: not a readable Parquet file ({exc})") from None

@@ -1,0 +1,49 @@
+"""Built-in evaluators for verifiable answers."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from .evaluation import BaseEvaluationTarget, EvaluationRunResult, Evaluator
+
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+class ExactMatchEvaluator(Evaluator):
+    """Reward 1 when the stripped answer equals ``data[answer_key]``."""
+
+    def __init__(self, answer_key: str = "answer", case_sensitive: bool = True):
+        self.answer_key = answer_key
+        self.case_sensitive = case_sensitive
+
+    def evaluate(self, data: dict[str, Any], evaluation_target: BaseEvaluationTarget) -> EvaluationRunResult:
+        truth = str(data.get(self.answer_key, ""))
+        answer = evaluation_target.final_answer.strip()
+        same = answer == truth.strip() if self.case_sensitive else answer.lower() == truth.strip().lower()
+        return EvaluationRunResult(reward=float(same), ground_truth=truth, metrics={"accuracy": float(same)})
+
+
+class NumericAnswerEvaluator(Evaluator):
+    """Reward 1 when the first number in the answer equals ``data[answer_key]``.
+
+    ``format_reward`` (default 0) is added when the answer is a bare number, which
+    nudges a model towards answering tersely.
+    """
+
+    def __init__(self, answer_key: str = "answer", format_reward: float = 0.0, tolerance: float = 1e-6):
+        self.answer_key = answer_key
+        self.format_reward = format_reward
+        self.tolerance = tolerance
+
+    def evaluate(self, data: dict[str, Any], evaluation_target: BaseEvaluationTarget) -> EvaluationRunResult:
+        truth = data.get(self.answer_key)
+        answer = evaluation_target.final_answer.strip()
+        match = _NUMBER.search(answer)
+        correct = match is not None and truth is not None and abs(float(match.group()) - float(truth)) <= self.tolerance
+        bare = _NUMBER.fullmatch(answer.rstrip(".")) is not None
+        reward = float(correct) + (self.format_reward if bare else 0.0)
+        return EvaluationRunResult(reward=reward, ground_truth=str(truth),
+                                   metrics={"accuracy": float(correct), "bare_number": float(bare),
+                                            "response_chars": float(len(answer))},
+                                   extra_info={"parsed": match.group() if match else None})

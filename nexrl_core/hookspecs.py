@@ -1,0 +1,102 @@
+"""Hook specifications of nexrl: the whole surface a plugin can implement.
+
+A plugin is a module named by an entry point in the ``nexrl`` group::
+
+    [project.entry-points.nexrl]
+    my_plugin = "my_package.plugin"
+
+whose functions are marked with ``@nexrl_core.hookimpl`` and named after the
+specs below. Every component hook returns ``dict[str, type]``: the name a
+recipe uses in ``type:`` mapped to the class that implements it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+if TYPE_CHECKING:  # imported for annotations only; keeps this module dependency-free
+    from .dataloader import BaseDataLoader
+    from .evaluation import Evaluator
+    from .inference import InferenceClient
+    from .rollout_worker import BaseRolloutWorker
+    from .trainer import BaseTrainer
+    from .weight_sync import WeightSyncBackend
+
+hookspec = pluggy.HookspecMarker("nexrl")
+
+
+@hookspec
+def nexrl_dataloaders() -> dict[str, type[BaseDataLoader]]:
+    """Register data loaders, selected with ``data.type`` and ``validate.data.type``.
+
+    :return: registered name -> subclass of :class:`nexrl_core.BaseDataLoader`.
+        The class is built as ``cls(config, is_validate=...)`` with the recipe's
+        data mapping.
+    """
+
+
+@hookspec
+def nexrl_rollout_workers() -> dict[str, type[BaseRolloutWorker]]:
+    """Register rollout workers, selected with ``rollout_worker.type``.
+
+    :return: registered name -> subclass of :class:`nexrl_core.BaseRolloutWorker`,
+        built as ``cls(config, inference_client, evaluator)``.
+    """
+
+
+@hookspec
+def nexrl_evaluators() -> dict[str, type[Evaluator]]:
+    """Register evaluators, selected with ``rollout_worker.evaluator.type``.
+
+    :return: registered name -> subclass of :class:`nexrl_core.Evaluator`. The
+        other keys of ``rollout_worker.evaluator`` are passed to the constructor
+        as keyword arguments.
+    """
+
+
+@hookspec
+def nexrl_trainers() -> dict[str, type[BaseTrainer]]:
+    """Register trainers, selected with ``trainer.type``.
+
+    :return: registered name -> subclass of :class:`nexrl_core.BaseTrainer`,
+        built as ``cls(config)`` with the whole recipe.
+    """
+
+
+@hookspec
+def nexrl_weight_sync_backends() -> dict[str, type[WeightSyncBackend]]:
+    """Register weight-sync backends, selected with ``weight.backend``.
+
+    :return: registered name -> subclass of :class:`nexrl_core.WeightSyncBackend`:
+        how trained weights reach the inference service.
+    """
+
+
+@hookspec
+def nexrl_inference_backends() -> dict[str, type[InferenceClient]]:
+    """Register inference backends, selected with ``service.inference_service.backend``.
+
+    :return: registered name -> subclass of :class:`nexrl_core.InferenceClient`,
+        built as ``cls(config)`` with the ``service.inference_service`` mapping.
+    """
+
+
+@hookspec
+def nexrl_metrics_sinks() -> dict[str, type[Any]]:
+    """Register experiment loggers, selected with ``logger.backend``.
+
+    :return: registered name -> class with ``__init__(config, run_dir)``,
+        ``log(metrics: dict, step: int)`` and ``close()``.
+    """
+
+
+@hookspec
+def nexrl_step_end(step: int, metrics: dict[str, float], config: Any) -> None:
+    """Called after every training step, once its metrics are final.
+
+    :param step: the global training step just finished (1-based).
+    :param metrics: every metric recorded for that step (read-only).
+    :param config: the resolved recipe.
+    """

@@ -1,0 +1,5 @@
+"""The marker plugins decorate their hook functions with."""
+
+import pluggy
+
+hookimpl = pluggy.HookimplMarker("nexrl")

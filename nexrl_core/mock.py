@@ -1,0 +1,87 @@
+"""Deterministic components for tests and overhead benchmarks (registered as ``mock``).
+
+They are real components (they run through the same controller, pool and
+weight-sync paths as any plugin); only the model is replaced by a rule.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import Any
+
+from .dataloader import BaseDataLoader
+from .inference import CompletionResult, InferenceClient, SamplingParams
+from .trainer import BaseTrainer
+from .types import Trajectory
+
+_SUM = re.compile(r"(-?\d+)\s*\+\s*(-?\d+)")
+
+
+def _last_user_text(prompt: str | list[dict[str, Any]]) -> str:
+    if isinstance(prompt, str):
+        return prompt
+    users = [m.get("content", "") for m in prompt if m.get("role") == "user"]
+    return str(users[-1] if users else "")
+
+
+def mock_sum_threshold(a: int, b: int, learn_steps: int) -> int:
+    """Weight version from which the mock model answers ``a + b`` correctly."""
+    return (7 * a + b) % learn_steps if learn_steps > 0 else 0
+
+
+class MockInferenceClient(InferenceClient):
+    """``mode: echo`` answers the prompt text; ``mode: sum`` answers "A + B" prompts,
+    correctly once the served version reaches :func:`mock_sum_threshold` (so
+    accuracy rises with training in a way tests can compute exactly)."""
+
+    CONFIG_KEYS = {"mode": "echo", "learn_steps": 4, "delay_s": 0.0}
+
+    def __init__(self, config: Any):
+        super().__init__(config)
+        self.mode = str(config.get("mode", "echo"))
+        self.learn_steps = int(config.get("learn_steps", 4))
+        self.delay_s = float(config.get("delay_s", 0.0) or 0.0)
+        self.calls = 0
+
+    def complete(self, prompt: str | list[dict[str, Any]], params: SamplingParams) -> CompletionResult:
+        version = self.model_version()
+        self.calls += 1
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        text = _last_user_text(prompt)
+        if self.mode == "sum" and (m := _SUM.search(text)):
+            a, b = int(m.group(1)), int(m.group(2))
+            text = str(a + b if version >= mock_sum_threshold(a, b, self.learn_steps) else a + b + 1)
+        text = text[: params.max_tokens]
+        ids = list(text.encode())
+        return CompletionResult(text=text, finish_reason="stop", prompt_token_ids=list(_last_user_text(prompt).encode()),
+                                response_token_ids=ids, response_logprobs=[-0.5] * len(ids), model_version=version)
+
+
+class MockTrainer(BaseTrainer):
+    """Trains nothing; remembers what it was given (tests check the data flow with it)."""
+
+    CONFIG_KEYS = {"step_time_s": 0.0}
+
+    def __init__(self, config: Any):
+        super().__init__(config)
+        self.step_time_s = float(self._config.get("step_time_s", 0.0) or 0.0)
+        self.batches: list[list[Trajectory]] = []
+
+    def train(self, trajectories: list[Trajectory]) -> dict[str, float]:
+        if self.step_time_s:
+            time.sleep(self.step_time_s)
+        self.batches.append(trajectories)
+        return {"train/loss": 0.0}
+
+    def export_weights(self) -> dict[str, Any]:
+        return {}
+
+
+class InlineDataLoader(BaseDataLoader):
+    """Rows written in the recipe itself (``rows: [{prompt: ..., answer: ...}, ...]``)."""
+
+    def load_rows(self) -> list[dict[str, Any]]:
+        rows = self._config.get("rows") or []
+        return [dict(r) for r in rows]

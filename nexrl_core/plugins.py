@@ -1,0 +1,187 @@
+"""Plugin manager: entry points of group ``nexrl`` -> registered component classes."""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import os
+from dataclasses import dataclass, field
+from difflib import get_close_matches
+from typing import Any
+
+import pluggy
+from loguru import logger
+
+from . import hookspecs
+from .errors import ConfigError, PluginError
+
+ENTRY_POINT_GROUP = "nexrl"
+CORE_DISTRIBUTION = "nexrl-core"
+
+# kind -> (hook name, expected base class path, what a recipe key looks like)
+KINDS: dict[str, tuple[str, str]] = {
+    "dataloader": ("nexrl_dataloaders", "nexrl_core.dataloader:BaseDataLoader"),
+    "rollout_worker": ("nexrl_rollout_workers", "nexrl_core.rollout_worker:BaseRolloutWorker"),
+    "evaluator": ("nexrl_evaluators", "nexrl_core.evaluation:Evaluator"),
+    "trainer": ("nexrl_trainers", "nexrl_core.trainer:BaseTrainer"),
+    "weight_sync_backend": ("nexrl_weight_sync_backends", "nexrl_core.weight_sync:WeightSyncBackend"),
+    "inference_backend": ("nexrl_inference_backends", "nexrl_core.inference:InferenceClient"),
+    "metrics_sink": ("nexrl_metrics_sinks", ""),
+}
+
+
+@dataclass
+class PluginLoadFailure:
+    name: str
+    distribution: str
+    error: str
+
+
+@dataclass
+class Registration:
+    cls: type
+    distribution: str
+    plugin: str
+
+
+@dataclass
+class PluginRecord:
+    name: str
+    distribution: str
+    version: str
+    module: Any
+    hooks: list[str] = field(default_factory=list)
+
+
+def _import_base(path: str) -> type | None:
+    if not path:
+        return None
+    module, _, name = path.partition(":")
+    return getattr(__import__(module, fromlist=[name]), name)
+
+
+class PluginManager:
+    """Typed facade over pluggy: load plugins, list them, resolve ``type:`` names."""
+
+    def __init__(self, load_entrypoints: bool = True):
+        self.pm = pluggy.PluginManager(ENTRY_POINT_GROUP)
+        self.pm.add_hookspecs(hookspecs)
+        self.records: dict[str, PluginRecord] = {}
+        self.failures: list[PluginLoadFailure] = []
+        self.bad_registrations: list[str] = []
+        from . import builtin
+
+        self.register(builtin, name="core", distribution=CORE_DISTRIBUTION, version=_version(CORE_DISTRIBUTION))
+        if load_entrypoints:
+            self.load_entrypoints()
+        self.pm.check_pending()
+        self._cache: dict[str, dict[str, Registration]] = {}
+
+    def register(self, module: Any, name: str, distribution: str = "(in-process)", version: str = "") -> None:
+        if name in self.records:
+            raise PluginError(f"plugin name '{name}' is used by both {self.records[name].distribution} and "
+                              f"{distribution}")
+        self.pm.register(module, name=name)
+        hooks = sorted(h.name for h in self.pm.get_hookcallers(module) or [])
+        self.records[name] = PluginRecord(name, distribution, version, module, hooks)
+        self._cache = {}
+
+    def load_entrypoints(self) -> None:
+        wanted = os.environ.get("NEXRL_LOAD_PLUGINS")
+        allowed = None if wanted is None else {w.strip() for w in wanted.split(",") if w.strip()}
+        for ep in sorted(md.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
+            dist = ep.dist.name if ep.dist is not None else "(unknown distribution)"
+            if allowed is not None and dist not in allowed and ep.name not in allowed:
+                continue
+            if ep.name in self.records:
+                continue  # the same distribution visible twice on sys.path
+            try:
+                module = ep.load()
+            except Exception as exc:  # one broken plugin must not stop the others
+                failure = PluginLoadFailure(ep.name, dist, f"{type(exc).__name__}: {exc}")
+                self.failures.append(failure)
+                logger.warning(f"plugin '{ep.name}' from {dist} failed to import and is skipped: {failure.error}")
+                continue
+            self.register(module, name=ep.name, distribution=dist, version=ep.dist.version if ep.dist else "")
+
+    # -- components -----------------------------------------------------------------
+    def components(self, kind: str) -> dict[str, Registration]:
+        if kind in self._cache:
+            return self._cache[kind]
+        hook_name, base_path = KINDS[kind]
+        base = _import_base(base_path)
+        found: dict[str, Registration] = {}
+        for impl in getattr(self.pm.hook, hook_name).get_hookimpls():
+            record = self.records.get(impl.plugin_name)
+            dist = record.distribution if record else impl.plugin_name
+            try:
+                answer = impl.function()
+            except Exception as exc:
+                self._bad(f"plugin '{impl.plugin_name}' ({dist}): {hook_name}() raised {type(exc).__name__}: {exc}")
+                continue
+            if not isinstance(answer, dict):
+                self._bad(f"plugin '{impl.plugin_name}' ({dist}): {hook_name}() returned {type(answer).__name__}, "
+                          f"expected dict[str, type]")
+                continue
+            for name, cls in answer.items():
+                if not isinstance(cls, type) or (base is not None and not issubclass(cls, base)):
+                    self._bad(f"plugin '{impl.plugin_name}' ({dist}) registers {kind} '{name}' as {cls!r}, "
+                              f"which is not a subclass of {base.__name__ if base else 'a class'}")
+                    continue
+                if name in found and found[name].cls is not cls:
+                    raise PluginError(f"two plugins register the {kind} name '{name}': "
+                                      f"{found[name].distribution} ({found[name].cls.__module__}."
+                                      f"{found[name].cls.__qualname__}) and {dist} "
+                                      f"({cls.__module__}.{cls.__qualname__}); uninstall one or restrict "
+                                      f"loading with NEXRL_LOAD_PLUGINS")
+                found[name] = Registration(cls, dist, impl.plugin_name)
+        self._cache[kind] = found
+        return found
+
+    def _bad(self, message: str) -> None:
+        if message not in self.bad_registrations:
+            self.bad_registrations.append(message)
+            logger.warning(message)
+
+    def resolve(self, kind: str, name: Any, key: str) -> type:
+        available = self.components(kind)
+        if name in available:
+            return available[name].cls
+        listing = ", ".join(f"'{n}' ({r.distribution})" for n, r in sorted(available.items())) or "none"
+        hint = get_close_matches(str(name), list(available), n=1)
+        did_you_mean = f" Did you mean '{hint[0]}'?" if hint else ""
+        broken = "".join(f" Plugin '{f.name}' ({f.distribution}) failed to load: {f.error}." for f in self.failures)
+        raise ConfigError(f"{key}: unknown {kind.replace('_', ' ')} '{name}'.{did_you_mean} Available: {listing}."
+                          f"{broken}")
+
+    def call_step_end(self, **kwargs: Any) -> None:
+        self.pm.hook.nexrl_step_end(**kwargs)
+
+    def describe(self) -> list[dict[str, Any]]:
+        """One entry per plugin: distribution, version, hooks and registered names."""
+        out = []
+        for record in self.records.values():
+            components: dict[str, list[str]] = {}
+            for kind in KINDS:
+                names = sorted(n for n, r in self.components(kind).items() if r.plugin == record.name)
+                if names:
+                    components[kind] = names
+            out.append({"name": record.name, "distribution": record.distribution, "version": record.version,
+                        "hooks": record.hooks, "components": components})
+        return out
+
+
+def _version(dist: str) -> str:
+    try:
+        return md.version(dist)
+    except md.PackageNotFoundError:
+        return "(not installed)"
+
+
+_DEFAULT: PluginManager | None = None
+
+
+def get_plugin_manager() -> PluginManager:
+    global _DEFAULT
+    if _DEFAULT is None:
+        _DEFAULT = PluginManager()
+    return _DEFAULT

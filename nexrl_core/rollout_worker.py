@@ -1,0 +1,243 @@
+"""Rollout workers: take a task, ask the inference service, score it, hand the trajectory on."""
+
+from __future__ import annotations
+
+import math
+import threading
+import zlib
+from abc import abstractmethod
+from typing import Any
+
+from loguru import logger
+
+from .errors import ErrorSeverity
+from .evaluation import BaseEvaluationTarget, EvaluationRunResult, Evaluator
+from .execute import execute
+from .inference import InferenceClient, InferenceError, SamplingParams
+from .module import NexRLModule
+from .types import DEFAULT_MODEL_TAG, Trajectory
+
+_IDLE_WAIT_S = 0.05
+
+
+class ItemFailure(Exception):
+    """A task that cannot produce a usable trajectory; ``cause`` goes to errors.jsonl."""
+
+    def __init__(self, cause: str, message: str):
+        super().__init__(message)
+        self.cause = cause
+
+
+class BaseRolloutWorker(NexRLModule):
+    """Thread loop of the seed: fetch task -> :meth:`step` -> pool or validator.
+
+    ``step`` returns "success", "fail", "re-rollout" (the task goes back to the
+    front of its data loader) or None. Exceptions are never swallowed: the task
+    becomes a *failed* trajectory (so its group still completes and validation
+    still counts it) and the cause is recorded in the run's errors.jsonl.
+    """
+
+    CONFIG_KEYS: dict[str, Any] = {}
+
+    def __init__(self, config: Any, inference_client: InferenceClient | None = None,
+                 evaluator: Evaluator | None = None):
+        super().__init__()
+        self._config = config
+        self._llm_client = inference_client
+        self._evaluator = evaluator
+        self._model_tag = str(getattr(inference_client, "model_tag", DEFAULT_MODEL_TAG))
+        self._seed = int(config.get("seed", 0) or 0)
+        self._is_running_validate = False
+        self._task_is_validation = False  # mode of the task in hand (the flag may flip meanwhile)
+        self._stop_event = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._trajectory_pool: Any = None
+        self._dataloader: Any = None
+        self._weight_sync_controller: Any = None
+        self._validate_dataloader: Any = None
+        self._validator: Any = None
+        self._recorder: Any = None
+        self.completed = 0
+
+    def set_module_references(self, trajectory_pool: Any, dataloader: Any, weight_sync_controller: Any,
+                              validate_dataloader: Any, validator: Any, recorder: Any = None) -> None:
+        self._trajectory_pool = trajectory_pool
+        self._dataloader = dataloader
+        self._weight_sync_controller = weight_sync_controller
+        self._validate_dataloader = validate_dataloader
+        self._validator = validator
+        self._recorder = recorder
+
+    # -- lifecycle ----------------------------------------------------------------
+    def run(self) -> None:
+        self._stop_event.clear()
+        self._thread = threading.Thread(target=self._main_loop, name=self._module_name, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=60)
+
+    def health_check(self) -> bool:
+        return self._thread is None or self._thread.is_alive() or self._stop_event.is_set()
+
+    def begin_validate(self) -> None:
+        self._is_running_validate = True
+
+    def end_validate(self) -> None:
+        self._is_running_validate = False
+
+    # -- loop -------------------------------------------------------------------------
+    def _main_loop(self) -> None:
+        while not self._stop_event.is_set():
+            validating = self._is_running_validate
+            if not validating and self._weight_sync_controller is not None:
+                if execute(self._weight_sync_controller.check_rollout_service_status, self._model_tag) == "block":
+                    execute(self._weight_sync_controller.wait_rollout_allowed, self._model_tag, _IDLE_WAIT_S)
+                    continue
+            loader = self._validate_dataloader if validating else self._dataloader
+            with self._activity_tracker.track(self._module_name, "validate" if validating else "rollout"):
+                task = execute(loader.get_next_item)
+                if task is not None:
+                    self._run_task(task, validating)
+            if task is None:
+                execute(loader.wait_for_item, _IDLE_WAIT_S)
+
+    def _run_task(self, task: dict[str, Any], validating: bool) -> None:
+        self._task_is_validation = validating
+        try:
+            result = self.step(task)
+        except ItemFailure as exc:
+            result = self._put_failed(task, exc.cause, str(exc), validating)
+        except InferenceError as exc:
+            result = self._put_failed(task, "rollout_failure", str(exc), validating)
+        except Exception as exc:  # a bug in a plugin: record it, keep the item accounted for
+            self._activity_tracker.report_exception(self._module_name, "step", exc)
+            result = self._put_failed(task, "worker_exception", f"{type(exc).__name__}: {exc}", validating)
+        if result == "re-rollout":
+            self._put_rollout_task(task, validating)
+        elif result == "success":
+            self.completed += 1
+
+    # -- subclass API -----------------------------------------------------------------------
+    @abstractmethod
+    def step(self, task: dict[str, Any]) -> str | None:
+        """Process one task; submit with :meth:`_put_trajectory`; return its result."""
+
+    def _put_trajectory(self, trajectory: Trajectory) -> str:
+        trajectory.setdefault("model_tag", self._model_tag)
+        target = self._validator if self._is_validation_task(trajectory) else self._trajectory_pool
+        return execute(target.put_trajectory, trajectory)
+
+    def _put_rollout_task(self, task: dict[str, Any], validating: bool = False) -> bool:
+        loader = self._validate_dataloader if validating else self._dataloader
+        execute(loader.add_item_front, task)
+        return True
+
+    def _is_validation_task(self, trajectory: Trajectory) -> bool:
+        return bool(trajectory.get("is_validation"))
+
+    # -- helpers for subclasses -------------------------------------------------------------
+    def sampling_seed(self, task: dict[str, Any]) -> int:
+        """Per-request seed: the same task at the same weights samples the same text."""
+        version = self._llm_client.model_version() if self._llm_client is not None else 0
+        key = f"{self._seed}|{task.get('uid')}|{task.get('sample_index')}|{self._task_is_validation}|{version}"
+        return zlib.crc32(key.encode())
+
+    def evaluate(self, task: dict[str, Any], final_answer: str) -> EvaluationRunResult:
+        if self._evaluator is None:
+            return EvaluationRunResult()
+        try:
+            result = self._evaluator.evaluate(task, BaseEvaluationTarget(final_answer=final_answer))
+        except Exception as exc:
+            raise ItemFailure("evaluator_exception",
+                              f"evaluator {type(self._evaluator).__name__} raised {type(exc).__name__}: {exc}") from exc
+        if not isinstance(result, EvaluationRunResult):
+            raise ItemFailure("evaluator_bad_result",
+                              f"evaluator {type(self._evaluator).__name__}.evaluate returned "
+                              f"{type(result).__name__}, expected EvaluationRunResult")
+        reward = result.reward
+        if not isinstance(reward, (int, float)) or isinstance(reward, bool) or not math.isfinite(reward):
+            raise ItemFailure("bad_reward", f"evaluator {type(self._evaluator).__name__} returned reward {reward!r}")
+        lo_hi = self._config.get("reward_range")
+        if lo_hi is not None and not (float(lo_hi[0]) <= reward <= float(lo_hi[1])):
+            raise ItemFailure("reward_out_of_range",
+                              f"reward {reward} outside rollout_worker.reward_range {list(lo_hi)}")
+        for name, value in result.metrics.items():
+            if not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ItemFailure("bad_metric", f"evaluator metric '{name}' is {value!r}, not a finite number")
+        return result
+
+    def base_trajectory(self, task: dict[str, Any]) -> Trajectory:
+        return {
+            "uid": task.get("uid"),
+            "sample_index": task.get("sample_index"),
+            "seq": task.get("seq"),
+            "data_source": task.get("data_source", "default"),
+            "model_tag": self._model_tag,
+            "is_validation": self._task_is_validation,
+            "task": task,
+        }
+
+    def _put_failed(self, task: dict[str, Any], cause: str, message: str, validating: bool) -> str:
+        traj = self.base_trajectory(task)
+        traj.update({"failed": True, "error": message, "error_cause": cause, "reward": 0.0,
+                     "score": {}, "is_validation": validating, "model_version": self._current_version()})
+        if self._recorder is not None:
+            execute(self._recorder.record_lost_item, task, cause, message, validating)
+        if self._activity_tracker is not None:
+            self._activity_tracker.report_error(self._module_name, cause, message, ErrorSeverity.WARNING)
+        logger.warning(f"{self._module_name}: task {task.get('uid')}#{task.get('sample_index')} failed ({cause}): {message}")
+        return self._put_trajectory(traj)
+
+    def _current_version(self) -> int:
+        return self._llm_client.model_version() if self._llm_client is not None else 0
+
+
+class SimpleRolloutWorker(BaseRolloutWorker):
+    """Single turn: prompt -> inference service -> evaluator -> trajectory."""
+
+    CONFIG_KEYS = {"prompt_key": "prompt", "use_chat": True, "system_prompt": None,
+                   "sampling": {}, "reward_range": None, "answer_key": None}
+
+    def __init__(self, config: Any, inference_client: InferenceClient | None = None,
+                 evaluator: Evaluator | None = None):
+        super().__init__(config, inference_client, evaluator)
+        self._prompt_key = str(config.get("prompt_key", "prompt"))
+        self._use_chat = bool(config.get("use_chat", True))
+        self._system_prompt = config.get("system_prompt")
+        sampling = dict(config.get("sampling", {}) or {})
+        self._sampling = {k: sampling[k] for k in ("max_tokens", "temperature", "top_p", "stop") if k in sampling}
+
+    def build_prompt(self, task: dict[str, Any]) -> str | list[dict[str, Any]]:
+        prompt = task.get(self._prompt_key)
+        if isinstance(prompt, list) or not self._use_chat:
+            return prompt
+        messages = [{"role": "system", "content": self._system_prompt}] if self._system_prompt else []
+        return messages + [{"role": "user", "content": str(prompt)}]
+
+    def step(self, task: dict[str, Any]) -> str | None:
+        if task.get(self._prompt_key) in (None, ""):
+            raise ItemFailure("missing_prompt", f"task has no '{self._prompt_key}' field")
+        prompt = self.build_prompt(task)
+        params = SamplingParams(**self._sampling, seed=self.sampling_seed(task))
+        if self._task_is_validation and self._config.get("validate_temperature") is not None:
+            params.temperature = float(self._config.get("validate_temperature", params.temperature))
+        result = self._llm_client.complete(prompt, params)
+        evaluation = self.evaluate(task, result.text)
+        trajectory = self.base_trajectory(task)
+        trajectory.update({
+            "prompt": prompt,
+            "response": result.text,
+            "finish_reason": result.finish_reason,
+            "prompt_token_ids": result.prompt_token_ids,
+            "response_token_ids": result.response_token_ids,
+            "response_logprobs": result.response_logprobs,
+            "model_version": result.model_version if result.model_version >= 0 else self._current_version(),
+            "reward": float(evaluation.reward),
+            "ground_truth": evaluation.ground_truth,
+            "score": {"reward": float(evaluation.reward), **{k: float(v) for k, v in evaluation.metrics.items()}},
+            "extra_info": evaluation.extra_info,
+        })
+        return self._put_trajectory(trajectory)

@@ -1,0 +1,318 @@
+"""TrajectoryPool: collects trajectories, keeps groups whole and hands out batches.
+
+Invariants (see docs/evaluation.md and tests/core/test_pool_properties.py):
+- a group is released only when it holds ``group_size`` trajectories of ONE model
+  version; a member from a newer version evicts the older members, whose tasks are
+  re-rolled (never trained on, never lost);
+- a batch is made of whole groups;
+- a group older than the weight-sync staleness bound is not handed to the trainer:
+  its tasks go back to the data loader for a re-rollout and are counted.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable
+
+from .errors import ConfigError
+from .execute import execute
+from .module import NexRLModule
+from .types import DEFAULT_MODEL_TAG, Batch, ModelTag, Trajectory
+
+BATCH_READY_FUNCTIONS = ("batch_size", "loaded_batch_finished", "batch_size_or_loaded_batch_finished")
+
+
+def _version(traj: Trajectory) -> int:
+    return int(traj.get("model_version", 0))
+
+
+class SimpleTrajectoryStore:
+    """No grouping: every trajectory is a finished group of one."""
+
+    def __init__(self, group_size: int = 1):
+        self.group_size = 1
+        self.finished: list[list[Trajectory]] = []
+
+    def add(self, traj: Trajectory) -> list[Trajectory]:
+        self.finished.append([traj])
+        return []
+
+    def partial_groups(self) -> list[list[Trajectory]]:
+        return []
+
+    def drop_partial(self, keep: Callable[[list[Trajectory]], bool]) -> list[Trajectory]:
+        return []
+
+
+class GroupedTrajectoryStore:
+    """Groups by the value of one key; a group is released at ``group_size`` members."""
+
+    def __init__(self, key: str, group_size: int):
+        self.key = key
+        self.group_size = group_size
+        self.finished: list[list[Trajectory]] = []
+        self._partial: dict[Any, list[Trajectory]] = {}
+
+    def _group_key(self, traj: Trajectory) -> Any:
+        if self.key not in traj:
+            raise KeyError(f"trajectory has no grouping key '{self.key}' (trajectory_pool.key_list)")
+        return traj[self.key]
+
+    def add(self, traj: Trajectory) -> list[Trajectory]:
+        """Add ``traj``; returns older-version members it evicted."""
+        key = self._group_key(traj)
+        group = self._partial.setdefault(key, [])
+        evicted: list[Trajectory] = []
+        if group and _version(group[0]) != _version(traj):
+            if _version(traj) > _version(group[0]):
+                evicted, group[:] = list(group), []
+            else:
+                return [traj]  # an older straggler never joins a newer group
+        group.append(traj)
+        if len(group) >= self.group_size:
+            self.finished.append(self._partial.pop(key))
+        return evicted
+
+    def partial_groups(self) -> list[list[Trajectory]]:
+        return list(self._partial.values())
+
+    def drop_partial(self, keep: Callable[[list[Trajectory]], bool]) -> list[Trajectory]:
+        dropped: list[Trajectory] = []
+        for key in list(self._partial):
+            if not keep(self._partial[key]):
+                dropped.extend(self._partial.pop(key))
+        return dropped
+
+
+class HierarchicalTrajectoryStore(GroupedTrajectoryStore):
+    """Multi-level grouping (``key_list`` of several keys): leaf groups are released whole."""
+
+    def __init__(self, keys: list[str], group_size: int):
+        super().__init__(keys[0], group_size)
+        self.keys = list(keys)
+        self.tree: dict[Any, Any] = {}
+
+    def _group_key(self, traj: Trajectory) -> Any:
+        missing = [k for k in self.keys if k not in traj]
+        if missing:
+            raise KeyError(f"trajectory has no grouping key(s) {missing} (trajectory_pool.key_list)")
+        path = tuple(traj[k] for k in self.keys)
+        node = self.tree
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        node.setdefault(path[-1], True)
+        return path
+
+
+def make_store(key_list: list[str], group_size: int):
+    if not key_list:
+        return SimpleTrajectoryStore()
+    if len(key_list) == 1:
+        return GroupedTrajectoryStore(key_list[0], group_size)
+    return HierarchicalTrajectoryStore(key_list, group_size)
+
+
+class TrajectoryPoolInstance:
+    """One model's trajectories, with weight-sync locking and staleness enforcement."""
+
+    def __init__(self, config: Any, model_tag: ModelTag):
+        self.model_tag = model_tag
+        self._batch_size = int(config.get("batch_size", 1))
+        self._check_fn = str(config.get("check_batch_ready_function", "batch_size"))
+        self._store = make_store(list(config.get("key_list", []) or []), int(config.get("group_size", 1)))
+        self._cond = threading.Condition()
+        self._locked = False
+        self._dataloader: Any = None
+        self._weight_sync_controller: Any = None
+        self._activity_tracker: Any = None
+        self.counters = {"stale_rerolled": 0, "group_evicted": 0, "rerollout_while_locked": 0}
+
+    def set_module_references(self, dataloader: Any, weight_sync_controller: Any, activity_tracker: Any) -> None:
+        self._dataloader = dataloader
+        self._weight_sync_controller = weight_sync_controller
+        self._activity_tracker = activity_tracker
+
+    # -- producer side ----------------------------------------------------------
+    def put_trajectory(self, trajectory: Trajectory) -> str:
+        with self._cond:
+            if self._locked:
+                self.counters["rerollout_while_locked"] += 1
+                return "re-rollout"
+            evicted = self._store.add(trajectory)
+            self.counters["group_evicted"] += len(evicted)
+            ready = self._is_batch_ready_locked()
+            self._cond.notify_all()
+        self._requeue(evicted)
+        if ready and self._weight_sync_controller is not None:
+            execute(self._weight_sync_controller.trajectory_pool_notify_batch_ready, self.model_tag)
+        return "success"
+
+    def notify_weight_sync_starting(self) -> None:
+        with self._cond:
+            self._locked = True
+
+    def unlock_for_weight_sync(self) -> None:
+        with self._cond:
+            self._locked = False
+            self._cond.notify_all()
+
+    # -- consumer side ----------------------------------------------------------
+    def get_batch(self, batch_size: int | None = None, min_version: int | None = None,
+                  timeout: float = 0.0) -> Batch | None:
+        """Whole groups with at least ``batch_size`` trajectories, or None.
+
+        Groups older than ``min_version`` are re-rolled instead of returned.
+        Waits up to ``timeout`` seconds for enough trajectories.
+        """
+        want = batch_size or self._batch_size
+        with self._cond:
+            stale = self._drop_stale_locked(min_version)
+            if not self._enough_locked(want):
+                self._cond.wait_for(lambda: self._enough_locked(want), timeout)
+                stale += self._drop_stale_locked(min_version)
+            groups = self._take_locked(want) if self._enough_locked(want) else None
+        self._requeue(stale)
+        if not groups:
+            return None
+        trajs = [t for g in groups for t in g]
+        batch = Batch.from_trajectories(trajs, self.model_tag)
+        batch.metadata["num_groups"] = len(groups)
+        return batch
+
+    def _enough_locked(self, want: int) -> bool:
+        have = sum(len(g) for g in self._store.finished)
+        if have >= want:
+            return True
+        if have and self._check_fn in ("loaded_batch_finished", "batch_size_or_loaded_batch_finished"):
+            return self._loaded_batch_finished()
+        return False
+
+    def _take_locked(self, want: int) -> list[list[Trajectory]]:
+        taken, n = [], 0
+        while self._store.finished and n < want:
+            group = self._store.finished.pop(0)
+            taken.append(group)
+            n += len(group)
+        return taken
+
+    def _drop_stale_locked(self, min_version: int | None) -> list[Trajectory]:
+        if min_version is None:
+            return []
+        fresh, stale = [], []
+        for group in self._store.finished:
+            (fresh if min(_version(t) for t in group) >= min_version else stale).append(group)
+        self._store.finished = fresh
+        dropped = [t for g in stale for t in g]
+        dropped += self._store.drop_partial(lambda g: min(_version(t) for t in g) >= min_version)
+        self.counters["stale_rerolled"] += len(dropped)
+        return dropped
+
+    def _is_batch_ready_locked(self) -> bool:
+        return self._enough_locked(self._batch_size)
+
+    def _loaded_batch_finished(self) -> bool:
+        if self._dataloader is None:
+            return False
+        if execute(self._dataloader.can_return_item):
+            return False
+        return self._activity_tracker is None or self._activity_tracker.is_rollout_worker_quiescent()
+
+    def _requeue(self, trajectories: list[Trajectory]) -> None:
+        """Send the tasks behind dropped trajectories back for a re-rollout."""
+        if not trajectories or self._dataloader is None:
+            return
+        for traj in sorted(trajectories, key=lambda t: t.get("seq", 0), reverse=True):
+            task = traj.get("task")
+            if task is not None:
+                execute(self._dataloader.add_item_front, task)
+
+    # -- inspection -------------------------------------------------------------
+    def is_empty(self) -> bool:
+        with self._cond:
+            return not self._store.finished and not self._store.partial_groups()
+
+    def size(self) -> int:
+        with self._cond:
+            return sum(len(g) for g in self._store.finished) + sum(len(g) for g in self._store.partial_groups())
+
+
+class TrajectoryPool(NexRLModule):
+    """One :class:`TrajectoryPoolInstance` per model tag."""
+
+    def __init__(self, config: Any):
+        super().__init__()
+        self._config = config
+        batch_size = int(config.get("batch_size", 1))
+        group_size = int(config.get("group_size", 1))
+        check_fn = str(config.get("check_batch_ready_function", "batch_size"))
+        if check_fn not in BATCH_READY_FUNCTIONS:
+            raise ConfigError(f"trajectory_pool.check_batch_ready_function: '{check_fn}' is not one of "
+                              f"{', '.join(BATCH_READY_FUNCTIONS)}")
+        if group_size < 1 or batch_size < 1:
+            raise ConfigError("trajectory_pool.batch_size and trajectory_pool.group_size must be at least 1")
+        if batch_size % group_size:
+            raise ConfigError(f"trajectory_pool.batch_size ({batch_size}) must be a multiple of "
+                              f"trajectory_pool.group_size ({group_size}) so GRPO groups are never split")
+        self._instances: dict[ModelTag, TrajectoryPoolInstance] = {}
+        self._lock = threading.Lock()
+        self._refs: tuple[Any, Any, Any] = (None, None, None)
+
+    def set_module_references(self, dataloader: Any, weight_sync_controller: Any) -> None:
+        self._refs = (dataloader, weight_sync_controller, self._activity_tracker)
+        for inst in self._instances.values():
+            inst.set_module_references(*self._refs)
+
+    def _instance(self, model_tag: ModelTag) -> TrajectoryPoolInstance:
+        with self._lock:
+            inst = self._instances.get(model_tag)
+            if inst is None:
+                inst = self._instances[model_tag] = TrajectoryPoolInstance(self._config, model_tag)
+                inst.set_module_references(*self._refs)
+            return inst
+
+    def put_trajectory(self, trajectory: Trajectory) -> str:
+        return self._instance(trajectory.get("model_tag") or DEFAULT_MODEL_TAG).put_trajectory(trajectory)
+
+    def get_batch(self, batch_size: int | None = None, model_tag: ModelTag | None = None,
+                  min_version: int | None = None, timeout: float = 0.0) -> Batch | None:
+        if model_tag is None:
+            return self.get_batch_any(batch_size)
+        with self._lock:
+            inst = self._instances.get(model_tag)
+        if inst is None:
+            return None
+        return inst.get_batch(batch_size, min_version, timeout)
+
+    def get_batch_any(self, batch_size: int | None = None) -> Batch | None:
+        for tag in self.get_model_tags():
+            batch = self._instance(tag).get_batch(batch_size)
+            if batch is not None:
+                return batch
+        return None
+
+    def instance(self, model_tag: ModelTag) -> TrajectoryPoolInstance:
+        return self._instance(model_tag)
+
+    def is_empty(self, model_tag: ModelTag | None = None) -> bool:
+        with self._lock:
+            insts = list(self._instances.values()) if model_tag is None else [self._instances.get(model_tag)]
+        return all(i is None or i.is_empty() for i in insts)
+
+    def get_model_tags(self) -> list[ModelTag]:
+        with self._lock:
+            return list(self._instances)
+
+    def notify_weight_sync_starting(self, model_tag: ModelTag = DEFAULT_MODEL_TAG) -> None:
+        self._instance(model_tag).notify_weight_sync_starting()
+
+    def unlock_for_weight_sync(self, model_tag: ModelTag = DEFAULT_MODEL_TAG) -> None:
+        self._instance(model_tag).unlock_for_weight_sync()
+
+    def counters(self) -> dict[str, int]:
+        total: dict[str, int] = {}
+        with self._lock:
+            insts = list(self._instances.values())
+        for inst in insts:
+            for k, v in inst.counters.items():
+                total[k] = total.get(k, 0) + v
+        return total

@@ -1,0 +1,89 @@
+"""Core data types shared by every component (the seed's ``nexrl_types``)."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+ModelTag = str
+Trajectory = dict[str, Any]
+
+DEFAULT_MODEL_TAG: ModelTag = "default"
+
+
+class NexRLRole(Enum):
+    ROLLOUT_WORKER = "rollout_worker"
+    TRAINER = "trainer"
+    TRAJECTORY_POOL = "trajectory_pool"
+    WEIGHT_SYNC_CONTROLLER = "weight_sync_controller"
+    DATA_LOADER = "data_loader"
+    VALIDATE_DATALOADER = "validate_dataloader"
+    VALIDATOR = "validator"
+
+
+@dataclass
+class Batch:
+    """Column-oriented trajectories: every value has ``metadata['batch_size']`` rows."""
+
+    values: dict[str, Any]
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return int(self.metadata.get("batch_size", 0))
+
+    def copy(self) -> Batch:
+        return Batch(copy.deepcopy(self.values), copy.deepcopy(self.metadata))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**self.values, **self.metadata}
+
+    @staticmethod
+    def from_trajectories(trajectories: list[Trajectory], model_tag: ModelTag = DEFAULT_MODEL_TAG) -> Batch:
+        keys: list[str] = []
+        for traj in trajectories:
+            keys.extend(k for k in traj if k not in keys)
+        values = {k: [t.get(k) for t in trajectories] for k in keys}
+        return Batch(values, {"batch_size": len(trajectories), "model_tag": model_tag})
+
+    def to_trajectories(self) -> list[Trajectory]:
+        return [{k: v[i] for k, v in self.values.items()} for i in range(len(self))]
+
+    @staticmethod
+    def remove_redundant_left_padding(data: Batch, pad_token_id: int, fields: list[str],
+                                      anchor_field: str, max_strip_threshold: int | None = None) -> Batch:
+        """Drop leading columns that are padding in every row of ``anchor_field``."""
+        anchor = data.values[anchor_field]
+        is_pad = anchor == pad_token_id
+        n = _leading_all_true(is_pad.all(dim=0).tolist())
+        if max_strip_threshold is not None:
+            n = min(n, max_strip_threshold)
+        if n:
+            for name in fields:
+                data.values[name] = data.values[name][:, n:]
+        return data
+
+    @staticmethod
+    def remove_redundant_right_padding(data: Batch, pad_token_id: int, fields: list[str],
+                                       anchor_field: str, max_strip_threshold: int | None = None) -> Batch:
+        """Drop trailing columns that are padding in every row of ``anchor_field``."""
+        anchor = data.values[anchor_field]
+        is_pad = anchor == pad_token_id
+        n = _leading_all_true(is_pad.all(dim=0).tolist()[::-1])
+        if max_strip_threshold is not None:
+            n = min(n, max_strip_threshold)
+        if n:
+            width = anchor.shape[1]
+            for name in fields:
+                data.values[name] = data.values[name][:, : width - n]
+        return data
+
+
+def _leading_all_true(flags: list[bool]) -> int:
+    n = 0
+    for flag in flags:
+        if not flag:
+            break
+        n += 1
+    return n

@@ -1,0 +1,204 @@
+"""WeightSyncController: when rollouts may run, when weights move, when validation runs.
+
+Versions: the trainer's version is its global step (0 = initial weights); the
+rollout version is the version the inference service serves. Every trajectory
+carries the version that produced it.
+
+Modes (``weight.sync_mode``):
+- ``sync``: once a batch is ready, rollouts block until the trainer's new weights
+  are served; the trainer only ever sees trajectories of its current version.
+- ``batch-async``: rollouts block only when ``train_version + 1 - rollout_version
+  > staleness_threshold``, where ``train_version + 1`` counts the steps the trainer
+  has started (it is producing that version): rollouts may run ahead of the
+  weights by at most ``staleness_threshold`` versions.
+- ``fully-async``: rollouts never block; weights are still pushed after every step.
+In every mode the trainer gets no trajectory older than ``train_version -
+staleness_threshold`` (0 in sync mode): older groups are re-rolled and counted.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from typing import Any, Literal
+
+from loguru import logger
+
+from .errors import ConfigError
+from .execute import execute
+from .module import NexRLModule
+from .types import DEFAULT_MODEL_TAG, ModelTag
+
+SYNC_MODES = ("sync", "batch-async", "fully-async")
+
+
+class WeightSyncBackend(ABC):
+    """How trained weights reach the inference service."""
+
+    def __init__(self, config: Any):
+        self.config = config
+
+    @abstractmethod
+    def sync(self, trainer: Any, inference_client: Any, version: int) -> None:
+        """Make ``inference_client`` serve the trainer's current weights as ``version``."""
+
+
+class VersionOnlyWeightSync(WeightSyncBackend):
+    """For services that need no weight transfer (test backends, frozen references)."""
+
+    def sync(self, trainer: Any, inference_client: Any, version: int) -> None:
+        execute(inference_client.set_model_version, version)
+
+
+class WeightSyncController(NexRLModule):
+    def __init__(self, config: Any, backend: WeightSyncBackend | None = None):
+        super().__init__()
+        self._mode = str(config.get("sync_mode", "sync"))
+        if self._mode not in SYNC_MODES:
+            raise ConfigError(f"weight.sync_mode: '{self._mode}' is not one of {', '.join(SYNC_MODES)}")
+        threshold = int(config.get("staleness_threshold", 0) or 0)
+        if threshold < 0:
+            raise ConfigError("weight.staleness_threshold must be >= 0")
+        self._staleness = 0 if self._mode == "sync" else threshold
+        self._validate_freq = int(config.get("validate_freq", 0) or 0)
+        self._backend = backend or VersionOnlyWeightSync(config)
+        self._cond = threading.Condition()
+        self._train_version: dict[ModelTag, int] = {}
+        self._rollout_version: dict[ModelTag, int] = {}
+        self._batch_ready: dict[ModelTag, bool] = {}
+        self._steps_started: dict[ModelTag, int] = {}
+        self._waiting_for_validation = False
+        self._stopping = False
+        self._trainer: Any = None
+        self._inference_client: Any = None
+        self._trajectory_pool: Any = None
+        self._dataloader: Any = None
+        self.sync_count = 0
+
+    @property
+    def sync_mode(self) -> str:
+        return self._mode
+
+    @property
+    def staleness_threshold(self) -> int:
+        return self._staleness
+
+    def set_module_references(self, dataloader: Any, trajectory_pool: Any, trainer: Any = None,
+                              inference_client: Any = None) -> None:
+        self._dataloader = dataloader
+        self._trajectory_pool = trajectory_pool
+        self._trainer = trainer
+        self._inference_client = inference_client
+
+    # -- rollout side -------------------------------------------------------------
+    def check_rollout_service_status(self, model_tag: ModelTag = DEFAULT_MODEL_TAG) -> Literal["continue", "block"]:
+        with self._cond:
+            return "block" if self._blocked_locked(model_tag) else "continue"
+
+    def wait_rollout_allowed(self, model_tag: ModelTag = DEFAULT_MODEL_TAG, timeout: float | None = None) -> bool:
+        """Block until rollouts for ``model_tag`` may continue; False on timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._blocked_locked(model_tag), timeout)
+
+    def _blocked_locked(self, tag: ModelTag) -> bool:
+        if self._stopping:
+            return False
+        if self._waiting_for_validation:
+            return True
+        if self._mode == "sync":
+            return self._batch_ready.get(tag, False)
+        if self._mode == "batch-async":
+            started, rollout = self._steps_started.get(tag, 0), self._rollout_version.get(tag, 0)
+            return started - rollout > self._staleness
+        return False
+
+    def trajectory_pool_notify_batch_ready(self, model_tag: ModelTag = DEFAULT_MODEL_TAG) -> None:
+        with self._cond:
+            self._batch_ready[model_tag] = True
+            self._cond.notify_all()
+
+    def get_rollout_model_version(self, model_tag: ModelTag = DEFAULT_MODEL_TAG) -> int:
+        with self._cond:
+            return self._rollout_version.get(model_tag, 0)
+
+    def get_train_model_version(self, model_tag: ModelTag = DEFAULT_MODEL_TAG) -> int:
+        with self._cond:
+            return self._train_version.get(model_tag, 0)
+
+    def min_trainable_version(self, model_tag: ModelTag = DEFAULT_MODEL_TAG) -> int:
+        """Oldest trajectory version the trainer may still consume."""
+        with self._cond:
+            return self._train_version.get(model_tag, 0) - self._staleness
+
+    # -- trainer side -------------------------------------------------------------
+    def train_worker_notify_step_start(self, worker_name: str, model_tag: ModelTag = DEFAULT_MODEL_TAG) -> None:
+        """The trainer took a batch and is producing the next version."""
+        with self._cond:
+            self._steps_started[model_tag] = self._train_version.get(model_tag, 0) + 1
+            self._cond.notify_all()
+
+    def train_worker_notify_weight_update(self, worker_name: str, model_tag: ModelTag = DEFAULT_MODEL_TAG) -> None:
+        """The trainer finished a step: push the weights, then maybe ask for validation."""
+        with self._cond:
+            # Never move weights under a running validation: it must see one version.
+            self._cond.wait_for(lambda: not self._waiting_for_validation or self._stopping)
+            self._train_version[model_tag] = self._train_version.get(model_tag, 0) + 1
+            version = self._train_version[model_tag]
+        self.sync_weight_to_rollout_service(model_tag)
+        with self._cond:
+            self._batch_ready[model_tag] = False
+            if self._validate_freq > 0 and version % self._validate_freq == 0:
+                self._waiting_for_validation = True
+            self._cond.notify_all()
+        logger.debug(f"{worker_name} -> weights v{version} ({self._mode})")
+
+    def sync_weight_to_rollout_service(self, model_tag: ModelTag = DEFAULT_MODEL_TAG) -> None:
+        with self._cond:
+            version = self._train_version.get(model_tag, 0)
+        pool = self._trajectory_pool
+        if pool is not None:
+            execute(pool.notify_weight_sync_starting, model_tag)
+        try:
+            if self._inference_client is not None:
+                self._backend.sync(self._trainer, self._inference_client, version)
+        finally:
+            if pool is not None:
+                execute(pool.unlock_for_weight_sync, model_tag)
+        with self._cond:
+            self._rollout_version[model_tag] = version
+            self.sync_count += 1
+            self._cond.notify_all()
+
+    # -- validation -----------------------------------------------------------------
+    def request_validation(self) -> None:
+        with self._cond:
+            self._waiting_for_validation = True
+            self._cond.notify_all()
+
+    def is_waiting_for_validation(self) -> bool:
+        with self._cond:
+            return self._waiting_for_validation
+
+    def end_validate(self, model_tag: ModelTag = DEFAULT_MODEL_TAG) -> None:
+        with self._cond:
+            self._waiting_for_validation = False
+            self._cond.notify_all()
+
+    def stop(self) -> None:
+        """Release every waiter: the run is ending."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+
+    # -- checkpoint -------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        with self._cond:
+            return {"train_version": dict(self._train_version), "rollout_version": dict(self._rollout_version),
+                    "sync_count": self.sync_count}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        with self._cond:
+            self._train_version = {k: int(v) for k, v in state["train_version"].items()}
+            self._rollout_version = {k: int(v) for k, v in state["rollout_version"].items()}
+            self._steps_started = dict(self._train_version)
+            self.sync_count = int(state.get("sync_count", 0))

@@ -1,0 +1,355 @@
+"""In-process generation engine shared by the rollout-worker threads of one process.
+
+Callers block in :meth:`HFInferenceEngine.complete` on their own event while one scheduler
+thread gathers every queued request (up to ``max_batch_size``, waiting ``batch_wait_ms`` for
+late-comers), left-pads them and decodes them together with a KV cache. Rows leave the batch
+(and the cache) as soon as they finish.
+
+Conventions of the returned :class:`CompletionResult`:
+
+- ``response_logprobs[i]`` is ``log_softmax(logits / temperature)[token_i]`` (temperature 1 for
+  greedy requests), over the full vocabulary even when ``top_p`` truncated the sampling
+  distribution: exactly what :func:`nexrl_grpo.modeling.compute_response_logprobs` computes, so
+  rollout logprobs can serve as the trainer's old logprobs.
+- Finished on an EOS token: ``finish_reason="stop"``; the EOS id is the last response token
+  (the trainer then learns to stop); ``text`` omits it.
+- Finished on a stop string: ``finish_reason="stop"``; ``text`` ends right before the earliest
+  stop string; ``response_token_ids`` is the shortest prefix of the generated tokens whose
+  decoded text covers ``text``: tokens that decode only to the stop string are dropped, a token
+  straddling the boundary is kept (its text may run into the stop string). A stop string at
+  the very start leaves no response token.
+- Hit ``max_tokens`` (or the model's context size): ``finish_reason="length"``.
+- ``model_version`` is the weight version the whole batch was generated with.
+"""
+
+from __future__ import annotations
+
+import queue
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from nexrl_core.inference import CompletionResult, InferenceClient, InferenceError, SamplingParams
+
+from .modeling import load_causal_lm, position_ids_from_mask
+
+_STOP = object()
+
+
+@dataclass
+class _Request:
+    prompt_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None
+    max_new_tokens: int
+    event: threading.Event = field(default_factory=threading.Event)
+    result: CompletionResult | None = None
+    error: BaseException | None = None
+
+
+class HFInferenceEngine(InferenceClient):
+    """Batched generation with a transformers causal LM, safe to call from many threads.
+
+    Config keys: ``model_path`` (HF folder; required unless ``model`` is given), ``gguf_file``,
+    ``dtype`` (float32), ``max_batch_size`` (64), ``batch_wait_ms`` (2), ``chat_template``
+    (true: chat prompts go through ``apply_chat_template(add_generation_prompt=True)``; false:
+    message contents are joined with newlines), ``seed`` (for requests without their own seed).
+    ``model``/``tokenizer`` keyword arguments share an already-built pair.
+    """
+
+    def __init__(self, config: Any = None, *, model: torch.nn.Module | None = None, tokenizer: Any = None):
+        config = config if config is not None else {}
+        super().__init__(config)
+        if model is None or tokenizer is None:
+            model_path = config.get("model_path", None)
+            if not model_path:
+                raise ValueError("HFInferenceEngine: config key 'model_path' is required (or pass model= and tokenizer=)")
+            model, tokenizer = load_causal_lm(model_path, config.get("gguf_file", None), config.get("dtype", "float32"))
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.max_batch_size = int(config.get("max_batch_size", 64))
+        if self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        self.batch_wait_s = float(config.get("batch_wait_ms", 2)) / 1000.0
+        self.use_chat_template = bool(config.get("chat_template", True))
+        self.max_positions = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 30)
+        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.eos_token_ids = self._eos_ids(model, tokenizer)
+        self._seed_rng = random.Random(config.get("seed", None))
+
+        self._queue: queue.Queue = queue.Queue()
+        self._model_lock = threading.Lock()  # generation batches and weight loads take turns
+        self._tokenizer_lock = threading.Lock()  # fast tokenizers are not safe under concurrent use
+        self._submit_lock = threading.Lock()  # makes "check open + enqueue" atomic against close()
+        self._open = True
+        self.num_batches = 0  # scheduler counters, for monitoring and benchmarks
+        self.num_requests = 0
+        self._thread = threading.Thread(target=self._loop, name="hf-inference-engine", daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def _eos_ids(model, tokenizer) -> set[int]:
+        ids: set[int] = set()
+        for source in (getattr(model, "generation_config", None), model.config):
+            value = getattr(source, "eos_token_id", None)
+            ids.update(value if isinstance(value, (list, tuple)) else [] if value is None else [value])
+        if tokenizer.eos_token_id is not None:
+            ids.add(tokenizer.eos_token_id)
+        return ids
+
+    # ------------------------------------------------------------------ client API
+
+    def complete(self, prompt: str | list[dict[str, Any]], params: SamplingParams) -> CompletionResult:
+        if params.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {params.max_tokens}")
+        if params.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {params.temperature}")
+        if not 0 < params.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {params.top_p}")
+        prompt_ids = self.encode_prompt(prompt)
+        room = self.max_positions - len(prompt_ids)
+        if room < 1:
+            raise ValueError(f"prompt has {len(prompt_ids)} tokens; the model's context is {self.max_positions}")
+        generator = None
+        if params.temperature > 0:
+            seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+            generator = torch.Generator(device=self.model.device).manual_seed(seed)
+        request = _Request(prompt_ids, params, generator, min(params.max_tokens, room))
+        with self._submit_lock:
+            if not self._open:
+                raise InferenceError("HFInferenceEngine is closed")
+            self._queue.put(request)
+        request.event.wait()
+        if request.error is not None:
+            raise request.error
+        assert request.result is not None
+        return request.result
+
+    def encode_prompt(self, prompt: str | list[dict[str, Any]]) -> list[int]:
+        """Token ids the engine feeds the model for ``prompt``."""
+        with self._tokenizer_lock:
+            if isinstance(prompt, str):
+                return list(self.tokenizer(prompt).input_ids)
+            if self.use_chat_template:
+                text = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+            else:
+                text = "\n".join(str(m.get("content", "")) for m in prompt)
+            # The template already holds every special token it wants.
+            return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        """Copy ``state_dict`` (all or some of the model's tensors) into the engine's model.
+
+        Waits for the running batch to finish; batches started afterwards use the new weights
+        and report ``version``.
+        """
+        own = self.model.state_dict()
+        unknown = sorted(set(state_dict) - set(own))
+        if unknown:
+            raise ValueError(f"load_weights: unknown parameter names {unknown[:5]}{' ...' if len(unknown) > 5 else ''}")
+        for name, tensor in state_dict.items():
+            if tuple(tensor.shape) != tuple(own[name].shape):
+                raise ValueError(f"load_weights: {name} has shape {tuple(tensor.shape)}, expected {tuple(own[name].shape)}")
+        with self._model_lock, torch.no_grad():
+            for name, tensor in state_dict.items():
+                own[name].copy_(tensor)
+            self.set_model_version(version)
+
+    def health_check(self) -> bool:
+        return self._open and self._thread.is_alive()
+
+    def close(self) -> None:
+        """Stop the scheduler: the batch being generated finishes, requests not started yet fail with InferenceError."""
+        with self._submit_lock:
+            if not self._open:
+                return
+            self._open = False
+            self._queue.put(_STOP)
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
+
+    # ------------------------------------------------------------------ scheduler
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                batch = self._next_batch()
+                if not self._open:
+                    self._fail(batch, InferenceError("HFInferenceEngine is closed"))
+                    break
+                self._run_batch(batch)
+        finally:
+            # However the loop ended, nobody may stay blocked on a request that will never run.
+            with self._submit_lock:
+                self._open = False
+            leftovers = []
+            while True:
+                try:
+                    leftovers.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            self._fail(leftovers, InferenceError("HFInferenceEngine is closed"))
+
+    def _next_batch(self) -> list[_Request]:
+        """Block for one request, then take whatever else arrives within ``batch_wait_ms``."""
+        batch = [self._queue.get()]
+        deadline = time.monotonic() + self.batch_wait_s
+        while len(batch) < self.max_batch_size and batch[-1] is not _STOP:
+            try:
+                batch.append(self._queue.get(timeout=max(deadline - time.monotonic(), 0.0)))
+            except queue.Empty:
+                break
+        return [r for r in batch if r is not _STOP]
+
+    @staticmethod
+    def _fail(requests: list, error: InferenceError) -> None:
+        for request in requests:
+            if request is not _STOP:
+                request.error = error
+                request.event.set()
+
+    def _run_batch(self, batch: list[_Request]) -> None:
+        self.num_batches += 1
+        self.num_requests += len(batch)
+        try:
+            with self._model_lock:
+                version = self.model_version()
+                outputs = self._generate(batch)
+            for request, (text, reason, ids, logprobs) in zip(batch, outputs):
+                request.result = CompletionResult(
+                    text=text,
+                    finish_reason=reason,
+                    prompt_token_ids=request.prompt_ids,
+                    response_token_ids=ids,
+                    response_logprobs=logprobs,
+                    model_version=version,
+                )
+        except Exception as exc:  # delivered to every caller of the batch, the engine keeps serving
+            error = InferenceError(f"generation failed: {type(exc).__name__}: {exc}")
+            error.__cause__ = exc
+            for request in batch:
+                request.error = error
+        finally:
+            for request in batch:
+                request.event.set()
+
+    @torch.inference_mode()
+    def _generate(self, batch: list[_Request]) -> list[tuple[str, str, list[int], list[float]]]:
+        from transformers import DynamicCache
+
+        model, device = self.model, self.model.device
+        n = len(batch)
+        width = max(len(r.prompt_ids) for r in batch)
+        input_ids = torch.full((n, width), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((n, width), dtype=torch.long)
+        for i, r in enumerate(batch):
+            input_ids[i, width - len(r.prompt_ids) :] = torch.tensor(r.prompt_ids)
+            attention_mask[i, width - len(r.prompt_ids) :] = 1
+        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+        position_ids = position_ids_from_mask(attention_mask)
+
+        temps = torch.tensor([r.params.temperature for r in batch], dtype=torch.float32, device=device)
+        greedy = temps == 0
+        scale = torch.where(greedy, torch.ones_like(temps), temps)
+        top_p = torch.tensor([r.params.top_p for r in batch], dtype=torch.float32, device=device)
+
+        tokens_out: list[list[int]] = [[] for _ in batch]
+        logprobs_out: list[list[float]] = [[] for _ in batch]
+        finish: list[str] = ["length"] * n
+        active = list(range(n))  # batch index of each row still being decoded
+
+        cache = DynamicCache(config=model.config)
+        logits = model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        ).logits[:, -1, :]
+        next_pos = position_ids[:, -1] + 1
+        while True:
+            tokens, logprobs = _sample(logits, scale, greedy, top_p, [batch[i].generator for i in active])
+            keep = []
+            for row, (b, tok, lp) in enumerate(zip(active, tokens.tolist(), logprobs.tolist())):
+                tokens_out[b].append(tok)
+                logprobs_out[b].append(lp)
+                if tok in self.eos_token_ids or (batch[b].params.stop and self._has_stop(tokens_out[b], batch[b].params.stop)):
+                    finish[b] = "stop"
+                elif len(tokens_out[b]) < batch[b].max_new_tokens:
+                    keep.append(row)
+            if not keep:
+                break
+            if len(keep) < len(active):
+                # Drop finished rows from every per-row tensor and from the KV cache.
+                idx = torch.tensor(keep, device=device)
+                cache.batch_select_indices(idx)
+                attention_mask, tokens, next_pos = attention_mask[idx], tokens[idx], next_pos[idx]
+                scale, greedy, top_p = scale[idx], greedy[idx], top_p[idx]
+                active = [active[row] for row in keep]
+            attention_mask = torch.cat([attention_mask, attention_mask.new_ones((len(active), 1))], dim=1)
+            logits = model(
+                input_ids=tokens.unsqueeze(-1),
+                attention_mask=attention_mask,
+                position_ids=next_pos.unsqueeze(-1),
+                past_key_values=cache,
+                use_cache=True,
+            ).logits[:, -1, :]
+            next_pos = next_pos + 1
+
+        return [self._finish(tokens_out[b], logprobs_out[b], finish[b], batch[b].params.stop) for b in range(n)]
+
+    def _decode(self, ids: list[int]) -> str:
+        with self._tokenizer_lock:
+            return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _has_stop(self, ids: list[int], stops: list[str]) -> bool:
+        text = self._decode(ids)
+        return any(s and s in text for s in stops)
+
+    def _finish(self, ids: list[int], logprobs: list[float], reason: str, stops: list[str]):
+        text = self._decode(ids)
+        cut = min((i for i in (text.find(s) for s in stops if s) if i >= 0), default=-1)
+        if cut >= 0:
+            text = text[:cut]
+            keep = len(ids)
+            while keep > 0 and len(self._decode(ids[: keep - 1])) >= cut:
+                keep -= 1
+            ids, logprobs = ids[:keep], logprobs[:keep]
+        return text, reason, ids, logprobs
+
+
+def _sample(
+    logits: torch.Tensor,
+    scale: torch.Tensor,
+    greedy: torch.Tensor,
+    top_p: torch.Tensor,
+    generators: list[torch.Generator | None],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next token of every row and its logprob under ``logits / scale``.
+
+    Sampled rows use the exponential-race trick (``argmax p / E`` with ``E ~ Exp(1)`` from the
+    row's own generator), which draws exactly one noise vector per row and step, so a row's
+    sample never depends on the other rows of the batch.
+    """
+    logprobs = torch.log_softmax(logits.float() / scale.unsqueeze(-1), dim=-1)
+    tokens = logprobs.argmax(dim=-1)
+    sampled = torch.nonzero(~greedy).squeeze(-1)
+    if sampled.numel():
+        probs = logprobs[sampled].exp()
+        nucleus = torch.nonzero(top_p[sampled] < 1).squeeze(-1)
+        if nucleus.numel():
+            sub = probs[nucleus]
+            sorted_p, order = sub.sort(dim=-1, descending=True)
+            # Keep the smallest prefix whose mass reaches top_p (always at least the top token).
+            drop_sorted = (sorted_p.cumsum(-1) - sorted_p) >= top_p[sampled][nucleus].unsqueeze(-1)
+            probs[nucleus] = sub.masked_fill(torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted), 0.0)
+        noise = torch.stack(
+            [torch.empty(probs.shape[-1], device=probs.device).exponential_(generator=generators[i]) for i in sampled.tolist()]
+        )
+        tokens[sampled] = (probs / noise).argmax(dim=-1)
+    return tokens, logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)

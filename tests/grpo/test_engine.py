@@ -1,0 +1,240 @@
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from conftest import build_model
+
+from nexrl_core.inference import InferenceError, SamplingParams
+from nexrl_grpo.engine import HFInferenceEngine
+from nexrl_grpo.modeling import compute_response_logprobs, position_ids_from_mask
+
+PROMPTS = [
+    "the quick brown fox",
+    [{"role": "user", "content": "what is two plus three?"}],
+    "count: one, two",
+    [{"role": "system", "content": "hello world"}, {"role": "user", "content": "jumps over"}],
+    "grpo",
+    "the lazy dog jumps over the quick brown fox and the answer is five",
+    [{"role": "user", "content": "six seven"}],
+    "hello",
+]
+
+
+@pytest.fixture()
+def make_engine(tiny_model_and_tokenizer):
+    engines = []
+    model, tokenizer = tiny_model_and_tokenizer
+
+    def make(**config):
+        engine = HFInferenceEngine(config, model=model, tokenizer=tokenizer)
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in engines:
+        engine.close()
+
+
+def run_concurrently(engine, prompts, params_list):
+    """Submit every request at once from its own thread (a barrier lines them up)."""
+    barrier = threading.Barrier(len(prompts))
+
+    def call(args):
+        barrier.wait()
+        return engine.complete(*args)
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(call, zip(prompts, params_list)))
+
+
+def test_loads_from_model_path(tiny_model_dir):
+    engine = HFInferenceEngine({"model_path": tiny_model_dir})
+    try:
+        result = engine.complete("hello", SamplingParams(max_tokens=3, temperature=0))
+        assert len(result.response_token_ids) == 3 and result.finish_reason == "length"
+        assert engine.health_check()
+    finally:
+        engine.close()
+    assert not engine.health_check()
+    with pytest.raises(ValueError, match="model_path"):
+        HFInferenceEngine({})
+
+
+def test_batched_greedy_equals_one_by_one(make_engine):
+    params = [SamplingParams(max_tokens=6 + i, temperature=0) for i in range(len(PROMPTS))]
+    alone = make_engine(max_batch_size=1)
+    expected = [alone.complete(p, sp) for p, sp in zip(PROMPTS, params)]
+    batched = make_engine(batch_wait_ms=200)
+    results = run_concurrently(batched, PROMPTS, params)
+    assert batched.num_batches < len(PROMPTS)  # the requests really shared batches
+    for got, want, prompt in zip(results, expected, PROMPTS):
+        assert got.response_token_ids == want.response_token_ids
+        assert got.text == want.text and got.finish_reason == want.finish_reason
+        assert got.prompt_token_ids == alone.encode_prompt(prompt)
+        assert got.response_logprobs == pytest.approx(want.response_logprobs, abs=1e-4)
+
+
+def test_chat_prompt_uses_template(make_engine, tiny_model_and_tokenizer):
+    _, tokenizer = tiny_model_and_tokenizer
+    messages = PROMPTS[1]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert text.endswith("<|im_start|>assistant\n")
+    assert make_engine().encode_prompt(messages) == tokenizer(text, add_special_tokens=False).input_ids
+    plain = make_engine(chat_template=False).encode_prompt(messages)
+    assert plain == tokenizer("what is two plus three?", add_special_tokens=False).input_ids
+
+
+def test_seeded_sampling_does_not_depend_on_batch(make_engine):
+    params = [SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9 if i % 2 else 1.0, seed=100 + i) for i in range(4)]
+    alone = make_engine(max_batch_size=1)
+    expected = [alone.complete(PROMPTS[i], params[i]) for i in range(4)]
+    # Same seeded requests, batched with unseeded and greedy strangers.
+    noise = [SamplingParams(max_tokens=5, temperature=1.3), SamplingParams(max_tokens=12, temperature=0)] * 2
+    results = run_concurrently(make_engine(batch_wait_ms=200), PROMPTS[:4] + PROMPTS[4:], params + noise)
+    for got, want in zip(results[:4], expected):
+        assert got.response_token_ids == want.response_token_ids
+    # Different seeds give different samples.
+    other = alone.complete(PROMPTS[0], SamplingParams(max_tokens=10, temperature=1.0, seed=7))
+    assert other.response_token_ids != expected[0].response_token_ids
+
+
+def test_logprobs_match_training_forward(make_engine, tiny_model_and_tokenizer):
+    model, tokenizer = tiny_model_and_tokenizer
+    params = [SamplingParams(max_tokens=8, temperature=t, seed=i) for i, t in enumerate([0.0, 0.7, 1.0, 1.5] * 2)]
+    for temperature in (0.7, 1.5):
+        picked = [(p, sp) for p, sp in zip(PROMPTS, params) if sp.temperature in (0.0, temperature)]
+        results = run_concurrently(make_engine(batch_wait_ms=100), [p for p, _ in picked], [sp for _, sp in picked])
+        for result, (_, sp) in zip(results, picked):
+            # verl layout: [left-padded prompt | right-padded response], padded to a common width.
+            prompt, response = result.prompt_token_ids, result.response_token_ids
+            pad = tokenizer.pad_token_id
+            ids = torch.tensor([[pad] * 3 + prompt + response + [pad] * 2])
+            mask = torch.tensor([[0] * 3 + [1] * (len(prompt) + len(response)) + [0] * 2])
+            with torch.no_grad():
+                lps = compute_response_logprobs(
+                    model, ids, mask, position_ids_from_mask(mask), len(response) + 2, sp.temperature or 1.0
+                )
+            assert lps[0, : len(response)].tolist() == pytest.approx(result.response_logprobs, abs=1e-4)
+
+
+def test_max_tokens_and_stop_strings(make_engine):
+    engine = make_engine()
+    full = engine.complete("the quick brown fox", SamplingParams(max_tokens=20, temperature=0))
+    assert full.finish_reason == "length" and len(full.response_token_ids) == 20
+    text = full.text
+    start = len(text) // 2
+    stop = text[start : start + 2]
+    cut = text.find(stop)
+    stopped = engine.complete("the quick brown fox", SamplingParams(max_tokens=20, temperature=0, stop=["\x00", stop]))
+    assert stopped.finish_reason == "stop"
+    assert stopped.text == text[:cut]
+    ids = stopped.response_token_ids
+    assert ids == full.response_token_ids[: len(ids)]
+    assert stopped.response_logprobs == full.response_logprobs[: len(ids)]
+    # Shortest token prefix that covers the text: nothing that only spells the stop string.
+    decode = engine.tokenizer.decode
+    assert decode(ids).startswith(stopped.text)
+    assert len(decode(ids[:-1])) < cut if ids else cut == 0
+
+
+def test_eos_finishes_with_stop_and_keeps_eos_token(make_engine):
+    engine = make_engine()
+    full = engine.complete("hello", SamplingParams(max_tokens=16, temperature=0)).response_token_ids
+    k = next(i for i in range(3, len(full)) if full[i] not in full[:i])
+    engine.eos_token_ids = {full[k]}
+    result = engine.complete("hello", SamplingParams(max_tokens=16, temperature=0))
+    assert result.finish_reason == "stop"
+    assert result.response_token_ids == full[: k + 1]
+    assert len(result.response_logprobs) == k + 1
+
+
+def test_load_weights_changes_outputs_and_version(make_engine, tiny_model_and_tokenizer):
+    _, tokenizer = tiny_model_and_tokenizer
+    new_weights = build_model(tokenizer, seed=1).state_dict()
+    reference = HFInferenceEngine({}, model=build_model(tokenizer, seed=1), tokenizer=tokenizer)
+    engine = make_engine(batch_wait_ms=50)
+    params = SamplingParams(max_tokens=24, temperature=0)
+    try:
+        expected = {
+            0: [engine.complete(p, params).response_token_ids for p in PROMPTS[:4]],
+            5: [reference.complete(p, params).response_token_ids for p in PROMPTS[:4]],
+        }
+    finally:
+        reference.close()
+    assert expected[0] != expected[5]
+
+    # Swap weights while batches are in flight: each result must match its own version exactly.
+    with ThreadPoolExecutor(5) as pool:
+        futures = [pool.submit(engine.complete, p, params) for p in PROMPTS[:4]]
+        pool.submit(engine.load_weights, new_weights, 5).result()
+        results = [f.result() for f in futures]
+    for i, result in enumerate(results):
+        assert result.model_version in (0, 5)
+        assert result.response_token_ids == expected[result.model_version][i]
+    after = engine.complete(PROMPTS[0], params)
+    assert after.model_version == 5 and after.response_token_ids == expected[5][0]
+
+    with pytest.raises(ValueError, match="unknown parameter"):
+        engine.load_weights({"not.a.weight": torch.zeros(1)}, 6)
+
+
+def test_model_error_reaches_callers(make_engine, tiny_model_and_tokenizer):
+    model, _ = tiny_model_and_tokenizer
+    engine = make_engine(batch_wait_ms=50)
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("kaboom")
+
+    model.forward = boom
+    try:
+        with ThreadPoolExecutor(3) as pool:
+            futures = [pool.submit(engine.complete, "hello", SamplingParams(max_tokens=4)) for _ in range(3)]
+            for future in futures:
+                with pytest.raises(InferenceError, match="kaboom"):
+                    future.result(timeout=30)
+    finally:
+        del model.forward
+    assert engine.health_check()
+    assert len(engine.complete("hello", SamplingParams(max_tokens=4)).response_token_ids) == 4
+
+
+def test_close_fails_queued_requests(make_engine, tiny_model_and_tokenizer):
+    model, _ = tiny_model_and_tokenizer
+    engine = make_engine(max_batch_size=1)
+    entered, release = threading.Event(), threading.Event()
+    original = model.forward
+
+    def slow(*args, **kwargs):
+        entered.set()
+        release.wait(30)
+        return original(*args, **kwargs)
+
+    model.forward = slow
+    try:
+        with ThreadPoolExecutor(3) as pool:
+            running = pool.submit(engine.complete, "hello", SamplingParams(max_tokens=2))
+            assert entered.wait(30)
+            queued = pool.submit(engine.complete, "grpo", SamplingParams(max_tokens=2))
+            while engine._queue.qsize() == 0:  # wait until the second request is queued
+                threading.Event().wait(0.001)
+            closing = pool.submit(engine.close)
+            release.set()
+            assert len(running.result(timeout=30).response_token_ids) == 2
+            with pytest.raises(InferenceError, match="closed"):
+                queued.result(timeout=30)
+            closing.result(timeout=30)
+    finally:
+        del model.forward
+    with pytest.raises(InferenceError, match="closed"):
+        engine.complete("hello", SamplingParams(max_tokens=2))
+
+
+def test_bad_params_are_rejected(make_engine):
+    engine = make_engine()
+    with pytest.raises(ValueError, match="top_p"):
+        engine.complete("hello", SamplingParams(top_p=0.0))
+    with pytest.raises(ValueError, match="max_tokens"):
+        engine.complete("hello", SamplingParams(max_tokens=0))
