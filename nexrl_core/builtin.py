@@ -10,17 +10,18 @@ from .mock import InlineDataLoader, MockInferenceClient, MockTrainer
 from .openai_client import OpenAICompatibleClient
 from .rollout_worker import SimpleRolloutWorker
 from .run_log import ConsoleSink, WandbSink
+from .tasks import ArithmeticDataLoader, PigLatinRolloutWorker
 from .weight_sync import VersionOnlyWeightSync
 
 
 @hookimpl
 def nexrl_dataloaders():
-    return {"file": FileDataLoader, "inline": InlineDataLoader}
+    return {"file": FileDataLoader, "inline": InlineDataLoader, "arithmetic": ArithmeticDataLoader}
 
 
 @hookimpl
 def nexrl_rollout_workers():
-    return {"simple": SimpleRolloutWorker}
+    return {"simple": SimpleRolloutWorker, "pig_latin": PigLatinRolloutWorker}
 
 
 @hookimpl

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 from typing import Any
@@ -90,6 +91,14 @@ def _eval(args: Any) -> int:
     cfg = _load(argparse.Namespace(recipe=args.recipe, overrides=overrides))
     setup_logging(None, "WARNING")
     controller = NexRLController(cfg, eval_only=True)
+    if checkpoint:
+        # global_step_<N> holds weight version N: serve it as N, so samples carry the version that
+        # produced them and seeded sampling matches the training-time validation of step N.
+        from .trainer import CHECKPOINT_RE
+
+        m = CHECKPOINT_RE.match(os.path.basename(os.path.normpath(checkpoint[-1])))
+        if m:
+            controller.inference_client.set_model_version(int(m.group(1)))
     metrics = controller.run_evaluation()
     if args.samples_out:
         with open(args.samples_out, "w", encoding="utf-8") as f:

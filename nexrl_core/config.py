@@ -48,7 +48,8 @@ def load_recipe(path: str, overrides: list[str] | None = None) -> DictConfig:
     try:
         resolved = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
     except OmegaConfBaseException as exc:
-        raise ConfigError(f"{getattr(exc, 'full_key', '') or path}: cannot resolve interpolation ({exc.msg})") from None
+        raise ConfigError(f"{getattr(exc, 'full_key', '') or path}: cannot resolve interpolation "
+                          f"({str(exc.msg).splitlines()[0]})") from None
     resolved.recipe_dir = recipe_dir  # relative paths stay relative to the working directory
     return resolved
 

@@ -262,9 +262,13 @@ class NexRLController:
 
     # -- validation ----------------------------------------------------------------------
     def _run_validate(self, model_tag: str) -> None:
+        # Log under the version being validated (the served one; no push happens until
+        # end_validate), not trainer.global_step: the trainer may already have finished the
+        # next step and be waiting to push it.
+        step = self.weight_sync_controller.get_rollout_model_version(model_tag)
         self._start_validate(model_tag)
         self._wait_validation()
-        self._end_validate(model_tag, self.trainer.global_step if self.trainer else 0)
+        self._end_validate(model_tag, step)
 
     def _start_validate(self, model_tag: str) -> None:
         execute(self.validate_dataloader.reset)

@@ -79,7 +79,7 @@ class BaseDataLoader(NexRLModule, ABC):
 
     def can_return_item(self) -> bool:
         with self._lock:
-            return not self._locked and self._remaining_locked() > 0
+            return self._has_item_locked()
 
     def reset(self) -> None:
         """Start a fresh ordered pass (validation) or epoch 0 (training)."""
@@ -118,7 +118,7 @@ class BaseDataLoader(NexRLModule, ABC):
     def wait_for_item(self, timeout: float) -> bool:
         """Wait (no polling) until an item can be returned; False on timeout."""
         with self._lock:
-            return self._lock.wait_for(lambda: not self._locked and self._remaining_locked() > 0, timeout)
+            return self._lock.wait_for(self._has_item_locked, timeout)
 
     # -- accounting -------------------------------------------------------------
     def mark_done(self, seqs: list[int]) -> None:
@@ -167,6 +167,10 @@ class BaseDataLoader(NexRLModule, ABC):
         if self._shuffle:
             random.Random(self._seed * 1_000_003 + self._epoch).shuffle(self._order)
         self._cursor = 0
+
+    def _has_item_locked(self) -> bool:
+        # Training data cycles: at an epoch boundary the next call starts a new epoch.
+        return not self._locked and (self._remaining_locked() > 0 or not self._is_validate)
 
     def _remaining_locked(self) -> int:
         return len(self._requeued) + len(self._pending) + (len(self._order) - self._cursor) * self._group_size

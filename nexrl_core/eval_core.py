@@ -75,8 +75,11 @@ def summarize(state: EvalState, *, expected_samples: int | None = None, n_sample
         out[f"{prefix}num_prompts"] = float(len(by_prompt))
         out[f"{prefix}mean@{n_samples}"] = out[f"{prefix}reward"]
         for k in sorted({1, n_samples}):
+            # A prompt with fewer than n_samples recorded samples (an interrupted validation,
+            # reported in num_missing) counts its missing samples as incorrect: never an overestimate.
             out[f"{prefix}pass@{k}"] = _mean([
-                pass_at_k(len(group), sum(r.scores.get("reward", 0.0) >= success_threshold for r in group), k)
+                pass_at_k(max(len(group), n_samples),
+                          sum(r.scores.get("reward", 0.0) >= success_threshold for r in group), k)
                 for group in by_prompt.values()
             ])
     return out

@@ -150,6 +150,7 @@ class PluginManager:
         hint = get_close_matches(str(name), list(available), n=1)
         did_you_mean = f" Did you mean '{hint[0]}'?" if hint else ""
         broken = "".join(f" Plugin '{f.name}' ({f.distribution}) failed to load: {f.error}." for f in self.failures)
+        broken += "".join(f" Skipped: {m}." for m in self.bad_registrations if f"registers {kind} '{name}' " in m)
         raise ConfigError(f"{key}: unknown {kind.replace('_', ' ')} '{name}'.{did_you_mean} Available: {listing}."
                           f"{broken}")
 

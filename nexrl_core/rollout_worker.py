@@ -58,6 +58,7 @@ class BaseRolloutWorker(NexRLModule):
         self._validator: Any = None
         self._recorder: Any = None
         self.completed = 0
+        self._puts_this_task = 0  # trajectories submitted for the task in hand
 
     def set_module_references(self, trajectory_pool: Any, dataloader: Any, weight_sync_controller: Any,
                               validate_dataloader: Any, validator: Any, recorder: Any = None) -> None:
@@ -106,8 +107,14 @@ class BaseRolloutWorker(NexRLModule):
 
     def _run_task(self, task: dict[str, Any], validating: bool) -> None:
         self._task_is_validation = validating
+        self._puts_this_task = 0
         try:
             result = self.step(task)
+            if result != "re-rollout" and self._puts_this_task == 0:
+                # step() gave up without a trajectory: record it as failed, never drop it silently
+                # (its group could never complete; validation would miss a sample).
+                raise ItemFailure("no_trajectory", f"{type(self).__name__}.step returned {result!r} "
+                                                   f"without submitting a trajectory")
         except ItemFailure as exc:
             result = self._put_failed(task, exc.cause, str(exc), validating)
         except InferenceError as exc:
@@ -126,6 +133,7 @@ class BaseRolloutWorker(NexRLModule):
         """Process one task; submit with :meth:`_put_trajectory`; return its result."""
 
     def _put_trajectory(self, trajectory: Trajectory) -> str:
+        self._puts_this_task += 1
         trajectory.setdefault("model_tag", self._model_tag)
         target = self._validator if self._is_validation_task(trajectory) else self._trajectory_pool
         return execute(target.put_trajectory, trajectory)

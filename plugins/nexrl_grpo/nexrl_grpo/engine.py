@@ -64,7 +64,9 @@ class HFInferenceEngine(InferenceClient):
     def __init__(self, config: Any = None, *, model: torch.nn.Module | None = None, tokenizer: Any = None):
         config = config if config is not None else {}
         super().__init__(config)
-        if model is None or tokenizer is None:
+        if (model is None) != (tokenizer is None):
+            raise ValueError("HFInferenceEngine: pass model= and tokenizer= together")
+        if model is None:
             model_path = config.get("model_path", None)
             if not model_path:
                 raise ValueError("HFInferenceEngine: config key 'model_path' is required (or pass model= and tokenizer=)")
@@ -125,8 +127,10 @@ class HFInferenceEngine(InferenceClient):
             self._queue.put(request)
         request.event.wait()
         if request.error is not None:
-            raise request.error
-        assert request.result is not None
+            # A fresh exception per caller: the batch's error object is shared between threads.
+            raise InferenceError(str(request.error)) from request.error.__cause__
+        if request.result is None:  # the scheduler died mid-batch (e.g. interpreter shutdown)
+            raise InferenceError("generation was interrupted")
         return request.result
 
     def encode_prompt(self, prompt: str | list[dict[str, Any]]) -> list[int]:

@@ -1,0 +1,21 @@
+"""Entry point of nexrl-grpo: registers its trainers, inference backend and weight sync."""
+
+from nexrl_core import hookimpl
+
+from .trainers import SelfHostedCrossEntropyTrainer, SelfHostedGrpoTrainer
+from .weights import HFInferenceBackend, InProcessWeightSync
+
+
+@hookimpl
+def nexrl_trainers():
+    return {"self_hosted_grpo": SelfHostedGrpoTrainer, "self_hosted_cross_entropy": SelfHostedCrossEntropyTrainer}
+
+
+@hookimpl
+def nexrl_inference_backends():
+    return {"hf": HFInferenceBackend}
+
+
+@hookimpl
+def nexrl_weight_sync_backends():
+    return {"in_process": InProcessWeightSync}

@@ -1,0 +1,302 @@
+"""Training-as-a-service on local torch: forward, forward_backward, optim_step, checkpoints.
+
+Batches are dicts of tensors in verl's layout: ``input_ids``/``attention_mask``/``position_ids``
+``[B, P + R]`` (left-padded prompt, right-padded response), ``responses`` and ``response_mask``
+``[B, R]``. Other entries (advantages, old logprobs, per-row lists) travel with the rows when
+the batch is cut into micro-batches.
+
+Checkpoints hold no pickle: the model is an HF safetensors folder, the optimizer and RNG
+tensors are safetensors files, everything else is JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from .modeling import compute_response_logprobs, load_causal_lm, position_ids_from_mask
+
+LossFn = Callable[[torch.Tensor, dict[str, Any]], tuple[torch.Tensor, dict[str, float]]]
+
+REQUIRED_KEYS = ("input_ids", "attention_mask", "responses", "response_mask")
+CHECKPOINT_FORMAT = 1
+
+
+class LocalTorchTrainService:
+    """One model and its AdamW optimizer in this process.
+
+    Config keys: ``model_path`` (required unless ``model``/``tokenizer`` are passed), ``gguf_file``,
+    ``dtype`` (float32), ``lr`` (1e-6), ``weight_decay`` (0.0), ``betas`` ([0.9, 0.999]), ``eps``
+    (1e-8), ``grad_clip`` (1.0; <= 0 or null: no clipping), ``seed`` (seeds torch, numpy and
+    python RNGs), ``micro_batch_size`` (rows per forward; null: the whole batch), ``temperature``
+    (1.0: logits are divided by it, matching the rollout's logprobs).
+    """
+
+    def __init__(self, config: Any = None, *, model: torch.nn.Module | None = None, tokenizer: Any = None):
+        config = config if config is not None else {}
+        self.config = config
+        seed = config.get("seed", None)
+        if seed is not None:
+            torch.manual_seed(int(seed))
+            np.random.seed(int(seed) % 2**32)
+            random.seed(int(seed))
+        if (model is None) != (tokenizer is None):
+            raise ValueError("LocalTorchTrainService: pass model= and tokenizer= together")
+        if model is None:
+            model_path = config.get("model_path", None)
+            if not model_path:
+                raise ValueError("LocalTorchTrainService: config key 'model_path' is required (or pass model= and tokenizer=)")
+            model, tokenizer = load_causal_lm(model_path, config.get("gguf_file", None), config.get("dtype", "float32"))
+        self.model = model
+        self.tokenizer = tokenizer
+        self.temperature = float(config.get("temperature", 1.0))
+        micro = config.get("micro_batch_size", None)
+        self.micro_batch_size = int(micro) if micro else None
+        if self.micro_batch_size is not None and self.micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be >= 1, got {micro}")
+        grad_clip = config.get("grad_clip", 1.0)
+        self.grad_clip = float(grad_clip) if grad_clip is not None and float(grad_clip) > 0 else None
+
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self._param_names = [n for n, _ in named]
+        self._params = [p for _, p in named]
+        betas = config.get("betas", (0.9, 0.999))
+        self.optimizer = torch.optim.AdamW(
+            self._params,
+            lr=float(config.get("lr", 1e-6)),
+            betas=(float(betas[0]), float(betas[1])),
+            eps=float(config.get("eps", 1e-8)),
+            weight_decay=float(config.get("weight_decay", 0.0)),
+        )
+
+    # ------------------------------------------------------------------ compute
+
+    def forward(self, batch: dict[str, Any]) -> torch.Tensor:
+        """Logprobs ``[B, R]`` of the response tokens under the current weights (no grad)."""
+        self._check(batch)
+        self.model.eval()
+        with torch.no_grad():
+            parts = [self._logprobs(mb) for mb in self._micro_batches(batch)]
+        return torch.cat(parts, dim=0)
+
+    def forward_backward(self, batch: dict[str, Any], loss_fn: LossFn) -> dict[str, float]:
+        """Accumulate gradients of ``loss_fn`` over the batch, one micro-batch at a time.
+
+        ``loss_fn(log_probs[B_mb, R], micro_batch) -> (loss, metrics)`` must return this
+        micro-batch's *share* of the whole batch's loss: gradients of the shares are summed,
+        so the shares must add up to the full-batch loss. Each micro-batch carries
+        ``batch_num_seqs`` (rows of the whole batch with a valid response token) and
+        ``batch_num_tokens`` (valid response tokens of the whole batch); passing them to
+        ``core_algos.agg_loss``/``compute_policy_loss`` makes every aggregation mode exact.
+
+        Returns ``loss`` (the sum of the shares, i.e. the full-batch loss) and each metric of
+        ``loss_fn`` averaged over micro-batches weighted by their share of valid tokens (exact
+        for token means such as ``pg_clipfrac``).
+        """
+        self._check(batch)
+        mask = batch["response_mask"]
+        num_tokens = float(mask.sum())
+        num_rows = batch["input_ids"].shape[0]
+        shared = {"batch_num_seqs": int((mask.sum(-1) > 0).sum()), "batch_num_tokens": num_tokens}
+        self.model.train()
+        total_loss = 0.0
+        metrics: dict[str, float] = {}
+        for mb in self._micro_batches(batch):
+            mb.update(shared)
+            loss, mb_metrics = loss_fn(self._logprobs(mb), mb)
+            loss.backward()
+            total_loss += float(loss.detach())
+            weight = float(mb["response_mask"].sum()) / num_tokens if num_tokens else mb["input_ids"].shape[0] / num_rows
+            for key, value in mb_metrics.items():
+                metrics[key] = metrics.get(key, 0.0) + weight * float(value)
+        return {"loss": total_loss, **metrics}
+
+    def optim_step(self) -> dict[str, float]:
+        """Clip the gradient norm, take an AdamW step, zero the gradients.
+
+        A non-finite gradient norm skips the step (the weights stay put) and is reported as is.
+        """
+        grads = [p for p in self._params if p.grad is not None]
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(grads, self.grad_clip if self.grad_clip else math.inf))
+        if math.isfinite(grad_norm):
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return {"grad_norm": grad_norm, "lr": float(self.optimizer.param_groups[0]["lr"])}
+
+    def export_weights(self, copy: bool = False) -> dict[str, torch.Tensor]:
+        """The model's tensors by name, detached.
+
+        Without ``copy`` they alias the live parameters: consume them (e.g. ``load_weights`` of
+        the in-process engine copies them) before the next ``optim_step``.
+        """
+        state = self.model.state_dict()
+        return {k: v.detach().clone() if copy else v.detach() for k, v in state.items()}
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save_checkpoint(self, folder: str | os.PathLike, extra_state: dict[str, Any] | None = None) -> None:
+        """Write model, tokenizer, optimizer, RNG states and ``extra_state`` (JSON) to ``folder``.
+
+        The folder is assembled next to its final place and renamed into it, so a crash never
+        leaves a half-written checkpoint; an existing folder of that name is replaced.
+        """
+        target = Path(folder)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+        try:
+            self.model.save_pretrained(tmp)
+            self.tokenizer.save_pretrained(tmp)
+            self._save_optimizer(tmp)
+            self._save_rng(tmp)
+            _write_json(tmp / "extra_state.json", extra_state or {})
+            tmp.chmod(0o755)
+            if target.exists():
+                shutil.rmtree(target)
+            os.rename(tmp, target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def load_checkpoint(self, folder: str | os.PathLike) -> dict[str, Any]:
+        """Restore everything :meth:`save_checkpoint` wrote; returns its ``extra_state``."""
+        folder = Path(folder)
+        if not folder.is_dir():
+            raise FileNotFoundError(f"checkpoint folder {folder} does not exist")
+        self._load_model(folder)
+        self._load_optimizer(folder)
+        self._load_rng(folder)
+        return json.loads((folder / "extra_state.json").read_text())
+
+    # ------------------------------------------------------------------ internals
+
+    @staticmethod
+    def _check(batch: dict[str, Any]) -> None:
+        missing = [k for k in REQUIRED_KEYS if k not in batch]
+        if missing:
+            raise ValueError(f"batch is missing {missing}; a batch needs {list(REQUIRED_KEYS)} (+ position_ids)")
+
+    def _micro_batches(self, batch: dict[str, Any]):
+        rows = batch["input_ids"].shape[0]
+        size = self.micro_batch_size or rows
+        for start in range(0, rows, size):
+            yield {k: _rows(v, start, start + size, rows) for k, v in batch.items()}
+
+    def _logprobs(self, mb: dict[str, Any]) -> torch.Tensor:
+        device = next(self.model.parameters()).device
+        attention_mask = mb["attention_mask"].to(device)
+        position_ids = mb.get("position_ids")
+        position_ids = position_ids_from_mask(attention_mask) if position_ids is None else position_ids.to(device)
+        return compute_response_logprobs(
+            self.model,
+            mb["input_ids"].to(device),
+            attention_mask,
+            position_ids,
+            mb["responses"].shape[1],
+            self.temperature,
+        )
+
+    def _save_optimizer(self, folder: Path) -> None:
+        state = self.optimizer.state_dict()
+        tensors, scalars = {}, {}
+        for index, param_state in state["state"].items():
+            for key, value in param_state.items():
+                if torch.is_tensor(value):
+                    tensors[f"state.{index}.{key}"] = value.detach().contiguous().cpu()
+                else:
+                    scalars[f"state.{index}.{key}"] = value
+        save_file(tensors, str(folder / "optimizer.safetensors"))
+        _write_json(
+            folder / "optimizer.json",
+            {
+                "format": CHECKPOINT_FORMAT,
+                "param_names": self._param_names,
+                "param_groups": state["param_groups"],
+                "scalar_state": scalars,
+            },
+        )
+
+    def _load_optimizer(self, folder: Path) -> None:
+        meta = json.loads((folder / "optimizer.json").read_text())
+        if meta["param_names"] != self._param_names:
+            raise ValueError(f"{folder}: optimizer state was saved for different parameters than this model's")
+        state: dict[int, dict[str, Any]] = {}
+        flat = {**load_file(str(folder / "optimizer.safetensors")), **meta["scalar_state"]}
+        for name, value in flat.items():
+            _, index, key = name.split(".", 2)
+            state.setdefault(int(index), {})[key] = value
+        groups = meta["param_groups"]
+        for group in groups:
+            group["betas"] = tuple(group["betas"])
+        self.optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+    def _load_model(self, folder: Path) -> None:
+        index = folder / "model.safetensors.index.json"
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+        loaded: dict[str, torch.Tensor] = {}
+        for name in files:
+            loaded.update(load_file(str(folder / name)))
+        own = self.model.state_dict()
+        unknown = sorted(set(loaded) - set(own))
+        # Tied weights are saved once; a missing name is fine when it shares storage with a loaded one.
+        loaded_ptrs = {own[k].data_ptr() for k in loaded if k in own}
+        missing = sorted(k for k in set(own) - set(loaded) if own[k].data_ptr() not in loaded_ptrs)
+        if unknown or missing:
+            raise ValueError(f"{folder}: checkpoint does not match the model (unknown {unknown[:5]}, missing {missing[:5]})")
+        with torch.no_grad():
+            for name, tensor in loaded.items():
+                own[name].copy_(tensor)
+
+    @staticmethod
+    def _save_rng(folder: Path) -> None:
+        tensors = {"torch_cpu": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            for i, s in enumerate(torch.cuda.get_rng_state_all()):
+                tensors[f"torch_cuda.{i}"] = s
+        kind, keys, pos, has_gauss, cached = np.random.get_state()
+        tensors["numpy_keys"] = torch.from_numpy(keys.astype(np.int64))
+        save_file(tensors, str(folder / "rng.safetensors"))
+        version, py_state, gauss = random.getstate()
+        _write_json(
+            folder / "rng.json",
+            {
+                "python": {"version": version, "state": list(py_state), "gauss_next": gauss},
+                "numpy": {"kind": kind, "pos": pos, "has_gauss": has_gauss, "cached_gaussian": cached},
+            },
+        )
+
+    @staticmethod
+    def _load_rng(folder: Path) -> None:
+        tensors = load_file(str(folder / "rng.safetensors"))
+        meta = json.loads((folder / "rng.json").read_text())
+        torch.set_rng_state(tensors["torch_cpu"])
+        cuda = [tensors[k] for k in sorted(tensors) if k.startswith("torch_cuda.")]
+        if cuda and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(cuda)
+        np_meta = meta["numpy"]
+        keys = tensors["numpy_keys"].numpy().astype(np.uint32)
+        np.random.set_state((np_meta["kind"], keys, np_meta["pos"], np_meta["has_gauss"], np_meta["cached_gaussian"]))
+        py = meta["python"]
+        random.setstate((py["version"], tuple(py["state"]), py["gauss_next"]))
+
+
+def _rows(value: Any, start: int, stop: int, rows: int) -> Any:
+    """Slice per-row entries; pass everything else through unchanged."""
+    if torch.is_tensor(value) and value.dim() > 0 and value.shape[0] == rows:
+        return value[start:stop]
+    if isinstance(value, (list, tuple)) and len(value) == rows:
+        return value[start:stop]
+    return value
+
+
+def _write_json(path: Path, data: Any) -> None:
+    path.write_text(json.dumps(data, indent=1, sort_keys=True))
