@@ -50,9 +50,16 @@ def _run(args: Any) -> int:
 
     cfg = _load(args)
     setup_logging(str(cfg.run_dir), str(cfg.logger.level))
+
+    def interrupt(_signum: int, _frame: Any) -> None:
+        raise KeyboardInterrupt  # while the run is being built: nothing to drain yet (exit 130)
+
+    signal.signal(signal.SIGINT, interrupt)
+    signal.signal(signal.SIGTERM, interrupt)
     controller = NexRLController(cfg)
 
     def on_signal(signum: int, _frame: Any) -> None:
+        # SIGINT/SIGTERM: stop cleanly (workers drained, trainer.save_on_stop honoured), exit 130
         controller.request_stop(signal.Signals(signum).name)
 
     signal.signal(signal.SIGINT, on_signal)

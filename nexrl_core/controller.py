@@ -30,6 +30,10 @@ class RunFailed(NexRLError):
     """The run stopped because of an error (the message says which module and why)."""
 
 
+class _StopRequested(NexRLError):
+    """request_stop() (a signal) interrupted a blocking phase of the run."""
+
+
 @dataclass
 class RunSummary:
     global_step: int
@@ -163,7 +167,10 @@ class NexRLController:
             execute(self.trainer.run)
             stopped_by, error = self._monitor(cfg)
         except NexRLError as exc:
-            stopped_by, error = "error", str(exc)
+            if self._stop_requested.is_set() and isinstance(exc, _StopRequested):
+                stopped_by = "signal"  # stopped before the monitor loop (e.g. during a validation)
+            else:
+                stopped_by, error = "error", str(exc)
         finally:
             self._stop(save=stopped_by == "signal" and bool(self._config.trainer.get("save_on_stop")))
         summary = RunSummary(self.trainer.global_step, stopped_by, list(self._validations),
@@ -215,9 +222,7 @@ class NexRLController:
             if rm.exception_handling.enabled and now >= next_exc:
                 next_exc = now + float(rm.exception_handling.check_interval)
                 if not self._check_module_exceptions():
-                    status = self.activity_tracker.get_error_health_status()
-                    return "error", f"stopping on {status['status']} (policy " \
-                                    f"{rm.exception_handling.policy}): {status['message']}"
+                    return "error", self._policy_message(str(rm.exception_handling.policy))
             if rm.health_check.enabled and now >= next_health:
                 next_health = now + float(rm.health_check.check_interval)
                 dead = self.activity_tracker.dead_modules(float(rm.health_check.timeout))
@@ -230,6 +235,16 @@ class NexRLController:
                 else:
                     unhealthy_since = None
             self._stop_requested.wait(_LOOP_WAIT_S)
+
+    def _policy_message(self, policy: str) -> str:
+        """Name the error that made ``policy`` stop the run (not merely the latest one)."""
+        stopping = {"critical"} if policy == "stop_on_critical" else {"error", "critical"}
+        errors = [e for e in self.activity_tracker.error_reporter.errors() if e.severity.value in stopping]
+        if not errors:
+            status = self.activity_tracker.get_error_health_status()
+            return f"stopping on {status['status']} (policy {policy}): {status['message']}"
+        e = errors[-1]
+        return f"stopping on {e.severity.value} (policy {policy}): {e.module_name}/{e.work_context}: {e.message}"
 
     def _dead_message(self, dead: list[str]) -> str:
         parts = []
@@ -280,7 +295,7 @@ class NexRLController:
     def _wait_validation(self) -> None:
         while not execute(self.validator.is_complete):
             if self._stop_requested.wait(_LOOP_WAIT_S):
-                raise NexRLError(f"stopped during validation ({self._stop_reason})")
+                raise _StopRequested(f"stopped during validation ({self._stop_reason})")
 
     def _end_validate(self, model_tag: str, step: int) -> None:
         execute(self.validate_dataloader.lock_for_weight_sync)
@@ -301,6 +316,8 @@ class NexRLController:
             execute(self.dataloader.load_state_dict, state["dataloader"])
         if "weight_sync" in state:
             self.weight_sync_controller.load_state_dict(state["weight_sync"])
+        if "trajectory_pool" in state:
+            execute(self.trajectory_pool.load_state_dict, state["trajectory_pool"])
         step = int(state["global_step"])
         self.activity_tracker.set_training_step(step)
         self.recorder.truncate_after(step)

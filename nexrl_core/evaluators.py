@@ -25,25 +25,31 @@ class ExactMatchEvaluator(Evaluator):
 
 
 class NumericAnswerEvaluator(Evaluator):
-    """Reward 1 when the first number in the answer equals ``data[answer_key]``.
+    """Reward 1 when the answer's number equals ``data[answer_key]``.
 
-    ``format_reward`` (default 0) is added when the answer is a bare number, which
-    nudges a model towards answering tersely.
+    ``extract`` picks which number of the reply is the answer: ``last`` (default:
+    "2 + 3 = 5" answers 5) or ``first``. ``format_reward`` (default 0) is added
+    when the reply is a bare number, which nudges a model towards terse answers.
     """
 
-    def __init__(self, answer_key: str = "answer", format_reward: float = 0.0, tolerance: float = 1e-6):
+    def __init__(self, answer_key: str = "answer", extract: str = "last", format_reward: float = 0.0,
+                 tolerance: float = 1e-6):
+        if extract not in ("first", "last"):
+            raise ValueError(f"rollout_worker.evaluator.extract: '{extract}' is not one of first, last")
         self.answer_key = answer_key
+        self.extract = extract
         self.format_reward = format_reward
         self.tolerance = tolerance
 
     def evaluate(self, data: dict[str, Any], evaluation_target: BaseEvaluationTarget) -> EvaluationRunResult:
         truth = data.get(self.answer_key)
         answer = evaluation_target.final_answer.strip()
-        match = _NUMBER.search(answer)
-        correct = match is not None and truth is not None and abs(float(match.group()) - float(truth)) <= self.tolerance
+        numbers = _NUMBER.findall(answer)
+        picked = (numbers[0] if self.extract == "first" else numbers[-1]) if numbers else None
+        correct = picked is not None and truth is not None and abs(float(picked) - float(truth)) <= self.tolerance
         bare = _NUMBER.fullmatch(answer.rstrip(".")) is not None
         reward = float(correct) + (self.format_reward if bare else 0.0)
         return EvaluationRunResult(reward=reward, ground_truth=str(truth),
                                    metrics={"accuracy": float(correct), "bare_number": float(bare),
                                             "response_chars": float(len(answer))},
-                                   extra_info={"parsed": match.group() if match else None})
+                                   extra_info={"parsed": picked})

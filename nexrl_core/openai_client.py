@@ -83,6 +83,11 @@ class _Transient(Exception):
 class OpenAICompatibleClient(InferenceClient):
     """`InferenceClient` for an OpenAI-compatible HTTP server. See the module docstring."""
 
+    # The recipe keys of service.inference_service (the table above); `nexrl validate` checks them.
+    CONFIG_KEYS = {"url": None, "base_url": None, "api_key": None, "model": None, "timeout": 60.0,
+                   "max_retries": 3, "retry_backoff": 0.5, "max_retry_time": 120.0, "request_logprobs": True,
+                   "return_token_ids": True}
+
     def __init__(self, config: Any):
         super().__init__(config)
         url = _get(config, "url", None) or _get(config, "base_url", None)

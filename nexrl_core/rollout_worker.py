@@ -34,7 +34,8 @@ class BaseRolloutWorker(NexRLModule):
     ``step`` returns "success", "fail", "re-rollout" (the task goes back to the
     front of its data loader) or None. Exceptions are never swallowed: the task
     becomes a *failed* trajectory (so its group still completes and validation
-    still counts it) and the cause is recorded in the run's errors.jsonl.
+    still counts it) and the cause is recorded in the run's errors.jsonl (training items once
+    the trainer consumes them; see docs/reliability.md).
     """
 
     CONFIG_KEYS: dict[str, Any] = {}
@@ -192,8 +193,11 @@ class BaseRolloutWorker(NexRLModule):
         traj = self.base_trajectory(task)
         traj.update({"failed": True, "error": message, "error_cause": cause, "reward": 0.0,
                      "score": {}, "is_validation": validating, "model_version": self._current_version()})
-        if self._recorder is not None:
-            execute(self._recorder.record_lost_item, task, cause, message, validating)
+        # errors.jsonl gets a failed *validation* sample now (the validator consumes it at once);
+        # a failed *training* item when the trainer consumes it (BaseTrainer._train_step): a failed
+        # trajectory dropped as stale is re-rolled, and only the attempt that is used counts.
+        if validating and self._recorder is not None:
+            execute(self._recorder.record_lost_item, task, cause, message, True, traj["model_version"])
         if self._activity_tracker is not None:
             self._activity_tracker.report_error(self._module_name, cause, message, ErrorSeverity.WARNING)
         logger.warning(f"{self._module_name}: task {task.get('uid')}#{task.get('sample_index')} failed ({cause}): {message}")

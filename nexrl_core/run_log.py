@@ -98,10 +98,16 @@ class RunRecorder:
         if self._step_end_hook is not None and any(k.startswith("train/") for k in data):
             self._step_end_hook(step=int(step), metrics=dict(data))
 
-    def record_lost_item(self, task: dict[str, Any], cause: str, message: str, validating: bool = False) -> None:
+    def record_lost_item(self, task: dict[str, Any], cause: str, message: str, validating: bool = False,
+                         step: int | None = None) -> None:
+        """One line of errors.jsonl: an item that ended failed (see docs/reliability.md).
+
+        ``step``: the training step that consumed the failed item, or for a validation
+        sample the step (weight version) being validated.
+        """
         row = {"time": time.time(), "cause": cause, "message": message, "validation": bool(validating),
-               "uid": task.get("uid"), "sample_index": task.get("sample_index"), "seq": task.get("seq"),
-               "item": {k: v for k, v in task.items() if k not in ("seq",)}}
+               "step": step, "uid": task.get("uid"), "sample_index": task.get("sample_index"),
+               "seq": task.get("seq"), "item": {k: v for k, v in task.items() if k not in ("seq",)}}
         with self._lock:
             self.lost_items += 1
             with open(self._errors_path, "a", encoding="utf-8") as f:
@@ -110,19 +116,30 @@ class RunRecorder:
     def truncate_after(self, step: int) -> None:
         """For a resume from ``step``: keep what that checkpoint already covers.
 
-        Training rows up to ``step`` stay; validation rows of ``step`` itself are
-        dropped because the resumed run validates that step again.
+        metrics.jsonl and errors.jsonl alike: training rows up to ``step`` stay;
+        validation rows of ``step`` itself are dropped because the resumed run
+        validates that step again. A torn last line (the process was killed
+        mid-write) is dropped too.
         """
-        for path, keep in ((self._metrics_path, _keep_metric_row(step)), (self._errors_path, None)):
-            if keep is None or not os.path.exists(path):
-                continue
-            with open(path, encoding="utf-8") as f:
-                rows = [line for line in f if line.strip()]
-            kept = [line for line in rows if keep(json.loads(line))]
-            tmp = path + ".tmp"
-            with open(tmp, "w", encoding="utf-8") as f:
-                f.writelines(kept)
-            os.replace(tmp, path)
+        with self._lock:
+            for path, keep in ((self._metrics_path, _keep_metric_row(step)),
+                               (self._errors_path, _keep_error_row(step))):
+                if not os.path.exists(path):
+                    continue
+                with open(path, encoding="utf-8", errors="replace") as f:
+                    rows = [line for line in f if line.strip()]
+                kept = []
+                for line in rows:
+                    try:
+                        row = json.loads(line)
+                    except ValueError:
+                        continue
+                    if isinstance(row, dict) and keep(row):
+                        kept.append(line if line.endswith("\n") else line + "\n")
+                tmp = path + ".tmp"
+                with open(tmp, "w", encoding="utf-8") as f:
+                    f.writelines(kept)
+                os.replace(tmp, path)
 
     def close(self) -> None:
         for sink in self._sinks:
@@ -136,6 +153,15 @@ def _keep_metric_row(step: int):
     def keep(row: dict[str, Any]) -> bool:
         s = int(row.get("step", 0))
         return s < step or (s == step and not any(k.startswith("val/") for k in row))
+    return keep
+
+
+def _keep_error_row(step: int):
+    def keep(row: dict[str, Any]) -> bool:
+        if row.get("step") is None:  # written before rows carried a step: keep
+            return True
+        s = int(row["step"])
+        return s < step or (s == step and not row.get("validation"))
     return keep
 
 

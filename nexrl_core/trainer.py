@@ -24,6 +24,8 @@ from .types import DEFAULT_MODEL_TAG, Trajectory
 
 CHECKPOINT_RE = re.compile(r"^global_step_(\d+)$")
 CORE_STATE_FILE = "nexrl_state.json"
+TMP_CHECKPOINT_PREFIX = ".tmp_global_step_"
+TMP_CHECKPOINT_RE = re.compile(r"^\.+tmp_global_step_")
 _BATCH_WAIT_S = 0.1
 
 
@@ -121,6 +123,11 @@ class BaseTrainer(NexRLModule):
         metrics.update(self._core_metrics(trajectories, usable, wait_s, train_s))
         if self._dataloader is not None:
             execute(self._dataloader.mark_done, [t["seq"] for t in trajectories if t.get("seq") is not None])
+        if self._recorder is not None:  # consumed for good: a failed item is lost now, one row each
+            for t in trajectories:
+                if t.get("failed"):
+                    execute(self._recorder.record_lost_item, t.get("task") or t, str(t.get("error_cause", "failed")),
+                            str(t.get("error", "")), False, self.global_step)
         self._activity_tracker.experiment_logger_post("metrics", data=metrics, step=self.global_step)
         if self.save_freq > 0 and (self.global_step % self.save_freq == 0 or self.is_done()):
             self.save_checkpoint()
@@ -154,30 +161,49 @@ class BaseTrainer(NexRLModule):
             # Saved before this step's weights are pushed: the saved weights are version global_step.
             weight_sync["train_version"] = {**weight_sync.get("train_version", {}), self._model_tag: self.global_step}
             state["weight_sync"] = weight_sync
+        if self._trajectory_pool is not None and hasattr(self._trajectory_pool, "state_dict"):
+            state["trajectory_pool"] = execute(self._trajectory_pool.state_dict)
         return state
 
     def save_checkpoint(self) -> str | None:
-        """Write ``global_step_<N>`` atomically: built under a temporary name, then renamed."""
+        """Write ``global_step_<N>`` atomically: built under ``.tmp_global_step_<N>_<pid>``, then renamed.
+
+        A crash at any point leaves either the complete folder or none of it (``auto`` resume
+        never picks a temporary folder); temporary folders left by a crashed save are removed
+        by the next save.
+        """
         if not self.checkpoint_path:
             return None
-        final = os.path.join(str(self.checkpoint_path), f"global_step_{self.global_step}")
-        tmp = os.path.join(str(self.checkpoint_path), f".tmp_global_step_{self.global_step}_{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-        self.save_model_state(tmp)
-        with open(os.path.join(tmp, CORE_STATE_FILE), "w", encoding="utf-8") as f:
-            json.dump(self.core_state(), f)
-        _fsync_dir(tmp)
-        if os.path.exists(final):
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _fsync_dir(str(self.checkpoint_path))
+        root = str(self.checkpoint_path)
+        os.makedirs(root, exist_ok=True)
+        remove_stale_tmp_checkpoints(root)
+        final = os.path.join(root, f"global_step_{self.global_step}")
+        tmp = os.path.join(root, f"{TMP_CHECKPOINT_PREFIX}{self.global_step}_{os.getpid()}")
+        old = tmp + "_old"
+        try:
+            os.makedirs(tmp)
+            self.save_model_state(tmp)
+            with open(os.path.join(tmp, CORE_STATE_FILE), "w", encoding="utf-8") as f:
+                json.dump(self.core_state(), f)
+                f.flush()
+                os.fsync(f.fileno())
+            _fsync_tree(tmp)
+            if os.path.exists(final):  # move the old folder aside first: never a half-deleted global_step_<N>
+                os.replace(final, old)
+            os.replace(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        _fsync_dir(root)
+        shutil.rmtree(old, ignore_errors=True)
         logger.info(f"checkpoint saved: {final}")
         if self.remove_previous_ckpt:
-            for name in os.listdir(str(self.checkpoint_path)):
+            for name in os.listdir(root):
                 m = CHECKPOINT_RE.match(name)
-                if m and int(m.group(1)) < self.global_step:
-                    shutil.rmtree(os.path.join(str(self.checkpoint_path), name), ignore_errors=True)
+                if m and int(m.group(1)) != self.global_step:
+                    doomed = os.path.join(root, f"{TMP_CHECKPOINT_PREFIX}{m.group(1)}_{os.getpid()}_removed")
+                    os.replace(os.path.join(root, name), doomed)  # gone from `auto` at once, then deleted
+                    shutil.rmtree(doomed, ignore_errors=True)
         return final
 
     def resume_checkpoint(self, folder: str) -> dict[str, Any]:
@@ -187,6 +213,19 @@ class BaseTrainer(NexRLModule):
         self.load_model_state(folder)
         self.global_step = int(state["global_step"])
         return state
+
+
+def remove_stale_tmp_checkpoints(checkpoint_folder: str) -> list[str]:
+    """Delete temporary folders a crashed save left behind (``.tmp_global_step_*`` and the
+    train service's own ``..tmp_global_step_*`` scratch folders); returns their names."""
+    removed = []
+    for name in os.listdir(checkpoint_folder):
+        if TMP_CHECKPOINT_RE.match(name):
+            shutil.rmtree(os.path.join(checkpoint_folder, name), ignore_errors=True)
+            removed.append(name)
+    if removed:
+        logger.info(f"removed incomplete checkpoint folders left by a crashed save: {', '.join(sorted(removed))}")
+    return removed
 
 
 def find_latest_checkpoint(checkpoint_folder: str) -> str | None:
@@ -201,6 +240,23 @@ def find_latest_checkpoint(checkpoint_folder: str) -> str | None:
             if best is None or int(m.group(1)) > best[0]:
                 best = (int(m.group(1)), path)
     return best[1] if best else None
+
+
+def _fsync_tree(path: str) -> None:
+    """Flush every file of a finished checkpoint to disk before it is renamed into place."""
+    for folder, _, files in os.walk(path):
+        for name in files:
+            try:
+                fd = os.open(os.path.join(folder, name), os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                os.fsync(fd)
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+        _fsync_dir(folder)
 
 
 def _fsync_dir(path: str) -> None:

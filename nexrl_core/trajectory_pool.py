@@ -1,6 +1,6 @@
 """TrajectoryPool: collects trajectories, keeps groups whole and hands out batches.
 
-Invariants (see docs/evaluation.md and tests/core/test_pool_properties.py):
+Invariants (see docs/evaluation.md and tests/core/test_properties_pool.py):
 - a group is released only when it holds ``group_size`` trajectories of ONE model
   version; a member from a newer version evicts the older members, whose tasks are
   re-rolled (never trained on, never lost);
@@ -322,3 +322,14 @@ class TrajectoryPool(NexRLModule):
             for k, v in inst.counters.items():
                 total[k] = total.get(k, 0) + v
         return total
+
+    def state_dict(self) -> dict[str, Any]:
+        """The counters (they feed ``pool/*`` metrics); the trajectories are not saved: their
+        tasks are outstanding in the data loader and are rolled again after a resume."""
+        with self._lock:
+            insts = dict(self._instances)
+        return {"counters": {tag: dict(inst.counters) for tag, inst in insts.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for tag, counters in state.get("counters", {}).items():
+            self._instance(tag).counters.update({k: int(v) for k, v in counters.items()})

@@ -21,6 +21,8 @@ from nexrl_core.config import load_recipe
 from nexrl_core.controller import NexRLController
 from nexrl_core.plugins import PluginManager
 
+pytestmark = pytest.mark.timeout(120)  # a deadlock fails the test instead of hanging the suite
+
 TRAIN_ROWS = [{"prompt": f"{a} + {b}", "answer": str(a + b)} for a, b in
               [(1, 2), (3, 4), (5, 6), (7, 8), (2, 9), (4, 4), (6, 1), (8, 3)]]
 VAL_ROWS = [{"prompt": f"{a} + {b}", "answer": str(a + b), "data_source": src} for a, b, src in

@@ -34,6 +34,8 @@ from nexrl_core.weight_sync import WeightSyncController
 
 
 
+pytestmark = pytest.mark.timeout(120)  # a deadlock fails the test instead of hanging the suite
+
 @pytest.fixture(autouse=True, scope="module")
 def _quiet():
     logger.disable("nexrl_core")  # per-step debug lines would dominate the run time

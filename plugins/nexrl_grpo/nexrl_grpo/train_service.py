@@ -2,7 +2,8 @@
 
 Batches are dicts of tensors in verl's layout: ``input_ids``/``attention_mask``/``position_ids``
 ``[B, P + R]`` (left-padded prompt, right-padded response), ``responses`` and ``response_mask``
-``[B, R]``. Other entries (advantages, old logprobs, per-row lists) travel with the rows when
+``[B, R]``. An optional ``prompt_groups`` ``[B]`` marks rows with identical prompts, which then
+share one prompt forward pass. Other entries (advantages, old logprobs, per-row lists) travel with the rows when
 the batch is cut into micro-batches.
 
 Checkpoints hold no pickle: the model is an HF safetensors folder, the optimizer and RNG
@@ -25,7 +26,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from .modeling import compute_response_logprobs, load_causal_lm, position_ids_from_mask
+from .modeling import (compute_response_logprobs, compute_response_logprobs_shared_prompts, load_causal_lm,
+                       position_ids_from_mask)
 
 LossFn = Callable[[torch.Tensor, dict[str, Any]], tuple[torch.Tensor, dict[str, float]]]
 
@@ -196,6 +198,11 @@ class LocalTorchTrainService:
         attention_mask = mb["attention_mask"].to(device)
         position_ids = mb.get("position_ids")
         position_ids = position_ids_from_mask(attention_mask) if position_ids is None else position_ids.to(device)
+        groups = mb.get("prompt_groups")
+        if groups is not None and int(groups.unique().numel()) < groups.shape[0]:
+            return compute_response_logprobs_shared_prompts(
+                self.model, mb["input_ids"].to(device), attention_mask, position_ids, mb["responses"].shape[1],
+                groups, self.temperature)
         return compute_response_logprobs(
             self.model,
             mb["input_ids"].to(device),

@@ -23,6 +23,12 @@ TRAIN_SERVICE_KEYS = {"backend": "local_torch", "model_path": None, "gguf_file":
                       "seed": None, "micro_batch_size": None, "temperature": 1.0, "num_threads": None}
 
 
+def _prompt_groups(prompts: list[list[int]]) -> torch.Tensor:
+    """Rows with identical prompt tokens get one id, so the model runs each distinct prompt once."""
+    ids: dict[tuple[int, ...], int] = {}
+    return torch.tensor([ids.setdefault(tuple(p), len(ids)) for p in prompts], dtype=torch.long)
+
+
 class SelfHostedTrainer(BaseTrainer):
     """Turns trajectories into verl-layout tensors; subclasses add the algorithm in ``_prepare_batch``."""
 
@@ -94,6 +100,7 @@ class SelfHostedTrainer(BaseTrainer):
             "prompts": input_ids[:, :max_p],
             "loss_mask": response_mask,
             "rewards": torch.tensor([float(t.get("reward", 0.0)) for t in trajectories], dtype=torch.float32),
+            "prompt_groups": _prompt_groups([p for p, _ in pairs]),
         }
         if have_logprobs:
             values["rollout_log_probs"] = old_logprobs
@@ -245,9 +252,10 @@ class SelfHostedCrossEntropyTrainer(SelfHostedTrainer):
         tok = self.train_service.tokenizer
         prompt = traj["prompt"]
         if isinstance(prompt, list):
-            prompt_ids = tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
-            if isinstance(prompt_ids, dict):
-                prompt_ids = prompt_ids["input_ids"]
+            # As the engine encodes chat prompts (HFInferenceEngine.encode_prompt). Not tokenize=True:
+            # transformers 5 returns a BatchEncoding there (not a dict: list() of it gives its keys).
+            text = tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+            prompt_ids = tok(text, add_special_tokens=False)["input_ids"]
         else:
             prompt_ids = tok(str(prompt), add_special_tokens=False)["input_ids"]
         response_ids = tok(str(traj["response"]), add_special_tokens=False)["input_ids"] + [tok.eos_token_id]

@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Set up .venv if needed, then run the whole test suite (CPU only, no network).
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+source "$ROOT/scripts/setup_env.sh"
+cd "$ROOT"
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@"

@@ -1,0 +1,172 @@
+"""`nexrl eval` as a user runs it (a subprocess) - docs/evaluation.md §`nexrl eval`.
+
+- stdout is exactly one JSON object holding exactly the metrics of §Metrics;
+- `--samples-out` writes one JSON line per sample with the documented fields;
+- the numbers equal the training-time validation of the same served weight version: version 0
+  (`validate_before_train`) without a checkpoint, version N with `checkpoint=.../global_step_N`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytestmark = pytest.mark.timeout(180)
+
+REPO = Path(__file__).resolve().parents[2]
+DOC = REPO / "docs" / "evaluation.md"
+SAMPLE_FIELDS = {"uid", "sample_index", "data_source", "prompt", "response", "reward", "score", "failed", "error",
+                 "model_version"}
+VAL_ROWS = [{"prompt": f"{a} + {b}", "answer": str(a + b), "data_source": src} for a, b, src in
+            [(1, 1, "easy"), (2, 3, "easy"), (4, 0, "easy"), (9, 9, "hard"), (7, 6, "hard"), (5, 8, "hard")]]
+FAILING_ROW = {"prompt": "", "answer": "0", "data_source": "hard"}  # no prompt: a failed sample
+N_SAMPLES = 2
+
+
+def documented_names(score_keys, sources, n, expected_known=True) -> set[str]:
+    """The metric names of the §Metrics table, instantiated."""
+    section = DOC.read_text(encoding="utf-8").split("## Metrics", 1)[1].split("\n## ", 1)[0]
+    names = set()
+    for line in section.splitlines():
+        m = re.match(r"\|\s*`(val/[^`]+)`\s*\|.*\|\s*([^|]+?)\s*\|\s*$", line)
+        if not m:
+            continue
+        template, when = m.groups()
+        if ("n > 1" in when and n <= 1) or ("expected" in when and not expected_known):
+            continue
+        expanded = {template.replace("<n>", str(n))}
+        if "<data_source>" in template:
+            expanded = {x.replace("<data_source>", s) for x in expanded for s in sources}
+        if "<score_key>" in template:
+            expanded = {x.replace("<score_key>", k) for x in expanded for k in score_keys}
+        names |= expanded
+    return names
+
+
+def write_recipe(tmp_path, backend="mock", **inference) -> Path:
+    recipe = {
+        "run_dir": str(tmp_path / "run"),
+        "logger": {"backend": [], "level": "WARNING"},
+        "data": {"type": "inline", "rows": [{"prompt": "1 + 2", "answer": "3"}, {"prompt": "3 + 3", "answer": "6"}]},
+        "validate": {"validate_before_train": True, "n_samples": N_SAMPLES,
+                     "data": {"type": "inline", "rows": VAL_ROWS + [FAILING_ROW]}},
+        "rollout_worker": {"num_workers": 3, "evaluator": {"type": "exact_match"}},
+        "trajectory_pool": {"batch_size": 4, "group_size": 2, "key_list": ["uid"]},
+        "trainer": {"type": "mock", "total_train_steps": 4, "save_freq": 2},
+        "weight": {"sync_mode": "sync", "validate_freq": 2},
+        "service": {"inference_service": {"backend": backend, "mode": "sum", "learn_steps": 8, "delay_s": 0.001,
+                                          **inference}},
+        "runtime_monitor": {"stop_timeout": 10, "exception_handling": {"check_interval": 0.05}},
+    }
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+def nexrl(*args, env_extra=None):
+    """The `nexrl` console script (core plugins only unless ``env_extra`` says otherwise)."""
+    env = dict(os.environ, NEXRL_LOAD_PLUGINS="")
+    env.update(env_extra or {})
+    script = Path(sys.executable).parent / "nexrl"
+    cmd = [str(script)] if script.exists() else [sys.executable, "-m", "nexrl_core.cli"]
+    return subprocess.run([*cmd, *map(str, args)], capture_output=True, text=True, env=env, timeout=120)
+
+
+def val_rows(run_dir: Path) -> dict[int, dict]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: {k: v for k, v in r.items() if k != "step"} for r in rows if "val/num_samples" in r}
+
+
+def test_eval_prints_one_json_summary_and_writes_samples(tmp_path):
+    recipe = write_recipe(tmp_path)
+    samples = tmp_path / "samples.jsonl"
+    proc = nexrl("eval", recipe, "--samples-out", samples)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 1, f"stdout must hold exactly the JSON summary, got:\n{proc.stdout}"
+    metrics = json.loads(lines[0])
+    # docs/evaluation.md §Metrics: exactly the documented names
+    assert set(metrics) == documented_names({"reward", "accuracy"}, {"easy", "hard"}, N_SAMPLES)
+    n_rows = len(VAL_ROWS) + 1
+    assert metrics["val/num_samples"] == n_rows * N_SAMPLES
+    assert metrics["val/num_failed"] == N_SAMPLES and metrics["val/num_missing"] == 0
+    assert metrics["val/num_prompts"] == n_rows
+
+    records = [json.loads(line) for line in samples.read_text().splitlines()]
+    assert len(records) == n_rows * N_SAMPLES  # one line per sample
+    assert all(set(r) == SAMPLE_FIELDS for r in records)
+    assert len({(r["uid"], r["sample_index"]) for r in records}) == len(records)
+    failed = [r for r in records if r["failed"]]
+    assert len(failed) == N_SAMPLES and all(r["error"] for r in failed)
+    # docs/evaluation.md §Denominators: the summary is recomputable from the sample lines
+    rewards = [0.0 if r["failed"] else r["reward"] for r in records]
+    assert metrics["val/reward"] == pytest.approx(sum(rewards) / len(rewards))
+    hard = [0.0 if r["failed"] else r["reward"] for r in records if r["data_source"] == "hard"]
+    assert metrics["val/hard_reward"] == pytest.approx(sum(hard) / len(hard))
+    assert {r["model_version"] for r in records} == {0}
+    # docs/evaluation.md §Failed samples: failures land in errors.jsonl
+    errors = (tmp_path / "run" / "errors.jsonl").read_text().splitlines()
+    assert len(errors) == N_SAMPLES
+
+
+def test_eval_errors_are_one_message_on_stderr(tmp_path):
+    proc = nexrl("eval", tmp_path / "missing.yaml")
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert "missing.yaml" in proc.stderr and "Traceback" not in proc.stderr
+
+
+PLUGIN = textwrap.dedent("""
+    from nexrl_core import hookimpl
+    from nexrl_core.mock import MockInferenceClient
+
+    class CheckpointMock(MockInferenceClient):
+        # the mock model, loadable from a checkpoint path like a real backend
+        CONFIG_KEYS = {**MockInferenceClient.CONFIG_KEYS, "model_path": None}
+
+    @hookimpl
+    def nexrl_inference_backends():
+        return {"mock_ckpt": CheckpointMock}
+""")
+
+
+def install_plugin(root: Path) -> Path:
+    root.mkdir()
+    (root / "nexrl_evaltest_plugin.py").write_text(PLUGIN)
+    info = root / "nexrl_evaltest-0.1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: nexrl-evaltest\nVersion: 0.1.0\n")
+    (info / "entry_points.txt").write_text("[nexrl]\nevaltest = nexrl_evaltest_plugin\n")
+    return root
+
+
+def test_eval_equals_training_time_validation_of_the_same_version(tmp_path):
+    site = install_plugin(tmp_path / "site")
+    env = {"PYTHONPATH": os.pathsep.join([str(site), str(REPO)]), "NEXRL_LOAD_PLUGINS": "nexrl-evaltest"}
+    recipe = write_recipe(tmp_path, backend="mock_ckpt", model_path="initial")
+    run = nexrl("run", recipe, env_extra=env)
+    assert run.returncode == 0, run.stderr
+    training = val_rows(tmp_path / "run")
+    assert sorted(training) == [0, 2, 4]
+    assert training[0]["val/reward"] != training[2]["val/reward"]  # the version matters to the mock model
+
+    # the initial weights are version 0: validate_before_train's numbers
+    ev = nexrl("eval", recipe, env_extra=env)
+    assert ev.returncode == 0, ev.stderr
+    assert json.loads(ev.stdout) == training[0]
+
+    # checkpoint=.../global_step_2 is served as version 2: the validation of step 2
+    ckpt = tmp_path / "run" / "checkpoints" / "global_step_2"
+    assert ckpt.is_dir()
+    samples = tmp_path / "samples.jsonl"
+    ev = nexrl("eval", recipe, f"checkpoint={ckpt}", "--samples-out", samples, env_extra=env)
+    assert ev.returncode == 0, ev.stderr
+    assert json.loads(ev.stdout) == training[2], "eval of global_step_2 != training-time validation of step 2"
+    assert {json.loads(line)["model_version"] for line in samples.read_text().splitlines()} == {2}
