@@ -65,12 +65,9 @@ def _run(args: Any) -> int:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     summary = controller.run()
-    last_val = summary.validation[-1] if summary.validation else {}
     print(json.dumps({"global_step": summary.global_step, "stopped_by": summary.stopped_by,
                       "run_dir": str(cfg.run_dir), "validation": summary.validation}, default=float))
-    if summary.stopped_by == "signal":
-        return 130
-    return 0 if last_val is not None else 1
+    return 130 if summary.stopped_by == "signal" else 0
 
 
 def _validate(args: Any) -> int:

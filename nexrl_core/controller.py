@@ -250,7 +250,7 @@ class NexRLController:
         parts = []
         for name in dead:
             if name == "inference_service":
-                url = self._config.service.inference_service.get("url")
+                url = getattr(self.inference_client, "url", None) or self._config.service.inference_service.get("url")
                 parts.append(f"the inference service{f' at {url}' if url else ''} stopped answering")
             else:
                 parts.append(f"module {name} is dead or hung")

@@ -48,6 +48,8 @@ class BaseRolloutWorker(NexRLModule):
         self._evaluator = evaluator
         self._model_tag = str(getattr(inference_client, "model_tag", DEFAULT_MODEL_TAG))
         self._seed = int(config.get("seed", 0) or 0)
+        # Read once: DictConfig.get of an absent key raises and catches internally (slow on a per-task path).
+        self._reward_range = config.get("reward_range")
         self._is_running_validate = False
         self._task_is_validation = False  # mode of the task in hand (the flag may flip meanwhile)
         self._stop_event = threading.Event()
@@ -169,7 +171,7 @@ class BaseRolloutWorker(NexRLModule):
         reward = result.reward
         if not isinstance(reward, (int, float)) or isinstance(reward, bool) or not math.isfinite(reward):
             raise ItemFailure("bad_reward", f"evaluator {type(self._evaluator).__name__} returned reward {reward!r}")
-        lo_hi = self._config.get("reward_range")
+        lo_hi = self._reward_range
         if lo_hi is not None and not (float(lo_hi[0]) <= reward <= float(lo_hi[1])):
             raise ItemFailure("reward_out_of_range",
                               f"reward {reward} outside rollout_worker.reward_range {list(lo_hi)}")
@@ -199,7 +201,9 @@ class BaseRolloutWorker(NexRLModule):
         if validating and self._recorder is not None:
             execute(self._recorder.record_lost_item, task, cause, message, True, traj["model_version"])
         if self._activity_tracker is not None:
-            self._activity_tracker.report_error(self._module_name, cause, message, ErrorSeverity.WARNING)
+            self._activity_tracker.report_error(self._module_name, cause, message, ErrorSeverity.WARNING,
+                                                {"uid": task.get("uid"), "sample_index": task.get("sample_index"),
+                                                 "seq": task.get("seq"), "validation": validating})
         logger.warning(f"{self._module_name}: task {task.get('uid')}#{task.get('sample_index')} failed ({cause}): {message}")
         return self._put_trajectory(traj)
 
@@ -221,6 +225,7 @@ class SimpleRolloutWorker(BaseRolloutWorker):
         self._system_prompt = config.get("system_prompt")
         sampling = dict(config.get("sampling", {}) or {})
         self._sampling = {k: sampling[k] for k in ("max_tokens", "temperature", "top_p", "stop") if k in sampling}
+        self._validate_temperature = config.get("validate_temperature")
 
     def build_prompt(self, task: dict[str, Any]) -> str | list[dict[str, Any]]:
         prompt = task.get(self._prompt_key)
@@ -234,8 +239,8 @@ class SimpleRolloutWorker(BaseRolloutWorker):
             raise ItemFailure("missing_prompt", f"task has no '{self._prompt_key}' field")
         prompt = self.build_prompt(task)
         params = SamplingParams(**self._sampling, seed=self.sampling_seed(task))
-        if self._task_is_validation and self._config.get("validate_temperature") is not None:
-            params.temperature = float(self._config.get("validate_temperature", params.temperature))
+        if self._task_is_validation and self._validate_temperature is not None:
+            params.temperature = float(self._validate_temperature)
         result = self._llm_client.complete(prompt, params)
         evaluation = self.evaluate(task, result.text)
         trajectory = self.base_trajectory(task)

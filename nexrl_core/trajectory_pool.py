@@ -26,6 +26,10 @@ def _version(traj: Trajectory) -> int:
     return int(traj.get("model_version", 0))
 
 
+def _group_version(group: list[Trajectory]) -> int:
+    return min(_version(t) for t in group)
+
+
 class SimpleTrajectoryStore:
     """No grouping: every trajectory is a finished group of one."""
 
@@ -121,6 +125,9 @@ class TrajectoryPoolInstance:
         self._check_fn = str(config.get("check_batch_ready_function", "batch_size"))
         self._store = make_store(list(config.get("key_list", []) or []), int(config.get("group_size", 1)))
         self._cond = threading.Condition()
+        # Trajectories in finished groups, by group version: "is a batch ready?" is asked on every
+        # put, and counting the whole pool there made a step O(batch^2).
+        self._finished_by_version: dict[int, int] = {}
         self._locked = False
         self._dataloader: Any = None
         self._weight_sync_controller: Any = None
@@ -143,10 +150,16 @@ class TrajectoryPoolInstance:
             if self._locked:
                 self.counters["rerollout_while_locked"] += 1
                 return "re-rollout"
+            finished_before = len(self._store.finished)
             evicted = self._store.add(trajectory)
             self.counters["group_evicted"] += len(evicted)
+            for group in self._store.finished[finished_before:]:
+                self._count_finished_locked(group, +1)
             ready = self._is_batch_ready_locked(min_version)
-            self._cond.notify_all()
+            if len(self._store.finished) != finished_before or self._check_fn != "batch_size":
+                # Waiters (get_batch) only care about finished groups: waking them on every
+                # trajectory made the trainer thread re-count the pool on every put.
+                self._cond.notify_all()
         self._requeue(evicted)
         if ready and wsc is not None:
             execute(wsc.trajectory_pool_notify_batch_ready, self.model_tag, min_version)
@@ -184,9 +197,16 @@ class TrajectoryPoolInstance:
         batch.metadata["num_groups"] = len(groups)
         return batch
 
+    def _count_finished_locked(self, group: list[Trajectory], sign: int) -> None:
+        version = _group_version(group)
+        left = self._finished_by_version.get(version, 0) + sign * len(group)
+        if left:
+            self._finished_by_version[version] = left
+        else:
+            self._finished_by_version.pop(version, None)
+
     def _enough_locked(self, want: int, min_version: int | None = None) -> bool:
-        have = sum(len(g) for g in self._store.finished
-                   if min_version is None or min(_version(t) for t in g) >= min_version)
+        have = sum(n for v, n in self._finished_by_version.items() if min_version is None or v >= min_version)
         if have >= want:
             return True
         if have and self._check_fn in ("loaded_batch_finished", "batch_size_or_loaded_batch_finished"):
@@ -197,6 +217,7 @@ class TrajectoryPoolInstance:
         taken, n = [], 0
         while self._store.finished and n < want:
             group = self._store.finished.pop(0)
+            self._count_finished_locked(group, -1)
             taken.append(group)
             n += len(group)
         return taken
@@ -206,8 +227,10 @@ class TrajectoryPoolInstance:
             return []
         fresh, stale = [], []
         for group in self._store.finished:
-            (fresh if min(_version(t) for t in group) >= min_version else stale).append(group)
+            (fresh if _group_version(group) >= min_version else stale).append(group)
         self._store.finished = fresh
+        for group in stale:
+            self._count_finished_locked(group, -1)
         dropped = [t for g in stale for t in g]
         dropped += self._store.drop_partial(lambda g: min(_version(t) for t in g) >= min_version)
         self.counters["stale_rerolled"] += len(dropped)
@@ -269,6 +292,9 @@ class TrajectoryPool(NexRLModule):
             inst.set_module_references(*self._refs)
 
     def _instance(self, model_tag: ModelTag) -> TrajectoryPoolInstance:
+        inst = self._instances.get(model_tag)  # fast path without the lock: instances are never removed
+        if inst is not None:
+            return inst
         with self._lock:
             inst = self._instances.get(model_tag)
             if inst is None:

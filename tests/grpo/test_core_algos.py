@@ -200,8 +200,8 @@ def test_apply_kl_penalty_matches_reference(batch, beta):
         expected.append([s - beta * k for s, k in zip(srow, kls)])
         row_kls.append(sum(kls) / max(sum(mrow), 1))
     assert_close(rewards, expected)
-    assert metrics["actor/reward_kl_penalty"] == pytest.approx(sum(row_kls) / len(row_kls), abs=TOL)
-    assert metrics["actor/reward_kl_penalty_coeff"] == beta
+    assert metrics["kl_penalty"] == pytest.approx(sum(row_kls) / len(row_kls), abs=TOL)
+    assert metrics["kl_coef"] == beta
 
 
 @prop

@@ -179,7 +179,7 @@ def apply_kl_penalty(
     rewards = token_level_scores - beta * kld
     current_kl = masked_mean(kld, mask, dim=-1).mean().item()
     kl_ctrl.update(current_kl, n_steps=token_level_scores.shape[0])
-    return rewards, {"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": beta}
+    return rewards, {"kl_penalty": current_kl, "kl_coef": beta}
 
 
 def agg_loss(

@@ -57,7 +57,4 @@ class InProcessWeightSync(WeightSyncBackend):
     """Copies the trainer's tensors into the engine's model; the engine serves them from its next batch."""
 
     def sync(self, trainer: Any, inference_client: Any, version: int) -> None:
-        if version == 0:
-            inference_client.set_model_version(0)  # the engine loaded the same initial weights
-            return
         inference_client.load_weights(trainer.export_weights(), version)

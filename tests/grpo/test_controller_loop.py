@@ -1,0 +1,265 @@
+"""The whole GRPO loop through the real controller, in local mode, with the installed nexrl-grpo
+plugin on the tiny Llama (the session's ``tiny_model_dir``).
+
+One run (module fixture) of a toy task the tiny model learns in a few steps: a third-party-style
+evaluator, registered in process with ``PluginManager.register``, rewards the share of the
+letter "e" in the reply. The run is instrumented at public seams (the engine's ``load_weights``,
+the trainer's ``train``) and its outputs are checked:
+
+- the reward rises (mean of the last steps > mean of the first steps, with a margin);
+- metrics.jsonl has ``train/reward_mean``, ``train/loss`` and ``train/grad_norm`` at every step;
+- after every weight sync the engine serves version == the trainer's ``global_step`` and holds
+  exactly the trainer's tensors; each step trains on trajectories of the previous version;
+- the engine's logprobs are the trainer's old logprobs (no recompute): on-policy in sync mode,
+  ``|ppo_kl| < 1e-3``;
+- checkpoints at ``save_freq`` load with ``AutoModelForCausalLM.from_pretrained`` and hold the
+  trainer's weights of that step.
+
+Plus the CLI face of the plugin: ``nexrl plugins --json`` lists what nexrl-grpo registers, and
+``nexrl validate recipes/quickstart.yaml`` passes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from nexrl_core import EvaluationRunResult, Evaluator, hookimpl
+from nexrl_core.config import load_recipe
+from nexrl_core.controller import NexRLController
+from nexrl_core.plugins import PluginManager
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+STEPS = 8
+SAVE_FREQ = 3  # checkpoints at steps 3 and 6, and at the last step (8)
+GROUP = 8
+PROMPTS = ["the quick", "what is", "count: one", "hello world"]  # one batch: every step sees them all
+
+
+class LetterShareEvaluator(Evaluator):
+    """Reward = share of ``letter`` among the reply's characters (a dense, easily learned signal)."""
+
+    def __init__(self, letter: str = "e"):
+        self.letter = letter
+
+    def evaluate(self, data, evaluation_target) -> EvaluationRunResult:
+        text = evaluation_target.final_answer
+        share = sum(ch == self.letter for ch in text) / max(len(text), 1)
+        return EvaluationRunResult(reward=share, ground_truth=self.letter, metrics={"letter_share": share})
+
+
+class LetterPlugin:
+    """What a third-party evaluator package's entry-point module would hold."""
+
+    @hookimpl
+    def nexrl_evaluators(self):
+        return {"letter_share": LetterShareEvaluator}
+
+
+def grpo_plugin_manager() -> PluginManager:
+    """The installed nexrl-grpo (through its entry point, nothing else) + the in-process evaluator."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("NEXRL_LOAD_PLUGINS", "nexrl-grpo")
+        pm = PluginManager()
+    assert "nexrl-grpo" in {r.distribution for r in pm.records.values()}, pm.failures
+    pm.register(LetterPlugin(), name="letters", distribution="nexrl-letters (in-process)")
+    return pm
+
+
+def recipe(run_dir: Path, model_dir: str) -> dict:
+    return {
+        "run_dir": str(run_dir),
+        "seed": 42,
+        "logger": {"backend": [], "level": "WARNING"},
+        "data": {"type": "inline", "rows": [{"prompt": p} for p in PROMPTS]},
+        "rollout_worker": {"num_workers": 8, "sampling": {"max_tokens": 6, "temperature": 1.0},
+                           "evaluator": {"type": "letter_share", "letter": "e"}},
+        "trajectory_pool": {"batch_size": 4 * GROUP, "group_size": GROUP, "key_list": ["uid"]},
+        "trainer": {"type": "self_hosted_grpo", "total_train_steps": STEPS, "save_freq": SAVE_FREQ},
+        "algorithm": {"loss_agg_mode": "seq-mean-token-mean"},
+        "weight": {"sync_mode": "sync", "backend": "in_process"},
+        "service": {"train_service": {"model_path": model_dir, "lr": 5e-2, "grad_clip": 1.0, "num_threads": 1},
+                    "inference_service": {"backend": "hf", "model_path": model_dir, "num_threads": 1}},
+        "runtime_monitor": {"stop_timeout": 10, "health_check": {"check_interval": 0.5, "timeout": 10.0},
+                            "exception_handling": {"check_interval": 0.05}},
+    }
+
+
+def _same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+class RunRecord:
+    def __init__(self):
+        self.syncs: list[dict] = []  # one per weight sync: what the engine served right after it
+        self.trainer_weights: dict[int, dict[str, torch.Tensor]] = {}  # version -> trainer tensors
+        self.batch_versions: list[tuple[int, set[int]]] = []  # (step being trained, versions of its data)
+        self.old_logprobs_from_rollout: list[bool] = []
+        self.controller: NexRLController | None = None
+        self.summary = None
+        self.run_dir: Path | None = None
+        self.rows: list[dict] = []
+
+
+@pytest.fixture(scope="module")
+def grpo_run(tiny_model_dir, tmp_path_factory) -> RunRecord:
+    root = tmp_path_factory.mktemp("grpo_loop")
+    path = root / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe(root / "run", tiny_model_dir), sort_keys=False))
+    controller = NexRLController(load_recipe(str(path)), plugin_manager=grpo_plugin_manager())
+    rec = RunRecord()
+    rec.controller, rec.run_dir = controller, root / "run"
+    engine, trainer = controller.inference_client, controller.trainer
+
+    def after_sync():
+        trainer_state = trainer.train_service.export_weights(copy=True)
+        rec.trainer_weights[engine.model_version()] = trainer_state
+        rec.syncs.append({"engine_version": engine.model_version(), "global_step": trainer.global_step,
+                          "same_weights": _same_weights(engine.model.state_dict(), trainer_state)})
+
+    load_weights = engine.load_weights
+
+    def recording_load_weights(state_dict, version):  # the in-process backend's only path
+        load_weights(state_dict, version)
+        after_sync()
+
+    engine.load_weights = recording_load_weights
+
+    train, prepare = trainer.train, trainer._prepare_batch
+
+    def recording_train(trajectories):
+        rec.batch_versions.append((trainer.global_step + 1, {int(t["model_version"]) for t in trajectories}))
+        return train(trajectories)
+
+    def recording_prepare(batch):
+        batch, metrics = prepare(batch)
+        v = batch.values
+        rec.old_logprobs_from_rollout.append("rollout_log_probs" in v and v["old_log_probs"] is v["rollout_log_probs"])
+        return batch, metrics
+
+    trainer.train, trainer._prepare_batch = recording_train, recording_prepare
+    rec.summary = controller.run()
+    rec.rows = [json.loads(line) for line in (rec.run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return rec
+
+
+def _train_rows(rec: RunRecord) -> dict[int, dict]:
+    rows = [r for r in rec.rows if "train/reward_mean" in r]
+    steps = [r["step"] for r in rows]
+    assert steps == list(range(1, STEPS + 1)), f"one training row per step expected, got steps {steps}"
+    return {r["step"]: r for r in rows}
+
+
+def test_run_finishes(grpo_run):
+    assert grpo_run.summary.stopped_by == "finished"
+    assert grpo_run.summary.global_step == STEPS
+    assert grpo_run.summary.errors == []
+    assert not (grpo_run.run_dir / "errors.jsonl").exists()
+
+
+def test_metrics_every_step(grpo_run):
+    rows = _train_rows(grpo_run)
+    for step, row in rows.items():
+        for key in ("train/reward_mean", "train/loss", "train/grad_norm", "train/ppo_kl", "train/pg_clipfrac"):
+            assert key in row, f"step {step}: {key} missing from metrics.jsonl"
+            assert isinstance(row[key], float) and math.isfinite(row[key]), f"step {step}: {key}={row[key]!r}"
+        assert row["train/num_trajectories"] == 4 * GROUP and row["train/num_failed"] == 0
+        assert row["train/grad_norm"] >= 0
+    # Late steps may be all flat groups (the reward saturates), the first one is not.
+    assert rows[1]["train/grad_norm"] > 0
+
+
+def test_reward_improves(grpo_run):
+    rewards = [row["train/reward_mean"] for _, row in sorted(_train_rows(grpo_run).items())]
+    first, last = sum(rewards[:2]) / 2, sum(rewards[-2:]) / 2
+    assert last > first + 0.15, f"reward did not rise enough over {STEPS} steps: {rewards}"
+
+
+def test_engine_serves_newest_weights_after_every_sync(grpo_run):
+    syncs = grpo_run.syncs
+    assert [s["engine_version"] for s in syncs] == list(range(STEPS + 1)), syncs
+    for s in syncs:
+        assert s["engine_version"] == s["global_step"], s
+        assert s["same_weights"], f"engine tensors differ from the trainer's after the sync to v{s['engine_version']}"
+    # Training moved the weights: every version differs from the one before.
+    versions = grpo_run.trainer_weights
+    for v in range(1, STEPS + 1):
+        assert not _same_weights(versions[v - 1], versions[v]), f"v{v} equals v{v - 1}"
+    engine, trainer = grpo_run.controller.inference_client, grpo_run.controller.trainer
+    assert engine.model_version() == trainer.global_step == STEPS
+    name = "model.layers.0.self_attn.q_proj.weight"
+    assert torch.equal(engine.model.state_dict()[name], trainer.train_service.model.state_dict()[name])
+
+
+def test_sync_mode_trains_on_the_previous_version(grpo_run):
+    assert [step for step, _ in grpo_run.batch_versions] == list(range(1, STEPS + 1))
+    for step, versions in grpo_run.batch_versions:
+        assert versions == {step - 1}, f"step {step} trained on versions {versions}"
+    for row in _train_rows(grpo_run).values():
+        assert row["train/staleness_max"] == 0
+
+
+def test_engine_logprobs_are_old_logprobs(grpo_run):
+    assert grpo_run.old_logprobs_from_rollout == [True] * STEPS
+    for step, row in _train_rows(grpo_run).items():
+        assert abs(row["train/ppo_kl"]) < 1e-3, f"step {step}: on-policy ppo_kl={row['train/ppo_kl']}"
+        assert row["train/pg_clipfrac"] == 0.0, f"step {step}: clipping on-policy ({row['train/pg_clipfrac']})"
+
+
+def test_checkpoints_load_with_transformers(grpo_run):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    ckpt_root = grpo_run.run_dir / "checkpoints"
+    expected = [f"global_step_{s}" for s in sorted({*range(SAVE_FREQ, STEPS + 1, SAVE_FREQ), STEPS})]
+    assert sorted(p.name for p in ckpt_root.iterdir() if not p.name.startswith(".")) == sorted(expected)
+    for name in expected:
+        folder = ckpt_root / name
+        assert (folder / "model.safetensors").is_file()
+        pickled = [p.name for p in folder.rglob("*") if p.suffix in (".bin", ".pt", ".pth", ".pkl", ".ckpt")]
+        assert not pickled, f"{name} holds pickle files {pickled}"
+        model = AutoModelForCausalLM.from_pretrained(str(folder))
+        AutoTokenizer.from_pretrained(str(folder))
+        step = int(name.rsplit("_", 1)[1])
+        loaded = dict(model.state_dict())
+        assert _same_weights(loaded, grpo_run.trainer_weights[step]), f"{name} does not hold the step-{step} weights"
+        assert json.loads((folder / "nexrl_state.json").read_text())["global_step"] == step
+
+
+def _nexrl_cmd() -> list[str]:
+    script = Path(sys.executable).with_name("nexrl")
+    return [str(script)] if script.is_file() else [shutil.which("nexrl") or "nexrl"]
+
+
+def test_cli_plugins_and_validate_quickstart():
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("NEXRL_LOAD_PLUGINS", None)
+    # Both commands import torch: start them together so they overlap.
+    plugins = subprocess.Popen(_nexrl_cmd() + ["plugins", "--json"], cwd=REPO_ROOT, env=env, text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    validate = subprocess.Popen(_nexrl_cmd() + ["validate", "recipes/quickstart.yaml"], cwd=REPO_ROOT, env=env,
+                                text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    out, err = plugins.communicate(timeout=120)
+    v_out, v_err = validate.communicate(timeout=120)
+
+    assert plugins.returncode == 0, err
+    info = json.loads(out)
+    grpo = [p for p in info["plugins"] if p["distribution"] == "nexrl-grpo"]
+    assert len(grpo) == 1, info
+    components = grpo[0]["components"]
+    assert {"self_hosted_grpo", "self_hosted_cross_entropy"} <= set(components.get("trainer", []))
+    assert "hf" in components.get("inference_backend", [])
+    assert "in_process" in components.get("weight_sync_backend", [])
+    assert {"nexrl_trainers", "nexrl_inference_backends", "nexrl_weight_sync_backends"} <= set(grpo[0]["hooks"])
+    assert not [f for f in info["failed"] if f["distribution"] == "nexrl-grpo"], info["failed"]
+
+    assert validate.returncode == 0, f"nexrl validate failed:\n{v_out}\n{v_err}"
+    assert "ok" in v_out

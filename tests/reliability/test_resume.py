@@ -1,0 +1,165 @@
+"""Exact resume and atomic checkpoints, through `nexrl run` subprocesses on the tiny Llama.
+
+One recipe (self-hosted GRPO, in-process HF engine and weight sync, one rollout worker, sync
+mode, a checkpoint every step, validation before training and every 2 steps) is run once
+without interruption (the reference). Every other run of it is interrupted and resumed, and
+must end with the reference's exact final checkpoint (every tensor of every safetensors file:
+model, optimizer, RNG) and the reference's metrics.jsonl rows (timing/* aside).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from nexrl_core.mock import MockTrainer
+from nexrl_core.trainer import CORE_STATE_FILE, find_latest_checkpoint
+from tests.reliability.helpers import STEPS, Run, grpo_recipe, metrics_rows, run_to_end, write_recipe
+
+pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir, plugin_env, tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("reference")
+    recipe = write_recipe(root / "recipe.yaml", grpo_recipe(root / "run", tiny_model_dir))
+    run = Run(recipe, [], plugin_env, root / "out.log")
+    assert run.wait() == 0, run.output()[-4000:]
+    rows = metrics_rows(root / "run")
+    assert [r["step"] for r in rows if "train/reward_mean" in r] == list(range(1, STEPS + 1))
+    assert [r["step"] for r in rows if "val/reward" in r] == [0, 2, 4]
+    assert any(r.get("train/grad_norm", 0) > 0 for r in rows)  # the weights really move
+    return root / "run"
+
+
+@pytest.fixture
+def recipe(tiny_model_dir, tmp_path) -> str:
+    return write_recipe(tmp_path / "recipe.yaml", grpo_recipe(tmp_path / "run", tiny_model_dir))
+
+
+def _complete(ckpt_dir: Path, step: int):
+    return lambda: (ckpt_dir / f"global_step_{step}" / CORE_STATE_FILE).exists()
+
+
+def assert_same_as_reference(run_dir: Path, reference: Path) -> None:
+    import torch
+    from safetensors.torch import load_file
+
+    assert metrics_rows(run_dir) == metrics_rows(reference)
+    final, ref = run_dir / "checkpoints" / f"global_step_{STEPS}", reference / "checkpoints" / f"global_step_{STEPS}"
+    files = sorted(p.name for p in ref.glob("*.safetensors"))
+    assert {"model.safetensors", "optimizer.safetensors", "rng.safetensors"} <= set(files)
+    for name in files:
+        mine, theirs = load_file(str(final / name)), load_file(str(ref / name))
+        assert mine.keys() == theirs.keys(), name
+        different = [k for k in theirs if not torch.equal(mine[k], theirs[k])]
+        assert not different, f"{name}: tensors differ from the uninterrupted run: {different[:5]}"
+    mine_state = json.loads((final / CORE_STATE_FILE).read_text())
+    assert mine_state == json.loads((ref / CORE_STATE_FILE).read_text())
+    assert not (run_dir / "errors.jsonl").exists() and not (reference / "errors.jsonl").exists()
+
+
+def test_sigkill_after_a_checkpoint_then_auto_resume_is_bit_exact(reference, recipe, start_run, tmp_path):
+    """Killed right after step 2's checkpoint (a validation step: its validation is re-run on
+    resume); remove_previous_ckpt keeps only the newest checkpoint."""
+    ckpt = tmp_path / "run" / "checkpoints"
+    first = start_run(recipe, "trainer.remove_previous_ckpt=true")
+    first.wait_for(_complete(ckpt, 2))
+    first.kill()
+    assert find_latest_checkpoint(str(ckpt)) is not None
+
+    resumed = run_to_end(start_run, recipe, "trainer.remove_previous_ckpt=true", "resume.mode=auto")
+    assert "resumed from" in resumed.output()
+    assert_same_as_reference(tmp_path / "run", reference)
+    assert sorted(os.listdir(ckpt)) == [f"global_step_{STEPS}"]  # only the newest, no temporary folders
+
+
+def test_from_path_resume_of_an_older_checkpoint_is_bit_exact(reference, recipe, start_run, tmp_path):
+    """Killed after step 3; resumed from step 2 by path: step 3 is trained again and its
+    checkpoint replaced, metrics rows after step 2 are dropped and written again."""
+    ckpt = tmp_path / "run" / "checkpoints"
+    first = start_run(recipe)
+    first.wait_for(_complete(ckpt, 3))
+    first.kill()
+
+    resumed = run_to_end(start_run, recipe, "resume.mode=from_path", f"resume.resume_path={ckpt / 'global_step_2'}")
+    assert f"resumed from {ckpt / 'global_step_2'} at step 2" in resumed.output()
+    assert_same_as_reference(tmp_path / "run", reference)
+    assert sorted(os.listdir(ckpt)) == [f"global_step_{s}" for s in range(1, STEPS + 1)]
+
+
+def test_crash_while_saving_never_leaves_a_checkpoint_auto_picks(reference, recipe, start_run, tmp_path):
+    """SIGKILL in the middle of writing step 3's checkpoint (model files written, state not):
+    only a .tmp_global_step_* folder is left, `auto` resumes from step 2, the next save removes
+    the leftovers, and the run still ends exactly like the uninterrupted one."""
+    ckpt = tmp_path / "run" / "checkpoints"
+    crashing = start_run(recipe, "trainer.type=crash_on_save_grpo", "+trainer.crash_save_step=3")
+    assert crashing.wait() == -9, crashing.output()[-4000:]
+    names = sorted(os.listdir(ckpt))
+    assert [n for n in names if not n.startswith(".")] == ["global_step_1", "global_step_2"], names
+    leftovers = [n for n in names if n.startswith(".")]
+    assert leftovers and all(n.lstrip(".").startswith("tmp_global_step_3_") for n in leftovers), names
+    assert any((ckpt / n / "model.safetensors").exists() for n in leftovers)  # it died mid-save, not before
+    assert find_latest_checkpoint(str(ckpt)) == str(ckpt / "global_step_2")
+
+    resumed = run_to_end(start_run, recipe, "resume.mode=auto")
+    assert f"resumed from {ckpt / 'global_step_2'} at step 2" in resumed.output()
+    assert "removed incomplete checkpoint folders" in resumed.output()
+    assert sorted(os.listdir(ckpt)) == [f"global_step_{s}" for s in range(1, STEPS + 1)]
+    assert_same_as_reference(tmp_path / "run", reference)
+
+
+# -- atomic saves, in process (the mock trainer: no torch) -----------------------------------------
+
+class FlakySaveTrainer(MockTrainer):
+    """Writes a model file, then raises when ``fail`` is set (a full disk, a bug in a plugin)."""
+
+    fail = False
+
+    def save_model_state(self, folder: str) -> None:
+        Path(folder, "model.safetensors").write_bytes(b"half a model")
+        if self.fail:
+            raise OSError("No space left on device")
+
+
+def _bare_trainer(ckpt: Path) -> FlakySaveTrainer:
+    return FlakySaveTrainer(OmegaConf.create({"trainer": {"checkpoint_path": str(ckpt), "total_train_steps": 10},
+                                              "trajectory_pool": {"batch_size": 1}}))
+
+
+def test_a_save_that_raises_leaves_nothing_auto_could_pick(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    trainer = _bare_trainer(ckpt)
+    trainer.global_step = 1
+    trainer.save_checkpoint()
+    trainer.global_step, trainer.fail = 2, True
+    with pytest.raises(OSError, match="No space left"):
+        trainer.save_checkpoint()
+    assert os.listdir(ckpt) == ["global_step_1"]  # its temporary folder is gone too
+    assert find_latest_checkpoint(str(ckpt)) == str(ckpt / "global_step_1")
+
+
+def test_leftover_tmp_folders_are_ignored_by_auto_and_removed_by_the_next_save(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    trainer = _bare_trainer(ckpt)
+    trainer.global_step = 1
+    trainer.save_checkpoint()
+    # what crashed saves leave: our temporary folder (even one holding a state file), the train
+    # service's scratch folder, and a global_step folder without its state file
+    for name in (".tmp_global_step_5_4242", "..tmp_global_step_5_4242.x1y2", "global_step_9"):
+        (ckpt / name).mkdir()
+        (ckpt / name / "model.safetensors").write_bytes(b"partial")
+    (ckpt / ".tmp_global_step_5_4242" / CORE_STATE_FILE).write_text(json.dumps({"global_step": 5}))
+    assert find_latest_checkpoint(str(ckpt)) == str(ckpt / "global_step_1")
+
+    trainer.global_step = 2
+    trainer.save_checkpoint()
+    assert sorted(os.listdir(ckpt)) == ["global_step_1", "global_step_2", "global_step_9"]
+    assert find_latest_checkpoint(str(ckpt)) == str(ckpt / "global_step_2")
+    trainer.save_checkpoint()  # the same step again (a resume from an older checkpoint): replaced whole
+    assert sorted(os.listdir(ckpt)) == ["global_step_1", "global_step_2", "global_step_9"]
+    assert json.loads((ckpt / "global_step_2" / CORE_STATE_FILE).read_text())["global_step"] == 2
