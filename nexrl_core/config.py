@@ -140,6 +140,10 @@ def check_config(cfg: DictConfig, plugin_manager: Any) -> list[str]:
     problems += _check_positive_int(cfg, "trajectory_pool.group_size")
     problems += _check_positive_int(cfg, "rollout_worker.num_workers")
     problems += _check_positive_int(cfg, "trainer.total_train_steps")
+    limit = cfg.weight.get("rollout_limit")
+    if limit is not None and limit != "batch" and not (isinstance(limit, int) and not isinstance(limit, bool)
+                                                       and limit >= 1):
+        problems.append(f"weight.rollout_limit: expected null, 'batch' or a positive integer, got {limit!r}")
     tp = cfg.trajectory_pool
     if isinstance(tp.get("batch_size"), int) and isinstance(tp.get("group_size"), int) and tp.group_size > 0 \
             and tp.batch_size % tp.group_size:

@@ -96,6 +96,10 @@ class NexRLController:
         # 3. weight synchronisation
         backend_cls = self._create("weight_sync_backend", cfg.weight.backend, "weight.backend")
         self.weight_sync_controller = WeightSyncController(cfg.weight, backend_cls(cfg.weight))
+        limit = cfg.weight.get("rollout_limit")
+        if limit is not None:
+            self.weight_sync_controller.set_rollout_budget(
+                int(cfg.trajectory_pool.batch_size) if limit == "batch" else int(limit))
         # 4. trainer
         self.trainer = None if self._eval_only else \
             self._create("trainer", cfg.trainer.type, "trainer.type")(cfg)

@@ -52,6 +52,7 @@ class BaseRolloutWorker(NexRLModule):
         self._reward_range = config.get("reward_range")
         self._is_running_validate = False
         self._task_is_validation = False  # mode of the task in hand (the flag may flip meanwhile)
+        self._task_version = 0
         self._stop_event = threading.Event()
         self._thread: threading.Thread | None = None
         self._trajectory_pool: Any = None
@@ -96,20 +97,30 @@ class BaseRolloutWorker(NexRLModule):
     def _main_loop(self) -> None:
         while not self._stop_event.is_set():
             validating = self._is_running_validate
-            if not validating and self._weight_sync_controller is not None:
-                if execute(self._weight_sync_controller.check_rollout_service_status, self._model_tag) == "block":
-                    execute(self._weight_sync_controller.wait_rollout_allowed, self._model_tag, _IDLE_WAIT_S)
+            wsc = None if validating else self._weight_sync_controller
+            if wsc is not None:
+                # begin_rollout admits the task (sync mode starts no more rollouts than one batch needs)
+                if execute(wsc.check_rollout_service_status, self._model_tag) == "block" or \
+                        not execute(wsc.begin_rollout, self._model_tag):
+                    execute(wsc.wait_rollout_allowed, self._model_tag, _IDLE_WAIT_S)
                     continue
             loader = self._validate_dataloader if validating else self._dataloader
-            with self._activity_tracker.track(self._module_name, "validate" if validating else "rollout"):
-                task = execute(loader.get_next_item)
-                if task is not None:
-                    self._run_task(task, validating)
+            task, landed = None, False
+            try:
+                with self._activity_tracker.track(self._module_name, "validate" if validating else "rollout"):
+                    task = execute(loader.get_next_item)
+                    if task is not None:
+                        landed = self._run_task(task, validating)
+            finally:
+                if wsc is not None:
+                    execute(wsc.end_rollout, self._model_tag, landed)
             if task is None:
                 execute(loader.wait_for_item, _IDLE_WAIT_S)
 
-    def _run_task(self, task: dict[str, Any], validating: bool) -> None:
+    def _run_task(self, task: dict[str, Any], validating: bool) -> bool:
+        """Run one task; True when its trajectory went on (False: the task was re-queued)."""
         self._task_is_validation = validating
+        self._task_version = self._current_version()  # what a failed attempt is stamped with
         self._puts_this_task = 0
         try:
             result = self.step(task)
@@ -127,8 +138,10 @@ class BaseRolloutWorker(NexRLModule):
             result = self._put_failed(task, "worker_exception", f"{type(exc).__name__}: {exc}", validating)
         if result == "re-rollout":
             self._put_rollout_task(task, validating)
-        elif result == "success":
+            return False
+        if result == "success":
             self.completed += 1
+        return True
 
     # -- subclass API -----------------------------------------------------------------------
     @abstractmethod
@@ -194,7 +207,7 @@ class BaseRolloutWorker(NexRLModule):
     def _put_failed(self, task: dict[str, Any], cause: str, message: str, validating: bool) -> str:
         traj = self.base_trajectory(task)
         traj.update({"failed": True, "error": message, "error_cause": cause, "reward": 0.0,
-                     "score": {}, "is_validation": validating, "model_version": self._current_version()})
+                     "score": {}, "is_validation": validating, "model_version": self._task_version})
         # errors.jsonl gets a failed *validation* sample now (the validator consumes it at once);
         # a failed *training* item when the trainer consumes it (BaseTrainer._train_step): a failed
         # trajectory dropped as stale is re-rolled, and only the attempt that is used counts.

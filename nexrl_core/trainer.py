@@ -97,8 +97,8 @@ class BaseTrainer(NexRLModule):
         return self.global_step >= self.total_train_steps
 
     def _main_loop(self) -> None:
+        t0 = time.perf_counter()  # the wait for a batch counts from the end of the previous step
         while not self._stop_event.is_set() and not self.is_done():
-            t0 = time.perf_counter()
             min_version = execute(self._weight_sync_controller.min_trainable_version, self._model_tag)
             batch = execute(self._trajectory_pool.get_batch, self.batch_size, self._model_tag, min_version,
                             _BATCH_WAIT_S)
@@ -106,6 +106,7 @@ class BaseTrainer(NexRLModule):
                 continue
             try:
                 self._train_step(batch.to_trajectories(), time.perf_counter() - t0)
+                t0 = time.perf_counter()
             except Exception as exc:
                 self._last_error = exc
                 self._activity_tracker.report_exception(self._module_name, f"train step {self.global_step + 1}", exc)
@@ -144,7 +145,8 @@ class BaseTrainer(NexRLModule):
             "train/num_failed": float(len(trajectories) - len(usable)),
             "train/staleness_max": float(max(staleness, default=0)),
             "train/staleness_mean": sum(staleness) / len(staleness) if staleness else 0.0,
-            "timing/wait_batch_s": wait_s,
+            "timing/wait_batch_s": wait_s,  # rollouts of this batch, in sync mode
+            "timing/weight_sync_s": float(self._weight_sync_controller.last_sync_s),
             "timing/train_s": train_s,
         }
         for name, value in execute(self._trajectory_pool.counters).items():

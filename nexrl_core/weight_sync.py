@@ -19,6 +19,7 @@ staleness_threshold`` (0 in sync mode): older groups are re-rolled and counted.
 from __future__ import annotations
 
 import threading
+import time
 from abc import ABC, abstractmethod
 from typing import Any, Literal
 
@@ -67,6 +68,10 @@ class WeightSyncController(NexRLModule):
         self._rollout_version: dict[ModelTag, int] = {}
         self._batch_ready: dict[ModelTag, bool] = {}
         self._steps_started: dict[ModelTag, int] = {}
+        # Sync mode: training rollouts started for the served version (see set_rollout_budget).
+        self._rollout_budget: int | None = None
+        self._admitted: dict[ModelTag, int] = {}
+        self._in_flight: dict[ModelTag, int] = {}
         self._waiting_for_validation = False
         self._stopping = False
         self._trainer: Any = None
@@ -74,6 +79,7 @@ class WeightSyncController(NexRLModule):
         self._trajectory_pool: Any = None
         self._dataloader: Any = None
         self.sync_count = 0
+        self.last_sync_s = 0.0
 
     @property
     def sync_mode(self) -> str:
@@ -91,6 +97,36 @@ class WeightSyncController(NexRLModule):
         self._inference_client = inference_client
 
     # -- rollout side -------------------------------------------------------------
+    def set_rollout_budget(self, tasks: int | None) -> None:
+        """Sync mode: start at most ``tasks`` training rollouts per served weight version
+        (``weight.rollout_limit``; ``batch`` means ``trajectory_pool.batch_size``). Rollouts started
+        beyond one batch are only re-rolled after the weight push (stale), and on shared hardware
+        they run during the training step, slowing it down. Rollouts that do not reach the pool
+        (re-rolled tasks) give their slot back; if everything started has landed and still no
+        batch is ready (e.g. the pool re-queued evicted members), more are admitted, so this never
+        stalls. None: no limit."""
+        with self._cond:
+            self._rollout_budget = int(tasks) if tasks and self._mode == "sync" else None
+            self._cond.notify_all()
+
+    def begin_rollout(self, model_tag: ModelTag = DEFAULT_MODEL_TAG) -> bool:
+        """Admit one training rollout, or False when rollouts must wait (:meth:`wait_rollout_allowed`).
+        Every admitted rollout is ended with :meth:`end_rollout`."""
+        with self._cond:
+            if self._blocked_locked(model_tag):
+                return False
+            self._admitted[model_tag] = self._admitted.get(model_tag, 0) + 1
+            self._in_flight[model_tag] = self._in_flight.get(model_tag, 0) + 1
+            return True
+
+    def end_rollout(self, model_tag: ModelTag = DEFAULT_MODEL_TAG, landed: bool = True) -> None:
+        """An admitted rollout finished; ``landed``: its trajectory went to the pool (not re-rolled)."""
+        with self._cond:
+            self._in_flight[model_tag] = max(0, self._in_flight.get(model_tag, 0) - 1)
+            if not landed:
+                self._admitted[model_tag] = max(0, self._admitted.get(model_tag, 0) - 1)
+            self._cond.notify_all()
+
     def check_rollout_service_status(self, model_tag: ModelTag = DEFAULT_MODEL_TAG) -> Literal["continue", "block"]:
         with self._cond:
             return "block" if self._blocked_locked(model_tag) else "continue"
@@ -106,7 +142,10 @@ class WeightSyncController(NexRLModule):
         if self._waiting_for_validation:
             return True
         if self._mode == "sync":
-            return self._batch_ready.get(tag, False)
+            if self._batch_ready.get(tag, False):
+                return True
+            budget = self._rollout_budget
+            return budget is not None and self._admitted.get(tag, 0) >= budget and self._in_flight.get(tag, 0) > 0
         if self._mode == "batch-async":
             started, rollout = self._steps_started.get(tag, 0), self._rollout_version.get(tag, 0)
             return started - rollout > self._staleness
@@ -162,6 +201,7 @@ class WeightSyncController(NexRLModule):
         with self._cond:
             version = self._train_version.get(model_tag, 0)
         pool = self._trajectory_pool
+        started = time.perf_counter()
         if pool is not None:
             execute(pool.notify_weight_sync_starting, model_tag)
         try:
@@ -172,7 +212,9 @@ class WeightSyncController(NexRLModule):
                 execute(pool.unlock_for_weight_sync, model_tag)
         with self._cond:
             self._rollout_version[model_tag] = version
+            self._admitted[model_tag] = 0  # a new version: a new batch of rollouts
             self.sync_count += 1
+            self.last_sync_s = time.perf_counter() - started
             self._cond.notify_all()
 
     # -- validation -----------------------------------------------------------------

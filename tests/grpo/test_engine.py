@@ -285,3 +285,18 @@ def test_ensure_safetensors_model_converts_once(tmp_path, monkeypatch, tiny_mode
     assert sorted(p.name for p in (tmp_path / "cache" / "models").iterdir()) == ["tiny.Q4_1"]  # no temp leftovers
     model, tokenizer = real_load(first)
     assert tokenizer.pad_token_id is not None and model.config.vocab_size == len(tokenizer)
+
+
+def test_group_samples_share_one_prefill_and_match_separate_generation(make_engine):
+    """A GRPO group (same prompt, different seeds) is prefilled once; each sample is what it
+    would be alone, tokens and logprobs."""
+    params = [SamplingParams(max_tokens=9, temperature=1.0, seed=s) for s in range(4)]
+    alone = make_engine(max_batch_size=1)
+    expected = [alone.complete(PROMPTS[0], p) for p in params] + [alone.complete(PROMPTS[1], params[0])]
+    grouped = make_engine(batch_wait_ms=200)
+    results = run_concurrently(grouped, [PROMPTS[0]] * 4 + [PROMPTS[1]], params + params[:1])
+    assert grouped.num_batches == 1
+    for got, want in zip(results, expected):
+        assert got.response_token_ids == want.response_token_ids
+        assert got.response_logprobs == pytest.approx(want.response_logprobs, abs=1e-5)
+    assert len({tuple(r.response_token_ids) for r in results[:4]}) > 1  # the seeds really differ

@@ -55,9 +55,11 @@ class HFInferenceEngine(InferenceClient):
     """Batched generation with a transformers causal LM, safe to call from many threads.
 
     Config keys: ``model_path`` (HF folder; required unless ``model`` is given), ``gguf_file``,
-    ``dtype`` (float32), ``max_batch_size`` (64), ``batch_wait_ms`` (2), ``chat_template``
-    (true: chat prompts go through ``apply_chat_template(add_generation_prompt=True)``; false:
-    message contents are joined with newlines), ``seed`` (for requests without their own seed).
+    ``dtype`` (float32), ``max_batch_size`` (64), ``batch_wait_ms`` (2: how long a batch waits for
+    more requests), ``batch_wait_max_ms`` (50: how long it may wait for callers already inside
+    :meth:`complete`), ``chat_template`` (true: chat prompts go through
+    ``apply_chat_template(add_generation_prompt=True)``; false: message contents are joined with
+    newlines), ``seed`` (for requests without their own seed).
     ``model``/``tokenizer`` keyword arguments share an already-built pair.
     """
 
@@ -77,6 +79,7 @@ class HFInferenceEngine(InferenceClient):
         if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
         self.batch_wait_s = float(config.get("batch_wait_ms", 2)) / 1000.0
+        self.batch_wait_max_s = float(config.get("batch_wait_max_ms", 50)) / 1000.0
         self.use_chat_template = bool(config.get("chat_template", True))
         self.max_positions = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 30)
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -88,6 +91,7 @@ class HFInferenceEngine(InferenceClient):
         self._tokenizer_lock = threading.Lock()  # fast tokenizers are not safe under concurrent use
         self._submit_lock = threading.Lock()  # makes "check open + enqueue" atomic against close()
         self._open = True
+        self._arriving = 0  # callers inside complete() that have not queued their request yet
         self.num_batches = 0  # scheduler counters, for monitoring and benchmarks
         self.num_requests = 0
         self._thread = threading.Thread(target=self._loop, name="hf-inference-engine", daemon=True)
@@ -112,16 +116,24 @@ class HFInferenceEngine(InferenceClient):
             raise ValueError(f"temperature must be >= 0, got {params.temperature}")
         if not 0 < params.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {params.top_p}")
-        prompt_ids = self.encode_prompt(prompt)
-        room = self.max_positions - len(prompt_ids)
-        if room < 1:
-            raise ValueError(f"prompt has {len(prompt_ids)} tokens; the model's context is {self.max_positions}")
-        generator = None
-        if params.temperature > 0:
-            seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
-            generator = torch.Generator(device=self.model.device).manual_seed(seed)
-        request = _Request(prompt_ids, params, generator, min(params.max_tokens, room))
         with self._submit_lock:
+            self._arriving += 1  # the scheduler waits for callers that are still tokenizing
+        try:
+            prompt_ids = self.encode_prompt(prompt)
+            room = self.max_positions - len(prompt_ids)
+            if room < 1:
+                raise ValueError(f"prompt has {len(prompt_ids)} tokens; the model's context is {self.max_positions}")
+            generator = None
+            if params.temperature > 0:
+                seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+                generator = torch.Generator(device=self.model.device).manual_seed(seed)
+            request = _Request(prompt_ids, params, generator, min(params.max_tokens, room))
+        except BaseException:
+            with self._submit_lock:
+                self._arriving -= 1
+            raise
+        with self._submit_lock:
+            self._arriving -= 1
             if not self._open:
                 raise InferenceError("HFInferenceEngine is closed")
             self._queue.put(request)
@@ -199,14 +211,27 @@ class HFInferenceEngine(InferenceClient):
             self._fail(leftovers, InferenceError("HFInferenceEngine is closed"))
 
     def _next_batch(self) -> list[_Request]:
-        """Block for one request, then take whatever else arrives within ``batch_wait_ms``."""
+        """Block for one request, then take more until none has arrived for ``batch_wait_ms``
+        and no caller is still inside :meth:`complete` preparing one, for at most
+        ``batch_wait_max_ms``. Rollout workers submit one after another (each tokenizes its prompt
+        first); a batch cut short would run the late-comers as a second, serial batch."""
         batch = [self._queue.get()]
-        deadline = time.monotonic() + self.batch_wait_s
+        start = time.monotonic()
+        deadline, cap = start + self.batch_wait_s, start + max(self.batch_wait_max_s, self.batch_wait_s)
         while len(batch) < self.max_batch_size and batch[-1] is not _STOP:
-            try:
-                batch.append(self._queue.get(timeout=max(deadline - time.monotonic(), 0.0)))
+            now = time.monotonic()
+            end = min(cap, deadline) if self._arriving == 0 else cap
+            if now >= end:
+                try:
+                    batch.append(self._queue.get_nowait())
+                    continue
+                except queue.Empty:
+                    break
+            try:  # while callers are arriving, wait in short slices and re-check
+                batch.append(self._queue.get(timeout=min(end - now, 0.001) if self._arriving else end - now))
             except queue.Empty:
-                break
+                continue
+            deadline = time.monotonic() + self.batch_wait_s  # each arrival extends the wait
         return [r for r in batch if r is not _STOP]
 
     @staticmethod
@@ -247,12 +272,16 @@ class HFInferenceEngine(InferenceClient):
 
         model, device = self.model, self.model.device
         n = len(batch)
-        width = max(len(r.prompt_ids) for r in batch)
-        input_ids = torch.full((n, width), self.pad_token_id, dtype=torch.long)
-        attention_mask = torch.zeros((n, width), dtype=torch.long)
-        for i, r in enumerate(batch):
-            input_ids[i, width - len(r.prompt_ids) :] = torch.tensor(r.prompt_ids)
-            attention_mask[i, width - len(r.prompt_ids) :] = 1
+        # Identical prompts (a GRPO group's samples) are prefilled once and share their KV cache.
+        distinct: dict[tuple[int, ...], int] = {}
+        row_prompt = [distinct.setdefault(tuple(r.prompt_ids), len(distinct)) for r in batch]
+        prompts = list(distinct)
+        width = max(len(p) for p in prompts)
+        input_ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            input_ids[i, width - len(p) :] = torch.tensor(p)
+            attention_mask[i, width - len(p) :] = 1
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
         position_ids = position_ids_from_mask(attention_mask)
 
@@ -275,6 +304,12 @@ class HFInferenceEngine(InferenceClient):
             use_cache=True,
             logits_to_keep=1,
         ).logits[:, -1, :]
+        if len(prompts) < n:
+            idx = torch.tensor(row_prompt, device=device)
+            shared, cache = cache, DynamicCache(config=model.config)
+            for layer_idx, layer in enumerate(shared.layers):
+                cache.update(layer.keys[idx], layer.values[idx], layer_idx)
+            logits, attention_mask, position_ids = logits[idx], attention_mask[idx], position_ids[idx]
         next_pos = position_ids[:, -1] + 1
         while True:
             tokens, logprobs = _sample(logits, scale, greedy, top_p, [batch[i].generator for i in active])

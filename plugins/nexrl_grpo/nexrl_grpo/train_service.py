@@ -80,6 +80,8 @@ class LocalTorchTrainService:
             betas=(float(betas[0]), float(betas[1])),
             eps=float(config.get("eps", 1e-8)),
             weight_decay=float(config.get("weight_decay", 0.0)),
+            # One fused kernel over all parameters; the default on CPU is a per-tensor Python loop.
+            fused=all(p.device.type in ("cpu", "cuda") for p in self._params) or None,
         )
 
     # ------------------------------------------------------------------ compute
@@ -130,7 +132,9 @@ class LocalTorchTrainService:
         A non-finite gradient norm skips the step (the weights stay put) and is reported as is.
         """
         grads = [p for p in self._params if p.grad is not None]
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(grads, self.grad_clip if self.grad_clip else math.inf))
+        on_cpu = all(g.device.type == "cpu" for g in grads)  # foreach kernels are slower than a loop on CPU
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(grads, self.grad_clip if self.grad_clip else math.inf,
+                                                         foreach=False if on_cpu else None))
         if math.isfinite(grad_norm):
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

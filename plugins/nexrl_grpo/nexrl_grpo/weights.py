@@ -38,7 +38,8 @@ class HFInferenceBackend(HFInferenceEngine):
     """The ``hf`` inference backend: the in-process engine, with recipe model paths resolved."""
 
     CONFIG_KEYS = {"model_path": None, "gguf_file": None, "dtype": "float32", "max_batch_size": 64,
-                   "batch_wait_ms": 2, "chat_template": True, "seed": None, "num_threads": None}
+                   "batch_wait_ms": 2, "batch_wait_max_ms": 50, "chat_template": True, "seed": None,
+                   "num_threads": None}
 
     def __init__(self, config: Any):
         from omegaconf import OmegaConf
