@@ -196,7 +196,7 @@ class BaseTrainer(NexRLModule):
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        _fsync_dir(root)
+        _fsync_path(root)
         shutil.rmtree(old, ignore_errors=True)
         logger.info(f"checkpoint saved: {final}")
         if self.remove_previous_ckpt:
@@ -248,20 +248,11 @@ def _fsync_tree(path: str) -> None:
     """Flush every file of a finished checkpoint to disk before it is renamed into place."""
     for folder, _, files in os.walk(path):
         for name in files:
-            try:
-                fd = os.open(os.path.join(folder, name), os.O_RDONLY)
-            except OSError:
-                continue
-            try:
-                os.fsync(fd)
-            except OSError:
-                pass
-            finally:
-                os.close(fd)
-        _fsync_dir(folder)
+            _fsync_path(os.path.join(folder, name))
+        _fsync_path(folder)
 
 
-def _fsync_dir(path: str) -> None:
+def _fsync_path(path: str) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:

@@ -33,10 +33,9 @@ import pytest
 import torch
 import yaml
 
-from nexrl_core import EvaluationRunResult, Evaluator, hookimpl
 from nexrl_core.config import load_recipe
 from nexrl_core.controller import NexRLController
-from nexrl_core.plugins import PluginManager
+from tests.support.letters import grpo_plugin_manager
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 STEPS = 8
@@ -45,34 +44,6 @@ GROUP = 8
 PROMPTS = ["the quick", "what is", "count: one", "hello world"]  # one batch: every step sees them all
 
 
-class LetterShareEvaluator(Evaluator):
-    """Reward = share of ``letter`` among the reply's characters (a dense, easily learned signal)."""
-
-    def __init__(self, letter: str = "e"):
-        self.letter = letter
-
-    def evaluate(self, data, evaluation_target) -> EvaluationRunResult:
-        text = evaluation_target.final_answer
-        share = sum(ch == self.letter for ch in text) / max(len(text), 1)
-        return EvaluationRunResult(reward=share, ground_truth=self.letter, metrics={"letter_share": share})
-
-
-class LetterPlugin:
-    """What a third-party evaluator package's entry-point module would hold."""
-
-    @hookimpl
-    def nexrl_evaluators(self):
-        return {"letter_share": LetterShareEvaluator}
-
-
-def grpo_plugin_manager() -> PluginManager:
-    """The installed nexrl-grpo (through its entry point, nothing else) + the in-process evaluator."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("NEXRL_LOAD_PLUGINS", "nexrl-grpo")
-        pm = PluginManager()
-    assert "nexrl-grpo" in {r.distribution for r in pm.records.values()}, pm.failures
-    pm.register(LetterPlugin(), name="letters", distribution="nexrl-letters (in-process)")
-    return pm
 
 
 def recipe(run_dir: Path, model_dir: str) -> dict:

@@ -22,42 +22,15 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from nexrl_core import EvaluationRunResult, Evaluator, hookimpl
 from nexrl_core.config import load_recipe
 from nexrl_core.controller import NexRLController
-from nexrl_core.plugins import PluginManager
+from tests.support.letters import grpo_plugin_manager
 
 PROMPTS = ["the quick", "what is", "count: one", "hello world", "jumps over", "two plus"]
 GROUP = 4
 BATCH = 2 * GROUP
 
 
-class LetterShareEvaluator(Evaluator):
-    """Reward = share of ``letter`` in the reply: dense, so groups are rarely flat and weights move."""
-
-    def __init__(self, letter: str = "e"):
-        self.letter = letter
-
-    def evaluate(self, data, evaluation_target) -> EvaluationRunResult:
-        text = evaluation_target.final_answer
-        share = sum(ch == self.letter for ch in text) / max(len(text), 1)
-        return EvaluationRunResult(reward=share, ground_truth=self.letter, metrics={"letter_share": share})
-
-
-class LetterPlugin:
-    @hookimpl
-    def nexrl_evaluators(self):
-        return {"letter_share": LetterShareEvaluator}
-
-
-def grpo_plugin_manager() -> PluginManager:
-    """The installed nexrl-grpo (through its entry point) + an evaluator registered in process."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("NEXRL_LOAD_PLUGINS", "nexrl-grpo")
-        pm = PluginManager()
-    assert "nexrl-grpo" in {r.distribution for r in pm.records.values()}, pm.failures
-    pm.register(LetterPlugin(), name="letters", distribution="nexrl-letters (in-process)")
-    return pm
 
 
 def recipe(run_dir: Path, model_dir: str, steps: int, sync_mode: str = "sync", staleness: int = 0,

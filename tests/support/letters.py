@@ -1,0 +1,36 @@
+"""A dense toy reward for tiny-model GRPO tests, packaged like a third-party evaluator plugin."""
+
+import pytest
+
+from nexrl_core import EvaluationRunResult, Evaluator, hookimpl
+from nexrl_core.plugins import PluginManager
+
+
+class LetterShareEvaluator(Evaluator):
+    """Reward = share of ``letter`` among the reply's characters (dense, so groups are rarely flat)."""
+
+    def __init__(self, letter: str = "e"):
+        self.letter = letter
+
+    def evaluate(self, data, evaluation_target) -> EvaluationRunResult:
+        text = evaluation_target.final_answer
+        share = sum(ch == self.letter for ch in text) / max(len(text), 1)
+        return EvaluationRunResult(reward=share, ground_truth=self.letter, metrics={"letter_share": share})
+
+
+class LetterPlugin:
+    """What a third-party evaluator package's entry-point module would hold."""
+
+    @hookimpl
+    def nexrl_evaluators(self):
+        return {"letter_share": LetterShareEvaluator}
+
+
+def grpo_plugin_manager() -> PluginManager:
+    """The installed nexrl-grpo (through its entry point, nothing else) + the in-process evaluator."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("NEXRL_LOAD_PLUGINS", "nexrl-grpo")
+        pm = PluginManager()
+    assert "nexrl-grpo" in {r.distribution for r in pm.records.values()}, pm.failures
+    pm.register(LetterPlugin(), name="letters", distribution="nexrl-letters (in-process)")
+    return pm
