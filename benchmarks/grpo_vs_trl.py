@@ -1,0 +1,417 @@
+"""nexrl vs TRL's GRPOTrainer at the same GRPO configuration, alternating in one process.
+
+Same model (SmolLM2-135M-Instruct, fp32, from the cached safetensors folder), same prompts (the
+generated ``arithmetic`` task, in the same order), same sampling (temperature 1.0, top_p 1,
+``--max-new-tokens``), same batch (``--prompts`` x ``--samples`` completions per optimizer step),
+same loss (PPO-clip 0.2, per-sequence token mean, group-std-normalised advantages, beta=0: no KL,
+no reference model), same optimizer (AdamW, constant ``--lr``, grad clip 1.0), same reward
+(``nexrl_core.evaluators.NumericAnswerEvaluator``), CPU fp32, no checkpoints, no evaluation.
+
+nexrl runs through ``NexRLController`` with ``recipes/quickstart.yaml`` plus overrides (the path
+``nexrl run`` takes); TRL runs ``GRPOTrainer.train()``. Each runs in its own thread and is paused
+between blocks at a step boundary, so only one system computes at a time:
+
+    warm-up (both) -> [TRL k steps, nexrl k steps] x blocks   (the first system alternates)
+
+A block's time runs from releasing the system to the end of its k-th optimizer step (nexrl: also
+until its rollout workers are idle, so no leftover work spills into TRL's block; the weight push
+of each step belongs to the block). Background load hits both systems alike because the blocks
+interleave. Prints seconds/step per system, the ratio (nexrl steps/s / TRL steps/s) and the mean
+reward per step of both.
+
+    pip install -c constraints-cpu.txt -r benchmarks/requirements.txt
+    python benchmarks/grpo_vs_trl.py                      # defaults: ~10-15 min on 2 CPU cores
+    python benchmarks/grpo_vs_trl.py --blocks 2 --steps-per-block 1   # quick check
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from datetime import datetime, timezone
+from typing import Any
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+QUICKSTART = os.path.join(REPO, "recipes", "quickstart.yaml")
+
+
+def loadavg() -> str:
+    try:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "n/a"
+
+
+class Gate:
+    """Lets a system's thread run ``n`` more optimizer steps, then holds it at a step boundary."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self._cond = threading.Condition()
+        self._allowed = 0
+        self.done = 0
+        self.step_end_times: list[float] = []
+        self.failed: BaseException | None = None
+        self.finished = False
+
+    def allow(self, n: int) -> None:
+        with self._cond:
+            self._allowed += n
+            self._cond.notify_all()
+
+    def step_end(self) -> None:
+        """Called by the system at the end of each optimizer step: count it, hold if no budget."""
+        with self._cond:
+            self.done += 1
+            self.step_end_times.append(time.perf_counter())
+            self._cond.notify_all()
+            self._cond.wait_for(lambda: self._allowed > self.done or self.finished)
+
+    def wait_done(self, n: int, timeout: float = 3600.0) -> None:
+        with self._cond:
+            ok = self._cond.wait_for(lambda: self.done >= n or self.failed is not None or self.finished, timeout)
+        if self.failed is not None:
+            raise RuntimeError(f"{self.name} failed: {self.failed!r}") from self.failed
+        if not ok or self.done < n:
+            raise RuntimeError(f"{self.name}: {self.done} of {n} steps done (finished={self.finished})")
+
+    def release_all(self) -> None:
+        with self._cond:
+            self.finished = True
+            self._cond.notify_all()
+
+
+# ----------------------------------------------------------------------------- the task
+
+
+def arithmetic_rows(seed: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The quickstart's training rows (same generator, same config)."""
+    from nexrl_core.config import load_recipe
+    from nexrl_core.tasks import ArithmeticDataLoader
+
+    cfg = load_recipe(QUICKSTART, [f"seed={seed}"])
+    data = cfg.data
+    loader = ArithmeticDataLoader(data, is_validate=False)
+    return [loader[i] for i in range(loader.num_rows())], data
+
+
+def make_reward_fn(log: list[float]) -> Callable[..., list[float]]:
+    from nexrl_core.evaluation import BaseEvaluationTarget
+    from nexrl_core.evaluators import NumericAnswerEvaluator
+
+    evaluator = NumericAnswerEvaluator()
+
+    def numeric_answer(completions: list[Any], answer: list[Any], **_: Any) -> list[float]:
+        rewards = []
+        for completion, truth in zip(completions, answer):
+            text = completion[-1]["content"] if isinstance(completion, list) else str(completion)
+            rewards.append(evaluator.evaluate({"answer": truth}, BaseEvaluationTarget(final_answer=text)).reward)
+        log.append(sum(rewards) / len(rewards))
+        return rewards
+
+    return numeric_answer
+
+
+# ----------------------------------------------------------------------------- TRL
+
+
+class TrlSystem:
+    name = "TRL"
+
+    def __init__(self, args: argparse.Namespace, model_path: str, rows: list[dict[str, Any]], order: list[int],
+                 total_steps: int, out_dir: str):
+        import torch
+        from datasets import Dataset
+        from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+        from trl import GRPOConfig, GRPOTrainer
+
+        self.gate = Gate(self.name)
+        self.rewards: list[float] = []
+        self.gen_intervals: list[tuple[float, float]] = []
+        dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": rows[i]["prompt"]}],
+                                      "answer": rows[i]["answer"]} for i in order])
+        config = GRPOConfig(
+            output_dir=out_dir,
+            use_cpu=True, bf16=False, fp16=False,
+            per_device_train_batch_size=args.prompts * args.samples,  # completions per step
+            gradient_accumulation_steps=1,
+            num_generations=args.samples,
+            max_completion_length=args.max_new_tokens,
+            temperature=1.0, top_p=1.0, top_k=0,
+            beta=0.0, num_iterations=1, epsilon=0.2,
+            loss_type="grpo",  # per-sequence token mean, then batch mean (= nexrl's seq-mean-token-mean)
+            scale_rewards="group",
+            learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0,
+            weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, max_grad_norm=1.0,
+            # GRPOConfig's default is True (recompute activations in backward: slower); nexrl keeps them.
+            gradient_checkpointing=args.trl_gradient_checkpointing,
+            max_steps=total_steps, logging_steps=1, save_strategy="no", report_to="none",
+            shuffle_dataset=False,  # the dataset is already in nexrl's order
+            dataloader_num_workers=0, disable_tqdm=True, log_completions=False, use_vllm=False,
+            seed=args.seed,
+        )
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
+        gate = self.gate
+
+        class Pause(TrainerCallback):
+            def on_step_end(self, *_a: Any, **_k: Any) -> None:
+                gate.step_end()
+
+        self.trainer = GRPOTrainer(model=model, reward_funcs=[make_reward_fn(self.rewards)], args=config,
+                                   train_dataset=dataset, processing_class=tokenizer, callbacks=[Pause()])
+        from transformers.trainer_callback import PrinterCallback
+
+        self.trainer.remove_callback(PrinterCallback)  # no per-step log dicts on stdout
+        # Time generation (+ reward) separately, for the breakdown.
+        orig = self.trainer._generate_and_score_completions
+
+        def timed(*a: Any, **k: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return orig(*a, **k)
+            finally:
+                self.gen_intervals.append((t0, time.perf_counter()))
+
+        self.trainer._generate_and_score_completions = timed
+        self.thread = threading.Thread(target=self._run, name="trl", daemon=True)
+
+    def _run(self) -> None:
+        try:
+            self.trainer.train()
+        except BaseException as exc:  # noqa: BLE001  (reported by Gate.wait_done)
+            self.gate.failed = exc
+        finally:
+            self.gate.release_all()
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def settle(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.gate.release_all()
+        self.thread.join(timeout=600)
+
+
+# ----------------------------------------------------------------------------- nexrl
+
+
+class NexrlSystem:
+    name = "nexrl"
+
+    def __init__(self, args: argparse.Namespace, total_steps: int, run_dir: str):
+        from nexrl_core.config import load_recipe
+        from nexrl_core.controller import NexRLController
+
+        self.gate = Gate(self.name)
+        overrides = [
+            f"run_dir={run_dir}", f"seed={args.seed}",
+            f"trainer.total_train_steps={total_steps}", "trainer.save_freq=0",
+            "validate.validate_before_train=false", "weight.validate_freq=0", "logger.backend=[]",
+            f"trajectory_pool.batch_size={args.prompts * args.samples}", f"trajectory_pool.group_size={args.samples}",
+            f"rollout_worker.num_workers={args.workers or args.prompts * args.samples}",
+            f"rollout_worker.sampling.max_tokens={args.max_new_tokens}", "rollout_worker.sampling.temperature=1.0",
+            f"service.train_service.lr={args.lr}", "service.train_service.grad_clip=1.0",
+            *([f"weight.rollout_limit={args.rollout_limit}"] if args.rollout_limit != "recipe" else []),
+            "algorithm.clip_ratio_low=0.2", "algorithm.clip_ratio_high=0.2",
+            "algorithm.loss_agg_mode=seq-mean-token-mean",
+        ] + list(args.nexrl_override)
+        self.config = load_recipe(QUICKSTART, overrides)
+        self.controller = NexRLController(self.config)
+        self.run_dir = run_dir
+        self.gen_intervals: list[tuple[float, float]] = []
+        engine = self.controller.inference_client
+        orig_gen = engine._generate
+
+        def timed_gen(*a: Any, **k: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return orig_gen(*a, **k)
+            finally:
+                self.gen_intervals.append((t0, time.perf_counter()))
+
+        engine._generate = timed_gen
+        # Hold the trainer at the end of each step, before the new weights are pushed: in sync mode
+        # the rollout workers stay blocked until then, so nothing of nexrl runs while it is held.
+        ws = self.controller.weight_sync_controller
+        orig_update = ws.train_worker_notify_weight_update
+
+        def update(*a: Any, **k: Any) -> Any:
+            self.gate.step_end()
+            return orig_update(*a, **k)
+
+        ws.train_worker_notify_weight_update = update
+        self.summary: Any = None
+        self.thread = threading.Thread(target=self._run, name="nexrl", daemon=True)
+
+    def _run(self) -> None:
+        try:
+            self.summary = self.controller.run()
+        except BaseException as exc:  # noqa: BLE001  (reported by Gate.wait_done)
+            self.gate.failed = exc
+        finally:
+            self.gate.release_all()
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def settle(self) -> None:
+        """Wait until no rollout is in flight (requests started before the batch was complete)."""
+        tracker = self.controller.activity_tracker
+        while not tracker.is_rollout_worker_quiescent():
+            time.sleep(0.005)
+
+    @property
+    def rewards(self) -> list[float]:
+        path = os.path.join(self.run_dir, "metrics.jsonl")
+        if not os.path.exists(path):
+            return []
+        with open(path) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+        return [r["train/reward_mean"] for r in sorted(rows, key=lambda r: r["step"]) if "train/reward_mean" in r]
+
+    def close(self) -> None:
+        self.gate.release_all()
+        self.thread.join(timeout=600)
+
+
+# ----------------------------------------------------------------------------- driver
+
+
+def run_block(system: Any, n: int) -> tuple[float, float]:
+    target = system.gate.done + n
+    t0 = time.perf_counter()
+    system.gate.allow(n)
+    if not system.thread.is_alive() and not system.gate.finished:
+        system.start()  # a system starts inside its warm-up block, so it never runs unpermitted
+    system.gate.wait_done(target)
+    system.settle()
+    return t0, time.perf_counter()
+
+
+def overlap(intervals: list[tuple[float, float]], windows: list[tuple[float, float]]) -> float:
+    return sum(max(0.0, min(b, wb) - max(a, wa)) for a, b in intervals for wa, wb in windows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps per system before the blocks")
+    p.add_argument("--blocks", type=int, default=3, help="timed blocks per system")
+    p.add_argument("--steps-per-block", type=int, default=2, help="optimizer steps per block")
+    p.add_argument("--prompts", type=int, default=4, help="prompts per step")
+    p.add_argument("--samples", type=int, default=4, help="completions per prompt (GRPO group size)")
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--lr", type=float, default=None, help="learning rate (default: the quickstart recipe's)")
+    p.add_argument("--rollout-limit", default="batch",
+                   help="nexrl weight.rollout_limit: batch (start no more rollouts than a step trains on), "
+                        "null (rollouts run until the batch is ready), or 'recipe' (leave the recipe's)")
+    p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    p.add_argument("--workers", type=int, default=0,
+                   help="nexrl rollout_worker.num_workers (0: prompts x samples, one step's completions)")
+    p.add_argument("--nexrl-override", nargs="*", default=[], help="extra nexrl recipe overrides key=value")
+    p.add_argument("--trl-gradient-checkpointing", action="store_true",
+                   help="run TRL with gradient checkpointing (GRPOConfig's default; off by default here because "
+                        "nexrl keeps activations, so both do the same compute)")
+    p.add_argument("--json", help="also write the results to this JSON file")
+    args = p.parse_args(argv)
+
+    import torch
+    from loguru import logger
+
+    logger.remove()
+    logger.add(sys.stderr, level="WARNING")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    import trl
+    from nexrl_grpo.weights import resolve_model_path
+
+    model_path = resolve_model_path("smollm2-135m-instruct")
+    if args.lr is None:
+        from nexrl_core.config import load_recipe
+
+        args.lr = float(load_recipe(QUICKSTART).service.train_service.lr)
+    steps_per_system = args.warmup + args.blocks * args.steps_per_block
+    started = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    print(f"grpo_vs_trl  {started}  torch {torch.__version__} ({torch.get_num_threads()} threads), "
+          f"transformers {transformers.__version__}, trl {trl.__version__}")
+    print(f"model {model_path} (fp32); {args.prompts} prompts x {args.samples} samples/step, <= {args.max_new_tokens} "
+          f"new tokens, temperature 1.0, beta 0, lr {args.lr}; warm-up {args.warmup}, {args.blocks} blocks x "
+          f"{args.steps_per_block} steps per system; nexrl weight.rollout_limit={args.rollout_limit}; "
+          f"load avg {loadavg()}", flush=True)
+
+    with tempfile.TemporaryDirectory(prefix="nexrl-vs-trl-") as tmp:
+        nexrl = NexrlSystem(args, steps_per_system, os.path.join(tmp, "nexrl"))
+        rows, _ = arithmetic_rows(args.seed)
+        # TRL sees the prompts in the order nexrl's data loader hands them out (epoch 0).
+        order = list(nexrl.controller.dataloader._order)
+        need = steps_per_system * args.prompts
+        order = (order * (need // len(order) + 1))[:need]
+        trl_sys = TrlSystem(args, model_path, rows, order, steps_per_system, os.path.join(tmp, "trl"))
+        systems = [trl_sys, nexrl]
+        times: dict[str, list[float]] = {"TRL": [], "nexrl": []}
+        windows: dict[str, list[tuple[float, float]]] = {"TRL": [], "nexrl": []}
+        try:
+            for s in systems:  # warm-up: model load, first generation, allocator warm-up
+                t0, t1 = run_block(s, args.warmup) if args.warmup else (0.0, 0.0)
+                print(f"warm-up {s.name}: {args.warmup} step(s) in {t1 - t0:.1f}s", flush=True)
+            for b in range(args.blocks):
+                pair = systems if b % 2 == 0 else systems[::-1]
+                for s in pair:
+                    t0, t1 = run_block(s, args.steps_per_block)
+                    t = t1 - t0
+                    times[s.name].append(t)
+                    windows[s.name].append((t0, t1))
+                    print(f"block {b + 1} {s.name:<5}: {args.steps_per_block} steps in {t:7.1f}s "
+                          f"= {t / args.steps_per_block:6.2f} s/step   (load avg {loadavg()})", flush=True)
+        finally:
+            for s in systems:
+                s.close()
+        trl_rewards, nexrl_rewards = trl_sys.rewards, nexrl.rewards
+        stats = nexrl.controller.trajectory_pool.counters()
+        engine = nexrl.controller.inference_client
+
+    n = args.blocks * args.steps_per_block
+    trl_sps, nexrl_sps = n / sum(times["TRL"]), n / sum(times["nexrl"])
+    ratio = nexrl_sps / trl_sps
+    per_block = [t / nx for t, nx in zip(times["TRL"], times["nexrl"])]
+    print()
+    print(f"TRL   : {1 / trl_sps:6.2f} s/step  ({trl_sps:.4f} steps/s)   blocks {[f'{t:.1f}' for t in times['TRL']]}")
+    print(f"nexrl : {1 / nexrl_sps:6.2f} s/step  ({nexrl_sps:.4f} steps/s)   blocks {[f'{t:.1f}' for t in times['nexrl']]}")
+    print(f"ratio (nexrl steps/s / TRL steps/s): {ratio:.2f}x   per block pair: "
+          f"{', '.join(f'{r:.2f}' for r in per_block)} (median {statistics.median(per_block):.2f})   target >= 2.5")
+    gen = {name: overlap(sys_.gen_intervals, windows[name]) / n for name, sys_ in (("TRL", trl_sys), ("nexrl", nexrl))}
+    for name in ("TRL", "nexrl"):
+        step = sum(times[name]) / n
+        print(f"  {name:<5} per step: generation {gen[name]:6.2f}s, the rest (logprobs, loss, backward, optimizer, "
+              f"weight push, framework) {step - gen[name]:6.2f}s")
+    print(f"  (TRL generation = _generate_and_score_completions; nexrl = the engine's batched decode.) nexrl engine: "
+          f"{engine.num_batches} batches / {engine.num_requests} requests for {len(nexrl_rewards)} steps x "
+          f"{args.prompts * args.samples} trained; pool counters {stats}")
+    steps = min(len(trl_rewards), len(nexrl_rewards))
+    print("mean reward per step (step: TRL / nexrl):")
+    print("  " + "  ".join(f"{i + 1}: {trl_rewards[i]:.3f}/{nexrl_rewards[i]:.3f}" for i in range(steps)))
+    print(f"  mean over steps: TRL {statistics.mean(trl_rewards[:steps]):.3f}, "
+          f"nexrl {statistics.mean(nexrl_rewards[:steps]):.3f}   load avg {loadavg()}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"date": started, "args": vars(args), "times": times, "ratio": ratio,
+                       "generation_s_per_step": gen, "trl_rewards": trl_rewards, "nexrl_rewards": nexrl_rewards},
+                      f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,519 @@
+"""Framework overhead of nexrl.
+
+Part 1 (``--part flow``): trajectories/s through the real local-mode data path
+(data loader -> rollout worker threads -> trajectory pool -> trainer -> weight sync) driven by
+``NexRLController``, with the ``mock`` inference backend (answers instantly) and the ``mock``
+trainer (trains nothing). Everything measured is framework code. Target: >= 5,000 trajectories/s.
+
+Part 2 (``--part step``): where the wall time of a real quickstart step goes (SmolLM2-135M on
+the CPU): generation, old-logprob/prep, forward_backward, optim_step, weight sync, checkpoint
+and the rest (framework). It wraps the real components' methods with timers (no code change),
+runs ``recipes/quickstart.yaml`` for a few steps through ``NexRLController`` and prints the
+``timing/*`` rows of metrics.jsonl too; ``--py-spy FILE`` also samples the run with py-spy.
+Target: framework <= 2% of the step.
+
+Part 3 (``--part pack``): fwd+bwd of one GRPO batch three ways (full padded rows as TRL does,
+nexrl's shared-prompt forward, and a packed no-padding prototype, ``packed_response_logprobs``).
+
+    python benchmarks/overhead.py                      # all parts (~6 min on 2 CPU cores)
+    python benchmarks/overhead.py --part flow --workers 4 16 --batches 64
+    python benchmarks/overhead.py --part step --real-steps 3 --py-spy /tmp/step.txt
+    python benchmarks/overhead.py --part flow --profile flow.prof   # cProfile of one flow config
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+from collections import defaultdict
+from typing import Any
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+QUICKSTART = os.path.join(REPO, "recipes", "quickstart.yaml")
+
+FLOW_RECIPE = """\
+launch_mode: local
+project_name: nexrl-bench
+experiment_name: overhead
+run_dir: {run_dir}
+seed: 1
+data:
+  type: arithmetic
+  num_rows: 4000
+  max_value: 99
+rollout_worker:
+  type: simple
+  num_workers: {workers}
+  sampling: {{max_tokens: 16}}
+  evaluator: {{type: numeric_answer}}
+trajectory_pool:
+  batch_size: {batch}
+  group_size: {group}
+  key_list: [uid]
+trainer:
+  type: mock
+  total_train_steps: {steps}
+  save_freq: 0
+weight:
+  sync_mode: {sync_mode}
+  staleness_threshold: {staleness}
+  rollout_limit: {limit}
+  backend: version_only
+service:
+  inference_service: {{backend: mock, mode: sum}}
+logger:
+  backend: []
+  level: WARNING
+"""
+
+
+def loadavg() -> str:
+    try:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "n/a"
+
+
+def _quiet_logs() -> None:
+    from loguru import logger
+
+    logger.remove()
+    logger.add(sys.stderr, level="WARNING")
+
+
+# ----------------------------------------------------------------------------- part 1: flow
+
+
+def run_flow(workers: int, batch: int, group: int, steps: int, sync_mode: str = "sync",
+             staleness: int = 0, profile: str | None = None, limit: str = "null") -> dict[str, float]:
+    from nexrl_core.config import load_recipe
+    from nexrl_core.controller import NexRLController
+
+    with tempfile.TemporaryDirectory(prefix="nexrl-overhead-") as tmp:
+        path = os.path.join(tmp, "recipe.yaml")
+        with open(path, "w") as f:
+            f.write(FLOW_RECIPE.format(run_dir=os.path.join(tmp, "run"), workers=workers, batch=batch, group=group,
+                                       steps=steps, sync_mode=sync_mode, staleness=staleness, limit=limit))
+        cfg = load_recipe(path)
+        controller = NexRLController(cfg)
+        t0 = time.perf_counter()
+        if profile:
+            summary = _run_profiled(controller, profile)
+        else:
+            summary = controller.run()
+        wall = time.perf_counter() - t0
+        trainer = controller.trainer
+        n = sum(len(b) for b in trainer.batches)
+        rerolled = controller.trajectory_pool.counters().get("stale_rerolled", 0)
+        calls = controller.inference_client.calls
+    assert summary.stopped_by == "finished", summary
+    return {"workers": workers, "batch": batch, "group": group, "steps": steps, "sync_mode": sync_mode,
+            "trajectories": n, "wall_s": wall, "traj_per_s": n / wall, "steps_per_s": steps / wall,
+            "generated": calls, "stale_rerolled": rerolled}
+
+
+def _run_profiled(controller: Any, out: str) -> Any:
+    """Run with cProfile enabled in every thread the run starts (stats merged into ``out``)."""
+    import cProfile
+    import pstats
+
+    profiles: list[cProfile.Profile] = []
+    lock = threading.Lock()
+    orig_run = threading.Thread.run
+
+    def run(self: threading.Thread) -> None:
+        p = cProfile.Profile()
+        with lock:
+            profiles.append(p)
+        p.enable()
+        try:
+            orig_run(self)
+        finally:
+            p.disable()
+
+    threading.Thread.run = run  # type: ignore[method-assign]
+    main = cProfile.Profile()
+    main.enable()
+    try:
+        summary = controller.run()
+    finally:
+        main.disable()
+        threading.Thread.run = orig_run  # type: ignore[method-assign]
+    stats = pstats.Stats(main)
+    for p in profiles:
+        with contextlib.suppress(TypeError):
+            stats.add(p)
+    stats.dump_stats(out)
+    stats.sort_stats("tottime").print_stats(25)
+    return summary
+
+
+def part_flow(args: argparse.Namespace) -> list[dict[str, float]]:
+    _quiet_logs()
+    configs = [(w, b) for w in args.workers for b in args.batches]
+    print(f"== part 1: framework data path with mock inference + mock trainer, weight.rollout_limit="
+          f"{args.flow_rollout_limit} (load avg {loadavg()})")
+    print(f"{'workers':>7} {'batch':>5} {'group':>5} {'mode':>11} {'steps':>5} {'traj':>7} {'wall_s':>7} "
+          f"{'traj/s':>8} {'steps/s':>7} {'generated':>9} {'rerolled':>8}")
+    results = []
+    for mode in args.modes:
+        for w, b in configs:
+            steps = args.steps or max(10, args.trajectories // b)
+            r = run_flow(w, b, args.group, steps, mode, 1 if mode != "sync" else 0,
+                         args.profile if args.profile and not results else None, args.flow_rollout_limit)
+            results.append(r)
+            print(f"{r['workers']:>7} {r['batch']:>5} {r['group']:>5} {mode:>11} {r['steps']:>5} "
+                  f"{r['trajectories']:>7} {r['wall_s']:>7.2f} {r['traj_per_s']:>8.0f} {r['steps_per_s']:>7.1f} "
+                  f"{r['generated']:>9} {r['stale_rerolled']:>8}", flush=True)
+    best = max(results, key=lambda r: r["traj_per_s"])
+    print(f"best: {best['traj_per_s']:.0f} trajectories/s (workers={best['workers']}, batch={best['batch']}, "
+          f"{best['sync_mode']}); target >= 5000; load avg {loadavg()}")
+    return results
+
+
+# ----------------------------------------------------------------------------- part 2: real step
+
+
+class Timers:
+    """Accumulates wall time per (thread-agnostic) label; wraps bound methods in place."""
+
+    def __init__(self) -> None:
+        self.total: dict[str, float] = defaultdict(float)
+        self.count: dict[str, int] = defaultdict(int)
+        self.lock = threading.Lock()
+        self.intervals: dict[str, list[tuple[float, float]]] = defaultdict(list)
+
+    def wrap(self, obj: Any, name: str, label: str) -> None:
+        fn = getattr(obj, name)
+
+        def timed(*a: Any, **k: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                t1 = time.perf_counter()
+                with self.lock:
+                    self.total[label] += t1 - t0
+                    self.count[label] += 1
+                    self.intervals[label].append((t0, t1))
+
+        setattr(obj, name, timed)
+
+
+def part_step(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    from nexrl_core.config import load_recipe
+    from nexrl_core.controller import NexRLController
+
+    _quiet_logs()
+    print(f"== part 2: real quickstart steps, broken down (torch threads {torch.get_num_threads()}, "
+          f"load avg {loadavg()})")
+    with tempfile.TemporaryDirectory(prefix="nexrl-step-") as tmp:
+        overrides = [f"run_dir={tmp}/run", f"trainer.total_train_steps={args.real_steps}",
+                     f"trainer.save_freq={args.save_freq}", "validate.validate_before_train=false",
+                     "weight.validate_freq=0", "logger.backend=[]",
+                     f"rollout_worker.sampling.max_tokens={args.max_tokens}"]
+        if args.rollout_limit != "recipe":
+            overrides.append(f"weight.rollout_limit={args.rollout_limit}")
+        overrides += list(args.override)
+        print(f"   recipes/quickstart.yaml + {' '.join(o for o in overrides if not o.startswith('run_dir'))}")
+        cfg = load_recipe(QUICKSTART, overrides)
+        controller = NexRLController(cfg)
+        timers = Timers()
+        trainer, engine = controller.trainer, controller.inference_client
+        ws = controller.weight_sync_controller
+        timers.wrap(engine, "_generate", "generation")
+        timers.wrap(trainer, "_process_trajectories", "prep")
+        timers.wrap(trainer, "_prepare_batch", "prep")
+        timers.wrap(trainer, "save_checkpoint", "checkpoint")
+        timers.wrap(ws, "sync_weight_to_rollout_service", "weight sync")
+        orig_init = trainer.initialize_workers
+
+        def init_and_wrap() -> None:
+            orig_init()
+            svc = trainer.train_service
+            timers.wrap(svc, "forward_backward", "forward_backward")
+            timers.wrap(svc, "optim_step", "optim_step")
+
+        trainer.initialize_workers = init_and_wrap
+        # A step ends when the trainer has pushed its weights (the next rollouts may start).
+        step_marks: list[float] = []
+        orig_update = ws.train_worker_notify_weight_update
+
+        def mark(*a: Any, **k: Any) -> Any:
+            out = orig_update(*a, **k)
+            step_marks.append(time.perf_counter())
+            return out
+
+        ws.train_worker_notify_weight_update = mark
+        t_start = time.perf_counter()
+        spy = _start_py_spy(args.py_spy) if args.py_spy else None
+        prof_ctx = _torch_profiler(args.torch_profile) if args.torch_profile else contextlib.nullcontext()
+        with prof_ctx:
+            summary = controller.run()
+        if spy is not None:
+            spy.send_signal(2)
+            spy.wait(timeout=60)
+        t_end = time.perf_counter()
+        with open(os.path.join(tmp, "run", "metrics.jsonl")) as f:
+            rows = [json.loads(line) for line in f]
+    assert summary.stopped_by == "finished", summary
+    # Steady state: from the end of step 1 to the end of the last step (step 1 includes warm-up).
+    first = 1 if len(step_marks) > 1 else 0
+    w0 = step_marks[first - 1] if first else t_start
+    w1 = step_marks[-1]
+    span, n_steps = w1 - w0, len(step_marks) - first
+
+    def in_window(label: str) -> float:
+        return sum(max(0.0, min(b, w1) - max(a, w0)) for a, b in timers.intervals.get(label, []))
+
+    names = ["generation", "prep", "forward_backward", "optim_step", "weight sync", "checkpoint"]
+    parts = {name: in_window(name) for name in names}
+    # Phases run one after another in sync mode with weight.rollout_limit=batch; without the limit,
+    # discarded extra rollouts overlap training and "generation" double-counts that time.
+    parts["framework/other"] = span - sum(parts.values())
+    labels = {"prep": "old-logprob/prep", "framework/other": "framework/other"}
+    print(f"steps {first + 1}..{len(step_marks)}: {span:.2f}s over {n_steps} step(s) = "
+          f"{span / max(n_steps, 1):.2f} s/step (whole run incl. model load {t_end - t_start:.1f}s)")
+    for name, sec in parts.items():
+        print(f"  {labels.get(name, name):<18} {sec / max(n_steps, 1):8.3f} s/step  {100 * sec / span:6.2f} %")
+    print("  timing/* from metrics.jsonl:")
+    for r in rows:
+        if "timing/train_s" in r:
+            shown = {k.split("/", 1)[1]: round(v, 3) for k, v in sorted(r.items()) if k.startswith("timing/")}
+            print(f"    step {r['step']}: {shown}  reward_mean={r.get('train/reward_mean'):.3f} "
+                  f"response_length_mean={r.get('train/response_length_mean', 0):.1f} "
+                  f"stale_rerolled={r.get('pool/stale_rerolled')}")
+    print(f"  engine: {engine.num_batches} batches, {engine.num_requests} requests for "
+          f"{len(step_marks) * int(cfg.trajectory_pool.batch_size)} trained trajectories")
+    pct = 100 * parts["framework/other"] / span
+    print(f"framework/other = {pct:.2f}% of step time (target <= 2%); load avg {loadavg()}")
+    if args.py_spy:
+        summarize_py_spy(args.py_spy)
+    return {"span": span, "parts": parts, "framework_pct": pct}
+
+
+def _start_py_spy(out: str):
+    import shutil
+    import subprocess
+
+    exe = shutil.which("py-spy")
+    if exe is None:
+        raise SystemExit("--py-spy needs py-spy (pip install -r benchmarks/requirements.txt)")
+    proc = subprocess.Popen([exe, "record", "--pid", str(os.getpid()), "--rate", "50", "--format", "raw",
+                             "--threads", "--output", out], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(1.0)
+    return proc
+
+
+_PHASES = [  # first match (innermost-last order of the stack is not needed: any frame matches)
+    ("generation", ("HFInferenceEngine._generate",)),
+    ("forward_backward", ("LocalTorchTrainService.forward_backward",)),
+    ("optim_step", ("LocalTorchTrainService.optim_step",)),
+    ("checkpoint", ("BaseTrainer.save_checkpoint",)),
+    ("weight sync", ("WeightSyncController.sync_weight_to_rollout_service",)),
+    ("old-logprob/prep", ("SelfHostedTrainer._process_trajectories", "SelfHostedGrpoTrainer._prepare_batch")),
+    ("model load", ("load_causal_lm", "initialize_workers", "HFInferenceBackend.__init__")),
+]
+
+
+_IDLE_LEAVES = {"Condition.wait", "Event.wait", "Queue.get", "Thread.join", "time.sleep",
+                "Thread._wait_for_tstate_lock"}
+
+
+def summarize_py_spy(path: str, top: int = 25) -> None:
+    """Samples of a ``py-spy record --format raw --threads`` file, by phase and by function."""
+    import re
+
+    phases: dict[str, int] = defaultdict(int)
+    funcs: dict[str, int] = defaultdict(int)
+    total = 0
+    with open(path) as f:
+        lines = f.read().splitlines()
+    for line in lines:
+        line = line.rstrip()
+        if not line:
+            continue
+        stack, n_text = line.rsplit(" ", 1)
+        n = int(n_text)
+        frames = [re.sub(r" \((.*?):\d+\)", r" (\1)", f) for f in stack.split(";")[1:]]
+        if not frames or any("_start_py_spy" in f for f in frames) or frames[-1].split(" ")[0] in _IDLE_LEAVES:
+            continue  # py-spy's own start-up, and threads blocked on a lock/condition (not working)
+        total += n
+        phase = next((name for name, keys in _PHASES if any(k in f for f in frames for k in keys)), "framework/other")
+        phases[phase] += n
+        if frames:
+            funcs[frames[-1]] += n
+    print(f"  py-spy: {total} samples (50/s, threads not blocked on a lock), by phase:")
+    for name, n in sorted(phases.items(), key=lambda kv: -kv[1]):
+        print(f"    {name:<18} {100 * n / max(total, 1):6.2f} %")
+    print(f"  top {top} functions by own samples:")
+    for name, n in sorted(funcs.items(), key=lambda kv: -kv[1])[:top]:
+        print(f"    {100 * n / max(total, 1):6.2f} %  {name}")
+
+
+# ----------------------------------------------------------------------------- part 3: packing
+
+
+def packed_response_logprobs(model: Any, prompts: list[list[int]], responses: list[list[int]],
+                             group_of: list[int]) -> list[Any]:
+    """Prototype (not used by nexrl yet): response logprobs of a GRPO batch with no padding at all.
+
+    One sequence holds every distinct prompt once, each followed by its group's responses; a 4-D
+    boolean mask lets a response token see its own prompt and its own earlier tokens, positions
+    restart per (prompt, response) pair. ``logits_to_keep`` (a tensor of positions) makes the LM
+    head run only where a response token is predicted. Same numbers as
+    ``compute_response_logprobs`` on the padded batch (up to float rounding).
+    """
+    import torch
+
+    toks: list[int] = []
+    pos: list[int] = []
+    prompt_seg: dict[int, tuple[int, int]] = {}
+    resp_seg: dict[int, tuple[int, int]] = {}
+    for g, p in enumerate(prompts):
+        prompt_seg[g] = (len(toks), len(p))
+        toks += p
+        pos += list(range(len(p)))
+        for i in (i for i in range(len(responses)) if group_of[i] == g):
+            resp_seg[i] = (len(toks), len(responses[i]))
+            toks += responses[i]
+            pos += list(range(len(p), len(p) + len(responses[i])))
+    n = len(toks)
+    segment = torch.empty(n, dtype=torch.long)
+    owner = torch.empty(n, dtype=torch.long)
+    for g, (start, length) in prompt_seg.items():
+        segment[start:start + length], owner[start:start + length] = g, g
+    for i, (start, length) in resp_seg.items():
+        segment[start:start + length], owner[start:start + length] = len(prompts) + i, group_of[i]
+    is_prompt = segment < len(prompts)
+    idx = torch.arange(n)
+    mask = (idx[None, :] <= idx[:, None]) & ((segment[:, None] == segment[None, :])
+                                             | (is_prompt[None, :] & (owner[None, :] == owner[:, None])))
+    keep: list[int] = []
+    for i in range(len(responses)):
+        ps, pn = prompt_seg[group_of[i]]
+        rs, rn = resp_seg[i]
+        keep += [ps + pn - 1] + list(range(rs, rs + rn - 1))
+    out = model(input_ids=torch.tensor([toks]), attention_mask=mask[None, None], position_ids=torch.tensor([pos]),
+                use_cache=False, logits_to_keep=torch.tensor(keep))
+    logits = out.logits[0].float()
+    targets = torch.tensor([t for r in responses for t in r])
+    lp = logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, -1)
+    return list(lp.split([len(r) for r in responses]))
+
+
+def part_pack(args: argparse.Namespace) -> None:
+    """fwd+bwd of one GRPO batch (4 prompts x 4 responses of mixed length, SmolLM2): full padded rows
+    (what TRL computes), nexrl's shared-prompt forward (padded responses), and the packed prototype."""
+    import random
+
+    import torch
+    from nexrl_grpo.modeling import (
+        compute_response_logprobs,
+        compute_response_logprobs_shared_prompts,
+        load_causal_lm,
+        position_ids_from_mask,
+    )
+    from nexrl_grpo.weights import resolve_model_path
+
+    _quiet_logs()
+    model, tok = load_causal_lm(resolve_model_path("smollm2-135m-instruct"))
+    model.train()
+    rng = random.Random(0)
+    texts = [tok.apply_chat_template([{"role": "user", "content": f"What is {a} + {b}? Reply with only the number."}],
+                                     add_generation_prompt=True, tokenize=False) for a, b in [(3, 4), (12, 9), (7, 15), (20, 1)]]
+    prompts = [tok(t, add_special_tokens=False).input_ids for t in texts]
+    lengths = args.pack_lengths
+    responses = [[rng.randrange(100, 40000) for _ in range(n)] for n in lengths]
+    group_of = [i * len(prompts) // len(lengths) for i in range(len(lengths))]
+    rows, max_p, max_r = len(lengths), max(map(len, prompts)), max(lengths)
+    ids = torch.full((rows, max_p + max_r), tok.pad_token_id)
+    am = torch.zeros_like(ids)
+    rmask = torch.zeros(rows, max_r)
+    for i in range(rows):
+        p, r = prompts[group_of[i]], responses[i]
+        ids[i, max_p - len(p):max_p], am[i, max_p - len(p):max_p] = torch.tensor(p), 1
+        ids[i, max_p:max_p + len(r)], am[i, max_p:max_p + len(r)] = torch.tensor(r), 1
+        rmask[i, :len(r)] = 1
+    pid = position_ids_from_mask(am)
+    groups = torch.tensor(group_of)
+    with torch.no_grad():
+        ref = compute_response_logprobs(model, ids, am, pid, max_r)
+        packed = packed_response_logprobs(model, prompts, responses, group_of)
+    diff = max(float((ref[i, :lengths[i]] - packed[i]).abs().max()) for i in range(rows))
+    print(f"== part 3: fwd+bwd of one batch, {rows} responses of lengths {lengths} (load avg {loadavg()})")
+    print(f"   tokens through the model: full rows {rows * (max_p + max_r)}, shared prompt {len(prompts) * max_p + rows * max_r}, "
+          f"packed {sum(map(len, prompts)) + sum(lengths)}; packed vs padded logprobs max |diff| {diff:.1e}")
+    variants = [
+        ("full padded rows (TRL-like)", lambda: (compute_response_logprobs(model, ids, am, pid, max_r) * rmask).sum()),
+        ("nexrl shared prompt, padded", lambda: (compute_response_logprobs_shared_prompts(
+            model, ids, am, pid, max_r, groups) * rmask).sum()),
+        ("packed prototype", lambda: torch.cat(packed_response_logprobs(model, prompts, responses, group_of)).sum()),
+    ]
+    best: dict[str, float] = {}
+    for _ in range(args.pack_reps):  # alternate the variants so background load hits all of them
+        for name, fn in variants:
+            t0 = time.perf_counter()
+            fn().backward()
+            model.zero_grad(set_to_none=True)
+            best[name] = min(best.get(name, float("inf")), time.perf_counter() - t0)
+    base = best["nexrl shared prompt, padded"]
+    for name, _ in variants:
+        print(f"  {name:<30} {best[name]:6.2f} s (best of {args.pack_reps})  {base / best[name]:5.2f}x vs nexrl now")
+
+
+@contextlib.contextmanager
+def _torch_profiler(out: str):
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=False) as prof:
+        yield
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
+    print(table)
+    with open(out, "w") as f:
+        f.write(table)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--part", choices=["flow", "step", "pack", "all"], default="all")
+    p.add_argument("--workers", type=int, nargs="+", default=[1, 4, 16, 64], help="flow: rollout workers to try")
+    p.add_argument("--batches", type=int, nargs="+", default=[16, 64, 256], help="flow: trajectory_pool.batch_size")
+    p.add_argument("--group", type=int, default=4, help="flow: GRPO group size")
+    p.add_argument("--trajectories", type=int, default=20000,
+                   help="flow: trajectories per config (steps = trajectories / batch)")
+    p.add_argument("--steps", type=int, default=0, help="flow: trainer steps per config (overrides --trajectories)")
+    p.add_argument("--modes", nargs="+", default=["sync"], choices=["sync", "batch-async", "fully-async"])
+    p.add_argument("--profile", help="flow: cProfile the first config (all threads) into this file")
+    p.add_argument("--flow-rollout-limit", default="null", help="flow: weight.rollout_limit (null or batch)")
+    p.add_argument("--real-steps", type=int, default=3, help="step: quickstart steps to run")
+    p.add_argument("--rollout-limit", default="batch",
+                   help="step: weight.rollout_limit (batch, null, or 'recipe' to keep the recipe's)")
+    p.add_argument("--py-spy", help="step: record the run with py-spy into this raw file and summarize it")
+    p.add_argument("--max-tokens", type=int, default=48, help="step: rollout_worker.sampling.max_tokens")
+    p.add_argument("--save-freq", type=int, default=1, help="step: trainer.save_freq (1: checkpoint every step)")
+    p.add_argument("--torch-profile", help="step: write a torch.profiler table to this file")
+    p.add_argument("--override", nargs="*", default=[], help="step: extra recipe overrides key=value")
+    p.add_argument("--pack-lengths", type=int, nargs="+",
+                   default=[7, 48, 12, 30, 48, 26, 9, 17, 41, 14, 48, 22, 6, 33, 19, 48],
+                   help="pack: response lengths of the batch (4 groups)")
+    p.add_argument("--pack-reps", type=int, default=3, help="pack: timed repetitions per variant")
+    args = p.parse_args(argv)
+    if args.part in ("pack", "all"):
+        part_pack(args)
+    if args.part in ("flow", "all"):
+        part_flow(args)
+    if args.part in ("step", "all"):
+        part_step(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
