@@ -35,7 +35,7 @@ import torch
 
 from nexrl_core.inference import CompletionResult, InferenceClient, InferenceError, SamplingParams
 
-from .modeling import load_causal_lm, position_ids_from_mask
+from .modeling import model_from_config, position_ids_from_mask
 
 _STOP = object()
 
@@ -66,13 +66,7 @@ class HFInferenceEngine(InferenceClient):
     def __init__(self, config: Any = None, *, model: torch.nn.Module | None = None, tokenizer: Any = None):
         config = config if config is not None else {}
         super().__init__(config)
-        if (model is None) != (tokenizer is None):
-            raise ValueError("HFInferenceEngine: pass model= and tokenizer= together")
-        if model is None:
-            model_path = config.get("model_path", None)
-            if not model_path:
-                raise ValueError("HFInferenceEngine: config key 'model_path' is required (or pass model= and tokenizer=)")
-            model, tokenizer = load_causal_lm(model_path, config.get("gguf_file", None), config.get("dtype", "float32"))
+        model, tokenizer = model_from_config("HFInferenceEngine", config, model, tokenizer)
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.max_batch_size = int(config.get("max_batch_size", 64))

