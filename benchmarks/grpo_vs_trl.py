@@ -122,7 +122,42 @@ def make_reward_fn(log: list[float]) -> Callable[..., list[float]]:
 # ----------------------------------------------------------------------------- TRL
 
 
-class TrlSystem:
+def timed(fn: Callable[..., Any], intervals: list[tuple[float, float]]) -> Callable[..., Any]:
+    """``fn``, recording the (start, end) of every call in ``intervals``."""
+    def wrapper(*a: Any, **k: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            intervals.append((t0, time.perf_counter()))
+    return wrapper
+
+
+class GatedSystem:
+    """One system under test, run in its own thread and held at step boundaries by its Gate."""
+
+    gate: Gate
+    thread: threading.Thread
+
+    def work(self) -> None:
+        raise NotImplementedError
+
+    def _run(self) -> None:
+        try:
+            self.work()
+        except BaseException as exc:  # noqa: BLE001  (reported by Gate.wait_done)
+            self.gate.failed = exc
+        finally:
+            self.gate.release_all()
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def settle(self) -> None:
+        """Wait until the system is idle between blocks (nothing to wait for by default)."""
+
+
+class TrlSystem(GatedSystem):
     name = "TRL"
 
     def __init__(self, args: argparse.Namespace, model_path: str, rows: list[dict[str, Any]], order: list[int],
@@ -171,31 +206,12 @@ class TrlSystem:
 
         self.trainer.remove_callback(PrinterCallback)  # no per-step log dicts on stdout
         # Time generation (+ reward) separately, for the breakdown.
-        orig = self.trainer._generate_and_score_completions
-
-        def timed(*a: Any, **k: Any) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return orig(*a, **k)
-            finally:
-                self.gen_intervals.append((t0, time.perf_counter()))
-
-        self.trainer._generate_and_score_completions = timed
+        self.trainer._generate_and_score_completions = timed(self.trainer._generate_and_score_completions,
+                                                             self.gen_intervals)
         self.thread = threading.Thread(target=self._run, name="trl", daemon=True)
 
-    def _run(self) -> None:
-        try:
-            self.trainer.train()
-        except BaseException as exc:  # noqa: BLE001  (reported by Gate.wait_done)
-            self.gate.failed = exc
-        finally:
-            self.gate.release_all()
-
-    def start(self) -> None:
-        self.thread.start()
-
-    def settle(self) -> None:
-        pass
+    def work(self) -> None:
+        self.trainer.train()
 
     def close(self) -> None:
         self.gate.release_all()
@@ -205,7 +221,7 @@ class TrlSystem:
 # ----------------------------------------------------------------------------- nexrl
 
 
-class NexrlSystem:
+class NexrlSystem(GatedSystem):
     name = "nexrl"
 
     def __init__(self, args: argparse.Namespace, total_steps: int, run_dir: str):
@@ -230,16 +246,7 @@ class NexrlSystem:
         self.run_dir = run_dir
         self.gen_intervals: list[tuple[float, float]] = []
         engine = self.controller.inference_client
-        orig_gen = engine._generate
-
-        def timed_gen(*a: Any, **k: Any) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return orig_gen(*a, **k)
-            finally:
-                self.gen_intervals.append((t0, time.perf_counter()))
-
-        engine._generate = timed_gen
+        engine._generate = timed(engine._generate, self.gen_intervals)
         # Hold the trainer at the end of each step, before the new weights are pushed: in sync mode
         # the rollout workers stay blocked until then, so nothing of nexrl runs while it is held.
         ws = self.controller.weight_sync_controller
@@ -253,16 +260,8 @@ class NexrlSystem:
         self.summary: Any = None
         self.thread = threading.Thread(target=self._run, name="nexrl", daemon=True)
 
-    def _run(self) -> None:
-        try:
-            self.summary = self.controller.run()
-        except BaseException as exc:  # noqa: BLE001  (reported by Gate.wait_done)
-            self.gate.failed = exc
-        finally:
-            self.gate.release_all()
-
-    def start(self) -> None:
-        self.thread.start()
+    def work(self) -> None:
+        self.summary = self.controller.run()
 
     def settle(self) -> None:
         """Wait until no rollout is in flight (requests started before the batch was complete)."""
