@@ -183,7 +183,7 @@ def test_load_weights_changes_outputs_and_version(make_engine, tiny_model_and_to
 
 def test_model_error_reaches_callers(make_engine, tiny_model_and_tokenizer):
     model, _ = tiny_model_and_tokenizer
-    engine = make_engine(batch_wait_ms=50)
+    engine = make_engine(batch_wait_ms=50, fast_path="false")  # the fast path never calls model.forward
 
     def boom(*args, **kwargs):
         raise RuntimeError("kaboom")

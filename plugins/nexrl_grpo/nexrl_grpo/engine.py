@@ -35,6 +35,7 @@ import torch
 
 from nexrl_core.inference import CompletionResult, InferenceClient, InferenceError, SamplingParams
 
+from .decoding import make_session_factory
 from .modeling import model_from_config, position_ids_from_mask
 
 _STOP = object()
@@ -59,7 +60,9 @@ class HFInferenceEngine(InferenceClient):
     more requests), ``batch_wait_max_ms`` (50: how long it may wait for callers already inside
     :meth:`complete`), ``chat_template`` (true: chat prompts go through
     ``apply_chat_template(add_generation_prompt=True)``; false: message contents are joined with
-    newlines), ``seed`` (for requests without their own seed).
+    newlines), ``seed`` (for requests without their own seed), ``fast_path`` (auto: Llama-family
+    models decode through :mod:`nexrl_grpo.decoding`'s fast loop, other models through their own
+    forward; true: fast loop or an error; false: always the model's forward).
     ``model``/``tokenizer`` keyword arguments share an already-built pair.
     """
 
@@ -79,6 +82,8 @@ class HFInferenceEngine(InferenceClient):
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.eos_token_ids = self._eos_ids(model, tokenizer)
         self._seed_rng = random.Random(config.get("seed", None))
+        self._new_session = make_session_factory(self.model, config.get("fast_path", "auto"),
+                                                 rows_hint=min(self.max_batch_size, 16))
 
         self._queue: queue.Queue = queue.Queue()
         self._model_lock = threading.Lock()  # generation batches and weight loads take turns
@@ -262,9 +267,7 @@ class HFInferenceEngine(InferenceClient):
 
     @torch.inference_mode()
     def _generate(self, batch: list[_Request]) -> list[tuple[str, str, list[int], list[float]]]:
-        from transformers import DynamicCache
-
-        model, device = self.model, self.model.device
+        device = self.model.device
         n = len(batch)
         # Identical prompts (a GRPO group's samples) are prefilled once and share their KV cache.
         distinct: dict[tuple[int, ...], int] = {}
@@ -289,22 +292,13 @@ class HFInferenceEngine(InferenceClient):
         finish: list[str] = ["length"] * n
         active = list(range(n))  # batch index of each row still being decoded
 
-        cache = DynamicCache(config=model.config)
-        logits = model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        ).logits[:, -1, :]
+        session = self._new_session()
+        logits = session.prefill(input_ids, attention_mask, position_ids)
+        next_pos = position_ids[:, -1] + 1
         if len(prompts) < n:
             idx = torch.tensor(row_prompt, device=device)
-            shared, cache = cache, DynamicCache(config=model.config)
-            for layer_idx, layer in enumerate(shared.layers):
-                cache.update(layer.keys[idx], layer.values[idx], layer_idx)
-            logits, attention_mask, position_ids = logits[idx], attention_mask[idx], position_ids[idx]
-        next_pos = position_ids[:, -1] + 1
+            session.select(idx)
+            logits, next_pos = logits[idx], next_pos[idx]
         while True:
             tokens, logprobs = _sample(logits, scale, greedy, top_p, [batch[i].generator for i in active])
             keep = []
@@ -320,18 +314,11 @@ class HFInferenceEngine(InferenceClient):
             if len(keep) < len(active):
                 # Drop finished rows from every per-row tensor and from the KV cache.
                 idx = torch.tensor(keep, device=device)
-                cache.batch_select_indices(idx)
-                attention_mask, tokens, next_pos = attention_mask[idx], tokens[idx], next_pos[idx]
+                session.select(idx)
+                tokens, next_pos = tokens[idx], next_pos[idx]
                 scale, greedy, top_p = scale[idx], greedy[idx], top_p[idx]
                 active = [active[row] for row in keep]
-            attention_mask = torch.cat([attention_mask, attention_mask.new_ones((len(active), 1))], dim=1)
-            logits = model(
-                input_ids=tokens.unsqueeze(-1),
-                attention_mask=attention_mask,
-                position_ids=next_pos.unsqueeze(-1),
-                past_key_values=cache,
-                use_cache=True,
-            ).logits[:, -1, :]
+            logits = session.step(tokens, next_pos)
             next_pos = next_pos + 1
 
         return [self._finish(tokens_out[b], logprobs_out[b], finish[b], batch[b].params.stop) for b in range(n)]
@@ -365,9 +352,9 @@ def _sample(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Next token of every row and its logprob under ``logits / scale``.
 
-    Sampled rows use the exponential-race trick (``argmax p / E`` with ``E ~ Exp(1)`` from the
-    row's own generator), which draws exactly one noise vector per row and step, so a row's
-    sample never depends on the other rows of the batch.
+    Sampled rows invert their (top-p truncated) CDF at one uniform draw from the row's own
+    generator, so a row's sample never depends on the other rows of the batch. The CDF is summed
+    in float64: a token of probability 0 can never be picked.
     """
     logprobs = torch.log_softmax(logits.float() / scale.unsqueeze(-1), dim=-1)
     tokens = logprobs.argmax(dim=-1)
@@ -381,8 +368,9 @@ def _sample(
             # Keep the smallest prefix whose mass reaches top_p (always at least the top token).
             drop_sorted = (sorted_p.cumsum(-1) - sorted_p) >= top_p[sampled][nucleus].unsqueeze(-1)
             probs[nucleus] = sub.masked_fill(torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted), 0.0)
-        noise = torch.stack(
-            [torch.empty(probs.shape[-1], device=probs.device).exponential_(generator=generators[i]) for i in sampled.tolist()]
-        )
-        tokens[sampled] = (probs / noise).argmax(dim=-1)
+        cdf = probs.double().cumsum(-1)
+        uniform = torch.cat([torch.rand(1, generator=generators[i], dtype=torch.float64, device=cdf.device)
+                             for i in sampled.tolist()])
+        picked = torch.searchsorted(cdf, (uniform * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
+        tokens[sampled] = picked.clamp(max=probs.shape[-1] - 1)
     return tokens, logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)

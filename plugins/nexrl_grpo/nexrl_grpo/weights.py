@@ -39,7 +39,7 @@ class HFInferenceBackend(HFInferenceEngine):
 
     CONFIG_KEYS = {"model_path": None, "gguf_file": None, "dtype": "float32", "max_batch_size": 64,
                    "batch_wait_ms": 2, "batch_wait_max_ms": 50, "chat_template": True, "seed": None,
-                   "num_threads": None}
+                   "num_threads": None, "fast_path": "auto"}
 
     def __init__(self, config: Any):
         from omegaconf import OmegaConf

@@ -1,0 +1,325 @@
+"""Decoding sessions for the in-process engine: a KV cache plus prefill / step / select.
+
+Two implementations of one interface:
+
+- :class:`HFSession` drives any transformers causal LM through its own forward and
+  ``DynamicCache``.
+- :class:`FastLlamaSession` runs Llama-family models (``llama``, ``qwen2`` without sliding
+  windows) with its own loop over the model's weights: q/k/v and gate/up fused into one matmul
+  each, a preallocated KV buffer written in place, and — on CPU — weights prepacked for oneDNN.
+  On this kind of machine MKL's fp32 GEMM runs at a third of oneDNN's speed for the few-row
+  matmuls of decoding (16 x 576 x 49152: 22 ms vs 7.7 ms), and a decode step through the HF
+  forward spends about as long in Python and mask building as in matmuls. Same fp32 maths,
+  different summation order: logits agree with the HF forward to ~1e-5.
+
+:class:`FastLlama` holds the packed weights. It repacks itself when any parameter of the model
+was modified in place since it last packed (tensor version counters), so an optimizer step on a
+shared model or an engine ``load_weights`` can never leave it serving stale weights. It checks
+itself against the HF forward once on first use and turns itself off (with a warning) if the
+logits disagree, so an unexpected model variant falls back to the HF path instead of
+generating from wrong numbers.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+FAST_MODEL_TYPES = ("llama", "qwen2")
+SELF_CHECK_TOLERANCE = 1e-3  # max |logit difference| against the HF forward, relative to the logits' scale
+
+
+class HFSession:
+    """One batch's decoding state through the model's own forward and ``DynamicCache``."""
+
+    def __init__(self, model: torch.nn.Module):
+        from transformers import DynamicCache
+
+        self.model = model
+        self.cache = DynamicCache(config=model.config)
+        self.attention_mask: torch.Tensor | None = None
+
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        self.attention_mask = attention_mask
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+        return out.logits[:, -1, :]
+
+    def select(self, rows: torch.Tensor) -> None:
+        self.cache.batch_select_indices(rows)
+        self.attention_mask = self.attention_mask[rows]
+
+    def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        self.attention_mask = torch.cat([self.attention_mask, self.attention_mask.new_ones((len(tokens), 1))], dim=1)
+        out = self.model(input_ids=tokens.unsqueeze(-1), attention_mask=self.attention_mask,
+                         position_ids=positions.unsqueeze(-1), past_key_values=self.cache, use_cache=True)
+        return out.logits[:, -1, :]
+
+
+def fast_path_problem(model: torch.nn.Module) -> str | None:
+    """Why :class:`FastLlama` cannot run ``model`` (None when it can)."""
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in FAST_MODEL_TYPES:
+        return f"model_type {model_type!r} (fast path: {', '.join(FAST_MODEL_TYPES)})"
+    inner = getattr(model, "model", None)
+    needed = ("embed_tokens", "layers", "norm", "rotary_emb")
+    if inner is None or not all(hasattr(inner, n) for n in needed) or not hasattr(model, "lm_head"):
+        return "unexpected module layout"
+    for layer in inner.layers:
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        if attn is None or mlp is None or not all(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")):
+            return "unexpected attention layout"
+        if not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn")):
+            return "unexpected MLP layout"
+        if getattr(attn, "sliding_window", None):
+            return "sliding-window attention"
+        extra = {n for n, _ in attn.named_children()} - {"q_proj", "k_proj", "v_proj", "o_proj"}
+        if extra:  # e.g. per-head q/k norms
+            return f"attention has extra modules {sorted(extra)}"
+    if getattr(config, "pretraining_tp", 1) not in (None, 1):
+        return "pretraining_tp > 1"
+    if any(p.is_meta for p in model.parameters()):
+        return "meta tensors"
+    return None
+
+
+class _Linear:
+    """``x @ weight.T + bias``; on CPU with oneDNN, with the weight prepacked for ``rows_hint`` rows."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, rows_hint: int):
+        weight = weight.detach().contiguous()
+        self.bias = None if bias is None else bias.detach().contiguous()
+        self.packed = weight.device.type == "cpu" and _onednn_available() and weight.dtype in (torch.float32, torch.bfloat16)
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, rows_hint) if self.packed else weight
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed:
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
+def _onednn_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+def _cat_bias(*linears: torch.nn.Linear) -> torch.Tensor | None:
+    if all(lin.bias is None for lin in linears):
+        return None
+    return torch.cat([lin.bias if lin.bias is not None else lin.weight.new_zeros(lin.out_features) for lin in linears])
+
+
+class _Layer:
+    def __init__(self, layer: torch.nn.Module, rows_hint: int):
+        attn, mlp = layer.self_attn, layer.mlp
+        self.q_size, self.kv_size = attn.q_proj.out_features, attn.k_proj.out_features
+        self.head_dim = attn.head_dim
+        self.scaling = attn.scaling
+        qkv = (attn.q_proj, attn.k_proj, attn.v_proj)
+        self.qkv = _Linear(torch.cat([lin.weight for lin in qkv]), _cat_bias(*qkv), rows_hint)
+        self.o = _Linear(attn.o_proj.weight, attn.o_proj.bias, rows_hint)
+        self.intermediate = mlp.gate_proj.out_features
+        gate_up = (mlp.gate_proj, mlp.up_proj)
+        self.gate_up = _Linear(torch.cat([lin.weight for lin in gate_up]), _cat_bias(*gate_up), rows_hint)
+        self.down = _Linear(mlp.down_proj.weight, mlp.down_proj.bias, rows_hint)
+        self.act = mlp.act_fn
+        self.norm_in = (layer.input_layernorm.weight.detach(), layer.input_layernorm.variance_epsilon)
+        self.norm_post = (layer.post_attention_layernorm.weight.detach(), layer.post_attention_layernorm.variance_epsilon)
+
+
+class FastLlama:
+    """Packed weights of one Llama-family model; hands out :class:`FastLlamaSession` objects."""
+
+    def __init__(self, model: torch.nn.Module, rows_hint: int = 16):
+        problem = fast_path_problem(model)
+        if problem:
+            raise ValueError(f"fast decoding path unsupported: {problem}")
+        self.model = model
+        self.rows_hint = rows_hint
+        self.enabled = True
+        self._packed_versions: tuple[int, ...] | None = None
+        self._checked = False
+
+    def _versions(self) -> tuple[int, ...] | None:
+        try:
+            return tuple(p._version for p in self.model.parameters())
+        except RuntimeError:  # inference tensors keep no version counter: repack every time
+            return None
+
+    def _pack_if_stale(self) -> None:
+        versions = self._versions()
+        if versions is not None and versions == self._packed_versions:
+            return
+        inner = self.model.model
+        self.embed = inner.embed_tokens
+        self.rotary = inner.rotary_emb
+        self.layers = [_Layer(layer, self.rows_hint) for layer in inner.layers]
+        self.final_norm = (inner.norm.weight.detach(), inner.norm.variance_epsilon)
+        head = self.model.lm_head
+        self.lm_head = _Linear(head.weight, head.bias, self.rows_hint)
+        first = self.layers[0]
+        self.num_kv_heads = first.kv_size // first.head_dim
+        self._packed_versions = versions
+
+    def session(self) -> "FastLlamaSession | HFSession":
+        """A session for one batch: the fast one, or the HF one if the self-check failed."""
+        if self.enabled:
+            self._pack_if_stale()
+            if not self._checked:
+                self._self_check()
+                self._checked = True
+        return FastLlamaSession(self) if self.enabled else HFSession(self.model)
+
+    @torch.inference_mode()
+    def _self_check(self) -> None:
+        """Compare prefill + two steps against the HF forward on a left-padded toy batch."""
+        vocab = self.model.config.vocab_size
+        generator = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, vocab, (2, 6), generator=generator).to(self.model.device)
+        mask = torch.ones_like(ids)
+        mask[1, :2] = 0  # one left-padded row
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        nxt = torch.randint(0, vocab, (2, 2), generator=generator).to(self.model.device)
+        sessions = (FastLlamaSession(self), HFSession(self.model))
+        results = []
+        for session in sessions:
+            out = [session.prefill(ids, mask, positions)]
+            for t in range(2):
+                out.append(session.step(nxt[:, t], positions[:, -1] + 1 + t))
+            results.append(torch.stack(out))
+        fast, ref = results
+        valid = mask[:, -1].bool()  # every row's last prompt token is real
+        worst = float((fast[:, valid] - ref[:, valid]).abs().max())
+        scale = max(float(ref[:, valid].abs().max()), 1.0)
+        if not worst <= SELF_CHECK_TOLERANCE * scale:
+            self.enabled = False
+            log.warning("fast decoding path disagrees with the model's own forward (max |diff| %.3g at logit scale "
+                        "%.3g); using the transformers forward", worst, scale)
+
+
+class FastLlamaSession:
+    """One batch's decoding state: a ``[layers, rows, kv_heads, capacity, head_dim]`` K and V buffer,
+    a key-validity mask, and the next free column (all rows advance together).
+
+    Finished rows are not copied out at once: they stay in the buffer (decoding a few more rows
+    costs little next to streaming the weights) until at most half the rows are live, then the
+    buffer is compacted.
+    """
+
+    def __init__(self, owner: FastLlama):
+        self.o = owner
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+        self.valid: torch.Tensor | None = None  # [rows, capacity] bool: which cache columns a row attends to
+        self.live: torch.Tensor | None = None  # buffer rows the caller's rows map to (None: all, in order)
+        self.length = 0
+
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        rows, width = input_ids.shape
+        self._allocate(rows, width + 64, input_ids.device)
+        self.valid[:, :width] = attention_mask.bool()
+        causal = torch.ones(width, width, dtype=torch.bool, device=input_ids.device).tril()
+        # A padding query sees only itself: finite garbage in a column no real token attends to.
+        mask = (causal & self.valid[:, None, :width]) | torch.eye(width, dtype=torch.bool, device=input_ids.device)
+        return self._forward(input_ids, position_ids, mask[:, None])
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep the caller's ``rows`` (indices into the current rows, in their new order; may repeat)."""
+        buffer_rows = self.keys.shape[1]
+        live = rows if self.live is None else self.live[rows]
+        if len(live) > buffer_rows or len(torch.unique(live)) < len(live) or 2 * len(live) <= buffer_rows:
+            self._gather(live)
+        else:
+            self.live = live
+
+    def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if self.length == self.keys.shape[3]:
+            self._grow()
+        self.valid[:, self.length] = True
+        mask = self.valid[:, None, None, : self.length + 1]
+        if self.live is not None:  # finished rows still in the buffer decode a dummy token
+            tokens = tokens.new_zeros(self.keys.shape[1]).index_copy_(0, self.live, tokens)
+            positions = positions.new_zeros(self.keys.shape[1]).index_copy_(0, self.live, positions)
+        return self._forward(tokens.unsqueeze(-1), positions.unsqueeze(-1), mask, self.live)
+
+    def _allocate(self, rows: int, capacity: int, device: torch.device) -> None:
+        o = self.o
+        dtype = o.layers[0].norm_in[0].dtype
+        shape = (len(o.layers), rows, o.num_kv_heads, capacity, o.layers[0].head_dim)
+        self.keys = torch.empty(shape, dtype=dtype, device=device)
+        self.values = torch.empty(shape, dtype=dtype, device=device)
+        self.valid = torch.zeros((rows, capacity), dtype=torch.bool, device=device)
+
+    def _gather(self, live: torch.Tensor) -> None:
+        """Copy the filled columns of buffer rows ``live`` into a fresh buffer."""
+        keys, values, valid = self.keys, self.values, self.valid
+        self._allocate(len(live), keys.shape[3], keys.device)
+        n = self.length
+        self.keys[:, :, :, :n] = keys[:, live, :, :n]
+        self.values[:, :, :, :n] = values[:, live, :, :n]
+        self.valid[:, :n] = valid[live, :n]
+        self.live = None
+
+    def _grow(self) -> None:
+        extra = max(64, self.keys.shape[3])
+        pad = list(self.keys.shape)
+        pad[3] = extra
+        self.keys = torch.cat([self.keys, self.keys.new_empty(pad)], dim=3)
+        self.values = torch.cat([self.values, self.values.new_empty(pad)], dim=3)
+        self.valid = torch.cat([self.valid, self.valid.new_zeros((self.valid.shape[0], extra))], dim=1)
+
+    def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,
+                 out_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Run ``input_ids`` ``[rows, T]`` into cache columns ``length .. length+T-1``; logits of the
+        last position of ``out_rows`` (all rows when None)."""
+        o = self.o
+        rows, width = input_ids.shape
+        start, end = self.length, self.length + width
+        x = o.embed(input_ids)
+        cos, sin = o.rotary(x, position_ids)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        for i, layer in enumerate(o.layers):
+            h = F.rms_norm(x, (x.shape[-1],), *layer.norm_in)
+            q, k, v = layer.qkv(h).split((layer.q_size, layer.kv_size, layer.kv_size), dim=-1)
+            q = q.view(rows, width, -1, layer.head_dim).transpose(1, 2)
+            k = k.view(rows, width, -1, layer.head_dim).transpose(1, 2)
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            self.keys[i, :, :, start:end] = k
+            self.values[i, :, :, start:end] = v.view(rows, width, -1, layer.head_dim).transpose(1, 2)
+            attn = F.scaled_dot_product_attention(
+                q, self.keys[i, :, :, :end], self.values[i, :, :, :end], attn_mask=mask,
+                scale=layer.scaling, enable_gqa=True)
+            x = x + layer.o(attn.transpose(1, 2).reshape(rows, width, -1))
+            h = F.rms_norm(x, (x.shape[-1],), *layer.norm_post)
+            gate, up = layer.gate_up(h).split((layer.intermediate, layer.intermediate), dim=-1)
+            x = x + layer.down(layer.act(gate) * up)
+        self.length = end
+        last = x[:, -1] if out_rows is None else x[out_rows, -1]
+        return o.lm_head(F.rms_norm(last, (last.shape[-1],), *o.final_norm))
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def make_session_factory(model: torch.nn.Module, mode: Any, rows_hint: int):
+    """``() -> session`` for the engine: ``mode`` is ``auto`` (fast path when the model allows it),
+    ``true`` (fast path or a ValueError saying why not) or ``false`` (HF forward)."""
+    mode = str(mode).lower()
+    if mode not in ("auto", "true", "false"):
+        raise ValueError(f"fast_path must be auto, true or false, got {mode!r}")
+    if mode != "false":
+        problem = fast_path_problem(model)
+        if problem is None:
+            fast = FastLlama(model, rows_hint)
+            return fast.session
+        if mode == "true":
+            raise ValueError(f"fast_path: true, but the fast decoding path cannot run this model: {problem}")
+        log.info("fast decoding path off: %s", problem)
+    return lambda: HFSession(model)
