@@ -361,62 +361,16 @@ def summarize_py_spy(path: str, top: int = 25) -> None:
 # ----------------------------------------------------------------------------- part 3: packing
 
 
-def packed_response_logprobs(model: Any, prompts: list[list[int]], responses: list[list[int]],
-                             group_of: list[int]) -> list[Any]:
-    """Prototype (not used by nexrl yet): response logprobs of a GRPO batch with no padding at all.
-
-    One sequence holds every distinct prompt once, each followed by its group's responses; a 4-D
-    boolean mask lets a response token see its own prompt and its own earlier tokens, positions
-    restart per (prompt, response) pair. ``logits_to_keep`` (a tensor of positions) makes the LM
-    head run only where a response token is predicted. Same numbers as
-    ``compute_response_logprobs`` on the padded batch (up to float rounding).
-    """
-    import torch
-
-    toks: list[int] = []
-    pos: list[int] = []
-    prompt_seg: dict[int, tuple[int, int]] = {}
-    resp_seg: dict[int, tuple[int, int]] = {}
-    for g, p in enumerate(prompts):
-        prompt_seg[g] = (len(toks), len(p))
-        toks += p
-        pos += list(range(len(p)))
-        for i in (i for i in range(len(responses)) if group_of[i] == g):
-            resp_seg[i] = (len(toks), len(responses[i]))
-            toks += responses[i]
-            pos += list(range(len(p), len(p) + len(responses[i])))
-    n = len(toks)
-    segment = torch.empty(n, dtype=torch.long)
-    owner = torch.empty(n, dtype=torch.long)
-    for g, (start, length) in prompt_seg.items():
-        segment[start:start + length], owner[start:start + length] = g, g
-    for i, (start, length) in resp_seg.items():
-        segment[start:start + length], owner[start:start + length] = len(prompts) + i, group_of[i]
-    is_prompt = segment < len(prompts)
-    idx = torch.arange(n)
-    mask = (idx[None, :] <= idx[:, None]) & ((segment[:, None] == segment[None, :])
-                                             | (is_prompt[None, :] & (owner[None, :] == owner[:, None])))
-    keep: list[int] = []
-    for i in range(len(responses)):
-        ps, pn = prompt_seg[group_of[i]]
-        rs, rn = resp_seg[i]
-        keep += [ps + pn - 1] + list(range(rs, rs + rn - 1))
-    out = model(input_ids=torch.tensor([toks]), attention_mask=mask[None, None], position_ids=torch.tensor([pos]),
-                use_cache=False, logits_to_keep=torch.tensor(keep))
-    logits = out.logits[0].float()
-    targets = torch.tensor([t for r in responses for t in r])
-    lp = logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, -1)
-    return list(lp.split([len(r) for r in responses]))
-
-
 def part_pack(args: argparse.Namespace) -> None:
     """fwd+bwd of one GRPO batch (4 prompts x 4 responses of mixed length, SmolLM2): full padded rows
-    (what TRL computes), nexrl's shared-prompt forward (padded responses), and the packed prototype."""
+    (what TRL computes), the shared-prompt forward with padded responses, and the packed forward
+    (nexrl's default)."""
     import random
 
     import torch
     from nexrl_grpo.modeling import (
         compute_response_logprobs,
+        compute_response_logprobs_packed,
         compute_response_logprobs_shared_prompts,
         load_causal_lm,
         position_ids_from_mask,
@@ -446,16 +400,17 @@ def part_pack(args: argparse.Namespace) -> None:
     groups = torch.tensor(group_of)
     with torch.no_grad():
         ref = compute_response_logprobs(model, ids, am, pid, max_r)
-        packed = packed_response_logprobs(model, prompts, responses, group_of)
-    diff = max(float((ref[i, :lengths[i]] - packed[i]).abs().max()) for i in range(rows))
+        packed = compute_response_logprobs_packed(model, ids, am, pid, max_r, groups)
+    diff = float(((ref - packed) * rmask).abs().max())
     print(f"== part 3: fwd+bwd of one batch, {rows} responses of lengths {lengths} (load avg {loadavg()})")
     print(f"   tokens through the model: full rows {rows * (max_p + max_r)}, shared prompt {len(prompts) * max_p + rows * max_r}, "
           f"packed {sum(map(len, prompts)) + sum(lengths)}; packed vs padded logprobs max |diff| {diff:.1e}")
     variants = [
         ("full padded rows (TRL-like)", lambda: (compute_response_logprobs(model, ids, am, pid, max_r) * rmask).sum()),
-        ("nexrl shared prompt, padded", lambda: (compute_response_logprobs_shared_prompts(
+        ("shared prompt, padded", lambda: (compute_response_logprobs_shared_prompts(
             model, ids, am, pid, max_r, groups) * rmask).sum()),
-        ("packed prototype", lambda: torch.cat(packed_response_logprobs(model, prompts, responses, group_of)).sum()),
+        ("packed (nexrl default)", lambda: (compute_response_logprobs_packed(
+            model, ids, am, pid, max_r, groups) * rmask).sum()),
     ]
     best: dict[str, float] = {}
     for _ in range(args.pack_reps):  # alternate the variants so background load hits all of them
@@ -464,9 +419,9 @@ def part_pack(args: argparse.Namespace) -> None:
             fn().backward()
             model.zero_grad(set_to_none=True)
             best[name] = min(best.get(name, float("inf")), time.perf_counter() - t0)
-    base = best["nexrl shared prompt, padded"]
+    base = best["full padded rows (TRL-like)"]
     for name, _ in variants:
-        print(f"  {name:<30} {best[name]:6.2f} s (best of {args.pack_reps})  {base / best[name]:5.2f}x vs nexrl now")
+        print(f"  {name:<30} {best[name]:6.2f} s (best of {args.pack_reps})  {base / best[name]:5.2f}x vs full padded rows")
 
 
 @contextlib.contextmanager

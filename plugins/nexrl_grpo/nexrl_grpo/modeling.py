@@ -217,6 +217,123 @@ def compute_response_logprobs_shared_prompts(
     return picked - torch.logsumexp(logits, dim=-1)
 
 
+def packing_problem(model: torch.nn.Module, attention_mask: torch.Tensor, response_length: int) -> str | None:
+    """Why :func:`compute_response_logprobs_packed` cannot take this batch (None when it can)."""
+    implementation = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if implementation != "sdpa":
+        return f"attention implementation {implementation!r} (packing needs 'sdpa', which honours 4-D masks)"
+    prompt_len = attention_mask.shape[1] - response_length
+    if prompt_len < 1 or not bool(attention_mask[:, prompt_len - 1].all()):
+        return "a row has no prompt token right before its response (prompts must be left-padded)"
+    response = attention_mask[:, prompt_len:].bool()
+    lengths = response.sum(-1, keepdim=True)
+    if not torch.equal(response, torch.arange(response_length, device=response.device) < lengths):
+        return "a response mask is not a prefix (responses must be right-padded)"
+    return None
+
+
+def compute_response_logprobs_packed(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor,
+    response_length: int,
+    prompt_groups: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    max_tokens_per_pack: int = 2048,
+) -> torch.Tensor:
+    """:func:`compute_response_logprobs` without computing a single padding token.
+
+    Rows are packed into sequences of at most ``max_tokens_per_pack`` tokens (a group that is
+    longer gets a sequence of its own): each distinct prompt (``prompt_groups``; none: every row
+    its own) once, followed by its rows' real response tokens. A 4-D boolean mask lets a token see
+    its own prompt and the earlier tokens of its own segment; positions are the batch's
+    ``position_ids``; the LM head runs only at the positions that predict a response token.
+    Same numbers as the padded computation up to float summation order, gradients included.
+    Entries past a row's response length are 0. Needs left-padded prompts, right-padded
+    responses and an ``sdpa`` model (:func:`packing_problem`).
+    """
+    rows = input_ids.shape[0]
+    if response_length <= 0:
+        return input_ids.new_zeros((rows, 0), dtype=torch.float32)
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 for logprobs, got {temperature}")
+    device = input_ids.device
+    prompt_len = input_ids.shape[1] - response_length
+    groups = torch.arange(rows) if prompt_groups is None else prompt_groups.cpu()
+    _, inverse = torch.unique(groups, return_inverse=True)
+    mask = attention_mask.bool().cpu()
+    ids, positions = input_ids.cpu(), position_ids.cpu()
+    response_lengths = mask[:, prompt_len:].sum(-1).tolist()
+    members: dict[int, list[int]] = {}
+    for row, group in enumerate(inverse.tolist()):
+        members.setdefault(group, []).append(row)
+
+    # Greedy bins of whole groups, in batch order.
+    bins: list[list[int]] = []
+    used = 0
+    for group, group_rows in members.items():
+        size = int(mask[group_rows[0], :prompt_len].sum()) + sum(response_lengths[r] for r in group_rows)
+        if not bins or used + size > max_tokens_per_pack:
+            bins.append([])
+            used = 0
+        bins[-1].append(group)
+        used += size
+
+    picked_parts, lse_parts, dest_rows, dest_cols = [], [], [], []
+    for bin_groups in bins:
+        tokens, pos, segment, owner, keep, targets = [], [], [], [], [], []
+        length = 0
+        for group in bin_groups:
+            first = members[group][0]
+            prompt_tokens = ids[first, :prompt_len][mask[first, :prompt_len]]
+            n_prompt = len(prompt_tokens)
+            prompt_last = length + n_prompt - 1
+            length += n_prompt
+            tokens.append(prompt_tokens)
+            pos.append(positions[first, :prompt_len][mask[first, :prompt_len]])
+            segment += [-1 - group] * n_prompt
+            owner += [group] * n_prompt
+            for row in members[group]:
+                n = response_lengths[row]
+                if n == 0:
+                    continue
+                start, length = length, length + n
+                tokens.append(ids[row, prompt_len:prompt_len + n])
+                pos.append(positions[row, prompt_len:prompt_len + n])
+                segment += [row] * n
+                owner += [group] * n
+                # The prompt's last token predicts response token 0; response token t predicts t+1.
+                keep += [prompt_last] + list(range(start, start + n - 1))
+                targets.append(ids[row, prompt_len:prompt_len + n])
+                dest_rows += [row] * n
+                dest_cols += list(range(n))
+        if not keep:
+            continue
+        seg, own = torch.tensor(segment), torch.tensor(owner)
+        index = torch.arange(len(seg))
+        sees = (index[None, :] <= index[:, None]) & ((seg[:, None] == seg[None, :])
+                                                      | ((seg[None, :] < 0) & (own[None, :] == own[:, None])))
+        out = model(
+            input_ids=torch.cat(tokens)[None].to(device),
+            attention_mask=sees[None, None].to(device),
+            position_ids=torch.cat(pos)[None].to(device),
+            use_cache=False,
+            logits_to_keep=torch.tensor(keep, device=device),
+        )
+        logits = out.logits[0].float()
+        if temperature != 1.0:
+            logits = logits / temperature
+        target = torch.cat(targets).to(device)
+        picked_parts.append(torch.gather(logits, -1, target.unsqueeze(-1)).squeeze(-1))
+        lse_parts.append(torch.logsumexp(logits, dim=-1))
+    result = torch.zeros((rows, response_length), dtype=torch.float32, device=device)
+    if picked_parts:
+        values = torch.cat(picked_parts) - torch.cat(lse_parts)
+        result = result.index_put((torch.tensor(dest_rows, device=device), torch.tensor(dest_cols, device=device)), values)
+    return result
+
+
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """Positions that skip left padding: 0 at the first real token of each row."""
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)

@@ -26,7 +26,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from .modeling import (compute_response_logprobs, compute_response_logprobs_shared_prompts, model_from_config,
+from .modeling import (compute_response_logprobs, compute_response_logprobs_packed,
+                       compute_response_logprobs_shared_prompts, model_from_config, packing_problem,
                        position_ids_from_mask)
 
 LossFn = Callable[[torch.Tensor, dict[str, Any]], tuple[torch.Tensor, dict[str, float]]]
@@ -42,7 +43,10 @@ class LocalTorchTrainService:
     ``dtype`` (float32), ``lr`` (1e-6), ``weight_decay`` (0.0), ``betas`` ([0.9, 0.999]), ``eps``
     (1e-8), ``grad_clip`` (1.0; <= 0 or null: no clipping), ``seed`` (seeds torch, numpy and
     python RNGs), ``micro_batch_size`` (rows per forward; null: the whole batch), ``temperature``
-    (1.0: logits are divided by it, matching the rollout's logprobs).
+    (1.0: logits are divided by it, matching the rollout's logprobs), ``packing`` (auto: forward
+    and backward run on packed sequences with no padding when the batch and model allow it, see
+    :func:`~nexrl_grpo.modeling.compute_response_logprobs_packed`; true: packed or an error;
+    false: padded rows), ``max_tokens_per_pack`` (2048: tokens per packed sequence).
     """
 
     def __init__(self, config: Any = None, *, model: torch.nn.Module | None = None, tokenizer: Any = None):
@@ -61,6 +65,12 @@ class LocalTorchTrainService:
         self.micro_batch_size = int(micro) if micro else None
         if self.micro_batch_size is not None and self.micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1, got {micro}")
+        self.packing = str(config.get("packing", "auto")).lower()
+        if self.packing not in ("auto", "true", "false"):
+            raise ValueError(f"packing must be auto, true or false, got {config.get('packing')!r}")
+        self.max_tokens_per_pack = int(config.get("max_tokens_per_pack", 2048))
+        if self.max_tokens_per_pack < 1:
+            raise ValueError(f"max_tokens_per_pack must be >= 1, got {self.max_tokens_per_pack}")
         grad_clip = config.get("grad_clip", 1.0)
         self.grad_clip = float(grad_clip) if grad_clip is not None and float(grad_clip) > 0 else None
 
@@ -197,6 +207,15 @@ class LocalTorchTrainService:
         position_ids = mb.get("position_ids")
         position_ids = position_ids_from_mask(attention_mask) if position_ids is None else position_ids.to(device)
         groups = mb.get("prompt_groups")
+        response_length = mb["responses"].shape[1]
+        if self.packing != "false":
+            problem = packing_problem(self.model, attention_mask, response_length)
+            if problem is None:
+                return compute_response_logprobs_packed(
+                    self.model, mb["input_ids"].to(device), attention_mask, position_ids, response_length, groups,
+                    self.temperature, self.max_tokens_per_pack)
+            if self.packing == "true":
+                raise ValueError(f"packing: true, but this batch cannot be packed: {problem}")
         if groups is not None and int(groups.unique().numel()) < groups.shape[0]:
             return compute_response_logprobs_shared_prompts(
                 self.model, mb["input_ids"].to(device), attention_mask, position_ids, mb["responses"].shape[1],

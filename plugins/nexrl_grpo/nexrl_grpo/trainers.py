@@ -20,7 +20,8 @@ from .weights import resolve_model_path
 
 TRAIN_SERVICE_KEYS = {"backend": "local_torch", "model_path": None, "gguf_file": None, "dtype": "float32",
                       "lr": 1e-6, "weight_decay": 0.0, "betas": [0.9, 0.999], "eps": 1e-8, "grad_clip": 1.0,
-                      "seed": None, "micro_batch_size": None, "temperature": 1.0, "num_threads": None}
+                      "seed": None, "micro_batch_size": None, "temperature": 1.0, "num_threads": None,
+                      "packing": "auto", "max_tokens_per_pack": 2048}
 
 
 def _prompt_groups(prompts: list[list[int]]) -> torch.Tensor:

@@ -1,0 +1,103 @@
+"""Packed forward/backward (no padding) against the padded computation: logprobs and gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nexrl_grpo.modeling import (compute_response_logprobs, compute_response_logprobs_packed, packing_problem,
+                                 position_ids_from_mask)
+from nexrl_grpo.train_service import LocalTorchTrainService
+
+# (group, prompt tokens, response tokens): uneven prompts, uneven responses, an empty response,
+# and a group whose rows are not next to each other in the batch.
+ROWS = [
+    (0, [5, 6, 7, 8, 9], [20, 21, 22]),
+    (0, [5, 6, 7, 8, 9], [23]),
+    (1, [10, 11], [24, 25, 26, 27, 28, 29]),
+    (2, [12, 13, 14, 15, 16, 17, 18], []),
+    (1, [10, 11], [30, 31]),
+    (2, [12, 13, 14, 15, 16, 17, 18], [32, 33, 34, 35]),
+    (0, [5, 6, 7, 8, 9], [36, 37, 38, 39, 40, 41, 42]),
+]
+
+
+def padded_batch(rows=ROWS):
+    prompt_w = max(len(p) for _, p, _ in rows)
+    resp_w = max(len(r) for _, _, r in rows)
+    ids = torch.zeros((len(rows), prompt_w + resp_w), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, (_, p, r) in enumerate(rows):
+        ids[i, prompt_w - len(p):prompt_w], mask[i, prompt_w - len(p):prompt_w] = torch.tensor(p), 1
+        if r:
+            ids[i, prompt_w:prompt_w + len(r)], mask[i, prompt_w:prompt_w + len(r)] = torch.tensor(r), 1
+    groups = torch.tensor([g for g, _, _ in rows])
+    return ids, mask, position_ids_from_mask(mask), resp_w, groups
+
+
+def grads_of(model, logprobs, response_mask, weights):
+    model.zero_grad(set_to_none=True)
+    (logprobs * response_mask * weights).sum().backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("grouped,max_tokens,temperature", [(True, 2048, 1.0), (True, 12, 0.7), (False, 30, 1.0)])
+def test_packed_logprobs_and_gradients_equal_padded(tiny_model_and_tokenizer, grouped, max_tokens, temperature):
+    model, _ = tiny_model_and_tokenizer
+    model.train()
+    ids, mask, pos, resp_w, groups = padded_batch()
+    response_mask = mask[:, -resp_w:].float()
+    weights = torch.randn(response_mask.shape, generator=torch.Generator().manual_seed(1))
+    assert packing_problem(model, mask, resp_w) is None
+
+    want = compute_response_logprobs(model, ids, mask, pos, resp_w, temperature)
+    want_grads = grads_of(model, want, response_mask, weights)
+    got = compute_response_logprobs_packed(model, ids, mask, pos, resp_w, groups if grouped else None,
+                                           temperature, max_tokens)
+    got_grads = grads_of(model, got, response_mask, weights)
+
+    torch.testing.assert_close(got * response_mask, want * response_mask, atol=1e-5, rtol=1e-5)
+    assert bool((got[response_mask == 0] == 0).all())
+    assert set(got_grads) == set(want_grads)
+    for name in want_grads:
+        torch.testing.assert_close(got_grads[name], want_grads[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_packing_problems_are_named(tiny_model_and_tokenizer):
+    model, _ = tiny_model_and_tokenizer
+    ids, mask, pos, resp_w, _ = padded_batch()
+    holey = mask.clone()
+    holey[2, -resp_w] = 0  # row 2's response now starts with a hole
+    assert "not a prefix" in packing_problem(model, holey, resp_w)
+    no_prompt_end = mask.clone()
+    no_prompt_end[0, -resp_w - 1] = 0
+    assert "left-padded" in packing_problem(model, no_prompt_end, resp_w)
+    model.config._attn_implementation = "eager"
+    try:
+        assert "'eager'" in packing_problem(model, mask, resp_w)
+    finally:
+        model.config._attn_implementation = "sdpa"
+
+
+def test_train_service_packs_or_falls_back(tiny_model_and_tokenizer):
+    model, tokenizer = tiny_model_and_tokenizer
+    ids, mask, pos, resp_w, groups = padded_batch()
+    batch = {"input_ids": ids, "attention_mask": mask, "position_ids": pos, "responses": ids[:, -resp_w:],
+             "response_mask": mask[:, -resp_w:], "prompt_groups": groups}
+    results = {}
+    for packing in ("true", "false", "auto"):
+        service = LocalTorchTrainService({"packing": packing, "max_tokens_per_pack": 16}, model=model, tokenizer=tokenizer)
+        results[packing] = service.forward(batch) * batch["response_mask"]
+    torch.testing.assert_close(results["true"], results["false"], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(results["auto"], results["true"])
+
+    model.config._attn_implementation = "eager"
+    try:
+        eager = LocalTorchTrainService({"packing": "auto"}, model=model, tokenizer=tokenizer).forward(batch)
+        torch.testing.assert_close(eager * batch["response_mask"], results["false"], atol=1e-5, rtol=1e-5)
+        with pytest.raises(ValueError, match="packing: true, but this batch cannot be packed: attention implementation 'eager'"):
+            LocalTorchTrainService({"packing": "true"}, model=model, tokenizer=tokenizer).forward(batch)
+    finally:
+        model.config._attn_implementation = "sdpa"
+    with pytest.raises(ValueError, match="packing must be auto, true or false"):
+        LocalTorchTrainService({"packing": "yes please"}, model=model, tokenizer=tokenizer)
