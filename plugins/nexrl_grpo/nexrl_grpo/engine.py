@@ -2,8 +2,9 @@
 
 Callers block in :meth:`HFInferenceEngine.complete` on their own event while one scheduler
 thread gathers every queued request (up to ``max_batch_size``, waiting ``batch_wait_ms`` for
-late-comers), left-pads them and decodes them together with a KV cache. Rows leave the batch
-(and the cache) as soon as they finish.
+late-comers), left-pads them and decodes them together with a KV cache: through
+:mod:`nexrl_grpo.decoding`'s fast loop for Llama-family models, through the model's own forward
+otherwise. Rows leave the batch as soon as they finish.
 
 Conventions of the returned :class:`CompletionResult`:
 
