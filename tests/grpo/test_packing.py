@@ -90,6 +90,8 @@ def test_train_service_packs_or_falls_back(tiny_model_and_tokenizer):
         results[packing] = service.forward(batch) * batch["response_mask"]
     torch.testing.assert_close(results["true"], results["false"], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(results["auto"], results["true"])
+    unpacked = LocalTorchTrainService({"packing": False}, model=model, tokenizer=tokenizer)  # a YAML boolean
+    assert unpacked.packing == "false"
 
     model.config._attn_implementation = "eager"
     try:
@@ -99,5 +101,40 @@ def test_train_service_packs_or_falls_back(tiny_model_and_tokenizer):
             LocalTorchTrainService({"packing": "true"}, model=model, tokenizer=tokenizer).forward(batch)
     finally:
         model.config._attn_implementation = "sdpa"
-    with pytest.raises(ValueError, match="packing must be auto, true or false"):
+    with pytest.raises(ValueError, match="packing: 'yes please' is not one of auto, true, false"):
         LocalTorchTrainService({"packing": "yes please"}, model=model, tokenizer=tokenizer)
+
+
+@pytest.mark.parametrize("key,message", [
+    ("service.train_service.packing", "service.train_service.packing: 'maybe' is not one of auto, true, false"),
+    ("service.inference_service.fast_path",
+     "service.inference_service.fast_path: 'maybe' is not one of auto, true, false"),
+])
+def test_bad_speed_flag_in_a_recipe_is_one_clean_error(tiny_model_dir, tmp_path, capfd, key, message):
+    import yaml
+
+    from nexrl_core.cli import main
+
+    recipe = {
+        "run_dir": str(tmp_path / "run"),
+        "logger": {"backend": []},
+        "data": {"type": "inline", "rows": [{"prompt": "hello"}]},
+        "rollout_worker": {"num_workers": 1, "evaluator": {"type": "exact_match"}},
+        "trajectory_pool": {"batch_size": 2, "group_size": 2},
+        "trainer": {"type": "self_hosted_grpo", "total_train_steps": 1},
+        "weight": {"backend": "in_process"},
+        "service": {"train_service": {"model_path": tiny_model_dir},
+                    "inference_service": {"backend": "hf", "model_path": tiny_model_dir}},
+    }
+    section, leaf = key.rsplit(".", 1)
+    node = recipe
+    for part in section.split("."):
+        node = node[part]
+    node[leaf] = "maybe"
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    code = main(["run", str(path)])
+    out, err = capfd.readouterr()
+    assert code != 0
+    assert message in err
+    assert "Traceback" not in err and "Traceback" not in out

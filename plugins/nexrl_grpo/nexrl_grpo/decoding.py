@@ -28,6 +28,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .modeling import auto_flag
+
 log = logging.getLogger(__name__)
 
 FAST_MODEL_TYPES = ("llama", "qwen2")
@@ -311,9 +313,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 def make_session_factory(model: torch.nn.Module, mode: Any, rows_hint: int):
     """``() -> session`` for the engine: ``mode`` is ``auto`` (fast path when the model allows it),
     ``true`` (fast path or a ValueError saying why not) or ``false`` (HF forward)."""
-    mode = str(mode).lower()
-    if mode not in ("auto", "true", "false"):
-        raise ValueError(f"fast_path must be auto, true or false, got {mode!r}")
+    mode = auto_flag(mode, "fast_path")
     if mode != "false":
         problem = fast_path_problem(model)
         if problem is None:

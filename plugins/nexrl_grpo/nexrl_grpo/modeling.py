@@ -29,6 +29,18 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return resolved
 
 
+def auto_flag(value: Any, key: str) -> str:
+    """``auto``, ``true`` or ``false`` from a recipe value (YAML booleans included; None is auto)."""
+    if value is None:
+        return "auto"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    text = str(value).strip().lower()
+    if text not in ("auto", "true", "false"):
+        raise ValueError(f"{key}: {value!r} is not one of auto, true, false")
+    return text
+
+
 def load_causal_lm(model_path: str, gguf_file: str | None = None, dtype: str | torch.dtype = "float32"):
     """Load ``(model, tokenizer)`` from a local HF folder, or from a GGUF file (dequantized).
 

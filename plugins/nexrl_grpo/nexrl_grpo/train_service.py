@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from .modeling import (compute_response_logprobs, compute_response_logprobs_packed,
+from .modeling import (auto_flag, compute_response_logprobs, compute_response_logprobs_packed,
                        compute_response_logprobs_shared_prompts, model_from_config, packing_problem,
                        position_ids_from_mask)
 
@@ -65,9 +65,7 @@ class LocalTorchTrainService:
         self.micro_batch_size = int(micro) if micro else None
         if self.micro_batch_size is not None and self.micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1, got {micro}")
-        self.packing = str(config.get("packing", "auto")).lower()
-        if self.packing not in ("auto", "true", "false"):
-            raise ValueError(f"packing must be auto, true or false, got {config.get('packing')!r}")
+        self.packing = auto_flag(config.get("packing", "auto"), "packing")
         self.max_tokens_per_pack = int(config.get("max_tokens_per_pack", 2048))
         if self.max_tokens_per_pack < 1:
             raise ValueError(f"max_tokens_per_pack must be >= 1, got {self.max_tokens_per_pack}")

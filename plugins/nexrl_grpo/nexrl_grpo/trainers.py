@@ -16,12 +16,12 @@ from nexrl_core import Batch, BaseTrainer, ConfigError, Trajectory
 from . import core_algos
 from .modeling import compute_response_logprobs, position_ids_from_mask
 from .train_service import LocalTorchTrainService
-from .weights import resolve_model_path
+from .weights import config_errors, resolve_model_path
 
 TRAIN_SERVICE_KEYS = {"backend": "local_torch", "model_path": None, "gguf_file": None, "dtype": "float32",
                       "lr": 1e-6, "weight_decay": 0.0, "betas": [0.9, 0.999], "eps": 1e-8, "grad_clip": 1.0,
                       "seed": None, "micro_batch_size": None, "temperature": 1.0, "num_threads": None,
-                      "packing": "auto", "max_tokens_per_pack": 2048}
+                      "packing": None, "max_tokens_per_pack": 2048}  # packing: auto | true | false
 
 
 def _prompt_groups(prompts: list[list[int]]) -> torch.Tensor:
@@ -55,7 +55,8 @@ class SelfHostedTrainer(BaseTrainer):
         if cfg.get("num_threads"):
             torch.set_num_threads(int(cfg["num_threads"]))
         t0 = time.perf_counter()
-        self.train_service = LocalTorchTrainService(cfg)
+        with config_errors("service.train_service"):
+            self.train_service = LocalTorchTrainService(cfg)
         tok = self.train_service.tokenizer
         self.pad_token_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         logger.info(f"train service ready ({cfg['model_path']}, {time.perf_counter() - t0:.1f}s)")

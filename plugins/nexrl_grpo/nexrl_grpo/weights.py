@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from typing import Any
 
 from nexrl_core import ConfigError, WeightSyncBackend
@@ -34,12 +36,22 @@ def resolve_model_path(model_path: str | None, gguf_file: str | None = None) -> 
     return str(model_path)
 
 
+@contextlib.contextmanager
+def config_errors(section: str) -> Iterator[None]:
+    """A bad value a component rejects (ValueError naming the key) becomes a ConfigError under ``section``."""
+    try:
+        yield
+    except ValueError as exc:
+        raise ConfigError(f"{section}.{exc}") from None
+
+
 class HFInferenceBackend(HFInferenceEngine):
     """The ``hf`` inference backend: the in-process engine, with recipe model paths resolved."""
 
     CONFIG_KEYS = {"model_path": None, "gguf_file": None, "dtype": "float32", "max_batch_size": 64,
                    "batch_wait_ms": 2, "batch_wait_max_ms": 50, "chat_template": True, "seed": None,
-                   "num_threads": None, "fast_path": "auto"}
+                   "num_threads": None,
+                   "fast_path": None}  # fast_path: auto | true | false
 
     def __init__(self, config: Any):
         from omegaconf import OmegaConf
@@ -51,7 +63,8 @@ class HFInferenceBackend(HFInferenceEngine):
             import torch
 
             torch.set_num_threads(int(cfg["num_threads"]))
-        super().__init__(cfg)
+        with config_errors("service.inference_service"):
+            super().__init__(cfg)
 
 
 class InProcessWeightSync(WeightSyncBackend):
