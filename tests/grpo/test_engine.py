@@ -198,7 +198,8 @@ def test_model_error_reaches_callers(make_engine, tiny_model_and_tokenizer):
     finally:
         del model.forward
     assert engine.health_check()
-    assert len(engine.complete("hello", SamplingParams(max_tokens=4)).response_token_ids) == 4
+    after = engine.complete("hello", SamplingParams(max_tokens=4))  # still serving (a sample may stop early at EOS)
+    assert 1 <= len(after.response_token_ids) <= 4 and after.finish_reason in ("length", "stop")
 
 
 def test_close_fails_queued_requests(make_engine, tiny_model_and_tokenizer):
