@@ -122,10 +122,13 @@ class WeightSyncController(NexRLModule):
     def end_rollout(self, model_tag: ModelTag = DEFAULT_MODEL_TAG, landed: bool = True) -> None:
         """An admitted rollout finished; ``landed``: its trajectory went to the pool (not re-rolled)."""
         with self._cond:
-            self._in_flight[model_tag] = max(0, self._in_flight.get(model_tag, 0) - 1)
+            in_flight = self._in_flight[model_tag] = max(0, self._in_flight.get(model_tag, 0) - 1)
             if not landed:
                 self._admitted[model_tag] = max(0, self._admitted.get(model_tag, 0) - 1)
-            self._cond.notify_all()
+            # Only a returned slot or the last landing can unblock a waiting worker; waking every
+            # rollout thread on each landing costs more than the rollout itself with many workers.
+            if not landed or in_flight == 0:
+                self._cond.notify_all()
 
     def check_rollout_service_status(self, model_tag: ModelTag = DEFAULT_MODEL_TAG) -> Literal["continue", "block"]:
         with self._cond:
