@@ -12,8 +12,8 @@ runs ``recipes/quickstart.yaml`` for a few steps through ``NexRLController`` and
 ``timing/*`` rows of metrics.jsonl too; ``--py-spy FILE`` also samples the run with py-spy.
 Target: framework <= 2% of the step.
 
-Part 3 (``--part pack``): fwd+bwd of one GRPO batch three ways (full padded rows as TRL does,
-nexrl's shared-prompt forward, and a packed no-padding prototype, ``packed_response_logprobs``).
+Part 3 (``--part pack``): fwd+bwd of one GRPO batch two ways: full padded rows (as TRL does)
+and nexrl's packed forward (``compute_response_logprobs_packed``, no padding, each prompt once).
 
     python benchmarks/overhead.py                      # all parts (~6 min on 2 CPU cores)
     python benchmarks/overhead.py --part flow --workers 4 16 --batches 64
@@ -363,15 +363,13 @@ def summarize_py_spy(path: str, top: int = 25) -> None:
 
 def part_pack(args: argparse.Namespace) -> None:
     """fwd+bwd of one GRPO batch (4 prompts x 4 responses of mixed length, SmolLM2): full padded rows
-    (what TRL computes), the shared-prompt forward with padded responses, and the packed forward
-    (nexrl's default)."""
+    (what TRL computes) and the packed forward (nexrl's default)."""
     import random
 
     import torch
     from nexrl_grpo.modeling import (
         compute_response_logprobs,
         compute_response_logprobs_packed,
-        compute_response_logprobs_shared_prompts,
         load_causal_lm,
         position_ids_from_mask,
     )
@@ -403,12 +401,10 @@ def part_pack(args: argparse.Namespace) -> None:
         packed = compute_response_logprobs_packed(model, ids, am, pid, max_r, groups)
     diff = float(((ref - packed) * rmask).abs().max())
     print(f"== part 3: fwd+bwd of one batch, {rows} responses of lengths {lengths} (load avg {loadavg()})")
-    print(f"   tokens through the model: full rows {rows * (max_p + max_r)}, shared prompt {len(prompts) * max_p + rows * max_r}, "
+    print(f"   tokens through the model: full rows {rows * (max_p + max_r)}, "
           f"packed {sum(map(len, prompts)) + sum(lengths)}; packed vs padded logprobs max |diff| {diff:.1e}")
     variants = [
         ("full padded rows (TRL-like)", lambda: (compute_response_logprobs(model, ids, am, pid, max_r) * rmask).sum()),
-        ("shared prompt, padded", lambda: (compute_response_logprobs_shared_prompts(
-            model, ids, am, pid, max_r, groups) * rmask).sum()),
         ("packed (nexrl default)", lambda: (compute_response_logprobs_packed(
             model, ids, am, pid, max_r, groups) * rmask).sum()),
     ]

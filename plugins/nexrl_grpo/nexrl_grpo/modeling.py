@@ -165,67 +165,16 @@ def compute_response_logprobs(
         logits_to_keep=response_length + 1,
     )
     # Positions P-1 .. P+R-2 predict the R response tokens; the very last logit predicts nothing.
-    logits = out.logits[:, :-1, :].float()
+    return token_logprobs(out.logits[:, :-1, :], input_ids[:, -response_length:], temperature)
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """``log_softmax(logits / temperature)[target]`` as ``logit[target] - logsumexp(logits)``, so no
+    second vocabulary-sized tensor is materialised."""
+    logits = logits.float()
     if temperature != 1.0:
         logits = logits / temperature
-    responses = input_ids[:, -response_length:]
-    picked = torch.gather(logits, -1, responses.unsqueeze(-1)).squeeze(-1)
-    return picked - torch.logsumexp(logits, dim=-1)
-
-
-def compute_response_logprobs_shared_prompts(
-    model: torch.nn.Module,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    position_ids: torch.Tensor,
-    response_length: int,
-    prompt_groups: torch.Tensor,
-    temperature: float = 1.0,
-) -> torch.Tensor:
-    """:func:`compute_response_logprobs` where rows of one ``prompt_groups`` id share their prompt.
-
-    Each distinct prompt runs through the model once; its KV cache is indexed out to the
-    group's rows and the responses run on top of it. The result (and, through autograd, the
-    gradient: the shared prompt activations collect every row's gradient) is the same as the
-    per-row computation, at a fraction of the cost when GRPO groups share long prompts.
-    Rows of one group must have identical prompt tokens and masks.
-    """
-    if response_length <= 0:
-        return input_ids.new_zeros((input_ids.shape[0], 0), dtype=torch.float32)
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0 for logprobs, got {temperature}")
-    from transformers import DynamicCache
-
-    rows = input_ids.shape[0]
-    prompt_len = input_ids.shape[1] - response_length
-    _, inverse = torch.unique(prompt_groups, return_inverse=True)
-    n_unique = int(inverse.max()) + 1
-    first = torch.full((n_unique,), rows, dtype=torch.long).scatter_reduce(
-        0, inverse, torch.arange(rows), reduce="amin")
-    prompt_out = model(
-        input_ids=input_ids[first, :prompt_len],
-        attention_mask=attention_mask[first, :prompt_len],
-        position_ids=position_ids[first, :prompt_len],
-        use_cache=True,
-        logits_to_keep=1,
-    )
-    shared = DynamicCache()
-    for layer_idx, layer in enumerate(prompt_out.past_key_values.layers):
-        shared.update(layer.keys[inverse], layer.values[inverse], layer_idx)
-    response_out = model(
-        input_ids=input_ids[:, prompt_len:],
-        attention_mask=attention_mask,
-        position_ids=position_ids[:, prompt_len:],
-        past_key_values=shared,
-        use_cache=True,
-        logits_to_keep=response_length,
-    )
-    # The prompt's last logit predicts response token 0; response position t predicts token t+1.
-    logits = torch.cat([prompt_out.logits[:, -1:, :][inverse], response_out.logits[:, :-1, :]], dim=1).float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    responses = input_ids[:, prompt_len:]
-    picked = torch.gather(logits, -1, responses.unsqueeze(-1)).squeeze(-1)
+    picked = torch.gather(logits, -1, targets.unsqueeze(-1)).squeeze(-1)
     return picked - torch.logsumexp(logits, dim=-1)
 
 
@@ -292,7 +241,7 @@ def compute_response_logprobs_packed(
         bins[-1].append(group)
         used += size
 
-    picked_parts, lse_parts, dest_rows, dest_cols = [], [], [], []
+    parts, dest_rows, dest_cols = [], [], []
     for bin_groups in bins:
         tokens, pos, segment, owner, keep, targets = [], [], [], [], [], []
         length = 0
@@ -333,15 +282,10 @@ def compute_response_logprobs_packed(
             use_cache=False,
             logits_to_keep=torch.tensor(keep, device=device),
         )
-        logits = out.logits[0].float()
-        if temperature != 1.0:
-            logits = logits / temperature
-        target = torch.cat(targets).to(device)
-        picked_parts.append(torch.gather(logits, -1, target.unsqueeze(-1)).squeeze(-1))
-        lse_parts.append(torch.logsumexp(logits, dim=-1))
+        parts.append(token_logprobs(out.logits[0], torch.cat(targets).to(device), temperature))
     result = torch.zeros((rows, response_length), dtype=torch.float32, device=device)
-    if picked_parts:
-        values = torch.cat(picked_parts) - torch.cat(lse_parts)
+    if parts:
+        values = torch.cat(parts)
         result = result.index_put((torch.tensor(dest_rows, device=device), torch.tensor(dest_cols, device=device)), values)
     return result
 

@@ -2,8 +2,8 @@
 
 Batches are dicts of tensors in verl's layout: ``input_ids``/``attention_mask``/``position_ids``
 ``[B, P + R]`` (left-padded prompt, right-padded response), ``responses`` and ``response_mask``
-``[B, R]``. An optional ``prompt_groups`` ``[B]`` marks rows with identical prompts, which then
-share one prompt forward pass. Other entries (advantages, old logprobs, per-row lists) travel with the rows when
+``[B, R]``. An optional ``prompt_groups`` ``[B]`` marks rows with identical prompts, which a packed
+forward then computes once. Other entries (advantages, old logprobs, per-row lists) travel with the rows when
 the batch is cut into micro-batches.
 
 Checkpoints hold no pickle: the model is an HF safetensors folder, the optimizer and RNG
@@ -26,9 +26,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from .modeling import (auto_flag, compute_response_logprobs, compute_response_logprobs_packed,
-                       compute_response_logprobs_shared_prompts, model_from_config, packing_problem,
-                       position_ids_from_mask)
+from .modeling import (auto_flag, compute_response_logprobs, compute_response_logprobs_packed, model_from_config,
+                       packing_problem, position_ids_from_mask)
 
 LossFn = Callable[[torch.Tensor, dict[str, Any]], tuple[torch.Tensor, dict[str, float]]]
 
@@ -201,31 +200,21 @@ class LocalTorchTrainService:
 
     def _logprobs(self, mb: dict[str, Any]) -> torch.Tensor:
         device = next(self.model.parameters()).device
+        input_ids = mb["input_ids"].to(device)
         attention_mask = mb["attention_mask"].to(device)
         position_ids = mb.get("position_ids")
         position_ids = position_ids_from_mask(attention_mask) if position_ids is None else position_ids.to(device)
-        groups = mb.get("prompt_groups")
         response_length = mb["responses"].shape[1]
         if self.packing != "false":
             problem = packing_problem(self.model, attention_mask, response_length)
             if problem is None:
                 return compute_response_logprobs_packed(
-                    self.model, mb["input_ids"].to(device), attention_mask, position_ids, response_length, groups,
+                    self.model, input_ids, attention_mask, position_ids, response_length, mb.get("prompt_groups"),
                     self.temperature, self.max_tokens_per_pack)
             if self.packing == "true":
                 raise ValueError(f"packing: true, but this batch cannot be packed: {problem}")
-        if groups is not None and int(groups.unique().numel()) < groups.shape[0]:
-            return compute_response_logprobs_shared_prompts(
-                self.model, mb["input_ids"].to(device), attention_mask, position_ids, mb["responses"].shape[1],
-                groups, self.temperature)
-        return compute_response_logprobs(
-            self.model,
-            mb["input_ids"].to(device),
-            attention_mask,
-            position_ids,
-            mb["responses"].shape[1],
-            self.temperature,
-        )
+        return compute_response_logprobs(self.model, input_ids, attention_mask, position_ids, response_length,
+                                         self.temperature)
 
     def _save_optimizer(self, folder: Path) -> None:
         state = self.optimizer.state_dict()
