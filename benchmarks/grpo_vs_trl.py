@@ -5,7 +5,7 @@ generated ``arithmetic`` task, in the same order), same sampling (temperature 1.
 ``--max-new-tokens``), same batch (``--prompts`` x ``--samples`` completions per optimizer step),
 same loss (PPO-clip 0.2, per-sequence token mean, group-std-normalised advantages, beta=0: no KL,
 no reference model), same optimizer (AdamW, constant ``--lr``, grad clip 1.0), same reward
-(``nexrl_core.evaluators.NumericAnswerEvaluator``), CPU fp32, no checkpoints, no evaluation.
+(``nexrl_core.builtins.evaluators.NumericAnswerEvaluator``), CPU fp32, no checkpoints, no evaluation.
 
 nexrl runs through ``NexRLController`` with ``recipes/quickstart.yaml`` plus overrides (the path
 ``nexrl run`` takes); TRL runs ``GRPOTrainer.train()``. Each runs in its own thread and is paused
@@ -94,7 +94,7 @@ class Gate:
 def arithmetic_rows(seed: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """The quickstart's training rows (same generator, same config)."""
     from nexrl_core.config import load_recipe
-    from nexrl_core.tasks import ArithmeticDataLoader
+    from nexrl_core.builtins.dataloaders import ArithmeticDataLoader
 
     cfg = load_recipe(QUICKSTART, [f"seed={seed}"])
     data = cfg.data
@@ -104,7 +104,7 @@ def arithmetic_rows(seed: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
 
 def make_reward_fn(log: list[float]) -> Callable[..., list[float]]:
     from nexrl_core.evaluation import BaseEvaluationTarget
-    from nexrl_core.evaluators import NumericAnswerEvaluator
+    from nexrl_core.builtins.evaluators import NumericAnswerEvaluator
 
     evaluator = NumericAnswerEvaluator()
 

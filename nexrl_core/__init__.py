@@ -1,21 +1,25 @@
 """nexrl-core: hook specs, plugin manager, controller and data flow of the nexrl RL framework."""
 
-from .activity import ActivityTracker, ActivityTrackerProxy
+from .runtime.activity import ActivityTracker, ActivityTrackerProxy
 from .controller import NexRLController, RunFailed, RunSummary
-from .dataloader import BaseDataLoader, FileDataLoader
+from .dataloader import BaseDataLoader
 from .errors import ConfigError, DataError, ErrorReporter, ErrorSeverity, NexRLError, PluginError
 from .evaluation import BaseEvaluationTarget, EvaluationRunResult, Evaluator
-from .execute import execute, execute_async
+from .runtime.execute import execute, execute_async
 from .inference import CompletionResult, InferenceClient, InferenceError, SamplingParams
 from .markers import hookimpl
-from .module import NexRLModule
-from .rollout_worker import BaseRolloutWorker, ItemFailure, SimpleRolloutWorker
+from .runtime.module import NexRLModule
+from .rollout_worker import BaseRolloutWorker, ItemFailure
 from .trainer import BaseTrainer
 from .trajectory_pool import (GroupedTrajectoryStore, HierarchicalTrajectoryStore, SimpleTrajectoryStore,
                               TrajectoryPool, TrajectoryPoolInstance)
 from .types import Batch, ModelTag, NexRLRole, Trajectory
 from .validator import Validator
 from .weight_sync import WeightSyncBackend, WeightSyncController
+
+# The built-in components most often subclassed (imported last: they build on the names above).
+from .builtins.dataloaders import FileDataLoader  # noqa: E402
+from .builtins.workers import SimpleRolloutWorker  # noqa: E402
 
 __all__ = [
     "ActivityTracker", "ActivityTrackerProxy", "BaseDataLoader", "BaseEvaluationTarget", "BaseRolloutWorker",

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import sys
 from typing import Any
@@ -98,11 +97,11 @@ def _eval(args: Any) -> int:
     if checkpoint:
         # global_step_<N> holds weight version N: serve it as N, so samples carry the version that
         # produced them and seeded sampling matches the training-time validation of step N.
-        from .trainer import CHECKPOINT_RE
+        from .checkpoint import checkpoint_step
 
-        m = CHECKPOINT_RE.match(os.path.basename(os.path.normpath(checkpoint[-1])))
-        if m:
-            controller.inference_client.set_model_version(int(m.group(1)))
+        step = checkpoint_step(checkpoint[-1])
+        if step is not None:
+            controller.inference_client.set_model_version(step)
     metrics = controller.run_evaluation()
     if args.samples_out:
         with open(args.samples_out, "w", encoding="utf-8") as f:

@@ -11,13 +11,13 @@ from typing import Any
 from loguru import logger
 from omegaconf import DictConfig, OmegaConf
 
-from .activity import ActivityTracker, ActivityTrackerProxy
+from .runtime.activity import ActivityTracker, ActivityTrackerProxy
+from .checkpoint import find_latest_checkpoint, is_checkpoint
 from .config import require_valid
 from .errors import NexRLError
-from .execute import execute
+from .runtime.execute import execute
 from .plugins import PluginManager, get_plugin_manager
 from .run_log import RunRecorder
-from .trainer import find_latest_checkpoint
 from .trajectory_pool import TrajectoryPool
 from .types import NexRLRole
 from .validator import Validator
@@ -335,7 +335,7 @@ class NexRLController:
             return None
         if resume.mode == "from_path":
             path = str(resume.resume_path)
-            if find_latest_checkpoint(path) == path or _is_checkpoint(path):
+            if is_checkpoint(path):
                 return path
             raise NexRLError(f"resume.resume_path: '{path}' is not a complete checkpoint folder "
                              f"(expected global_step_<N>/ with nexrl_state.json)")
@@ -362,13 +362,6 @@ class NexRLController:
             self.inference_client.close()
         finally:
             self.recorder.close()
-
-
-def _is_checkpoint(path: str) -> bool:
-    import os
-
-    from .trainer import CORE_STATE_FILE
-    return os.path.isfile(os.path.join(path, CORE_STATE_FILE))
 
 
 def _as_list(value: Any) -> list[str]:

@@ -9,16 +9,14 @@ by a resume.
 
 from __future__ import annotations
 
-import json
-import os
 import random
 import threading
 from abc import ABC, abstractmethod
 from collections import deque
 from typing import Any
 
-from .errors import ConfigError, DataError
-from .module import NexRLModule
+from .errors import DataError
+from .runtime.module import NexRLModule
 
 
 class BaseDataLoader(NexRLModule, ABC):
@@ -196,75 +194,3 @@ class BaseDataLoader(NexRLModule, ABC):
                 self._next_seq += 1
                 self._pending.append(task)
         return self._pending.popleft()
-
-
-class FileDataLoader(BaseDataLoader):
-    """Rows from JSONL or Parquet files (``path``: one path or a list)."""
-
-    def __init__(self, config: Any, is_validate: bool = False):
-        paths = config.get("path") or config.get("dataset_paths")
-        if not paths:
-            raise ConfigError(f"{_section(is_validate)}.path: the file data loader needs a path (JSONL or Parquet)")
-        self._paths = [str(paths)] if isinstance(paths, (str, os.PathLike)) else [str(p) for p in paths]
-        self._prompt_key = str(config.get("prompt_key", "prompt"))
-        super().__init__(config, is_validate)
-
-    def describe(self) -> str:
-        return ", ".join(self._paths)
-
-    def load_rows(self) -> list[dict[str, Any]]:
-        rows: list[dict[str, Any]] = []
-        for path in self._paths:
-            rows.extend(read_rows(path, self._prompt_key))
-        return rows
-
-
-def _section(is_validate: bool) -> str:
-    return "validate.data" if is_validate else "data"
-
-
-def read_rows(path: str, prompt_key: str = "prompt") -> list[dict[str, Any]]:
-    """Read a JSONL or Parquet file; every row must be an object holding ``prompt_key``."""
-    if not os.path.exists(path):
-        raise DataError(f"{path}: data file not found")
-    if path.endswith(".parquet"):
-        rows = _read_parquet(path)
-        locate = lambda i: f"{path}: row {i + 1}"  # noqa: E731
-    else:
-        rows, lines = _read_jsonl(path)
-        locate = lambda i: f"{path}:{lines[i]}"  # noqa: E731
-    if not rows:
-        raise DataError(f"{path}: the file holds no rows")
-    for i, row in enumerate(rows):
-        if prompt_key not in row or row[prompt_key] in (None, ""):
-            raise DataError(f"{locate(i)}: the row has no '{prompt_key}' field "
-                            f"(set data.prompt_key if the prompt lives under another name)")
-    return rows
-
-
-def _read_jsonl(path: str) -> tuple[list[dict[str, Any]], list[int]]:
-    rows, lines = [], []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataError(f"{path}:{lineno}: not valid JSON ({exc.msg} at column {exc.colno})") from None
-            if not isinstance(row, dict):
-                raise DataError(f"{path}:{lineno}: each line must be a JSON object, got {type(row).__name__}")
-            rows.append(row)
-            lines.append(lineno)
-    return rows, lines
-
-
-def _read_parquet(path: str) -> list[dict[str, Any]]:
-    try:
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise DataError(f"{path}: reading Parquet needs pyarrow (pip install pyarrow)") from None
-    try:
-        return pq.read_table(path).to_pylist()
-    except Exception as exc:
-        raise DataError(f"{path}: not a readable Parquet file ({exc})") from None

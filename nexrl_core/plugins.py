@@ -68,9 +68,7 @@ class PluginManager:
         self.records: dict[str, PluginRecord] = {}
         self.failures: list[PluginLoadFailure] = []
         self.bad_registrations: list[str] = []
-        from . import builtin
-
-        self.register(builtin, name="core", distribution=CORE_DISTRIBUTION, version=_version(CORE_DISTRIBUTION))
+        self._load_builtins()
         if load_entrypoints:
             self.load_entrypoints()
         self.pm.check_pending()
@@ -85,6 +83,26 @@ class PluginManager:
         self.records[name] = PluginRecord(name, distribution, version, module, hooks)
         self._cache = {}
 
+    def _load_builtins(self) -> None:
+        """The core's own components: plugins like any other, isolated the same way."""
+        import importlib
+
+        from .builtins import DEFAULT_PLUGINS
+
+        version = _version(CORE_DISTRIBUTION)
+        for name, module_path in DEFAULT_PLUGINS:
+            try:
+                module = importlib.import_module(module_path)
+            except Exception as exc:  # one broken built-in must not stop the others
+                self._import_failed(name, CORE_DISTRIBUTION, exc)
+                continue
+            self.register(module, name=name, distribution=CORE_DISTRIBUTION, version=version)
+
+    def _import_failed(self, name: str, dist: str, exc: BaseException) -> None:
+        failure = PluginLoadFailure(name, dist, f"{type(exc).__name__}: {exc}")
+        self.failures.append(failure)
+        logger.warning(f"plugin '{name}' from {dist} failed to import and is skipped: {failure.error}")
+
     def load_entrypoints(self) -> None:
         wanted = os.environ.get("NEXRL_LOAD_PLUGINS")
         allowed = None if wanted is None else {w.strip() for w in wanted.split(",") if w.strip()}
@@ -97,9 +115,7 @@ class PluginManager:
             try:
                 module = ep.load()
             except Exception as exc:  # one broken plugin must not stop the others
-                failure = PluginLoadFailure(ep.name, dist, f"{type(exc).__name__}: {exc}")
-                self.failures.append(failure)
-                logger.warning(f"plugin '{ep.name}' from {dist} failed to import and is skipped: {failure.error}")
+                self._import_failed(ep.name, dist, exc)
                 continue
             self.register(module, name=ep.name, distribution=dist, version=ep.dist.version if ep.dist else "")
 

@@ -12,9 +12,9 @@ from loguru import logger
 
 from .errors import ErrorSeverity
 from .evaluation import BaseEvaluationTarget, EvaluationRunResult, Evaluator
-from .execute import execute
-from .inference import InferenceClient, InferenceError, SamplingParams
-from .module import NexRLModule
+from .runtime.execute import execute
+from .inference import InferenceClient, InferenceError
+from .runtime.module import NexRLModule
 from .types import DEFAULT_MODEL_TAG, Trajectory
 
 _IDLE_WAIT_S = 0.05
@@ -222,52 +222,3 @@ class BaseRolloutWorker(NexRLModule):
 
     def _current_version(self) -> int:
         return self._llm_client.model_version() if self._llm_client is not None else 0
-
-
-class SimpleRolloutWorker(BaseRolloutWorker):
-    """Single turn: prompt -> inference service -> evaluator -> trajectory."""
-
-    CONFIG_KEYS = {"prompt_key": "prompt", "use_chat": True, "system_prompt": None,
-                   "sampling": {}, "reward_range": None, "answer_key": None}
-
-    def __init__(self, config: Any, inference_client: InferenceClient | None = None,
-                 evaluator: Evaluator | None = None):
-        super().__init__(config, inference_client, evaluator)
-        self._prompt_key = str(config.get("prompt_key", "prompt"))
-        self._use_chat = bool(config.get("use_chat", True))
-        self._system_prompt = config.get("system_prompt")
-        sampling = dict(config.get("sampling", {}) or {})
-        self._sampling = {k: sampling[k] for k in ("max_tokens", "temperature", "top_p", "stop") if k in sampling}
-        self._validate_temperature = config.get("validate_temperature")
-
-    def build_prompt(self, task: dict[str, Any]) -> str | list[dict[str, Any]]:
-        prompt = task.get(self._prompt_key)
-        if isinstance(prompt, list) or not self._use_chat:
-            return prompt
-        messages = [{"role": "system", "content": self._system_prompt}] if self._system_prompt else []
-        return messages + [{"role": "user", "content": str(prompt)}]
-
-    def step(self, task: dict[str, Any]) -> str | None:
-        if task.get(self._prompt_key) in (None, ""):
-            raise ItemFailure("missing_prompt", f"task has no '{self._prompt_key}' field")
-        prompt = self.build_prompt(task)
-        params = SamplingParams(**self._sampling, seed=self.sampling_seed(task))
-        if self._task_is_validation and self._validate_temperature is not None:
-            params.temperature = float(self._validate_temperature)
-        result = self._llm_client.complete(prompt, params)
-        evaluation = self.evaluate(task, result.text)
-        trajectory = self.base_trajectory(task)
-        trajectory.update({
-            "prompt": prompt,
-            "response": result.text,
-            "finish_reason": result.finish_reason,
-            "prompt_token_ids": result.prompt_token_ids,
-            "response_token_ids": result.response_token_ids,
-            "response_logprobs": result.response_logprobs,
-            "model_version": result.model_version if result.model_version >= 0 else self._current_version(),
-            "reward": float(evaluation.reward),
-            "ground_truth": evaluation.ground_truth,
-            "score": {"reward": float(evaluation.reward), **{k: float(v) for k, v in evaluation.metrics.items()}},
-            "extra_info": evaluation.extra_info,
-        })
-        return self._put_trajectory(trajectory)

@@ -7,27 +7,17 @@ the weight-sync controller, which pushes the new weights.
 
 from __future__ import annotations
 
-import json
-import os
-import re
-import shutil
 import threading
 import time
 from abc import abstractmethod
 from typing import Any
 
-from loguru import logger
-
-from .execute import execute
-from .module import NexRLModule
+from .checkpoint import read_core_state, write_checkpoint
+from .runtime.execute import execute
+from .runtime.module import NexRLModule
 from .types import DEFAULT_MODEL_TAG, Trajectory
 
-CHECKPOINT_RE = re.compile(r"^global_step_(\d+)$")
-CORE_STATE_FILE = "nexrl_state.json"
-TMP_CHECKPOINT_PREFIX = ".tmp_global_step_"
-TMP_CHECKPOINT_RE = re.compile(r"^\.+tmp_global_step_")
 _BATCH_WAIT_S = 0.1
-
 
 class BaseTrainer(NexRLModule):
     """Subclasses implement :meth:`train`; self-hosted ones also the model-state methods."""
@@ -168,98 +158,15 @@ class BaseTrainer(NexRLModule):
         return state
 
     def save_checkpoint(self) -> str | None:
-        """Write ``global_step_<N>`` atomically: built under ``.tmp_global_step_<N>_<pid>``, then renamed.
-
-        A crash at any point leaves either the complete folder or none of it (``auto`` resume
-        never picks a temporary folder); temporary folders left by a crashed save are removed
-        by the next save.
-        """
+        """Write ``<checkpoint_path>/global_step_<N>`` atomically (see :mod:`nexrl_core.checkpoint`)."""
         if not self.checkpoint_path:
             return None
-        root = str(self.checkpoint_path)
-        os.makedirs(root, exist_ok=True)
-        remove_stale_tmp_checkpoints(root)
-        final = os.path.join(root, f"global_step_{self.global_step}")
-        tmp = os.path.join(root, f"{TMP_CHECKPOINT_PREFIX}{self.global_step}_{os.getpid()}")
-        old = tmp + "_old"
-        try:
-            os.makedirs(tmp)
-            self.save_model_state(tmp)
-            with open(os.path.join(tmp, CORE_STATE_FILE), "w", encoding="utf-8") as f:
-                json.dump(self.core_state(), f)
-                f.flush()
-                os.fsync(f.fileno())
-            _fsync_tree(tmp)
-            if os.path.exists(final):  # move the old folder aside first: never a half-deleted global_step_<N>
-                os.replace(final, old)
-            os.replace(tmp, final)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        _fsync_path(root)
-        shutil.rmtree(old, ignore_errors=True)
-        logger.info(f"checkpoint saved: {final}")
-        if self.remove_previous_ckpt:
-            for name in os.listdir(root):
-                m = CHECKPOINT_RE.match(name)
-                if m and int(m.group(1)) != self.global_step:
-                    doomed = os.path.join(root, f"{TMP_CHECKPOINT_PREFIX}{m.group(1)}_{os.getpid()}_removed")
-                    os.replace(os.path.join(root, name), doomed)  # gone from `auto` at once, then deleted
-                    shutil.rmtree(doomed, ignore_errors=True)
-        return final
+        return write_checkpoint(str(self.checkpoint_path), self.global_step, self.save_model_state, self.core_state,
+                                keep_only_latest=self.remove_previous_ckpt)
 
     def resume_checkpoint(self, folder: str) -> dict[str, Any]:
         """Restore model state and return the core state saved with it."""
-        with open(os.path.join(folder, CORE_STATE_FILE), encoding="utf-8") as f:
-            state = json.load(f)
+        state = read_core_state(folder)
         self.load_model_state(folder)
         self.global_step = int(state["global_step"])
         return state
-
-
-def remove_stale_tmp_checkpoints(checkpoint_folder: str) -> list[str]:
-    """Delete temporary folders a crashed save left behind (``.tmp_global_step_*`` and the
-    train service's own ``..tmp_global_step_*`` scratch folders); returns their names."""
-    removed = []
-    for name in os.listdir(checkpoint_folder):
-        if TMP_CHECKPOINT_RE.match(name):
-            shutil.rmtree(os.path.join(checkpoint_folder, name), ignore_errors=True)
-            removed.append(name)
-    if removed:
-        logger.info(f"removed incomplete checkpoint folders left by a crashed save: {', '.join(sorted(removed))}")
-    return removed
-
-
-def find_latest_checkpoint(checkpoint_folder: str) -> str | None:
-    """Newest complete ``global_step_<N>`` folder (temporary folders never match)."""
-    if not checkpoint_folder or not os.path.isdir(checkpoint_folder):
-        return None
-    best: tuple[int, str] | None = None
-    for name in os.listdir(checkpoint_folder):
-        m = CHECKPOINT_RE.match(name)
-        path = os.path.join(checkpoint_folder, name)
-        if m and os.path.isfile(os.path.join(path, CORE_STATE_FILE)):
-            if best is None or int(m.group(1)) > best[0]:
-                best = (int(m.group(1)), path)
-    return best[1] if best else None
-
-
-def _fsync_tree(path: str) -> None:
-    """Flush every file of a finished checkpoint to disk before it is renamed into place."""
-    for folder, _, files in os.walk(path):
-        for name in files:
-            _fsync_path(os.path.join(folder, name))
-        _fsync_path(folder)
-
-
-def _fsync_path(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

@@ -15,8 +15,8 @@ import threading
 from typing import Any, Callable
 
 from .errors import ConfigError
-from .execute import execute
-from .module import NexRLModule
+from .runtime.execute import execute
+from .runtime.module import NexRLModule
 from .types import DEFAULT_MODEL_TAG, Batch, ModelTag, Trajectory
 
 BATCH_READY_FUNCTIONS = ("batch_size", "loaded_batch_finished", "batch_size_or_loaded_batch_finished")

@@ -9,8 +9,8 @@ from loguru import logger
 
 from .errors import ErrorSeverity
 from .eval_core import DuplicateSampleError, EvalState, SampleRecord, add_sample, summarize
-from .execute import execute
-from .module import NexRLModule
+from .runtime.execute import execute
+from .runtime.module import NexRLModule
 from .types import Trajectory
 
 

@@ -26,8 +26,8 @@ from typing import Any, Literal
 from loguru import logger
 
 from .errors import ConfigError
-from .execute import execute
-from .module import NexRLModule
+from .runtime.execute import execute
+from .runtime.module import NexRLModule
 from .types import DEFAULT_MODEL_TAG, ModelTag
 
 SYNC_MODES = ("sync", "batch-async", "fully-async")
@@ -44,13 +44,6 @@ class WeightSyncBackend(ABC):
         """Make ``inference_client`` serve the trainer's current weights as ``version``."""
 
 
-class VersionOnlyWeightSync(WeightSyncBackend):
-    """For services that need no weight transfer (test backends, frozen references)."""
-
-    def sync(self, trainer: Any, inference_client: Any, version: int) -> None:
-        execute(inference_client.set_model_version, version)
-
-
 class WeightSyncController(NexRLModule):
     def __init__(self, config: Any, backend: WeightSyncBackend | None = None):
         super().__init__()
@@ -62,7 +55,10 @@ class WeightSyncController(NexRLModule):
             raise ConfigError("weight.staleness_threshold must be >= 0")
         self._staleness = 0 if self._mode == "sync" else threshold
         self._validate_freq = int(config.get("validate_freq", 0) or 0)
-        self._backend = backend or VersionOnlyWeightSync(config)
+        if backend is None:  # tests and tools that only track versions
+            from .builtins.weight_sync import VersionOnlyWeightSync
+            backend = VersionOnlyWeightSync(config)
+        self._backend = backend
         self._cond = threading.Condition()
         self._train_version: dict[ModelTag, int] = {}
         self._rollout_version: dict[ModelTag, int] = {}

@@ -125,7 +125,7 @@ def test_eval_errors_are_one_message_on_stderr(tmp_path):
 
 PLUGIN = textwrap.dedent("""
     from nexrl_core import hookimpl
-    from nexrl_core.mock import MockInferenceClient
+    from nexrl_core.builtins.mock import MockInferenceClient
 
     class CheckpointMock(MockInferenceClient):
         # the mock model, loadable from a checkpoint path like a real backend

@@ -12,8 +12,8 @@ import sys
 
 import pytest
 
-from nexrl_core.mock import mock_sum_threshold
-from nexrl_core.trainer import CORE_STATE_FILE
+from nexrl_core.builtins.mock import mock_sum_threshold
+from nexrl_core.checkpoint import CORE_STATE_FILE
 
 LEARN_STEPS = 4
 TRAIN = [(1, 2), (3, 4), (5, 1), (2, 2), (6, 3), (0, 7), (4, 4), (9, 1)]

@@ -17,7 +17,7 @@ if str(_ROOT) not in sys.path:  # when run without the repo root on sys.path
     sys.path.insert(0, str(_ROOT))
 
 from nexrl_core.inference import InferenceError, SamplingParams  # noqa: E402
-from nexrl_core.openai_client import OpenAICompatibleClient  # noqa: E402
+from nexrl_core.builtins.openai_client import OpenAICompatibleClient  # noqa: E402
 from tests.support.openai_server import (  # noqa: E402
     CHAT_PATH,
     COMPLETIONS_PATH,
@@ -362,5 +362,5 @@ def test_config_reads_dictconfig_and_requires_url(server):
 
 
 def test_module_does_not_import_torch():
-    code = "import sys, nexrl_core.openai_client; sys.exit('torch' in sys.modules)"
+    code = "import sys, nexrl_core.builtins.openai_client; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], cwd=_ROOT).returncode == 0

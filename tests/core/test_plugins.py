@@ -15,7 +15,9 @@ import uuid
 import pytest
 
 import nexrl_core
-from nexrl_core import builtin
+import importlib
+
+from nexrl_core.builtins import DEFAULT_PLUGINS
 from nexrl_core.errors import ConfigError, PluginError
 from nexrl_core.plugins import CORE_DISTRIBUTION, KINDS, PluginManager
 
@@ -116,7 +118,7 @@ def test_load_plugins_env_restricts_autoloading(site, write_dist, monkeypatch):
 
     _only(monkeypatch)  # NEXRL_LOAD_PLUGINS="" : no plugin at all, only the core's built-ins
     pm = PluginManager()
-    assert set(pm.records) == {"core"}
+    assert set(pm.records) == {name for name, _ in DEFAULT_PLUGINS}
     assert set(pm.components("trainer")) == {"mock"}
 
 
@@ -212,7 +214,7 @@ def test_bad_registrations_are_reported_and_skipped(site, write_dist, monkeypatc
     assert "good" in trainers
     assert not {"instance", "text", "wrongbase"} & set(trainers)
     pm.components("evaluator")
-    assert set(pm.components("dataloader")) == set(builtin.nexrl_dataloaders())  # built-ins survive
+    assert set(pm.components("dataloader")) == set(_builtin_names("nexrl_dataloaders"))  # built-ins survive
     bad = "\n".join(pm.bad_registrations)
     for name in ("'instance'", "'text'", "'wrongbase'"):
         assert name in bad
@@ -269,18 +271,44 @@ def test_plugins_json_lists_the_core_builtins():
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)
     core = [p for p in data["plugins"] if p["distribution"] == CORE_DISTRIBUTION]
-    assert len(core) == 1
+    assert [p["name"] for p in core] == [name for name, _ in DEFAULT_PLUGINS]
     # expected: exactly what the built-in hooks return, kind by kind
-    expected = {}
+    expected, listed = {}, {}
     for kind, (hook, _) in KINDS.items():
-        names = sorted(getattr(builtin, hook)())
+        names = sorted(_builtin_names(hook))
         if names:
             expected[kind] = names
-    assert core[0]["components"] == expected
-    assert core[0]["version"] == nexrl_core_version()
-    assert set(core[0]["hooks"]) == {hook for hook, _ in KINDS.values()}
+        got = sorted(n for p in core for n in p["components"].get(kind, []))
+        if got:
+            listed[kind] = got
+    assert listed == expected
+    assert {p["version"] for p in core} == {nexrl_core_version()}
+    assert {h for p in core for h in p["hooks"]} == {hook for hook, _ in KINDS.values()}
     assert data["failed"] == [] and data["bad_registrations"] == []
     assert "Traceback" not in proc.stderr
+
+
+def _builtin_names(hook: str) -> list[str]:
+    """Every name the core's default plugins register through ``hook``."""
+    names: list[str] = []
+    for _, module_path in DEFAULT_PLUGINS:
+        module = importlib.import_module(module_path)
+        if hasattr(module, hook):
+            names += list(getattr(module, hook)())
+    return names
+
+
+def test_a_broken_builtin_is_reported_and_the_other_builtins_still_load(monkeypatch):
+    import nexrl_core.builtins as builtins
+
+    monkeypatch.setattr(builtins, "DEFAULT_PLUGINS",
+                        (("core.broken", "nexrl_core.builtins.no_such_module"),) + DEFAULT_PLUGINS)
+    monkeypatch.setenv("NEXRL_LOAD_PLUGINS", "")
+    pm = PluginManager()
+    assert [(f.name, f.distribution) for f in pm.failures] == [("core.broken", CORE_DISTRIBUTION)]
+    assert "ModuleNotFoundError" in pm.failures[0].error
+    assert set(pm.components("dataloader")) == set(_builtin_names("nexrl_dataloaders"))
+    assert "mock" in pm.components("trainer")
 
 
 def nexrl_core_version() -> str:

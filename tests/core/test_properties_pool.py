@@ -28,7 +28,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from loguru import logger
 
-from nexrl_core.mock import InlineDataLoader, MockInferenceClient
+from nexrl_core.builtins.dataloaders import InlineDataLoader
+from nexrl_core.builtins.mock import MockInferenceClient
 from nexrl_core.trajectory_pool import GroupedTrajectoryStore, TrajectoryPool
 from nexrl_core.weight_sync import WeightSyncController
 

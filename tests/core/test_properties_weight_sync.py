@@ -28,9 +28,9 @@ from nexrl_core.config import load_recipe
 from nexrl_core.controller import NexRLController
 from nexrl_core.evaluation import EvaluationRunResult, Evaluator
 from nexrl_core.inference import InferenceError
-from nexrl_core.mock import MockInferenceClient
+from nexrl_core.builtins.mock import MockInferenceClient
 from nexrl_core.plugins import PluginManager
-from nexrl_core.rollout_worker import SimpleRolloutWorker
+from nexrl_core.builtins.workers import SimpleRolloutWorker
 from nexrl_core.weight_sync import WeightSyncController
 
 

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from nexrl_core.mock import MockTrainer
-from nexrl_core.trainer import CORE_STATE_FILE, find_latest_checkpoint
+from nexrl_core.builtins.mock import MockTrainer
+from nexrl_core.checkpoint import CORE_STATE_FILE, find_latest_checkpoint
 from tests.reliability.helpers import STEPS, Run, grpo_recipe, metrics_rows, run_to_end, write_recipe
 
 pytestmark = pytest.mark.timeout(600)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from nexrl_core.trainer import CORE_STATE_FILE
+from nexrl_core.checkpoint import CORE_STATE_FILE
 from tests.reliability.helpers import grpo_recipe, write_recipe
 
 pytestmark = pytest.mark.timeout(300)

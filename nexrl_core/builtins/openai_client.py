@@ -59,7 +59,8 @@ from typing import Any, TypeVar
 
 import openai
 
-from nexrl_core.inference import CompletionResult, InferenceClient, InferenceError, SamplingParams, _get
+from ..inference import CompletionResult, InferenceClient, InferenceError, SamplingParams, _get
+from ..markers import hookimpl
 
 __all__ = ["OpenAICompatibleClient"]
 
@@ -373,3 +374,8 @@ def _as_bool(value: Any) -> bool:
     if isinstance(value, str):
         return value.strip().lower() not in ("", "0", "false", "no", "off")
     return bool(value)
+
+
+@hookimpl
+def nexrl_inference_backends():
+    return {"openai": OpenAICompatibleClient}

@@ -10,7 +10,7 @@ from typing import Any, Iterator
 
 from loguru import logger
 
-from .errors import ErrorReporter, ErrorSeverity
+from ..errors import ErrorReporter, ErrorSeverity
 from .execute import execute
 
 

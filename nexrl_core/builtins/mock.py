@@ -10,10 +10,10 @@ import re
 import time
 from typing import Any
 
-from .dataloader import BaseDataLoader
-from .inference import CompletionResult, InferenceClient, SamplingParams
-from .trainer import BaseTrainer
-from .types import Trajectory
+from ..markers import hookimpl
+from ..inference import CompletionResult, InferenceClient, SamplingParams
+from ..trainer import BaseTrainer
+from ..types import Trajectory
 
 _SUM = re.compile(r"(-?\d+)\s*\+\s*(-?\d+)")
 
@@ -79,9 +79,11 @@ class MockTrainer(BaseTrainer):
         return {}
 
 
-class InlineDataLoader(BaseDataLoader):
-    """Rows written in the recipe itself (``rows: [{prompt: ..., answer: ...}, ...]``)."""
+@hookimpl
+def nexrl_trainers():
+    return {"mock": MockTrainer}
 
-    def load_rows(self) -> list[dict[str, Any]]:
-        rows = self._config.get("rows") or []
-        return [dict(r) for r in rows]
+
+@hookimpl
+def nexrl_inference_backends():
+    return {"mock": MockInferenceClient}

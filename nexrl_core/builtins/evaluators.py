@@ -5,7 +5,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from .evaluation import BaseEvaluationTarget, EvaluationRunResult, Evaluator
+from ..evaluation import BaseEvaluationTarget, EvaluationRunResult, Evaluator
+from ..markers import hookimpl
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
@@ -53,3 +54,8 @@ class NumericAnswerEvaluator(Evaluator):
                                    metrics={"accuracy": float(correct), "bare_number": float(bare),
                                             "response_chars": float(len(answer))},
                                    extra_info={"parsed": picked})
+
+
+@hookimpl
+def nexrl_evaluators():
+    return {"exact_match": ExactMatchEvaluator, "numeric_answer": NumericAnswerEvaluator}
