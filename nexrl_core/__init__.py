@@ -5,10 +5,11 @@ from .controller import NexRLController, RunFailed, RunSummary
 from .dataloader import BaseDataLoader
 from .errors import ConfigError, DataError, ErrorReporter, ErrorSeverity, NexRLError, PluginError
 from .evaluation import BaseEvaluationTarget, EvaluationRunResult, Evaluator
-from .runtime.execute import execute, execute_async
+from .runtime.execute import ModuleUnavailable, RpcTimeout, execute, execute_async, execute_with_timeout
 from .inference import CompletionResult, InferenceClient, InferenceError, SamplingParams
 from .markers import hookimpl
 from .runtime.module import NexRLModule
+from .runtime.threaded import ThreadedModule
 from .rollout_worker import BaseRolloutWorker, ItemFailure
 from .trainer import BaseTrainer
 from .trajectory_pool import (GroupedTrajectoryStore, HierarchicalTrajectoryStore, SimpleTrajectoryStore,
@@ -25,8 +26,9 @@ __all__ = [
     "ActivityTracker", "ActivityTrackerProxy", "BaseDataLoader", "BaseEvaluationTarget", "BaseRolloutWorker",
     "BaseTrainer", "Batch", "CompletionResult", "ConfigError", "DataError", "ErrorReporter", "ErrorSeverity",
     "EvaluationRunResult", "Evaluator", "FileDataLoader", "GroupedTrajectoryStore", "HierarchicalTrajectoryStore",
-    "InferenceClient", "InferenceError", "ItemFailure", "ModelTag", "NexRLController", "NexRLError", "NexRLModule",
-    "NexRLRole", "PluginError", "RunFailed", "RunSummary", "SamplingParams", "SimpleRolloutWorker",
-    "SimpleTrajectoryStore", "Trajectory", "TrajectoryPool", "TrajectoryPoolInstance", "Validator",
-    "WeightSyncBackend", "WeightSyncController", "execute", "execute_async", "hookimpl",
+    "InferenceClient", "InferenceError", "ItemFailure", "ModelTag", "ModuleUnavailable", "NexRLController",
+    "NexRLError", "NexRLModule", "NexRLRole", "PluginError", "RpcTimeout", "RunFailed", "RunSummary",
+    "SamplingParams", "SimpleRolloutWorker", "SimpleTrajectoryStore", "ThreadedModule", "Trajectory",
+    "TrajectoryPool", "TrajectoryPoolInstance", "Validator", "WeightSyncBackend", "WeightSyncController",
+    "execute", "execute_async", "execute_with_timeout", "hookimpl",
 ]

@@ -86,6 +86,7 @@ def _validate(args: Any) -> int:
 def _eval(args: Any) -> int:
     from .controller import NexRLController
     from .run_log import setup_logging
+    from .runtime.execute import execute
 
     overrides = [o for o in args.overrides if not o.startswith("checkpoint=")]
     checkpoint = [o.split("=", 1)[1] for o in args.overrides if o.startswith("checkpoint=")]
@@ -101,11 +102,11 @@ def _eval(args: Any) -> int:
 
         step = checkpoint_step(checkpoint[-1])
         if step is not None:
-            controller.inference_client.set_model_version(step)
+            execute(controller.inference_client.set_model_version, step)
     metrics = controller.run_evaluation()
     if args.samples_out:
         with open(args.samples_out, "w", encoding="utf-8") as f:
-            for traj in controller.validator.trajectories():
+            for traj in controller.evaluation_samples:
                 f.write(json.dumps({k: traj.get(k) for k in ("uid", "sample_index", "data_source", "prompt",
                                                             "response", "reward", "score", "failed", "error",
                                                             "model_version")}, default=str) + "\n")

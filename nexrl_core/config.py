@@ -16,12 +16,12 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from .errors import ConfigError, NexRLError
+from .launch import launch_mode_problem
 
 DEFAULTS_PATH = os.path.join(os.path.dirname(__file__), "defaults.yaml")
 
 # Sections owned by the core: their keys are exactly the defaults' keys.
 STRICT_SECTIONS = ("trajectory_pool", "weight", "validate", "resume", "logger", "runtime_monitor")
-LAUNCH_MODES = ("local", "ray")
 RESUME_MODES = ("disable", "auto", "from_path")
 ERROR_POLICIES = ("stop_on_error", "stop_on_critical", "continue")
 
@@ -131,7 +131,9 @@ def check_config(cfg: DictConfig, plugin_manager: Any) -> list[str]:
             problems.append(_unknown(str(key), "", top_allowed))
     for name in STRICT_SECTIONS:
         problems += _check_keys(cfg.get(name), defaults[name], name)
-    problems += _check_choice(cfg, "launch_mode", LAUNCH_MODES)
+    launch_problem = launch_mode_problem(cfg.get("launch_mode"))
+    if launch_problem is not None:
+        problems.append(launch_problem)
     problems += _check_choice(cfg, "resume.mode", RESUME_MODES)
     problems += _check_choice(cfg, "runtime_monitor.exception_handling.policy", ERROR_POLICIES)
     if cfg.resume.mode == "from_path" and not cfg.resume.resume_path:

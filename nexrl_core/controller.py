@@ -1,4 +1,9 @@
-"""NexRLController: builds every module, runs the monitor loop, validates, stops cleanly."""
+"""NexRLController: builds every module, runs the monitor loop, validates, stops cleanly.
+
+The controller creates modules through the resource manager of the recipe's ``launch_mode``
+and reaches them only through ``execute`` calls on their public methods (handles), never
+their attributes: a module may live in another process.
+"""
 
 from __future__ import annotations
 
@@ -11,15 +16,15 @@ from typing import Any
 from loguru import logger
 from omegaconf import DictConfig, OmegaConf
 
-from .runtime.activity import ActivityTracker, ActivityTrackerProxy
 from .checkpoint import find_latest_checkpoint, is_checkpoint
 from .config import require_valid
 from .errors import NexRLError
-from .runtime.execute import execute
+from .launch import create_resource_manager
 from .plugins import PluginManager, get_plugin_manager
-from .run_log import RunRecorder
+from .runtime.activity import ActivityTracker, ActivityTrackerProxy
+from .runtime.execute import execute
 from .trajectory_pool import TrajectoryPool
-from .types import NexRLRole
+from .types import NexRLRole, Trajectory
 from .validator import Validator
 from .weight_sync import WeightSyncController
 
@@ -49,23 +54,20 @@ class NexRLController:
         self._pm = plugin_manager or get_plugin_manager()
         self._eval_only = eval_only
         require_valid(config, self._pm)
-        if config.launch_mode != "local":
-            raise NexRLError("launch_mode: only 'local' is implemented in this release; ray mode is planned")
         random.seed(int(config.seed))
         self._stop_requested = threading.Event()
         self._stop_reason = ""
         self._validations: list[dict[str, float]] = []
-        sinks = [self._pm.resolve("metrics_sink", name, "logger.backend")(config, str(config.run_dir))
-                 for name in _as_list(config.logger.backend)]
-        self.recorder = RunRecorder(str(config.run_dir), sinks,
-                                    step_end_hook=lambda step, metrics: self._pm.call_step_end(
-                                        step=step, metrics=metrics, config=config))
-        self.activity_tracker = ActivityTracker(config, experiment_logger=self.recorder)
-        self._proxy = ActivityTrackerProxy(self.activity_tracker)
+        self._final_step = 0
+        self._final_errors: list[str] = []
+        self.run_dir = str(config.run_dir)
+        #: validation trajectories of the last :meth:`run_evaluation`
+        self.evaluation_samples: list[Trajectory] = []
         self._model_tag = str(config.service.inference_service.get("model_tag", "default"))
-        self.inference_client = self._create("inference_backend", config.service.inference_service.backend,
-                                             "service.inference_service.backend")(config.service.inference_service)
-        self._init_modules()
+        self.resource_manager = create_resource_manager(config, self._pm)
+        self._register_roles()
+        self.resource_manager.create_all_actors()
+        self._take_handles()
         self._set_module_references()
 
     # -- construction ---------------------------------------------------------------
@@ -79,45 +81,54 @@ class NexRLController:
             data.shuffle = False
         return data
 
-    def _init_modules(self) -> None:
-        cfg = self._config
-        # 1. data loaders
-        self.dataloader = None
+    def _register_roles(self) -> None:
+        """Every module of the run, in the seed's order (data loaders, pool/validator, weight
+        sync, trainer, workers); the tracker first, the inference service just before the
+        workers that use it. Classes are resolved here, so a bad name fails before anything is built."""
+        cfg, rm = self._config, self.resource_manager
+        rm.register_role(NexRLRole.ACTIVITY_TRACKER, ActivityTracker, cfg)
         if not self._eval_only:
-            self.dataloader = self._create("dataloader", cfg.data.type, "data.type")(
-                self._data_config(cfg.data, int(cfg.trajectory_pool.group_size), False), is_validate=False)
-        self.validate_dataloader = None
+            rm.register_role(NexRLRole.DATA_LOADER, self._create("dataloader", cfg.data.type, "data.type"),
+                             self._data_config(cfg.data, int(cfg.trajectory_pool.group_size), False),
+                             kwargs={"is_validate": False})
         if cfg.validate.get("data") is not None:
-            self.validate_dataloader = self._create("dataloader", cfg.validate.data.type, "validate.data.type")(
-                self._data_config(cfg.validate.data, int(cfg.validate.n_samples), True), is_validate=True)
-        # 2. trajectory management
-        self.trajectory_pool = TrajectoryPool(cfg.trajectory_pool)
-        self.validator = Validator(cfg.validate)
-        # 3. weight synchronisation
-        backend_cls = self._create("weight_sync_backend", cfg.weight.backend, "weight.backend")
-        self.weight_sync_controller = WeightSyncController(cfg.weight, backend_cls(cfg.weight))
-        limit = cfg.weight.get("rollout_limit")
-        if limit is not None:
-            self.weight_sync_controller.set_rollout_budget(
-                int(cfg.trajectory_pool.batch_size) if limit == "batch" else int(limit))
-        # 4. trainer
-        self.trainer = None if self._eval_only else \
-            self._create("trainer", cfg.trainer.type, "trainer.type")(cfg)
-        # 5. rollout workers
-        worker_cls = self._create("rollout_worker", cfg.rollout_worker.type, "rollout_worker.type")
-        self.rollout_workers = [worker_cls(cfg.rollout_worker, self.inference_client, self._make_evaluator())
-                                for _ in range(int(cfg.rollout_worker.num_workers))]
+            rm.register_role(NexRLRole.VALIDATE_DATALOADER,
+                             self._create("dataloader", cfg.validate.data.type, "validate.data.type"),
+                             self._data_config(cfg.validate.data, int(cfg.validate.n_samples), True),
+                             kwargs={"is_validate": True})
+        rm.register_role(NexRLRole.TRAJECTORY_POOL, TrajectoryPool, cfg.trajectory_pool)
+        rm.register_role(NexRLRole.VALIDATOR, Validator, cfg.validate)
+        rm.register_role(NexRLRole.WEIGHT_SYNC_CONTROLLER, WeightSyncController, cfg.weight)
+        if not self._eval_only:
+            rm.register_role(NexRLRole.TRAINER, self._create("trainer", cfg.trainer.type, "trainer.type"), cfg)
+        inference = cfg.service.inference_service
+        rm.register_role(NexRLRole.INFERENCE_SERVICE,
+                         self._create("inference_backend", inference.backend, "service.inference_service.backend"),
+                         inference)
+        rm.register_role(NexRLRole.ROLLOUT_WORKER,
+                         self._create("rollout_worker", cfg.rollout_worker.type, "rollout_worker.type"),
+                         cfg.rollout_worker, count=int(cfg.rollout_worker.num_workers))
 
-    def _make_evaluator(self) -> Any:
-        ev = self._config.rollout_worker.get("evaluator")
-        if ev is None:
-            return None
-        cls = self._create("evaluator", ev.type, "rollout_worker.evaluator.type")
-        kwargs = {k: v for k, v in OmegaConf.to_container(ev).items() if k != "type"}
-        return cls(**kwargs)
+    def _take_handles(self) -> None:
+        rm = self.resource_manager
+
+        def one(role: NexRLRole) -> Any:
+            handles = rm.get_actor_wrapper(role)
+            return handles[0] if handles else None
+
+        self.activity_tracker = one(NexRLRole.ACTIVITY_TRACKER)
+        self.dataloader = one(NexRLRole.DATA_LOADER)
+        self.validate_dataloader = one(NexRLRole.VALIDATE_DATALOADER)
+        self.trajectory_pool = one(NexRLRole.TRAJECTORY_POOL)
+        self.validator = one(NexRLRole.VALIDATOR)
+        self.weight_sync_controller = one(NexRLRole.WEIGHT_SYNC_CONTROLLER)
+        self.trainer = one(NexRLRole.TRAINER)
+        self.inference_client = one(NexRLRole.INFERENCE_SERVICE)
+        self.rollout_workers = rm.get_actor_wrapper(NexRLRole.ROLLOUT_WORKER)
 
     def _set_module_references(self) -> None:
-        tracker, proxy = self.activity_tracker, self._proxy
+        cfg, tracker = self._config, self.activity_tracker
+        proxy = ActivityTrackerProxy(tracker)
         modules: list[tuple[str, Any, bool]] = [
             ("trajectory_pool", self.trajectory_pool, False),
             ("validator", self.validator, False),
@@ -127,26 +138,32 @@ class NexRLController:
             modules.append(("trainer", self.trainer, False))
         modules += [(f"rollout_worker_{i}", w, True) for i, w in enumerate(self.rollout_workers)]
         for name, module, is_worker in modules:
-            module.set_module_name(name)
-            module.set_activity_tracker(proxy)
-            tracker.register_module(name, module, is_rollout_worker=is_worker)
-        tracker.register_module("inference_service", self.inference_client)
-        self.trajectory_pool.set_module_references(self.dataloader, self.weight_sync_controller)
-        self.validator.set_module_references(self.validate_dataloader)
-        self.weight_sync_controller.set_module_references(self.dataloader, self.trajectory_pool, self.trainer,
-                                                          self.inference_client)
+            execute(module.set_module_name, name)
+            execute(module.set_activity_tracker, proxy)
+            execute(tracker.register_module, name, module, is_worker)
+        execute(tracker.register_module, "inference_service", self.inference_client)
+        limit = cfg.weight.get("rollout_limit")
+        if limit is not None:
+            execute(self.weight_sync_controller.set_rollout_budget,
+                    int(cfg.trajectory_pool.batch_size) if limit == "batch" else int(limit))
+        execute(self.trajectory_pool.set_module_references, self.dataloader, self.weight_sync_controller)
+        execute(self.validator.set_module_references, self.validate_dataloader)
+        execute(self.weight_sync_controller.set_module_references, self.dataloader, self.trajectory_pool,
+                self.trainer, self.inference_client)
         if self.trainer is not None:
-            self.trainer.set_module_references(self.trajectory_pool, self.weight_sync_controller, self.dataloader,
-                                               self.recorder)
+            execute(self.trainer.set_module_references, self.trajectory_pool, self.weight_sync_controller,
+                    self.dataloader)
         for worker in self.rollout_workers:
-            worker.set_module_references(self.trajectory_pool, self.dataloader, self.weight_sync_controller,
-                                         self.validate_dataloader, self.validator, self.recorder)
+            execute(worker.set_module_references, self.trajectory_pool, self.dataloader, self.weight_sync_controller,
+                    self.validate_dataloader, self.validator, self.inference_client)
 
     def modules(self) -> dict[NexRLRole, Any]:
+        """Handles of every module, by role."""
         return {NexRLRole.DATA_LOADER: self.dataloader, NexRLRole.VALIDATE_DATALOADER: self.validate_dataloader,
                 NexRLRole.TRAJECTORY_POOL: self.trajectory_pool, NexRLRole.VALIDATOR: self.validator,
                 NexRLRole.WEIGHT_SYNC_CONTROLLER: self.weight_sync_controller, NexRLRole.TRAINER: self.trainer,
-                NexRLRole.ROLLOUT_WORKER: self.rollout_workers}
+                NexRLRole.ROLLOUT_WORKER: self.rollout_workers, NexRLRole.ACTIVITY_TRACKER: self.activity_tracker,
+                NexRLRole.INFERENCE_SERVICE: self.inference_client}
 
     # -- run -----------------------------------------------------------------------------
     def request_stop(self, reason: str) -> None:
@@ -177,14 +194,14 @@ class NexRLController:
                 stopped_by, error = "error", str(exc)
         finally:
             self._stop(save=stopped_by == "signal" and bool(self._config.trainer.get("save_on_stop")))
-        summary = RunSummary(self.trainer.global_step, stopped_by, list(self._validations),
-                             [e.message for e in self.activity_tracker.error_reporter.errors()])
+        summary = RunSummary(self._final_step, stopped_by, list(self._validations), list(self._final_errors))
         if error is not None:
             raise RunFailed(error)
         return summary
 
     def run_evaluation(self) -> dict[str, float]:
-        """One validation pass with the served weights (``nexrl eval``)."""
+        """One validation pass with the served weights (``nexrl eval``); the samples are kept in
+        :attr:`evaluation_samples`."""
         if self.validate_dataloader is None:
             raise NexRLError("validate.data: `nexrl eval` needs a validation data set in the recipe")
         try:
@@ -192,7 +209,8 @@ class NexRLController:
             for worker in self.rollout_workers:
                 execute(worker.run)
             self._wait_validation()
-            return self.validator.compute_metrics()
+            self.evaluation_samples = execute(self.validator.trajectories)
+            return execute(self.validator.compute_metrics)
         finally:
             self._stop(save=False)
 
@@ -206,22 +224,23 @@ class NexRLController:
 
     def _monitor(self, cfg: DictConfig) -> tuple[str, str | None]:
         rm = cfg.runtime_monitor
+        wsc, tracker = self.weight_sync_controller, self.activity_tracker
         next_health = time.monotonic() + float(rm.health_check.check_interval)
         next_exc = time.monotonic()
         unhealthy_since: float | None = None
         while True:
             if self._stop_requested.is_set():
                 return "signal", None
-            if self.weight_sync_controller.is_waiting_for_validation():
+            if execute(wsc.is_waiting_for_validation):
                 if self.validate_dataloader is None:
-                    self.weight_sync_controller.end_validate(self._model_tag)
+                    execute(wsc.end_validate, self._model_tag)
                 else:
                     self._run_validate(self._model_tag)
-            if self._check_finish():
+            trainer = execute(self.trainer.get_status)
+            if self._check_finish(trainer):
                 return "finished", None
-            if self.trainer._last_error is not None:
-                return "error", f"the trainer stopped at step {self.trainer.global_step + 1}: " \
-                                f"{type(self.trainer._last_error).__name__}: {self.trainer._last_error}"
+            if trainer["last_error"] is not None:
+                return "error", f"the trainer stopped at step {trainer['global_step'] + 1}: {trainer['last_error']}"
             now = time.monotonic()
             if rm.exception_handling.enabled and now >= next_exc:
                 next_exc = now + float(rm.exception_handling.check_interval)
@@ -229,7 +248,7 @@ class NexRLController:
                     return "error", self._policy_message(str(rm.exception_handling.policy))
             if rm.health_check.enabled and now >= next_health:
                 next_health = now + float(rm.health_check.check_interval)
-                dead = self.activity_tracker.dead_modules(float(rm.health_check.timeout))
+                dead = execute(tracker.dead_modules, float(rm.health_check.timeout))
                 if dead:
                     unhealthy_since = unhealthy_since or now
                     if now - unhealthy_since >= float(rm.health_check.grace_period):
@@ -243,9 +262,9 @@ class NexRLController:
     def _policy_message(self, policy: str) -> str:
         """Name the error that made ``policy`` stop the run (not merely the latest one)."""
         stopping = {"critical"} if policy == "stop_on_critical" else {"error", "critical"}
-        errors = [e for e in self.activity_tracker.error_reporter.errors() if e.severity.value in stopping]
+        errors = [e for e in execute(self.activity_tracker.get_errors) if e.severity.value in stopping]
         if not errors:
-            status = self.activity_tracker.get_error_health_status()
+            status = execute(self.activity_tracker.get_error_health_status)
             return f"stopping on {status['status']} (policy {policy}): {status['message']}"
         e = errors[-1]
         return f"stopping on {e.severity.value} (policy {policy}): {e.module_name}/{e.work_context}: {e.message}"
@@ -254,24 +273,25 @@ class NexRLController:
         parts = []
         for name in dead:
             if name == "inference_service":
-                url = getattr(self.inference_client, "url", None) or self._config.service.inference_service.get("url")
-                parts.append(f"the inference service{f' at {url}' if url else ''} stopped answering")
+                url = self._config.service.inference_service.get("url")
+                where = f" at {str(url).rstrip('/')}" if url else ""
+                parts.append(f"the inference service{where} stopped answering")
             else:
                 parts.append(f"module {name} is dead or hung")
         return "health check failed: " + "; ".join(parts)
 
-    def _check_finish(self) -> bool:
-        trainer = self.trainer
-        if trainer.is_done() and not (trainer._thread and trainer._thread.is_alive()):
-            return not self.weight_sync_controller.is_waiting_for_validation()
-        return bool(self.activity_tracker.is_quiescent() and self.dataloader.is_finished()
-                    and self.trajectory_pool.is_empty())
+    def _check_finish(self, trainer: dict[str, Any]) -> bool:
+        """``trainer``: the trainer's :meth:`~nexrl_core.BaseTrainer.get_status`."""
+        if trainer["done"] and not trainer["running"]:
+            return not execute(self.weight_sync_controller.is_waiting_for_validation)
+        return bool(execute(self.activity_tracker.is_quiescent) and execute(self.dataloader.is_finished)
+                    and execute(self.trajectory_pool.is_empty))
 
     def _check_module_liveness(self, timeout: float = 5.0) -> bool:
-        return self.activity_tracker.check_module_liveness(timeout)
+        return execute(self.activity_tracker.check_module_liveness, timeout)
 
     def _check_module_exceptions(self) -> bool:
-        status = self.activity_tracker.get_error_health_status()
+        status = execute(self.activity_tracker.get_error_health_status)
         policy = self._config.runtime_monitor.exception_handling.policy
         if policy == "continue":
             return True
@@ -282,9 +302,9 @@ class NexRLController:
     # -- validation ----------------------------------------------------------------------
     def _run_validate(self, model_tag: str) -> None:
         # Log under the version being validated (the served one; no push happens until
-        # end_validate), not trainer.global_step: the trainer may already have finished the
+        # end_validate), not the trainer's step: the trainer may already have finished the
         # next step and be waiting to push it.
-        step = self.weight_sync_controller.get_rollout_model_version(model_tag)
+        step = execute(self.weight_sync_controller.get_rollout_model_version, model_tag)
         self._start_validate(model_tag)
         self._wait_validation()
         self._end_validate(model_tag, step)
@@ -311,21 +331,22 @@ class NexRLController:
 
     # -- checkpoints -----------------------------------------------------------------------
     def _load_initial_checkpoint(self) -> int:
+        wsc = self.weight_sync_controller
         path = self._load_resume_checkpoint()
         if path is None:
-            self.weight_sync_controller.sync_weight_to_rollout_service(self._model_tag)
+            execute(wsc.sync_weight_to_rollout_service, self._model_tag)
             return 0
         state = execute(self.trainer.resume_checkpoint, path)
         if self.dataloader is not None and "dataloader" in state:
             execute(self.dataloader.load_state_dict, state["dataloader"])
         if "weight_sync" in state:
-            self.weight_sync_controller.load_state_dict(state["weight_sync"])
+            execute(wsc.load_state_dict, state["weight_sync"])
         if "trajectory_pool" in state:
             execute(self.trajectory_pool.load_state_dict, state["trajectory_pool"])
         step = int(state["global_step"])
-        self.activity_tracker.set_training_step(step)
-        self.recorder.truncate_after(step)
-        self.weight_sync_controller.sync_weight_to_rollout_service(self._model_tag)
+        execute(self.activity_tracker.set_training_step, step)
+        execute(self.activity_tracker.truncate_records_after, step)
+        execute(wsc.sync_weight_to_rollout_service, self._model_tag)
         logger.info(f"resumed from {path} at step {step}")
         return step
 
@@ -347,26 +368,24 @@ class NexRLController:
     # -- stop ---------------------------------------------------------------------------------
     def _stop(self, save: bool = False) -> None:
         timeout = float(self._config.runtime_monitor.stop_timeout)
-        for worker in self.rollout_workers:
-            worker._stop_event.set()
-        self.weight_sync_controller.stop()
-        if self.trainer is not None:
-            self.trainer.stop()
-        for worker in self.rollout_workers:
-            worker.stop()
-        if not self.activity_tracker.wait_quiescent(timeout):
-            logger.warning(f"still running after {timeout}s: {self.activity_tracker.get_running_status_summary()}")
-        if save and self.trainer is not None and self.trainer.global_step > 0:
-            self.trainer.save_checkpoint()
+        tracker, trainer = self.activity_tracker, self.trainer
         try:
-            self.inference_client.close()
+            for worker in self.rollout_workers:  # all at once: none starts a new task while others stop
+                execute(worker.request_stop)
+            execute(self.weight_sync_controller.stop)
+            if trainer is not None:
+                execute(trainer.stop)
+            for worker in self.rollout_workers:
+                execute(worker.stop)
+            if not execute(tracker.wait_quiescent, timeout):
+                logger.warning(f"still running after {timeout}s: {execute(tracker.get_running_status_summary)}")
+            self._final_step = execute(trainer.get_global_step) if trainer is not None else 0
+            if save and self._final_step > 0:
+                execute(trainer.save_checkpoint)
+            self._final_errors = [e.message for e in execute(tracker.get_errors)]
+            try:
+                execute(self.inference_client.close)
+            finally:
+                execute(tracker.close)
         finally:
-            self.recorder.close()
-
-
-def _as_list(value: Any) -> list[str]:
-    if value is None:
-        return []
-    if isinstance(value, str):
-        return [value]
-    return [str(v) for v in value]
+            self.resource_manager.shutdown()

@@ -61,6 +61,9 @@ class InferenceClient(ABC):
                 "prompt_token_ids": result.prompt_token_ids, "response_token_ids": result.response_token_ids,
                 "response_logprobs": result.response_logprobs, "model_version": result.model_version, **kwargs}
 
+    def get_model_tag(self) -> str:
+        return self.model_tag
+
     def model_version(self) -> int:
         with self._version_lock:
             return self._version

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import importlib.metadata as md
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from difflib import get_close_matches
 from typing import Any
@@ -195,6 +198,7 @@ def _version(dist: str) -> str:
 
 
 _DEFAULT: PluginManager | None = None
+_ACTIVE: ContextVar[PluginManager | None] = ContextVar("nexrl_active_plugin_manager", default=None)
 
 
 def get_plugin_manager() -> PluginManager:
@@ -202,3 +206,20 @@ def get_plugin_manager() -> PluginManager:
     if _DEFAULT is None:
         _DEFAULT = PluginManager()
     return _DEFAULT
+
+
+@contextmanager
+def use_plugin_manager(pm: PluginManager | None) -> Iterator[None]:
+    """Modules built inside this block resolve their parts (evaluators, weight-sync backends, sinks)
+    with ``pm``: a local launch builds every module in the controller's process, with its manager."""
+    token = _ACTIVE.set(pm)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def active_plugin_manager() -> PluginManager:
+    """The manager a module being built uses: the launch's (:func:`use_plugin_manager`), else this
+    process's default (entry points and ``NEXRL_LOAD_PLUGINS``, as in a process of its own)."""
+    return _ACTIVE.get() or get_plugin_manager()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import threading
 import zlib
 from abc import abstractmethod
 from typing import Any
@@ -12,9 +11,10 @@ from loguru import logger
 
 from .errors import ErrorSeverity
 from .evaluation import BaseEvaluationTarget, EvaluationRunResult, Evaluator
+from .inference import InferenceError
+from .plugins import active_plugin_manager
 from .runtime.execute import execute
-from .inference import InferenceClient, InferenceError
-from .runtime.module import NexRLModule
+from .runtime.threaded import ThreadedModule
 from .types import DEFAULT_MODEL_TAG, Trajectory
 
 _IDLE_WAIT_S = 0.05
@@ -28,7 +28,7 @@ class ItemFailure(Exception):
         self.cause = cause
 
 
-class BaseRolloutWorker(NexRLModule):
+class BaseRolloutWorker(ThreadedModule):
     """Thread loop of the seed: fetch task -> :meth:`step` -> pool or validator.
 
     ``step`` returns "success", "fail", "re-rollout" (the task goes back to the
@@ -36,57 +36,48 @@ class BaseRolloutWorker(NexRLModule):
     becomes a *failed* trajectory (so its group still completes and validation
     still counts it) and the cause is recorded in the run's errors.jsonl (training items once
     the trainer consumes them; see docs/reliability.md).
+
+    Built as ``cls(config)`` with the ``rollout_worker`` mapping: the worker builds its own
+    evaluator from ``config.evaluator`` (through the plugin manager of its process); the
+    inference client and the other modules arrive as handles in :meth:`set_module_references`.
     """
 
     CONFIG_KEYS: dict[str, Any] = {}
 
-    def __init__(self, config: Any, inference_client: InferenceClient | None = None,
-                 evaluator: Evaluator | None = None):
+    def __init__(self, config: Any):
         super().__init__()
         self._config = config
-        self._llm_client = inference_client
-        self._evaluator = evaluator
-        self._model_tag = str(getattr(inference_client, "model_tag", DEFAULT_MODEL_TAG))
+        self._llm_client: Any = None
+        self._evaluator: Evaluator | None = build_evaluator(config.get("evaluator"))
+        self._model_tag = DEFAULT_MODEL_TAG
         self._seed = int(config.get("seed", 0) or 0)
         # Read once: DictConfig.get of an absent key raises and catches internally (slow on a per-task path).
         self._reward_range = config.get("reward_range")
         self._is_running_validate = False
         self._task_is_validation = False  # mode of the task in hand (the flag may flip meanwhile)
         self._task_version = 0
-        self._stop_event = threading.Event()
-        self._thread: threading.Thread | None = None
         self._trajectory_pool: Any = None
         self._dataloader: Any = None
         self._weight_sync_controller: Any = None
         self._validate_dataloader: Any = None
         self._validator: Any = None
-        self._recorder: Any = None
         self.completed = 0
         self._puts_this_task = 0  # trajectories submitted for the task in hand
 
     def set_module_references(self, trajectory_pool: Any, dataloader: Any, weight_sync_controller: Any,
-                              validate_dataloader: Any, validator: Any, recorder: Any = None) -> None:
+                              validate_dataloader: Any, validator: Any, inference_client: Any = None) -> None:
+        """The seed's references, plus the inference service this worker samples from (a handle:
+        in local mode the one client every worker shares, so an in-process engine batches across them)."""
         self._trajectory_pool = trajectory_pool
         self._dataloader = dataloader
         self._weight_sync_controller = weight_sync_controller
         self._validate_dataloader = validate_dataloader
         self._validator = validator
-        self._recorder = recorder
+        self._llm_client = inference_client
+        if inference_client is not None:
+            self._model_tag = str(execute(inference_client.get_model_tag))
 
-    # -- lifecycle ----------------------------------------------------------------
-    def run(self) -> None:
-        self._stop_event.clear()
-        self._thread = threading.Thread(target=self._main_loop, name=self._module_name, daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop_event.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=60)
-
-    def health_check(self) -> bool:
-        return self._thread is None or self._thread.is_alive() or self._stop_event.is_set()
-
+    # -- lifecycle (the thread itself: ThreadedModule) ---------------------------------
     def begin_validate(self) -> None:
         self._is_running_validate = True
 
@@ -95,7 +86,7 @@ class BaseRolloutWorker(NexRLModule):
 
     # -- loop -------------------------------------------------------------------------
     def _main_loop(self) -> None:
-        while not self._stop_event.is_set():
+        while not self._should_stop():
             validating = self._is_running_validate
             wsc = None if validating else self._weight_sync_controller
             if wsc is not None:
@@ -165,7 +156,7 @@ class BaseRolloutWorker(NexRLModule):
     # -- helpers for subclasses -------------------------------------------------------------
     def sampling_seed(self, task: dict[str, Any]) -> int:
         """Per-request seed: the same task at the same weights samples the same text."""
-        version = self._llm_client.model_version() if self._llm_client is not None else 0
+        version = self._current_version()
         key = f"{self._seed}|{task.get('uid')}|{task.get('sample_index')}|{self._task_is_validation}|{version}"
         return zlib.crc32(key.encode())
 
@@ -211,9 +202,9 @@ class BaseRolloutWorker(NexRLModule):
         # errors.jsonl gets a failed *validation* sample now (the validator consumes it at once);
         # a failed *training* item when the trainer consumes it (BaseTrainer._train_step): a failed
         # trajectory dropped as stale is re-rolled, and only the attempt that is used counts.
-        if validating and self._recorder is not None:
-            execute(self._recorder.record_lost_item, task, cause, message, True, traj["model_version"])
         if self._activity_tracker is not None:
+            if validating:
+                self._activity_tracker.record_lost_item(task, cause, message, True, traj["model_version"])
             self._activity_tracker.report_error(self._module_name, cause, message, ErrorSeverity.WARNING,
                                                 {"uid": task.get("uid"), "sample_index": task.get("sample_index"),
                                                  "seq": task.get("seq"), "validation": validating})
@@ -221,4 +212,19 @@ class BaseRolloutWorker(NexRLModule):
         return self._put_trajectory(traj)
 
     def _current_version(self) -> int:
-        return self._llm_client.model_version() if self._llm_client is not None else 0
+        return execute(self._llm_client.model_version) if self._llm_client is not None else 0
+
+
+def build_evaluator(section: Any) -> Evaluator | None:
+    """The evaluator a ``rollout_worker.evaluator`` mapping names (``type`` + constructor keywords)."""
+    if section is None:
+        return None
+    cls = active_plugin_manager().resolve("evaluator", section.get("type"), "rollout_worker.evaluator.type")
+    items = section.items() if isinstance(section, dict) else _plain(section).items()
+    return cls(**{k: v for k, v in items if k != "type"})
+
+
+def _plain(section: Any) -> dict[str, Any]:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(section, resolve=True)

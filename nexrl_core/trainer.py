@@ -7,22 +7,22 @@ the weight-sync controller, which pushes the new weights.
 
 from __future__ import annotations
 
-import threading
 import time
 from abc import abstractmethod
 from typing import Any
 
 from .checkpoint import read_core_state, write_checkpoint
 from .runtime.execute import execute
-from .runtime.module import NexRLModule
+from .runtime.threaded import ThreadedModule
 from .types import DEFAULT_MODEL_TAG, Trajectory
 
 _BATCH_WAIT_S = 0.1
 
-class BaseTrainer(NexRLModule):
+class BaseTrainer(ThreadedModule):
     """Subclasses implement :meth:`train`; self-hosted ones also the model-state methods."""
 
     CONFIG_KEYS: dict[str, Any] = {}
+    STOP_JOIN_TIMEOUT_S = 300.0  # a training step in flight finishes first
 
     def __init__(self, config: Any):
         super().__init__()
@@ -36,20 +36,15 @@ class BaseTrainer(NexRLModule):
         self.save_freq = int(self._config.get("save_freq", 0) or 0)
         self.remove_previous_ckpt = bool(self._config.get("remove_previous_ckpt", False))
         self.global_step = 0
-        self._stop_event = threading.Event()
-        self._thread: threading.Thread | None = None
         self._trajectory_pool: Any = None
         self._weight_sync_controller: Any = None
         self._dataloader: Any = None
-        self._recorder: Any = None
-        self._last_error: BaseException | None = None
 
-    def set_module_references(self, trajectory_pool: Any, weight_sync_controller: Any, dataloader: Any = None,
-                              recorder: Any = None) -> None:
+    def set_module_references(self, trajectory_pool: Any, weight_sync_controller: Any,
+                              dataloader: Any = None) -> None:
         self._trajectory_pool = trajectory_pool
         self._weight_sync_controller = weight_sync_controller
         self._dataloader = dataloader
-        self._recorder = recorder
 
     # -- to implement -----------------------------------------------------------------
     @abstractmethod
@@ -69,26 +64,22 @@ class BaseTrainer(NexRLModule):
         """Current weights for an in-process weight sync."""
         raise NotImplementedError(f"{type(self).__name__} has no weights to export")
 
-    # -- lifecycle ----------------------------------------------------------------------
-    def run(self) -> None:
-        self._stop_event.clear()
-        self._thread = threading.Thread(target=self._main_loop, name="trainer", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop_event.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=300)
-
-    def health_check(self) -> bool:
-        return self._thread is None or self._thread.is_alive() or self._stop_event.is_set() or self.is_done()
-
+    # -- lifecycle (the thread itself: ThreadedModule) ---------------------------------------
     def is_done(self) -> bool:
         return self.global_step >= self.total_train_steps
 
+    def get_global_step(self) -> int:
+        return self.global_step
+
+    def get_status(self) -> dict[str, Any]:
+        return {**super().get_status(), "global_step": self.global_step, "done": self.is_done()}
+
+    def _loop_finished_normally(self) -> bool:
+        return self.is_done()
+
     def _main_loop(self) -> None:
         t0 = time.perf_counter()  # the wait for a batch counts from the end of the previous step
-        while not self._stop_event.is_set() and not self.is_done():
+        while not self._should_stop() and not self.is_done():
             min_version = execute(self._weight_sync_controller.min_trainable_version, self._model_tag)
             batch = execute(self._trajectory_pool.get_batch, self.batch_size, self._model_tag, min_version,
                             _BATCH_WAIT_S)
@@ -96,11 +87,10 @@ class BaseTrainer(NexRLModule):
                 continue
             try:
                 self._train_step(batch.to_trajectories(), time.perf_counter() - t0)
-                t0 = time.perf_counter()
             except Exception as exc:
-                self._last_error = exc
                 self._activity_tracker.report_exception(self._module_name, f"train step {self.global_step + 1}", exc)
-                return
+                raise  # ends the loop; get_last_error() tells the controller
+            t0 = time.perf_counter()
 
     def _train_step(self, trajectories: list[Trajectory], wait_s: float) -> None:
         execute(self._weight_sync_controller.train_worker_notify_step_start, self._module_name, self._model_tag)
@@ -114,11 +104,10 @@ class BaseTrainer(NexRLModule):
         metrics.update(self._core_metrics(trajectories, usable, wait_s, train_s))
         if self._dataloader is not None:
             execute(self._dataloader.mark_done, [t["seq"] for t in trajectories if t.get("seq") is not None])
-        if self._recorder is not None:  # consumed for good: a failed item is lost now, one row each
-            for t in trajectories:
-                if t.get("failed"):
-                    execute(self._recorder.record_lost_item, t.get("task") or t, str(t.get("error_cause", "failed")),
-                            str(t.get("error", "")), False, self.global_step)
+        for t in trajectories:  # consumed for good: a failed item is lost now, one row each
+            if t.get("failed"):
+                self._activity_tracker.record_lost_item(t.get("task") or t, str(t.get("error_cause", "failed")),
+                                                        str(t.get("error", "")), False, self.global_step)
         self._activity_tracker.experiment_logger_post("metrics", data=metrics, step=self.global_step)
         if self.save_freq > 0 and (self.global_step % self.save_freq == 0 or self.is_done()):
             self.save_checkpoint()
@@ -136,7 +125,7 @@ class BaseTrainer(NexRLModule):
             "train/staleness_max": float(max(staleness, default=0)),
             "train/staleness_mean": sum(staleness) / len(staleness) if staleness else 0.0,
             "timing/wait_batch_s": wait_s,  # rollouts of this batch, in sync mode
-            "timing/weight_sync_s": float(self._weight_sync_controller.last_sync_s),
+            "timing/weight_sync_s": float(execute(self._weight_sync_controller.get_sync_stats)["last_sync_s"]),
             "timing/train_s": train_s,
         }
         for name, value in execute(self._trajectory_pool.counters).items():
@@ -153,7 +142,7 @@ class BaseTrainer(NexRLModule):
             # Saved before this step's weights are pushed: the saved weights are version global_step.
             weight_sync["train_version"] = {**weight_sync.get("train_version", {}), self._model_tag: self.global_step}
             state["weight_sync"] = weight_sync
-        if self._trajectory_pool is not None and hasattr(self._trajectory_pool, "state_dict"):
+        if self._trajectory_pool is not None:
             state["trajectory_pool"] = execute(self._trajectory_pool.state_dict)
         return state
 

@@ -21,6 +21,9 @@ class NexRLRole(Enum):
     DATA_LOADER = "data_loader"
     VALIDATE_DATALOADER = "validate_dataloader"
     VALIDATOR = "validator"
+    # Not modules of the seed's data path, but placed by the launch mode like them.
+    ACTIVITY_TRACKER = "activity_tracker"
+    INFERENCE_SERVICE = "inference_service"
 
 
 @dataclass

@@ -55,9 +55,11 @@ class WeightSyncController(NexRLModule):
             raise ConfigError("weight.staleness_threshold must be >= 0")
         self._staleness = 0 if self._mode == "sync" else threshold
         self._validate_freq = int(config.get("validate_freq", 0) or 0)
-        if backend is None:  # tests and tools that only track versions
-            from .builtins.weight_sync import VersionOnlyWeightSync
-            backend = VersionOnlyWeightSync(config)
+        if backend is None:  # built here, in this module's process, from `weight.backend`
+            from .plugins import active_plugin_manager
+
+            name = config.get("backend", "version_only")
+            backend = active_plugin_manager().resolve("weight_sync_backend", name, "weight.backend")(config)
         self._backend = backend
         self._cond = threading.Condition()
         self._train_version: dict[ModelTag, int] = {}
@@ -215,6 +217,11 @@ class WeightSyncController(NexRLModule):
             self.sync_count += 1
             self.last_sync_s = time.perf_counter() - started
             self._cond.notify_all()
+
+    def get_sync_stats(self) -> dict[str, float]:
+        """Pushes so far and how long the last one took (seconds)."""
+        with self._cond:
+            return {"sync_count": self.sync_count, "last_sync_s": self.last_sync_s}
 
     # -- validation -----------------------------------------------------------------
     def request_validation(self) -> None:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from ..evaluation import Evaluator
-from ..inference import InferenceClient, SamplingParams
+from ..inference import SamplingParams
 from ..markers import hookimpl
 from ..rollout_worker import BaseRolloutWorker, ItemFailure
+from ..runtime.execute import execute
 
 
 class SimpleRolloutWorker(BaseRolloutWorker):
@@ -17,9 +17,8 @@ class SimpleRolloutWorker(BaseRolloutWorker):
     CONFIG_KEYS = {"prompt_key": "prompt", "use_chat": True, "system_prompt": None,
                    "sampling": {}, "reward_range": None, "answer_key": None}
 
-    def __init__(self, config: Any, inference_client: InferenceClient | None = None,
-                 evaluator: Evaluator | None = None):
-        super().__init__(config, inference_client, evaluator)
+    def __init__(self, config: Any):
+        super().__init__(config)
         self._prompt_key = str(config.get("prompt_key", "prompt"))
         self._use_chat = bool(config.get("use_chat", True))
         self._system_prompt = config.get("system_prompt")
@@ -41,7 +40,7 @@ class SimpleRolloutWorker(BaseRolloutWorker):
         params = SamplingParams(**self._sampling, seed=self.sampling_seed(task))
         if self._task_is_validation and self._validate_temperature is not None:
             params.temperature = float(self._validate_temperature)
-        result = self._llm_client.complete(prompt, params)
+        result = execute(self._llm_client.complete, prompt, params)
         evaluation = self.evaluate(task, result.text)
         trajectory = self.base_trajectory(task)
         trajectory.update({

@@ -1,4 +1,9 @@
-"""ActivityTracker: in-flight work, module health, errors and experiment logging."""
+"""ActivityTracker: in-flight work, module health, errors and the run's records.
+
+Modules reach the tracker only through an :class:`ActivityTrackerProxy` (its public methods
+are everything a module may ask for); the controller only through ``execute`` on the
+tracker's public methods. So the tracker can live in another process than both.
+"""
 
 from __future__ import annotations
 
@@ -10,14 +15,21 @@ from typing import Any, Iterator
 
 from loguru import logger
 
-from ..errors import ErrorReporter, ErrorSeverity
-from .execute import execute
+from ..errors import ErrorInfo, ErrorReporter, ErrorSeverity
+from .execute import execute, execute_with_timeout
 
 
 class ActivityTracker:
-    """Central tracker; every module talks to it through an :class:`ActivityTrackerProxy`."""
+    """Central tracker; every module talks to it through an :class:`ActivityTrackerProxy`.
+
+    ``config``: the recipe; when given (and no ``experiment_logger``), the tracker opens the
+    run's records (metrics.jsonl, errors.jsonl, the ``logger.backend`` sinks) itself, so it
+    can be built wherever the launch mode puts it.
+    """
 
     def __init__(self, config: Any = None, max_errors: int = 1000, experiment_logger: Any = None) -> None:
+        if experiment_logger is None and config is not None:
+            experiment_logger = open_run_recorder(config)
         self.experiment_logger = experiment_logger
         self._error_reporter = ErrorReporter(max_errors)
         self._cond = threading.Condition()
@@ -78,12 +90,9 @@ class ActivityTracker:
             self._rollout_workers.add(module_name)
 
     def dead_modules(self, timeout: float = 5.0) -> list[str]:
-        """Names of registered modules whose ``health_check`` fails or does not answer in time."""
-        dead = []
-        for name, ref in list(self._modules.items()):
-            if not _answers_health_check(ref, timeout):
-                dead.append(name)
-        return dead
+        """Names of registered modules whose ``health_check`` fails, raises (a module that is gone)
+        or does not answer within ``timeout`` seconds."""
+        return [name for name, ref in list(self._modules.items()) if not _answers_health_check(ref, timeout)]
 
     def check_module_liveness(self, timeout: float = 5.0) -> bool:
         return not self.dead_modules(timeout)
@@ -92,6 +101,10 @@ class ActivityTracker:
     @property
     def error_reporter(self) -> ErrorReporter:
         return self._error_reporter
+
+    def get_errors(self) -> list[ErrorInfo]:
+        """Every error reported so far, oldest first."""
+        return self._error_reporter.errors()
 
     def report_exception(self, module: str, work: str, exception: BaseException,
                          severity: ErrorSeverity | None = None) -> str:
@@ -117,21 +130,53 @@ class ActivityTracker:
         if self.experiment_logger is not None:
             self.experiment_logger.post(backend, **kwargs)
 
+    # -- the run's records (errors.jsonl, resume) --------------------------------
+    def record_lost_item(self, task: dict[str, Any], cause: str, message: str, validating: bool = False,
+                         step: int | None = None) -> None:
+        """One line of errors.jsonl (see :meth:`nexrl_core.run_log.RunRecorder.record_lost_item`)."""
+        if self.experiment_logger is not None:
+            self.experiment_logger.record_lost_item(task, cause, message, validating, step)
+
+    def truncate_records_after(self, step: int) -> None:
+        """A resume from ``step``: drop records the resumed run writes again."""
+        if self.experiment_logger is not None:
+            self.experiment_logger.truncate_after(step)
+
+    def close(self) -> None:
+        """Close the run's records and sinks (the run is over)."""
+        if self.experiment_logger is not None:
+            self.experiment_logger.close()
+
 
 def _answers_health_check(ref: Any, timeout: float) -> bool:
-    result: list[bool] = []
+    # A hung module must not hang the monitor (execute_with_timeout stops waiting); a module that
+    # is gone raises from execute: both count as dead.
+    try:
+        return bool(execute_with_timeout(timeout, ref.health_check))
+    except Exception:
+        return False
 
-    def call() -> None:
-        try:
-            result.append(bool(execute(ref.health_check)))
-        except Exception:
-            result.append(False)
 
-    # A hung module must not hang the monitor: ask from a helper thread and stop waiting at timeout.
-    t = threading.Thread(target=call, daemon=True, name="health-check")
-    t.start()
-    t.join(timeout)
-    return bool(result and result[0])
+def open_run_recorder(config: Any) -> Any:
+    """The run's records for a recipe: files in ``run_dir`` and the ``logger.backend`` sinks
+    (resolved through the plugin manager of the process the tracker is built in)."""
+    from ..plugins import active_plugin_manager
+    from ..run_log import RunRecorder
+
+    pm = active_plugin_manager()
+    run_dir = str(config.run_dir)
+    sinks = [pm.resolve("metrics_sink", name, "logger.backend")(config, run_dir)
+             for name in _as_list(config.logger.backend)]
+    return RunRecorder(run_dir, sinks,
+                       step_end_hook=lambda step, metrics: pm.call_step_end(step=step, metrics=metrics, config=config))
+
+
+def _as_list(value: Any) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    return [str(v) for v in value]
 
 
 class ActivityTrackerProxy:
@@ -171,3 +216,7 @@ class ActivityTrackerProxy:
 
     def experiment_logger_post(self, backend: str = "metrics", **kwargs: Any) -> None:
         execute(self._tracker.experiment_logger_post, backend, **kwargs)
+
+    def record_lost_item(self, task: dict[str, Any], cause: str, message: str, validating: bool = False,
+                         step: int | None = None) -> None:
+        execute(self._tracker.record_lost_item, task, cause, message, validating, step)

@@ -167,7 +167,7 @@ KEY_PROBLEMS = [
     ("rollout_worker: {evaluator: {type: exact_match, answer_kye: x}}\n",
      "rollout_worker.evaluator.answer_kye: unknown key; did you mean 'rollout_worker.evaluator.answer_key'? "
      "(evaluator 'exact_match' accepts: answer_key, case_sensitive)"),
-    ("launch_mode: cluster\n", "launch_mode: 'cluster' is not one of local, ray"),
+    ("launch_mode: cluster\n", "launch_mode: 'cluster' is not one of local"),
     ("resume: {mode: from_path}\n", "resume.resume_path: required when resume.mode is 'from_path'"),
     ("trajectory_pool: {batch_size: 0}\n", "trajectory_pool.batch_size: expected a positive integer, got 0"),
     ("trajectory_pool: {group_size: 2, key_list: []}\n",

@@ -247,7 +247,7 @@ def test_grace_period_lets_a_restarted_server_finish_the_run(build, warnings_log
     assert summary.stopped_by == "finished" and summary.global_step == 8
     assert any("inference_service" in dead for _, dead in seen), "the outage was never noticed"
     assert any("waiting up to 5.0s" in line and "inference_service" in line for line in warnings_logged)
-    assert not os.path.exists(os.path.join(controller.recorder.run_dir, "errors.jsonl"))  # nothing failed
+    assert not os.path.exists(os.path.join(controller.run_dir, "errors.jsonl"))  # nothing failed
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
@@ -315,7 +315,7 @@ def test_every_consumed_item_is_trained_or_recorded_once(build):
         when_step(controller, 3, lambda: server.fail_next(12, status=503))  # retried once, then fails
         summary = controller.run()
     assert summary.stopped_by == "finished" and summary.global_step == steps
-    run_dir = controller.recorder.run_dir
+    run_dir = controller.run_dir
     errors = [json.loads(line) for line in open(f"{run_dir}/errors.jsonl")]
     metrics = [json.loads(line) for line in open(f"{run_dir}/metrics.jsonl")]
 

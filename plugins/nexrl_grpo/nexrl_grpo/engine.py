@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from nexrl_core.inference import CompletionResult, InferenceClient, InferenceError, SamplingParams
+from nexrl_core import CompletionResult, InferenceClient, InferenceError, SamplingParams
 
 from .decoding import make_session_factory
 from .modeling import model_from_config, position_ids_from_mask

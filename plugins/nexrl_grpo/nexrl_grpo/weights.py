@@ -7,7 +7,7 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from nexrl_core import ConfigError, WeightSyncBackend
+from nexrl_core import ConfigError, WeightSyncBackend, execute
 
 from .engine import HFInferenceEngine
 from .modeling import ensure_safetensors_model, smollm2_gguf_path
@@ -71,4 +71,4 @@ class InProcessWeightSync(WeightSyncBackend):
     """Copies the trainer's tensors into the engine's model; the engine serves them from its next batch."""
 
     def sync(self, trainer: Any, inference_client: Any, version: int) -> None:
-        inference_client.load_weights(trainer.export_weights(), version)
+        execute(inference_client.load_weights, execute(trainer.export_weights), version)
