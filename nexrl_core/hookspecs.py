@@ -42,7 +42,9 @@ def nexrl_rollout_workers() -> dict[str, type[BaseRolloutWorker]]:
     """Register rollout workers, selected with ``rollout_worker.type``.
 
     :return: registered name -> subclass of :class:`nexrl_core.BaseRolloutWorker`,
-        built as ``cls(config, inference_client, evaluator)``.
+        built as ``cls(config)`` with the ``rollout_worker`` mapping (the worker builds its
+        evaluator from ``config.evaluator``); the inference client and the other modules
+        arrive as handles through ``set_module_references``.
     """
 
 
