@@ -1,0 +1,56 @@
+"""Plugins import only nexrl_core's public names (``from nexrl_core import X`` with X in
+``nexrl_core.__all__``), never its private modules, so the core's insides can move."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import nexrl_core
+
+REPO = Path(__file__).resolve().parents[2]
+# The public import paths of the core. A documented public sub-namespace would be listed here.
+PUBLIC_MODULES = {"nexrl_core"}
+
+
+def private_imports(source: str, filename: str = "<source>") -> list[str]:
+    """``file:line: what`` for every import of a private part of nexrl_core in ``source``."""
+    found = []
+    for node in ast.walk(ast.parse(source, filename)):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "nexrl_core" and alias.name not in PUBLIC_MODULES:
+                    found.append(f"{filename}:{node.lineno}: import {alias.name}")
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module \
+                and node.module.split(".")[0] == "nexrl_core":
+            if node.module not in PUBLIC_MODULES:
+                found.append(f"{filename}:{node.lineno}: from {node.module} import ...")
+                continue
+            for alias in node.names:  # `from nexrl_core import inference` would reach a private module
+                if alias.name not in nexrl_core.__all__:
+                    found.append(f"{filename}:{node.lineno}: {alias.name} is not in nexrl_core.__all__")
+    return found
+
+
+def test_the_checker_finds_every_private_import():
+    source = ("import nexrl_core\nfrom nexrl_core import BaseTrainer, execute\nimport nexrl_core.inference\n"
+              "from nexrl_core.runtime.execute import execute\nfrom nexrl_core import inference\n"
+              "def f():\n    from nexrl_core.builtins.mock import MockTrainer\n")
+    assert private_imports(source, "x.py") == [
+        "x.py:3: import nexrl_core.inference",
+        "x.py:4: from nexrl_core.runtime.execute import ...",
+        "x.py:5: inference is not in nexrl_core.__all__",
+        "x.py:7: from nexrl_core.builtins.mock import ...",
+    ]
+
+
+def test_plugins_import_only_public_names():
+    files = sorted((REPO / "plugins").rglob("*.py"))
+    assert files, "no plugin sources found"
+    problems = [p for f in files for p in private_imports(f.read_text(encoding="utf-8"), str(f.relative_to(REPO)))]
+    assert problems == [], "plugins must import from nexrl_core's public names only:\n" + "\n".join(problems)
+
+
+def test_every_public_name_resolves():
+    for name in nexrl_core.__all__:
+        assert getattr(nexrl_core, name, None) is not None, name
