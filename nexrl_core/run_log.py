@@ -123,6 +123,9 @@ def _keep_error_row(step: int):
 
 
 def setup_logging(run_dir: str | None, level: str = "INFO") -> None:
+    from .runtime.logs import route_std_logging
+
+    route_std_logging()
     logger.remove()
     logger.add(sys.stderr, level=level, format="<green>{time:HH:mm:ss}</green> <level>{level: <7}</level> {message}")
     if run_dir:

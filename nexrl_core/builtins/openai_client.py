@@ -49,7 +49,6 @@ pool is thread-safe and the client keeps no per-request state.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import random
 import threading
@@ -58,13 +57,12 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import openai
+from loguru import logger
 
 from ..inference import CompletionResult, InferenceClient, InferenceError, SamplingParams, _get
 from ..markers import hookimpl
 
 __all__ = ["OpenAICompatibleClient"]
-
-logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -181,11 +179,8 @@ class OpenAICompatibleClient(InferenceClient):
             # without it (this is not a retry) and stop sending it.
             if self._send_token_ids:
                 self._send_token_ids = False
-                logger.warning(
-                    "inference server %s rejects `return_token_ids`; continuing without token ids "
-                    "(set return_token_ids: false to silence this)",
-                    self.url,
-                )
+                logger.warning(f"inference server {self.url} rejects `return_token_ids`; continuing without "
+                               f"token ids (set return_token_ids: false to silence this)")
             return create(**target, **kwargs)
 
     def _served_model(self) -> str:
@@ -243,7 +238,7 @@ class OpenAICompatibleClient(InferenceClient):
                     f"{'s' if attempts != 1 else ''} over {elapsed:.1f}s (max_retries={self.max_retries}, "
                     f"max_retry_time={self.max_retry_time:g}s); last error: {failure.what}"
                 )
-            logger.debug("%s %s failed (%s); retry %d in %.2fs", self.url, what, failure.what, attempts, delay)
+            logger.debug(f"{self.url} {what} failed ({failure.what}); retry {attempts} in {delay:.2f}s")
             time.sleep(delay)
             # A retry never runs past the retry budget.
             timeout = max(0.001, min(self.timeout, deadline - time.monotonic()))

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 import torch
 
 from nexrl_core.inference import SamplingParams
+from nexrl_core.run_log import LOG_FILE, setup_logging
 from nexrl_grpo.decoding import FastLlama, FastLlamaSession, HFSession, fast_path_problem, make_session_factory
 from nexrl_grpo.engine import HFInferenceEngine, _sample
 
@@ -119,14 +118,16 @@ class _OtherNorm(torch.nn.Module):
         return self.weight * x / (x.abs().mean(-1, keepdim=True) + 1)
 
 
-def test_self_check_falls_back_when_the_model_differs(caplog):
+def test_self_check_falls_back_when_the_model_differs(tmp_path, reset_loguru):
+    setup_logging(str(tmp_path), "WARNING")  # what `nexrl run` does: the warning must reach run.log
     model = tiny("llama")
     model.model.norm = _OtherNorm(model.model.norm)
     fast = FastLlama(model)
-    with caplog.at_level(logging.WARNING, logger="nexrl_grpo.decoding"), torch.inference_mode():
+    with torch.inference_mode():
         session = fast.session()
     assert isinstance(session, HFSession) and not fast.enabled
-    assert "disagrees with the model's own forward" in caplog.text
+    log = (tmp_path / LOG_FILE).read_text()
+    assert "WARNING" in log and "disagrees with the model's own forward" in log
 
 
 def test_unsupported_models_and_modes():

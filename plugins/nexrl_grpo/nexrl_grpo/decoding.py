@@ -22,15 +22,13 @@ generating from wrong numbers.
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from loguru import logger
 
 from .modeling import auto_flag
-
-log = logging.getLogger(__name__)
 
 FAST_MODEL_TYPES = ("llama", "qwen2")
 SELF_CHECK_TOLERANCE = 1e-3  # max |logit difference| against the HF forward, relative to the logits' scale
@@ -200,8 +198,8 @@ class FastLlama:
         scale = max(float(ref[:, valid].abs().max()), 1.0)
         if not worst <= SELF_CHECK_TOLERANCE * scale:
             self.enabled = False
-            log.warning("fast decoding path disagrees with the model's own forward (max |diff| %.3g at logit scale "
-                        "%.3g); using the transformers forward", worst, scale)
+            logger.warning(f"fast decoding path disagrees with the model's own forward (max |diff| {worst:.3g} at "
+                           f"logit scale {scale:.3g}); using the transformers forward")
 
 
 class FastLlamaSession:
@@ -321,5 +319,5 @@ def make_session_factory(model: torch.nn.Module, mode: Any, rows_hint: int):
             return fast.session
         if mode == "true":
             raise ValueError(f"fast_path: true, but the fast decoding path cannot run this model: {problem}")
-        log.info("fast decoding path off: %s", problem)
+        logger.info(f"fast decoding path off: {problem}")
     return lambda: HFSession(model)

@@ -41,6 +41,15 @@ def auto_flag(value: Any, key: str) -> str:
     return text
 
 
+def transformers_logs_to_root() -> None:
+    """transformers logs through a stderr handler of its own and does not propagate: send its
+    records to the root logger instead, from where a run forwards them to loguru (run.log)."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_default_handler()
+    hf_logging.enable_propagation()
+
+
 def load_causal_lm(model_path: str, gguf_file: str | None = None, dtype: str | torch.dtype = "float32"):
     """Load ``(model, tokenizer)`` from a local HF folder, or from a GGUF file (dequantized).
 
@@ -50,6 +59,7 @@ def load_causal_lm(model_path: str, gguf_file: str | None = None, dtype: str | t
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    transformers_logs_to_root()
     kwargs: dict[str, Any] = {"local_files_only": True}
     if gguf_file:
         kwargs["gguf_file"] = gguf_file

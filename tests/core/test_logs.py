@@ -1,0 +1,73 @@
+"""Every log line of a run reaches run.log through loguru: nexrl's own modules (the OpenAI client
+among them), third-party libraries logging with the standard ``logging`` module, and Python
+warnings."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from nexrl_core.builtins.openai_client import OpenAICompatibleClient
+from nexrl_core.inference import SamplingParams
+from nexrl_core.run_log import LOG_FILE, setup_logging
+from tests.support.openai_server import FakeOpenAIServer
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_openai_client_warnings_and_retries_reach_run_log(tmp_path, reset_loguru, capfd):
+    setup_logging(str(tmp_path), "WARNING")
+    with FakeOpenAIServer() as server:
+        client = OpenAICompatibleClient({"url": server.url, "model": server.model, "retry_backoff": 0.01,
+                                         "timeout": 5})
+        try:
+            server.strict_params = True  # rejects return_token_ids: the client warns and goes on
+            server.fail_next(1, status=503)  # retried once: a DEBUG line
+            assert client.complete("What is 1 + 2?", SamplingParams()).text == "3"
+        finally:
+            client.close()
+    log = (tmp_path / LOG_FILE).read_text()
+    assert f"inference server {server.url} rejects `return_token_ids`" in log
+    assert "retry 1 in" in log and "DEBUG" in log  # run.log keeps DEBUG
+    err = capfd.readouterr().err
+    assert "rejects `return_token_ids`" in err and "retry 1 in" not in err  # the console keeps its level
+
+
+def test_standard_logging_and_warnings_of_libraries_reach_run_log(tmp_path):
+    # A fresh interpreter: pytest installs its own logging handlers and warning capture.
+    script = textwrap.dedent(f"""
+        import logging, warnings
+        from nexrl_core.run_log import setup_logging
+
+        setup_logging({str(tmp_path)!r}, "INFO")
+        logging.getLogger("httpx").warning("connection pool is full")
+        logging.getLogger("some.library").error("could not parse %s", "x.json")
+        logging.getLogger("some.library").info("one line per request")  # below WARNING: not forwarded
+        warnings.warn("this argument is deprecated", UserWarning)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    log = (tmp_path / LOG_FILE).read_text()
+    assert "WARNING" in log and "httpx: connection pool is full" in log
+    assert "ERROR" in log and "some.library: could not parse x.json" in log
+    assert "one line per request" not in log
+    assert "py.warnings" in log and "UserWarning: this argument is deprecated" in log
+    assert "httpx: connection pool is full" in done.stderr  # and the console shows them too
+
+
+def test_no_module_logs_around_loguru():
+    """Only the bridge itself may use the standard logging module."""
+    allowed = {REPO / "nexrl_core" / "runtime" / "logs.py"}
+    offenders = []
+    for path in sorted([*(REPO / "nexrl_core").rglob("*.py"), *(REPO / "plugins").rglob("*.py")]):
+        if path in allowed:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+            if "logging" in names:
+                offenders.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert offenders == [], offenders
