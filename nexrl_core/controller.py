@@ -367,25 +367,38 @@ class NexRLController:
 
     # -- stop ---------------------------------------------------------------------------------
     def _stop(self, save: bool = False) -> None:
+        """Stop every module, save if asked, close the records. Each step is attempted even when an
+        earlier one fails (a module that is gone must not keep the others running)."""
         timeout = float(self._config.runtime_monitor.stop_timeout)
         tracker, trainer = self.activity_tracker, self.trainer
         try:
             for worker in self.rollout_workers:  # all at once: none starts a new task while others stop
-                execute(worker.request_stop)
-            execute(self.weight_sync_controller.stop)
+                _best_effort("asking a rollout worker to stop", worker.request_stop)
+            _best_effort("releasing weight-sync waiters", self.weight_sync_controller.stop)
             if trainer is not None:
-                execute(trainer.stop)
+                _best_effort("stopping the trainer", trainer.stop)
             for worker in self.rollout_workers:
-                execute(worker.stop)
-            if not execute(tracker.wait_quiescent, timeout):
-                logger.warning(f"still running after {timeout}s: {execute(tracker.get_running_status_summary)}")
-            self._final_step = execute(trainer.get_global_step) if trainer is not None else 0
+                _best_effort("stopping a rollout worker", worker.stop)
+            if not _best_effort("waiting for work in flight", tracker.wait_quiescent, timeout):
+                logger.warning(f"still running after {timeout}s: "
+                               f"{_best_effort('reading the activity', tracker.get_running_status_summary)}")
+            if trainer is not None:
+                self._final_step = _best_effort("reading the trainer's step", trainer.get_global_step) \
+                    or self._final_step
             if save and self._final_step > 0:
-                execute(trainer.save_checkpoint)
-            self._final_errors = [e.message for e in execute(tracker.get_errors)]
-            try:
-                execute(self.inference_client.close)
-            finally:
-                execute(tracker.close)
+                execute(trainer.save_checkpoint)  # a failed save must not pass unnoticed
         finally:
+            errors = _best_effort("reading the reported errors", tracker.get_errors)
+            self._final_errors = [e.message for e in errors or []]
+            _best_effort("closing the inference client", self.inference_client.close)
+            _best_effort("closing the run records", tracker.close)
             self.resource_manager.shutdown()
+
+
+def _best_effort(what: str, method: Any, *args: Any) -> Any:
+    """``execute(method, *args)``; a failure is logged and None returned (used while stopping)."""
+    try:
+        return execute(method, *args)
+    except Exception as exc:
+        logger.warning(f"while stopping, {what} failed: {type(exc).__name__}: {exc}")
+        return None
