@@ -318,3 +318,54 @@ def test_validate_and_run_reject_ray_with_the_same_message(core_pm, capfd, reset
     err = capfd.readouterr().err
     assert f"- {message}\n" in err and "Traceback" not in err
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+class GoneOnStopTrainer(MockTrainer):
+    def stop(self, timeout=None):
+        super().stop(timeout)
+        raise ModuleUnavailable("the trainer's process is gone")
+
+
+class ClosingSink:
+    closed: list[str] = []
+
+    def __init__(self, config, run_dir):
+        self.run_dir = run_dir
+
+    def log(self, metrics, step):
+        pass
+
+    def close(self):
+        ClosingSink.closed.append(self.run_dir)
+
+
+def test_stopping_goes_on_when_a_module_fails_to_stop(run_local, core_pm, tmp_path):
+    from loguru import logger
+
+    class Plugin:
+        @hookimpl
+        def nexrl_trainers(self):
+            return {"gone_on_stop": GoneOnStopTrainer}
+
+        @hookimpl
+        def nexrl_metrics_sinks(self):
+            return {"closing": ClosingSink}
+
+    core_pm.register(Plugin(), name="gone-on-stop")
+    ClosingSink.closed = []
+    lines: list[str] = []
+    handler = logger.add(lambda m: lines.append(str(m)), level="WARNING")
+    try:
+        controller, summary = run_local({
+            "data": {"type": "inline", "rows": [{"prompt": "1 + 1", "answer": "2"}]},
+            "rollout_worker": {"num_workers": 2},
+            "trajectory_pool": {"batch_size": 2, "group_size": 2},
+            "trainer": {"type": "gone_on_stop", "total_train_steps": 2},
+            "logger": {"backend": ["closing"], "level": "WARNING"},
+            "service": {"inference_service": {"backend": "mock", "mode": "sum"}}})
+    finally:
+        logger.remove(handler)
+    assert summary.stopped_by == "finished" and summary.global_step == 2
+    assert any("while stopping, stopping the trainer failed: ModuleUnavailable" in line for line in lines)
+    assert ClosingSink.closed == [str(tmp_path / "run")]  # the records were still closed
+    assert not any(execute(w.is_running) for w in controller.rollout_workers)  # and the workers stopped
