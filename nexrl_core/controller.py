@@ -130,6 +130,11 @@ class NexRLController:
         cfg, tracker = self._config, self.activity_tracker
         proxy = ActivityTrackerProxy(tracker)
         modules: list[tuple[str, Any, bool]] = [
+            (name, loader, False) for name, loader in (("data_loader", self.dataloader),
+                                                       ("validate_dataloader", self.validate_dataloader))
+            if loader is not None
+        ]
+        modules += [
             ("trajectory_pool", self.trajectory_pool, False),
             ("validator", self.validator, False),
             ("weight_sync_controller", self.weight_sync_controller, False),

@@ -135,7 +135,7 @@ def test_resume_and_health_checks_through_handles(make_controller, tmp_path):
     assert controller.resource_manager.instances(NexRLRole.ACTIVITY_TRACKER)[0].dead_modules(1.0) == []
     assert handles.VIOLATIONS == []
     for role in ("trainer", "rollout_worker", "trajectory_pool", "validator", "weight_sync_controller",
-                 "inference_service"):
+                 "inference_service", "data_loader", "validate_dataloader"):
         assert handles.CALLS[(role, "health_check")] > 0, role
 
 
