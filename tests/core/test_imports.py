@@ -54,3 +54,10 @@ def test_plugins_import_only_public_names():
 def test_every_public_name_resolves():
     for name in nexrl_core.__all__:
         assert getattr(nexrl_core, name, None) is not None, name
+
+
+def test_every_core_folder_is_a_package():
+    """pyproject ships nexrl_core's packages; a folder without __init__.py would be left out of the wheel."""
+    folders = {p.parent for p in (REPO / "nexrl_core").rglob("*.py") if "__pycache__" not in p.parts}
+    missing = sorted(str(f.relative_to(REPO)) for f in folders if not (f / "__init__.py").exists())
+    assert missing == []
