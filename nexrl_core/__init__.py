@@ -30,5 +30,14 @@ __all__ = [
     "NexRLError", "NexRLModule", "NexRLRole", "PluginError", "RpcTimeout", "RunFailed", "RunSummary",
     "SamplingParams", "SimpleRolloutWorker", "SimpleTrajectoryStore", "ThreadedModule", "Trajectory",
     "TrajectoryPool", "TrajectoryPoolInstance", "Validator", "WeightSyncBackend", "WeightSyncController",
-    "execute", "execute_async", "execute_with_timeout", "hookimpl",
+    "execute", "execute_async", "execute_with_timeout", "hookimpl", "OpenAICompatibleClient",
 ]
+
+
+def __getattr__(name: str):
+    # Imported on first use: it pulls in the `openai` package, which most imports of nexrl_core never need.
+    if name == "OpenAICompatibleClient":
+        from .builtins.openai_client import OpenAICompatibleClient
+
+        return OpenAICompatibleClient
+    raise AttributeError(f"module 'nexrl_core' has no attribute {name!r}")

@@ -129,8 +129,14 @@ def check_config(cfg: DictConfig, plugin_manager: Any) -> list[str]:
     for key in cfg.keys():
         if key not in top_allowed:
             problems.append(_unknown(str(key), "", top_allowed))
+    # The weight-sync backend declares its own keys of the `weight` section (CONFIG_KEYS).
+    weight_backend = _resolve_quietly(plugin_manager, "weight_sync_backend", cfg.weight.get("backend")) \
+        if isinstance(cfg.get("weight"), DictConfig) else None
     for name in STRICT_SECTIONS:
-        problems += _check_keys(cfg.get(name), defaults[name], name)
+        allowed = defaults[name]
+        if name == "weight" and weight_backend is not None:
+            allowed = OmegaConf.merge(allowed, OmegaConf.create(dict(getattr(weight_backend, "CONFIG_KEYS", {}) or {})))
+        problems += _check_keys(cfg.get(name), allowed, name)
     launch_problem = launch_mode_problem(cfg.get("launch_mode"))
     if launch_problem is not None:
         problems.append(launch_problem)
@@ -168,7 +174,10 @@ def check_config(cfg: DictConfig, plugin_manager: Any) -> list[str]:
         allowed = dict(extra_defaults or {})
         allowed.update(getattr(cls, "CONFIG_KEYS", {}) or {})
         allowed[type_key] = name
-        problems.extend(_check_keys(section, OmegaConf.create(allowed), key, strict_nested=False))
+        key_problems = _check_keys(section, OmegaConf.create(allowed), key, strict_nested=False)
+        problems.extend(key_problems)
+        if not key_problems:
+            problems.extend(_component_check(cls, section, key))
         return cls
 
     component("dataloader", cfg.data, "data", _section_defaults(defaults.data, "path", "prompt_key",
@@ -194,6 +203,8 @@ def check_config(cfg: DictConfig, plugin_manager: Any) -> list[str]:
         plugin_manager.resolve("weight_sync_backend", cfg.weight.backend, "weight.backend")
     except NexRLError as exc:
         problems.append(str(exc))
+    else:
+        problems.extend(_component_check(weight_backend, cfg.weight, "weight"))
     sinks = cfg.logger.backend
     for sink in [sinks] if isinstance(sinks, str) else list(sinks or []):
         try:
@@ -203,6 +214,22 @@ def check_config(cfg: DictConfig, plugin_manager: Any) -> list[str]:
     for key in (set(cfg.service.keys()) - {"train_service", "inference_service"}):
         problems.append(_unknown(str(key), "service", {"train_service", "inference_service"}))
     return problems
+
+
+def _resolve_quietly(plugin_manager: Any, kind: str, name: Any) -> type | None:
+    try:
+        return plugin_manager.resolve(kind, name, kind)
+    except NexRLError:
+        return None
+
+
+def _component_check(cls: type | None, section: Any, key: str) -> list[str]:
+    """A component's own value checks: ``cls.check_config(section, key)`` returns problem lines
+    (each naming ``key.<option>``), so `nexrl validate` finds what the constructor would reject."""
+    check = getattr(cls, "check_config", None)
+    if cls is None or not callable(check):
+        return []
+    return [str(p) for p in check(section, key) or []]
 
 
 def _section_defaults(section: Any, *extra: str) -> dict:

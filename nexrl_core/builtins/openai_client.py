@@ -48,12 +48,13 @@ pool is thread-safe and the client keeps no per-request state.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import openai
@@ -115,7 +116,6 @@ class OpenAICompatibleClient(InferenceClient):
     # ------------------------------------------------------------------ public API
 
     def complete(self, prompt: str | list[dict[str, Any]], params: SamplingParams) -> CompletionResult:
-        version = self.model_version()
         if isinstance(prompt, str):
             chat, payload = False, prompt
         elif isinstance(prompt, Sequence) and all(isinstance(m, Mapping) for m in prompt):
@@ -126,12 +126,20 @@ class OpenAICompatibleClient(InferenceClient):
         model = self._served_model()
 
         def attempt(timeout: float) -> CompletionResult:
-            raw = self._post(chat, model, payload, params, timeout)
-            return self._parse(chat, self._decode(raw, endpoint), endpoint)
+            with self.generation_attempt() as version:
+                raw = self._post(chat, model, payload, params, timeout)
+            result = self._parse(chat, self._decode(raw, endpoint), endpoint)
+            result.model_version = version
+            return result
 
-        result = self._with_retries(f"POST {endpoint}", attempt)
-        result.model_version = version
-        return result
+        return self._with_retries(f"POST {endpoint}", attempt)
+
+    @contextlib.contextmanager
+    def generation_attempt(self) -> Iterator[int]:
+        """Entered around every generation request (each retry too); yields the weight version the
+        request is served under, which its result carries. A subclass whose server swaps weights
+        under live traffic overrides it to hold requests while an update is in progress (vLLM)."""
+        yield self.model_version()
 
     def health_check(self) -> bool:
         """True when ``GET {url}/models`` answers 2xx with a JSON object within a few seconds."""

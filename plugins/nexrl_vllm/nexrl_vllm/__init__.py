@@ -1,0 +1,10 @@
+"""nexrl-vllm: vLLM as nexrl's rollout inference service, with disk and NCCL weight sync."""
+
+from .client import VLLMClient
+from .control import SyncPhaseError, VLLMControl
+from .server import ManagedVLLMServer, ServerStartError, ServeOptions
+from .transport import NcclTransport, TensorTransport
+from .weight_sync import VLLMDiskWeightSync, VLLMNcclWeightSync
+
+__all__ = ["ManagedVLLMServer", "NcclTransport", "ServeOptions", "ServerStartError", "SyncPhaseError",
+           "TensorTransport", "VLLMClient", "VLLMControl", "VLLMDiskWeightSync", "VLLMNcclWeightSync"]

@@ -1,0 +1,327 @@
+"""The ``vllm`` inference backend: a vLLM OpenAI-compatible server, attached by URL or started here.
+
+Generation goes through nexrl-core's OpenAI-compatible client (one implementation of the wire
+format, the retries and the answer checks); this class adds what is vLLM's own:
+
+- **managed serve**: with ``model_path`` (and no ``url``) it starts ``vllm serve`` as a
+  subprocess with ``--logprobs-mode processed_logprobs`` (log-probs of the distribution it
+  samples from, after temperature and top-p, which is what the trainer scores), waits until
+  ``/health`` and ``/v1/models`` answer, writes the server's log to ``<run_dir>/vllm_server.log``
+  and stops the server (its whole process group) on every exit path;
+- **token ids, always**: every completion must carry the prompt and response token ids and the
+  per-token log-probs (vLLM's ``return_token_ids``); an answer without them is an error, never a
+  silent re-tokenisation;
+- **weight updates under live traffic** (:meth:`VLLMClient.weight_update`, used by the
+  ``vllm_disk`` and ``vllm_nccl`` weight-sync backends): new requests are held at the client,
+  the server pauses generation, in-flight requests end (``pause_mode``), the new weights go in,
+  the prefix cache is reset, the version is set and generation resumes. Every request is
+  labelled with the version it was served under: a request aborted by the pause is retried
+  after the update and carries the new version.
+
+Config (``service.inference_service`` with ``backend: vllm``): ``url`` to attach, or
+``model_path`` to serve; the other keys are in :data:`VLLMClient.CONFIG_KEYS` and docs/vllm.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import shutil
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from loguru import logger
+from omegaconf import DictConfig, OmegaConf
+
+from nexrl_core import CompletionResult, ConfigError, InferenceError, OpenAICompatibleClient, SamplingParams
+
+from .control import PAUSE_MODES, SyncPhaseError, VLLMControl
+from .server import ManagedVLLMServer, ServeOptions, is_loopback, log_tail, parse_command
+
+LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs")  # vLLM's modes that return log-probs (not logits)
+WEIGHT_TRANSFER_BACKENDS = ("nccl",)
+INSTALL_HINT = ("starting `vllm serve` needs the vllm package: pip install 'nexrl-vllm[serve]' (Linux with a CUDA "
+                "GPU; vLLM pins its own torch), or attach to a running server with `url`, or set `command` to "
+                "your vllm executable")
+
+# The core client's keys this backend passes through, and its own.
+_CLIENT_KEYS = {"url": None, "api_key": None, "model": None, "timeout": 60.0, "max_retries": 3,
+                "retry_backoff": 0.5, "max_retry_time": 120.0}
+_SERVE_KEYS = {"model_path": None, "command": None, "host": "127.0.0.1", "port": None, "tensor_parallel_size": 1,
+               "gpu_memory_utilization": 0.9, "dtype": "auto", "max_model_len": None,
+               "logprobs_mode": "processed_logprobs", "weight_transfer": None, "dev_endpoints": None,
+               "extra_args": [], "env": {}, "startup_timeout": 900.0, "shutdown_grace": 15.0, "log_file": None}
+
+
+def _value(config: Any, key: str, default: Any = None) -> Any:
+    if config is None:
+        return default
+    value = config.get(key, default)
+    if isinstance(value, DictConfig) or type(value).__name__ == "ListConfig":
+        return OmegaConf.to_container(value, resolve=True)
+    return default if value is None and default is not None else value
+
+
+def _run_dir(config: Any, relative_key: str = "...run_dir") -> str | None:
+    """The recipe's run_dir, when the section came from a recipe (a node of the whole config)."""
+    if isinstance(config, DictConfig):
+        found = OmegaConf.select(config, relative_key, default=None)
+        return str(found) if found else None
+    return None
+
+
+def _number(config: Any, key: str, section: str, problems: list[str], kind: type = float, low: float | None = None,
+            high: float | None = None, allow_none: bool = False) -> Any:
+    default = {**_CLIENT_KEYS, **_SERVE_KEYS}.get(key)
+    value = _value(config, key, None)
+    if value is None:
+        if allow_none or default is None:
+            return None
+        value = default
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (kind is float or isinstance(value, int))
+    if ok and ((low is not None and value < low) or (high is not None and value > high)):
+        ok = False
+    if not ok:
+        bounds = f" in [{low:g}, {high:g}]" if low is not None and high is not None else \
+            (f" >= {low:g}" if low is not None else "")
+        problems.append(f"{section}.{key}: expected {'an integer' if kind is int else 'a number'}{bounds}, "
+                        f"got {value!r}")
+        return default
+    return kind(value)
+
+
+def parse_serve_options(config: Any, section: str = "service.inference_service") -> tuple[ServeOptions | None,
+                                                                                          list[str]]:
+    """The managed-server options (None when attaching by ``url``) and every problem found."""
+    problems: list[str] = []
+    url, model_path = _value(config, "url"), _value(config, "model_path")
+    if url and model_path:
+        problems.append(f"{section}: set either `url` (attach to a running vLLM server) or `model_path` (start "
+                        "`vllm serve`), not both")
+    if not url and not model_path:
+        problems.append(f"{section}: the vllm backend needs `url` (a running vLLM server, e.g. http://127.0.0.1:8000)"
+                        " or `model_path` (a model folder or id to start `vllm serve` with)")
+    if url and not str(url).startswith(("http://", "https://")):
+        problems.append(f"{section}.url: expected an http(s) URL, got {url!r}")
+    served = [k for k in _SERVE_KEYS if k != "model_path" and _value(config, k) not in (None, [], {})
+              and _value(config, k) != _SERVE_KEYS[k]]
+    if url and served:
+        problems.append(f"{section}: {', '.join(served)} only apply when nexrl starts the server (`model_path`); "
+                        "with `url` set, configure the running server itself")
+    if not model_path or url:
+        return None, problems
+
+    command_value = _value(config, "command")
+    command = ["vllm", "serve"]
+    if command_value is not None:
+        try:
+            command = parse_command(command_value, f"{section}.command")
+        except ValueError as exc:
+            problems.append(str(exc))
+    elif shutil.which("vllm") is None and importlib.util.find_spec("vllm") is None:
+        problems.append(f"{section}: {INSTALL_HINT}")
+    elif shutil.which("vllm") is None:
+        import sys
+
+        command = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve"]
+    path = str(model_path)
+    if (os.path.isabs(path) or path.startswith(".")) and not os.path.isdir(path):
+        problems.append(f"{section}.model_path: '{path}' is not a folder")
+    host = str(_value(config, "host", "127.0.0.1"))
+    port = _number(config, "port", section, problems, int, 1, 65535, allow_none=True)
+    logprobs_mode = str(_value(config, "logprobs_mode", "processed_logprobs"))
+    if logprobs_mode not in LOGPROBS_MODES:
+        problems.append(f"{section}.logprobs_mode: '{logprobs_mode}' is not one of {', '.join(LOGPROBS_MODES)} "
+                        "(training needs log-probs; processed_logprobs matches the trainer's temperature)")
+    transfer = _value(config, "weight_transfer")
+    if transfer is not None and transfer not in WEIGHT_TRANSFER_BACKENDS:
+        problems.append(f"{section}.weight_transfer: '{transfer}' is not one of null, "
+                        f"{', '.join(WEIGHT_TRANSFER_BACKENDS)}")
+    dev = _value(config, "dev_endpoints")
+    if dev is not None and not isinstance(dev, bool):
+        problems.append(f"{section}.dev_endpoints: expected null (on for a loopback host) or a boolean, got {dev!r}")
+        dev = None
+    extra = _value(config, "extra_args", [])
+    if not isinstance(extra, list):
+        problems.append(f"{section}.extra_args: expected a list of strings, got {extra!r}")
+        extra = []
+    env = _value(config, "env", {})
+    if not isinstance(env, dict):
+        problems.append(f"{section}.env: expected a mapping of environment variables, got {env!r}")
+        env = {}
+    log_file = _value(config, "log_file")
+    if not log_file:
+        log_file = os.path.join(_run_dir(config) or ".", "vllm_server.log")
+    opts = ServeOptions(
+        model_path=path, command=command, host=host, port=port,
+        served_model_name=_value(config, "model"),
+        tensor_parallel_size=_number(config, "tensor_parallel_size", section, problems, int, 1),
+        gpu_memory_utilization=_number(config, "gpu_memory_utilization", section, problems, float, 0.01, 1.0),
+        dtype=str(_value(config, "dtype", "auto")),
+        max_model_len=_number(config, "max_model_len", section, problems, int, 1, allow_none=True),
+        logprobs_mode=logprobs_mode, weight_transfer=transfer,
+        # Development routes (pause, reload, weight transfer) change the served weights: only on loopback
+        # unless the recipe asks for them.
+        dev_endpoints=is_loopback(host) if dev is None else dev,
+        extra_args=[str(a) for a in extra], env={str(k): str(v) for k, v in env.items()},
+        api_key=_value(config, "api_key"),
+        startup_timeout=_number(config, "startup_timeout", section, problems, float, 0.1),
+        shutdown_grace=_number(config, "shutdown_grace", section, problems, float, 0.0),
+        log_file=str(log_file))
+    return opts, problems
+
+
+class VLLMClient(OpenAICompatibleClient):
+    """The ``vllm`` inference backend. See the module docstring."""
+
+    CONFIG_KEYS = {**_CLIENT_KEYS, **_SERVE_KEYS}
+    # Compatibility declaration: the weight transports this service can receive (weight-sync
+    # backends declare WEIGHT_TRANSPORT; `vllm_disk` and `vllm_nccl` say "vllm").
+    ACCEPTS_WEIGHT_TRANSPORTS = ("vllm",)
+
+    @classmethod
+    def check_config(cls, section: Any, key: str) -> list[str]:
+        problems = parse_serve_options(section, key)[1]
+        for name, kind, low in (("timeout", float, 0.001), ("max_retries", int, 0), ("retry_backoff", float, 0.0),
+                                ("max_retry_time", float, 0.0)):
+            _number(section, name, key, problems, kind, low)
+        return problems
+
+    def __init__(self, config: Any):
+        opts, problems = parse_serve_options(config)
+        problems += [p for p in self.check_config(config, "service.inference_service") if p not in problems]
+        if problems:
+            raise ConfigError("; ".join(problems))
+        self.server: ManagedVLLMServer | None = None
+        if opts is not None:
+            self.server = ManagedVLLMServer(opts).start()
+            root = self.server.url
+        else:
+            root = str(_value(config, "url")).rstrip("/")
+            root = root[: -len("/v1")] if root.endswith("/v1") else root
+        self.root_url = root
+        client_config = {k: _value(config, k) for k in _CLIENT_KEYS if _value(config, k) is not None}
+        client_config.update(url=f"{root}/v1", model_tag=_value(config, "model_tag", "default"),
+                             request_logprobs=True, return_token_ids=True)
+        try:
+            super().__init__(client_config)
+            self.control = VLLMControl(root, api_key=_value(config, "api_key"))
+        except BaseException:
+            if self.server is not None:
+                self.server.stop()
+            raise
+        self._gate = threading.Condition()
+        self._updating = False
+        self._in_flight = 0
+        self._broken: str | None = None
+        self._closed = False
+        self._death_reported = False
+
+    def __repr__(self) -> str:
+        managed = f", pid={self.server.pid}" if self.server else ""
+        return f"VLLMClient(url={self.root_url!r}, model={self.model!r}{managed})"
+
+    # ------------------------------------------------------------------ generation
+    def complete(self, prompt: str | list[dict[str, Any]], params: SamplingParams) -> CompletionResult:
+        result = super().complete(prompt, params)
+        missing = [name for name, value in (("prompt token ids", result.prompt_token_ids),
+                                            ("response token ids", result.response_token_ids),
+                                            ("log-probs", result.response_logprobs)) if value is None]
+        if missing:
+            raise InferenceError(
+                f"vLLM server {self.root_url} answered without {', '.join(missing)}: training needs vLLM's "
+                "`return_token_ids` and `logprobs` (a vLLM release with return_token_ids; is `url` a vLLM server?)")
+        return result
+
+    @contextlib.contextmanager
+    def generation_attempt(self) -> Iterator[int]:
+        """Hold the request while a weight update is in progress; count it while it is in flight."""
+        with self._gate:
+            self._gate.wait_for(lambda: not self._updating or self._closed)
+            self._raise_if_unusable()
+            self._in_flight += 1
+            version = self.model_version()
+        try:
+            yield version
+        finally:
+            with self._gate:
+                self._in_flight -= 1
+                self._gate.notify_all()
+
+    def _raise_if_unusable(self) -> None:
+        if self._closed:
+            raise InferenceError(f"vLLM client {self.root_url} is closed")
+        if self._broken:
+            raise InferenceError(f"vLLM server {self.root_url} is not serving: {self._broken}")
+
+    # ------------------------------------------------------------------ weight updates
+    @contextlib.contextmanager
+    def weight_update(self, version: int, pause_mode: str = "abort", drain_timeout: float = 60.0) -> Iterator[
+            VLLMControl]:
+        """Bracket a weight update: yields the control plane with generation held and paused.
+
+        On success the prefix cache is reset, ``version`` becomes the served version and generation
+        resumes. On failure the client refuses further requests (the server's weights are in an
+        unknown state) and the error, which names the phase, propagates.
+        """
+        if pause_mode not in PAUSE_MODES:
+            raise ValueError(f"pause_mode: '{pause_mode}' is not one of {', '.join(PAUSE_MODES)}")
+        with self._gate:
+            self._raise_if_unusable()
+            self._updating = True
+        try:
+            try:
+                self.control.pause(pause_mode)
+                if pause_mode != "keep":  # kept requests stay in flight, frozen, and continue afterwards
+                    self._drain(drain_timeout, pause_mode)
+                yield self.control
+                self.control.reset_prefix_cache()
+                self.set_model_version(version)
+                self.control.resume()
+            except BaseException as exc:
+                with self._gate:
+                    self._broken = f"the weight sync to version {version} failed ({exc})"
+                raise
+        finally:
+            with self._gate:
+                self._updating = False
+                self._gate.notify_all()
+
+    def _drain(self, timeout: float, mode: str) -> None:
+        with self._gate:
+            if not self._gate.wait_for(lambda: self._in_flight == 0, timeout):
+                raise SyncPhaseError("drain", f"phase 'drain': {self._in_flight} request(s) still in flight "
+                                              f"{timeout:g}s after pausing generation (pause_mode {mode})")
+
+    # ------------------------------------------------------------------ health, shutdown
+    def health_check(self) -> bool:
+        if self.server is not None and not self.server.alive():
+            if not self._death_reported:
+                self._death_reported = True
+                logger.error(f"the vLLM server (pid {self.server.pid}) exited with code {self.server.proc.returncode};"
+                             f" last lines of {self.server.opts.log_file}:\n{log_tail(self.server.opts.log_file)}")
+            return False
+        try:
+            return self.control.call("health", "GET", "/health", timeout=5.0) is not NotImplemented
+        except SyncPhaseError:
+            return False
+
+    def close(self) -> None:
+        with self._gate:
+            self._closed = True
+            self._gate.notify_all()
+        try:
+            super().close()
+            self.control.close()
+        finally:
+            if self.server is not None:
+                self.server.stop()
+
+
+def require_vllm_client(inference_client: Any, backend: str) -> VLLMClient:
+    if not isinstance(inference_client, VLLMClient):
+        raise ConfigError(f"weight.backend: '{backend}' pushes weights into a vLLM server; it needs "
+                          f"service.inference_service.backend: vllm (got {type(inference_client).__name__})")
+    return inference_client

@@ -1,0 +1,16 @@
+"""Entry point of nexrl-vllm: the `vllm` inference backend and the vLLM weight-sync backends."""
+
+from nexrl_core import hookimpl
+
+from .client import VLLMClient
+from .weight_sync import VLLMDiskWeightSync, VLLMNcclWeightSync
+
+
+@hookimpl
+def nexrl_inference_backends():
+    return {"vllm": VLLMClient}
+
+
+@hookimpl
+def nexrl_weight_sync_backends():
+    return {"vllm_disk": VLLMDiskWeightSync, "vllm_nccl": VLLMNcclWeightSync}

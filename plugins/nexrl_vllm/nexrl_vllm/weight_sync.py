@@ -1,0 +1,296 @@
+"""Weight-sync backends that push a self-hosted trainer's weights into a vLLM server.
+
+- ``vllm_disk``: the trainer's tensors (``trainer.export_weights()``) are written as
+  ``<sync_dir>/v<version>/model.safetensors`` (a folder the server can read), then the server
+  reloads them (``/reload_weights``). Works with any vLLM on a shared filesystem; no GPU in the
+  trainer process needed.
+- ``vllm_nccl``: vLLM's native weight-transfer API. Once: ``/get_world_size`` and
+  ``/init_weight_transfer_engine`` while the trainer joins the NCCL group as rank 0. Per update:
+  ``/start_weight_update``, ``/update_weights`` (the tensors' names, dtypes and shapes) while
+  the trainer broadcasts them, ``/finish_weight_update``.
+
+Both run inside :meth:`VLLMClient.weight_update`: generation held and paused around the
+update, prefix cache reset, version set, generation resumed. Every phase has a timeout from the
+``weight`` section; a failure raises :class:`SyncPhaseError` naming the version and the phase.
+
+Options (``weight.<key>``; the controller passes the ``weight`` section):
+
+====================  =========  ========================================================
+``pause_mode``        abort      in-flight requests at the pause: ``abort`` (retried after the
+                                 update, with the new version), ``wait`` (finish first),
+                                 ``keep`` (frozen, then finished with the new weights but
+                                 labelled with the version they started under)
+``control_timeout``   60         seconds for each control call (pause, resume, start, ...)
+                                 and for in-flight requests to end after the pause
+``transfer_timeout``  600        seconds for the weights to move (reload / broadcast + update)
+``sync_dir``          null       vllm_disk: folder shared with the server
+                                 (default ``<run_dir>/weight_sync``)
+``keep_versions``     1          vllm_disk: weight folders kept (the newest ones)
+``nccl_master_address`` null     vllm_nccl: address the server's workers reach the trainer at
+                                 (default: this host's address towards the server)
+``nccl_master_port``  null       vllm_nccl: rendezvous port (default: a free port)
+``nccl_packed``       true       vllm_nccl: batch tensors into packed buffers
+====================  =========  ========================================================
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+from urllib.parse import urlparse
+
+from loguru import logger
+
+from nexrl_core import ConfigError, WeightSyncBackend
+
+from .client import VLLMClient, _number, _run_dir, _value, require_vllm_client
+from .control import PAUSE_MODES, SyncPhaseError, VLLMControl
+from .server import free_port, is_loopback
+from .transport import NcclTransport, TensorTransport
+
+WEIGHTS_FILE = "model.safetensors"
+
+
+def unique_tensors(state: Mapping[str, Any]) -> list[tuple[str, Any]]:
+    """``state``'s tensors in order, each storage once: a tied weight (``lm_head.weight`` sharing
+    ``embed_tokens.weight``) keeps its first name, as HF checkpoints do and safetensors requires."""
+    seen: set[tuple[int, tuple[int, ...], tuple[int, ...]]] = set()
+    out = []
+    for name, tensor in state.items():
+        key = (tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()))
+        if tensor.numel() and key in seen:
+            continue
+        seen.add(key)
+        out.append((name, tensor.detach()))
+    return out
+
+
+class _VLLMWeightSync(WeightSyncBackend):
+    NAME = ""
+    # Compatibility declaration: the transport this backend speaks (see VLLMClient.ACCEPTS_WEIGHT_TRANSPORTS).
+    WEIGHT_TRANSPORT = "vllm"
+    CONFIG_KEYS: dict[str, Any] = {"pause_mode": "abort", "control_timeout": 60.0, "transfer_timeout": 600.0}
+
+    @classmethod
+    def check_config(cls, section: Any, key: str = "weight") -> list[str]:
+        problems: list[str] = []
+        mode = _value(section, "pause_mode", "abort")
+        if mode not in PAUSE_MODES:
+            problems.append(f"{key}.pause_mode: '{mode}' is not one of {', '.join(PAUSE_MODES)}")
+        for name in ("control_timeout", "transfer_timeout"):
+            _option(section, name, key, problems, cls.CONFIG_KEYS[name], float, 0.001)
+        return problems
+
+    def __init__(self, config: Any):
+        super().__init__(config)
+        problems = self.check_config(config)
+        if problems:
+            raise ConfigError("; ".join(problems))
+        self.pause_mode = str(_value(config, "pause_mode", "abort"))
+        self.control_timeout = float(_value(config, "control_timeout", 60.0))
+        self.transfer_timeout = float(_value(config, "transfer_timeout", 600.0))
+        self.last_timings: dict[str, float] = {}
+
+    def sync(self, trainer: Any, inference_client: Any, version: int) -> None:
+        client = require_vllm_client(inference_client, self.NAME)
+        client.control.timeout = self.control_timeout
+        started = time.perf_counter()
+        try:
+            staged = self._prepare(trainer, client, version)
+            prepared = time.perf_counter()
+            with client.weight_update(version, self.pause_mode, self.control_timeout) as control:
+                self._transfer(staged, control, version)
+        except SyncPhaseError as exc:
+            raise SyncPhaseError(exc.phase, f"vLLM weight sync to version {version} failed in {exc}") from None
+        done = time.perf_counter()
+        self.last_timings = {"prepare_s": prepared - started, "update_s": done - prepared}
+        logger.info(f"{self.NAME}: vLLM serves weight version {version} (prepared in {prepared - started:.2f}s, "
+                    f"generation held {done - prepared:.2f}s)")
+
+    def _prepare(self, trainer: Any, client: VLLMClient, version: int) -> Any:
+        """Work done while generation still runs; its result goes to :meth:`_transfer`."""
+        raise NotImplementedError
+
+    def _transfer(self, staged: Any, control: VLLMControl, version: int) -> None:
+        """Move the weights in (generation is paused)."""
+        raise NotImplementedError
+
+
+class VLLMDiskWeightSync(_VLLMWeightSync):
+    """``vllm_disk``: safetensors on a shared folder, reloaded by the server."""
+
+    NAME = "vllm_disk"
+    CONFIG_KEYS = {**_VLLMWeightSync.CONFIG_KEYS, "sync_dir": None, "keep_versions": 1}
+
+    @classmethod
+    def check_config(cls, section: Any, key: str = "weight") -> list[str]:
+        problems = super().check_config(section, key)
+        _option(section, "keep_versions", key, problems, 1, int, 1)
+        return problems
+
+    def __init__(self, config: Any):
+        super().__init__(config)
+        sync_dir = _value(config, "sync_dir")
+        if not sync_dir:
+            sync_dir = os.path.join(_run_dir(config, "..run_dir") or ".", "weight_sync")
+        self.sync_dir = os.path.abspath(str(sync_dir))
+        self.keep_versions = int(_value(config, "keep_versions", 1))
+
+    def _prepare(self, trainer: Any, client: VLLMClient, version: int) -> str:
+        try:
+            return self.write(trainer.export_weights(), version)
+        except OSError as exc:
+            raise SyncPhaseError("write_safetensors", f"phase 'write_safetensors': cannot write the weights under "
+                                                      f"{self.sync_dir} ({exc})") from None
+
+    def write(self, state: Mapping[str, Any], version: int) -> str:
+        """``<sync_dir>/v<version>/model.safetensors``, assembled aside and renamed into place."""
+        from safetensors.torch import save_file
+
+        os.makedirs(self.sync_dir, exist_ok=True)
+        final = os.path.join(self.sync_dir, f"v{version:06d}")
+        tmp = tempfile.mkdtemp(prefix=f".v{version:06d}.", dir=self.sync_dir)
+        try:
+            tensors = {name: t.cpu().contiguous() for name, t in unique_tensors(state)}
+            save_file(tensors, os.path.join(tmp, WEIGHTS_FILE), metadata={"format": "pt", "nexrl_version": str(version)})
+            os.chmod(tmp, 0o755)  # the server may run as another user
+            if os.path.exists(final):
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return final
+
+    def _transfer(self, staged: str, control: VLLMControl, version: int) -> None:
+        control.reload_weights(staged, timeout=self.transfer_timeout)
+        self._prune(version)
+
+    def _prune(self, version: int) -> None:
+        names = sorted(n for n in os.listdir(self.sync_dir) if n.startswith("v") and n[1:].isdigit())
+        for name in names[:-self.keep_versions]:
+            shutil.rmtree(os.path.join(self.sync_dir, name), ignore_errors=True)
+
+
+class VLLMNcclWeightSync(_VLLMWeightSync):
+    """``vllm_nccl``: vLLM's weight-transfer engine, tensors broadcast over NCCL from the trainer."""
+
+    NAME = "vllm_nccl"
+    CONFIG_KEYS = {**_VLLMWeightSync.CONFIG_KEYS, "nccl_master_address": None, "nccl_master_port": None,
+                   "nccl_packed": True}
+    # The tensor path (a GPU piece); tests put a CPU stand-in here to drive the HTTP phases.
+    transport_factory: Callable[[], TensorTransport] = NcclTransport
+
+    @classmethod
+    def check_config(cls, section: Any, key: str = "weight") -> list[str]:
+        problems = super().check_config(section, key)
+        port = _value(section, "nccl_master_port")
+        if port is not None and not (isinstance(port, int) and not isinstance(port, bool) and 0 < port < 65536):
+            problems.append(f"{key}.nccl_master_port: expected null or a port number, got {port!r}")
+        if not isinstance(_value(section, "nccl_packed", True), bool):
+            problems.append(f"{key}.nccl_packed: expected a boolean, got {_value(section, 'nccl_packed')!r}")
+        return problems
+
+    def __init__(self, config: Any):
+        super().__init__(config)
+        self.master_address = _value(config, "nccl_master_address")
+        self.master_port = _value(config, "nccl_master_port")
+        self.packed = bool(_value(config, "nccl_packed", True))
+        self.transport: TensorTransport | None = None
+        self._init_lock = threading.Lock()
+
+    def _prepare(self, trainer: Any, client: VLLMClient, version: int) -> list[tuple[str, Any]]:
+        with self._init_lock:
+            if self.transport is None:
+                self._init_transfer(client)
+        return unique_tensors(trainer.export_weights())
+
+    def _init_transfer(self, client: VLLMClient) -> None:
+        control = client.control
+        world = control.world_size() + 1  # the server's workers and this trainer
+        host = urlparse(client.root_url).hostname or "127.0.0.1"
+        address = str(self.master_address or ("127.0.0.1" if is_loopback(host) else _address_towards(host)))
+        port = int(self.master_port or free_port(address))
+        transport = type(self).transport_factory()
+        init_info = {"master_address": address, "master_port": port, "rank_offset": 1, "world_size": world}
+        # The server's workers connect to the trainer's rendezvous: both sides must run at once.
+        _together("init_weight_transfer_engine", self.transfer_timeout,
+                  server=lambda: control.init_weight_transfer(init_info, timeout=self.transfer_timeout),
+                  trainer=lambda: transport.init(address, port, world))
+        self.transport = transport
+        logger.info(f"vllm_nccl: weight-transfer group ready ({world} ranks, rendezvous {address}:{port})")
+
+    def _transfer(self, staged: list[tuple[str, Any]], control: VLLMControl, version: int) -> None:
+        transport = self.transport
+        assert transport is not None
+        update_info = {"names": [n for n, _ in staged],
+                       "dtype_names": [str(t.dtype).rsplit(".", 1)[-1] for _, t in staged],
+                       "shapes": [list(t.shape) for _, t in staged],
+                       "packed": self.packed}
+        control.start_weight_update()
+        _together("update_weights", self.transfer_timeout,
+                  server=lambda: control.update_weights(update_info, timeout=self.transfer_timeout),
+                  trainer=lambda: transport.send(staged, self.packed))
+        control.finish_weight_update(version)
+
+
+def _option(section: Any, name: str, key: str, problems: list[str], default: Any, kind: type, low: float) -> None:
+    value = _value(section, name)
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)) \
+            or value < low:
+        problems.append(f"{key}.{name}: expected {'an integer' if kind is int else 'a number'} >= {low:g}, "
+                        f"got {value!r} (default {default})")
+
+
+def _address_towards(host: str) -> str:
+    """This host's address on the route to ``host`` (what the server's workers can reach)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        try:
+            sock.connect((host, 9))  # UDP: no packet is sent
+            return str(sock.getsockname()[0])
+        except OSError:
+            return socket.gethostbyname(socket.gethostname())
+
+
+def _together(phase: str, timeout: float, server: Callable[[], None], trainer: Callable[[], None]) -> None:
+    """Run the server's HTTP call and the trainer's side at once; both must finish within ``timeout``.
+
+    A side that hangs (a broadcast nobody receives) is left behind in its daemon thread: the
+    sync fails with the phase named instead of hanging the run."""
+    errors: dict[str, BaseException] = {}
+
+    def run(side: str, fn: Callable[[], None]) -> threading.Thread:
+        def target() -> None:
+            try:
+                fn()
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                errors[side] = exc
+        thread = threading.Thread(target=target, name=f"vllm-sync-{phase}-{side}", daemon=True)
+        thread.start()
+        return thread
+
+    threads = {"server": run("server", server), "trainer": run("trainer", trainer)}
+    deadline = time.monotonic() + timeout
+    for side, thread in threads.items():
+        thread.join(max(0.0, deadline - time.monotonic()))
+        if side in errors:
+            break  # the other side may never finish now
+    failed = errors.get("server") or errors.get("trainer")
+    if isinstance(failed, SyncPhaseError):
+        raise failed
+    if failed is not None:
+        side = "server" if "server" in errors else "trainer"
+        raise SyncPhaseError(phase, f"phase '{phase}': the {side} side failed ({type(failed).__name__}: {failed})")
+    pending = [side for side, thread in threads.items() if thread.is_alive()]
+    if pending:
+        what = {"server": "the server did not confirm", "trainer": "the trainer's tensor transport did not finish"}
+        raise SyncPhaseError(phase, f"phase '{phase}': {' and '.join(what[s] for s in pending)} within "
+                                    f"{timeout:g}s (weight.transfer_timeout)")
