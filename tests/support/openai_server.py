@@ -328,7 +328,8 @@ class _Handler(BaseHTTPRequestHandler):
 
         injection = owner._take_injection()
         delay = owner.delay + (injection.extra.get("seconds", 0.0) if injection and injection.kind == "delay" else 0.0)
-        if delay > 0 and owner._stopping.wait(delay):
+        held = owner._hold(delay)
+        if held == "stop":
             self.close_connection = True  # server stopping: drop the request, as a dying server would
             return
         if injection and injection.kind == "fail":
@@ -386,7 +387,7 @@ class _Handler(BaseHTTPRequestHandler):
             choice = payload["choices"][0]
             if choice.get("token_ids") is not None:
                 choice["token_ids"].append(0)
-        elif injection and injection.kind == "abort":
+        elif (injection and injection.kind == "abort") or held == "abort":
             payload["choices"][0]["finish_reason"] = "abort"
         self._send(200, payload)
 
@@ -479,6 +480,8 @@ class FakeOpenAIServer:
     call :meth:`start` / :meth:`stop`.
     """
 
+    handler_class: type[BaseHTTPRequestHandler] = _Handler  # a subclass may serve more routes
+
     def __init__(
         self,
         model: str = "fake-model",
@@ -523,7 +526,7 @@ class FakeOpenAIServer:
         if self._httpd is not None:
             return self
         self._stopping.clear()
-        httpd = _HTTPServer((self.host, self.port), _Handler, self)
+        httpd = _HTTPServer((self.host, self.port), self.handler_class, self)
         self.port = httpd.server_address[1]  # the same port on a restart
         self._httpd = httpd
         self._thread = threading.Thread(
@@ -557,6 +560,14 @@ class FakeOpenAIServer:
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
+
+    def _hold(self, delay: float) -> str | None:
+        """Before a generation request is answered: wait ``delay`` seconds. ``"stop"`` when the
+        server is stopping (the request is dropped), ``"abort"`` to answer with vLLM's aborted
+        request; a subclass may hold requests longer (a paused server)."""
+        if delay > 0 and self._stopping.wait(delay):
+            return "stop"
+        return None
 
     # -- failure injection
     def fail_next(self, n: int = 1, status: int = 503, retry_after: float | None = None) -> None:

@@ -225,6 +225,8 @@ class VLLMClient(OpenAICompatibleClient):
 
     # ------------------------------------------------------------------ generation
     def complete(self, prompt: str | list[dict[str, Any]], params: SamplingParams) -> CompletionResult:
+        with self._gate:
+            self._raise_if_unusable()
         result = super().complete(prompt, params)
         missing = [name for name, value in (("prompt token ids", result.prompt_token_ids),
                                             ("response token ids", result.response_token_ids),
