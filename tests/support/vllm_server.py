@@ -320,7 +320,15 @@ class FakeVLLMServer(FakeOpenAIServer):
         for key in ("master_address", "master_port", "rank_offset", "world_size"):
             if key not in info:
                 raise ValueError(f"init_info lacks {key}")
-        sock = socket.create_connection((info["master_address"], int(info["master_port"])), timeout=10)
+        deadline = time.monotonic() + 10
+        while True:  # the trainer may not listen yet: retry, as vLLM's rendezvous does
+            try:
+                sock = socket.create_connection((info["master_address"], int(info["master_port"])), timeout=10)
+                break
+            except ConnectionRefusedError:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.02)
         sock.sendall(struct.pack("!i", int(info["rank_offset"])))  # this worker's rank
         self._worker = sock
         self.control_log.append("init_weight_transfer_engine")
