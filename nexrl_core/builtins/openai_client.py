@@ -54,6 +54,7 @@ import os
 import random
 import threading
 import time
+import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -126,20 +127,22 @@ class OpenAICompatibleClient(InferenceClient):
         model = self._served_model()
 
         def attempt(timeout: float) -> CompletionResult:
-            with self.generation_attempt() as version:
+            with self.generation_attempt() as served:
                 raw = self._post(chat, model, payload, params, timeout)
             result = self._parse(chat, self._decode(raw, endpoint), endpoint)
-            result.model_version = version
+            result.model_version = served.model_version
             return result
 
         return self._with_retries(f"POST {endpoint}", attempt)
 
     @contextlib.contextmanager
-    def generation_attempt(self) -> Iterator[int]:
-        """Entered around every generation request (each retry too); yields the weight version the
-        request is served under, which its result carries. A subclass whose server swaps weights
-        under live traffic overrides it to hold requests while an update is in progress (vLLM)."""
-        yield self.model_version()
+    def generation_attempt(self) -> Iterator[Any]:
+        """Entered around every generation request (each retry too). Yields an object whose
+        ``model_version``, read when the request is done, is the weight version its result carries.
+        A subclass whose server swaps weights under live traffic overrides it (vLLM: requests wait
+        while an update is in progress, and one the server held across the update gets the new
+        version)."""
+        yield types.SimpleNamespace(model_version=self.model_version())
 
     def health_check(self) -> bool:
         """True when ``GET {url}/models`` answers 2xx with a JSON object within a few seconds."""

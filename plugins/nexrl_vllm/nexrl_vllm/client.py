@@ -29,6 +29,7 @@ import importlib.util
 import os
 import shutil
 import threading
+import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -42,6 +43,7 @@ from .server import ManagedVLLMServer, ServeOptions, is_loopback, log_tail, pars
 
 LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs")  # vLLM's modes that return log-probs (not logits)
 WEIGHT_TRANSFER_BACKENDS = ("nccl",)
+DRAIN_GRACE_S = 1.0  # after a pause, how long answers already on their way may take to arrive
 INSTALL_HINT = ("starting `vllm serve` needs the vllm package: pip install 'nexrl-vllm[serve]' (Linux with a CUDA "
                 "GPU; vLLM pins its own torch), or attach to a running server with `url`, or set `command` to "
                 "your vllm executable")
@@ -214,7 +216,8 @@ class VLLMClient(OpenAICompatibleClient):
             raise
         self._gate = threading.Condition()
         self._updating = False
-        self._in_flight = 0
+        self._in_flight: set[int] = set()
+        self._attempts: dict[int, Any] = {}
         self._broken: str | None = None
         self._closed = False
         self._death_reported = False
@@ -238,18 +241,21 @@ class VLLMClient(OpenAICompatibleClient):
         return result
 
     @contextlib.contextmanager
-    def generation_attempt(self) -> Iterator[int]:
-        """Hold the request while a weight update is in progress; count it while it is in flight."""
+    def generation_attempt(self) -> Iterator[Any]:
+        """Hold the request while a weight update is in progress; track it while it is in flight."""
+        attempt = types.SimpleNamespace(model_version=0)
         with self._gate:
             self._gate.wait_for(lambda: not self._updating or self._closed)
             self._raise_if_unusable()
-            self._in_flight += 1
-            version = self.model_version()
+            attempt.model_version = self.model_version()
+            self._in_flight.add(id(attempt))
+            self._attempts[id(attempt)] = attempt
         try:
-            yield version
+            yield attempt
         finally:
             with self._gate:
-                self._in_flight -= 1
+                self._in_flight.discard(id(attempt))
+                self._attempts.pop(id(attempt), None)
                 self._gate.notify_all()
 
     def _raise_if_unusable(self) -> None:
@@ -276,11 +282,15 @@ class VLLMClient(OpenAICompatibleClient):
         try:
             try:
                 self.control.pause(pause_mode)
-                if pause_mode != "keep":  # kept requests stay in flight, frozen, and continue afterwards
-                    self._drain(drain_timeout, pause_mode)
+                held = self._settle(min(DRAIN_GRACE_S, drain_timeout))
                 yield self.control
                 self.control.reset_prefix_cache()
                 self.set_model_version(version)
+                if pause_mode != "keep":
+                    # Still in flight after the pause: the server holds them and generates them after
+                    # the resume, with the new weights. (Kept requests mix versions: they keep the old.)
+                    for attempt in held:
+                        attempt.model_version = version
                 self.control.resume()
             except BaseException as exc:
                 with self._gate:
@@ -291,11 +301,12 @@ class VLLMClient(OpenAICompatibleClient):
                 self._updating = False
                 self._gate.notify_all()
 
-    def _drain(self, timeout: float, mode: str) -> None:
+    def _settle(self, grace: float) -> list[Any]:
+        """After the pause: let answers already on their way arrive (aborted or finished requests);
+        the requests still in flight are those the server holds until the resume."""
         with self._gate:
-            if not self._gate.wait_for(lambda: self._in_flight == 0, timeout):
-                raise SyncPhaseError("drain", f"phase 'drain': {self._in_flight} request(s) still in flight "
-                                              f"{timeout:g}s after pausing generation (pause_mode {mode})")
+            self._gate.wait_for(lambda: not self._in_flight, grace)
+            return [self._attempts[key] for key in self._in_flight if key in self._attempts]
 
     # ------------------------------------------------------------------ health, shutdown
     def health_check(self) -> bool:
