@@ -127,3 +127,15 @@ def test_plugin_imports_without_torch_or_vllm():
     code = ("import sys, nexrl_vllm, nexrl_vllm.plugin; "
             "sys.exit(('torch' in sys.modules) * 1 + ('vllm' in sys.modules) * 2)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_gpu_check_script_says_why_it_cannot_run_here():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "vllm_gpu_check.py"
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                          env={"CUDA_VISIBLE_DEVICES": "", "PATH": "/usr/bin:/bin"})
+    assert done.returncode == 2, done.stderr
+    assert done.stdout.startswith("vllm_gpu_check: not run (")
