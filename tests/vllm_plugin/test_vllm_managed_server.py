@@ -186,3 +186,13 @@ def test_validate_and_run_agree_on_a_missing_vllm(tmp_path):
         done = subprocess.run([*cli, command, str(path)], capture_output=True, text=True, env=env, timeout=60)
         assert done.returncode == code, done.stderr
         assert "pip install 'nexrl-vllm[serve]'" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_nexrl_run_with_a_server_that_fails_to_start_prints_the_reason(tmp_path):
+    data = _endless_recipe(tmp_path)
+    data["service"]["inference_service"]["extra_args"] += ["--fake-exit-after", "0", "--fake-exit-code", "4"]
+    run = _run_nexrl(tmp_path, data)
+    assert run.wait(60) == 1
+    out = (tmp_path / "nexrl.out").read_text()
+    assert "error: the vLLM server exited with code 4 during start-up" in out
+    assert "CUDA out of memory (simulated start-up failure)" in out and "Traceback" not in out

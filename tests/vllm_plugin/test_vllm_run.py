@@ -5,6 +5,7 @@ produced it. And `nexrl validate` on the weight-sync options."""
 from __future__ import annotations
 
 import math
+import time
 import types
 
 import pytest
@@ -86,3 +87,24 @@ def test_validate_checks_the_weight_sync_options(run_pm, tmp_path):
     assert problems(backend="vllm_nccl", nccl_packed=False) == []
     assert problems(backend="vllm_nccl", keep_versions=2)[0].startswith("weight.keep_versions: unknown key")
     assert problems(backend="version_only")[0].startswith("weight.sync_dir: unknown key")
+
+
+@pytest.mark.parametrize("fail_at", [0, 2])
+def test_a_failed_sync_ends_the_run_with_the_phase_named(fake_vllm, run_pm, run_local, tmp_path, fail_at):
+    from nexrl_core import NexRLError
+
+    real_load = fake_vllm._load_folder
+
+    def load(path):
+        if path.endswith(f"v{fail_at:06d}"):
+            raise OSError("disk quota exceeded (simulated)")
+        real_load(path)
+
+    fake_vllm._load_folder = load
+    start = time.monotonic()
+    with pytest.raises(NexRLError) as info:
+        run_local(recipe(tmp_path, fake_vllm.url), pm=run_pm)
+    message = str(info.value)
+    assert f"vLLM weight sync to version {fail_at} failed in phase 'reload_weights'" in message
+    assert "HTTP 500" in message and "disk quota exceeded (simulated)" in message
+    assert time.monotonic() - start < 60

@@ -282,7 +282,7 @@ class VLLMClient(OpenAICompatibleClient):
         try:
             try:
                 self.control.pause(pause_mode)
-                held = self._settle(min(DRAIN_GRACE_S, drain_timeout))
+                held = self._settle(min(DRAIN_GRACE_S, drain_timeout)) if pause_mode != "keep" else []
                 yield self.control
                 self.control.reset_prefix_cache()
                 self.set_model_version(version)

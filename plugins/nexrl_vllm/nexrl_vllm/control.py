@@ -26,13 +26,13 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlencode, urlparse
 
-from nexrl_core import InferenceError
+from nexrl_core import InferenceError, NexRLError
 
 PAUSE_MODES = ("abort", "wait", "keep")
 
 
-class SyncPhaseError(InferenceError):
-    """One phase of a weight sync failed or timed out."""
+class SyncPhaseError(NexRLError, InferenceError):
+    """One phase of a weight sync failed or timed out (the message names the phase and the route)."""
 
     def __init__(self, phase: str, message: str):
         super().__init__(message)

@@ -25,7 +25,7 @@ from typing import Any
 
 from loguru import logger
 
-from nexrl_core import InferenceError
+from nexrl_core import InferenceError, NexRLError
 
 from .control import HTTPFailure, request
 
@@ -33,8 +33,9 @@ LOOPBACK_NAMES = ("localhost",)
 _PR_SET_PDEATHSIG = 1
 
 
-class ServerStartError(InferenceError):
-    """The managed vLLM server exited during start-up or never became ready."""
+class ServerStartError(NexRLError, InferenceError):
+    """The managed vLLM server exited during start-up or never became ready (the CLI prints the
+    message, with the end of the server's log, and no traceback)."""
 
 
 @dataclass
