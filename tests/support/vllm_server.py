@@ -34,7 +34,6 @@ finished after the resume with the new weights (``keep``).
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import socket
@@ -409,6 +408,3 @@ class LoopbackTransport:
             conn.close()
         self.workers.clear()
 
-
-def dumps(obj: Any) -> str:
-    return json.dumps(obj, sort_keys=True)

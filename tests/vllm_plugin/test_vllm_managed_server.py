@@ -18,7 +18,7 @@ import yaml
 
 from nexrl_core import InferenceError, SamplingParams
 from nexrl_vllm import ServerStartError, VLLMClient
-from tests.vllm_plugin.conftest import FAKE_VLLM, pid_alive, serve_config, wait_gone
+from tests.vllm_plugin.conftest import pid_alive, serve_config, wait_gone
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -196,6 +196,25 @@ def test_requests_sent_during_an_update_wait_and_carry_the_new_version(fake_vllm
     assert_serves(client, trainer, 1)
 
 
+def test_a_request_the_server_held_across_the_update_carries_the_new_version(fake_vllm, client, tmp_path):
+    # The race: a request passed the client before the update began but reached the server after
+    # its pause; vLLM holds it and generates it after the resume, with the new weights.
+    fake_vllm._pause("abort")
+    out: dict = {}
+    sender = threading.Thread(target=lambda: out.setdefault("result", served(client, "What is 2 + 5?")))
+    sender.start()
+    deadline = time.monotonic() + 5
+    while fake_vllm.request_count == 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    trainer = Trainer(9)
+    VLLMDiskWeightSync({"sync_dir": str(tmp_path)}).sync(trainer, client, 1)
+    sender.join(10)
+    result = out["result"]
+    assert fake_vllm.request_count == 1 and result.text == "7" and result.model_version == 1
+    assert result.response_logprobs == pytest.approx([served_logprob(trainer.state[LOGITS].tolist(), ord("7"))])
+
+
 # ----------------------------------------------------------------------------- vllm_nccl
 
 

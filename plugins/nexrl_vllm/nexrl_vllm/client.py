@@ -266,7 +266,7 @@ class VLLMClient(OpenAICompatibleClient):
 
     # ------------------------------------------------------------------ weight updates
     @contextlib.contextmanager
-    def weight_update(self, version: int, pause_mode: str = "abort", drain_timeout: float = 60.0) -> Iterator[
+    def weight_update(self, version: int, pause_mode: str = "abort", settle_timeout: float = 60.0) -> Iterator[
             VLLMControl]:
         """Bracket a weight update: yields the control plane with generation held and paused.
 
@@ -282,7 +282,7 @@ class VLLMClient(OpenAICompatibleClient):
         try:
             try:
                 self.control.pause(pause_mode)
-                held = self._settle(min(DRAIN_GRACE_S, drain_timeout)) if pause_mode != "keep" else []
+                held = self._settle(min(DRAIN_GRACE_S, settle_timeout)) if pause_mode != "keep" else []
                 yield self.control
                 self.control.reset_prefix_cache()
                 self.set_model_version(version)

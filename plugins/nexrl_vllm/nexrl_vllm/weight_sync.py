@@ -49,7 +49,7 @@ from loguru import logger
 
 from nexrl_core import ConfigError, WeightSyncBackend
 
-from .client import VLLMClient, _number, _run_dir, _value, require_vllm_client
+from .client import VLLMClient, _run_dir, _value, require_vllm_client
 from .control import PAUSE_MODES, SyncPhaseError, VLLMControl
 from .server import free_port, is_loopback
 from .transport import NcclTransport, TensorTransport
