@@ -253,10 +253,14 @@ class FakeVLLMServer(FakeOpenAIServer):
         self._stopping.set()  # wakes requests held by a pause
         with self._cond:
             self._cond.notify_all()
-        super().stop(join_timeout)
-        if self._worker is not None:
+        if self._worker is not None:  # unblocks an update_weights still reading tensors
+            try:
+                self._worker.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
             self._worker.close()
             self._worker = None
+        super().stop(join_timeout)
 
     # -- generation under pauses -------------------------------------------------------------------
     def _hold(self, delay: float) -> str | None:

@@ -221,7 +221,7 @@ class VLLMNcclWeightSync(_VLLMWeightSync):
         init_info = {"master_address": address, "master_port": port, "rank_offset": 1, "world_size": world}
         # The server's workers connect to the trainer's rendezvous: both sides must run at once.
         _together("init_weight_transfer_engine", self.transfer_timeout,
-                  server=lambda: control.init_weight_transfer(init_info, timeout=self.transfer_timeout),
+                  server=lambda: control.init_weight_transfer(init_info, timeout=self.transfer_timeout + 5.0),
                   trainer=lambda: transport.init(address, port, world))
         self.transport = transport
         logger.info(f"vllm_nccl: weight-transfer group ready ({world} ranks, rendezvous {address}:{port})")
@@ -234,8 +234,10 @@ class VLLMNcclWeightSync(_VLLMWeightSync):
                        "shapes": [list(t.shape) for _, t in staged],
                        "packed": self.packed}
         control.start_weight_update()
+        # The HTTP call may wait a little longer than the phase: when the broadcast stalls, the
+        # error then names the transport (the cause), not the server's silence (the symptom).
         _together("update_weights", self.transfer_timeout,
-                  server=lambda: control.update_weights(update_info, timeout=self.transfer_timeout),
+                  server=lambda: control.update_weights(update_info, timeout=self.transfer_timeout + 5.0),
                   trainer=lambda: transport.send(staged, self.packed))
         control.finish_weight_update(version)
 
