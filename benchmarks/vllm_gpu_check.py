@@ -53,7 +53,11 @@ def preconditions() -> str | None:
 def start_server(model: str, backend: str, args: argparse.Namespace, out: Path):
     from nexrl_vllm import ManagedVLLMServer, ServeOptions
 
-    opts = ServeOptions(model_path=model, command=[sys.executable, "-m", "vllm.entrypoints.cli.main", "serve"],
+    import shutil
+
+    command = ["vllm", "serve"] if shutil.which("vllm") else [sys.executable, "-m", "vllm.entrypoints.cli.main",
+                                                               "serve"]
+    opts = ServeOptions(model_path=model, command=command,
                         served_model_name="smollm2", dtype=args.dtype, gpu_memory_utilization=args.gpu_memory,
                         max_model_len=2048, weight_transfer="nccl" if backend == "vllm_nccl" else None,
                         env={"CUDA_VISIBLE_DEVICES": "0"}, log_file=str(out / f"vllm_{backend}.log"),
