@@ -320,6 +320,7 @@ class NexRLController:
         for worker in self.rollout_workers:
             execute(worker.begin_validate)
         execute(self.validate_dataloader.unlock_for_weight_sync)
+        logger.info(f"validation started (weights v{execute(self.weight_sync_controller.get_rollout_model_version, model_tag)})")
 
     def _wait_validation(self) -> None:
         while not execute(self.validator.is_complete):

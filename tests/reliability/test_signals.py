@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import time
 from pathlib import Path
 
 import pytest
@@ -109,8 +108,8 @@ def test_sigterm_during_validation_exits_130(start_run, tmp_path):
         "type": "inline", "rows": [{"prompt": f"{a} + 2", "answer": str(a + 2)} for a in range(30)]}}
     path = write_recipe(tmp_path / "recipe.yaml", recipe)
     run = start_run(path, env=CORE_ONLY)
-    run.wait_for(lambda: (tmp_path / "run" / "run.log").exists())  # logging is set up: the recipe loaded
-    time.sleep(1.5)  # mock components: the controller is built and validating by then
+    log = tmp_path / "run" / "run.log"
+    run.wait_for(lambda: log.exists() and "validation started" in log.read_text())
     run.signal(signal.SIGTERM)
     assert run.wait(60) == 130, run.output()[-4000:]
     out = run.output()
