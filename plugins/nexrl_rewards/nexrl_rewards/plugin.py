@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from nexrl_core import hookimpl
 
+from .code_sandbox import CodeSandboxEvaluator
 from .math_rule import MathRuleEvaluator
 
 
 @hookimpl
 def nexrl_evaluators():
-    return {"math_rule": MathRuleEvaluator}
+    return {"math_rule": MathRuleEvaluator, "code_sandbox": CodeSandboxEvaluator}

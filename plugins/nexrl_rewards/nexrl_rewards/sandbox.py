@@ -1,0 +1,295 @@
+"""Host side of the code sandbox: runs untrusted Python on a list of stdin inputs.
+
+Each :meth:`Sandbox.run` starts one launcher process (``_sandbox_launcher.py``, which documents the
+process tree and isolation) and reads its per-input results as they come. Isolation is chosen
+once per process (``isolation: auto``): Linux namespaces when the kernel allows them, else the
+rlimits fallback, announced by a one-time warning that says what it does not protect against.
+Thread-safe: every run has its own processes; the shared state (the chosen mode, the fallback's
+uid slots) is behind locks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from loguru import logger
+
+LAUNCHER = str(Path(__file__).with_name("_sandbox_launcher.py"))
+ISOLATION_MODES = ("auto", "namespaces", "rlimits")
+# The sandbox's uid/gid (also in the host's namespaces when running as root with namespaces).
+SANDBOX_ID = 65534
+# The rlimits fallback as root gives every concurrent run a uid of its own from this range, so
+# a run cannot signal another's processes and RLIMIT_NPROC is per run.
+_FALLBACK_UID_BASE, _FALLBACK_UID_SLOTS = 64000, 256
+# Starting the launcher and building the namespaces (what a run may take beyond its inputs' limits).
+_STARTUP_ALLOWANCE_S = 30.0
+_PER_CASE_SLACK_S = 2.0
+_STOP_TIMEOUT_S = 10.0
+
+# What the rlimits fallback does not protect against (the warning and docs/rewards.md list these).
+FALLBACK_GAPS_ROOT = (
+    "no network isolation: the code can open sockets, reach loopback services and the internet",
+    "it can read every world-readable file and list every process with its command line (/proc)",
+    "it can write to world-writable places (/tmp, /dev/shm) within the file-size limit, and such files stay",
+    "memory is capped per process (RLIMIT_AS), not for the whole run",
+    "a process that escapes the launcher's process tree after the launcher itself is killed survives",
+)
+FALLBACK_GAPS_USER = FALLBACK_GAPS_ROOT + (
+    "it runs as your user: it can read and change your files, read /proc/<pid>/environ of your processes "
+    "(API keys) and signal or kill the trainer",
+    "its process limit counts all of your processes",
+)
+
+
+class SandboxError(RuntimeError):
+    """The sandbox itself failed (not the code under test): the evaluation must fail, not score 0."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    wall_s: float = 10.0
+    cpu_s: float = 5.0
+    memory_mb: int = 512
+    max_processes: int = 16
+    max_open_files: int = 64
+    max_output_bytes: int = 1 << 20
+    max_file_mb: int = 16
+
+    def as_request(self) -> dict:
+        mb = 1024 * 1024
+        return {"wall_s": self.wall_s, "cpu_s": self.cpu_s, "memory_bytes": self.memory_mb * mb,
+                "nproc": self.max_processes, "nofile": self.max_open_files,
+                "output_bytes": self.max_output_bytes, "fsize_bytes": self.max_file_mb * mb,
+                "disk_bytes": self.max_file_mb * mb}
+
+
+@dataclass
+class CaseRun:
+    """One input's run. ``status``: ``ok`` (exit code 0), ``timeout``, ``cpu_limit``,
+    ``memory_limit``, ``output_limit``, ``syntax_error``, ``runtime_error`` or ``crashed``."""
+
+    index: int
+    status: str
+    exit_code: int | None
+    signal: str | None
+    stdout: str
+    stderr: str
+    wall_s: float
+    cpu_s: float
+
+
+def classify(raw: dict, limits: Limits) -> CaseRun:
+    sig = raw.get("signal")
+    last_lines = "\n".join(raw["stderr"].strip().splitlines()[-3:])
+    if raw["output_limited"]:
+        status = "output_limit"
+    elif raw["timed_out"]:
+        status = "timeout"
+    elif sig == signal.SIGXCPU or (sig == signal.SIGKILL and raw["cpu_s"] >= limits.cpu_s - 0.05):
+        status = "cpu_limit"
+    elif sig is not None:
+        status = "crashed"
+    elif raw["exit_code"] == 0:
+        status = "ok"
+    elif "MemoryError" in last_lines:
+        status = "memory_limit"
+    elif any(name in last_lines for name in ("SyntaxError", "IndentationError", "TabError")):
+        status = "syntax_error"
+    else:
+        status = "runtime_error"
+    return CaseRun(index=raw["index"], status=status, exit_code=raw["exit_code"],
+                   signal=signal.Signals(sig).name if sig is not None else None,
+                   stdout=raw["stdout"], stderr=raw["stderr"], wall_s=raw["wall_s"], cpu_s=raw["cpu_s"])
+
+
+def _stop_launcher(proc: subprocess.Popen, asked_to_stop: bool) -> None:
+    """Wait for the launcher to end; SIGTERM first when it still has cases to run (it then kills
+    what runs and exits), SIGKILL to its whole process group as the last resort."""
+    try:
+        if asked_to_stop and proc.poll() is None:
+            proc.terminate()
+        try:
+            proc.wait(timeout=_STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # safe: the group leader is not reaped yet
+            proc.wait()
+    finally:
+        for stream in (proc.stdin, proc.stdout, proc.stderr):
+            stream.close()
+
+
+def base_interpreter() -> str:
+    """The real interpreter behind this one (a virtualenv's python is a link to it)."""
+    return os.path.realpath(getattr(sys, "_base_executable", None) or sys.executable)
+
+
+_RUNTIME_CACHE: dict[str, list[str]] = {}
+_SYSTEM_LIB_DIRS = ("/lib", "/lib32", "/lib64", "/libx32", "/usr/lib", "/usr/lib32", "/usr/lib64", "/usr/libx32")
+
+
+def runtime_paths(python: str) -> list[str]:
+    """What the sandbox must see to run ``python``: the binary, its standard library and shared
+    libraries (system library folders and its own LIBDIR), read-only."""
+    if python not in _RUNTIME_CACHE:
+        probe = ("import json, sys, sysconfig; p = sysconfig.get_paths(); "
+                 "print(json.dumps([p['stdlib'], p['platstdlib'], sysconfig.get_config_var('LIBDIR') or '']))")
+        try:
+            out = subprocess.run([python, "-I", "-S", "-c", probe], capture_output=True, text=True, env={},
+                                 timeout=60, check=True).stdout
+        except (OSError, subprocess.SubprocessError) as exc:
+            raise SandboxError(f"cannot run the sandbox interpreter {python}: {exc}") from exc
+        paths = [python, *json.loads(out), *_SYSTEM_LIB_DIRS]
+        kept: list[str] = []
+        for path in sorted({os.path.normpath(p) for p in paths if p and os.path.lexists(p)}):
+            if os.path.islink(path) or not any(path.startswith(k.rstrip("/") + "/") for k in kept
+                                               if not os.path.islink(k)):
+                kept.append(path)
+        _RUNTIME_CACHE[python] = kept
+    return _RUNTIME_CACHE[python]
+
+
+class _UidSlots:
+    def __init__(self) -> None:
+        self._free = list(range(_FALLBACK_UID_SLOTS))
+        self._cond = threading.Condition()
+
+    def take(self) -> int:
+        with self._cond:
+            while not self._free:
+                self._cond.wait()
+            return _FALLBACK_UID_BASE + self._free.pop()
+
+    def give(self, uid: int) -> None:
+        with self._cond:
+            self._free.append(uid - _FALLBACK_UID_BASE)
+            self._cond.notify()
+
+
+_UID_SLOTS = _UidSlots()
+_MODES: dict[tuple[str, str], str] = {}
+_MODES_LOCK = threading.Lock()
+_WARNED = False
+
+
+class Sandbox:
+    def __init__(self, python: str | None = None, isolation: str = "auto", limits: Limits = Limits()):
+        if isolation not in ISOLATION_MODES:
+            raise ValueError(f"isolation {isolation!r} is not one of {', '.join(ISOLATION_MODES)}")
+        self.python = python or base_interpreter()
+        self.isolation = isolation
+        self.limits = limits
+
+    @property
+    def mode(self) -> str:
+        """``namespaces`` or ``rlimits``: probed once per process and interpreter."""
+        global _WARNED
+        key = (self.python, self.isolation)
+        with _MODES_LOCK:
+            if key in _MODES:
+                return _MODES[key]
+            if self.isolation == "rlimits":
+                mode, why = "rlimits", "isolation: rlimits was asked for"
+            else:
+                why = self._probe_namespaces()
+                if why is None:
+                    mode = "namespaces"
+                elif self.isolation == "namespaces":
+                    raise SandboxError(f"code_sandbox: isolation 'namespaces' is not available here: {why}")
+                else:
+                    mode = "rlimits"
+            if mode == "rlimits" and not _WARNED:
+                _WARNED = True
+                gaps = FALLBACK_GAPS_ROOT if os.geteuid() == 0 else FALLBACK_GAPS_USER
+                logger.warning(f"code_sandbox: Linux namespaces are not used ({why}); falling back to rlimits, "
+                               f"an empty environment, a temporary directory"
+                               f"{' and a separate uid' if os.geteuid() == 0 else ''}. This does NOT protect "
+                               f"against: {'; '.join(gaps)}. See docs/rewards.md.")
+            _MODES[key] = mode
+            return mode
+
+    def _probe_namespaces(self) -> str | None:
+        """None when a namespaced launcher starts here, else why not."""
+        if not sys.platform.startswith("linux"):
+            return f"{sys.platform} is not Linux"
+        try:
+            self._launch("namespaces", "pass", [], None)
+        except SandboxError as exc:
+            return str(exc)
+        return None
+
+    def run(self, code: str, inputs: Sequence[str],
+            keep_going: Callable[[CaseRun], bool] | None = None) -> list[CaseRun]:
+        """Run ``code`` once per input (its stdin). ``keep_going(run)`` returning False stops the
+        remaining inputs (they are left out of the result)."""
+        return self._launch(self.mode, code, list(inputs), keep_going)
+
+    def _launch(self, mode: str, code: str, inputs: list[str],
+                keep_going: Callable[[CaseRun], bool] | None) -> list[CaseRun]:
+        fallback_uid = _UID_SLOTS.take() if mode == "rlimits" and os.geteuid() == 0 else None
+        sandbox_id = fallback_uid if fallback_uid is not None else SANDBOX_ID
+        request = {"mode": mode, "python": self.python, "binds": runtime_paths(self.python), "code": code,
+                   "inputs": inputs, "limits": self.limits.as_request(), "uid": sandbox_id, "gid": sandbox_id}
+        proc = subprocess.Popen([self.python, "-I", "-S", "-B", LAUNCHER], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={}, close_fds=True,
+                                start_new_session=True)  # its own process group: one killpg ends it all
+        complete = []  # set once the launcher said "done": it is exiting by itself
+        try:
+            return self._collect(proc, json.dumps(request).encode(), len(inputs), keep_going, complete)
+        finally:
+            _stop_launcher(proc, asked_to_stop=not complete)
+            if fallback_uid is not None:
+                _UID_SLOTS.give(fallback_uid)
+
+    def _collect(self, proc: subprocess.Popen, request: bytes, n_inputs: int,
+                 keep_going: Callable[[CaseRun], bool] | None, complete: list) -> list[CaseRun]:
+        try:
+            proc.stdin.write(request)
+            proc.stdin.close()
+        except BrokenPipeError:
+            pass  # the launcher died at once: its stderr says why (below)
+        budget = _STARTUP_ALLOWANCE_S + n_inputs * (self.limits.wall_s + _PER_CASE_SLACK_S)
+        deadline = time.monotonic() + budget
+        streams = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray()}
+        open_fds = set(streams)
+        runs: list[CaseRun] = []
+        done = False
+        while open_fds and not done:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise SandboxError(f"the sandbox launcher did not finish within {budget:.0f}s")
+            for fd in select.select(list(open_fds), [], [], remaining)[0]:
+                chunk = os.read(fd, 65536)
+                if not chunk:
+                    open_fds.discard(fd)
+                    continue
+                streams[fd] += chunk
+            out = streams[proc.stdout.fileno()]
+            while b"\n" in out and not done:
+                line, _, rest = bytes(out).partition(b"\n")
+                out[:] = rest
+                event = json.loads(line)
+                if event["event"] == "error":
+                    raise SandboxError(f"sandbox setup failed: {event['message']}")
+                if event["event"] == "case":
+                    runs.append(classify(event, self.limits))
+                    if keep_going is not None and not keep_going(runs[-1]):
+                        done = True
+                elif event["event"] == "done":
+                    done = True
+                    complete.append(True)
+        if not done:
+            proc.wait()
+            err = bytes(streams[proc.stderr.fileno()]).decode(errors="replace").strip()[-2000:]
+            raise SandboxError(f"the sandbox launcher exited with code {proc.returncode} after {len(runs)} of "
+                               f"{n_inputs} inputs{': ' + err if err else ''}")
+        return runs
