@@ -64,7 +64,7 @@ def no_leftover_processes():
 @pytest.fixture(scope="module")
 def evaluator():
     # Short limits keep the corpus fast; the defaults are larger (docs/rewards.md).
-    return CodeSandboxEvaluator(timeout_s=3.0, cpu_time_s=2.0, memory_mb=256, max_output_kb=64)
+    return CodeSandboxEvaluator(timeout_s=2.0, cpu_time_s=1.0, memory_mb=256, max_output_kb=64)
 
 
 def evaluate(evaluator, reply: str, cases=None, **data):
@@ -262,6 +262,9 @@ def _attacks(s: dict) -> list[tuple[str, str, str, set[str]]]:
          "import socket\ns = socket.create_connection(('127.0.0.1', PORT), timeout=2)\n"
          "s.sendall(b'stolen')\nprint('connected')", "connected", {"runtime_error"}),
         ("become root", "import os\nos.setuid(0)\nprint('root')", "root", {"runtime_error"}),
+        ("modify the Python runtime",
+         f"import os\nopen(os.path.join(os.path.dirname(os.__file__), '{s['marker']}.py'), 'w').write('x')\n"
+         "print('planted')", "planted", {"runtime_error"}),
         ("new user namespace",
          "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
          "if libc.unshare(0x10000000) != 0:\n    raise OSError(ctypes.get_errno(), 'unshare')\nprint('escaped')",
@@ -293,11 +296,13 @@ def _attack(evaluator, secrets: dict, name: str) -> None:
     assert info["detail"].startswith("case 0: ")
     # the host is untouched
     assert secrets["keep"].read_text() == "keep me"
+    stdlib = Path(os.__file__).parent
     for path in (secrets["dir"] / secrets["marker"], Path("/root") / secrets["marker"], REPO / secrets["marker"],
-                 Path("/") / secrets["marker"], Path("/dev/shm") / secrets["marker"]):
+                 Path("/") / secrets["marker"], Path("/dev/shm") / secrets["marker"],
+                 stdlib / f"{secrets['marker']}.py", Path("/usr/lib/python3.11") / f"{secrets['marker']}.py"):
         assert not path.exists(), path
     # and the evaluator still works
-    assert evaluate(evaluator, fenced(ADD)).reward == 1.0
+    assert evaluate(evaluator, fenced(ADD), cases=SUM_CASES[:1]).reward == 1.0
 
 
 @needs_namespaces
@@ -327,7 +332,7 @@ def fallback_evaluator():
     python = _interpreter_for_other_users()
     if python is None:
         pytest.skip("no python interpreter here that another uid can execute")
-    return CodeSandboxEvaluator(timeout_s=3.0, cpu_time_s=2.0, memory_mb=256, max_output_kb=64, isolation="rlimits",
+    return CodeSandboxEvaluator(timeout_s=2.0, cpu_time_s=1.0, memory_mb=256, max_output_kb=64, isolation="rlimits",
                                 python=python)
 
 
@@ -422,3 +427,42 @@ def test_parallel_evaluations_do_not_interfere(evaluator):
     assert results[4].extra_info["reason"] in ALL_LIMITS
     for i in (1, 2, 5, 7):
         assert results[i].extra_info["reason"] == "wrong_answer"
+
+
+@needs_namespaces
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to become another user for the test")
+def test_namespaces_also_isolate_when_nexrl_is_not_root(tmp_path):
+    """An unprivileged launcher maps only its own uid (to 65534): the runner still sees no host
+    file, no network, no other process, and cannot create a user namespace."""
+    import json
+
+    python = _interpreter_for_other_users()
+    if python is None or not all(os.stat(p).st_mode & 0o005 for p in (Path(LAUNCHER), *Path(LAUNCHER).parents)):
+        pytest.skip("no interpreter or launcher path another user can reach")
+    from nexrl_rewards.sandbox import Limits, runtime_paths
+
+    code = textwrap.dedent("""
+        import ctypes, os, socket
+        print(os.getuid(), os.getpid(), sorted(os.listdir('/')))
+        print(ctypes.CDLL(None, use_errno=True).unshare(0x10000000))
+        try:
+            socket.create_connection(('127.0.0.1', 22), timeout=1)
+        except OSError as exc:
+            print(exc.errno)
+    """)
+    request = {"mode": "namespaces", "python": python, "binds": runtime_paths(python), "code": code,
+               "inputs": [""], "limits": Limits().as_request(), "uid": 65534, "gid": 65534}
+
+    def become_nobody_else() -> None:
+        os.setgroups([])
+        os.setresgid(4321, 4321, 4321)
+        os.setresuid(4321, 4321, 4321)
+
+    done = subprocess.run([python, "-I", "-S", "-B", LAUNCHER], input=json.dumps(request).encode(), env={},
+                          capture_output=True, preexec_fn=become_nobody_else, timeout=60, cwd=tmp_path)
+    events = [json.loads(line) for line in done.stdout.splitlines()]
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    case = next(e for e in events if e["event"] == "case")
+    uid_pid, unshare, errno = case["stdout"].splitlines()
+    assert uid_pid.startswith("65534 2 ") and "'proc'" not in uid_pid and "'root'" not in uid_pid
+    assert unshare == "-1" and errno == "101"  # no nested user namespace; network unreachable

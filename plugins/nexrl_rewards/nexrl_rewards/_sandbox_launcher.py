@@ -291,14 +291,20 @@ def _write(path: str, text: str) -> None:
         os.close(fd)
 
 
-def _map_ids(pid: int, sandbox_uid: int, sandbox_gid: int, as_root: bool) -> None:
-    if as_root:  # the helper holds CAP_SETUID in the parent namespace: two ranges
-        _write(f"/proc/{pid}/uid_map", f"0 0 1\n{sandbox_uid} {sandbox_uid} 1\n")
-        _write(f"/proc/{pid}/gid_map", f"0 0 1\n{sandbox_gid} {sandbox_gid} 1\n")
-    else:  # an unprivileged process may map only its own ids, once each
-        _write(f"/proc/{pid}/setgroups", "deny")
-        _write(f"/proc/{pid}/uid_map", f"{sandbox_uid} {os.geteuid()} 1\n")
-        _write(f"/proc/{pid}/gid_map", f"{sandbox_gid} {os.getegid()} 1\n")
+def _map_ids(pid: int, sandbox_uid: int, sandbox_gid: int, host_ids: tuple[int, int] | None) -> None:
+    """Write ``pid``'s uid/gid maps. ``host_ids`` None: the writer is root in the parent namespace
+    and maps two ranges (0 for the init, the sandbox id for the runner); else an unprivileged
+    process maps its own (pre-unshare) ids, the only thing it may map, to the sandbox id."""
+    try:
+        if host_ids is None:
+            _write(f"/proc/{pid}/uid_map", f"0 0 1\n{sandbox_uid} {sandbox_uid} 1\n")
+            _write(f"/proc/{pid}/gid_map", f"0 0 1\n{sandbox_gid} {sandbox_gid} 1\n")
+        else:
+            _write(f"/proc/{pid}/setgroups", "deny")
+            _write(f"/proc/{pid}/uid_map", f"{sandbox_uid} {host_ids[0]} 1\n")
+            _write(f"/proc/{pid}/gid_map", f"{sandbox_gid} {host_ids[1]} 1\n")
+    except OSError as exc:
+        raise SetupError(f"writing the uid/gid maps: {exc}") from exc
 
 
 def enter_namespaces(req: dict) -> None:
@@ -306,8 +312,9 @@ def enter_namespaces(req: dict) -> None:
     flags = CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS
     uid, gid = req["uid"], req["gid"]
     if os.geteuid() != 0:
+        host_ids = (os.geteuid(), os.getegid())  # read before unshare: unmapped ids read as 65534 after
         _check(_libc.unshare(flags), "unshare")
-        _map_ids(os.getpid(), uid, gid, as_root=False)
+        _map_ids(os.getpid(), uid, gid, host_ids)
         return
     go_r, go_w = os.pipe()
     done_r, done_w = os.pipe()
@@ -319,7 +326,7 @@ def enter_namespaces(req: dict) -> None:
         ok = os.read(go_r, 1) == b"1"
         try:
             if ok:
-                _map_ids(launcher, uid, gid, as_root=True)
+                _map_ids(launcher, uid, gid, None)
             os.write(done_w, b"1" if ok else b"0")
         except BaseException as exc:  # noqa: BLE001
             os.write(done_w, f"0{exc}".encode()[:500])
@@ -339,7 +346,7 @@ def enter_namespaces(req: dict) -> None:
         raise SetupError(f"writing the uid/gid maps failed: {answer[1:].decode(errors='replace')}")
 
 
-def _bind_readonly(source: str, target: str) -> None:
+def _bind(source: str, target: str) -> None:
     if os.path.isdir(source):
         os.makedirs(target, exist_ok=True)
     else:
@@ -347,12 +354,21 @@ def _bind_readonly(source: str, target: str) -> None:
         with open(target, "a"):
             pass
     _mount(source, target, None, MS_BIND | MS_REC)
-    kept = os.statvfs(source).f_flag
-    flags = MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID
-    for st, ms in _KEPT_FLAGS:
-        if kept & st:
-            flags |= ms
-    _mount(None, target, None, flags)
+
+
+def _remount_readonly(under: str, skip: str) -> None:
+    """Every mount below ``under`` (binds and the submounts they brought along), read-only,
+    keeping the flags the kernel locks in a user namespace."""
+    with open("/proc/self/mountinfo", encoding="utf-8") as f:
+        points = [line.split()[4].encode().decode("unicode_escape") for line in f]  # \040 is a space
+    for point in points:
+        if point.startswith(under + "/") and not point.startswith(skip + "/"):
+            kept = os.statvfs(point).f_flag
+            flags = MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID
+            for st, ms in _KEPT_FLAGS:
+                if kept & st:
+                    flags |= ms
+            _mount(None, point, None, flags)
 
 
 def build_root(req: dict) -> None:
@@ -368,7 +384,8 @@ def build_root(req: dict) -> None:
             os.makedirs(os.path.dirname(NEW_ROOT + path), exist_ok=True)
             os.symlink(os.readlink(path), NEW_ROOT + path)
         elif os.path.exists(path):
-            _bind_readonly(path, NEW_ROOT + path)
+            _bind(path, NEW_ROOT + path)
+    _remount_readonly(NEW_ROOT, skip=NEW_ROOT + "/dev")
     os.makedirs(NEW_ROOT + "/dev")
     for name in DEVICES:
         target = f"{NEW_ROOT}/dev/{name}"
@@ -498,6 +515,15 @@ def run_plain(req: dict) -> int:
         return path
 
     def cleanup(workdir: str) -> None:
+        if drop_to is not None:  # the run's uid is its own: one kill(-1) as that uid stops them all at once
+            killer = os.fork()
+            if killer == 0:
+                os.setresuid(drop_to[0], drop_to[0], drop_to[0])
+                try:
+                    os.kill(-1, signal.SIGKILL)
+                finally:
+                    os._exit(0)
+            os.waitpid(killer, 0)
         while True:  # kill the whole subtree: orphans are re-parented to us as their parents die
             children = _children_of(os.getpid())
             if not children:
