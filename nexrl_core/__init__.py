@@ -8,6 +8,7 @@ from .evaluation import BaseEvaluationTarget, EvaluationRunResult, Evaluator
 from .runtime.execute import ModuleUnavailable, RpcTimeout, execute, execute_async, execute_with_timeout
 from .inference import CompletionResult, InferenceClient, InferenceError, SamplingParams
 from .markers import hookimpl
+from .plugins import PluginManager, get_plugin_manager
 from .runtime.module import NexRLModule
 from .runtime.threaded import ThreadedModule
 from .rollout_worker import BaseRolloutWorker, ItemFailure
@@ -27,10 +28,10 @@ __all__ = [
     "BaseTrainer", "Batch", "CompletionResult", "ConfigError", "DataError", "ErrorReporter", "ErrorSeverity",
     "EvaluationRunResult", "Evaluator", "FileDataLoader", "GroupedTrajectoryStore", "HierarchicalTrajectoryStore",
     "InferenceClient", "InferenceError", "ItemFailure", "ModelTag", "ModuleUnavailable", "NexRLController",
-    "NexRLError", "NexRLModule", "NexRLRole", "PluginError", "RpcTimeout", "RunFailed", "RunSummary",
+    "NexRLError", "NexRLModule", "NexRLRole", "PluginError", "PluginManager", "RpcTimeout", "RunFailed", "RunSummary",
     "SamplingParams", "SimpleRolloutWorker", "SimpleTrajectoryStore", "ThreadedModule", "Trajectory",
     "TrajectoryPool", "TrajectoryPoolInstance", "Validator", "WeightSyncBackend", "WeightSyncController",
-    "execute", "execute_async", "execute_with_timeout", "hookimpl", "OpenAICompatibleClient",
+    "execute", "execute_async", "execute_with_timeout", "get_plugin_manager", "hookimpl", "OpenAICompatibleClient",
 ]
 
 

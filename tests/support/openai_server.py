@@ -40,6 +40,8 @@ health check reflects only whether the server is up):
 - ``plain_openai = True``: never return token ids or logprobs, like a server without
   vLLM's extensions; ``strict_params = True`` additionally rejects vLLM-only request
   fields with a 400, as api.openai.com does;
+- a responder that raises :class:`RespondWithError` gets that request answered with its HTTP
+  status (failures chosen by the prompt's content rather than by count);
 - ``stop()`` then ``start()`` (or ``restart()``) serves again on the same port, for
   "the server died mid-run" tests; ``stop()`` closes open keep-alive connections and
   joins every handler thread.
@@ -65,6 +67,7 @@ from typing import Any
 __all__ = [
     "FakeOpenAIServer",
     "RecordedRequest",
+    "RespondWithError",
     "decode",
     "default_responder",
     "encode",
@@ -123,6 +126,14 @@ def _content_text(content: Any) -> str:
     if isinstance(content, list):  # OpenAI content parts
         return "".join(p.get("text", "") for p in content if isinstance(p, dict))
     return str(content)
+
+
+class RespondWithError(Exception):
+    """Raised by a responder: the server answers this request with HTTP ``status``."""
+
+    def __init__(self, status: int):
+        super().__init__(f"HTTP {status}")
+        self.status = status
 
 
 @dataclass
@@ -368,18 +379,22 @@ class _Handler(BaseHTTPRequestHandler):
                     self._error(400, f"Unrecognized request argument supplied: {name}", "invalid_request_error")
                     return
 
-        if path == COMPLETIONS_PATH:
-            prompt = body.get("prompt")
-            if not isinstance(prompt, str):
-                self._error(400, "`prompt` must be a string", param="prompt")
-                return
-            payload = self._completions(owner, body, prompt)
-        else:
-            messages = body.get("messages")
-            if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
-                self._error(400, "`messages` must be a non-empty list of objects", param="messages")
-                return
-            payload = self._chat(owner, body, messages)
+        try:
+            if path == COMPLETIONS_PATH:
+                prompt = body.get("prompt")
+                if not isinstance(prompt, str):
+                    self._error(400, "`prompt` must be a string", param="prompt")
+                    return
+                payload = self._completions(owner, body, prompt)
+            else:
+                messages = body.get("messages")
+                if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+                    self._error(400, "`messages` must be a non-empty list of objects", param="messages")
+                    return
+                payload = self._chat(owner, body, messages)
+        except RespondWithError as exc:  # the responder chose to fail this prompt
+            self._error(exc.status, f"responder failure (HTTP {exc.status})")
+            return
 
         if injection and injection.kind == "no_choices":
             payload.pop("choices", None)

@@ -5,9 +5,10 @@ from __future__ import annotations
 from nexrl_core import hookimpl
 
 from .code_sandbox import CodeSandboxEvaluator
+from .llm_judge import LLMJudgeEvaluator
 from .math_rule import MathRuleEvaluator
 
 
 @hookimpl
 def nexrl_evaluators():
-    return {"math_rule": MathRuleEvaluator, "code_sandbox": CodeSandboxEvaluator}
+    return {"math_rule": MathRuleEvaluator, "code_sandbox": CodeSandboxEvaluator, "llm_judge": LLMJudgeEvaluator}
