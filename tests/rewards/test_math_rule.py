@@ -75,6 +75,20 @@ def test_different_answers_score_zero_with_parsed_values(math_rule, truth, answe
     assert "!=" in info["detail"]
 
 
+@pytest.mark.parametrize("truth, reply", [
+    ("18", "The answer is $18."),                                # a currency sign, not math
+    ("18", "She earns \\$18 a day, so \\boxed{\\$18}"),
+    ("18", "The final answer is 18 dollars."),                   # a plain-text unit
+    ("18", "\\boxed{18 \\text{ dollars}}"),
+    ("18", "The answer is **18**."),                             # markdown emphasis
+    ("\\frac{1}{2}", "The answer is: $\\frac{1}{2}$ and that is all"),
+    ("1000", "Janet has 1,000 marbles left over in the end"),
+])
+def test_how_models_write_answers(math_rule, truth, reply):
+    result = score(math_rule, truth, reply)
+    assert result.reward == 1.0, result.extra_info
+
+
 @pytest.mark.parametrize("reply, expected", [
     ("so \\boxed{\\frac{1}{2}} done", "\\frac{1}{2}"),
     ("first \\boxed{1} then \\boxed{2}", "2"),

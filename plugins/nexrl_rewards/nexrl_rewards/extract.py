@@ -19,6 +19,7 @@ _ANSWER_PHRASE = re.compile(r"(?i)(?:\bfinal\s+answer\b|\bthe\s+answer\b|\banswe
 _SENTENCE_END = re.compile(r"\.(?:\s|$)")
 _MINERVA_TAIL = re.compile(r"(?i)\.?\s*I hope it is correct\.?\s*$")
 _NUMBER = re.compile(r"(?<![\w.])-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:\s*/\s*\d+)?(?:\s*\\?%)?|(?<![\w.])-?\.\d+")
+_NUMBER_WITH_UNIT = re.compile(r"([-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?)\s+([A-Za-z][A-Za-z ]*)")
 _DELIMITED = (("$$", "$$"), ("\\[", "\\]"), ("\\(", "\\)"), ("$", "$"))
 
 
@@ -49,7 +50,7 @@ def final_answer_phrase(text: str) -> str | None:
         inner = _leading_math(rest)
         # The answer ends with its line or its sentence ("is 7. Check: ..." answers 7; 3.5 stays whole).
         answer = inner if inner is not None else _SENTENCE_END.split(rest.split("\n", 1)[0], 1)[0]
-        answer = _MINERVA_TAIL.sub("", answer).strip().rstrip(".").strip()
+        answer = _MINERVA_TAIL.sub("", answer).strip().rstrip(".").strip().strip("*`").strip()
         boxed = last_boxed(answer)
         if boxed:
             return boxed
@@ -89,6 +90,11 @@ def as_math(answer: str) -> str:
     if inner is not None and _leading_math_end(text) == len(text.rstrip().rstrip(".")):
         text = inner
     text = text.strip().rstrip(".").strip()
+    if text.count("$") == 1:  # a currency sign ("$18"), not a math delimiter
+        text = text.replace("\\$", "$").replace("$", "").strip()
+    worded = _NUMBER_WITH_UNIT.fullmatch(text)
+    if worded:  # "18 dollars": math-verify drops a unit written as \text{...}
+        text = f"{worded.group(1)}\\text{{ {worded.group(2)}}}"
     percent = re.fullmatch(r"(?s)(.*?)\s*(\\?%|\\text\{\s*\\?%\s*\})", text)
     if percent:
         return f"${percent.group(1)}$%"
