@@ -359,8 +359,12 @@ def test_the_fallback_warns_once_with_what_it_does_not_protect(monkeypatch):
     assert len(messages) == 1
     assert "does NOT protect against" in messages[0] and "no network isolation" in messages[0]
     docs = " ".join((REPO / "docs" / "rewards.md").read_text().split())
-    for gap in sandbox_module.FALLBACK_GAPS_USER:  # the docs list every gap the warning names
+    gaps = (sandbox_module.FALLBACK_GAPS + sandbox_module.FALLBACK_GAPS_WITHOUT_CGROUPS
+            + sandbox_module.FALLBACK_GAPS_NOT_ROOT)
+    for gap in gaps:  # the docs list every gap the warning can name
         assert gap in docs, gap
+    for gap in sandbox_module.FALLBACK_GAPS:
+        assert gap in messages[0]
 
 
 def test_a_daemonized_child_does_not_outlive_its_case(evaluator):
@@ -466,3 +470,26 @@ def test_namespaces_also_isolate_when_nexrl_is_not_root(tmp_path):
     uid_pid, unshare, errno = case["stdout"].splitlines()
     assert uid_pid.startswith("65534 2 ") and "'proc'" not in uid_pid and "'root'" not in uid_pid
     assert unshare == "-1" and errno == "101"  # no nested user namespace; network unreachable
+
+
+@pytest.mark.skipif(not Sandbox().run_cgroups, reason="this process cannot create cgroups here")
+def test_memory_is_capped_for_the_whole_run_not_only_per_process():
+    """Four processes of 150-200 MB each stay under the per-process limit (300 MB) but not under
+    the run's cgroup (300 + 16 + 96 MB): the kernel kills the largest, the code's main process."""
+    evaluator = CodeSandboxEvaluator(timeout_s=10.0, cpu_time_s=5.0, memory_mb=300, max_output_kb=64)
+    code = """
+    import os, time
+    children = [pid for pid in (os.fork() for _ in range(3)) if pid]
+    if len(children) < 3:          # a child
+        time.sleep(0.5)
+        block = b"c" * (150 << 20)
+        time.sleep(5)
+        os._exit(0)
+    block = b"p" * (200 << 20)
+    for _ in children:
+        os.wait()
+    print("allocated")
+    """
+    result = evaluate(evaluator, fenced(code), cases=[{"input": "", "output": "allocated"}])
+    assert result.reward == 0.0
+    assert result.extra_info["reason"] == "memory_limit", result.extra_info

@@ -548,6 +548,11 @@ def main() -> int:
     signal.signal(signal.SIGTERM, _on_sigterm)
     req = json.loads(sys.stdin.buffer.read())
     try:
+        for procs in req.get("cgroup_procs", []):  # first: everything started from here is inside
+            try:
+                _write(procs, str(os.getpid()))
+            except OSError as exc:
+                raise SetupError(f"joining the run's cgroup ({procs}): {exc}") from exc
         if req["mode"] == "namespaces":
             return run_namespaced(req)
         return run_plain(req)

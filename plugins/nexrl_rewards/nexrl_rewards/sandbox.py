@@ -37,18 +37,22 @@ _PER_CASE_SLACK_S = 2.0
 _STOP_TIMEOUT_S = 10.0
 
 # What the rlimits fallback does not protect against (the warning and docs/rewards.md list these).
-FALLBACK_GAPS_ROOT = (
+FALLBACK_GAPS = (
     "no network isolation: the code can open sockets, reach loopback services and the internet",
     "it can read every world-readable file and list every process with its command line (/proc)",
     "it can write to world-writable places (/tmp, /dev/shm) within the file-size limit, and such files stay",
+)
+FALLBACK_GAPS_WITHOUT_CGROUPS = (
     "memory is capped per process (RLIMIT_AS), not for the whole run",
     "a process that escapes the launcher's process tree after the launcher itself is killed survives",
 )
-FALLBACK_GAPS_USER = FALLBACK_GAPS_ROOT + (
+FALLBACK_GAPS_NOT_ROOT = (
     "it runs as your user: it can read and change your files, read /proc/<pid>/environ of your processes "
     "(API keys) and signal or kill the trainer",
     "its process limit counts all of your processes",
 )
+# Memory of the run's own launcher processes, on top of the code's limits in the run's cgroup.
+_CGROUP_SLACK = 96 * 1024 * 1024
 
 
 class SandboxError(RuntimeError):
@@ -88,13 +92,15 @@ class CaseRun:
     cpu_s: float
 
 
-def classify(raw: dict, limits: Limits) -> CaseRun:
+def classify(raw: dict, limits: Limits, oom_killed: bool = False) -> CaseRun:
     sig = raw.get("signal")
     last_lines = "\n".join(raw["stderr"].strip().splitlines()[-3:])
     if raw["output_limited"]:
         status = "output_limit"
     elif raw["timed_out"]:
         status = "timeout"
+    elif oom_killed and (sig == signal.SIGKILL or "MemoryError" in last_lines or raw["exit_code"] != 0):
+        status = "memory_limit"
     elif sig == signal.SIGXCPU or (sig == signal.SIGKILL and raw["cpu_s"] >= limits.cpu_s - 0.05):
         status = "cpu_limit"
     elif sig is not None:
@@ -175,6 +181,134 @@ class _UidSlots:
             self._cond.notify()
 
 
+class RunCgroup:
+    """Memory and pids cgroups holding one run's processes (the launcher joins them first, so
+    everything it starts is inside): a memory cap for the whole run, however many processes it
+    forks, an OOM count to tell an out-of-memory kill from other kills, and a list of every
+    process to kill at the end. Only where this process may create cgroups (root, v1 or v2)."""
+
+    _layout: list[tuple[str, str]] | None = None  # (controller, folder of this process's cgroup)
+    _layout_lock = threading.Lock()
+    _counter = 0
+
+    def __init__(self, folders: dict[str, str]):
+        self.folders = folders  # controller -> the run's cgroup folder
+
+    @classmethod
+    def layout(cls) -> list[tuple[str, str]]:
+        with cls._layout_lock:
+            if cls._layout is None:
+                cls._layout = _cgroup_layout()
+            return cls._layout
+
+    @classmethod
+    def create(cls, memory_bytes: int, pids: int) -> RunCgroup | None:
+        layout = cls.layout()
+        if not layout:
+            return None
+        with cls._layout_lock:
+            cls._counter += 1
+            name = f"nexrl-sandbox-{os.getpid()}-{cls._counter}"
+        folders: dict[str, str] = {}
+        try:
+            for controller, parent in layout:
+                folder = os.path.join(parent, name)
+                os.mkdir(folder)
+                folders[controller] = folder
+                for file, value in _cgroup_limits(controller, memory_bytes, pids):
+                    if os.path.exists(os.path.join(folder, file)):
+                        with open(os.path.join(folder, file), "w") as f:
+                            f.write(str(value))
+        except OSError as exc:
+            RunCgroup(folders).remove()
+            raise SandboxError(f"cannot set up the run's cgroup: {exc}") from exc
+        return cls(folders)
+
+    def procs_files(self) -> list[str]:
+        return [os.path.join(folder, "cgroup.procs") for folder in self.folders.values()]
+
+    def oom_kills(self) -> int:
+        folder = self.folders.get("memory") or self.folders.get("unified")
+        for file in ("memory.events", "memory.oom_control"):
+            try:
+                with open(os.path.join(folder, file)) as f:
+                    for line in f:
+                        key, _, value = line.partition(" ")
+                        if key == "oom_kill":
+                            return int(value)
+            except OSError:
+                continue
+        return 0
+
+    def remove(self) -> None:
+        """Kill whatever is still inside (a process that left the launcher's tree), then remove."""
+        for folder in self.folders.values():
+            for _ in range(100):
+                try:
+                    with open(os.path.join(folder, "cgroup.procs")) as f:
+                        pids = [int(line) for line in f if line.strip()]
+                except OSError:
+                    break
+                for pid in pids:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                try:
+                    os.rmdir(folder)
+                    break
+                except OSError:
+                    time.sleep(0.01)  # the killed processes are still exiting
+
+
+def _cgroup_limits(controller: str, memory_bytes: int, pids: int) -> list[tuple[str, int]]:
+    if controller == "memory":  # v1; memsw (memory + swap) must come after the memory limit
+        return [("memory.limit_in_bytes", memory_bytes), ("memory.memsw.limit_in_bytes", memory_bytes)]
+    if controller == "pids":
+        return [("pids.max", pids)]
+    return [("memory.max", memory_bytes), ("memory.swap.max", 0), ("pids.max", pids)]  # v2
+
+
+def _cgroup_layout() -> list[tuple[str, str]]:
+    """Where this process may create the run's cgroups: v2 with memory and pids enabled for its
+    children, else v1 memory + pids; [] when neither is writable here."""
+    if os.geteuid() != 0 or not sys.platform.startswith("linux"):
+        return []
+    try:
+        with open("/proc/self/cgroup") as f:
+            entries = [line.rstrip("\n").split(":", 2) for line in f]
+    except OSError:
+        return []
+    paths = {ctrl: path for _, ctrls, path in entries for ctrl in (ctrls.split(",") if ctrls else ["unified"])}
+    candidates: list[list[tuple[str, str]]] = []
+    if "unified" in paths and os.path.exists("/sys/fs/cgroup/cgroup.controllers"):
+        folder = "/sys/fs/cgroup" + paths["unified"]
+        try:
+            with open(os.path.join(folder, "cgroup.subtree_control")) as f:
+                enabled = f.read().split()
+        except OSError:
+            enabled = []
+        if {"memory", "pids"} <= set(enabled):
+            candidates.append([("unified", folder)])
+    if "memory" in paths and "pids" in paths:
+        candidates.append([("memory", "/sys/fs/cgroup/memory" + paths["memory"]),
+                           ("pids", "/sys/fs/cgroup/pids" + paths["pids"])])
+    for layout in candidates:
+        probe = f"nexrl-sandbox-probe-{os.getpid()}"
+        made = []
+        try:
+            for _, parent in layout:
+                os.mkdir(os.path.join(parent, probe))
+                made.append(os.path.join(parent, probe))
+            return layout
+        except OSError:
+            continue
+        finally:
+            for folder in made:
+                os.rmdir(folder)
+    return []
+
+
 _UID_SLOTS = _UidSlots()
 _MODES: dict[tuple[str, str], str] = {}
 _MODES_LOCK = threading.Lock()
@@ -188,6 +322,11 @@ class Sandbox:
         self.python = python or base_interpreter()
         self.isolation = isolation
         self.limits = limits
+
+    @property
+    def run_cgroups(self) -> bool:
+        """Whether runs get a cgroup (a memory cap for the whole run) on this machine."""
+        return bool(RunCgroup.layout())
 
     @property
     def mode(self) -> str:
@@ -209,7 +348,8 @@ class Sandbox:
                     mode = "rlimits"
             if mode == "rlimits" and not _WARNED:
                 _WARNED = True
-                gaps = FALLBACK_GAPS_ROOT if os.geteuid() == 0 else FALLBACK_GAPS_USER
+                gaps = FALLBACK_GAPS + (() if RunCgroup.layout() else FALLBACK_GAPS_WITHOUT_CGROUPS) + \
+                    (() if os.geteuid() == 0 else FALLBACK_GAPS_NOT_ROOT)
                 logger.warning(f"code_sandbox: Linux namespaces are not used ({why}); falling back to rlimits, "
                                f"an empty environment, a temporary directory"
                                f"{' and a separate uid' if os.geteuid() == 0 else ''}. This does NOT protect "
@@ -235,23 +375,36 @@ class Sandbox:
 
     def _launch(self, mode: str, code: str, inputs: list[str],
                 keep_going: Callable[[CaseRun], bool] | None) -> list[CaseRun]:
+        mb = 1024 * 1024
+        cgroup = RunCgroup.create(memory_bytes=(self.limits.memory_mb + self.limits.max_file_mb) * mb + _CGROUP_SLACK,
+                                  pids=self.limits.max_processes + 8)
+        try:
+            return self._launch_in(mode, code, inputs, keep_going, cgroup)
+        finally:
+            if cgroup is not None:
+                cgroup.remove()
+
+    def _launch_in(self, mode: str, code: str, inputs: list[str], keep_going: Callable[[CaseRun], bool] | None,
+                   cgroup: RunCgroup | None) -> list[CaseRun]:
         fallback_uid = _UID_SLOTS.take() if mode == "rlimits" and os.geteuid() == 0 else None
         sandbox_id = fallback_uid if fallback_uid is not None else SANDBOX_ID
         request = {"mode": mode, "python": self.python, "binds": runtime_paths(self.python), "code": code,
-                   "inputs": inputs, "limits": self.limits.as_request(), "uid": sandbox_id, "gid": sandbox_id}
+                   "inputs": inputs, "limits": self.limits.as_request(), "uid": sandbox_id, "gid": sandbox_id,
+                   "cgroup_procs": cgroup.procs_files() if cgroup is not None else []}
         proc = subprocess.Popen([self.python, "-I", "-S", "-B", LAUNCHER], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={}, close_fds=True,
                                 start_new_session=True)  # its own process group: one killpg ends it all
         complete = []  # set once the launcher said "done": it is exiting by itself
         try:
-            return self._collect(proc, json.dumps(request).encode(), len(inputs), keep_going, complete)
+            return self._collect(proc, json.dumps(request).encode(), len(inputs), keep_going, complete, cgroup)
         finally:
             _stop_launcher(proc, asked_to_stop=not complete)
             if fallback_uid is not None:
                 _UID_SLOTS.give(fallback_uid)
 
     def _collect(self, proc: subprocess.Popen, request: bytes, n_inputs: int,
-                 keep_going: Callable[[CaseRun], bool] | None, complete: list) -> list[CaseRun]:
+                 keep_going: Callable[[CaseRun], bool] | None, complete: list,
+                 cgroup: RunCgroup | None) -> list[CaseRun]:
         try:
             proc.stdin.write(request)
             proc.stdin.close()
@@ -263,6 +416,7 @@ class Sandbox:
         open_fds = set(streams)
         runs: list[CaseRun] = []
         done = False
+        oom_kills = 0
         while open_fds and not done:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -281,7 +435,10 @@ class Sandbox:
                 if event["event"] == "error":
                     raise SandboxError(f"sandbox setup failed: {event['message']}")
                 if event["event"] == "case":
-                    runs.append(classify(event, self.limits))
+                    # an OOM kill in the run's cgroup since the last case: this case ran out of memory
+                    now = cgroup.oom_kills() if cgroup is not None else 0
+                    runs.append(classify(event, self.limits, oom_killed=now > oom_kills))
+                    oom_kills = now
                     if keep_going is not None and not keep_going(runs[-1]):
                         done = True
                 elif event["event"] == "done":
