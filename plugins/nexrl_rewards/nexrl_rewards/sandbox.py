@@ -319,7 +319,8 @@ class Sandbox:
     def __init__(self, python: str | None = None, isolation: str = "auto", limits: Limits = Limits()):
         if isolation not in ISOLATION_MODES:
             raise ValueError(f"isolation {isolation!r} is not one of {', '.join(ISOLATION_MODES)}")
-        self.python = python or base_interpreter()
+        # The code's interpreter: a real binary (a virtualenv's python is a link) the sandbox binds.
+        self.python = os.path.realpath(python) if python else base_interpreter()
         self.isolation = isolation
         self.limits = limits
 
@@ -391,7 +392,9 @@ class Sandbox:
         request = {"mode": mode, "python": self.python, "binds": runtime_paths(self.python), "code": code,
                    "inputs": inputs, "limits": self.limits.as_request(), "uid": sandbox_id, "gid": sandbox_id,
                    "cgroup_procs": cgroup.procs_files() if cgroup is not None else []}
-        proc = subprocess.Popen([self.python, "-I", "-S", "-B", LAUNCHER], stdin=subprocess.PIPE,
+        # The launcher runs on nexrl's own interpreter (it needs Python >= 3.10); only the code runs on
+        # self.python.
+        proc = subprocess.Popen([base_interpreter(), "-I", "-S", "-B", LAUNCHER], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={}, close_fds=True,
                                 start_new_session=True)  # its own process group: one killpg ends it all
         complete = []  # set once the launcher said "done": it is exiting by itself

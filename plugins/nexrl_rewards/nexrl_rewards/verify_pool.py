@@ -32,7 +32,7 @@ class VerifierUnavailable(RuntimeError):
 class _Worker:
     def __init__(self, memory_mb: int):
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "nexrl_rewards._verify_worker", str(memory_mb)],
+            [sys.executable, "-I", "-m", "nexrl_rewards._verify_worker", str(memory_mb)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, close_fds=True,
             start_new_session=True)  # a Ctrl-C of the run reaches the run, not the workers mid-answer
         self._buffer = b""
