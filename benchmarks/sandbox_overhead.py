@@ -8,8 +8,8 @@ hits every variant alike:
 - ``namespaces``: ``Sandbox.run`` with Linux namespaces, 1 input and 10 inputs;
 - ``rlimits``: the fallback, 1 input (only as root with an interpreter other uids can run).
 
-Wall milliseconds are medians over the rounds; CPU milliseconds are the user+system time of the
-processes a run started (less sensitive to other load on the machine). Overhead per run =
+Wall milliseconds are medians over the rounds; CPU milliseconds are the user+system time of this
+process and of the processes a run started (less sensitive to other load on the machine). Overhead per run =
 sandbox(1 input) - bare; per extra input = (sandbox(10) - sandbox(1)) / 9 - bare. Then
 ``--threads`` evaluations at once, to show parallel runs do not serialise.
 
@@ -30,15 +30,16 @@ import time
 CODE = "print(input())"
 
 
-def _children_cpu_ms() -> float:
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return (usage.ru_utime + usage.ru_stime) * 1000
+def _cpu_ms() -> float:
+    """CPU time of this process and of the processes it waited for (the launcher, the runners)."""
+    return sum((u.ru_utime + u.ru_stime) * 1000 for u in (resource.getrusage(resource.RUSAGE_SELF),
+                                                          resource.getrusage(resource.RUSAGE_CHILDREN)))
 
 
 def timed(fn) -> tuple[float, float]:
-    cpu, start = _children_cpu_ms(), time.perf_counter()
+    cpu, start = _cpu_ms(), time.perf_counter()
     fn()
-    return (time.perf_counter() - start) * 1000, _children_cpu_ms() - cpu
+    return (time.perf_counter() - start) * 1000, _cpu_ms() - cpu
 
 
 def main(argv: list[str] | None = None) -> int:
