@@ -17,7 +17,9 @@ C mounts a tmpfs as the new root holding only read-only binds of the Python runt
 device nodes and the solution file; ``pivot_root`` drops the host tree from the mount
 namespace. No /proc, no /etc, no network interface up. Each input gets a fresh tmpfs at
 /work (the only writable place, size-capped, noexec) and ends with SIGKILL to every other
-process of the pid namespace. Nested user namespaces are disabled (max_user_namespaces=0).
+process of the pid namespace. Nested user namespaces are disabled (max_user_namespaces=0)
+where the kernel keeps that limit per namespace. When the request names cgroups, the launcher
+joins them before anything else, so every process of the run is inside.
 
 ``mode: rlimits`` (no namespaces available) is the fallback: rlimits, an empty environment, a
 fresh 0700 temporary directory, a separate uid when root, no_new_privs, and every descendant

@@ -14,7 +14,6 @@ capped so a pathological expression ends in a MemoryError instead of taking the 
 from __future__ import annotations
 
 import json
-import logging
 import os
 import resource
 import signal
@@ -43,8 +42,7 @@ def main() -> int:
         limit = memory_mb * 1024 * 1024
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     protocol = os.fdopen(os.dup(1), "w", encoding="utf-8")
-    sys.stdout = sys.stderr  # a library print must never corrupt the protocol stream
-    logging.disable(logging.CRITICAL)  # math-verify logs every failed parse; the parent reports reasons
+    sys.stdout = sys.stderr  # a library print must never corrupt the protocol stream (stderr goes nowhere)
     from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
     configs = [LatexExtractionConfig(), ExprExtractionConfig()]
