@@ -182,6 +182,9 @@ def test_large_stdin_to_a_program_that_never_reads_it(evaluator):
     ({"timeout_s": 0}, "timeout_s"),
     ({"memory_mb": -1}, "memory_mb"),
     ({"max_open_files": 4}, "max_open_files"),
+    ({"timeout_s": "fast"}, "timeout_s"),
+    ({"max_processes": 2.5}, "max_processes"),
+    ({"memory_mb": True}, "memory_mb"),
 ])
 def test_bad_options_name_the_key(kwargs, key):
     with pytest.raises(ConfigError, match=f"rollout_worker.evaluator.{key}"):

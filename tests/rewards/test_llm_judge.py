@@ -212,6 +212,7 @@ def test_the_in_process_hf_engine_can_judge(tmp_path):
 
 @pytest.mark.parametrize("kwargs, key", [
     ({"service": "http://x"}, "service"),
+    ({"service": None}, "service"),
     ({"service": {"url": "http://x"}}, "service.backend"),
     ({"service": {"backend": "nope"}}, "service.backend"),
     ({"service": {"backend": "openai"}}, "service"),
@@ -221,6 +222,8 @@ def test_the_in_process_hf_engine_can_judge(tmp_path):
     ({"score_range": "high"}, "score_range"),
     ({"verdicts": {"good": 2}}, "verdicts"),
     ({"max_retries": -1}, "max_retries"),
+    ({"max_tokens": "many"}, "max_tokens"),
+    ({"temperature": -0.5}, "temperature"),
 ])
 def test_bad_options_name_the_key(kwargs, key):
     kwargs = {"service": {"backend": "mock"}, **kwargs}

@@ -230,6 +230,8 @@ def test_concurrent_evaluations_from_many_threads(math_rule):
     ({"timeout_s": 0}, "timeout_s"),
     ({"verify_workers": 0}, "verify_workers"),
     ({"format_pattern": "(unclosed"}, "format_pattern"),
+    ({"verify_workers": "two"}, "verify_workers"),
+    ({"format_reward": "0.1"}, "format_reward"),
 ])
 def test_bad_options_name_the_key(kwargs, key):
     with pytest.raises(ConfigError, match=f"rollout_worker.evaluator.{key}"):

@@ -9,12 +9,12 @@ _sandbox_launcher.py for the isolation). The comparison happens here, outside th
 from __future__ import annotations
 
 import json
-import math
 import re
 from typing import Any
 
-from nexrl_core import BaseEvaluationTarget, ConfigError, EvaluationRunResult, Evaluator
+from nexrl_core import BaseEvaluationTarget, EvaluationRunResult, Evaluator
 
+from .options import choice, number
 from .sandbox import ISOLATION_MODES, CaseRun, Limits, Sandbox
 
 REWARD_MODES = ("fraction", "all_or_nothing")
@@ -23,7 +23,6 @@ _FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)(?:```|\Z)", re.DOT
 _PYTHON_TAGS = {"python", "py", "python3"}
 # Per-case output kept in extra_info (it travels with the trajectory): enough to see what happened.
 _SHOWN_STDOUT, _SHOWN_STDERR = 200, 600
-_KEY = "rollout_worker.evaluator"
 
 
 def extract_code(reply: str) -> tuple[str, str]:
@@ -47,12 +46,6 @@ def outputs_match(actual: str, expected: str, mode: str) -> bool:
     def norm(text: str) -> list[str]:
         return [line.rstrip() for line in text.replace("\r\n", "\n").rstrip().split("\n")]
     return norm(actual) == norm(expected)
-
-
-def _positive(value: Any, key: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ConfigError(f"{_KEY}.{key}: {value!r} must be a positive number")
-    return value
 
 
 class CodeSandboxEvaluator(Evaluator):
@@ -79,23 +72,20 @@ class CodeSandboxEvaluator(Evaluator):
                  max_file_mb: int = 16,
                  isolation: str = "auto",
                  python: str | None = None):
-        for key, value, choices in (("reward_mode", reward_mode, REWARD_MODES), ("compare", compare, COMPARE_MODES),
-                                    ("isolation", isolation, ISOLATION_MODES)):
-            if value not in choices:
-                raise ConfigError(f"{_KEY}.{key}: {value!r} is not one of {', '.join(choices)}")
-        for key, value in (("timeout_s", timeout_s), ("cpu_time_s", cpu_time_s), ("memory_mb", memory_mb),
-                           ("max_processes", max_processes), ("max_open_files", max_open_files),
-                           ("max_output_kb", max_output_kb), ("max_file_mb", max_file_mb)):
-            _positive(value, key)
-        if max_open_files < 16:
-            raise ConfigError(f"{_KEY}.max_open_files: {max_open_files} is too few for python to start (>= 16)")
         self.test_cases_key = test_cases_key
-        self.reward_mode = reward_mode
-        self.compare = compare
-        self.sandbox = Sandbox(python=python, isolation=isolation, limits=Limits(
-            wall_s=float(timeout_s), cpu_s=float(cpu_time_s), memory_mb=int(memory_mb),
-            max_processes=int(max_processes), max_open_files=int(max_open_files),
-            max_output_bytes=int(max_output_kb) * 1024, max_file_mb=int(max_file_mb)))
+        self.reward_mode = choice(reward_mode, "reward_mode", REWARD_MODES)
+        self.compare = choice(compare, "compare", COMPARE_MODES)
+        limits = Limits(
+            wall_s=number(timeout_s, "timeout_s", positive=True),
+            cpu_s=number(cpu_time_s, "cpu_time_s", positive=True),
+            memory_mb=number(memory_mb, "memory_mb", integer=True, low=32),
+            max_processes=number(max_processes, "max_processes", integer=True, low=1),
+            # python itself opens a dozen files before it runs a line
+            max_open_files=number(max_open_files, "max_open_files", integer=True, low=16),
+            max_output_bytes=number(max_output_kb, "max_output_kb", integer=True, low=1) * 1024,
+            max_file_mb=number(max_file_mb, "max_file_mb", integer=True, low=1))
+        self.sandbox = Sandbox(python=python, isolation=choice(isolation, "isolation", ISOLATION_MODES),
+                               limits=limits)
 
     def evaluate(self, data: dict[str, Any], evaluation_target: BaseEvaluationTarget) -> EvaluationRunResult:
         cases = self._test_cases(data)

@@ -20,7 +20,9 @@ from typing import Any
 from nexrl_core import (BaseEvaluationTarget, ConfigError, EvaluationRunResult, Evaluator, InferenceClient,
                         SamplingParams, get_plugin_manager)
 
-_KEY = "rollout_worker.evaluator"
+from .options import KEY as _KEY
+from .options import number
+
 DEFAULT_TEMPLATE = (
     "You are grading an answer to a question against a reference answer.\n\n"
     "Question:\n{question}\n\n"
@@ -159,7 +161,7 @@ class LLMJudgeEvaluator(Evaluator):
     """
 
     def __init__(self,
-                 service: dict[str, Any],
+                 service: dict[str, Any] | None = None,
                  prompt_template: str = DEFAULT_TEMPLATE,
                  question_key: str = "prompt",
                  reference_key: str = "answer",
@@ -173,9 +175,9 @@ class LLMJudgeEvaluator(Evaluator):
                  max_tokens: int = 256,
                  temperature: float = 0.0,
                  retry_temperature: float = 0.7):
-        if not isinstance(service, Mapping):
+        if not isinstance(service, Mapping):  # required: the judge has no sensible default
             raise ConfigError(f"{_KEY}.service: expected a mapping like {{backend: openai, url: ...}}, "
-                              f"got {type(service).__name__}")
+                              f"got {'nothing' if service is None else type(service).__name__}")
         if "{response}" not in prompt_template:
             raise ConfigError(f"{_KEY}.prompt_template: must contain {{response}} (the reply to judge); "
                               f"placeholders: {', '.join('{' + p + '}' for p in PLACEHOLDERS)}")
@@ -189,8 +191,6 @@ class LLMJudgeEvaluator(Evaluator):
         if not isinstance(table, Mapping) or not all(
                 isinstance(v, (int, float)) and not isinstance(v, bool) and 0.0 <= v <= 1.0 for v in table.values()):
             raise ConfigError(f"{_KEY}.verdicts: expected a mapping of words to scores in [0, 1]")
-        if not isinstance(max_retries, int) or max_retries < 0:
-            raise ConfigError(f"{_KEY}.max_retries: {max_retries!r} must be a whole number >= 0")
         self.prompt_template = prompt_template
         self.question_key = question_key
         self.reference_key = reference_key
@@ -199,11 +199,11 @@ class LLMJudgeEvaluator(Evaluator):
         self.score_range = (lo, hi)
         self.verdicts = {" ".join(str(k).lower().split()): float(v) for k, v in table.items()}
         self.json_key = json_key
-        self.pass_threshold = float(pass_threshold)
-        self.max_retries = max_retries
-        self.max_tokens = int(max_tokens)
-        self.temperature = float(temperature)
-        self.retry_temperature = float(retry_temperature)
+        self.pass_threshold = number(pass_threshold, "pass_threshold")
+        self.max_retries = number(max_retries, "max_retries", integer=True, low=0)
+        self.max_tokens = number(max_tokens, "max_tokens", integer=True, low=1)
+        self.temperature = number(temperature, "temperature", low=0)
+        self.retry_temperature = number(retry_temperature, "retry_temperature", low=0)
         self.client = judge_client(dict(service))
 
     def evaluate(self, data: dict[str, Any], evaluation_target: BaseEvaluationTarget) -> EvaluationRunResult:

@@ -6,7 +6,6 @@ percentages, intervals, sets, symbolic equality), run in a worker process with a
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -14,6 +13,7 @@ from typing import Any
 from nexrl_core import BaseEvaluationTarget, ConfigError, EvaluationRunResult, Evaluator
 
 from .extract import EXTRACTORS, as_math, extract_answer
+from .options import KEY, number
 from .verify_pool import shared_pool
 
 # Why a reply scored 0 (extra_info["reason"]); None when it is correct.
@@ -21,8 +21,6 @@ NO_ANSWER = "no_answer"
 PARSE_FAILURE = "parse_failure"
 NOT_EQUIVALENT = "not_equivalent"
 TIMEOUT = "timeout"
-
-_KEY = "rollout_worker.evaluator"
 
 
 class MathRuleEvaluator(Evaluator):
@@ -46,21 +44,17 @@ class MathRuleEvaluator(Evaluator):
         order = [extract_order] if isinstance(extract_order, str) else list(extract_order)
         unknown = [name for name in order if name not in EXTRACTORS]
         if unknown or not order:
-            raise ConfigError(f"{_KEY}.extract_order: {unknown or 'empty'} — choose from {', '.join(EXTRACTORS)}")
-        if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0):
-            raise ConfigError(f"{_KEY}.timeout_s: {timeout_s!r} is not a positive number of seconds")
-        if int(verify_workers) < 1:
-            raise ConfigError(f"{_KEY}.verify_workers: {verify_workers!r} must be at least 1")
+            raise ConfigError(f"{KEY}.extract_order: {unknown or 'empty'} — choose from {', '.join(EXTRACTORS)}")
         try:
             self._format = re.compile(format_pattern)
-        except re.error as exc:
-            raise ConfigError(f"{_KEY}.format_pattern: {format_pattern!r} is not a regular expression ({exc})")
+        except (re.error, TypeError) as exc:
+            raise ConfigError(f"{KEY}.format_pattern: {format_pattern!r} is not a regular expression ({exc})")
         self.answer_key = answer_key
         self.extract_order = order
-        self.format_reward = float(format_reward)
-        self.timeout_s = float(timeout_s)
-        self.verify_workers = int(verify_workers)
-        self.verify_memory_mb = int(verify_memory_mb)
+        self.format_reward = number(format_reward, "format_reward")
+        self.timeout_s = number(timeout_s, "timeout_s", positive=True)
+        self.verify_workers = number(verify_workers, "verify_workers", integer=True, low=1)
+        self.verify_memory_mb = number(verify_memory_mb, "verify_memory_mb", integer=True, low=256)
 
     def evaluate(self, data: dict[str, Any], evaluation_target: BaseEvaluationTarget) -> EvaluationRunResult:
         if data.get(self.answer_key) in (None, ""):
