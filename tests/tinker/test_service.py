@@ -184,6 +184,15 @@ def test_a_missing_api_key_is_a_config_error(monkeypatch, tmp_path, tiny_folder)
         TinkerTrainService({"base_model": MODEL})
     with pytest.raises(ConfigError, match="service.inference_service.api_key: no Tinker API key"):
         TinkerInferenceClient({"backend": "tinker", "base_model": MODEL, "tokenizer_path": tiny_folder})
+    # What `nexrl validate` can ask without building anything:
+    assert TinkerTrainService.check_config({"base_model": MODEL}) == [
+        "service.train_service.api_key: no Tinker API key: set service.train_service.api_key (e.g. "
+        "${oc.env:TINKER_API_KEY}) or the TINKER_API_KEY environment variable"]
+    problems = TinkerInferenceClient.check_config({"backend": "tinker"})
+    assert [p.split(":")[0] for p in problems] == ["service.inference_service.api_key",
+                                                   "service.inference_service.tokenizer_path"]
+    assert TinkerTrainService.check_config({"base_model": MODEL, "api_key": API_KEY}) == []
+    assert TinkerInferenceClient.check_config({"api_key": API_KEY, "tokenizer_path": tiny_folder}) == []
     monkeypatch.setenv("TINKER_API_KEY", "sk-not-a-tinker-key-42")
     with pytest.raises(ConfigError, match="TINKER_API_KEY: not a Tinker API key") as info:
         TinkerTrainService({"base_model": MODEL})

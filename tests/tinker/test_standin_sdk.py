@@ -91,6 +91,30 @@ def test_policy_losses_match_the_documented_formulas(service_client, tokenizer, 
     assert np.abs(moved - current).max() > 1e-3
 
 
+def test_a_call_split_into_parallel_chunks_runs_in_seq_order(make_standin, tokenizer):
+    """With one datum per request the SDK sends a call's chunks concurrently, the first one last;
+    the server still runs them (and the optimizer step after them) in seq_id order."""
+    standin = make_standin(fwdbwd_chunk_len=1)
+    datums = [sft_datum(tokenizer, text) for text in (TEXT, "count: one, two, three", "hello world! grpo trains")]
+    client = tinker.ServiceClient(base_url=standin.url, api_key=API_KEY)
+    try:
+        training = client.create_lora_training_client(base_model=MODEL, rank=2, seed=0).result()
+        whole = training.forward(datums, "cross_entropy").result()
+        assert standin.count("POST /api/v1/forward_backward") == 3
+        backward = training.forward_backward(datums, "cross_entropy")
+        step = training.optim_step(types.AdamParams(learning_rate=1e-2))
+        split = backward.result()
+        step.result()
+        after = training.forward(datums, "cross_entropy").result()
+    finally:
+        client.close("success").result(timeout=30)
+    assert len(split.loss_fn_outputs) == 3
+    assert split.metrics["loss:sum"] == pytest.approx(whole.metrics["loss:sum"], rel=1e-5)  # before the step
+    for a, b in zip(split.loss_fn_outputs, whole.loss_fn_outputs):
+        np.testing.assert_allclose(a["logprobs"].to_numpy(), b["logprobs"].to_numpy(), rtol=1e-5)
+    assert after.metrics["loss:sum"] < whole.metrics["loss:sum"]
+
+
 def test_lora_rank_and_targets(standin, service_client):
     training = service_client.create_lora_training_client(base_model=MODEL, rank=3, seed=0, train_mlp=False).result()
     info = training.get_info()
@@ -216,3 +240,19 @@ def test_full_weights_run_without_lora(standin, tokenizer):
     assert losses[-1] < losses[0]
     base_weight = dict(standin.models[MODEL].model.named_parameters())[names[0]]
     assert not torch.equal(run.params[names[0]], base_weight)  # the shared base model is untouched
+
+
+def test_client_side_custom_loss_runs_on_the_stand_in(service_client, tokenizer):
+    """forward_backward_custom: the SDK's forward, its local loss, then a weighted cross-entropy backward."""
+    training = service_client.create_lora_training_client(base_model=MODEL, rank=2, seed=0).result()
+    datum = sft_datum(tokenizer, TEXT)
+    current = training.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
+
+    def squared(data, logprobs):
+        loss = sum((lp ** 2).sum() for lp in logprobs)
+        return loss, {"squared": float(loss.detach())}
+
+    out = training.forward_backward_custom([datum], squared).result()
+    assert out.metrics["loss:sum"] == pytest.approx(float((current.astype(np.float64) ** 2).sum()), rel=1e-4)
+    # The surrogate cross-entropy's weights were -dL/dlogprobs = -2 * logprobs: its loss is sum(2 * lp^2).
+    assert out.metrics["surrogate_loss:sum"] == pytest.approx(2 * out.metrics["loss:sum"], rel=1e-4)

@@ -35,6 +35,14 @@ INFERENCE_KEYS: dict[str, Any] = {"backend": "tinker", "model_tag": "default", "
                                   **CONNECTION_KEYS}
 
 
+def _config_errors(check: Any) -> list[ConfigError]:
+    try:
+        check()
+    except ConfigError as exc:
+        return [exc]
+    return []
+
+
 class TinkerInferenceClient(InferenceClient):
     CONFIG_KEYS = INFERENCE_KEYS
 
@@ -62,6 +70,21 @@ class TinkerInferenceClient(InferenceClient):
         self._tokenizer_lock = threading.Lock()  # fast tokenizers are not safe under concurrent use
         self._sampler: Any = None
         self._own_service: Any = None
+
+    @classmethod
+    def check_config(cls, section: Any, path: str = "service.inference_service") -> list[str]:
+        """The problems the constructor would raise, found without contacting the service or loading
+        the tokenizer (for ``nexrl validate``)."""
+        cfg = dict(section or {})
+        problems = [str(exc) for exc in _config_errors(lambda: resolve_connection(cfg, path))]
+        model_path = cfg.get("model_path")
+        remote = bool(model_path) and str(model_path).startswith("tinker://")
+        tokenizer_path = cfg.get("tokenizer_path") or (None if remote else model_path)
+        if not tokenizer_path:
+            problems.append(f"{path}.tokenizer_path: required (a local folder holding the model's tokenizer)")
+        elif not os.path.isdir(str(tokenizer_path)):
+            problems.append(f"{path}.tokenizer_path: '{tokenizer_path}' is not a folder")
+        return problems
 
     # ------------------------------------------------------------------ weights
 

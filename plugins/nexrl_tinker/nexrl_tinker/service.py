@@ -141,6 +141,16 @@ class TinkerTrainService:
         self._service: Any = None
         self._training: Any = None
 
+    @classmethod
+    def check_config(cls, section: Mapping[str, Any], path: str = "service.train_service") -> list[str]:
+        """The problem the constructor would raise (a missing API key included), found without
+        contacting the service (for ``nexrl validate``)."""
+        try:
+            cls(section, section=path)
+        except ConfigError as exc:
+            return [str(exc)]
+        return []
+
     def _int(self, cfg: dict, key: str, minimum: int) -> int:
         value = cfg.get(key, TRAIN_SERVICE_KEYS[key])
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:

@@ -5,7 +5,16 @@ the SDK (or a recipe) at the URL it prints with ``TINKER_BASE_URL`` / ``base_url
 API key starting with ``tml-``. In Python: ``StandinServer({"name": BaseModel.from_folder(...)})``.
 """
 
-from .engine import BaseModel, LoraLinear, TrainingRun, UserError
-from .server import Fault, StandinServer
+from importlib import import_module
+from typing import Any
 
-__all__ = ["BaseModel", "Fault", "LoraLinear", "StandinServer", "TrainingRun", "UserError"]
+_EXPORTS = {"BaseModel": "engine", "LoraLinear": "engine", "TrainingRun": "engine", "UserError": "engine",
+            "Fault": "faults", "StandinServer": "server"}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy: `python -m nexrl_tinker.standin --help` and argument errors need no torch import.
+    if name not in _EXPORTS:
+        raise AttributeError(name)
+    return getattr(import_module(f".{_EXPORTS[name]}", __name__), name)

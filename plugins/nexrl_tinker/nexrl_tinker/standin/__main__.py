@@ -40,26 +40,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from .faults import Fault
 
-    import torch
-
-    from .engine import BaseModel
-    from .server import Fault, StandinServer
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
     try:
         faults = [Fault.parse(text) for text in args.fault]
     except ValueError as exc:
         parser.error(str(exc))
-    models = {}
+    folders = {}
     for spec in args.model:
         name, _, folder = spec.rpartition("=")
         folder = os.path.expanduser(folder)
         name = name or os.path.basename(os.path.normpath(folder))
         if not os.path.isfile(os.path.join(folder, "config.json")):
             parser.error(f"--model {spec}: '{folder}' is not a model folder (no config.json)")
-        models[name] = BaseModel.from_folder(name, folder)
+        folders[name] = folder
+
+    import torch
+
+    from .engine import BaseModel
+    from .server import StandinServer
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    models = {name: BaseModel.from_folder(name, folder) for name, folder in folders.items()}
     server = StandinServer(models, state_dir=args.state_dir, host=args.host, port=args.port, api_key=args.api_key,
                            faults=faults, try_again_polls=args.try_again_polls, poll_wait_s=args.poll_wait,
                            fwdbwd_chunk_len=args.fwdbwd_chunk_len)
