@@ -99,6 +99,20 @@ def test_bad_config_values_name_the_key(standin):
             TinkerTrainService(_config(standin, **change))
 
 
+def test_recipe_sections_come_as_omegaconf_with_env_interpolation(standin, make_service, monkeypatch):
+    from omegaconf import OmegaConf
+
+    monkeypatch.setenv("MY_TINKER_KEY", API_KEY)
+    section = OmegaConf.create({"backend": "tinker", "base_model": MODEL, "base_url": standin.url, "lr": 0.5,
+                                "betas": [0.8, 0.9], "api_key": "${oc.env:MY_TINKER_KEY}"})
+    service = make_service(section)
+    assert service.connection.api_key == API_KEY and service.adam["beta1"] == 0.8
+    assert API_KEY not in repr(service.connection)
+    monkeypatch.delenv("MY_TINKER_KEY")
+    with pytest.raises(ConfigError, match=r"service.train_service.api_key: .*MY_TINKER_KEY"):
+        TinkerTrainService(section)
+
+
 def test_checkpoint_resume_continues_with_the_same_optimizer_state(standin, make_service, tokenizer, tmp_path):
     datums = _datums(tokenizer)
     config = _config(standin, lr_schedule="cosine")

@@ -28,7 +28,7 @@ from tinker import types
 
 from nexrl_core import CompletionResult, ConfigError, InferenceClient, InferenceError, SamplingParams
 
-from .remote import CONNECTION_KEYS, RemoteCalls, TinkerRequestError, resolve_connection
+from .remote import CONNECTION_KEYS, RemoteCalls, TinkerRequestError, plain_section, resolve_connection
 
 INFERENCE_KEYS: dict[str, Any] = {"backend": "tinker", "model_tag": "default", "base_model": None,
                                   "model_path": None, "tokenizer_path": None, "chat_template": True,
@@ -48,7 +48,7 @@ class TinkerInferenceClient(InferenceClient):
 
     def __init__(self, config: Any, section: str = "service.inference_service"):
         super().__init__(config)
-        cfg = dict(config or {})
+        cfg = plain_section(config, section)
         self.connection = resolve_connection(cfg, section)
         model_path = cfg.get("model_path")
         self.remote_path = str(model_path) if model_path and str(model_path).startswith("tinker://") else None
@@ -75,7 +75,10 @@ class TinkerInferenceClient(InferenceClient):
     def check_config(cls, section: Any, path: str = "service.inference_service") -> list[str]:
         """The problems the constructor would raise, found without contacting the service or loading
         the tokenizer (for ``nexrl validate``)."""
-        cfg = dict(section or {})
+        try:
+            cfg = plain_section(section, path)
+        except ConfigError as exc:
+            return [str(exc)]
         problems = [str(exc) for exc in _config_errors(lambda: resolve_connection(cfg, path))]
         model_path = cfg.get("model_path")
         remote = bool(model_path) and str(model_path).startswith("tinker://")

@@ -72,10 +72,27 @@ class TinkerConnection:
         return self.base_url or "the hosted Tinker service"
 
 
+def plain_section(section: Any, path: str) -> dict[str, Any]:
+    """A recipe section as a plain dict, interpolations (``${oc.env:TINKER_API_KEY}``) resolved."""
+    if section is None:
+        return {}
+    if hasattr(section, "_get_node"):  # an OmegaConf node
+        from omegaconf import OmegaConf
+        from omegaconf.errors import OmegaConfBaseException
+
+        try:
+            return dict(OmegaConf.to_container(section, resolve=True))
+        except OmegaConfBaseException as exc:
+            key = getattr(exc, "full_key", None) or getattr(exc, "key", None)
+            detail = str(exc).splitlines()[0]
+            raise ConfigError(f"{path}{f'.{key}' if key else ''}: {detail}") from None
+    return dict(section)
+
+
 def resolve_connection(section: Mapping[str, Any] | None, path: str) -> TinkerConnection:
     """Connection settings of a recipe section (``service.train_service``...); ConfigError if no
     API key can be found. Reads only the recipe and the environment: nothing is contacted."""
-    section = section or {}
+    section = plain_section(section, path)
 
     def number(key: str, cast: type, minimum: float) -> Any:
         value = section.get(key, CONNECTION_KEYS[key])

@@ -38,12 +38,12 @@ from tinker import types
 
 from nexrl_core import ConfigError, DataError
 
-from .remote import CONNECTION_KEYS, RemoteCalls, TinkerRequestError, resolve_connection
+from .remote import CONNECTION_KEYS, RemoteCalls, TinkerRequestError, plain_section, resolve_connection
 
 TRAIN_SERVICE_KEYS: dict[str, Any] = {
     "backend": "tinker", "base_model": None, "lora_rank": 32, "lora_seed": None,
     "train_mlp": True, "train_attn": True, "train_unembed": True,
-    "lr": 1e-5, "lr_schedule": "constant", "lr_warmup_steps": 0, "lr_decay_steps": None, "min_lr_ratio": 0.0,
+    "lr": 1e-4, "lr_schedule": "constant", "lr_warmup_steps": 0, "lr_decay_steps": None, "min_lr_ratio": 0.0,
     "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0, "grad_clip": 1.0,
     **CONNECTION_KEYS,
 }
@@ -103,7 +103,7 @@ class TinkerTrainService:
 
     def __init__(self, config: Mapping[str, Any], *, seed: int | None = None, total_steps: int | None = None,
                  section: str = "service.train_service"):
-        cfg = dict(config or {})
+        cfg = plain_section(config, section)
         self.section = section
         unknown = sorted(set(cfg) - set(TRAIN_SERVICE_KEYS))
         if unknown:
@@ -138,6 +138,7 @@ class TinkerTrainService:
         self.optimizer_steps = 0
         self._calls = RemoteCalls(self.connection)
         self._lock = threading.Lock()
+        self._create_lock = threading.Lock()  # one training run, however many threads ask at once
         self._service: Any = None
         self._training: Any = None
 
@@ -181,7 +182,12 @@ class TinkerTrainService:
         """The run's ``tinker.TrainingClient`` (a new LoRA run on first use, unless a checkpoint was loaded)."""
         with self._lock:
             training = self._training
-        if training is None:
+        if training is not None:
+            return training
+        with self._create_lock:
+            with self._lock:
+                if self._training is not None:
+                    return self._training
             service = self.service_client
             request = f"create_lora_training_client (base model {self.base_model}, rank {self.lora_rank})"
             training = self._calls.call(request, lambda: service.create_lora_training_client(

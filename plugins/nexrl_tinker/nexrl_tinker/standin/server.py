@@ -409,7 +409,7 @@ class StandinServer:
                             seq=(run.model_id, request.seq_id), fault=fault)
 
     def _checkpoint_dir(self, run_id: str, kind: str, name: str) -> Path:
-        if not _NAME_RE.match(name) or name in (".", "..") or not _NAME_RE.match(run_id):
+        if not all(_NAME_RE.match(part) and part.strip(".") for part in (run_id, name)):
             raise UserError(f"invalid checkpoint name '{name}'")
         return self.state_dir / run_id / kind / name
 
