@@ -24,8 +24,8 @@ class Fault:
     def parse(cls, text: str) -> Fault:
         """``PATH:NTH:ACTION[:COUNT]``, e.g. ``forward_backward:2:500`` or ``asample:1:429:3``."""
         parts = text.split(":")
-        if len(parts) not in (3, 4):
-            raise ValueError(f"fault '{text}': expected PATH:NTH:ACTION[:COUNT]")
+        if len(parts) not in (3, 4) or not all(p.isdigit() and int(p) > 0 for p in parts[1::2]):
+            raise ValueError(f"fault '{text}': expected PATH:NTH:ACTION[:COUNT] (NTH, COUNT: positive integers)")
         action: int | str = int(parts[2]) if parts[2].isdigit() else parts[2]
         if action not in ("hang", "request_failed") and not isinstance(action, int):
             raise ValueError(f"fault '{text}': ACTION is an HTTP status, 'hang' or 'request_failed'")

@@ -8,9 +8,10 @@ for through ``/api/v1/client/config``); training, weight and sampling calls answ
 future whatever its state, so the SDK's polling path runs), then the JSON result, the protobuf result
 (``ForwardBackwardOutput``, ``SampleResponse``) or ``{"error", "category"}`` for a request that
 failed. (The SDK logs a warning for every ``try_again``; the default of 0 forced polls keeps a
-run quiet, while anything slower than ``poll_wait_s`` still gets one.) Authentication is the ``X-API-Key`` header (any ``tml-`` key, or exactly ``api_key`` when
-one is configured). Training requests of a model run in ``seq_id`` order whatever order they
-arrive in, and a request re-sent with a ``seq_id`` already seen gets the first one's future.
+run quiet, while anything slower than ``poll_wait_s`` still gets one.) Authentication is the
+``X-API-Key`` header (any ``tml-`` key, or exactly ``api_key`` when one is configured). Training
+requests of a model run in ``seq_id`` order whatever order they arrive in, and a request re-sent
+with a ``seq_id`` already seen gets the first one's future.
 
 Checkpoints: ``tinker://<run>/weights/<name>`` (``save_state``: weights + AdamW state) and
 ``tinker://<run>/sampler_weights/<name>`` map to folders under ``state_dir``, safetensors + JSON.
