@@ -15,7 +15,6 @@ exit). ``--fault PATH:NTH:ACTION[:COUNT]`` makes requests fail on purpose (ACTIO
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import signal
 import sys
@@ -39,7 +38,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from loguru import logger
+
+    logger.remove()
+    logger.add(sys.stderr, level=args.log_level.upper())
     from .faults import Fault
 
     try:

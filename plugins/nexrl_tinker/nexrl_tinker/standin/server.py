@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import logging
 import queue
 import re
 import shutil
@@ -40,13 +39,12 @@ from typing import Any
 import numpy as np
 import pydantic
 import zstandard
+from loguru import logger
 from tinker import types
 from tinker.proto import tinker_public_pb2 as pb
 
 from .engine import BaseModel, Example, TrainingRun, UserError
 from .faults import Fault
-
-logger = logging.getLogger("nexrl_tinker.standin")
 
 _PROTO = "application/x-protobuf"
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.:\-]+$")
@@ -195,7 +193,7 @@ class StandinServer:
         except ConnectionAbortedError:
             raise
         except Exception as exc:  # a bug here must not kill the connection thread silently
-            logger.exception(f"{method} {path} failed")
+            logger.exception(f"stand-in: {method} {path} failed")
             return self._respond({"detail": f"internal error: {type(exc).__name__}: {exc}"}, 500)
 
     def _authenticate(self, headers: Any) -> None:
@@ -333,7 +331,7 @@ class StandinServer:
             except UserError as exc:
                 future.body = json.dumps({"error": str(exc), "category": "user"}).encode()
             except Exception as exc:  # the request fails; the server keeps serving
-                logger.warning(f"{future.request_id} failed: {type(exc).__name__}: {exc}")
+                logger.warning(f"stand-in: {future.request_id} failed: {type(exc).__name__}: {exc}")
                 future.body = json.dumps({"error": f"{type(exc).__name__}: {exc}", "category": "server"}).encode()
             future.done.set()
 
@@ -608,7 +606,7 @@ def _handler_class(server: StandinServer) -> type[BaseHTTPRequestHandler]:
                 self.send_header(key, value)
             self.end_headers()
             self.wfile.write(payload)
-            logger.debug(f"{method} {path} -> {status} ({(time.perf_counter() - started) * 1000:.1f} ms)")
+            logger.debug(f"stand-in: {method} {path} -> {status} ({(time.perf_counter() - started) * 1000:.1f} ms)")
 
         def _read_body(self) -> bytes:
             if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
