@@ -181,6 +181,11 @@ def test_an_unreachable_service_fails_at_connect(make_standin, make_service):
     service = make_service(_config(standin, request_timeout=1.0))
     with pytest.raises(TinkerRequestError, match=r"create_lora_training_client \(base model tiny, rank 4\)"):
         service.connect()
+    # The SDK keeps retrying in the background; a stopped server closes its connections and answers no more.
+    standin.stop()
+    answered = standin.count("POST /api/v1/create_session")
+    time.sleep(1.5)
+    assert standin.count("POST /api/v1/create_session") == answered
 
 
 def _no_credentials(monkeypatch, tmp_path):

@@ -26,6 +26,7 @@ import json
 import queue
 import re
 import shutil
+import socket
 import tempfile
 import threading
 import time
@@ -113,6 +114,7 @@ class StandinServer:
         self._runs: dict[str, TrainingRun] = {}
         self._samplers: dict[str, _Sampler] = {}
         self._jobs: queue.Queue = queue.Queue()
+        self._connections: set[socket.socket] = set()
         self._worker = threading.Thread(target=self._work, name="tinker-standin-worker", daemon=True)
         self._httpd = ThreadingHTTPServer((host, port), _handler_class(self))
         self._httpd.daemon_threads = True
@@ -132,9 +134,20 @@ class StandinServer:
         return self
 
     def stop(self) -> None:
+        """Stop serving: no new connection, and the open keep-alive ones are closed (a client still
+        retrying then sees a refused connection, as from a server that went away)."""
+        if self._stopping.is_set():
+            return
         self._stopping.set()
         self._httpd.shutdown()
         self._httpd.server_close()
+        with self._lock:
+            connections = list(self._connections)
+        for connection in connections:
+            try:
+                connection.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
         self._jobs.put(None)
         self._worker.join(timeout=30)
         if self._own_state_dir:
@@ -590,7 +603,20 @@ def _handler_class(server: StandinServer) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
+        def setup(self) -> None:
+            super().setup()
+            with server._lock:
+                server._connections.add(self.connection)
+
+        def finish(self) -> None:
+            with server._lock:
+                server._connections.discard(self.connection)
+            super().finish()
+
         def _serve(self, method: str) -> None:
+            if server._stopping.is_set():
+                self.close_connection = True
+                return
             body = self._read_body() if method == "POST" else b""
             path = self.path.split("?", 1)[0]
             started = time.perf_counter()
