@@ -24,8 +24,6 @@ import os
 import threading
 from typing import Any
 
-from tinker import types
-
 from nexrl_core import CompletionResult, ConfigError, InferenceClient, InferenceError, SamplingParams
 
 from .remote import CONNECTION_KEYS, RemoteCalls, TinkerRequestError, plain_section, resolve_connection
@@ -131,6 +129,8 @@ class TinkerInferenceClient(InferenceClient):
             return list(self.tokenizer(text, add_special_tokens=False).input_ids)
 
     def complete(self, prompt: str | list[dict[str, Any]], params: SamplingParams) -> CompletionResult:
+        from tinker import types  # imported on use: `nexrl plugins` / `validate` stay light
+
         prompt_ids = self.encode_prompt(prompt)
         sampler, version = self._current()
         top_k = getattr(params, "top_k", None)
