@@ -5,7 +5,8 @@ from .controller import NexRLController, RunFailed, RunSummary
 from .dataloader import BaseDataLoader
 from .errors import ConfigError, DataError, ErrorReporter, ErrorSeverity, NexRLError, PluginError
 from .evaluation import BaseEvaluationTarget, EvaluationRunResult, Evaluator
-from .runtime.execute import ModuleUnavailable, RpcTimeout, execute, execute_async, execute_with_timeout
+from .runtime.execute import (Deferred, ModuleUnavailable, RpcTimeout, deferred, execute, execute_async,
+                              execute_with_timeout)
 from .inference import CompletionResult, InferenceClient, InferenceError, SamplingParams
 from .markers import hookimpl
 from .plugins import PluginManager, get_plugin_manager
@@ -25,13 +26,14 @@ from .builtins.workers import SimpleRolloutWorker  # noqa: E402
 
 __all__ = [
     "ActivityTracker", "ActivityTrackerProxy", "BaseDataLoader", "BaseEvaluationTarget", "BaseRolloutWorker",
-    "BaseTrainer", "Batch", "CompletionResult", "ConfigError", "DataError", "ErrorReporter", "ErrorSeverity",
+    "BaseTrainer", "Batch", "CompletionResult", "ConfigError", "DataError", "Deferred", "ErrorReporter",
+    "ErrorSeverity",
     "EvaluationRunResult", "Evaluator", "FileDataLoader", "GroupedTrajectoryStore", "HierarchicalTrajectoryStore",
     "InferenceClient", "InferenceError", "ItemFailure", "ModelTag", "ModuleUnavailable", "NexRLController",
     "NexRLError", "NexRLModule", "NexRLRole", "PluginError", "PluginManager", "RpcTimeout", "RunFailed", "RunSummary",
     "SamplingParams", "SimpleRolloutWorker", "SimpleTrajectoryStore", "ThreadedModule", "Trajectory",
     "TrajectoryPool", "TrajectoryPoolInstance", "Validator", "WeightSyncBackend", "WeightSyncController",
-    "execute", "execute_async", "execute_with_timeout", "get_plugin_manager", "hookimpl", "OpenAICompatibleClient",
+    "deferred", "execute", "execute_async", "execute_with_timeout", "get_plugin_manager", "hookimpl", "OpenAICompatibleClient",
 ]
 
 

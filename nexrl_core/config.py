@@ -17,11 +17,12 @@ from omegaconf.errors import OmegaConfBaseException
 
 from .errors import ConfigError, NexRLError
 from .launch import launch_mode_problem
+from .launch.ray.settings import ray_problems
 
 DEFAULTS_PATH = os.path.join(os.path.dirname(__file__), "defaults.yaml")
 
 # Sections owned by the core: their keys are exactly the defaults' keys.
-STRICT_SECTIONS = ("trajectory_pool", "weight", "validate", "resume", "logger", "runtime_monitor")
+STRICT_SECTIONS = ("trajectory_pool", "weight", "validate", "resume", "logger", "runtime_monitor", "ray")
 RESUME_MODES = ("disable", "auto", "from_path")
 ERROR_POLICIES = ("stop_on_error", "stop_on_critical", "continue")
 
@@ -147,6 +148,8 @@ def check_config(cfg: DictConfig, plugin_manager: Any) -> list[str]:
     problems += _check_positive_int(cfg, "trajectory_pool.batch_size")
     problems += _check_positive_int(cfg, "trajectory_pool.group_size")
     problems += _check_positive_int(cfg, "rollout_worker.num_workers")
+    problems += _check_positive_int(cfg, "rollout_worker.tasks_per_call")
+    problems += ray_problems(cfg)
     problems += _check_positive_int(cfg, "trainer.total_train_steps")
     limit = cfg.weight.get("rollout_limit")
     if limit is not None and limit != "batch" and not (isinstance(limit, int) and not isinstance(limit, bool)

@@ -67,8 +67,12 @@ class NexRLController:
         self.resource_manager = create_resource_manager(config, self._pm)
         self._register_roles()
         self.resource_manager.create_all_actors()
-        self._take_handles()
-        self._set_module_references()
+        try:
+            self._take_handles()
+            self._set_module_references()
+        except BaseException:
+            self.resource_manager.shutdown()  # no actor or cluster outlives a run that could not start
+            raise
 
     # -- construction ---------------------------------------------------------------
     def _create(self, kind: str, name: Any, key: str) -> type:
@@ -275,14 +279,19 @@ class NexRLController:
         return f"stopping on {e.severity.value} (policy {policy}): {e.module_name}/{e.work_context}: {e.message}"
 
     def _dead_message(self, dead: list[str]) -> str:
+        try:
+            why = execute(self.activity_tracker.last_health_problems)
+        except Exception:
+            why = {}
         parts = []
         for name in dead:
             if name == "inference_service":
                 url = self._config.service.inference_service.get("url")
                 where = f" at {str(url).rstrip('/')}" if url else ""
-                parts.append(f"the inference service{where} stopped answering")
+                parts.append(f"the inference service{where} stopped answering"
+                             + (f" ({why[name]})" if why.get(name) else ""))
             else:
-                parts.append(f"module {name} is dead or hung")
+                parts.append(f"module {name} is dead or hung" + (f" ({why[name]})" if why.get(name) else ""))
         return "health check failed: " + "; ".join(parts)
 
     def _check_finish(self, trainer: dict[str, Any]) -> bool:

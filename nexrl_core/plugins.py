@@ -53,6 +53,9 @@ class PluginRecord:
     version: str
     module: Any
     hooks: list[str] = field(default_factory=list)
+    #: "builtin", "entry_point" or "in_process" (registered by code; a launch mode re-registers
+    #: these in its other processes, the others each process loads itself)
+    source: str = "in_process"
 
 
 def _import_base(path: str) -> type | None:
@@ -77,13 +80,14 @@ class PluginManager:
         self.pm.check_pending()
         self._cache: dict[str, dict[str, Registration]] = {}
 
-    def register(self, module: Any, name: str, distribution: str = "(in-process)", version: str = "") -> None:
+    def register(self, module: Any, name: str, distribution: str = "(in-process)", version: str = "",
+                 source: str = "in_process") -> None:
         if name in self.records:
             raise PluginError(f"plugin name '{name}' is used by both {self.records[name].distribution} and "
                               f"{distribution}")
         self.pm.register(module, name=name)
         hooks = sorted(h.name for h in self.pm.get_hookcallers(module) or [])
-        self.records[name] = PluginRecord(name, distribution, version, module, hooks)
+        self.records[name] = PluginRecord(name, distribution, version, module, hooks, source)
         self._cache = {}
 
     def _load_builtins(self) -> None:
@@ -99,7 +103,7 @@ class PluginManager:
             except Exception as exc:  # one broken built-in must not stop the others
                 self._import_failed(name, CORE_DISTRIBUTION, exc)
                 continue
-            self.register(module, name=name, distribution=CORE_DISTRIBUTION, version=version)
+            self.register(module, name=name, distribution=CORE_DISTRIBUTION, version=version, source="builtin")
 
     def _import_failed(self, name: str, dist: str, exc: BaseException) -> None:
         failure = PluginLoadFailure(name, dist, f"{type(exc).__name__}: {exc}")
@@ -120,7 +124,8 @@ class PluginManager:
             except Exception as exc:  # one broken plugin must not stop the others
                 self._import_failed(ep.name, dist, exc)
                 continue
-            self.register(module, name=ep.name, distribution=dist, version=ep.dist.version if ep.dist else "")
+            self.register(module, name=ep.name, distribution=dist, version=ep.dist.version if ep.dist else "",
+                          source="entry_point")
 
     # -- components -----------------------------------------------------------------
     def components(self, kind: str) -> dict[str, Registration]:
@@ -206,6 +211,12 @@ def get_plugin_manager() -> PluginManager:
     if _DEFAULT is None:
         _DEFAULT = PluginManager()
     return _DEFAULT
+
+
+def set_default_plugin_manager(pm: PluginManager) -> None:
+    """Make ``pm`` this process's default (a launch mode's actor process, built like the driver's)."""
+    global _DEFAULT
+    _DEFAULT = pm
 
 
 @contextmanager

@@ -63,6 +63,10 @@ class BaseRolloutWorker(ThreadedModule):
         self._validator: Any = None
         self.completed = 0
         self._puts_this_task = 0  # trajectories submitted for the task in hand
+        self._tasks_per_call = int(config.get("tasks_per_call", 1) or 1)
+        # While running several tasks: (task number, destination, trajectory) held for one call each.
+        self._held: list[tuple[int, Any, Trajectory]] | None = None
+        self._task_number = 0
 
     def set_module_references(self, trajectory_pool: Any, dataloader: Any, weight_sync_controller: Any,
                               validate_dataloader: Any, validator: Any, inference_client: Any = None) -> None:
@@ -89,24 +93,64 @@ class BaseRolloutWorker(ThreadedModule):
         while not self._should_stop():
             validating = self._is_running_validate
             wsc = None if validating else self._weight_sync_controller
+            admitted = self._tasks_per_call
             if wsc is not None:
-                # begin_rollout admits the task (sync mode starts no more rollouts than one batch needs)
-                if execute(wsc.check_rollout_service_status, self._model_tag) == "block" or \
+                # begin_rollout(s) admits tasks (sync mode starts no more rollouts than one batch needs)
+                if admitted > 1:
+                    admitted = execute(wsc.begin_rollouts, self._model_tag, admitted)
+                elif execute(wsc.check_rollout_service_status, self._model_tag) == "block" or \
                         not execute(wsc.begin_rollout, self._model_tag):
+                    admitted = 0
+                if not admitted:
                     execute(wsc.wait_rollout_allowed, self._model_tag, _IDLE_WAIT_S)
                     continue
             loader = self._validate_dataloader if validating else self._dataloader
-            task, landed = None, False
+            tasks: list[dict[str, Any]] = []
+            landed = 0
             try:
                 with self._activity_tracker.track(self._module_name, "validate" if validating else "rollout"):
-                    task = execute(loader.get_next_item)
-                    if task is not None:
-                        landed = self._run_task(task, validating)
+                    if admitted == 1:
+                        task = execute(loader.get_next_item)
+                        tasks = [] if task is None else [task]
+                        landed = sum(self._run_task(t, validating) for t in tasks)
+                    else:
+                        tasks = execute(loader.get_next_items, admitted)
+                        landed = self._run_tasks(tasks, validating)
             finally:
                 if wsc is not None:
-                    execute(wsc.end_rollout, self._model_tag, landed)
-            if task is None:
+                    if admitted == 1:
+                        execute(wsc.end_rollout, self._model_tag, landed == 1)
+                    else:
+                        execute(wsc.end_rollouts, self._model_tag, landed, admitted - landed)
+            if not tasks:
                 execute(loader.wait_for_item, _IDLE_WAIT_S)
+
+    def _run_tasks(self, tasks: list[dict[str, Any]], validating: bool) -> int:
+        """Several tasks, their trajectories handed on in one call per destination (``tasks_per_call``);
+        returns how many went on (the others were re-queued)."""
+        self._held, done = [], []
+        try:
+            for number, task in enumerate(tasks):
+                self._task_number = number
+                done.append(self._run_task(task, validating))
+        finally:
+            held, self._held = self._held, None
+        by_target: dict[int, tuple[Any, list[tuple[int, Trajectory]]]] = {}
+        for i, target, trajectory in held:
+            by_target.setdefault(id(target), (target, []))[1].append((i, trajectory))
+        last: dict[int, str] = {}  # task -> result of its last put (what step() returns locally)
+        for target, items in by_target.values():
+            results = execute(target.put_trajectories, [t for _, t in items])
+            for (i, _), result in zip(items, results):
+                last[i] = result
+        landed = 0
+        for i, task in enumerate(tasks):
+            if done[i] and last.get(i) == "re-rollout":  # e.g. the pool was locked for a weight push
+                self.completed -= 1
+                self._put_rollout_task(task, validating)
+            else:
+                landed += int(done[i])
+        return landed
 
     def _run_task(self, task: dict[str, Any], validating: bool) -> bool:
         """Run one task; True when its trajectory went on (False: the task was re-queued)."""
@@ -143,6 +187,9 @@ class BaseRolloutWorker(ThreadedModule):
         self._puts_this_task += 1
         trajectory.setdefault("model_tag", self._model_tag)
         target = self._validator if self._is_validation_task(trajectory) else self._trajectory_pool
+        if self._held is not None:  # handed on with the other tasks' (see _run_tasks)
+            self._held.append((self._task_number, target, trajectory))
+            return "success"
         return execute(target.put_trajectory, trajectory)
 
     def _put_rollout_task(self, task: dict[str, Any], validating: bool = False) -> bool:

@@ -12,19 +12,21 @@ from typing import Any
 
 from ..errors import ConfigError
 from .base import ResourceManager, RoleSpec
+from .ray.settings import ray_installed
 
 # launch_mode -> "module:class" of its resource manager
 LAUNCH_MODES: dict[str, str] = {
     "local": "nexrl_core.launch.local:LocalResourceManager",
+    "ray": "nexrl_core.launch.ray.manager:RayResourceManager",
 }
 # Accepted names that do not run yet, and why (one message for `nexrl validate` and `nexrl run`).
-PLANNED_LAUNCH_MODES: dict[str, str] = {
-    "ray": "launch_mode: 'ray' is not available in this release (Ray support is planned); use launch_mode: local",
-}
+PLANNED_LAUNCH_MODES: dict[str, str] = {}
 
 
 def launch_mode_problem(mode: Any) -> str | None:
     """Why ``launch_mode: mode`` cannot run, or None when it can."""
+    if mode == "ray" and not ray_installed():
+        return "launch_mode: 'ray' needs Ray, an optional extra: pip install 'nexrl-core[ray]'"
     if mode in LAUNCH_MODES:
         return None
     if mode in PLANNED_LAUNCH_MODES:

@@ -16,7 +16,7 @@ from typing import Any, Iterator
 from loguru import logger
 
 from ..errors import ErrorInfo, ErrorReporter, ErrorSeverity
-from .execute import execute, execute_with_timeout
+from .execute import ModuleUnavailable, RpcTimeout, execute, execute_with_timeout
 
 
 class ActivityTracker:
@@ -38,6 +38,7 @@ class ActivityTracker:
         self._modules: dict[str, Any] = {}
         self._rollout_workers: set[str] = set()
         self._training_step = 0
+        self._health_problems: dict[str, str] = {}
 
     # -- activity -------------------------------------------------------------
     def start(self, module: str, work: str) -> str:
@@ -91,8 +92,18 @@ class ActivityTracker:
 
     def dead_modules(self, timeout: float = 5.0) -> list[str]:
         """Names of registered modules whose ``health_check`` fails, raises (a module that is gone)
-        or does not answer within ``timeout`` seconds."""
-        return [name for name, ref in list(self._modules.items()) if not _answers_health_check(ref, timeout)]
+        or does not answer within ``timeout`` seconds (why: :meth:`last_health_problems`)."""
+        problems = {}
+        for name, ref in list(self._modules.items()):
+            problem = _health_problem(ref, timeout)
+            if problem is not None:
+                problems[name] = problem
+        self._health_problems = problems
+        return list(problems)
+
+    def last_health_problems(self) -> dict[str, str]:
+        """Module name -> why it failed the last :meth:`dead_modules` check."""
+        return dict(self._health_problems)
 
     def check_module_liveness(self, timeout: float = 5.0) -> bool:
         return not self.dead_modules(timeout)
@@ -148,13 +159,15 @@ class ActivityTracker:
             self.experiment_logger.close()
 
 
-def _answers_health_check(ref: Any, timeout: float) -> bool:
+def _health_problem(ref: Any, timeout: float) -> str | None:
     # A hung module must not hang the monitor (execute_with_timeout stops waiting); a module that
     # is gone raises from execute: both count as dead.
     try:
-        return bool(execute_with_timeout(timeout, ref.health_check))
-    except Exception:
-        return False
+        return None if execute_with_timeout(timeout, ref.health_check) else "its health check says unhealthy"
+    except RpcTimeout:
+        return f"no answer within {timeout:g}s"
+    except Exception as exc:
+        return str(exc) if isinstance(exc, ModuleUnavailable) else f"{type(exc).__name__}: {exc}"
 
 
 def open_run_recorder(config: Any) -> Any:

@@ -4,6 +4,8 @@ interface with its local implementation."""
 
 from __future__ import annotations
 
+import importlib.util
+
 import threading
 import time
 
@@ -297,21 +299,28 @@ def test_launch_mode_selects_the_resource_manager():
     rm = create_resource_manager(OmegaConf.create({"launch_mode": "local"}))
     assert type(rm) is LocalResourceManager
     assert launch_mode_problem("local") is None
-    for mode, message in [("ray", "launch_mode: 'ray' is not available in this release"),
-                          ("slurm", "launch_mode: 'slurm' is not one of local")]:
-        assert launch_mode_problem(mode).startswith(message)
-        with pytest.raises(ConfigError, match=message):
-            create_resource_manager(OmegaConf.create({"launch_mode": mode}))
+    message = "launch_mode: 'slurm' is not one of local, ray"
+    assert launch_mode_problem("slurm") == message
+    with pytest.raises(ConfigError, match=message):
+        create_resource_manager(OmegaConf.create({"launch_mode": "slurm"}))
+    if importlib.util.find_spec("ray") is not None:  # building the manager starts nothing yet
+        rm = create_resource_manager(OmegaConf.create({"launch_mode": "ray"}))
+        assert type(rm).__name__ == "RayResourceManager"
 
 
-def test_validate_and_run_reject_ray_with_the_same_message(core_pm, capfd, reset_loguru, tmp_path):
+def test_validate_and_run_reject_ray_without_ray_with_the_same_message(core_pm, capfd, reset_loguru, tmp_path,
+                                                                       monkeypatch):
+    import nexrl_core.launch
     from nexrl_core.cli import main
+
+    monkeypatch.setattr(nexrl_core.launch, "ray_installed", lambda: False)  # as on a machine without the extra
 
     path = tmp_path / "recipe.yaml"
     path.write_text(f"launch_mode: ray\nrun_dir: {tmp_path / 'run'}\n"
                     "data: {type: inline, rows: [{prompt: '1 + 2', answer: '3'}]}\n"
                     "trajectory_pool: {batch_size: 2, group_size: 2}\n")
     message = launch_mode_problem("ray")
+    assert message == "launch_mode: 'ray' needs Ray, an optional extra: pip install 'nexrl-core[ray]'"
     assert main(["validate", str(path)]) == 2
     assert f"- {message}\n" in capfd.readouterr().err
     assert main(["run", str(path)]) == 1

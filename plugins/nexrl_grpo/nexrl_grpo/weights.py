@@ -7,7 +7,7 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from nexrl_core import ConfigError, WeightSyncBackend, execute
+from nexrl_core import ConfigError, WeightSyncBackend, deferred, execute
 
 from .engine import HFInferenceEngine
 from .modeling import ensure_safetensors_model, smollm2_gguf_path
@@ -68,7 +68,11 @@ class HFInferenceBackend(HFInferenceEngine):
 
 
 class InProcessWeightSync(WeightSyncBackend):
-    """Copies the trainer's tensors into the engine's model; the engine serves them from its next batch."""
+    """Copies the trainer's tensors into the engine's model; the engine serves them from its next batch.
+
+    The tensors go as a deferred argument: straight from the trainer to the engine, in process
+    when they share one (local mode, a Ray actor hosting both), else through the launch mode's
+    transport (Ray's object store), never through the weight-sync controller's process."""
 
     def sync(self, trainer: Any, inference_client: Any, version: int) -> None:
-        execute(inference_client.load_weights, execute(trainer.export_weights), version)
+        execute(inference_client.load_weights, deferred(trainer.export_weights), version)
