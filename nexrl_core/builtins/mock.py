@@ -75,6 +75,10 @@ class MockTrainer(BaseTrainer):
         self.batches.append(trajectories)
         return {"train/loss": 0.0}
 
+    def get_batches(self) -> list[list[Trajectory]]:
+        """Every batch trained on so far (public: reachable through a handle in any launch mode)."""
+        return self.batches
+
     def export_weights(self) -> dict[str, Any]:
         return {}
 

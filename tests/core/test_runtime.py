@@ -5,7 +5,6 @@ interface with its local implementation."""
 from __future__ import annotations
 
 import importlib.util
-
 import threading
 import time
 
