@@ -59,14 +59,26 @@ class Slot:
 
 @dataclass
 class HostSetup:
-    """What every actor process needs to resemble the driver: which plugins to load (the
-    driver's ``NEXRL_LOAD_PLUGINS``, None when unset, and plugins registered in the driver's
-    process), and where and how to log."""
+    """What every actor process needs to resemble the driver (plain values: they are read
+    before anything of the driver's is unpickled): its import path and environment (see
+    :func:`~.cluster.actor_env`), which plugins to load (the driver's ``NEXRL_LOAD_PLUGINS``,
+    None when unset), and where and how to log."""
 
+    sys_path: list[str]
+    env: dict[str, str]
     load_plugins: str | None
-    in_process_plugins: list[tuple[str, Any, str, str]]
     run_dir: str | None
     log_level: str
+
+
+@dataclass
+class HostPayload:
+    """The modules to build and the plugins the driver registered in its process; sent
+    pickled (:func:`ray.cloudpickle.dumps`) and unpickled once :class:`HostSetup` is applied,
+    so classes from anywhere on the driver's path resolve."""
+
+    slots: list[Slot]
+    in_process_plugins: list[tuple[str, Any, str, str]]
 
 
 @dataclass
@@ -87,14 +99,16 @@ class ModuleHost:
         self._actor_name = actor_name
         self._modules: dict[tuple[str, int], Any] = {}
 
-    def build(self, slots: list[Slot], setup: HostSetup) -> dict[str, Any]:
+    def build(self, setup: HostSetup, payload: bytes) -> dict[str, Any]:
         """Build the modules (in order) with a plugin manager like the driver's."""
         from ...plugins import use_plugin_manager
 
-        pm = _process_plugin_manager(setup)
+        _apply_setup(setup)
+        content: HostPayload = ray.cloudpickle.loads(payload)
+        pm = _process_plugin_manager(setup, content.in_process_plugins)
         _setup_logging(setup, self._actor_name)
         with use_plugin_manager(pm):
-            for slot in slots:
+            for slot in content.slots:
                 module = slot.cls(slot.config, **slot.kwargs)
                 self._modules[(slot.role, slot.index)] = module
                 with _LOCAL_LOCK:
@@ -136,17 +150,28 @@ def host_class(group: str, roles: dict[str, list[str]]) -> type:
     return type(f"NexRL_{safe}", (ModuleHost,), namespace)
 
 
-def _process_plugin_manager(setup: HostSetup) -> Any:
-    """This process's plugin manager: built-ins, the entry points ``NEXRL_LOAD_PLUGINS`` allows
-    (the driver's value), and the plugins the driver registered in its process."""
-    from ... import plugins
-
+def _apply_setup(setup: HostSetup) -> None:
+    """The driver's import path and environment, before anything (torch's thread pool, entry
+    points) reads them."""
+    for entry in reversed(setup.sys_path):
+        if entry not in sys.path:
+            sys.path.insert(0, entry)
+    os.environ.update(setup.env)
     if setup.load_plugins is None:
         os.environ.pop("NEXRL_LOAD_PLUGINS", None)
     else:
         os.environ["NEXRL_LOAD_PLUGINS"] = setup.load_plugins
+    if "torch" in sys.modules and setup.env.get("OMP_NUM_THREADS"):
+        sys.modules["torch"].set_num_threads(int(setup.env["OMP_NUM_THREADS"]))
+
+
+def _process_plugin_manager(setup: HostSetup, in_process: list[tuple[str, Any, str, str]]) -> Any:
+    """This process's plugin manager: built-ins, the entry points ``NEXRL_LOAD_PLUGINS`` allows
+    (the driver's value), and the plugins the driver registered in its process."""
+    from ... import plugins
+
     pm = plugins.PluginManager()
-    for name, module, distribution, version in setup.in_process_plugins:
+    for name, module, distribution, version in in_process:
         pm.register(module, name=name, distribution=distribution, version=version)
     plugins.set_default_plugin_manager(pm)
     return pm

@@ -59,19 +59,21 @@ def _gcs_address() -> str:
         return "?"
 
 
+def driver_path() -> list[str]:
+    """The driver's import path beyond its Python installation (the project, plugins laid out
+    next to it, test folders): an actor puts it in front of its own, so entry points and classes
+    resolve there as here."""
+    prefixes = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
+    path = [os.path.abspath(p) for p in sys.path if p and os.path.exists(p)
+            and not any(os.path.realpath(p).startswith(pre + os.sep) for pre in prefixes)]
+    return list(dict.fromkeys(path))
+
+
 def actor_env(settings: RaySettings, num_cpus: float | None) -> dict[str, str]:
-    """Environment of an actor process: the driver's import path (plugins installed next to it
-    are found by entry points there too), the driver's NEXRL_/HF_/... variables, a torch thread
-    count like a local run's, and ``ray.env_vars``."""
+    """Environment of an actor process (set when it starts building its modules): the driver's
+    NEXRL_/HF_/... variables, a torch thread count like a local run's, and ``ray.env_vars``."""
     env = {k: v for k, v in os.environ.items() if k.startswith(_PASSED_PREFIXES) or k in _PASSED_NAMES}
     env.pop("NEXRL_LOAD_PLUGINS", None)  # set in the actor from the driver's value (even when unset)
-    prefixes = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
-    path = [p for p in sys.path if p and os.path.exists(p)
-            and not any(os.path.realpath(p).startswith(pre + os.sep) for pre in prefixes)]
-    if os.environ.get("PYTHONPATH"):
-        path.append(os.environ["PYTHONPATH"])
-    if path:
-        env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(os.path.abspath(p) for p in path))
     # Ray pins an actor without num_cpus to one OpenMP thread; a local run's torch uses the machine.
     if num_cpus is not None and num_cpus >= 1:
         env["OMP_NUM_THREADS"] = str(int(num_cpus))

@@ -23,8 +23,8 @@ from loguru import logger
 from ...errors import NexRLError
 from ...types import NexRLRole
 from ..base import ResourceManager
-from .actors import HostSetup, RayActorWrapper, Slot, host_class, public_methods
-from .cluster import Cluster, actor_env, connect
+from .actors import HostPayload, HostSetup, RayActorWrapper, Slot, host_class, public_methods
+from .cluster import Cluster, actor_env, connect, driver_path
 from .settings import UNBOUNDED_METHODS, RaySettings
 
 #: calls an actor serves at once beyond one per rollout worker (controller, trainer, monitor...)
@@ -108,16 +108,19 @@ class RayResourceManager(ResourceManager):
                     plan.custom[key] = plan.custom.get(key, 0.0) + float(amount)
         return order
 
-    def _setup(self) -> HostSetup:
-        in_process = []
-        if self._pm is not None:
-            in_process = [(r.name, r.module, r.distribution, r.version) for r in self._pm.records.values()
-                          if r.source == "in_process"]
+    def _setup(self, plan: ActorPlan) -> HostSetup:
         cfg = self._config if self._config is not None else {}
         logger_cfg = cfg.get("logger") or {}
-        return HostSetup(load_plugins=os.environ.get("NEXRL_LOAD_PLUGINS"), in_process_plugins=in_process,
+        return HostSetup(sys_path=driver_path(), env=actor_env(self._settings, plan.num_cpus or None),
+                         load_plugins=os.environ.get("NEXRL_LOAD_PLUGINS"),
                          run_dir=str(cfg.get("run_dir")) if cfg.get("run_dir") else None,
                          log_level=str(logger_cfg.get("level", "INFO")))
+
+    def _in_process_plugins(self) -> list[tuple[str, Any, str, str]]:
+        if self._pm is None:
+            return []
+        return [(r.name, r.module, r.distribution, r.version) for r in self._pm.records.values()
+                if r.source == "in_process"]
 
     def _concurrency(self) -> int:
         if self._settings.max_concurrency:
@@ -134,7 +137,7 @@ class RayResourceManager(ResourceManager):
             raise
 
     def _start_actors(self) -> None:
-        setup, concurrency = self._setup(), self._concurrency()
+        concurrency, in_process = self._concurrency(), self._in_process_plugins()
         pending = []
         for plan in self._plan():
             roles: dict[str, list[str]] = {}
@@ -143,7 +146,6 @@ class RayResourceManager(ResourceManager):
             options: dict[str, Any] = {
                 "name": plan.name, "max_concurrency": concurrency, "num_cpus": plan.num_cpus,
                 "num_gpus": plan.num_gpus, "max_restarts": 0,
-                "runtime_env": {"env_vars": actor_env(self._settings, plan.num_cpus or None)},
             }
             if plan.memory:
                 options["memory"] = plan.memory
@@ -156,7 +158,8 @@ class RayResourceManager(ResourceManager):
             actor = ray.remote(host_class(plan.group, roles)).options(**options).remote(plan.name)
             info = ActorInfo(plan.name, plan.group, [(s.role, s.index) for s in plan.slots], actor)
             self._actors.append(info)
-            pending.append((info, plan, roles, actor.build.remote(plan.slots, setup)))
+            payload = ray.cloudpickle.dumps(HostPayload(plan.slots, in_process))
+            pending.append((info, plan, roles, actor.build.remote(self._setup(plan), payload)))
             logger.debug(f"ray: actor {plan.name} hosts {', '.join(f'{r}[{i}]' for r, i in info.roles)} "
                          f"(cpus {plan.num_cpus:g}, gpus {plan.num_gpus:g})")
         timeout, unbounded = self._settings.call_timeout, UNBOUNDED_METHODS
