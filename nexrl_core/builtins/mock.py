@@ -58,6 +58,10 @@ class MockInferenceClient(InferenceClient):
         return CompletionResult(text=text, finish_reason="stop", prompt_token_ids=list(_last_user_text(prompt).encode()),
                                 response_token_ids=ids, response_logprobs=[-0.5] * len(ids), model_version=version)
 
+    def num_calls(self) -> int:
+        """Completions served so far (public: reachable through a handle in any launch mode)."""
+        return self.calls
+
 
 class MockTrainer(BaseTrainer):
     """Trains nothing; remembers what it was given (tests check the data flow with it)."""

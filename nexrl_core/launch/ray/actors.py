@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import random
 import sys
 import threading
 import warnings
@@ -69,6 +70,7 @@ class HostSetup:
     load_plugins: str | None
     run_dir: str | None
     log_level: str
+    seed: int | None = None
 
 
 @dataclass
@@ -157,6 +159,8 @@ def _apply_setup(setup: HostSetup) -> None:
         if entry not in sys.path:
             sys.path.insert(0, entry)
     os.environ.update(setup.env)
+    if setup.seed is not None:
+        random.seed(setup.seed)  # as the controller seeds the one process of a local run
     if setup.load_plugins is None:
         os.environ.pop("NEXRL_LOAD_PLUGINS", None)
     else:

@@ -114,7 +114,8 @@ class RayResourceManager(ResourceManager):
         return HostSetup(sys_path=driver_path(), env=actor_env(self._settings, plan.num_cpus or None),
                          load_plugins=os.environ.get("NEXRL_LOAD_PLUGINS"),
                          run_dir=str(cfg.get("run_dir")) if cfg.get("run_dir") else None,
-                         log_level=str(logger_cfg.get("level", "INFO")))
+                         log_level=str(logger_cfg.get("level", "INFO")),
+                         seed=int(cfg["seed"]) if cfg.get("seed") is not None else None)
 
     def _in_process_plugins(self) -> list[tuple[str, Any, str, str]]:
         if self._pm is None:
