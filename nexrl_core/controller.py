@@ -28,7 +28,6 @@ from .types import NexRLRole, Trajectory
 from .validator import Validator
 from .weight_sync import WeightSyncController
 
-_LOOP_WAIT_S = 0.02
 
 
 class RunFailed(NexRLError):
@@ -266,7 +265,7 @@ class NexRLController:
                                    f"{rm.health_check.grace_period}s for them to come back")
                 else:
                     unhealthy_since = None
-            self._stop_requested.wait(_LOOP_WAIT_S)
+            self._stop_requested.wait(self.resource_manager.poll_interval_s)
 
     def _policy_message(self, policy: str) -> str:
         """Name the error that made ``policy`` stop the run (not merely the latest one)."""
@@ -333,7 +332,7 @@ class NexRLController:
 
     def _wait_validation(self) -> None:
         while not execute(self.validator.is_complete):
-            if self._stop_requested.wait(_LOOP_WAIT_S):
+            if self._stop_requested.wait(self.resource_manager.poll_interval_s):
                 raise _StopRequested(f"stopped during validation ({self._stop_reason})")
 
     def _end_validate(self, model_tag: str, step: int) -> None:

@@ -112,7 +112,7 @@ class BaseRolloutWorker(ThreadedModule):
                     if admitted == 1:
                         task = execute(loader.get_next_item)
                         tasks = [] if task is None else [task]
-                        landed = sum(self._run_task(t, validating) for t in tasks)
+                        landed = sum(bool(self._run_task(t, validating)) for t in tasks)
                     else:
                         tasks = execute(loader.get_next_items, admitted)
                         landed = self._run_tasks(tasks, validating)
@@ -129,10 +129,11 @@ class BaseRolloutWorker(ThreadedModule):
         """Several tasks, their trajectories handed on in one call per destination (``tasks_per_call``);
         returns how many went on (the others were re-queued)."""
         self._held, done = [], []
+        version = self._current_version()  # the tasks were admitted together, at this version
         try:
             for number, task in enumerate(tasks):
                 self._task_number = number
-                done.append(self._run_task(task, validating))
+                done.append(bool(self._run_task(task, validating, version)))
         finally:
             held, self._held = self._held, None
         by_target: dict[int, tuple[Any, list[tuple[int, Trajectory]]]] = {}
@@ -152,10 +153,12 @@ class BaseRolloutWorker(ThreadedModule):
                 landed += int(done[i])
         return landed
 
-    def _run_task(self, task: dict[str, Any], validating: bool) -> bool:
-        """Run one task; True when its trajectory went on (False: the task was re-queued)."""
+    def _run_task(self, task: dict[str, Any], validating: bool, version: int | None = None) -> bool:
+        """Run one task; True when its trajectory went on (False: the task was re-queued).
+        ``version``: the served weight version (read here when not given)."""
         self._task_is_validation = validating
-        self._task_version = self._current_version()  # what a failed attempt is stamped with
+        # what a failed attempt is stamped with, and what seeds its sampling
+        self._task_version = self._current_version() if version is None else version
         self._puts_this_task = 0
         try:
             result = self.step(task)
@@ -202,8 +205,9 @@ class BaseRolloutWorker(ThreadedModule):
 
     # -- helpers for subclasses -------------------------------------------------------------
     def sampling_seed(self, task: dict[str, Any]) -> int:
-        """Per-request seed: the same task at the same weights samples the same text."""
-        version = self._current_version()
+        """Per-request seed: the same task at the same weights samples the same text (the weights
+        served when the task started)."""
+        version = self._task_version
         key = f"{self._seed}|{task.get('uid')}|{task.get('sample_index')}|{self._task_is_validation}|{version}"
         return zlib.crc32(key.encode())
 

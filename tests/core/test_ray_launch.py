@@ -206,8 +206,17 @@ def test_a_third_party_plugin_is_found_inside_every_actor(build, tmp_path, write
 def test_an_exception_in_an_actors_thread_stops_the_run_as_in_local_mode(build, core_pm, tmp_path):
     core_pm.register(FailingPlugin(), name="failing", distribution="nexrl-failing (in-process)")
     controller = build(_recipe(tmp_path, trainer={"type": "failing_mock", "fail_at": 2, "save_freq": 0}), core_pm)
-    with pytest.raises(RunFailed, match="the trainer stopped at step 2: RuntimeError: injected failure in process"):
+    with pytest.raises(RunFailed) as failed:
         controller.run()
+    # as in local mode: the trainer's status, the error policy (the reported exception) or the health
+    # check, whichever of the monitor's checks sees it first
+    message = str(failed.value)
+    assert any(m in message for m in ("the trainer stopped at step 2: RuntimeError: injected failure in process",
+                                      "(policy stop_on_error): trainer/train: RuntimeError: injected failure in",
+                                      "health check failed: module trainer is dead or hung")), message
+    errors = controller._final_errors  # what the tracker (in its actor) recorded
+    trainer_pid = controller.resource_manager.actor_of(NexRLRole.TRAINER).pid
+    assert f"injected failure in process {trainer_pid}" in " ".join(errors) and trainer_pid != os.getpid()
 
 
 def test_a_killed_actor_is_detected_and_reported_by_role_and_actor(build, core_pm, tmp_path):

@@ -108,7 +108,7 @@ class ModuleHost:
         _apply_setup(setup)
         content: HostPayload = ray.cloudpickle.loads(payload)
         pm = _process_plugin_manager(setup, content.in_process_plugins)
-        _setup_logging(setup, self._actor_name)
+        _setup_logging(setup)
         with use_plugin_manager(pm):
             for slot in content.slots:
                 module = slot.cls(slot.config, **slot.kwargs)
@@ -181,7 +181,9 @@ def _process_plugin_manager(setup: HostSetup, in_process: list[tuple[str, Any, s
     return pm
 
 
-def _setup_logging(setup: HostSetup, actor_name: str) -> None:
+def _setup_logging(setup: HostSetup) -> None:
+    """As the driver's: the console at the recipe's level (Ray forwards it to the driver's
+    console), every line appended to run.log."""
     from ...run_log import setup_logging
 
     setup_logging(setup.run_dir, setup.log_level)

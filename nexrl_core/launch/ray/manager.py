@@ -55,6 +55,8 @@ class ActorInfo:
 
 
 class RayResourceManager(ResourceManager):
+    poll_interval_s = 0.1  # the monitor's questions cross processes: ask them less often
+
     def __init__(self, config: Any = None, plugin_manager: Any = None) -> None:
         super().__init__(config, plugin_manager)
         self._settings = RaySettings.from_config(config if config is not None else {})
