@@ -122,13 +122,14 @@ def run_flow(workers: int, batch: int, group: int, steps: int, sync_mode: str = 
         release = controller.resource_manager.shutdown
 
         def read_then_release() -> None:  # modules are reached through their handles in any launch mode
+            read["cpu"] = cpu_since(cpu0)
             read["n"] = sum(len(b) for b in execute(controller.trainer.get_batches))
             read["rerolled"] = execute(controller.trajectory_pool.counters).get("stale_rerolled", 0)
             read["calls"] = execute(controller.inference_client.num_calls)
             release()
 
         controller.resource_manager.shutdown = read_then_release
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), tree_cpu_s()
         if profile:
             summary = _run_profiled(controller, profile)
         else:
@@ -139,6 +140,7 @@ def run_flow(workers: int, batch: int, group: int, steps: int, sync_mode: str = 
     return {"workers": workers, "batch": batch, "group": group, "steps": steps, "sync_mode": sync_mode,
             "trajectories": n, "wall_s": wall, "traj_per_s": n / wall, "steps_per_s": steps / wall,
             "generated": read["calls"], "stale_rerolled": read["rerolled"], "launch_mode": launch_mode,
+            "cpu_ms_per_traj": 1000 * read["cpu"] / max(n, 1),
             "actors": actors, "tasks_per_call": tasks_per_call}
 
 
@@ -204,6 +206,37 @@ def part_flow(args: argparse.Namespace) -> list[dict[str, float]]:
 # ----------------------------------------------------------------------------- part 4: ray flow
 
 
+def tree_cpu_s(root: int | None = None) -> dict[int, float]:
+    """CPU seconds (user + system) used so far by process ``root`` (this one) and by each of its
+    descendants (with Ray: the raylet, the GCS and the actors' workers), by pid."""
+    root = os.getpid() if root is None else root
+    ticks = os.sysconf("SC_CLK_TCK")
+    stats: dict[int, tuple[int, float]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            stats[int(entry)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / ticks)
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _) in stats.items():
+        children.setdefault(ppid, []).append(pid)
+    out, todo = {}, [root]
+    while todo:
+        pid = todo.pop()
+        if pid in stats:
+            out[pid] = stats[pid][1]
+        todo += children.get(pid, [])
+    return out
+
+
+def cpu_since(before: dict[int, float]) -> float:
+    """CPU seconds the process tree used since ``before`` (processes alive now)."""
+    return sum(max(0.0, cpu - before.get(pid, 0.0)) for pid, cpu in tree_cpu_s().items())
+
+
 def _start_ray(num_cpus: int | None) -> None:
     import ray
 
@@ -221,7 +254,7 @@ def part_ray(args: argparse.Namespace) -> list[dict[str, Any]]:
           f"mock engine + mock trainer "
           f"(ray: {ray.cluster_resources().get('CPU', 0):g} CPUs; load avg {loadavg()})")
     print(f"{'mode':>6} {'actors':>6} {'workers':>7} {'batch':>5} {'steps':>5} {'traj':>7} {'wall_s':>7} "
-          f"{'traj/s':>8} {'steps/s':>7} {'rerolled':>8}")
+          f"{'traj/s':>8} {'steps/s':>7} {'rerolled':>8} {'cpu ms/traj':>11}")
     variants = [("local", 1)] + [("ray", a) for a in args.actors]
     results: list[dict[str, Any]] = []
     try:
@@ -235,15 +268,18 @@ def part_ray(args: argparse.Namespace) -> list[dict[str, Any]]:
                         results.append(r)
                         print(f"{mode:>6} {r['actors'] if mode == 'ray' else '-':>6} {w:>7} {b:>5} {steps:>5} "
                               f"{r['trajectories']:>7} {r['wall_s']:>7.2f} {r['traj_per_s']:>8.0f} "
-                              f"{r['steps_per_s']:>7.1f} {r['stale_rerolled']:>8}", flush=True)
+                              f"{r['steps_per_s']:>7.1f} {r['stale_rerolled']:>8} {r['cpu_ms_per_traj']:>11.3f}",
+                              flush=True)
     finally:
         ray.shutdown()
     for mode, actors in variants:
         mine = [r for r in results if r["launch_mode"] == mode and (mode == "local" or r["actors"] == actors)]
         best = max(mine, key=lambda r: r["traj_per_s"])
         label = "local" if mode == "local" else f"ray, workers in {actors} actor(s)"
+        cpu = min(r["cpu_ms_per_traj"] for r in mine)
         print(f"best {label}: {best['traj_per_s']:.0f} trajectories/s (workers={best['workers']}, "
-              f"batch={best['batch']})")
+              f"batch={best['batch']}); {cpu:.3f} CPU-ms per trajectory over all its processes "
+              f"(2 idle cores: at most {2000 / cpu:.0f} trajectories/s)")
     print(f"target: ray >= 1000 trajectories/s; load avg {loadavg()}")
     return results
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +53,22 @@ class InferenceClient(ABC):
     @abstractmethod
     def complete(self, prompt: str | list[dict[str, Any]], params: SamplingParams) -> CompletionResult:
         """Generate one completion for `prompt` (text, or chat messages)."""
+
+    def complete_many(self, requests: list[tuple[Any, SamplingParams]]) -> list[CompletionResult | InferenceError]:
+        """:meth:`complete` for several ``(prompt, params)`` at once: one call for a worker's batch of
+        tasks (``rollout_worker.tasks_per_call``; one round trip when the client is in another
+        process). A request that fails gets its :class:`InferenceError` in its place. The requests
+        run concurrently, so an engine that batches concurrent requests batches these too."""
+        def attempt(request: tuple[Any, SamplingParams]) -> CompletionResult | InferenceError:
+            try:
+                return self.complete(*request)
+            except InferenceError as exc:
+                return exc
+
+        if len(requests) <= 1:
+            return [attempt(r) for r in requests]
+        with ThreadPoolExecutor(max_workers=len(requests), thread_name_prefix="complete_many") as pool:
+            return list(pool.map(attempt, requests))
 
     def completion(self, prompt: str | list[dict[str, Any]], **kwargs: Any) -> dict[str, Any]:
         """The seed's dict-shaped call: sampling keys as keyword arguments."""

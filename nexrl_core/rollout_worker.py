@@ -130,6 +130,11 @@ class BaseRolloutWorker(ThreadedModule):
         returns how many went on (the others were re-queued)."""
         self._held, done = [], []
         version = self._current_version()  # the tasks were admitted together, at this version
+        self._task_version, self._task_is_validation = version, validating
+        try:
+            self.prepare_tasks(tasks)
+        except Exception as exc:  # each task then does its own work (and fails on its own)
+            logger.warning(f"{self._module_name}: preparing {len(tasks)} tasks failed ({type(exc).__name__}: {exc})")
         try:
             for number, task in enumerate(tasks):
                 self._task_number = number
@@ -182,6 +187,11 @@ class BaseRolloutWorker(ThreadedModule):
         return True
 
     # -- subclass API -----------------------------------------------------------------------
+    def prepare_tasks(self, tasks: list[dict[str, Any]]) -> None:
+        """Called before :meth:`step` runs on each of several tasks taken in one call
+        (``tasks_per_call`` > 1), e.g. to ask the inference service for all of them at once.
+        :meth:`sampling_seed` already gives their seeds here."""
+
     @abstractmethod
     def step(self, task: dict[str, Any]) -> str | None:
         """Process one task; submit with :meth:`_put_trajectory`; return its result."""

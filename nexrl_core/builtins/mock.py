@@ -58,6 +58,9 @@ class MockInferenceClient(InferenceClient):
         return CompletionResult(text=text, finish_reason="stop", prompt_token_ids=list(_last_user_text(prompt).encode()),
                                 response_token_ids=ids, response_logprobs=[-0.5] * len(ids), model_version=version)
 
+    def complete_many(self, requests: list[tuple[Any, SamplingParams]]) -> list[CompletionResult]:
+        return [self.complete(prompt, params) for prompt, params in requests]  # instant: no threads needed
+
     def num_calls(self) -> int:
         """Completions served so far (public: reachable through a handle in any launch mode)."""
         return self.calls
