@@ -87,9 +87,11 @@ def run_and_snapshot(controller):
     return summary, taken[0]
 
 
-@pytest.fixture(scope="module", params=["local", "ray"])
+@pytest.fixture(scope="module", params=["local", "local-4-tasks-per-call", "ray"])
 def finished_run(request, tmp_path_factory, fast_monitor):
-    """One run per launch mode shared by the tests below (module scope keeps the suite fast)."""
+    """One run per launch mode shared by the tests below (module scope keeps the suite fast); also
+    local mode with workers taking 4 tasks per call (one loader call, one engine call, one pool
+    call for the 4): the same numbers."""
     import yaml
     from loguru import logger
 
@@ -97,19 +99,20 @@ def finished_run(request, tmp_path_factory, fast_monitor):
     from nexrl_core.controller import NexRLController
     from nexrl_core.plugins import PluginManager
 
-    if request.param == "ray":
+    launch_mode, tasks_per_call = ("local", 4) if request.param == "local-4-tasks-per-call" else (request.param, 1)
+    if launch_mode == "ray":
         request.getfixturevalue("ray_cluster")
     tmp_path = tmp_path_factory.mktemp(f"{request.param}_run")
     train = _write_jsonl(tmp_path / "train.jsonl", [_row(a, b, "train") for a, b in TRAIN])
     val = [_write_jsonl(tmp_path / f"{s}.jsonl", [_row(a, b, s) for a, b in pairs])
            for s, pairs in VAL_SOURCES.items()]
     recipe = {
-        "launch_mode": request.param,
+        "launch_mode": launch_mode,
         "run_dir": str(tmp_path / "run"),
         "runtime_monitor": fast_monitor,
         "logger": {"backend": ["console"], "level": "WARNING"},
         "data": {"type": "file", "path": train},
-        "rollout_worker": {"num_workers": 3, "evaluator": {"type": "exact_match"}},
+        "rollout_worker": {"num_workers": 3, "tasks_per_call": tasks_per_call, "evaluator": {"type": "exact_match"}},
         "trajectory_pool": {"batch_size": BATCH, "group_size": GROUP},
         "trainer": {"total_train_steps": STEPS, "save_freq": 2},
         "weight": {"validate_freq": VALIDATE_FREQ},
