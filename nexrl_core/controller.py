@@ -164,6 +164,7 @@ class NexRLController:
         for worker in self.rollout_workers:
             execute(worker.set_module_references, self.trajectory_pool, self.dataloader, self.weight_sync_controller,
                     self.validate_dataloader, self.validator, self.inference_client)
+            execute(worker.set_idle_wait, self.resource_manager.idle_wait_s)
 
     def modules(self) -> dict[NexRLRole, Any]:
         """Handles of every module, by role."""

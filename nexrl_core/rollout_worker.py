@@ -64,6 +64,7 @@ class BaseRolloutWorker(ThreadedModule):
         self.completed = 0
         self._puts_this_task = 0  # trajectories submitted for the task in hand
         self._tasks_per_call = int(config.get("tasks_per_call", 1) or 1)
+        self._idle_wait_s = _IDLE_WAIT_S
         # While running several tasks: (task number, destination, trajectory) held for one call each.
         self._held: list[tuple[int, Any, Trajectory]] | None = None
         self._task_number = 0
@@ -80,6 +81,12 @@ class BaseRolloutWorker(ThreadedModule):
         self._llm_client = inference_client
         if inference_client is not None:
             self._model_tag = str(execute(inference_client.get_model_tag))
+
+    def set_idle_wait(self, seconds: float) -> None:
+        """How long the loop waits for a rollout slot or a task before it looks at its mode again
+        (validation starting). The launch mode sets it: where each wait is a call to another
+        process, a longer one costs fewer calls while rollouts are held back."""
+        self._idle_wait_s = float(seconds)
 
     # -- lifecycle (the thread itself: ThreadedModule) ---------------------------------
     def begin_validate(self) -> None:
@@ -102,7 +109,7 @@ class BaseRolloutWorker(ThreadedModule):
                         not execute(wsc.begin_rollout, self._model_tag):
                     admitted = 0
                 if not admitted:
-                    execute(wsc.wait_rollout_allowed, self._model_tag, _IDLE_WAIT_S)
+                    execute(wsc.wait_rollout_allowed, self._model_tag, self._idle_wait_s)
                     continue
             loader = self._validate_dataloader if validating else self._dataloader
             tasks: list[dict[str, Any]] = []
@@ -123,7 +130,7 @@ class BaseRolloutWorker(ThreadedModule):
                     else:
                         execute(wsc.end_rollouts, self._model_tag, landed, admitted - landed)
             if not tasks:
-                execute(loader.wait_for_item, _IDLE_WAIT_S)
+                execute(loader.wait_for_item, self._idle_wait_s)
 
     def _run_tasks(self, tasks: list[dict[str, Any]], validating: bool) -> int:
         """Several tasks, their trajectories handed on in one call per destination (``tasks_per_call``);

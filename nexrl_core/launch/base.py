@@ -36,6 +36,8 @@ class ResourceManager(ABC):
     #: the weight-sync controller and the tracker a few questions: cheap in process, a few
     #: round trips between processes)
     poll_interval_s: float = 0.02
+    #: seconds a rollout worker waits for a slot or a task before it looks at its mode again
+    idle_wait_s: float = 0.05
 
     def __init__(self, config: Any = None, plugin_manager: Any = None) -> None:
         """``config``: the recipe (a mode reads its own settings there); ``plugin_manager``: what

@@ -55,7 +55,10 @@ class ActorInfo:
 
 
 class RayResourceManager(ResourceManager):
-    poll_interval_s = 0.1  # the monitor's questions cross processes: ask them less often
+    # Questions and waits cross processes here: ask less often (each is a call). A worker held
+    # back then sees a validation start up to idle_wait_s later.
+    poll_interval_s = 0.1
+    idle_wait_s = 0.25
 
     def __init__(self, config: Any = None, plugin_manager: Any = None) -> None:
         super().__init__(config, plugin_manager)
