@@ -56,6 +56,7 @@ class NexRLController:
         random.seed(int(config.seed))
         self._stop_requested = threading.Event()
         self._stop_reason = ""
+        self._dead: list[str] = []  # modules the health check found dead (their work never ends)
         self._validations: list[dict[str, float]] = []
         self._final_step = 0
         self._final_errors: list[str] = []
@@ -261,6 +262,7 @@ class NexRLController:
                 if dead:
                     unhealthy_since = unhealthy_since or now
                     if now - unhealthy_since >= float(rm.health_check.grace_period):
+                        self._dead = list(dead)
                         return "error", self._dead_message(dead)
                     logger.warning(f"not answering health checks: {', '.join(dead)}; waiting up to "
                                    f"{rm.health_check.grace_period}s for them to come back")
@@ -394,7 +396,7 @@ class NexRLController:
                 _best_effort("stopping the trainer", trainer.stop)
             for worker in self.rollout_workers:
                 _best_effort("stopping a rollout worker", worker.stop)
-            if not _best_effort("waiting for work in flight", tracker.wait_quiescent, timeout):
+            if not _best_effort("waiting for work in flight", tracker.wait_quiescent, timeout, self._dead):
                 logger.warning(f"still running after {timeout}s: "
                                f"{_best_effort('reading the activity', tracker.get_running_status_summary)}")
             if trainer is not None:

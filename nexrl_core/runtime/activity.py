@@ -68,9 +68,13 @@ class ActivityTracker:
         with self._cond:
             return not self._in_flight
 
-    def wait_quiescent(self, timeout: float | None = None) -> bool:
+    def wait_quiescent(self, timeout: float | None = None, ignore: list[str] | None = None) -> bool:
+        """Wait until no work is in flight; work of the modules in ``ignore`` (dead ones, whose work
+        will never end) does not count."""
+        skip = set(ignore or ())
         with self._cond:
-            return self._cond.wait_for(lambda: not self._in_flight, timeout)
+            return self._cond.wait_for(lambda: not any(m not in skip for m, _, _ in self._in_flight.values()),
+                                       timeout)
 
     def is_rollout_worker_quiescent(self) -> bool:
         with self._cond:

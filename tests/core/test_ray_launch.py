@@ -224,8 +224,8 @@ def test_a_killed_actor_is_detected_and_reported_by_role_and_actor(build, core_p
     controller = build(_recipe(tmp_path, rollout_worker={"num_workers": 2, "num_actors": 2},
                                trainer={"total_train_steps": 100000, "save_freq": 0, "step_time_s": 0.02},
                                weight={"validate_freq": 0}, validate={"validate_before_train": False, "data": None},
-                               runtime_monitor={"stop_timeout": 3, "health_check": {"check_interval": interval,
-                                                                                    "timeout": 5.0}}))
+                               runtime_monitor={"stop_timeout": 30, "health_check": {"check_interval": interval,
+                                                                                     "timeout": 5.0}}))
     victim = controller.resource_manager.actor_of(NexRLRole.ROLLOUT_WORKER, 1)
     outcome: list = []
     runner = threading.Thread(target=lambda: outcome.append(_outcome(controller.run)))
@@ -243,9 +243,10 @@ def test_a_killed_actor_is_detected_and_reported_by_role_and_actor(build, core_p
     assert isinstance(error, RunFailed), error
     message = str(error)
     assert "module rollout_worker_1 is dead or hung" in message and victim.name in message, message
-    # found by the next health check (one interval), plus the stop that follows it (which waits up to
-    # stop_timeout for the dead actor's work in flight)
-    assert took < interval + 3 + 5, took
+    # found by the next health check (one interval); the stop that follows does not wait for the dead
+    # actor's work in flight (it would never end)
+    print(f"a killed rollout-worker actor: the run failed {took:.2f}s later (health-check interval {interval}s)")
+    assert took < interval + 3, took
 
 
 def _outcome(fn):
