@@ -43,8 +43,10 @@ def connect(settings: RaySettings) -> Cluster:
             ray.init(address=settings.address, **common)
             logger.info(f"ray: attached to the cluster at {settings.address}")
             return Cluster(started=False, connected=True, address=_gcs_address())
+        # Workers at the driver's priority (Ray's default niceness of 15 starves them on a shared machine).
         ray.init(num_cpus=settings.num_cpus, num_gpus=settings.num_gpus,
-                 object_store_memory=settings.object_store_memory, **common)
+                 object_store_memory=settings.object_store_memory,
+                 _system_config={"worker_niceness": os.nice(0)}, **common)
     except (ConnectionError, RuntimeError, ValueError) as exc:
         where = f"the cluster at {settings.address}" if settings.address else "a local cluster"
         raise NexRLError(f"ray: cannot connect to {where}: {exc}") from None

@@ -120,7 +120,7 @@ class RayResourceManager(ResourceManager):
                          load_plugins=os.environ.get("NEXRL_LOAD_PLUGINS"),
                          run_dir=str(cfg.get("run_dir")) if cfg.get("run_dir") else None,
                          log_level=str(logger_cfg.get("level", "INFO")),
-                         seed=int(cfg["seed"]) if cfg.get("seed") is not None else None)
+                         seed=int(cfg["seed"]) if cfg.get("seed") is not None else None, niceness=os.nice(0))
 
     def _in_process_plugins(self) -> list[tuple[str, Any, str, str]]:
         if self._pm is None:
