@@ -311,6 +311,8 @@ def test_every_consumed_item_is_trained_or_recorded_once(build):
             "rollout_worker": {"type": "late_failure", "num_workers": 4, "evaluator": {"type": "boom"}},
             "trainer": {"total_train_steps": steps, "step_time_s": 0.01},
             "service": openai_service(server),
+            # most of a batch fails here on purpose: the failed-sample stop is tested elsewhere
+            "runtime_monitor": {"failed_samples": {"max_fraction": 1.0}},
         })
         when_step(controller, 3, lambda: server.fail_next(12, status=503))  # retried once, then fails
         summary = controller.run()
