@@ -25,8 +25,8 @@ def _betas(value: Any) -> str | None:
 
 
 TRAIN_SERVICE_OPTIONS = {
-    "backend": Option("local_torch", str, "the train service: local_torch (torch in this process)",
-                      choices=("local_torch",)),
+    # The core checks the value against the train services it knows.
+    "backend": Option("local_torch", str, "the train service: local_torch (torch in this process)"),
     **MODEL_OPTIONS,
     "lr": Option(1e-6, float, "AdamW learning rate", gt=0),
     "weight_decay": Option(0.0, float, "AdamW weight decay", ge=0),
