@@ -52,10 +52,6 @@ def _reward_range(value: Any) -> str | None:
     return None
 
 
-def _sinks(value: Any) -> str | None:
-    return None
-
-
 # -- sections -----------------------------------------------------------------------------------
 
 DATA = {
@@ -98,7 +94,7 @@ TRAINER = {
     "type": Option("mock", str, "registered trainer"),
     "total_train_steps": Option(10, int, "training steps of the run", ge=1),
     "checkpoint_path": Option("${run_dir}/checkpoints", (str, None), "folder of global_step_<N> checkpoints"),
-    "save_freq": Option(0, int, "checkpoint every N steps (0: only the last step when N > 0 ... never)", ge=0),
+    "save_freq": Option(0, int, "checkpoint every N steps and after the last one (0: never)", ge=0),
     "remove_previous_ckpt": Option(False, bool, "keep only the newest checkpoint"),
     "save_on_stop": Option(False, bool, "checkpoint when stopped by a signal"),
 }
