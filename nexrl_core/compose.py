@@ -63,7 +63,8 @@ class Composer:
 
     # -- groups ------------------------------------------------------------------------
     def is_group(self, group: str) -> bool:
-        return any(os.path.isdir(os.path.join(root, group)) for root in self.roots)
+        """A folder of ``.yaml`` options (a ``data/`` folder of JSONL files next to a recipe is not)."""
+        return bool(self.options(group))
 
     def options(self, group: str) -> list[str]:
         names = set()

@@ -254,9 +254,10 @@ class _Checker:
             elif opt.component is not None and isinstance(value, Mapping):
                 problems += self.component(value, opt, full)
             elif opt.options is not None and isinstance(value, Mapping):
-                problems += self.mapping(value, opt.options, full)
-                if opt.check is not None and not problems and (msg := opt.check(value)):
-                    problems.append(f"{full}: {msg}")
+                inner = self.mapping(value, opt.options, full)
+                if opt.check is not None and not inner and (msg := opt.check(value)):
+                    inner.append(f"{full}: {msg}")
+                problems += inner
             elif opt.options is not None and value is not None and not isinstance(value, Mapping):
                 problems.append(f"{full}: expected a mapping, got {type_name(value)}{_section_hint(full, value)}")
             else:

@@ -119,6 +119,10 @@ def test_a_value_override_on_a_section_with_no_group_is_refused(folder):
     assert str(info.value) == ("override 'trainer=grpo': 'trainer' is a section, not a value, and there is no config "
                                "group 'trainer' (no trainer/grpo.yaml next to the recipe or in nexrl_core/conf); set "
                                "one of its keys, e.g. trainer.type=grpo")
+    # a folder of data files next to the recipe is not a config group
+    folder({"data/train.jsonl": '{"prompt": "a"}\n'})
+    with pytest.raises(ConfigError, match=r"'data' is a section, not a value, and there is no config group 'data'"):
+        load_recipe(str(root / "r.yaml"), ["data=train"])
     # a group in the recipe's folder makes the same override a selection
     folder({"trainer/grpo.yaml": "total_train_steps: 3\n"})
     with pytest.raises(ConfigError, match=r"use '\+trainer=grpo' to add it"):
