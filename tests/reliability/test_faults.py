@@ -215,7 +215,9 @@ def test_hung_module_is_detected_within_interval_plus_timeout(build):
 def test_stopped_inference_server_is_noticed_within_one_health_interval(build):
     with FakeOpenAIServer() as server:
         controller = build({"trainer": {"total_train_steps": 100000, "step_time_s": 0.01},
-                            "service": openai_service(server)})
+                            "service": openai_service(server),
+                            # the health check is what is timed here; the failed samples would stop it too
+                            "runtime_monitor": {"failed_samples": {"enabled": False}}})
         seen = record_detections(controller)
         stopped_at: list[float] = []
         when_step(controller, 2, lambda: (server.stop(), stopped_at.append(time.monotonic())))
