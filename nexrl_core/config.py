@@ -368,6 +368,9 @@ def _cross_checks(values: Mapping[str, Any]) -> list[str]:
     if group and group > 1 and _get(values, "trajectory_pool.key_list") == []:
         problems.append("trajectory_pool.key_list: groups of more than one trajectory need a grouping key "
                         "(e.g. [uid])")
+    if _get(values, "overwrite_run_dir") is True and _get(values, "resume.mode") in ("auto", "from_path"):
+        problems.append(f"overwrite_run_dir: applies to a fresh run only (resume.mode: disable); with resume.mode "
+                        f"'{_get(values, 'resume.mode')}' the earlier run is continued, not moved aside")
     if _get(values, "resume.mode") == "from_path" and not _get(values, "resume.resume_path"):
         problems.append("resume.resume_path: required when resume.mode is 'from_path'")
     if isinstance(_get(values, "validate"), Mapping) and _get(values, "validate.data") is None:

@@ -60,9 +60,8 @@ DATA = {
     "shuffle": Option(True, bool, "shuffle the rows each epoch"),
 }
 
-VALIDATE_DATA = {
+VALIDATE_DATA = {  # a validation pass is ordered (no shuffling): a loader that draws data declares its seed
     "type": Option("file", str, "registered data loader of the validation set"),
-    "seed": Option(None, int, "seed of generated validation data"),
 }
 
 EVALUATOR = {

@@ -139,6 +139,7 @@ class ArithmeticDataLoader(BaseDataLoader):
         "split": Option("train", str, "which half of the operand pairs", choices=("train", "validation")),
         "template": Option("What is {a} + {b}? Reply with only the number.", str, "prompt, with {a} and {b}"),
         "data_source": Option("arithmetic", str, "data_source of every row"),
+        "seed": Option(None, int, "seed of the questions drawn (training data: data.seed)"),
     }
     CONFIG_KEYS = option_defaults(OPTIONS)  # deprecated view, for plugins that extend it
 
