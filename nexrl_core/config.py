@@ -287,19 +287,20 @@ class _Checker:
         merged = {**own, **core}
         problems = self.mapping(values, merged, path, owner=f"{words} '{name}'",
                                 listed=[k for k, o in own.items() if o.removed is None and k not in core])
-        return problems or section_problems(cls, values, path)
+        return problems or component_check(cls, values, path)
 
 
-def section_problems(cls: type, values: Mapping[str, Any], path: str, hook: str = "section_problems") -> list[str]:
-    """A component's own rules across its keys (``cls.section_problems(section) -> ["key: why"]``)."""
+def component_check(cls: type, values: Mapping[str, Any], path: str, hook: str = "check_config") -> list[str]:
+    """A component's own rules, run once its declared options are sound:
+    ``cls.check_config(section, key) -> ["<key>.<option>: why", ...]`` (the constructor should raise
+    the same, so validate and run agree)."""
     check = getattr(cls, hook, None)
-    if check is None:
+    if not callable(check):
         return []
     try:
-        found = list(check(dict(values)) or [])
+        return [str(p) for p in check(dict(values), path) or []]
     except Exception as exc:  # a plugin bug must not hide the recipe's problems behind a traceback
         return [f"{path}: {cls.__name__}.{hook} raised {type(exc).__name__}: {exc}"]
-    return [f"{path}.{p}" if path else p for p in found]
 
 
 def declared_options(kind: str, cls: type) -> dict[str, Option] | None:
@@ -400,7 +401,7 @@ def _check_train_service(values: Mapping[str, Any], trainer_cls: type) -> list[s
     declared = component_options(trainer_cls, "TRAIN_SERVICE_OPTIONS", "TRAIN_SERVICE_KEYS") or {}
     problems = check_options(section if section is not None else {}, declared, "service.train_service")
     if not problems and isinstance(section, Mapping):
-        problems += section_problems(trainer_cls, section, "service.train_service", "train_service_problems")
+        problems += component_check(trainer_cls, section, "service.train_service", "check_train_service")
     backend = section.get("backend") if isinstance(section, Mapping) else None
     if backend is not None and "backend" in declared and backend not in TRAIN_SERVICE_BACKENDS and not any(
             p.startswith("service.train_service.backend") for p in problems):

@@ -25,9 +25,9 @@ class FileDataLoader(BaseDataLoader):
     }
 
     @classmethod
-    def section_problems(cls, section: dict[str, Any]) -> list[str]:
+    def check_config(cls, section: Any, key: str) -> list[str]:
         if not section.get("path") and not section.get("dataset_paths"):
-            return ["path: required (a JSONL or Parquet file, or a list of them)"]
+            return [f"{key}.path: required (a JSONL or Parquet file, or a list of them)"]
         return []
 
     def __init__(self, config: Any, is_validate: bool = False):
@@ -144,10 +144,10 @@ class ArithmeticDataLoader(BaseDataLoader):
     CONFIG_KEYS = option_defaults(OPTIONS)  # deprecated view, for plugins that extend it
 
     @classmethod
-    def section_problems(cls, section: dict[str, Any]) -> list[str]:
+    def check_config(cls, section: Any, key: str) -> list[str]:
         lo = section.get("min_value", cls.OPTIONS["min_value"].default)
         hi = section.get("max_value", cls.OPTIONS["max_value"].default)
-        return [f"max_value: {hi} is below min_value {lo}"] if hi < lo else []
+        return [f"{key}.max_value: {hi} is below min_value {lo}"] if hi < lo else []
 
     def load_rows(self) -> list[dict[str, Any]]:
         cfg = self._config

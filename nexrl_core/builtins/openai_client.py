@@ -101,9 +101,9 @@ class OpenAICompatibleClient(InferenceClient):
     CONFIG_KEYS = option_defaults(OPTIONS)  # deprecated view, for plugins that extend it
 
     @classmethod
-    def section_problems(cls, section: dict[str, Any]) -> list[str]:
+    def check_config(cls, section: Any, key: str) -> list[str]:
         if not section.get("url") and not section.get("base_url"):
-            return ["url: required (the server's OpenAI base URL, e.g. http://127.0.0.1:8000/v1)"]
+            return [f"{key}.url: required (the server's OpenAI base URL, e.g. http://127.0.0.1:8000/v1)"]
         return []
 
     def __init__(self, config: Any):

@@ -16,7 +16,7 @@ from nexrl_core import Batch, BaseTrainer, Capabilities, ConfigError, Option, Tr
 from . import core_algos
 from .modeling import compute_response_logprobs, position_ids_from_mask
 from .train_service import LocalTorchTrainService
-from .weights import AUTO_FLAG, MODEL_OPTIONS, _auto_flag, config_errors, model_section_problems, resolve_model_path
+from .weights import AUTO_FLAG, MODEL_OPTIONS, _auto_flag, check_model_section, config_errors, resolve_model_path
 
 
 def _betas(value: Any) -> str | None:
@@ -57,7 +57,7 @@ class SelfHostedTrainer(BaseTrainer):
         provides={"trainer:state_dict"},
         requires={"weight_sync:state_dict": "it trains new weights in this process, and without a backend that "
                                             "moves them, rollouts keep sampling the initial model"})
-    train_service_problems = staticmethod(model_section_problems)
+    check_train_service = staticmethod(check_model_section)
 
     def __init__(self, config: Any):
         super().__init__(config)

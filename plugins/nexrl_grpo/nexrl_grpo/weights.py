@@ -51,10 +51,10 @@ def resolve_model_path(model_path: str | None, gguf_file: str | None = None) -> 
     return str(model_path)
 
 
-def model_section_problems(section: dict[str, Any]) -> list[str]:
-    """``section_problems`` of a section holding ``model_path``/``gguf_file``."""
+def check_model_section(section: Any, key: str) -> list[str]:
+    """``check_config`` of a section holding ``model_path``/``gguf_file``."""
     problem = model_path_problem(section.get("model_path"), section.get("gguf_file"))
-    return [problem] if problem else []
+    return [f"{key}.{problem}"] if problem else []
 
 
 MODEL_OPTIONS = {
@@ -94,7 +94,7 @@ class HFInferenceBackend(HFInferenceEngine):
                             check=_auto_flag),
     }
     CAPABILITIES = Capabilities(provides={"inference:load_weights"})
-    section_problems = staticmethod(model_section_problems)
+    check_config = staticmethod(check_model_section)
 
     def __init__(self, config: Any):
         from omegaconf import OmegaConf
