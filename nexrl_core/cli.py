@@ -1,7 +1,8 @@
 """The `nexrl` command: run, validate, eval, plugins.
 
-Exit codes: 0 success; 2 bad input (recipe, override, data file, plugin: nothing ran), the same
-lines from ``validate`` and ``run``; 1 a run or evaluation that failed; 130 interrupted.
+Exit codes: 0 success; 2 bad input (a recipe, override, data file or plugin problem: nothing
+ran), the same lines from ``validate`` and ``run``; 1 a run or evaluation that failed (a server
+that does not start included); 130 interrupted.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import signal
 import sys
 from typing import Any
 
-from .errors import NexRLError
+from .errors import ConfigError, DataError, NexRLError, PluginError
 
 EVAL_FILES = ("metrics.json", "samples.jsonl", "errors.jsonl", "eval.log")
 
@@ -47,10 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return {"run": _run, "validate": _validate, "eval": _eval, "plugins": _plugins}[args.command](args)
     except NexRLError as exc:
-        from .controller import RunFailed
-
         _print_problems(getattr(exc, "problems", None) or [str(exc)])
-        return 1 if isinstance(exc, (RunFailed, _Failed)) else 2
+        return 2 if isinstance(exc, (ConfigError, DataError, PluginError)) else 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -11,7 +11,7 @@ import time
 from typing import Any
 
 from ..markers import hookimpl
-from ..options import Option, option_defaults
+from ..options import Capabilities, Option, option_defaults
 from ..inference import CompletionResult, InferenceClient, SamplingParams
 from ..trainer import BaseTrainer
 from ..types import Trajectory
@@ -68,6 +68,10 @@ class MockInferenceClient(InferenceClient):
 
 class MockTrainer(BaseTrainer):
     """Trains nothing; remembers what it was given (tests check the data flow with it)."""
+
+    # Exports an (empty) state dict, so it stands in for a self-hosted trainer with any in-process
+    # weight sync; its weights never change, so it needs none.
+    CAPABILITIES = Capabilities(provides={"trainer:state_dict"})
 
     OPTIONS = {"step_time_s": Option(0.0, float, "seconds each training step takes", ge=0)}
     CONFIG_KEYS = option_defaults(OPTIONS)  # deprecated view, for plugins that extend it

@@ -63,9 +63,6 @@ CASES = {
         "error: weight.backend: weight-sync backend 'in_process' needs 'inference:load_weights' (it loads them into "
         "an inference engine in this process), which neither trainer 'self_hosted_grpo', inference backend "
         "'openai' provides; it is provided by service.inference_service.backend: hf (nexrl-grpo)"),
-    "in_process_without_trainer_weights": (
-        ["trainer.type=mock"],
-        "error: weight.backend: weight-sync backend 'in_process' needs 'trainer:state_dict'"),
     "nan_learning_rate": (["service.train_service.lr=nan"],
                           "error: service.train_service.lr: expected a finite number, got nan"),
     "inf_learning_rate": (["service.train_service.lr=inf"],
