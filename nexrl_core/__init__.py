@@ -8,7 +8,7 @@ from .evaluation import BaseEvaluationTarget, EvaluationRunResult, Evaluator
 from .runtime.execute import ModuleUnavailable, RpcTimeout, execute, execute_async, execute_with_timeout
 from .inference import CompletionResult, InferenceClient, InferenceError, SamplingParams
 from .markers import hookimpl
-from .options import REQUIRED, Capabilities, Option
+from .options import REQUIRED, Capabilities, Option, check_options, component_options
 from .plugins import PluginManager, get_plugin_manager
 from .runtime.module import NexRLModule
 from .runtime.threaded import ThreadedModule
@@ -33,7 +33,8 @@ __all__ = [
     "RunSummary",
     "SamplingParams", "SimpleRolloutWorker", "SimpleTrajectoryStore", "ThreadedModule", "Trajectory",
     "TrajectoryPool", "TrajectoryPoolInstance", "Validator", "WeightSyncBackend", "WeightSyncController",
-    "execute", "execute_async", "execute_with_timeout", "get_plugin_manager", "hookimpl", "OpenAICompatibleClient",
+    "check_options", "component_options", "execute", "execute_async", "execute_with_timeout", "get_plugin_manager",
+    "hookimpl", "OpenAICompatibleClient",
 ]
 
 
