@@ -321,10 +321,10 @@ def test_validate_and_run_reject_ray_without_ray_with_the_same_message(core_pm, 
     message = launch_mode_problem("ray")
     assert message == "launch_mode: 'ray' needs Ray, an optional extra: pip install 'nexrl-core[ray]'"
     assert main(["validate", str(path)]) == 2
-    assert f"- {message}\n" in capfd.readouterr().err
-    assert main(["run", str(path)]) == 1
+    assert capfd.readouterr().err == f"error: {message}\n"
+    assert main(["run", str(path)]) == 2  # bad input: the same line and exit code as validate
     err = capfd.readouterr().err
-    assert f"- {message}\n" in err and "Traceback" not in err
+    assert err == f"error: {message}\n" and "Traceback" not in err
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from nexrl_core import (EvaluationRunResult, Evaluator, WeightSyncBackend, deferred, execute, hookimpl)
+from nexrl_core import EvaluationRunResult, Evaluator, Option, WeightSyncBackend, deferred, execute, hookimpl
 from nexrl_core.builtins.mock import MockInferenceClient, MockTrainer
 
 # pid -> the last export of the trainer in that process
@@ -77,7 +77,7 @@ class ProbePlugin:
 class FailingTrainer(MockTrainer):
     """Raises in its training thread at step ``fail_at``."""
 
-    CONFIG_KEYS = {"fail_at": 2}
+    OPTIONS = {"fail_at": Option(2, int, "the step whose training raises", ge=1)}
 
     def train(self, trajectories: list) -> dict[str, float]:
         if self.global_step + 1 == int(self._config.get("fail_at", 2)):
