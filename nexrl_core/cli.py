@@ -106,6 +106,11 @@ def _validate(args: Any) -> int:
     if problems:
         _print_problems(problems)
         return 2
+    from .launch import unused_launch_keys_note
+
+    note = unused_launch_keys_note(cfg)
+    if note:
+        print(f"warning: {note}", file=sys.stderr)  # as `nexrl run` logs it
     print(f"{args.recipe}: ok")
     return 0
 

@@ -34,6 +34,38 @@ def launch_mode_problem(mode: Any) -> str | None:
     return f"launch_mode: '{mode}' is not one of {', '.join(LAUNCH_MODES)}"
 
 
+def unused_launch_keys(config: Any) -> list[str]:
+    """Keys of another launch mode that the recipe sets to other than their defaults (a Ray
+    recipe run with ``launch_mode=local``): accepted, so one key switches the mode, but named,
+    so nobody believes they took effect."""
+    from ..options import option_defaults
+    from ..schema import RAY, ROLLOUT_WORKER
+
+    if config.get("launch_mode", "local") == "ray":
+        return []
+    section = config.get("ray") or {}
+    defaults = option_defaults(RAY)
+    keys = [f"ray.{k}" for k in RAY if k in section and _plain(section[k]) != defaults[k]]
+    workers = config.get("rollout_worker") or {}
+    if workers.get("num_actors", 1) != ROLLOUT_WORKER["num_actors"].default:
+        keys.append("rollout_worker.num_actors")
+    return keys
+
+
+def _plain(value: Any) -> Any:
+    from omegaconf import DictConfig, ListConfig, OmegaConf
+
+    return OmegaConf.to_container(value, resolve=True) if isinstance(value, (DictConfig, ListConfig)) else value
+
+
+def unused_launch_keys_note(config: Any) -> str | None:
+    keys = unused_launch_keys(config)
+    if not keys:
+        return None
+    return (f"{', '.join(keys)}: appl{'ies' if len(keys) == 1 else 'y'} to launch_mode: ray only; this run is "
+            f"launch_mode: {config.get('launch_mode', 'local')} and does not use {'it' if len(keys) == 1 else 'them'}")
+
+
 def create_resource_manager(config: Any, plugin_manager: Any = None) -> ResourceManager:
     """The resource manager of the recipe's ``launch_mode``."""
     mode = config.get("launch_mode", "local")
@@ -45,4 +77,4 @@ def create_resource_manager(config: Any, plugin_manager: Any = None) -> Resource
 
 
 __all__ = ["LAUNCH_MODES", "PLANNED_LAUNCH_MODES", "ResourceManager", "RoleSpec", "create_resource_manager",
-           "launch_mode_problem"]
+           "launch_mode_problem", "unused_launch_keys", "unused_launch_keys_note"]
