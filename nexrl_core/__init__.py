@@ -1,5 +1,6 @@
 """nexrl-core: hook specs, plugin manager, controller and data flow of the nexrl RL framework."""
 
+from . import algorithms
 from .runtime.activity import ActivityTracker, ActivityTrackerProxy
 from .controller import NexRLController, RunFailed, RunSummary
 from .dataloader import BaseDataLoader
@@ -31,7 +32,8 @@ __all__ = [
     "NexRLError", "NexRLModule", "NexRLRole", "PluginError", "PluginManager", "RpcTimeout", "RunFailed", "RunSummary",
     "SamplingParams", "SimpleRolloutWorker", "SimpleTrajectoryStore", "ThreadedModule", "Trajectory",
     "TrajectoryPool", "TrajectoryPoolInstance", "Validator", "WeightSyncBackend", "WeightSyncController",
-    "execute", "execute_async", "execute_with_timeout", "get_plugin_manager", "hookimpl", "OpenAICompatibleClient",
+    "algorithms", "execute", "execute_async", "execute_with_timeout", "get_plugin_manager", "hookimpl",
+    "OpenAICompatibleClient",
 ]
 
 

@@ -15,6 +15,7 @@ import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from .algorithms.registry import algorithm_keys
 from .errors import ConfigError, NexRLError
 from .launch import launch_mode_problem
 
@@ -192,8 +193,10 @@ def check_config(cfg: DictConfig, plugin_manager: Any) -> list[str]:
         problems += _check_evaluator(ev, plugin_manager)
     trainer_cls = component("trainer", cfg.trainer, "trainer", dict(OmegaConf.to_container(defaults.trainer)))
     if trainer_cls is not None:
-        algo_keys = getattr(trainer_cls, "ALGORITHM_KEYS", {}) or {}
-        problems += _check_keys(cfg.algorithm, OmegaConf.create(dict(algo_keys)), "algorithm", strict_nested=False)
+        # The trainer's own keys plus those of the estimator / loss the recipe selects.
+        algo_keys, algo_problems = algorithm_keys(trainer_cls, cfg.algorithm, plugin_manager)
+        problems += algo_problems
+        problems += _check_keys(cfg.algorithm, OmegaConf.create(algo_keys), "algorithm")
         ts_keys = getattr(trainer_cls, "TRAIN_SERVICE_KEYS", {}) or {}
         problems += _check_keys(cfg.service.train_service, OmegaConf.create(dict(ts_keys)), "service.train_service",
                                 strict_nested=False)

@@ -6,19 +6,104 @@ server can give them) so training never re-tokenizes text.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import threading
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from difflib import get_close_matches
 from typing import Any
+
+from .errors import ConfigError
+
 
 @dataclass
 class SamplingParams:
+    """How one completion is sampled. Every backend honours every field (none is dropped).
+
+    A trajectory carries the parameters it was sampled with (``trajectory["sampling"]``, written
+    by :meth:`as_record`): they travel with the data, so the trainer scores each row at the
+    temperature that produced it. Conventions every backend follows:
+
+    - ``temperature`` 0 is greedy decoding, and the reported log-probs are then those at
+      temperature 1 (vLLM's convention); :attr:`logprob_temperature` is the temperature the
+      log-probs of a completion are taken at, which is what the trainer uses.
+    - ``top_k`` 0 (or -1, vLLM's older spelling) keeps every token; ``top_p`` 1 likewise.
+    - Log-probs are over the full vocabulary at the temperature, even when ``top_k``/``top_p``
+      truncated the sampling distribution (vLLM's ``processed_logprobs`` before truncation).
+    """
+
     max_tokens: int = 64
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = 0
     stop: list[str] = field(default_factory=list)
     # Per-request seed: makes sampling reproducible whatever else is batched with it.
     seed: int | None = None
+
+    # The keys a recipe may set (rollout_worker.sampling); the seed is derived per request.
+    RECIPE_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "stop")
+
+    @property
+    def logprob_temperature(self) -> float:
+        return float(self.temperature) if self.temperature > 0 else 1.0
+
+    def problems(self) -> list[str]:
+        """What is wrong with these values, one line per field (empty when they are sound)."""
+        out = []
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            out.append(f"max_tokens: must be an integer >= 1, got {self.max_tokens!r}")
+        if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
+            out.append(f"temperature: must be a finite number >= 0, got {self.temperature!r}")
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+            out.append(f"top_p: must be in (0, 1], got {self.top_p!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
+            out.append(f"top_k: must be an integer >= 0 (0 or -1: no limit), got {self.top_k!r}")
+        if not isinstance(self.stop, (list, tuple)) or not all(isinstance(x, str) for x in self.stop):
+            out.append(f"stop: must be a list of strings, got {self.stop!r}")
+        return out
+
+    def check(self) -> SamplingParams:
+        """``self``, or ValueError naming every bad field."""
+        problems = self.problems()
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    def as_record(self) -> dict[str, Any]:
+        """The parameters as a plain dict, for ``trajectory["sampling"]``."""
+        record = dataclasses.asdict(self)
+        record["stop"] = list(record["stop"])
+        return record
+
+    @classmethod
+    def from_config(cls, section: Mapping[str, Any] | None, key: str = "rollout_worker.sampling") -> SamplingParams:
+        """Parameters from a recipe mapping; ConfigError naming ``key`` for an unknown key (with a
+        "did you mean") or a bad value."""
+        section = dict(section or {})
+        problems = []
+        for name in section:
+            if name not in cls.RECIPE_KEYS:
+                hint = get_close_matches(str(name), cls.RECIPE_KEYS, n=1)
+                extra = "; the seed is derived per request from rollout_worker.seed" if name == "seed" else ""
+                problems.append(f"{key}.{name}: unknown sampling key" + (f"; did you mean '{key}.{hint[0]}'?" if hint
+                                                                          else f" (known: {', '.join(cls.RECIPE_KEYS)})") + extra)
+        if problems:
+            raise ConfigError("; ".join(problems))
+        if "stop" in section and isinstance(section["stop"], str):
+            section["stop"] = [section["stop"]]
+        params = cls(**section)
+        bad = params.problems()
+        if bad:
+            raise ConfigError("; ".join(f"{key}.{line}" for line in bad))
+        if params.top_k == -1:
+            params.top_k = 0
+        return params
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 @dataclass
@@ -56,10 +141,12 @@ class InferenceClient(ABC):
     def completion(self, prompt: str | list[dict[str, Any]], **kwargs: Any) -> dict[str, Any]:
         """The seed's dict-shaped call: sampling keys as keyword arguments."""
         known = {k: kwargs.pop(k) for k in list(kwargs) if k in SamplingParams.__dataclass_fields__}
-        result = self.complete(prompt, SamplingParams(**known))
+        params = SamplingParams(**known).check()
+        result = self.complete(prompt, params)
         return {"prompt": prompt, "response": result.text, "finish_reason": result.finish_reason,
                 "prompt_token_ids": result.prompt_token_ids, "response_token_ids": result.response_token_ids,
-                "response_logprobs": result.response_logprobs, "model_version": result.model_version, **kwargs}
+                "response_logprobs": result.response_logprobs, "model_version": result.model_version,
+                "sampling": params.as_record(), **kwargs}
 
     def get_model_tag(self) -> str:
         return self.model_tag

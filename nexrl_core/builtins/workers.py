@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from typing import Any
 
+from omegaconf import DictConfig, OmegaConf
+
+from ..errors import ConfigError
 from ..inference import SamplingParams
 from ..markers import hookimpl
 from ..rollout_worker import BaseRolloutWorker, ItemFailure
@@ -15,16 +19,22 @@ class SimpleRolloutWorker(BaseRolloutWorker):
     """Single turn: prompt -> inference service -> evaluator -> trajectory."""
 
     CONFIG_KEYS = {"prompt_key": "prompt", "use_chat": True, "system_prompt": None,
-                   "sampling": {}, "reward_range": None, "answer_key": None}
+                   "sampling": {k: v for k, v in SamplingParams().as_record().items() if k in SamplingParams.RECIPE_KEYS},
+                   "reward_range": None, "answer_key": None}
 
     def __init__(self, config: Any):
         super().__init__(config)
         self._prompt_key = str(config.get("prompt_key", "prompt"))
         self._use_chat = bool(config.get("use_chat", True))
         self._system_prompt = config.get("system_prompt")
-        sampling = dict(config.get("sampling", {}) or {})
-        self._sampling = {k: sampling[k] for k in ("max_tokens", "temperature", "top_p", "stop") if k in sampling}
-        self._validate_temperature = config.get("validate_temperature")
+        sampling = config.get("sampling", {}) or {}
+        self._sampling = SamplingParams.from_config(
+            OmegaConf.to_container(sampling) if isinstance(sampling, DictConfig) else sampling)
+        validate_temperature = config.get("validate_temperature")
+        if validate_temperature is not None and replace(self._sampling, temperature=validate_temperature).problems():
+            raise ConfigError(f"rollout_worker.validate_temperature: must be a finite number >= 0 (0: greedy), "
+                              f"got {validate_temperature!r}")
+        self._validate_temperature = validate_temperature
 
     def build_prompt(self, task: dict[str, Any]) -> str | list[dict[str, Any]]:
         prompt = task.get(self._prompt_key)
@@ -37,7 +47,7 @@ class SimpleRolloutWorker(BaseRolloutWorker):
         if task.get(self._prompt_key) in (None, ""):
             raise ItemFailure("missing_prompt", f"task has no '{self._prompt_key}' field")
         prompt = self.build_prompt(task)
-        params = SamplingParams(**self._sampling, seed=self.sampling_seed(task))
+        params = replace(self._sampling, seed=self.sampling_seed(task))
         if self._task_is_validation and self._validate_temperature is not None:
             params.temperature = float(self._validate_temperature)
         result = execute(self._llm_client.complete, prompt, params)
@@ -50,6 +60,7 @@ class SimpleRolloutWorker(BaseRolloutWorker):
             "prompt_token_ids": result.prompt_token_ids,
             "response_token_ids": result.response_token_ids,
             "response_logprobs": result.response_logprobs,
+            "sampling": params.as_record(),  # what produced these tokens: the trainer scores with it
             "model_version": result.model_version if result.model_version >= 0 else self._current_version(),
             "reward": float(evaluation.reward),
             "ground_truth": evaluation.ground_truth,
