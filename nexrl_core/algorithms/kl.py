@@ -67,7 +67,7 @@ class AdaptiveKLController:
 
     def __init__(self, init_kl_coef: float, target_kl: float, horizon: float):
         if target_kl <= 0 or horizon <= 0:
-            raise ValueError(f"AdaptiveKLController needs target_kl > 0 and horizon > 0, got {target_kl}, {horizon}")
+            raise ValueError(f"kl_ctrl: adaptive control needs target_kl > 0 and horizon > 0, got {target_kl}, {horizon}")
         self.value = float(init_kl_coef)
         self.target = float(target_kl)
         self.horizon = float(horizon)
@@ -83,11 +83,18 @@ KL_CTRL_DEFAULTS = {"type": "fixed", "kl_coef": 0.001, "target_kl": 0.1, "horizo
 def get_kl_controller(config: Mapping[str, Any] | Any) -> FixedKLController | AdaptiveKLController:
     """A controller from a ``kl_ctrl`` mapping (keys and defaults: :data:`KL_CTRL_DEFAULTS`)."""
     cfg = {**KL_CTRL_DEFAULTS, **dict(config or {})}
+
+    def number(name: str) -> float:
+        value = cfg[name]
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"kl_ctrl.{name}: expected a number, got {value!r}")
+        return float(value)
+
     if cfg["type"] == "fixed":
-        return FixedKLController(float(cfg["kl_coef"]))
+        return FixedKLController(number("kl_coef"))
     if cfg["type"] == "adaptive":
-        return AdaptiveKLController(float(cfg["kl_coef"]), float(cfg["target_kl"]), float(cfg["horizon"]))
-    raise ValueError(f"kl_ctrl.type {cfg['type']!r} is unknown; valid types: ['adaptive', 'fixed']")
+        return AdaptiveKLController(number("kl_coef"), number("target_kl"), number("horizon"))
+    raise ValueError(f"kl_ctrl.type: {cfg['type']!r} is not one of adaptive, fixed")
 
 
 def apply_kl_penalty(

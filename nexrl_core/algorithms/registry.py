@@ -16,8 +16,9 @@ lists the accepted values. Positional parameters are the data the trainer passes
 may also carry ``loss_defaults`` (a dict): defaults it recommends for the policy loss's keys,
 used when the recipe does not set them (Dr. GRPO's loss normaliser).
 
-A trainer declares its own keys in ``ALGORITHM_KEYS`` (name -> default) and which of them select
-a function in ``ALGORITHM_SELECTORS`` (key -> kind). :func:`algorithm_keys` (``nexrl validate``)
+A trainer declares its own keys in ``ALGORITHM_KEYS`` (name -> default), which of them select
+a function in ``ALGORITHM_SELECTORS`` (key -> kind) and may check its values in a classmethod
+``algorithm_option_problems(options) -> list[str]``. :func:`algorithm_keys` (``nexrl validate``)
 and :func:`select_algorithms` (the trainer) read the recipe the same way.
 """
 
@@ -137,6 +138,22 @@ def _plain(section: Any) -> dict[str, Any]:
     return dict(section) if isinstance(section, Mapping) else {}
 
 
+def _merged(defaults: Mapping[str, Any], section: Mapping[str, Any]) -> dict[str, Any]:
+    """The recipe's values over the defaults; a mapping-valued key is merged one level deep."""
+    out = dict(defaults)
+    for name, value in section.items():
+        default = defaults.get(name)
+        out[name] = {**default, **value} if isinstance(default, Mapping) and isinstance(value, Mapping) else value
+    return out
+
+
+def _trainer_problems(trainer_cls: type, options: Mapping[str, Any]) -> list[str]:
+    """The trainer's own checks of its values (``algorithm_option_problems(options)``, optional;
+    it must cope with values of the wrong type, which the key check reports)."""
+    check = getattr(trainer_cls, "algorithm_option_problems", None)
+    return list(check(dict(options))) if check is not None else []
+
+
 def _resolve(trainer_cls: type, algorithm: Any, registry: AlgorithmRegistry
              ) -> tuple[dict[str, AlgorithmFunction], dict[str, Any], dict[str, tuple[Any, ...]], list[str]]:
     own = dict(getattr(trainer_cls, "ALGORITHM_KEYS", {}) or {})
@@ -168,7 +185,9 @@ def algorithm_keys(trainer_cls: type, algorithm: Any, plugin_manager: Any) -> tu
     are for the caller's key check against the returned defaults."""
     registry = AlgorithmRegistry.from_plugin_manager(plugin_manager)
     _, defaults, choices, problems = _resolve(trainer_cls, algorithm, registry)
-    problems += _choice_problems(_plain(algorithm), choices)
+    section = _plain(algorithm)
+    problems += _choice_problems(section, choices)
+    problems += _trainer_problems(trainer_cls, _merged(defaults, section))
     return defaults, problems
 
 
@@ -192,6 +211,8 @@ def select_algorithms(trainer_cls: type, algorithm: Any, registry: AlgorithmRegi
         if name not in defaults:
             hint = get_close_matches(name, sorted(defaults), n=1)
             problems.append(f"algorithm.{name}: unknown key" + (f"; did you mean 'algorithm.{hint[0]}'?" if hint else ""))
+    options = _merged(defaults, section)
+    problems += _trainer_problems(trainer_cls, options)
     if problems:
         raise ConfigError("; ".join(problems))
-    return AlgorithmSelection(functions, {**defaults, **section})
+    return AlgorithmSelection(functions, options)

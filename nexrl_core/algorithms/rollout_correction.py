@@ -47,10 +47,13 @@ def rollout_mismatch_metrics(trainer_logprob: np.ndarray, rollout_logprob: np.nd
 
 
 def check_cap(cap: float) -> float:
-    """``cap`` as a float, or ValueError: a cap below 1 would down-weight on-policy tokens too."""
+    """``cap`` as a float; TypeError for a non-number, ValueError below 1 (it would down-weight
+    on-policy tokens too) or not finite."""
+    if isinstance(cap, bool) or not isinstance(cap, (int, float, np.floating, np.integer)):
+        raise TypeError(f"rollout_correction.cap: expected a number, got {cap!r}")
     value = float(cap)
     if not math.isfinite(value) or value < 1.0:
-        raise ValueError(f"rollout_correction.cap must be a finite number >= 1, got {cap!r}")
+        raise ValueError(f"rollout_correction.cap: must be a finite number >= 1, got {cap!r}")
     return value
 
 
