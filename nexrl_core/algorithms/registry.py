@@ -186,6 +186,8 @@ def algorithm_keys(trainer_cls: type, algorithm: Any, plugin_manager: Any) -> tu
     registry = AlgorithmRegistry.from_plugin_manager(plugin_manager)
     _, defaults, choices, problems = _resolve(trainer_cls, algorithm, registry)
     section = _plain(algorithm)
+    if problems:  # a function that is not found cannot say which keys it reads: no guesses about them
+        defaults.update({name: None for name in section if name not in defaults})
     problems += _choice_problems(section, choices)
     problems += _trainer_problems(trainer_cls, _merged(defaults, section))
     return defaults, problems
@@ -206,6 +208,8 @@ def select_algorithms(trainer_cls: type, algorithm: Any, registry: AlgorithmRegi
     (including a key nobody reads)."""
     functions, defaults, choices, problems = _resolve(trainer_cls, algorithm, registry)
     section = _plain(algorithm)
+    if problems:
+        raise ConfigError("; ".join(problems))
     problems += _choice_problems(section, choices)
     for name in section:
         if name not in defaults:
