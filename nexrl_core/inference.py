@@ -78,10 +78,13 @@ class SamplingParams:
         return record
 
     @classmethod
-    def from_config(cls, section: Mapping[str, Any] | None, key: str = "rollout_worker.sampling") -> SamplingParams:
-        """Parameters from a recipe mapping; ConfigError naming ``key`` for an unknown key (with a
-        "did you mean") or a bad value."""
-        section = dict(section or {})
+    def recipe_problems(cls, section: Any, key: str = "rollout_worker.sampling") -> list[str]:
+        """Problems of a recipe's sampling mapping, one line each naming the key: an unknown key
+        (with a "did you mean") or a bad value. Empty when :meth:`from_config` will accept it."""
+        if section is None:
+            return []
+        if not isinstance(section, Mapping):
+            return [f"{key}: expected a mapping of sampling keys, got {section!r}"]
         problems = []
         for name in section:
             if name not in cls.RECIPE_KEYS:
@@ -89,17 +92,29 @@ class SamplingParams:
                 extra = "; the seed is derived per request from rollout_worker.seed" if name == "seed" else ""
                 problems.append(f"{key}.{name}: unknown sampling key" + (f"; did you mean '{key}.{hint[0]}'?" if hint
                                                                           else f" (known: {', '.join(cls.RECIPE_KEYS)})") + extra)
+        if not problems:
+            problems = [f"{key}.{line}" for line in cls(**_stop_as_list(section)).problems()]
+        return problems
+
+    @classmethod
+    def from_config(cls, section: Mapping[str, Any] | None, key: str = "rollout_worker.sampling") -> SamplingParams:
+        """Parameters from a recipe mapping (``top_k`` -1 read as 0); ConfigError listing
+        :meth:`recipe_problems`."""
+        problems = cls.recipe_problems(section, key)
         if problems:
             raise ConfigError("; ".join(problems))
-        if "stop" in section and isinstance(section["stop"], str):
-            section["stop"] = [section["stop"]]
-        params = cls(**section)
-        bad = params.problems()
-        if bad:
-            raise ConfigError("; ".join(f"{key}.{line}" for line in bad))
+        params = cls(**_stop_as_list(section or {}))
         if params.top_k == -1:
             params.top_k = 0
         return params
+
+
+def _stop_as_list(section: Mapping[str, Any]) -> dict[str, Any]:
+    """A single stop string is a list of one (as OpenAI's API accepts it)."""
+    out = dict(section)
+    if isinstance(out.get("stop"), str):
+        out["stop"] = [out["stop"]]
+    return out
 
 
 def _is_number(value: Any) -> bool:

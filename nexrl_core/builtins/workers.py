@@ -27,14 +27,21 @@ class SimpleRolloutWorker(BaseRolloutWorker):
         self._prompt_key = str(config.get("prompt_key", "prompt"))
         self._use_chat = bool(config.get("use_chat", True))
         self._system_prompt = config.get("system_prompt")
-        sampling = config.get("sampling", {}) or {}
-        self._sampling = SamplingParams.from_config(
-            OmegaConf.to_container(sampling) if isinstance(sampling, DictConfig) else sampling)
-        validate_temperature = config.get("validate_temperature")
-        if validate_temperature is not None and replace(self._sampling, temperature=validate_temperature).problems():
-            raise ConfigError(f"rollout_worker.validate_temperature: must be a finite number >= 0 (0: greedy), "
-                              f"got {validate_temperature!r}")
-        self._validate_temperature = validate_temperature
+        problems = self.check_config(config)
+        if problems:
+            raise ConfigError("; ".join(problems))
+        self._sampling = SamplingParams.from_config(_plain(config.get("sampling")))
+        self._validate_temperature = config.get("validate_temperature")
+
+    @classmethod
+    def check_config(cls, section: Any, key: str = "rollout_worker") -> list[str]:
+        """The sampling values (``nexrl validate`` and the constructor run the same checks)."""
+        problems = SamplingParams.recipe_problems(_plain(section.get("sampling")), f"{key}.sampling")
+        temperature = section.get("validate_temperature")
+        if temperature is not None and SamplingParams(temperature=temperature).problems():
+            problems.append(f"{key}.validate_temperature: must be a finite number >= 0 (0: greedy), "
+                            f"got {temperature!r}")
+        return problems
 
     def build_prompt(self, task: dict[str, Any]) -> str | list[dict[str, Any]]:
         prompt = task.get(self._prompt_key)
@@ -68,6 +75,10 @@ class SimpleRolloutWorker(BaseRolloutWorker):
             "extra_info": evaluation.extra_info,
         })
         return self._put_trajectory(trajectory)
+
+
+def _plain(value: Any) -> Any:
+    return OmegaConf.to_container(value, resolve=True) if isinstance(value, DictConfig) else value
 
 
 _WORD = re.compile(r"[A-Za-z]+")

@@ -271,7 +271,7 @@ def test_truncated_is_weights_match_reference(pairs, cap):
             row.append(w)
             if m:
                 kept.append(w)
-                capped.append(1.0 if math.exp(t - r) > cap * (1 + 1e-12) else 0.0)
+                capped.append(1.0 if t - r > math.log(cap) else 0.0)  # the ratio exceeds the cap
         expected.append(row)
     assert_close(weights, expected)
     n = max(len(kept), 1)

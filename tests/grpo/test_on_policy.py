@@ -109,12 +109,12 @@ def rollouts(engine, temperature: float, n: int = 8, seed: int = 0) -> list[dict
             for i, (r, p) in enumerate(zip(results, params))]
 
 
-def make_trainer(model_dir: str, **algorithm) -> SelfHostedGrpoTrainer:
+def make_trainer(model_dir: str, service: dict | None = None, **algorithm) -> SelfHostedGrpoTrainer:
+    train_service = {"model_path": model_dir, "lr": 0.0, "grad_clip": 0, "num_threads": 1, **(service or {})}
     config = OmegaConf.create({
         "seed": 0, "trainer": {"total_train_steps": 1}, "trajectory_pool": {"batch_size": 8},
         "rollout_worker": {}, "algorithm": algorithm,
-        "service": {"train_service": {"model_path": model_dir, "lr": 0.0, "grad_clip": 0, "num_threads": 1},
-                    "inference_service": {}},
+        "service": {"train_service": train_service, "inference_service": {}},
     })
     trainer = SelfHostedGrpoTrainer(config)
     trainer.initialize_workers()
@@ -131,6 +131,18 @@ def test_mismatch_metrics_see_a_misreported_temperature(tiny_model_dir, engine):
     assert metrics["train/rollout_logprob_diff_mean"] > 0.05 and metrics["train/rollout_kl_k3"] > 1e-3, metrics
     assert metrics["train/rollout_logprob_diff_max"] >= metrics["train/rollout_logprob_diff_mean"]
     assert abs(metrics["train/ppo_kl"]) < 1e-6  # the ratio stays the trainer's own
+
+
+def test_micro_batches_report_the_whole_batch_mismatch(tiny_model_dir, engine):
+    """Per-micro-batch metrics combine by name: the max as a max, means weighted by tokens."""
+    batch = [{**t, "response_logprobs": [lp - 0.01 * (i % 3) * k for k, lp in enumerate(t["response_logprobs"])]}
+             for i, t in enumerate(rollouts(engine, 0.7))]  # a different mismatch in every row
+    whole = make_trainer(tiny_model_dir, rollout_correction={"enabled": True}).train(batch)
+    split = make_trainer(tiny_model_dir, service={"micro_batch_size": 3}, rollout_correction={"enabled": True}).train(batch)
+    for name in ("rollout_logprob_diff_mean", "rollout_logprob_diff_max", "rollout_kl_k3", "rollout_is_weight_mean",
+                 "rollout_is_capped_frac", "ppo_kl", "pg_clipfrac"):
+        assert split[f"train/{name}"] == pytest.approx(whole[f"train/{name}"], rel=1e-5, abs=1e-9), name
+    assert whole["train/rollout_logprob_diff_max"] > 2 * whole["train/rollout_logprob_diff_mean"] > 0
 
 
 def test_greedy_rows_are_scored_at_temperature_one(tiny_model_dir, engine):
