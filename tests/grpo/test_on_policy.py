@@ -135,13 +135,15 @@ def test_mismatch_metrics_see_a_misreported_temperature(tiny_model_dir, engine):
 
 def test_micro_batches_report_the_whole_batch_mismatch(tiny_model_dir, engine):
     """Per-micro-batch metrics combine by name: the max as a max, means weighted by tokens."""
-    batch = [{**t, "response_logprobs": [lp - 0.01 * (i % 3) * k for k, lp in enumerate(t["response_logprobs"])]}
-             for i, t in enumerate(rollouts(engine, 0.7))]  # a different mismatch in every row
+    # A mismatch growing with the row: the batch's max sits in the last micro-batch only.
+    batch = [{**t, "response_logprobs": [lp - 0.01 * i * (k + 1) for k, lp in enumerate(t["response_logprobs"])]}
+             for i, t in enumerate(rollouts(engine, 0.7))]
     whole = make_trainer(tiny_model_dir, rollout_correction={"enabled": True}).train(batch)
     split = make_trainer(tiny_model_dir, service={"micro_batch_size": 3}, rollout_correction={"enabled": True}).train(batch)
     for name in ("rollout_logprob_diff_mean", "rollout_logprob_diff_max", "rollout_kl_k3", "rollout_is_weight_mean",
                  "rollout_is_capped_frac", "ppo_kl", "pg_clipfrac"):
-        assert split[f"train/{name}"] == pytest.approx(whole[f"train/{name}"], rel=1e-5, abs=1e-9), name
+        # Smaller forwards round differently (~1e-6 per log-prob); a max averaged by tokens would be far off.
+        assert split[f"train/{name}"] == pytest.approx(whole[f"train/{name}"], rel=1e-4, abs=1e-5), name
     assert whole["train/rollout_logprob_diff_max"] > 2 * whole["train/rollout_logprob_diff_mean"] > 0
 
 
