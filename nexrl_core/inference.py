@@ -24,14 +24,16 @@ class SamplingParams:
 
     A trajectory carries the parameters it was sampled with (``trajectory["sampling"]``, written
     by :meth:`as_record`): they travel with the data, so the trainer scores each row at the
-    temperature that produced it. Conventions every backend follows:
+    temperature that produced it. Conventions:
 
     - ``temperature`` 0 is greedy decoding, and the reported log-probs are then those at
       temperature 1 (vLLM's convention); :attr:`logprob_temperature` is the temperature the
       log-probs of a completion are taken at, which is what the trainer uses.
     - ``top_k`` 0 (or -1, vLLM's older spelling) keeps every token; ``top_p`` 1 likewise.
-    - Log-probs are over the full vocabulary at the temperature, even when ``top_k``/``top_p``
-      truncated the sampling distribution (vLLM's ``processed_logprobs`` before truncation).
+    - The trainer scores the full vocabulary at the temperature, as the in-process engine
+      reports it even when ``top_k``/``top_p`` truncated the sampling distribution. A backend
+      whose log-probs are those of the truncated distribution differs there, and the trainer's
+      rollout-mismatch metrics show by how much.
     """
 
     max_tokens: int = 64
