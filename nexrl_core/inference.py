@@ -12,7 +12,6 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from difflib import get_close_matches
 from typing import Any
 
 from .errors import ConfigError
@@ -43,9 +42,6 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     # Per-request seed: makes sampling reproducible whatever else is batched with it.
     seed: int | None = None
-
-    # The keys a recipe may set (rollout_worker.sampling); the seed is derived per request.
-    RECIPE_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "stop")
 
     @property
     def logprob_temperature(self) -> float:
@@ -83,17 +79,14 @@ class SamplingParams:
     def recipe_problems(cls, section: Any, key: str = "rollout_worker.sampling") -> list[str]:
         """Problems of a recipe's sampling mapping, one line each naming the key: an unknown key
         (with a "did you mean") or a bad value. Empty when :meth:`from_config` will accept it."""
+        from .options import check_options
+        from .schema import sampling_options
+
         if section is None:
             return []
         if not isinstance(section, Mapping):
             return [f"{key}: expected a mapping of sampling keys, got {section!r}"]
-        problems = []
-        for name in section:
-            if name not in cls.RECIPE_KEYS:
-                hint = get_close_matches(str(name), cls.RECIPE_KEYS, n=1)
-                extra = "; the seed is derived per request from rollout_worker.seed" if name == "seed" else ""
-                problems.append(f"{key}.{name}: unknown sampling key" + (f"; did you mean '{key}.{hint[0]}'?" if hint
-                                                                          else f" (known: {', '.join(cls.RECIPE_KEYS)})") + extra)
+        problems = check_options(_stop_as_list(section), sampling_options(), key)
         if not problems:
             problems = [f"{key}.{line}" for line in cls(**_stop_as_list(section)).problems()]
         return problems

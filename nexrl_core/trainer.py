@@ -22,14 +22,14 @@ _BATCH_WAIT_S = 0.1
 class BaseTrainer(ThreadedModule):
     """Subclasses implement :meth:`train`; self-hosted ones also the model-state methods.
 
-    ``ALGORITHM_KEYS`` (name -> default) are the ``algorithm.*`` keys a trainer reads itself;
+    ``ALGORITHM_OPTIONS`` (name -> :class:`~nexrl_core.Option`) are the ``algorithm.*`` keys a
+    trainer reads itself;
     ``ALGORITHM_SELECTORS`` (key -> kind) names those that pick a function from the algorithm
     registry (e.g. ``{"type": "advantage_estimator"}``), whose own keys are then accepted too
     (see :mod:`nexrl_core.algorithms.registry`).
     """
 
     CONFIG_KEYS: dict[str, Any] = {}
-    ALGORITHM_KEYS: dict[str, Any] = {}
     ALGORITHM_SELECTORS: dict[str, str] = {}
     STOP_JOIN_TIMEOUT_S = 300.0  # a training step in flight finishes first
 

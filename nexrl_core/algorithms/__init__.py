@@ -13,16 +13,17 @@ distribution that owns torch (``nexrl-grpo``), registered through the same regis
 """
 
 from .advantages import AdvantageInputs, dr_grpo, group_stats, grpo, scores_to_token_level
-from .kl import (KL_CTRL_DEFAULTS, KL_KINDS, AdaptiveKLController, FixedKLController, apply_kl_penalty,
+from .kl import (KL_CTRL_DEFAULTS, KL_CTRL_OPTIONS, KL_KINDS, AdaptiveKLController, FixedKLController, apply_kl_penalty,
                  array_namespace, get_kl_controller, kl_penalty)
 from .metrics import aggregate_metrics, reduction
 from .registry import (ALGORITHM_KINDS, AlgorithmFunction, AlgorithmRegistry, AlgorithmSelection, algorithm_keys,
                        option_defaults, select_algorithms, unknown_name_error)
-from .rollout_correction import (ROLLOUT_CORRECTION_DEFAULTS, check_cap, rollout_mismatch_metrics,
+from .rollout_correction import (ROLLOUT_CORRECTION_DEFAULTS, ROLLOUT_CORRECTION_OPTIONS, check_cap, rollout_mismatch_metrics,
                                  truncated_is_weights)
 
 __all__ = [
-    "ALGORITHM_KINDS", "KL_CTRL_DEFAULTS", "KL_KINDS", "ROLLOUT_CORRECTION_DEFAULTS", "AdaptiveKLController",
+    "ALGORITHM_KINDS", "KL_CTRL_DEFAULTS", "KL_CTRL_OPTIONS", "KL_KINDS", "ROLLOUT_CORRECTION_DEFAULTS",
+    "ROLLOUT_CORRECTION_OPTIONS", "AdaptiveKLController",
     "AdvantageInputs", "AlgorithmFunction", "AlgorithmRegistry", "AlgorithmSelection", "FixedKLController",
     "aggregate_metrics", "algorithm_keys", "apply_kl_penalty", "array_namespace", "check_cap", "dr_grpo",
     "get_kl_controller", "group_stats", "grpo", "kl_penalty", "option_defaults", "reduction",

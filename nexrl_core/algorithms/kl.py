@@ -13,6 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from ..options import Option, option_defaults
+
 KL_KINDS = {"kl": "k1", "k1": "k1", "abs": "abs", "mse": "k2", "k2": "k2", "low_var_kl": "k3", "k3": "k3"}
 
 
@@ -77,7 +79,14 @@ class AdaptiveKLController:
         self.value *= 1.0 + proportional_error * n_steps / self.horizon
 
 
-KL_CTRL_DEFAULTS = {"type": "fixed", "kl_coef": 0.001, "target_kl": 0.1, "horizon": 10000.0}
+KL_CTRL_OPTIONS = {
+    "type": Option("fixed", str, "fixed: constant coefficient; adaptive: steered towards target_kl",
+                   choices=("fixed", "adaptive")),
+    "kl_coef": Option(0.001, float, "KL coefficient (the initial one when adaptive)", ge=0),
+    "target_kl": Option(0.1, float, "adaptive: the KL the coefficient steers towards", gt=0),
+    "horizon": Option(10000.0, float, "adaptive: samples over which the coefficient adapts", gt=0),
+}
+KL_CTRL_DEFAULTS = option_defaults(KL_CTRL_OPTIONS)
 
 
 def get_kl_controller(config: Mapping[str, Any] | Any) -> FixedKLController | AdaptiveKLController:

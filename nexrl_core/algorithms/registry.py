@@ -16,10 +16,11 @@ lists the accepted values. Positional parameters are the data the trainer passes
 may also carry ``loss_defaults`` (a dict): defaults it recommends for the policy loss's keys,
 used when the recipe does not set them (Dr. GRPO's loss normaliser).
 
-A trainer declares its own keys in ``ALGORITHM_KEYS`` (name -> default), which of them select
-a function in ``ALGORITHM_SELECTORS`` (key -> kind) and may check its values in a classmethod
-``algorithm_option_problems(options) -> list[str]``. :func:`algorithm_keys` (``nexrl validate``)
-and :func:`select_algorithms` (the trainer) read the recipe the same way.
+A trainer declares its own keys in ``ALGORITHM_OPTIONS`` (name -> :class:`~nexrl_core.Option`),
+which of them select a function in ``ALGORITHM_SELECTORS`` (key -> kind) and may check its
+values further in a classmethod ``algorithm_option_problems(options) -> list[str]``.
+:func:`algorithm_keys` (``nexrl validate``) and :func:`select_algorithms` (the trainer) read the
+recipe the same way, with the core's option checker.
 """
 
 from __future__ import annotations
@@ -28,11 +29,12 @@ import functools
 import inspect
 import typing
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from difflib import get_close_matches
 from typing import Any
 
 from ..errors import ConfigError
+from ..options import Option, check_options, component_options
 
 # kind -> hook that registers it
 ALGORITHM_KINDS: dict[str, str] = {
@@ -76,6 +78,15 @@ class AlgorithmFunction:
     def create(cls, kind: str, name: str, fn: Callable[..., Any], distribution: str) -> AlgorithmFunction:
         return cls(kind, name, fn, distribution, option_defaults(fn), option_choices(fn),
                    dict(getattr(fn, "loss_defaults", {}) or {}))
+
+    def declared(self) -> dict[str, Option]:
+        """The keys ``fn`` reads as options: typed by annotation (a ``Literal`` lists the choices)
+        or by the default."""
+        try:
+            hints = typing.get_type_hints(self.fn)
+        except Exception:  # an annotation that does not resolve: typed by the defaults
+            hints = {}
+        return {name: Option(default, hints.get(name)) for name, default in self.options.items()}
 
     def bind(self, options: Mapping[str, Any]) -> Callable[..., Any]:
         """``fn`` with its declared options taken from ``options`` (keys it does not read are left out)."""
@@ -138,15 +149,6 @@ def _plain(section: Any) -> dict[str, Any]:
     return dict(section) if isinstance(section, Mapping) else {}
 
 
-def _merged(defaults: Mapping[str, Any], section: Mapping[str, Any]) -> dict[str, Any]:
-    """The recipe's values over the defaults; a mapping-valued key is merged one level deep."""
-    out = dict(defaults)
-    for name, value in section.items():
-        default = defaults.get(name)
-        out[name] = {**default, **value} if isinstance(default, Mapping) and isinstance(value, Mapping) else value
-    return out
-
-
 def _trainer_problems(trainer_cls: type, options: Mapping[str, Any]) -> list[str]:
     """The trainer's own checks of its values (``algorithm_option_problems(options)``, optional;
     it must cope with values of the wrong type, which the key check reports)."""
@@ -154,69 +156,63 @@ def _trainer_problems(trainer_cls: type, options: Mapping[str, Any]) -> list[str
     return list(check(dict(options))) if check is not None else []
 
 
-def _resolve(trainer_cls: type, algorithm: Any, registry: AlgorithmRegistry
-             ) -> tuple[dict[str, AlgorithmFunction], dict[str, Any], dict[str, tuple[Any, ...]], list[str]]:
-    own = dict(getattr(trainer_cls, "ALGORITHM_KEYS", {}) or {})
+def _resolve(trainer_cls: type, section: Mapping[str, Any], registry: AlgorithmRegistry
+             ) -> tuple[dict[str, AlgorithmFunction], dict[str, Option], list[str]]:
+    own = component_options(trainer_cls, "ALGORITHM_OPTIONS", "ALGORITHM_KEYS") or {}
     selectors = dict(getattr(trainer_cls, "ALGORITHM_SELECTORS", {}) or {})
-    section = _plain(algorithm)
     functions: dict[str, AlgorithmFunction] = {}
     problems: list[str] = []
     for key, kind in selectors.items():
+        default = own[key].default_value() if key in own else None
         try:
-            functions[key] = registry.get(kind, section.get(key, own.get(key)), f"algorithm.{key}")
+            functions[key] = registry.get(kind, section.get(key, default), f"algorithm.{key}")
         except ConfigError as exc:
             problems.append(str(exc))
-    defaults, choices = dict(own), {}
+    options = dict(own)
     for fn in functions.values():
-        for name, default in fn.options.items():
-            defaults.setdefault(name, default)
-        choices.update(fn.choices)
+        for name, opt in fn.declared().items():
+            options.setdefault(name, opt)
     for fn in functions.values():  # an estimator's recommended loss settings beat the loss's defaults
         for name, default in fn.loss_defaults.items():
-            if name in defaults and name not in own:
-                defaults[name] = default
-    return functions, defaults, choices, problems
+            if name in options and name not in own:
+                options[name] = replace(options[name], default=default)
+    return functions, options, problems
 
 
-def algorithm_keys(trainer_cls: type, algorithm: Any, plugin_manager: Any) -> tuple[dict[str, Any], list[str]]:
-    """For ``nexrl validate``: (every ``algorithm.*`` key that ``trainer_cls`` and the functions the
-    recipe selects read -> its default, problems). Problems name an unknown function (with a
-    "did you mean") or a value outside an option's accepted values; unknown keys and wrong types
-    are for the caller's key check against the returned defaults."""
+def _values(options: Mapping[str, Option], section: Mapping[str, Any]) -> dict[str, Any]:
+    """The recipe's values over the defaults; a mapping-valued key is merged one level deep."""
+    out = {name: opt.default_value() for name, opt in options.items()}
+    for name, value in section.items():
+        default = out.get(name)
+        out[name] = {**default, **value} if isinstance(default, Mapping) and isinstance(value, Mapping) else value
+    return out
+
+
+def algorithm_keys(trainer_cls: type, algorithm: Any, plugin_manager: Any) -> tuple[dict[str, Option], list[str]]:
+    """For ``nexrl validate``: (every ``algorithm.*`` option that ``trainer_cls`` and the functions
+    the recipe selects read, problems). Problems name an unknown function (with a "did you mean")
+    or come from the trainer's own value checks; the caller checks keys and values against the
+    returned options (:func:`nexrl_core.check_options`)."""
     registry = AlgorithmRegistry.from_plugin_manager(plugin_manager)
-    _, defaults, choices, problems = _resolve(trainer_cls, algorithm, registry)
     section = _plain(algorithm)
+    _, options, problems = _resolve(trainer_cls, section, registry)
     if problems:  # a function that is not found cannot say which keys it reads: no guesses about them
-        defaults.update({name: None for name in section if name not in defaults})
-    problems += _choice_problems(section, choices)
-    problems += _trainer_problems(trainer_cls, _merged(defaults, section))
-    return defaults, problems
-
-
-def _choice_problems(section: Mapping[str, Any], choices: Mapping[str, tuple[Any, ...]]) -> list[str]:
-    problems = []
-    for name, accepted in choices.items():
-        if name in section and section[name] not in accepted:
-            hint = get_close_matches(str(section[name]), [str(a) for a in accepted], n=1)
-            problems.append(f"algorithm.{name}: {section[name]!r} is not one of {', '.join(map(str, accepted))}"
-                            + (f"; did you mean '{hint[0]}'?" if hint else ""))
-    return problems
+        options.update({name: Option(None, Any) for name in section if name not in options})
+    elif not check_options(section, options, "algorithm"):
+        problems += _trainer_problems(trainer_cls, _values(options, section))
+    return options, problems
 
 
 def select_algorithms(trainer_cls: type, algorithm: Any, registry: AlgorithmRegistry) -> AlgorithmSelection:
     """For the trainer: the selected functions and every key's value; ConfigError on any problem
-    (including a key nobody reads)."""
-    functions, defaults, choices, problems = _resolve(trainer_cls, algorithm, registry)
+    (including a key nobody reads), the same ones ``nexrl validate`` reports."""
     section = _plain(algorithm)
+    functions, options, problems = _resolve(trainer_cls, section, registry)
     if problems:
         raise ConfigError("; ".join(problems))
-    problems += _choice_problems(section, choices)
-    for name in section:
-        if name not in defaults:
-            hint = get_close_matches(name, sorted(defaults), n=1)
-            problems.append(f"algorithm.{name}: unknown key" + (f"; did you mean 'algorithm.{hint[0]}'?" if hint else ""))
-    options = _merged(defaults, section)
-    problems += _trainer_problems(trainer_cls, options)
+    problems = check_options(section, options, "algorithm")
+    if not problems:
+        problems = _trainer_problems(trainer_cls, _values(options, section))
     if problems:
         raise ConfigError("; ".join(problems))
-    return AlgorithmSelection(functions, options)
+    return AlgorithmSelection(functions, _values(options, section))

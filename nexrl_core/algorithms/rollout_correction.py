@@ -12,9 +12,15 @@ import math
 
 import numpy as np
 
+from ..options import Option, option_defaults
 from .kl import kl_penalty
 
-ROLLOUT_CORRECTION_DEFAULTS = {"enabled": False, "cap": 2.0}
+ROLLOUT_CORRECTION_OPTIONS = {
+    "enabled": Option(False, bool, "weight each token's loss by its truncated importance ratio "
+                                   "exp(trainer - rollout log-prob), capped at cap"),
+    "cap": Option(2.0, float, "truncation of the importance weights", ge=1),
+}
+ROLLOUT_CORRECTION_DEFAULTS = option_defaults(ROLLOUT_CORRECTION_OPTIONS)
 
 
 def _masked(trainer_logprob: np.ndarray, rollout_logprob: np.ndarray,

@@ -15,7 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nexrl_core import algorithms as al
-from nexrl_core import hookimpl
+from nexrl_core import Option, hookimpl
+from nexrl_core.config import check_algorithm
 from nexrl_core.errors import ConfigError, PluginError
 from nexrl_core.plugins import PluginManager
 from nexrl_core.trainer import BaseTrainer
@@ -354,7 +355,8 @@ class _EstimatorPlugin:
 class _AlgoTrainer(BaseTrainer):
     """A torch-free trainer that reads an estimator and a loss by name (as nexrl-grpo's does)."""
 
-    ALGORITHM_KEYS = {"type": "grpo", "policy_loss": "copy", "ppo_epochs": 1}
+    ALGORITHM_OPTIONS = {"type": Option("grpo", str), "policy_loss": Option("copy", str),
+                         "ppo_epochs": Option(1, int, ge=1)}
     ALGORITHM_SELECTORS = {"type": "advantage_estimator", "policy_loss": "policy_loss"}
 
     def train(self, trajectories):
@@ -371,7 +373,9 @@ def test_plugin_estimator_is_selected_by_name_and_its_keys_are_declared():
     pm = _pm()
     keys, problems = al.algorithm_keys(_AlgoTrainer, {"type": "shift", "shift": 2.0}, pm)
     assert problems == []
-    assert keys == {"type": "grpo", "policy_loss": "copy", "ppo_epochs": 1, "shift": 1.0, "mode": "a"}
+    assert {k: o.default_value() for k, o in keys.items()} == {"type": "grpo", "policy_loss": "copy", "ppo_epochs": 1,
+                                                              "shift": 1.0, "mode": "a"}
+    assert keys["shift"].type is float  # typed by the annotation
     selection = al.select_algorithms(_AlgoTrainer, {"type": "shift", "shift": 2.0},
                                      al.AlgorithmRegistry.from_plugin_manager(pm))
     assert selection.functions["type"].distribution == "nexrl-shift"
@@ -407,9 +411,12 @@ def test_literal_annotations_are_checked_choices():
     pm.register(Choosy(), name="choosy", distribution="nexrl-choosy")
     fn = al.AlgorithmRegistry.from_plugin_manager(pm).get("advantage_estimator", "choosy", "algorithm.type")
     assert fn.choices == {"direction": ("up", "down")}
-    _, problems = al.algorithm_keys(_AlgoTrainer, {"type": "choosy", "direction": "dwon"}, pm)
-    assert problems == ["algorithm.direction: 'dwon' is not one of up, down; did you mean 'down'?"]
-    assert al.algorithm_keys(_AlgoTrainer, {"type": "choosy", "direction": "down"}, pm)[1] == []
+    problems = check_algorithm({"type": "choosy", "direction": "dwon"}, _AlgoTrainer, pm)
+    assert len(problems) == 1 and problems[0].startswith("algorithm.direction: ") and "'down'" in problems[0]
+    assert check_algorithm({"type": "choosy", "direction": "down"}, _AlgoTrainer, pm) == []
+    with pytest.raises(ConfigError, match="algorithm.direction"):
+        al.select_algorithms(_AlgoTrainer, {"type": "choosy", "direction": "dwon"},
+                             al.AlgorithmRegistry.from_plugin_manager(pm))
 
 
 def test_two_distributions_registering_one_estimator_name_is_an_error_naming_both():

@@ -13,18 +13,35 @@ import torch
 from loguru import logger
 from omegaconf import OmegaConf
 
-from nexrl_core import Batch, BaseTrainer, ConfigError, SamplingParams, Trajectory, algorithms
+from nexrl_core import Batch, BaseTrainer, Capabilities, ConfigError, Option, SamplingParams, Trajectory, algorithms
 
 from .losses import LossContext, agg_loss, masked_mean
 from .modeling import compute_response_logprobs, position_ids_from_mask
 from .train_service import LocalTorchTrainService
-from .weights import config_errors, resolve_model_path
+from .weights import AUTO_FLAG, MODEL_OPTIONS, _auto_flag, check_model_section, config_errors, resolve_model_path
 
-# No temperature here: each row is scored at the temperature its trajectory was sampled with.
-TRAIN_SERVICE_KEYS = {"backend": "local_torch", "model_path": None, "gguf_file": None, "dtype": "float32",
-                      "lr": 1e-6, "weight_decay": 0.0, "betas": [0.9, 0.999], "eps": 1e-8, "grad_clip": 1.0,
-                      "seed": None, "micro_batch_size": None, "num_threads": None,
-                      "packing": None, "max_tokens_per_pack": 2048}  # packing: auto | true | false
+
+def _betas(value: Any) -> str | None:
+    return None if len(value) == 2 and all(0 <= b < 1 for b in value) else \
+        f"expected [beta1, beta2], each in [0, 1), got {list(value)}"
+
+
+TRAIN_SERVICE_OPTIONS = {
+    # The core checks the value against the train services it knows.
+    "backend": Option("local_torch", str, "the train service: local_torch (torch in this process)"),
+    **MODEL_OPTIONS,
+    "lr": Option(1e-6, float, "AdamW learning rate", gt=0),
+    "weight_decay": Option(0.0, float, "AdamW weight decay", ge=0),
+    "betas": Option([0.9, 0.999], list[float], "AdamW betas", check=_betas),
+    "eps": Option(1e-8, float, "AdamW epsilon", gt=0),
+    "grad_clip": Option(1.0, float, "gradient-norm clip (<= 0 or null: none)"),
+    "seed": Option(None, int, "seed of torch, numpy and python RNGs (default: the recipe's seed)"),
+    "micro_batch_size": Option(None, int, "rows per forward pass (null: the whole batch)", ge=1),
+    "temperature": Option(removed="each row is scored at the temperature its trajectory was sampled with "
+                                  "(rollout_worker.sampling.temperature): delete this key"),
+    "packing": Option(None, AUTO_FLAG, "packed sequences without padding: auto | true | false", check=_auto_flag),
+    "max_tokens_per_pack": Option(2048, int, "tokens per packed sequence", ge=1),
+}
 
 
 def _prompt_groups(prompts: list[list[int]]) -> torch.Tensor:
@@ -36,7 +53,14 @@ def _prompt_groups(prompts: list[list[int]]) -> torch.Tensor:
 class SelfHostedTrainer(BaseTrainer):
     """Turns trajectories into verl-layout tensors; subclasses add the algorithm in ``_prepare_batch``."""
 
-    TRAIN_SERVICE_KEYS = TRAIN_SERVICE_KEYS
+    TRAIN_SERVICE_OPTIONS = TRAIN_SERVICE_OPTIONS
+    ALGORITHM_OPTIONS: dict[str, Option] = {}
+    # New weights exist as tensors in this process: a weight-sync backend must bring them to inference.
+    CAPABILITIES = Capabilities(
+        provides={"trainer:state_dict"},
+        requires={"weight_sync:state_dict": "it trains new weights in this process, and without a backend that "
+                                            "moves them, rollouts keep sampling the initial model"})
+    check_train_service = staticmethod(check_model_section)
 
     def __init__(self, config: Any):
         super().__init__(config)
@@ -186,37 +210,19 @@ class SelfHostedGrpoTrainer(SelfHostedTrainer):
     computes them. Rollout log-probs only feed the mismatch metrics and the correction.
     """
 
-    ALGORITHM_KEYS = {"type": "grpo", "policy_loss": "ppo_clip", "ppo_epochs": 1, "use_kl_in_reward": False,
-                      "kl_penalty": "kl", "kl_ctrl": dict(algorithms.KL_CTRL_DEFAULTS), "max_response_length": None,
-                      "rollout_correction": dict(algorithms.ROLLOUT_CORRECTION_DEFAULTS)}
+    ALGORITHM_OPTIONS = {
+        "type": Option("grpo", str, "advantage estimator, by registered name (nexrl_advantage_estimators)"),
+        "policy_loss": Option("ppo_clip", str, "policy loss, by registered name (nexrl_policy_losses)"),
+        "ppo_epochs": Option(1, int, "updates per batch (1: on-policy, the ratio is exactly 1)", ge=1),
+        "use_kl_in_reward": Option(False, bool, "subtract beta * KL(policy || initial model) from the reward"),
+        "kl_penalty": Option("kl", str, "KL estimator of the reward penalty", choices=tuple(algorithms.KL_KINDS)),
+        "kl_ctrl": Option(options=algorithms.KL_CTRL_OPTIONS, help="the KL coefficient's controller"),
+        "max_response_length": Option(None, int, "loss normaliser of the *-norm aggregation modes "
+                                                 "(null: rollout_worker.sampling.max_tokens)", ge=1),
+        "rollout_correction": Option(options=algorithms.ROLLOUT_CORRECTION_OPTIONS,
+                                     help="truncated importance sampling against the rollout's log-probs"),
+    }
     ALGORITHM_SELECTORS = {"type": "advantage_estimator", "policy_loss": "policy_loss"}
-
-    @classmethod
-    def algorithm_option_problems(cls, options: dict[str, Any]) -> list[str]:
-        problems = []
-        if options.get("kl_penalty") not in algorithms.KL_KINDS:
-            problems.append(f"algorithm.kl_penalty: {options.get('kl_penalty')!r} is not one of "
-                            f"{', '.join(algorithms.KL_KINDS)}")
-        epochs = options.get("ppo_epochs")
-        if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
-            problems.append(f"algorithm.ppo_epochs: expected an integer >= 1, got {epochs!r}")
-        length = options.get("max_response_length")
-        if length is not None and (isinstance(length, bool) or not isinstance(length, int) or length < 1):
-            problems.append(f"algorithm.max_response_length: expected null or an integer >= 1, got {length!r}")
-        # Values of the wrong type (TypeError here) are reported by the key check.
-        if isinstance(options.get("kl_ctrl"), Mapping):
-            try:
-                algorithms.get_kl_controller(options["kl_ctrl"])
-            except ValueError as exc:
-                problems.append(f"algorithm.{exc}")
-            except TypeError:
-                pass
-        if isinstance(options.get("rollout_correction"), Mapping):
-            try:
-                algorithms.check_cap(options["rollout_correction"].get("cap"))
-            except ValueError as exc:
-                problems.append(f"algorithm.{exc}")
-        return problems
 
     def __init__(self, config: Any):
         super().__init__(config)
