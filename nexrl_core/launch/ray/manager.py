@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +30,8 @@ from .settings import UNBOUNDED_METHODS, RaySettings
 
 #: calls an actor serves at once beyond one per rollout worker (controller, trainer, monitor...)
 _BASE_CONCURRENCY = 32
+#: seconds shutdown waits for killed actors to be gone (ray.kill only asks the cluster to kill)
+_KILL_WAIT_S = 10.0
 
 
 @dataclass
@@ -207,12 +210,32 @@ class RayResourceManager(ResourceManager):
 
     # -- end -----------------------------------------------------------------------------------
     def shutdown(self) -> None:
-        """Kill the run's actors; stop the cluster if this run started it (disconnect if it attached)."""
+        """Kill the run's actors and wait until they are gone; stop the cluster if this run
+        started it (disconnect if it attached)."""
         for info in self._actors:
             try:
                 ray.kill(info.handle, no_restart=True)
             except Exception as exc:  # already gone
                 logger.debug(f"ray: killing {info.name}: {exc}")
+        self._wait_gone(_KILL_WAIT_S)
         cluster, self._cluster = self._cluster, None
         if cluster is not None:
             cluster.close()
+
+    def _wait_gone(self, timeout: float) -> None:
+        """Until a call to each killed actor fails (the kill took effect), at most ``timeout`` s:
+        once the run is over, no module of it answers any more."""
+        deadline = time.monotonic() + timeout
+        for info in self._actors:
+            while ray.is_initialized():
+                try:
+                    ray.get(info.handle.ping.remote(), timeout=max(0.1, deadline - time.monotonic()))
+                except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                    break  # gone (a hung actor is not waited for beyond the deadline)
+                except Exception as exc:
+                    logger.debug(f"ray: waiting for {info.name} to go: {exc}")
+                    break
+                if time.monotonic() >= deadline:
+                    logger.warning(f"ray: actor {info.name} still answers {timeout:g}s after it was killed")
+                    return
+                time.sleep(0.05)
