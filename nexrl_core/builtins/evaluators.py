@@ -8,6 +8,7 @@ from typing import Any, Literal
 from ..evaluation import BaseEvaluationTarget, EvaluationRunResult, Evaluator
 from ..markers import hookimpl
 from ..options import Option
+from .python_reward import PythonFunctionEvaluator
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
@@ -66,4 +67,5 @@ class NumericAnswerEvaluator(Evaluator):
 
 @hookimpl
 def nexrl_evaluators():
-    return {"exact_match": ExactMatchEvaluator, "numeric_answer": NumericAnswerEvaluator}
+    return {"exact_match": ExactMatchEvaluator, "numeric_answer": NumericAnswerEvaluator,
+            "python": PythonFunctionEvaluator}
