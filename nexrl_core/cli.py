@@ -38,8 +38,14 @@ def main(argv: list[str] | None = None) -> int:
     p_eval.add_argument("--samples-out", help="write per-sample results to this JSONL file")
     p_eval.add_argument("--out", help="folder for this evaluation's outputs: metrics.json, samples.jsonl, "
                                       "errors.jsonl (failed samples), eval.log")
-    p_plugins = sub.add_parser("plugins", help="list installed plugins")
+    p_plugins = sub.add_parser("plugins", help="list installed plugins; 'plugins check NAME' checks one")
     p_plugins.add_argument("--json", action="store_true")
+    plugin_commands = p_plugins.add_subparsers(dest="plugins_command")
+    p_check = plugin_commands.add_parser(
+        "check", help="conformance check of a plugin's evaluators (and its components' option declarations)")
+    p_check.add_argument("name", help="distribution (nexrl-rewards), entry-point name (rewards) or evaluator name")
+    p_check.add_argument("options", nargs="*", help="key=value constructor options of the one evaluator NAME")
+    p_check.add_argument("--json", action="store_true", dest="check_json")
     args = parser.parse_args(argv)
     if args.command != "plugins":
         from .run_log import setup_logging
@@ -176,6 +182,8 @@ def _prepare_eval_out(out: str, run_dir: str) -> None:
 def _plugins(args: Any) -> int:
     from .plugins import get_plugin_manager
 
+    if getattr(args, "plugins_command", None) == "check":
+        return _plugins_check(args)
     pm = get_plugin_manager()
     info = pm.describe()
     failures = [{"name": f.name, "distribution": f.distribution, "error": f.error} for f in pm.failures]
@@ -192,6 +200,38 @@ def _plugins(args: Any) -> int:
     for message in pm.bad_registrations:
         print(f"BAD {message}")
     return 0
+
+
+def _plugins_check(args: Any) -> int:
+    from .testing.conformance import check_plugin
+
+    reports = check_plugin(args.name, options=_key_values(args.options))
+    if args.check_json:
+        print(json.dumps([r.to_dict() for r in reports], indent=2))
+    else:
+        print("\n".join(r.text() for r in reports))
+    return 1 if any(r.problems for r in reports) else 0
+
+
+def _key_values(items: list[str]) -> dict[str, Any]:
+    """``a=1 b.c=x`` -> ``{"a": 1, "b": {"c": "x"}}`` (values read as YAML)."""
+    import yaml
+
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"'{item}': options are key=value")
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"'{item}': the value is not YAML ({str(exc).splitlines()[0]})") from None
+        node = out
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return out
 
 
 if __name__ == "__main__":

@@ -81,6 +81,10 @@ class PluginManager:
         self._cache: dict[str, dict[str, Registration]] = {}
 
     def register(self, module: Any, name: str, distribution: str = "(in-process)", version: str = "") -> None:
+        """Register a plugin module (or object) in-process. Registering one that is already
+        registered (an installed plugin, loaded through its entry point) is a no-op."""
+        if self.pm.is_registered(module):
+            return
         if name in self.records:
             raise PluginError(f"plugin name '{name}' is used by both {self.records[name].distribution} and "
                               f"{distribution}")

@@ -59,6 +59,16 @@ class CodeSandboxEvaluator(Evaluator):
     the head of stdout and the tail of stderr).
     """
 
+    # sample data for the conformance check (nexrl plugins check) and the docs
+    EXAMPLES = [
+        {"data": {"prompt": "Read n, print n squared.", "test_cases": [{"input": "3\n", "output": "9\n"},
+                                                                      {"input": "-2\n", "output": "4\n"}]},
+         "response": "```python\nn = int(input())\nprint(n * n)\n```", "reward": 1.0},
+        {"data": {"prompt": "Read n, print n squared.", "test_cases": [{"input": "3\n", "output": "9\n"},
+                                                                      {"input": "-2\n", "output": "4\n"}]},
+         "response": "```python\nprint(9)\n```", "reward": 0.5},
+    ]
+
     def __init__(self,
                  test_cases_key: str = "test_cases",
                  reward_mode: str = "fraction",

@@ -33,6 +33,15 @@ class MathRuleEvaluator(Evaluator):
     ``parsed_answer``, ``parsed_ground_truth`` and ``detail``.
     """
 
+    # sample data for the conformance check (nexrl plugins check) and the docs
+    EXAMPLES = [
+        {"data": {"prompt": "Simplify 2/4.", "answer": "\\frac{1}{2}"}, "response": "It is \\boxed{0.5}.",
+         "reward": 1.0},
+        {"data": {"prompt": "Simplify 2/4.", "answer": "\\frac{1}{2}"}, "response": "The answer is 1/3",
+         "reward": 0.0},
+        {"data": {"prompt": "What is 6 * 7?", "answer": "42"}, "response": "6 * 7 = 42", "reward": 1.0},
+    ]
+
     def __init__(self,
                  answer_key: str = "answer",
                  extract_order: Sequence[str] = ("boxed", "final_answer", "last_number"),
