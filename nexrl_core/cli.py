@@ -46,13 +46,18 @@ def main(argv: list[str] | None = None) -> int:
     p_check.add_argument("name", help="distribution (nexrl-rewards), entry-point name (rewards) or evaluator name")
     p_check.add_argument("options", nargs="*", help="key=value constructor options of the one evaluator NAME")
     p_check.add_argument("--json", action="store_true", dest="check_json")
+    p_new = sub.add_parser("new", help="scaffold a plugin package: nexrl new evaluator NAME")
+    p_new.add_argument("kind", choices=["evaluator"], help="what the plugin provides")
+    p_new.add_argument("name", help="its registered name, e.g. length_penalty (package nexrl-evaluator-NAME)")
+    p_new.add_argument("--dir", default=".", help="folder to create the package in (default: here)")
+    p_new.add_argument("--license", default="Apache-2.0", help="SPDX license expression (default: Apache-2.0)")
     args = parser.parse_args(argv)
-    if args.command != "plugins":
+    if args.command not in ("plugins", "new"):
         from .run_log import setup_logging
 
         setup_logging(None, "INFO")  # plugin-loading warnings in the same short format as the run's
     try:
-        return {"run": _run, "validate": _validate, "eval": _eval, "plugins": _plugins}[args.command](args)
+        return {"run": _run, "validate": _validate, "eval": _eval, "plugins": _plugins, "new": _new}[args.command](args)
     except NexRLError as exc:
         _print_problems(getattr(exc, "problems", None) or [str(exc)])
         return 2 if isinstance(exc, (ConfigError, DataError, PluginError)) else 1
@@ -199,6 +204,18 @@ def _plugins(args: Any) -> int:
         print(f"FAILED {f['distribution']} (plugin '{f['name']}'): {f['error']}")
     for message in pm.bad_registrations:
         print(f"BAD {message}")
+    return 0
+
+
+def _new(args: Any) -> int:
+    from .plugins import get_plugin_manager
+    from .scaffold import new_evaluator, names
+
+    names(args.name)  # a bad NAME fails before the plugins load
+    root = new_evaluator(args.name, args.dir, args.license, set(get_plugin_manager().components("evaluator")))
+    n = names(args.name)
+    print(f"created {root}/ ({n['dist']}: evaluator '{n['name']}', class {n['cls']} in {n['package']}/plugin.py)\n"
+          f"next:\n  cd {root}\n  pip install -e '.[test]'\n  pytest\n  nexrl run recipe.yaml")
     return 0
 
 

@@ -15,5 +15,5 @@ With nexrl-core installed, pytest provides the fixtures ``nexrl_plugins`` (a fac
 from .conformance import ConformanceReport, check_evaluator, check_plugin, result_problems
 from .kit import MOCK_RECIPE, RunResult, plugin_manager, run_recipe, use_plugins
 
-__all__ = ["MOCK_RECIPE", "ConformanceReport", "RunResult", "check_evaluator", "check_plugin", "plugin_manager", "result_problems",
-           "run_recipe", "use_plugins"]
+__all__ = ["MOCK_RECIPE", "ConformanceReport", "RunResult", "check_evaluator", "check_plugin", "plugin_manager",
+           "result_problems", "run_recipe", "use_plugins"]

@@ -109,7 +109,8 @@ def _ok(**extra):
 
 class Good(Evaluator):
     OPTIONS = {"word": Option("yes", str, "the word that scores")}
-    EXAMPLES = [{"data": {"x": 1}, "response": "yes", "reward": 1.0}, {"data": {"x": 2}, "response": "no", "reward": 0.0}]
+    EXAMPLES = [{"data": {"x": 1}, "response": "yes", "reward": 1.0},
+                {"data": {"x": 2}, "response": "no", "reward": 0.0}]
 
     def __init__(self, word="yes"):
         self.word = word

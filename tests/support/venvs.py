@@ -45,7 +45,8 @@ def pip_install(python: Path, *args: str) -> subprocess.CompletedProcess:
 def venv_env(python: Path, **extra: str) -> dict[str, str]:
     """Environment for a command of that venv: its bin/ first on PATH, nothing inherited that
     would point Python elsewhere."""
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME", "NEXRL_LOAD_PLUGINS")}
     env["PATH"] = f"{python.parent}{os.pathsep}{env.get('PATH', '')}"
     env["VIRTUAL_ENV"] = str(python.parent.parent)
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", **extra)
