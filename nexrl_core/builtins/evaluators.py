@@ -25,6 +25,10 @@ class ExactMatchEvaluator(Evaluator):
     ]
 
     def __init__(self, answer_key: str = "answer", case_sensitive: bool = True):
+        """
+        :param answer_key: row field that holds the expected answer
+        :param case_sensitive: whether 'Paris' and 'paris' differ
+        """
         self.answer_key = answer_key
         self.case_sensitive = case_sensitive
 

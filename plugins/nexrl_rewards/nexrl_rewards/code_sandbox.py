@@ -82,6 +82,21 @@ class CodeSandboxEvaluator(Evaluator):
                  max_file_mb: int = 16,
                  isolation: str = "auto",
                  python: str | None = None):
+        """The test cases, the scoring and the sandbox's limits (see docs/rewards.md).
+
+        :param test_cases_key: data field that holds the test cases [{input, output}, ...]
+        :param reward_mode: fraction: the share of cases passed; all_or_nothing: 1 only when all pass
+        :param compare: how stdout is compared: trailing_whitespace, exact or whitespace (the tokens)
+        :param timeout_s: wall-clock limit per case, in seconds
+        :param cpu_time_s: CPU-time limit per case and process, in seconds
+        :param memory_mb: address-space limit per process, in MB
+        :param max_processes: processes and threads the code may run at once
+        :param max_open_files: open file descriptors per process
+        :param max_output_kb: stdout beyond this many KB ends the case (output_limit)
+        :param max_file_mb: the largest file, and the size of the writable working folder, in MB
+        :param isolation: auto (namespaces when the kernel allows them, else rlimits), namespaces or rlimits
+        :param python: interpreter that runs the code (default: the one running nexrl)
+        """
         self.test_cases_key = test_cases_key
         self.reward_mode = choice(reward_mode, "reward_mode", REWARD_MODES)
         self.compare = choice(compare, "compare", COMPARE_MODES)

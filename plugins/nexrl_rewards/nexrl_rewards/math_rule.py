@@ -50,6 +50,17 @@ class MathRuleEvaluator(Evaluator):
                  timeout_s: float = 5.0,
                  verify_workers: int = 2,
                  verify_memory_mb: int = 2048):
+        """How the answer is found and compared (see docs/rewards.md).
+
+        :param answer_key: data field that holds the ground truth
+        :param extract_order: extractors tried in order, the first that finds an answer wins: boxed, final_answer,
+            last_number
+        :param format_reward: added to the reward when the reply matches format_pattern
+        :param format_pattern: regular expression searched in the reply
+        :param timeout_s: seconds math-verify may spend on one sample
+        :param verify_workers: math-verify worker processes (shared by the evaluators of the process)
+        :param verify_memory_mb: address-space limit of each math-verify worker, in MB
+        """
         order = [extract_order] if isinstance(extract_order, str) else list(extract_order)
         unknown = [name for name in order if name not in EXTRACTORS]
         if unknown or not order:
