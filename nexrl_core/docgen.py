@@ -57,8 +57,16 @@ def hook_reference() -> str:
 
 
 def _summary(func: Any) -> str:
-    doc = inspect.getdoc(func) or ""
-    return _rst_to_md(doc.split("\n\n")[0].replace("\n", " "))
+    return _first_paragraph(func)
+
+
+def _first_paragraph(obj: Any) -> str:
+    """The first paragraph of ``obj``'s docstring, without a last sentence that introduces what follows (':')."""
+    text = " ".join((inspect.getdoc(obj) or "").split("\n\n")[0].split())
+    sentences = re.split(r"(?<=[.!?])\s+(?=[A-Z`])", text)
+    while len(sentences) > 1 and sentences[-1].endswith(":"):
+        sentences.pop()
+    return _rst_to_md(" ".join(sentences))
 
 
 def _split_fields(doc: str) -> tuple[str, list[tuple[str, str]], str]:
@@ -120,7 +128,7 @@ def _yaml(value: Any) -> str:
 
 
 def _meaning(opt: Option) -> str:
-    parts = [opt.help.rstrip(".")] if opt.help else []
+    parts = [_rst_to_md(opt.help).rstrip(".")] if opt.help else []
     if opt.choices:
         parts.append("one of " + ", ".join(f"`{_yaml(c)}`" for c in opt.choices))
     if opt.component is not None:
@@ -196,7 +204,7 @@ def recipe_reference(pm: Any, distributions: Iterable[str] | None = None) -> str
             doc = inspect.getdoc(reg.cls)
             out += [f"#### `{name}` ({reg.distribution})", ""]
             if doc and doc is not inspect.getdoc(_base_of(reg.cls)):
-                out += [_rst_to_md(doc.split("\n\n")[0].replace("\n", " ")), ""]
+                out += [_first_paragraph(reg.cls), ""]
             own = declared_options(kind, reg.cls)
             place = section.replace("<name>", name)
             if own is None:
@@ -210,7 +218,35 @@ def recipe_reference(pm: Any, distributions: Iterable[str] | None = None) -> str
                     table = options_table(component_options(reg.cls, attr, legacy), f"{where}.")
                     if table:
                         out += [f"`{where}` with this trainer:", ""] + table + [""]
+    out += _algorithm_functions(pm, wanted)
     return "\n".join(out).rstrip() + "\n"
+
+
+_ALGORITHM_TITLES = {"advantage_estimator": "Advantage estimators", "policy_loss": "Policy losses"}
+
+
+def _algorithm_functions(pm: Any, wanted: set[str] | None) -> list[str]:
+    """The registered RL functions (advantage estimators, policy losses) and the ``algorithm.*``
+    keys each reads (its keyword-only parameters)."""
+    from .algorithms.registry import ALGORITHM_KINDS, AlgorithmRegistry
+
+    registry = AlgorithmRegistry.from_plugin_manager(pm)
+    out = ["### Algorithm functions", "",
+           "Selected by name in the `algorithm` section of a trainer that uses the core's registry "
+           "(`algorithm.type`: the advantage estimator, `algorithm.policy_loss`: the policy loss, with "
+           "`self_hosted_grpo`); the keys each reads go in `algorithm` too. See [algorithms.md](algorithms.md).", ""]
+    for kind, hook in ALGORITHM_KINDS.items():
+        names = [n for n in registry.names(kind)
+                 if wanted is None or registry.get(kind, n, "").distribution in wanted]
+        if not names:
+            continue
+        out += [f"#### {_ALGORITHM_TITLES.get(kind, kind)} (`{hook}`)", ""]
+        for name in names:
+            fn = registry.get(kind, name, "")
+            out += [f"`{name}` ({fn.distribution}): {_first_paragraph(fn.fn)}", ""]
+            table = options_table(fn.declared(), "algorithm.")
+            out += (table or ["No keys of its own."]) + [""]
+    return out
 
 
 def _base_of(cls: type) -> type:
