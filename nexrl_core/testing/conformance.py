@@ -52,9 +52,10 @@ _THREADS = 4
 
 @dataclass
 class ConformanceReport:
-    """The outcome of :func:`check_evaluator` for one evaluator."""
+    """The outcome of :func:`check_evaluator` for one evaluator (or, from :func:`check_plugin`,
+    of the option declarations of another component)."""
 
-    evaluator: str
+    component: str  #: e.g. "evaluator 'math_rule' (nexrl-rewards 0.1.0)"
     problems: list[str] = field(default_factory=list)  #: what must be fixed
     notes: list[str] = field(default_factory=list)  #: worth knowing, not failures
     skipped: str | None = None  #: why it was not checked (e.g. options it needs were not given)
@@ -67,16 +68,16 @@ class ConformanceReport:
 
     def text(self) -> str:
         if self.skipped is not None:
-            head = f"{self.evaluator}: skipped: {self.skipped}"
+            head = f"{self.component}: skipped: {self.skipped}"
         elif self.problems:
-            head = f"{self.evaluator}: FAILED ({len(self.problems)} problem{'s' if len(self.problems) > 1 else ''})"
+            head = f"{self.component}: FAILED ({len(self.problems)} problem{'s' if len(self.problems) > 1 else ''})"
         else:
-            head = f"{self.evaluator}: ok ({self.checked or f'{self.calls} calls'})"
+            head = f"{self.component}: ok ({self.checked or f'{self.calls} calls'})"
         lines = [head] + [f"  problem: {p}" for p in self.problems] + [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"component": self.evaluator, "ok": self.ok, "problems": self.problems, "notes": self.notes,
+        return {"component": self.component, "ok": self.ok, "problems": self.problems, "notes": self.notes,
                 "skipped": self.skipped, "calls": self.calls}
 
 
@@ -116,7 +117,8 @@ def check_evaluator(evaluator: type[Evaluator] | str, options: Mapping[str, Any]
     report.problems += _declaration_problems(declared)
     own = getattr(cls, "EXAMPLES", None)
     samples = [dict(e) for e in (examples if examples is not None else own or [])]
-    if not samples:
+    generic = not samples
+    if generic:
         samples = [dict(e) for e in GENERIC_EXAMPLES]
         report.notes.append("declares no EXAMPLES: checked on generic arithmetic data ({prompt, answer}); declare "
                             "EXAMPLES with the data your evaluator reads")
@@ -157,7 +159,7 @@ def check_evaluator(evaluator: type[Evaluator] | str, options: Mapping[str, Any]
              for i, s in enumerate(samples)]
     _check_cases(cases, instances, report)
     if report.problems:  # the replies below use the examples' data: their problems would repeat these
-        if name == "sample":
+        if generic:
             report.problems.append("the generic sample data does not suit this evaluator: declare EXAMPLES")
         return report
     odd = [_Case(f"{what} (data of {name}[0])", samples[0]["data"], reply, None, samples[0]["_key"], odd=True)

@@ -10,7 +10,7 @@ from nexrl_core.testing import check_plugin, plugin_manager
 
 def test_nexrl_rewards_conforms():
     pm = plugin_manager(rewards_plugin)
-    reports = {r.evaluator.split("'")[1]: r for r in check_plugin("nexrl_rewards.plugin", pm)}
+    reports = {r.component.split("'")[1]: r for r in check_plugin("nexrl_rewards.plugin", pm)}
     assert set(reports) == {"math_rule", "code_sandbox", "llm_judge"}
     for name in ("math_rule", "code_sandbox"):
         assert reports[name].ok, reports[name].text()
