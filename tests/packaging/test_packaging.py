@@ -93,10 +93,12 @@ def test_wheel_metadata_matches_pyproject(built, project):
         found.add((req.name, str(req.specifier), extra))
     assert found == declared
     assert set(metadata.get_all("Provides-Extra") or []) == set(meta.get("optional-dependencies", {}))
-    for group, table in {"nexrl": meta.get("entry-points", {}).get("nexrl", {}),
-                         "console_scripts": meta.get("scripts", {})}.items():
+    groups = {**meta.get("entry-points", {}), "console_scripts": meta.get("scripts", {})}
+    assert "nexrl" in groups or meta["name"] == "nexrl-core", "a plugin without a [project.entry-points.nexrl] table"
+    for group, table in groups.items():  # nexrl plugins, nexrl-core's console script and pytest11 fixtures
         for name, target in table.items():
-            assert f"{name} = {target}" in entry_points, f"[{group}] {name} missing from entry_points.txt"
+            assert f"[{group}]" in entry_points and f"{name} = {target}" in entry_points, \
+                f"[{group}] {name} missing from entry_points.txt"
     # every package of the source tree (and its data files) is in the wheel
     package = meta["name"].replace("-", "_")
     root = project / package
