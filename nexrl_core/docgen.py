@@ -81,7 +81,7 @@ def _split_fields(doc: str) -> tuple[str, list[tuple[str, str]], str]:
 def _rst_to_md(text: str) -> str:
     text = re.sub(r":(?:class|func|meth|mod|data|attr):`~?([^`]+)`", r"`\1`", text)
     text = text.replace("``", "`")
-    text = re.sub(r"(?m)^(.*)::\s*$", r"\1:", text)  # reST literal-block marker
+    text = re.sub(r"(?m)^(.*)::[ \t]*$", r"\1:", text)  # reST literal-block marker
     return text
 
 
