@@ -93,7 +93,8 @@ def footer(cfg: Any, recipe: str, overrides: list[str], outcome: _Outcome, elaps
     elif outcome.status in ("signal", "interrupted"):
         title = f"stopped at step {step}/{total} after {elapsed}"
     else:
-        title = f"failed at step {step}/{total} after {elapsed}: {(outcome.error or '').splitlines()[0][:300]}"
+        first_line = (outcome.error or "").strip().splitlines()[:1]
+        title = f"failed at step {step}/{total} after {elapsed}: {first_line[0][:300] if first_line else 'unknown error'}"
     root = cfg.trainer.get("checkpoint_path")
     latest = find_latest_checkpoint(str(root)) if root else None
     lines: list[tuple[str, str]] = []
@@ -209,6 +210,9 @@ def run_command(args: Any) -> int:
         raise
     except KeyboardInterrupt:
         outcome.status, outcome.code = "interrupted", 130
+        raise
+    except Exception as exc:  # a bug: its traceback follows; the footer and run.json still say what happened
+        outcome.error = f"{type(exc).__name__}: {exc}"
         raise
     finally:
         signal.signal(signal.SIGINT, signal.default_int_handler)

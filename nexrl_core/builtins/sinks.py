@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 from typing import Any
 
 from loguru import logger
@@ -76,7 +77,7 @@ class WandbSink:
         kwargs: dict[str, Any] = dict(
             project=project, entity=own.get("entity"), group=own.get("group"), notes=own.get("notes"),
             tags=list(own.get("tags") or []) or None, name=str(own.get("name") or config.get("experiment_name", "run")),
-            dir=run_dir, mode=mode, config=redact(_plain(config)), id=run_id or wandb.util.generate_id(),
+            dir=run_dir, mode=mode, config=redact(_plain(config)), id=run_id or secrets.token_hex(4),
             resume="allow")
         if mode == "offline" and not own.get("mode") and not os.environ.get("WANDB_MODE"):
             logger.info(f"wandb: no API key configured, logging offline to {run_dir or '.'}/wandb "
@@ -178,7 +179,10 @@ class TensorBoardSink:
 def _installed(module: str) -> bool:
     import importlib.util
 
-    return importlib.util.find_spec(module) is not None
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def _plain(config: Any) -> Any:
