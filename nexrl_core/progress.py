@@ -23,15 +23,33 @@ _RECENT = 20  # step intervals the speed and ETA are averaged over
 _REWARD_WINDOW = 10
 
 
+RICH_MISSING = "the live progress display needs rich: pip install 'nexrl-core[progress]'"
+
+
+def rich_installed() -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("rich") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def progress_problem(setting: Any) -> str | None:
+    """``logger.progress``'s check (validate and run): 'rich' needs the rich package."""
+    return RICH_MISSING if setting == "rich" and not rich_installed() else None
+
+
 def choose_mode(setting: str, stream: TextIO) -> str:
-    """``logger.progress`` -> rich | plain | off (auto: rich on a terminal, plain elsewhere)."""
+    """``logger.progress`` -> rich | plain | off (auto: rich on a terminal when rich is installed,
+    plain elsewhere)."""
     if setting != "auto":
         return setting
     try:
         tty = stream.isatty()
     except (AttributeError, ValueError):
         tty = False
-    return "rich" if tty and os.environ.get("TERM") != "dumb" else "plain"
+    return "rich" if tty and os.environ.get("TERM") != "dumb" and rich_installed() else "plain"
 
 
 def format_duration(seconds: float | None) -> str:

@@ -160,13 +160,11 @@ def test_progress_off_keeps_the_console_sinks_lines(tmp_path):
     assert not any(line.startswith(("step 1/", "nexrl run ·", "finished:")) for line in run.stderr.splitlines())
 
 
-def test_rich_display_on_a_terminal(tmp_path):
-    """On a terminal (a pseudo-terminal here) `auto` picks the live rich display."""
-    recipe = write_recipe(tmp_path)
+def run_on_terminal(tmp_path: Path, recipe: Path, env: dict[str, str]) -> tuple[int, str]:
+    """`nexrl run` with a pseudo-terminal as stdin, stdout and stderr: (exit code, what it showed)."""
     master, slave = pty.openpty()
-    env = clean_env(tmp_path, TERM="xterm-256color", COLUMNS="160")
     proc = subprocess.Popen([*nexrl_cmd(), "run", str(recipe)], stdin=slave, stdout=slave, stderr=slave,
-                            env=env, cwd=tmp_path)
+                            env={**env, "TERM": "xterm-256color", "COLUMNS": "160"}, cwd=tmp_path)
     os.close(slave)
     out = b""
     deadline = time.time() + 180
@@ -184,14 +182,26 @@ def test_rich_display_on_a_terminal(tmp_path):
             break
     proc.wait(timeout=30)
     os.close(master)
-    text = out.decode("utf-8", "replace")
-    assert proc.returncode == 0, text[-3000:]
+    return proc.returncode, out.decode("utf-8", "replace")
+
+
+def test_rich_display_on_a_terminal(tmp_path):
+    """On a terminal (a pseudo-terminal here) `auto` picks the live rich display."""
+    code, text = run_on_terminal(tmp_path, write_recipe(tmp_path), clean_env(tmp_path))
+    assert code == 0, text[-3000:]
     assert ANSI.search(text), "a terminal gets the live display's control codes"
     plain = ANSI.sub("", text)
     assert "━" in plain  # rich's progress bar
     assert "4/4" in plain and "100%" in plain and "eta" in plain and "throughput" in plain
     assert "validation @ step 2" in plain
     assert "finished: 4/4 steps" in plain and "train on" in plain
+
+
+def test_a_terminal_without_rich_gets_plain_lines(tmp_path):
+    code, text = run_on_terminal(tmp_path, write_recipe(tmp_path), hiding(tmp_path, "rich"))
+    assert code == 0, text[-3000:]
+    assert "━" not in text and "Traceback" not in text
+    assert "step 4/4 (100%) | step time" in text and "finished: 4/4 steps" in text
 
 
 def test_sigint_is_acknowledged_with_the_resume_command(tmp_path):
@@ -323,21 +333,35 @@ def test_tensorboard_event_files_hold_the_runs_metrics(tmp_path):
     assert [e.step for e in acc.Scalars("val/reward")] == [0, 2, 4]
 
 
-def test_a_missing_tracker_package_is_reported_by_validate_and_run_alike(tmp_path):
-    (tmp_path / "shadow").mkdir()
-    (tmp_path / "shadow" / "sitecustomize.py").write_text(  # this interpreter cannot find tensorboardX
+def hiding(tmp_path: Path, module: str) -> dict[str, str]:
+    """An environment whose interpreters cannot find ``module`` (as if the extra were not installed)."""
+    folder = tmp_path / f"hide-{module}"
+    folder.mkdir()
+    (folder / "sitecustomize.py").write_text(
         "import sys\nclass _Hide:\n    def find_spec(self, name, path=None, target=None):\n"
-        "        if name.split('.')[0] == 'tensorboardX':\n            raise ModuleNotFoundError(name)\n"
+        f"        if name.split('.')[0] == {module!r}:\n            raise ModuleNotFoundError(name)\n"
         "sys.meta_path.insert(0, _Hide())\n")
-    env = clean_env(tmp_path, PYTHONPATH=os.pathsep.join([str(tmp_path / "shadow"), str(REPO)]))
+    return clean_env(tmp_path, PYTHONPATH=os.pathsep.join([str(folder), str(REPO)]))
+
+
+@pytest.mark.parametrize("override, message", [
+    ("logger.backend=[tensorboard]",
+     "error: logger.backend: 'tensorboard' needs the tensorboardX package: pip install 'nexrl-core[tensorboard]'"),
+    ("logger.backend=[console,wandb]",
+     "error: logger.backend: 'wandb' needs the wandb package: pip install 'nexrl-core[wandb]'"),
+    ("logger.progress=rich",
+     "error: logger.progress: the live progress display needs rich: pip install 'nexrl-core[progress]'"),
+])
+def test_a_missing_extra_is_reported_by_validate_and_run_alike(tmp_path, override, message):
+    module = {"tensorboard": "tensorboardX", "wandb": "wandb", "rich": "rich"}[override.split("[")[-1].rstrip("]")
+                                                                               .split(",")[-1].split("=")[-1]]
+    env = hiding(tmp_path, module)
     recipe = write_recipe(tmp_path)
-    outcomes = [nexrl(tmp_path, command, recipe, "logger.backend=[tensorboard]", env=env)
-                for command in ("validate", "run")]
-    for result in outcomes:
+    for command in ("validate", "run"):
+        result = nexrl(tmp_path, command, recipe, override, env=env)
         assert result.returncode == 2, result.stderr
-        assert "error: logger.backend: 'tensorboard' needs the tensorboardX package: " \
-               "pip install 'nexrl-core[tensorboard]'" in result.stderr
-        assert "Traceback" not in result.stderr
+        assert message in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "run").exists()
 
 
 # ----------------------------------------------------------------------------- the CLI's manners
