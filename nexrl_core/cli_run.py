@@ -81,7 +81,8 @@ class _Outcome:
 
 
 def footer(cfg: Any, recipe: str, overrides: list[str], outcome: _Outcome, elapsed: str,
-           plot: tuple[str | None, str | None]) -> tuple[str, list[tuple[str, str]]]:
+           plot: tuple[str | None, str | None], exportable: bool = False) -> tuple[str, list[tuple[str, str]]]:
+    """The footer's title and lines; ``exportable``: the trainer implements ``export_checkpoint``."""
     from .checkpoint import find_latest_checkpoint
     from .run_log import ERRORS_FILE, METRICS_FILE, SAMPLES_FILE
 
@@ -113,7 +114,7 @@ def footer(cfg: Any, recipe: str, overrides: list[str], outcome: _Outcome, elaps
     lines.append(("log", os.path.join(run_dir, "run.log")))
     plot_path, plot_problem = plot
     lines.append(("plot", plot_path or plot_problem or "not written"))
-    if latest:
+    if latest and exportable:
         lines.append(("export", shlex.join(["nexrl", "export", latest, os.path.join(run_dir, "model")])))
     if outcome.status == "finished":
         if latest:
@@ -221,12 +222,21 @@ def run_command(args: Any) -> int:
         if outcome.step is None:
             outcome.step = progress.stats.step
         plot = _plot(run_dir) if outcome.code != 2 else (None, None)
-        title, lines = footer(cfg, recipe, overrides, outcome, format_duration(record.elapsed()), plot)
+        title, lines = footer(cfg, recipe, overrides, outcome, format_duration(record.elapsed()), plot,
+                              _exportable(pm, str(cfg.trainer.type)))
         progress.print_block(title, lines)
         record.finish(outcome.status, outcome.code, outcome.step, outcome.error)
     print(json.dumps({"global_step": summary.global_step, "stopped_by": summary.stopped_by,
                       "run_dir": run_dir, "validation": summary.validation}, default=float))
     return outcome.code
+
+
+def _exportable(pm: Any, trainer: str) -> bool:
+    from .trainer import BaseTrainer
+
+    cls = pm.components("trainer").get(trainer)
+    own = getattr(getattr(cls, "cls", None), "export_checkpoint", None)
+    return own is not None and getattr(own, "__func__", None) is not BaseTrainer.export_checkpoint.__func__
 
 
 def _checkpoint_global_step(path: str | None) -> int:
