@@ -172,7 +172,6 @@ def run_command(args: Any) -> int:
     record.write_start(keep_previous=cfg.resume.mode != "disable")
     write_config(run_dir, cfg)
     progress.print_block(f"nexrl run · {cfg.experiment_name}", header_lines(cfg, recipe, overrides, pm, resume_from))
-    progress.start("starting")
     outcome = _Outcome()
     controller: Any = None
 
@@ -198,7 +197,7 @@ def run_command(args: Any) -> int:
         controller = NexRLController(cfg, pm, listeners=[progress])
         signal.signal(signal.SIGINT, on_signal)
         signal.signal(signal.SIGTERM, on_signal)
-        progress.set_status("running")
+        progress.start("running")  # once built: model loading prints its own progress bars
         summary = controller.run()
         outcome.status, outcome.step = summary.stopped_by, summary.global_step
         outcome.code = 130 if summary.stopped_by == "signal" else 0
