@@ -156,6 +156,9 @@ def run_command(args: Any) -> int:
     from .run_info import RunRecord, write_config
     from .run_log import prepare_run_dir, setup_logging
 
+    # nexrl's own display reports progress: Hugging Face's per-file bars (read before transformers is
+    # imported) would break the live display and fill CI logs; HF_HUB_DISABLE_PROGRESS_BARS=0 keeps them
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     recipe, overrides = args.recipe, list(args.overrides)
     cfg = load_recipe(recipe, overrides)
     pm = get_plugin_manager()
