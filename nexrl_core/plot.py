@@ -10,6 +10,8 @@ import json
 import os
 from typing import Any
 
+import yaml
+
 from .errors import ConfigError, NexRLError
 from .run_log import METRICS_FILE
 
@@ -52,9 +54,30 @@ def series(rows: list[dict[str, Any]]) -> dict[str, list[tuple[int, float]]]:
 
 
 def validation_keys(found: dict[str, list[tuple[int, float]]]) -> list[str]:
-    """The validation scores worth a line: val/<key>, not the sample counts."""
-    keys = [k for k in found if k.startswith("val/") and not k.split("/", 1)[1].startswith("num_")]
-    return sorted(keys, key=lambda k: (k != "val/reward", k))
+    """The validation lines worth drawing on one 0..1 axis: the overall scores (``val/<score_key>``,
+    not the sample counts) whose values are fractions, and, with several data sources, each
+    source's reward (``val/<data_source>_reward``). metrics.jsonl keeps the rest."""
+    names = {k.split("/", 1)[1] for k in found if k.startswith("val/")}
+    names -= {n for n in names if n.startswith("num_")}
+    sources = {n[:-len("_reward")] for n in names if n.endswith("_reward") and n != "reward"}
+    per_source = {n for n in names for src in sources if n.startswith(src + "_")}
+    overall = [n for n in names - per_source
+               if all(-1e-9 <= v <= 1 + 1e-9 for _, v in found[f"val/{n}"])]
+    keys = sorted(overall, key=lambda n: (n != "reward", n))
+    if len(sources) > 1:
+        keys += sorted(f"{src}_reward" for src in sources)
+    return [f"val/{n}" for n in keys]
+
+
+def _title(run_dir: str) -> str:
+    """``experiment_name`` from the run's config.yaml, else the folder's name."""
+    folder = os.path.basename(os.path.normpath(os.path.abspath(run_dir)))
+    try:
+        with open(os.path.join(run_dir, "config.yaml"), encoding="utf-8") as f:
+            name = (yaml.safe_load(f) or {}).get("experiment_name")
+    except (OSError, AttributeError, yaml.YAMLError):
+        return folder
+    return f"{name} ({folder})" if name and name != folder else folder
 
 
 def _running_mean(values: list[float], window: int) -> list[float]:
@@ -74,6 +97,7 @@ def plot_run(run_dir: str, out: str | None = None, title: str | None = None) -> 
 
         matplotlib.use("Agg")  # no display needed; must precede pyplot
         import matplotlib.pyplot as plt
+        from matplotlib.ticker import MaxNLocator
     except ImportError:
         raise MissingMatplotlib("the plot needs matplotlib: pip install 'nexrl-core[plot]'") from None
     found = series(read_metrics(run_dir))
@@ -105,9 +129,10 @@ def plot_run(run_dir: str, out: str | None = None, title: str | None = None) -> 
             ax.plot(steps, values, color="tab:red", linewidth=1.2, label=loss_key)
             ax.set_ylabel("loss")
         ax.grid(True, alpha=0.3)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.legend(loc="best", fontsize=8)
     axes[-1, 0].set_xlabel("step")
-    fig.suptitle(title or os.path.basename(os.path.normpath(os.path.abspath(run_dir))))
+    fig.suptitle(title or _title(run_dir))
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     fig.savefig(out, dpi=110)

@@ -450,3 +450,17 @@ def test_relative_paths_in_a_recipe_are_next_to_the_recipe(tmp_path):
     (elsewhere / "other.jsonl").write_text((folder / "train.jsonl").read_text())
     given = nexrl(tmp_path, "config", recipe, "data.path=other.jsonl", cwd=elsewhere)
     assert yaml.safe_load(given.stdout)["data"]["path"] == "other.jsonl"
+
+
+def test_the_plots_validation_lines():
+    from nexrl_core.plot import series, validation_keys
+
+    found = series([
+        {"step": 0, "time": 1.0, "val/reward": 0.5, "val/accuracy": 0.5, "val/response_chars": 16.0,
+         "val/num_samples": 64.0, "val/gsm_reward": 0.4, "val/gsm_accuracy": 0.4, "val/math_reward": 0.6},
+        {"step": 1, "train/reward_mean": 0.25, "flag": True},
+        {"step": 1, "train/reward_mean": 0.75},  # a step recorded again keeps its last value
+    ])
+    assert found["train/reward_mean"] == [(1, 0.75)] and "flag" not in found and "time" not in found
+    # overall fractions, then each data source's reward; not counts, not other scales
+    assert validation_keys(found) == ["val/reward", "val/accuracy", "val/gsm_reward", "val/math_reward"]
