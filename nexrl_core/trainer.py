@@ -20,7 +20,7 @@ from .types import DEFAULT_MODEL_TAG, Trajectory
 _BATCH_WAIT_S = 0.1
 # What samples.jsonl keeps of a trajectory (logger.samples_every).
 SAMPLE_FIELDS = ("uid", "sample_index", "data_source", "prompt", "response", "reward", "score", "model_version",
-                 "finish_reason", "failed", "error")
+                 "sampling", "finish_reason", "failed", "error")
 
 class BaseTrainer(ThreadedModule):
     """Subclasses implement :meth:`train`; self-hosted ones also the model-state methods.

@@ -145,6 +145,7 @@ def test_plain_progress_header_footer_and_the_run_directory(tmp_path):
     for s in samples:
         assert s["response"] == str(eval(s["prompt"][0]["content"]))  # the mock model sums
         assert s["reward"] == 1.0 and "time" in s and s["model_version"] is not None
+        assert s["sampling"]["temperature"] == 1.0  # the sampling record that produced it
     # metrics.png: a real PNG
     png = (run_dir / "metrics.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
