@@ -77,7 +77,9 @@ def resolve_recipe_paths(values: Any, recipe_dir: str, options: Mapping[str, Opt
     if not isinstance(values, dict):
         return
     if options is None:
-        options = CORE_OPTIONS
+        from .plugins import peek_plugin_manager
+
+        options, pm = CORE_OPTIONS, pm or peek_plugin_manager()  # one manager for the whole walk
         train_service = _get(values, "service.train_service")
         trainer_cls = _selected_class(CORE_OPTIONS["trainer"], values.get("trainer"), pm)
         if isinstance(train_service, dict) and trainer_cls is not None:  # keys declared by the chosen trainer
@@ -108,7 +110,7 @@ def _recipe_path(value: Any, recipe_dir: str) -> Any:
 
 def _selected_class(opt: Option, values: Any, pm: Any) -> type | None:
     """The registered class a component section selects (None when unknown: the checks say so)."""
-    from .plugins import active_plugin_manager
+    from .plugins import peek_plugin_manager
 
     if opt.options is None or opt.component is None:
         return None
@@ -116,7 +118,7 @@ def _selected_class(opt: Option, values: Any, pm: Any) -> type | None:
     name = section.get(opt.selector, opt.options[opt.selector].default_value())
     if not isinstance(name, str):
         return None
-    registered = (pm or active_plugin_manager()).components(opt.component).get(name)
+    registered = (pm or peek_plugin_manager()).components(opt.component).get(name)
     return registered.cls if registered is not None else None
 
 
