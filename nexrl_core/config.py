@@ -52,10 +52,12 @@ def load_recipe(path: str, overrides: list[str] | None = None) -> DictConfig:
     composer = Composer(path, [])
     group_overrides, value_overrides = _parse_overrides(overrides or [], composer)
     composer.overrides = group_overrides
-    merged: Any = core_defaults()
+    recipe: Any = {}
     for layer in composer.layers(raw):
-        merged = deep_merge(merged, layer)
-    cfg = _create(merged, path)
+        recipe = deep_merge(recipe, layer)
+    recipe_dir = os.path.dirname(os.path.abspath(path))
+    resolve_recipe_paths(recipe, recipe_dir)
+    cfg = _create(deep_merge(core_defaults(), recipe), path)
     _apply_overrides(cfg, value_overrides)
     plain = _fill_section_defaults(OmegaConf.to_container(cfg, resolve=False), CORE_OPTIONS)
     try:
@@ -63,8 +65,62 @@ def load_recipe(path: str, overrides: list[str] | None = None) -> DictConfig:
     except OmegaConfBaseException as exc:
         raise ConfigError(f"{getattr(exc, 'full_key', '') or path}: cannot resolve interpolation "
                           f"({str(exc.msg).splitlines()[0]})") from None
-    resolved.recipe_dir = os.path.dirname(os.path.abspath(path))  # relative paths stay relative to the cwd
+    resolved.recipe_dir = recipe_dir
     return resolved
+
+
+def resolve_recipe_paths(values: Any, recipe_dir: str, options: Mapping[str, Option] | None = None,
+                         pm: Any = None) -> None:
+    """In place: each relative path a recipe names (options declared ``path=True``, the core's and
+    the selected components') becomes the path next to the recipe when that file or folder exists
+    there; otherwise it is left as written (relative to the current folder, or a name such as a
+    model id). Values with an interpolation are left alone."""
+    if not isinstance(values, dict):
+        return
+    if options is None:
+        from .plugins import peek_plugin_manager
+
+        options, pm = CORE_OPTIONS, pm or peek_plugin_manager()  # one manager for the whole walk
+        train_service = _get(values, "service.train_service")
+        trainer_cls = _selected_class(CORE_OPTIONS["trainer"], values.get("trainer"), pm)
+        if isinstance(train_service, dict) and trainer_cls is not None:  # keys declared by the chosen trainer
+            declared = component_options(trainer_cls, "TRAIN_SERVICE_OPTIONS", "TRAIN_SERVICE_KEYS") or {}
+            resolve_recipe_paths(train_service, recipe_dir, declared, pm)
+    for key, value in list(values.items()):
+        opt = options.get(str(key))
+        if opt is None:
+            continue
+        if opt.path:
+            values[key] = _recipe_path(value, recipe_dir)
+        elif opt.component is not None and isinstance(value, dict):
+            cls = _selected_class(opt, value, pm)
+            own = declared_options(opt.component, cls) if cls is not None else None
+            resolve_recipe_paths(value, recipe_dir, {**(own or {}), **dict(opt.options or {})}, pm)
+        elif opt.options is not None and isinstance(value, dict):
+            resolve_recipe_paths(value, recipe_dir, opt.options, pm)
+
+
+def _recipe_path(value: Any, recipe_dir: str) -> Any:
+    if isinstance(value, list):
+        return [_recipe_path(v, recipe_dir) for v in value]
+    if not isinstance(value, str) or not value or os.path.isabs(value) or "${" in value or value.startswith("~"):
+        return value
+    candidate = os.path.normpath(os.path.join(recipe_dir, value))
+    return candidate if os.path.exists(candidate) else value
+
+
+def _selected_class(opt: Option, values: Any, pm: Any) -> type | None:
+    """The registered class a component section selects (None when unknown: the checks say so)."""
+    from .plugins import peek_plugin_manager
+
+    if opt.options is None or opt.component is None:
+        return None
+    section = values if isinstance(values, Mapping) else {}
+    name = section.get(opt.selector, opt.options[opt.selector].default_value())
+    if not isinstance(name, str):
+        return None
+    registered = (pm or peek_plugin_manager()).components(opt.component).get(name)
+    return registered.cls if registered is not None else None
 
 
 def _create(data: Any, path: str) -> DictConfig:
@@ -342,6 +398,8 @@ def _core_options(values: Any, pm: Any) -> tuple[dict[str, Option], list[str]]:
         own = component_options(cls)
         if own:
             logger_options[str(name)] = Option(options=own, help=f"options of the {name} metrics sink")
+        section = logger_section.get(str(name)) if isinstance(logger_section, Mapping) else None
+        problems += component_check(cls, section if isinstance(section, Mapping) else {}, f"logger.{name}")
     options["logger"] = Option(options=logger_options, help=options["logger"].help)
     return options, problems
 

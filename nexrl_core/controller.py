@@ -30,6 +30,7 @@ from .types import NexRLRole, Trajectory
 from .validator import Validator
 from .weight_sync import WeightSyncController
 
+_LISTENER_POLL_S = 0.1  # how often the driver's listeners (progress display) are handed new metrics rows
 
 
 class RunFailed(NexRLError):
@@ -50,9 +51,13 @@ class RunSummary:
 
 class NexRLController:
     def __init__(self, config: DictConfig, plugin_manager: PluginManager | None = None,
-                 eval_only: bool = False, eval_out: str | None = None):
+                 eval_only: bool = False, eval_out: str | None = None, listeners: list[Any] | None = None):
         """``eval_only``: build for ``nexrl eval`` (no trainer, no training data), recording failed
-        samples in ``eval_out`` (None: nowhere), never in the training run's run_dir."""
+        samples in ``eval_out`` (None: nowhere), never in the training run's run_dir.
+
+        ``listeners``: objects with ``log(metrics, step)`` (a metrics sink's interface) that follow the
+        run in this process (the driver), whatever the launch mode: every metrics row (with its
+        ``time``) reaches them, read from what the run recorded, never from the data path."""
         self._config = config
         self._pm = plugin_manager or get_plugin_manager()
         self._eval_only = eval_only
@@ -67,6 +72,9 @@ class NexRLController:
         self._validations: list[dict[str, float]] = []
         self._final_step = 0
         self._final_errors: list[str] = []
+        self._listeners = list(listeners or [])
+        self._rows_cursor = 0
+        self._failed_listeners: set[int] = set()
         self.run_dir = str(config.run_dir)
         #: validation trajectories of the last :meth:`run_evaluation`
         self.evaluation_samples: list[Trajectory] = []
@@ -177,6 +185,13 @@ class NexRLController:
                 NexRLRole.INFERENCE_SERVICE: self.inference_client}
 
     # -- run -----------------------------------------------------------------------------
+    def final_step(self) -> int:
+        """The trainer's step when the run stopped (known once :meth:`run` returned or raised)."""
+        return self._final_step
+
+    def stop_requested(self) -> bool:
+        return self._stop_requested.is_set()
+
     def request_stop(self, reason: str) -> None:
         """Ask the monitor loop to stop (signal handlers call this)."""
         self._stop_reason = reason
@@ -196,6 +211,7 @@ class NexRLController:
             if due:
                 self._wait_validation()
                 self._end_validate(self._model_tag, start_step)
+                self._feed_listeners()
             execute(self.trainer.run)
             stopped_by, error = self._monitor(cfg)
         except NexRLError as exc:
@@ -237,11 +253,14 @@ class NexRLController:
         rm = cfg.runtime_monitor
         wsc, tracker = self.weight_sync_controller, self.activity_tracker
         next_health = time.monotonic() + float(rm.health_check.check_interval)
-        next_exc = time.monotonic()
+        next_exc = next_feed = time.monotonic()
         unhealthy_since: float | None = None
         while True:
             if self._stop_requested.is_set():
                 return "signal", None
+            if self._listeners and time.monotonic() >= next_feed:
+                next_feed = time.monotonic() + _LISTENER_POLL_S
+                self._feed_listeners()
             if execute(wsc.is_waiting_for_validation):
                 if self.validate_dataloader is None:
                     execute(wsc.end_validate, self._model_tag)
@@ -274,6 +293,22 @@ class NexRLController:
                 else:
                     unhealthy_since = None
             self._stop_requested.wait(self.resource_manager.poll_interval_s)
+
+    def _feed_listeners(self) -> None:
+        """Hand the metrics rows recorded since the last call to every listener (a listener that
+        raises is reported once and skipped: it must not stop the run)."""
+        rows, self._rows_cursor = execute(self.activity_tracker.recorded_rows, self._rows_cursor)
+        for row in rows:
+            step = int(row.pop("step"))
+            for i, listener in enumerate(self._listeners):
+                if i in self._failed_listeners:
+                    continue
+                try:
+                    listener.log(row, step)
+                except Exception as exc:
+                    self._failed_listeners.add(i)
+                    logger.opt(exception=exc).warning(f"{type(listener).__name__}.log failed and is skipped for the "
+                                                      f"rest of the run: {type(exc).__name__}: {exc}")
 
     def _policy_message(self, policy: str) -> str:
         """Name the error that made ``policy`` stop the run (not merely the latest one)."""
@@ -403,6 +438,8 @@ class NexRLController:
             if save and self._final_step > 0:
                 execute(trainer.save_checkpoint)  # a failed save must not pass unnoticed
         finally:
+            if self._listeners:
+                _best_effort("reading the last metrics", self._feed_listeners)
             errors = _best_effort("reading the reported errors", tracker.get_errors)
             self._final_errors = [e.message for e in errors or []]
             _best_effort("closing the inference client", self.inference_client.close)

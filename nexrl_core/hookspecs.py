@@ -138,7 +138,10 @@ def nexrl_metrics_sinks() -> dict[str, type[Any]]:
     """Register experiment loggers, selected with ``logger.backend``.
 
     :return: registered name -> class with ``__init__(config, run_dir)``,
-        ``log(metrics: dict, step: int)`` and ``close()``.
+        ``log(metrics: dict, step: int)`` and ``close()``; optionally ``OPTIONS`` (its keys under
+        ``logger.<name>``), ``check_config(section, key) -> [problem, ...]`` (run by ``nexrl
+        validate`` too) and ``truncate_after(step)`` (a resume from checkpoint ``step``: forget
+        what was logged after it).
     """
 
 

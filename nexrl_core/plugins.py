@@ -300,3 +300,10 @@ def active_plugin_manager() -> PluginManager:
     """The manager a module being built uses: the launch's (:func:`use_plugin_manager`), else this
     process's default (entry points and ``NEXRL_LOAD_PLUGINS``, as in a process of its own)."""
     return _ACTIVE.get() or get_plugin_manager()
+
+
+def peek_plugin_manager() -> PluginManager:
+    """The manager in use (the launch's, else this process's default) without creating the cached
+    default: reading a recipe (:func:`nexrl_core.config.load_recipe`) must not fix which plugins
+    this process loads before the command has chosen its manager."""
+    return _ACTIVE.get() or _DEFAULT or PluginManager()

@@ -41,6 +41,12 @@ def _batch_ready_functions() -> tuple[str, ...]:
     return BATCH_READY_FUNCTIONS
 
 
+def _progress_available(value: Any) -> str | None:
+    from .progress import progress_problem
+
+    return progress_problem(value)
+
+
 def _rollout_limit(value: Any) -> str | None:
     if value == "batch" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
         return None
@@ -142,9 +148,18 @@ RESUME = {
     "resume_path": Option(None, str, "global_step_<N> folder for mode from_path"),
 }
 
+PROGRESS_MODES = ("auto", "rich", "plain", "off")
+
 LOGGER = {
-    "backend": Option(["console"], (str, list[str]), "experiment loggers (registered metrics sinks)"),
+    "backend": Option(["console"], (str, list[str]), "experiment loggers (registered metrics sinks): console, "
+                                                     "wandb, tensorboard"),
     "level": Option("INFO", str, "console log level (run.log is always DEBUG)", choices=LOG_LEVELS),
+    "progress": Option("auto", str, "nexrl run's progress display on stderr: rich (live, for a terminal), plain "
+                                    "(one line per step), auto (rich on a terminal, else plain), off",
+                       choices=PROGRESS_MODES, check=_progress_available),
+    "samples_every": Option(10, int, "every N training steps, write some of the step's generations to "
+                                     "samples.jsonl (0: never)", ge=0),
+    "samples_per_step": Option(4, int, "generations written per such step, spread over the batch", ge=1),
 }
 
 RUNTIME_MONITOR = {

@@ -19,6 +19,9 @@ from .runtime.threaded import ThreadedModule
 from .types import DEFAULT_MODEL_TAG, Trajectory
 
 _BATCH_WAIT_S = 0.1
+# What samples.jsonl keeps of a trajectory (logger.samples_every).
+SAMPLE_FIELDS = ("uid", "sample_index", "data_source", "prompt", "response", "reward", "score", "model_version",
+                 "sampling", "finish_reason", "failed", "error")
 
 class BaseTrainer(ThreadedModule):
     """Subclasses implement :meth:`train`; self-hosted ones also the model-state methods.
@@ -45,6 +48,9 @@ class BaseTrainer(ThreadedModule):
         self.checkpoint_path = self._config.get("checkpoint_path")
         self.save_freq = int(self._config.get("save_freq", 0) or 0)
         self.remove_previous_ckpt = bool(self._config.get("remove_previous_ckpt", False))
+        logger_section = config.get("logger", {}) or {}
+        self.samples_every = int(logger_section.get("samples_every", 0) or 0)
+        self.samples_per_step = int(logger_section.get("samples_per_step", 4) or 0)
         self.global_step = 0
         self._trajectory_pool: Any = None
         self._weight_sync_controller: Any = None
@@ -86,6 +92,20 @@ class BaseTrainer(ThreadedModule):
     def export_weights(self) -> dict[str, Any]:
         """Current weights for an in-process weight sync."""
         raise NotImplementedError(f"{type(self).__name__} has no weights to export")
+
+    @classmethod
+    def export_checkpoint(cls, checkpoint: str, out: str, dtype: str | None = None) -> None:
+        """Write the model of ``checkpoint`` (a ``global_step_<N>`` folder this trainer saved) into
+        the existing empty folder ``out`` for inference, without optimizer or RNG state; ``dtype``
+        (float32 | bfloat16 | float16) casts floating-point weights (``nexrl export``).
+
+        A trainer whose checkpoints hold a model overrides this; the checkpoint names its trainer
+        in ``nexrl_state.json``, so ``nexrl export`` finds the right one.
+        """
+        from .errors import NexRLError
+
+        raise NexRLError(f"trainer {cls.__name__} cannot export its checkpoints' weights (it does not implement "
+                         f"BaseTrainer.export_checkpoint)")
 
     # -- lifecycle (the thread itself: ThreadedModule) ---------------------------------------
     def is_done(self) -> bool:
@@ -133,9 +153,20 @@ class BaseTrainer(ThreadedModule):
                                                         str(t.get("error", "")), False, self.global_step,
                                                         failure_detail(t))
         self._activity_tracker.experiment_logger_post("metrics", data=metrics, step=self.global_step)
+        if self.samples_every > 0 and self.global_step % self.samples_every == 0 and self.samples_per_step > 0:
+            self._activity_tracker.record_samples(self.global_step, self._pick_samples(trajectories))
         if self.save_freq > 0 and (self.global_step % self.save_freq == 0 or self.is_done()):
             self.save_checkpoint()
         execute(self._weight_sync_controller.train_worker_notify_weight_update, self._module_name, self._model_tag)
+
+    def _pick_samples(self, trajectories: list[Trajectory]) -> list[dict[str, Any]]:
+        """``samples_per_step`` trajectories spread over the batch (no random draw: the run's
+        random streams stay as they are), as samples.jsonl rows."""
+        n = len(trajectories)
+        k = min(self.samples_per_step, n)
+        picked = sorted({i * n // k for i in range(k)}) if k else []
+        return [{f: trajectories[i].get(f) for f in SAMPLE_FIELDS if trajectories[i].get(f) is not None}
+                for i in picked]
 
     def _core_metrics(self, trajectories: list[Trajectory], usable: list[Trajectory], wait_s: float,
                       train_s: float) -> dict[str, float]:
@@ -146,6 +177,7 @@ class BaseTrainer(ThreadedModule):
             "train/reward_mean": sum(rewards) / len(rewards) if rewards else 0.0,
             "train/num_trajectories": float(len(usable)),
             "train/num_failed": float(len(trajectories) - len(usable)),
+            **_response_tokens(usable),
             "train/staleness_max": float(max(staleness, default=0)),
             "train/staleness_mean": sum(staleness) / len(staleness) if staleness else 0.0,
             "timing/wait_batch_s": wait_s,  # rollouts of this batch, in sync mode
@@ -158,7 +190,8 @@ class BaseTrainer(ThreadedModule):
 
     # -- checkpoints ----------------------------------------------------------------------
     def core_state(self) -> dict[str, Any]:
-        state: dict[str, Any] = {"global_step": self.global_step}
+        # ``trainer``: the registered name of the trainer that wrote the checkpoint (nexrl export asks it)
+        state: dict[str, Any] = {"global_step": self.global_step, "trainer": self._config.get("type")}
         if self._dataloader is not None:
             state["dataloader"] = execute(self._dataloader.state_dict)
         if self._weight_sync_controller is not None:
@@ -183,3 +216,9 @@ class BaseTrainer(ThreadedModule):
         self.load_model_state(folder)
         self.global_step = int(state["global_step"])
         return state
+
+
+def _response_tokens(trajectories: list[Trajectory]) -> dict[str, float]:
+    """``train/num_response_tokens`` when every trajectory carries its response token ids."""
+    lengths = [len(t["response_token_ids"]) for t in trajectories if t.get("response_token_ids") is not None]
+    return {"train/num_response_tokens": float(sum(lengths))} if lengths and len(lengths) == len(trajectories) else {}

@@ -154,7 +154,18 @@ class ActivityTracker:
         if self.experiment_logger is not None:
             self.experiment_logger.post(backend, **kwargs)
 
-    # -- the run's records (errors.jsonl, resume) --------------------------------
+    def recorded_rows(self, cursor: int = 0) -> tuple[list[dict[str, Any]], int]:
+        """Metrics rows recorded since ``cursor`` and the next cursor: how the driver's listeners
+        (the progress display) follow the run wherever the tracker lives."""
+        rows_since = getattr(self.experiment_logger, "rows_since", None)
+        return rows_since(cursor) if rows_since is not None else ([], cursor)
+
+    # -- the run's records (errors.jsonl, samples.jsonl, resume) ------------------------
+    def record_samples(self, step: int, samples: list[dict[str, Any]]) -> None:
+        """Lines of samples.jsonl (see :meth:`nexrl_core.run_log.RunRecorder.record_samples`)."""
+        if self.experiment_logger is not None and hasattr(self.experiment_logger, "record_samples"):
+            self.experiment_logger.record_samples(step, samples)
+
     def record_lost_item(self, task: dict[str, Any], cause: str, message: str, validating: bool = False,
                          step: int | None = None, detail: dict[str, Any] | None = None) -> None:
         """One line of errors.jsonl (see :meth:`nexrl_core.run_log.RunRecorder.record_lost_item`)."""
@@ -256,3 +267,6 @@ class ActivityTrackerProxy:
     def record_lost_item(self, task: dict[str, Any], cause: str, message: str, validating: bool = False,
                          step: int | None = None, detail: dict[str, Any] | None = None) -> None:
         execute(self._tracker.record_lost_item, task, cause, message, validating, step, detail)
+
+    def record_samples(self, step: int, samples: list[dict[str, Any]]) -> None:
+        execute(self._tracker.record_samples, step, samples)

@@ -37,6 +37,9 @@ LossFn = Callable[[torch.Tensor, dict[str, Any]], tuple[torch.Tensor, dict[str, 
 
 REQUIRED_KEYS = ("input_ids", "attention_mask", "responses", "response_mask")
 CHECKPOINT_FORMAT = 1
+# What save_checkpoint adds to the HF folder for a resume; an export leaves them out.
+TRAINING_STATE_FILES = ("optimizer.safetensors", "optimizer.json", "rng.safetensors", "rng.json", "extra_state.json")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class LocalTorchTrainService:
@@ -317,3 +320,29 @@ def _rows(value: Any, start: int, stop: int, rows: int) -> Any:
 
 def _write_json(path: Path, data: Any) -> None:
     path.write_text(json.dumps(data, indent=1, sort_keys=True))
+
+
+def export_model_folder(checkpoint: str | os.PathLike, out: str | os.PathLike, dtype: str | None = None) -> None:
+    """Copy the HF model folder inside a :meth:`LocalTorchTrainService.save_checkpoint` folder to
+    the existing folder ``out``: model, config and tokenizer files, not the training state
+    (:data:`TRAINING_STATE_FILES`) nor the core's ``nexrl_*`` files. ``dtype`` casts the
+    floating-point weights and records the new dtype in ``config.json``."""
+    src, dst = Path(checkpoint), Path(out)
+    if not (src / "config.json").is_file():
+        raise FileNotFoundError(f"{src}: no config.json: not a checkpoint of a self-hosted trainer")
+    target = _DTYPES[dtype] if dtype is not None else None
+    for path in sorted(src.iterdir()):
+        if not path.is_file() or path.name in TRAINING_STATE_FILES or path.name.startswith("nexrl_"):
+            continue
+        if target is not None and path.suffix == ".safetensors":
+            tensors = load_file(str(path))
+            save_file({k: v.to(target) if v.is_floating_point() else v for k, v in tensors.items()},
+                      str(dst / path.name), metadata={"format": "pt"})
+        else:
+            shutil.copy2(path, dst / path.name)
+    if dtype is not None:
+        config = json.loads((dst / "config.json").read_text())
+        keys = [k for k in ("dtype", "torch_dtype") if k in config] or ["dtype"]
+        for key in keys:
+            config[key] = dtype
+        _write_json(dst / "config.json", config)

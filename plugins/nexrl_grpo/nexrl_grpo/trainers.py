@@ -17,7 +17,7 @@ from nexrl_core import Batch, BaseTrainer, Capabilities, ConfigError, Option, Sa
 
 from .losses import LossContext, agg_loss, masked_mean
 from .modeling import compute_response_logprobs, position_ids_from_mask
-from .train_service import LocalTorchTrainService
+from .train_service import LocalTorchTrainService, export_model_folder
 from .weights import AUTO_FLAG, MODEL_OPTIONS, _auto_flag, check_model_section, config_errors, resolve_model_path
 
 
@@ -189,6 +189,10 @@ class SelfHostedTrainer(BaseTrainer):
 
     def load_algorithm_state(self, state: dict[str, Any]) -> None:
         pass
+
+    @classmethod
+    def export_checkpoint(cls, checkpoint: str, out: str, dtype: str | None = None) -> None:
+        export_model_folder(checkpoint, out, dtype)
 
     def save_model_state(self, folder: str) -> None:
         self.train_service.save_checkpoint(folder, extra_state={"algorithm": self.algorithm_state()})

@@ -58,8 +58,9 @@ def check_model_section(section: Any, key: str) -> list[str]:
 
 
 MODEL_OPTIONS = {
-    "model_path": Option(None, str, f"HF model folder, a global_step_<N> checkpoint, or '{SMOLLM2}'"),
-    "gguf_file": Option(None, str, "GGUF file (in model_path, or absolute), converted once to safetensors"),
+    "model_path": Option(None, str, f"HF model folder, a global_step_<N> checkpoint, or '{SMOLLM2}'", path=True),
+    "gguf_file": Option(None, str, "GGUF file (in model_path, or absolute), converted once to safetensors",
+                        path=True),
     "dtype": Option("float32", str, "torch floating-point dtype of the weights"),
     "num_threads": Option(None, int, "torch CPU threads", ge=1),
 }
