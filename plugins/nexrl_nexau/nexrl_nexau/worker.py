@@ -270,9 +270,13 @@ def _choose_runner(kind: str) -> str:
 
 
 def _nexau_importable() -> bool:
+    """NexAU's package (its tracer module, not just any folder named nexau) can be imported."""
     import importlib.util
 
-    return importlib.util.find_spec("nexau") is not None
+    try:
+        return importlib.util.find_spec("nexau.archs.tracer.adapters.in_memory") is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def _plain(value: Any) -> Any:
