@@ -258,3 +258,21 @@ def test_jinja_system_prompt_is_rendered_with_the_task(tmp_path):
     runner = AgentRunner(load_agent_spec(str(tmp_path / "agent.yaml")))
     prompt = runner.system_prompt({"topic": "sums"})
     assert prompt.startswith("Topic: sums. Today is 20")
+
+
+def test_a_call_the_backend_could_not_read_is_reported_to_the_agent(agent_factory):
+    from nexrl_core.tool_calls import parse_tool_calls
+
+    path = agent_factory(["add"])
+    _, broken = parse_tool_calls('<tool_call>{"name": "add", "arguments": {"a": 1</tool_call>'
+                                 '<tool_call>no json at all</tool_call>')
+
+    def policy(messages, tools):
+        return ("", broken) if messages[-1]["role"] == "user" else "sorry"
+
+    result, _ = run(path, policy)
+    first, second = [m["content"] for m in result.messages if m["role"] == "tool"]
+    assert first.startswith("Error: the arguments of your call to 'add' could not be read: the tool call is not a "
+                            "JSON object")
+    assert second.startswith("Error: your tool call could not be read:")
+    assert result.tool_errors == {"bad_arguments": 2}

@@ -190,6 +190,8 @@ def _structured_call(call: Any, index: int) -> tuple[str, Any, str]:
     fn = call.get("function") if isinstance(call.get("function"), dict) else {}
     name = str(fn.get("name") or "")
     call_id = str(call.get("id") or f"call_{index}")
+    if call.get("error"):  # the backend could not read the call out of the model's text
+        return name, ValueError(str(call["error"])), call_id
     args = fn.get("arguments")
     if isinstance(args, dict):
         return name, args, call_id

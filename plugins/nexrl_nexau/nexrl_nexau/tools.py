@@ -215,6 +215,8 @@ class ToolExecutor:
                 for (name, _), (call, outcome, t0) in zip(calls, started)]
 
     def _problem(self, name: str, arguments: Any) -> ToolOutcome | None:
+        if isinstance(arguments, ValueError) and not name:
+            return ToolOutcome(f"Error: your tool call could not be read: {arguments}", False, "bad_arguments")
         if name not in self.tools:
             known = ", ".join(self.tools) or "none"
             return ToolOutcome(f"Error: there is no tool named '{name}' (available tools: {known})", False,
