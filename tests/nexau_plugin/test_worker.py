@@ -220,3 +220,22 @@ def test_a_binding_that_does_not_import_is_reported_by_check_config(tmp_path):
     problems = DefaultNexAURolloutWorker.check_config(
         OmegaConf.create({"nexau_agent_config_path": str(tmp_path / "agent.yaml")}))
     assert len(problems) == 1 and "cannot import nope_mod_q (ModuleNotFoundError" in problems[0]
+
+
+def test_few_shot_turns_sit_between_the_system_prompt_and_the_query_and_are_never_trained(agent_factory):
+    shots = [{"role": "user", "content": "What is 1 + 1?"},
+             {"role": "assistant", "content": '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 1}}</tool_call>'},
+             {"role": "tool", "content": "2"}, {"role": "assistant", "content": "2"}]
+    client = ScriptedChat(lambda m, t: "9")
+    worker, pool, _ = make_worker(agent_factory(["add"]), client, few_shot=shots)
+    worker._run_task(task(prompt="What is 4 + 5?", answer=9), validating=False)
+    sent = client.requests[0]["messages"]
+    assert [m["role"] for m in sent] == ["system", "user", "assistant", "tool", "assistant", "user"]
+    assert sent[1:5] == shots and sent[5]["content"] == "What is 4 + 5?"
+    (traj,) = pool.items
+    assert traj["loss_mask"] == [1, 1] and traj["reward"] == 1.0  # "9" + EOS: only the reply
+
+
+def test_few_shot_must_be_chat_messages(agent_factory):
+    with pytest.raises(ConfigError, match="rollout_worker.few_shot: expected a list of chat messages"):
+        make_worker(agent_factory(["add"]), ScriptedChat(calculator_policy), few_shot=[{"content": "x"}])

@@ -55,10 +55,11 @@ def _tool_failed(span: dict[str, Any]) -> bool:
 class NexAUAgentRunner:
     """Same interface as :class:`~nexrl_nexau.runner.AgentRunner`; the agent runs on NexAU."""
 
-    def __init__(self, spec: AgentSpec, tool_timeout: float = 30.0):
+    def __init__(self, spec: AgentSpec, tool_timeout: float = 30.0, few_shot: list[dict[str, Any]] | None = None):
         import nexau  # noqa: F401 - fail here, with the import error, when it is missing
 
         self.spec = spec
+        self.few_shot = list(few_shot or [])  # handed to NexAU as the conversation's history
         self.tool_timeout = tool_timeout  # NexAU applies its own per-tool limits
         self._gateway: ChatGateway | None = None
         self._lock = threading.Lock()
@@ -86,7 +87,7 @@ class NexAUAgentRunner:
             agent = Agent(config=config)
             error = None
             try:
-                response = agent.run(message=query)
+                response = agent.run(message=query, history=[dict(m) for m in self.few_shot] or None)
                 final = response[0] if isinstance(response, tuple) else response
             except Exception as exc:  # noqa: BLE001 - the worker turns an error run into a failed item
                 final, error = "", f"{type(exc).__name__}: {exc}"

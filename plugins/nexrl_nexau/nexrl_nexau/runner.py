@@ -53,8 +53,10 @@ class AgentRunner:
     """Runs one agent (an :class:`AgentSpec`) against an inference client; safe to share
     between threads (every :meth:`run` keeps its own state)."""
 
-    def __init__(self, spec: AgentSpec, tool_timeout: float = 30.0, max_tool_output_chars: int = 8000):
+    def __init__(self, spec: AgentSpec, tool_timeout: float = 30.0, max_tool_output_chars: int = 8000,
+                 few_shot: list[dict[str, Any]] | None = None):
         self.spec = spec
+        self.few_shot = copy.deepcopy(list(few_shot or []))  # demonstration turns between system prompt and query
         self.tools = {t.name: BoundTool(t, spec.workspace) for t in spec.tools}
         self.executor = ToolExecutor(self.tools, tool_timeout, max_tool_output_chars)
         self._schemas = [t.openai_schema() for t in spec.tools]
@@ -77,6 +79,7 @@ class AgentRunner:
         trace = TraceRecorder()
         system = self.system_prompt(variables)
         messages: list[dict[str, Any]] = [{"role": "system", "content": system}] if system else []
+        messages += copy.deepcopy(self.few_shot)
         messages += [{"role": "user", "content": query}] if isinstance(query, str) else copy.deepcopy(list(query))
         state = _RunState()
         root = trace.start(f"Agent: {self.spec.name}", "AGENT",

@@ -14,6 +14,8 @@ key                             default     meaning
                                             first of ``prompt``, ``query``, ``question``
 ``sampling``                    {}          max_tokens / temperature / top_p / stop of every
                                             model call (over the agent's ``llm_config``)
+``few_shot``                    []          demonstration messages (role + content) put
+                                            between the system prompt and every query
 ``tool_timeout``                30          seconds a tool call may take
 ``max_tool_output_chars``       8000        longer tool results are cut (with a note)
 ``max_sequence_length``         null        tokens of one training sequence (prompt
@@ -43,7 +45,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from loguru import logger
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
 from nexrl_core import (BaseEvaluationTarget, BaseRolloutWorker, ConfigError, ItemFailure, SamplingParams,
                         execute)
@@ -76,7 +78,7 @@ class BaseNexAURolloutWorker(BaseRolloutWorker):
     """
 
     CONFIG_KEYS = {"nexau_agent_config_path": None, "nexau_agent_workspace": None, "agent_runner": "auto",
-                   "prompt_key": None, "sampling": {}, "tool_timeout": 30.0, "max_tool_output_chars": 8000,
+                   "prompt_key": None, "sampling": {}, "few_shot": [], "tool_timeout": 30.0, "max_tool_output_chars": 8000,
                    "max_sequence_length": None, "truncated_reward": 0.0, "enable_trace_prefix_merge": True,
                    "save_trace": False, "trace_path": None, "task_name": None, "reward_range": None}
 
@@ -99,12 +101,13 @@ class BaseNexAURolloutWorker(BaseRolloutWorker):
         sampling = {**self.agent_spec.sampling_defaults(), **_plain(config.get("sampling") or {})}
         self._sampling = _sampling_params(sampling)
         self.runner_kind = _choose_runner(str(config.get("agent_runner", "auto")))
+        few_shot = _plain(config.get("few_shot") or [])
         if self.runner_kind == "builtin":
-            self.runner: Any = AgentRunner(self.agent_spec, self._tool_timeout, self._max_tool_output)
+            self.runner: Any = AgentRunner(self.agent_spec, self._tool_timeout, self._max_tool_output, few_shot)
         else:
             from .nexau_adapter import NexAUAgentRunner
 
-            self.runner = NexAUAgentRunner(self.agent_spec, self._tool_timeout)
+            self.runner = NexAUAgentRunner(self.agent_spec, self._tool_timeout, few_shot)
         if self._trace_path:
             os.makedirs(self._trace_path, exist_ok=True)
 
@@ -146,6 +149,12 @@ class BaseNexAURolloutWorker(BaseRolloutWorker):
                                       or (name != "tool_timeout" and not isinstance(value, int))):
                 problems.append(f"{key}.{name}: expected a positive {'number' if name == 'tool_timeout' else 'integer'}, "
                                 f"got {value!r}")
+        few_shot = _plain(section.get("few_shot") or [])
+        if not isinstance(few_shot, list) or not all(
+                isinstance(m, dict) and m.get("role") in ("system", "user", "assistant", "tool")
+                and isinstance(m.get("content"), str) for m in few_shot):
+            problems.append(f"{key}.few_shot: expected a list of chat messages, each with a role (system, user, "
+                            f"assistant, tool) and a string content")
         reward = section.get("truncated_reward", 0.0)
         if reward is not None and (isinstance(reward, bool) or not isinstance(reward, (int, float))):
             problems.append(f"{key}.truncated_reward: expected a number or null, got {reward!r}")
@@ -280,7 +289,7 @@ def _nexau_importable() -> bool:
 
 
 def _plain(value: Any) -> Any:
-    return OmegaConf.to_container(value, resolve=True) if isinstance(value, DictConfig) else value
+    return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
 
 
 def _sampling_params(values: dict[str, Any]) -> SamplingParams:
