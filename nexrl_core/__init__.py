@@ -15,7 +15,7 @@ from .rollout_worker import BaseRolloutWorker, ItemFailure
 from .trainer import BaseTrainer
 from .trajectory_pool import (GroupedTrajectoryStore, HierarchicalTrajectoryStore, SimpleTrajectoryStore,
                               TrajectoryPool, TrajectoryPoolInstance)
-from .types import Batch, ModelTag, NexRLRole, Trajectory
+from .types import Batch, ModelTag, NexRLRole, Trajectory, trajectory_segments
 from .validator import Validator
 from .weight_sync import WeightSyncBackend, WeightSyncController
 
@@ -32,6 +32,7 @@ __all__ = [
     "SamplingParams", "SimpleRolloutWorker", "SimpleTrajectoryStore", "ThreadedModule", "Trajectory",
     "TrajectoryPool", "TrajectoryPoolInstance", "Validator", "WeightSyncBackend", "WeightSyncController",
     "execute", "execute_async", "execute_with_timeout", "get_plugin_manager", "hookimpl", "OpenAICompatibleClient",
+    "trajectory_segments",
 ]
 
 
