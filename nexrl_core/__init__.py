@@ -12,6 +12,7 @@ from .plugins import PluginManager, get_plugin_manager
 from .runtime.module import NexRLModule
 from .runtime.threaded import ThreadedModule
 from .rollout_worker import BaseRolloutWorker, ItemFailure
+from .tool_calls import as_text_messages, parse_tool_calls, render_tool_calls, tools_system_prompt
 from .trainer import BaseTrainer
 from .trajectory_pool import (GroupedTrajectoryStore, HierarchicalTrajectoryStore, SimpleTrajectoryStore,
                               TrajectoryPool, TrajectoryPoolInstance)
@@ -32,7 +33,7 @@ __all__ = [
     "SamplingParams", "SimpleRolloutWorker", "SimpleTrajectoryStore", "ThreadedModule", "Trajectory",
     "TrajectoryPool", "TrajectoryPoolInstance", "Validator", "WeightSyncBackend", "WeightSyncController",
     "execute", "execute_async", "execute_with_timeout", "get_plugin_manager", "hookimpl", "OpenAICompatibleClient",
-    "trajectory_segments",
+    "trajectory_segments", "as_text_messages", "parse_tool_calls", "render_tool_calls", "tools_system_prompt",
 ]
 
 

@@ -117,3 +117,41 @@ def tools_system_prompt(tools: list[dict[str, Any]]) -> str:
               "Use one block per call. The results come back in the next message. When you need no "
               "function, answer directly."]
     return "\n".join(lines)
+
+
+def as_text_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                     template_renders_calls: bool = False) -> list[dict[str, Any]]:
+    """``messages`` for a chat template that has no place for tools: ``tools`` described in the
+    system message (one is added when there is none), each assistant message's calls written
+    into its content as ``<tool_call>`` blocks unless it holds them already (a reply kept as the
+    model wrote it), contents never None. ``template_renders_calls``: the template writes
+    ``tool_calls`` itself, so they are kept (arguments as objects, as templates want them) and
+    blocks are taken out of the content instead."""
+    out = []
+    for message in messages:
+        m = {k: v for k, v in message.items() if k != "tool_calls"}
+        m["content"] = m.get("content") or ""
+        calls = message.get("tool_calls") or []
+        if message.get("role") == "assistant" and calls:
+            if template_renders_calls:
+                m["content"] = parse_tool_calls(m["content"])[0] if "<tool_call>" in m["content"] else m["content"]
+                m["tool_calls"] = [_for_template(c) for c in calls]
+            elif "<tool_call>" not in m["content"]:
+                m["content"] = (m["content"] + "\n" + render_tool_calls(calls)).strip()
+        out.append(m)
+    if tools:
+        section = tools_system_prompt(tools)
+        if out and out[0].get("role") == "system":
+            out[0] = {**out[0], "content": (out[0]["content"] + "\n\n" + section).strip()}
+        else:
+            out.insert(0, {"role": "system", "content": section})
+    return out
+
+
+def _for_template(call: dict[str, Any]) -> dict[str, Any]:
+    fn = dict(call.get("function") or {})
+    args = fn.get("arguments")
+    if isinstance(args, str):
+        parsed = _object(args)
+        fn["arguments"] = parsed if isinstance(parsed, dict) else args
+    return {"id": call.get("id", ""), "type": "function", "function": fn}
