@@ -7,6 +7,7 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+import re
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -88,7 +89,7 @@ def agent_factory(tmp_path, request):
     counter = iter(range(1000))
 
     def make(tools: list[str], **keys: Any) -> str:
-        module = f"agent_tools_{request.node.name.replace('[', '_').replace(']', '_').replace('-', '_')}_{next(counter)}"
+        module = "agent_tools_" + re.sub(r"\W", "_", request.node.name) + f"_{next(counter)}"
         return write_agent(tmp_path / module, tools, module, **keys)
     return make
 

@@ -6,9 +6,11 @@ import json
 import re
 
 import pytest
+import yaml
 from omegaconf import OmegaConf
 
 from nexrl_core import ConfigError
+from nexrl_core.config import check_config, load_recipe
 from nexrl_nexau import BaseNexAURolloutWorker, DefaultNexAURolloutWorker, NexAUEvaluationTarget
 
 from .scripted import EOS, ScriptedChat, decode, encode, render, tool_call
@@ -203,15 +205,22 @@ def test_traces_are_saved_when_asked(agent_factory, tmp_path):
 
 @pytest.mark.parametrize("keys,message", [
     ({"nexau_agent_config_path": None}, "rollout_worker.nexau_agent_config_path: required"),
-    ({"agent_runner": "langchain"}, "rollout_worker.agent_runner: expected one of auto, builtin, nexau"),
+    ({"agent_runner": "langchain"}, "rollout_worker.agent_runner: 'langchain' is not one of auto, builtin, nexau"),
     ({"sampling": {"temperture": 1}}, "rollout_worker.sampling.temperture: unknown sampling key"),
-    ({"tool_timeout": -1}, "rollout_worker.tool_timeout: expected a positive number"),
-    ({"max_sequence_length": 1.5}, "rollout_worker.max_sequence_length: expected a positive integer"),
+    ({"tool_timeout": -1}, "rollout_worker.tool_timeout: expected a positive number, got -1"),
+    ({"max_sequence_length": 1.5}, "rollout_worker.max_sequence_length: expected an integer"),
     ({"save_trace": True}, "rollout_worker.trace_path: required when save_trace is true"),
+    ({"few_shot": [{"content": "x"}]}, "rollout_worker.few_shot: expected a list of chat messages"),
+    ({"max_tool_ouput_chars": 10}, "rollout_worker.max_tool_ouput_chars: unknown key"),
 ])
-def test_bad_worker_settings_are_one_line_each(agent_factory, keys, message):
-    with pytest.raises(ConfigError, match=re.escape(message)):
-        make_worker(agent_factory(["add"]), ScriptedChat(calculator_policy), **keys)
+def test_bad_worker_settings_are_one_line_each_in_validate_and_run(agent_factory, tmp_path, nexau_pm, keys, message):
+    """The recipe check that `nexrl validate` and `nexrl run` share: one line naming the key."""
+    worker = {"type": "nexau", "nexau_agent_config_path": agent_factory(["add"]), "agent_runner": "builtin",
+              **keys}
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump({"rollout_worker": worker, "data": {"type": "inline", "rows": [{"prompt": "x"}]}}))
+    problems = check_config(load_recipe(str(path)), nexau_pm)
+    assert len(problems) == 1 and problems[0].startswith(message), problems
 
 
 def test_a_binding_that_does_not_import_is_reported_by_check_config(tmp_path):

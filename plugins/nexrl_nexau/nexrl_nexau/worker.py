@@ -47,8 +47,8 @@ from typing import Any
 from loguru import logger
 from omegaconf import OmegaConf
 
-from nexrl_core import (BaseEvaluationTarget, BaseRolloutWorker, ConfigError, ItemFailure, SamplingParams,
-                        execute)
+from nexrl_core import (REQUIRED, BaseEvaluationTarget, BaseRolloutWorker, ConfigError, ItemFailure, Option,
+                        SamplingParams, execute)
 
 from .agent_config import SAMPLING_KEYS, load_agent_spec
 from .runner import AgentRunner, AgentRunResult
@@ -77,10 +77,30 @@ class BaseNexAURolloutWorker(BaseRolloutWorker):
     agent framework, as long as it returns an :class:`AgentRunResult` with a trace.
     """
 
-    CONFIG_KEYS = {"nexau_agent_config_path": None, "nexau_agent_workspace": None, "agent_runner": "auto",
-                   "prompt_key": None, "sampling": {}, "few_shot": [], "tool_timeout": 30.0, "max_tool_output_chars": 8000,
-                   "max_sequence_length": None, "truncated_reward": 0.0, "enable_trace_prefix_merge": True,
-                   "save_trace": False, "trace_path": None, "task_name": None, "reward_range": None}
+    OPTIONS = {
+        "nexau_agent_config_path": Option(REQUIRED, str, "the agent YAML (NexAU's format)"),
+        "nexau_agent_workspace": Option(None, str, "folder tool bindings are imported from (null: the agent "
+                                                   "YAML's folder)"),
+        "agent_runner": Option("auto", str, "builtin: nexrl's runner; nexau: NexAU itself; auto: NexAU when "
+                                            "importable", choices=RUNNERS),
+        "prompt_key": Option(None, str, "task field holding the query (null: the first of prompt, query, "
+                                        "question)"),
+        "sampling": Option({}, dict, f"sampling of every model call, over the agent's llm_config "
+                                     f"({', '.join(SAMPLING_KEYS)})"),
+        "few_shot": Option([], list, "demonstration messages (role + content) between the system prompt and "
+                                     "every query; never trained on"),
+        "tool_timeout": Option(30.0, float, "seconds a tool call may take", gt=0),
+        "max_tool_output_chars": Option(8000, int, "longer tool results are cut (with a note)", ge=1),
+        "max_sequence_length": Option(None, int, "tokens of one training sequence, prompt included (null: no "
+                                                 "limit); longer ones are cut", ge=1),
+        "truncated_reward": Option(0.0, float, "reward of a rollout cut at max_sequence_length (null: the "
+                                               "evaluator's)"),
+        "enable_trace_prefix_merge": Option(True, bool, "merge model calls that share a token prefix into one "
+                                                        "sequence"),
+        "save_trace": Option(False, bool, "write every rollout's trace as JSON to trace_path"),
+        "trace_path": Option(None, str, "folder of the saved traces"),
+        "task_name": Option(None, str, "a name for logs and trace files"),
+    }
 
     def __init__(self, config: Any):
         super().__init__(config)
@@ -113,12 +133,12 @@ class BaseNexAURolloutWorker(BaseRolloutWorker):
 
     @classmethod
     def check_config(cls, section: Any, key: str = "rollout_worker") -> list[str]:
-        """What ``nexrl validate`` and the constructor both reject, one line per problem."""
+        """The rules beyond the declared options (``nexrl validate`` and the constructor run both):
+        the agent YAML and its tool bindings load, NexAU is importable when asked for, sampling
+        keys and few-shot messages are well formed, a saved trace has a folder."""
         problems = []
         path = section.get("nexau_agent_config_path")
-        if not path:
-            problems.append(f"{key}.nexau_agent_config_path: required (the agent YAML, NexAU's format)")
-        else:
+        if path:
             try:
                 spec = load_agent_spec(str(path), section.get("nexau_agent_workspace"))
                 from .tools import resolve_binding
@@ -128,36 +148,19 @@ class BaseNexAURolloutWorker(BaseRolloutWorker):
                         resolve_binding(tool.binding, spec.workspace, f"{path}: tool '{tool.name}'")
             except ConfigError as exc:
                 problems.append(f"{key}.nexau_agent_config_path: {exc}")
-        runner = section.get("agent_runner", "auto")
-        if runner not in RUNNERS:
-            problems.append(f"{key}.agent_runner: expected one of {', '.join(RUNNERS)}, got {runner!r}")
-        elif runner == "nexau" and not _nexau_importable():
-            problems.append(f"{key}.agent_runner: 'nexau' needs the nexau package (github.com/nex-agi/NexAU), "
-                            f"which is not importable here; use 'builtin' or 'auto'")
+        if section.get("agent_runner") == "nexau" and not _nexau_importable():
+            problems.append(f"{key}.agent_runner: 'nexau' needs the nexau package (github.com/nex-agi/NexAU, not on "
+                            f"PyPI), which is not importable here; use 'builtin' or 'auto'")
         sampling = _plain(section.get("sampling") or {})
-        if not isinstance(sampling, dict):
-            problems.append(f"{key}.sampling: expected a mapping of {', '.join(SAMPLING_KEYS)}")
-        else:
-            for name in sampling:
-                if name not in SAMPLING_KEYS:
-                    problems.append(f"{key}.sampling.{name}: unknown sampling key (known: {', '.join(SAMPLING_KEYS)})")
-        for name, low in (("tool_timeout", 0.0), ("max_tool_output_chars", 1), ("max_sequence_length", 1)):
-            value = section.get(name)
-            if value is None and name == "max_sequence_length":
-                continue
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0
-                                      or (name != "tool_timeout" and not isinstance(value, int))):
-                problems.append(f"{key}.{name}: expected a positive {'number' if name == 'tool_timeout' else 'integer'}, "
-                                f"got {value!r}")
+        if isinstance(sampling, dict):
+            problems += [f"{key}.sampling.{name}: unknown sampling key (known: {', '.join(SAMPLING_KEYS)})"
+                         for name in sampling if name not in SAMPLING_KEYS]
         few_shot = _plain(section.get("few_shot") or [])
         if not isinstance(few_shot, list) or not all(
                 isinstance(m, dict) and m.get("role") in ("system", "user", "assistant", "tool")
                 and isinstance(m.get("content"), str) for m in few_shot):
             problems.append(f"{key}.few_shot: expected a list of chat messages, each with a role (system, user, "
                             f"assistant, tool) and a string content")
-        reward = section.get("truncated_reward", 0.0)
-        if reward is not None and (isinstance(reward, bool) or not isinstance(reward, (int, float))):
-            problems.append(f"{key}.truncated_reward: expected a number or null, got {reward!r}")
         if section.get("save_trace", False) and not section.get("trace_path"):
             problems.append(f"{key}.trace_path: required when save_trace is true")
         return problems
