@@ -206,7 +206,8 @@ def test_traces_are_saved_when_asked(agent_factory, tmp_path):
 @pytest.mark.parametrize("keys,message", [
     ({"nexau_agent_config_path": None}, "rollout_worker.nexau_agent_config_path: required"),
     ({"agent_runner": "langchain"}, "rollout_worker.agent_runner: 'langchain' is not one of auto, builtin, nexau"),
-    ({"sampling": {"temperture": 1}}, "rollout_worker.sampling.temperture: unknown sampling key"),
+    ({"sampling": {"temperture": 1}},
+     "rollout_worker.sampling.temperture: unknown key; did you mean 'rollout_worker.sampling.temperature'?"),
     ({"tool_timeout": -1}, "rollout_worker.tool_timeout: expected a positive number, got -1"),
     ({"max_sequence_length": 1.5}, "rollout_worker.max_sequence_length: expected an integer"),
     ({"save_trace": True}, "rollout_worker.trace_path: required when save_trace is true"),
@@ -248,3 +249,13 @@ def test_few_shot_turns_sit_between_the_system_prompt_and_the_query_and_are_neve
 def test_few_shot_must_be_chat_messages(agent_factory):
     with pytest.raises(ConfigError, match="rollout_worker.few_shot: expected a list of chat messages"):
         make_worker(agent_factory(["add"]), ScriptedChat(calculator_policy), few_shot=[{"content": "x"}])
+
+
+def test_a_bad_sampling_value_in_the_agent_yaml_names_the_file_and_key(agent_factory, tmp_path, nexau_pm):
+    agent = agent_factory(["add"], llm_config={"temperature": -1, "max_tokens": 20})
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump({"rollout_worker": {"type": "nexau", "nexau_agent_config_path": agent,
+                                                       "agent_runner": "builtin"},
+                                    "data": {"type": "inline", "rows": [{"prompt": "x"}]}}))
+    (problem,) = check_config(load_recipe(str(path)), nexau_pm)
+    assert problem.startswith(f"rollout_worker.nexau_agent_config_path: {agent}: llm_config.temperature: ")

@@ -36,16 +36,18 @@ run such an agent with ``agent_runner: nexau``.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
 import yaml
 
-from nexrl_core import ConfigError
+from nexrl_core import ConfigError, SamplingParams
 
 TOOL_CALL_MODES = {"structured": "structured", "openai": "structured", "anthropic": "structured", "xml": "xml"}
-SAMPLING_KEYS = ("temperature", "max_tokens", "top_p", "top_k", "stop")
+# The llm_config keys that are sampling parameters: those of the core's SamplingParams (seed is per request).
+SAMPLING_KEYS = tuple(f.name for f in dataclasses.fields(SamplingParams) if f.name != "seed")
 # llm_config keys that pick or tune a server connection: meaningful to NexAU, not to a worker that
 # samples from the recipe's inference service.
 CONNECTION_KEYS = {"model", "base_url", "api_key", "api_type", "extra_body", "logprobs", "timeout", "max_retries",
@@ -156,6 +158,10 @@ def load_agent_spec(path: str, workspace: str | None = None) -> AgentSpec:
     if unknown_llm:
         raise ConfigError(f"{where}: llm_config: unknown key(s) {', '.join(unknown_llm)} (sampling keys: "
                           f"{', '.join(SAMPLING_KEYS)})")
+    sampling_problems = SamplingParams.recipe_problems({k: v for k, v in llm_config.items() if k in SAMPLING_KEYS},
+                                                       "llm_config")
+    if sampling_problems:
+        raise ConfigError(f"{where}: {'; '.join(sampling_problems)}")
     tools_raw = raw.get("tools") or []
     if not isinstance(tools_raw, list):
         raise ConfigError(f"{where}: tools: expected a list of tool entries, got {type(tools_raw).__name__}")

@@ -215,5 +215,4 @@ def _seed(seed: int | None, iteration: int) -> int | None:
 
 
 def _sampling_record(params: Any) -> dict[str, Any]:
-    record = params.as_record() if hasattr(params, "as_record") else dataclasses.asdict(params)
-    return {k: v for k, v in record.items() if v is not None}
+    return {k: v for k, v in params.as_record().items() if v is not None}

@@ -50,7 +50,7 @@ from omegaconf import OmegaConf
 from nexrl_core import (REQUIRED, BaseEvaluationTarget, BaseRolloutWorker, ConfigError, ItemFailure, Option,
                         SamplingParams, execute)
 
-from .agent_config import SAMPLING_KEYS, load_agent_spec
+from .agent_config import load_agent_spec
 from .runner import AgentRunner, AgentRunResult
 from .trajectory import TraceError, call_masks, llm_calls, token_sequences, truncate
 
@@ -85,8 +85,8 @@ class BaseNexAURolloutWorker(BaseRolloutWorker):
                                             "importable", choices=RUNNERS),
         "prompt_key": Option(None, str, "task field holding the query (null: the first of prompt, query, "
                                         "question)"),
-        "sampling": Option({}, dict, f"sampling of every model call, over the agent's llm_config "
-                                     f"({', '.join(SAMPLING_KEYS)})"),
+        "sampling": Option({}, dict, "max_tokens / temperature / top_p / top_k / stop of every model call, over "
+                                     "the agent's llm_config"),
         "few_shot": Option([], list, "demonstration messages (role + content) between the system prompt and "
                                      "every query; never trained on"),
         "tool_timeout": Option(30.0, float, "seconds a tool call may take", gt=0),
@@ -119,7 +119,7 @@ class BaseNexAURolloutWorker(BaseRolloutWorker):
         self.agent_spec = load_agent_spec(str(config.get("nexau_agent_config_path")),
                                           config.get("nexau_agent_workspace"))
         sampling = {**self.agent_spec.sampling_defaults(), **_plain(config.get("sampling") or {})}
-        self._sampling = _sampling_params(sampling)
+        self._sampling = SamplingParams.from_config(sampling)
         self.runner_kind = _choose_runner(str(config.get("agent_runner", "auto")))
         few_shot = _plain(config.get("few_shot") or [])
         if self.runner_kind == "builtin":
@@ -151,10 +151,7 @@ class BaseNexAURolloutWorker(BaseRolloutWorker):
         if section.get("agent_runner") == "nexau" and not _nexau_importable():
             problems.append(f"{key}.agent_runner: 'nexau' needs the nexau package (github.com/nex-agi/NexAU, not on "
                             f"PyPI), which is not importable here; use 'builtin' or 'auto'")
-        sampling = _plain(section.get("sampling") or {})
-        if isinstance(sampling, dict):
-            problems += [f"{key}.sampling.{name}: unknown sampling key (known: {', '.join(SAMPLING_KEYS)})"
-                         for name in sampling if name not in SAMPLING_KEYS]
+        problems += SamplingParams.recipe_problems(_plain(section.get("sampling") or {}), f"{key}.sampling")
         few_shot = _plain(section.get("few_shot") or [])
         if not isinstance(few_shot, list) or not all(
                 isinstance(m, dict) and m.get("role") in ("system", "user", "assistant", "tool")
@@ -228,7 +225,7 @@ class BaseNexAURolloutWorker(BaseRolloutWorker):
             "truncation_reason": "max_sequence_length" if truncated else None,
             "num_segments": len(segments),
             "tool_error_kinds": dict(result.tool_errors),
-            "sampling": _record(params),
+            "sampling": params.as_record(),
             "model_version": min(versions) if versions else self._current_version(),
             "reward": reward,
             "ground_truth": evaluation.ground_truth,
@@ -293,25 +290,3 @@ def _nexau_importable() -> bool:
 
 def _plain(value: Any) -> Any:
     return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
-
-
-def _sampling_params(values: dict[str, Any]) -> SamplingParams:
-    values = dict(values)
-    if isinstance(values.get("stop"), str):
-        values["stop"] = [values["stop"]]
-    fields = SamplingParams.__dataclass_fields__
-    unknown = sorted(k for k in values if k not in fields)
-    if unknown:  # top_k before the core's SamplingParams knows it
-        raise ConfigError(f"rollout_worker.sampling: {', '.join(unknown)} is not supported by this nexrl-core")
-    params = SamplingParams(**values)
-    check = getattr(params, "check", None)
-    if check is not None:
-        try:
-            check()
-        except ValueError as exc:
-            raise ConfigError(f"rollout_worker.sampling: {exc}") from None
-    return params
-
-
-def _record(params: SamplingParams) -> dict[str, Any]:
-    return params.as_record() if hasattr(params, "as_record") else dataclasses.asdict(params)
