@@ -12,6 +12,7 @@ from omegaconf import OmegaConf
 from nexrl_core import ConfigError
 from nexrl_core.config import check_config, load_recipe
 from nexrl_nexau import BaseNexAURolloutWorker, DefaultNexAURolloutWorker, NexAUEvaluationTarget
+from nexrl_nexau.worker import _nexau_importable
 
 from .scripted import EOS, ScriptedChat, decode, encode, render, tool_call
 
@@ -259,3 +260,18 @@ def test_a_bad_sampling_value_in_the_agent_yaml_names_the_file_and_key(agent_fac
                                     "data": {"type": "inline", "rows": [{"prompt": "x"}]}}))
     (problem,) = check_config(load_recipe(str(path)), nexau_pm)
     assert problem.startswith(f"rollout_worker.nexau_agent_config_path: {agent}: llm_config.temperature: ")
+
+
+@pytest.mark.skipif(_nexau_importable(), reason="NexAU is importable here: auto picks it")
+def test_without_nexau_auto_runs_the_builtin_runner_and_says_so(agent_factory):
+    from loguru import logger
+
+    lines = []
+    sink = logger.add(lambda m: lines.append(str(m)), level="INFO")
+    try:
+        worker, pool, _ = make_worker(agent_factory(["add"]), ScriptedChat(calculator_policy), agent_runner="auto")
+    finally:
+        logger.remove(sink)
+    assert worker.runner_kind == "builtin"
+    assert any("NexAU (github.com/nex-agi/NexAU, not on PyPI) is not importable" in line for line in lines)
+    assert worker._run_task(task(), validating=False) and pool.items[0]["reward"] == 1.0

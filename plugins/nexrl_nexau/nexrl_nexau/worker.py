@@ -270,7 +270,12 @@ DefaultNexAURolloutWorker = BaseNexAURolloutWorker  # the seed's name for the co
 
 
 def _choose_runner(kind: str) -> str:
-    if kind == "builtin" or (kind == "auto" and not _nexau_importable()):
+    if kind == "builtin":
+        return "builtin"
+    if kind == "auto" and not _nexau_importable():
+        logger.info("NexAU (github.com/nex-agi/NexAU, not on PyPI) is not importable: agents run on nexrl's "
+                    "built-in runner, which reads the same agent YAML (rollout_worker.agent_runner: builtin to "
+                    "choose it explicitly)")
         return "builtin"
     if not _nexau_importable():
         raise ConfigError("rollout_worker.agent_runner: 'nexau' needs the nexau package, which is not importable")
