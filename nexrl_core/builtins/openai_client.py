@@ -433,8 +433,12 @@ class OpenAICompatibleClient(InferenceClient):
 
 
 def _wire_message(message: dict[str, Any]) -> dict[str, Any]:
-    """A chat message as the API takes it: tool calls with only OpenAI's fields."""
+    """A chat message as the API takes it: tool calls with only OpenAI's fields. A reply whose
+    calls were read from its own text (a server without a tool parser) goes back as the model
+    wrote it, without ``tool_calls``: the server's template would write the calls a second time."""
     out = {str(k): v for k, v in message.items()}
+    if out.get("role") == "assistant" and "<tool_call>" in str(out.get("content") or ""):
+        out.pop("tool_calls", None)
     if out.get("tool_calls"):
         out["tool_calls"] = [{"id": c.get("id", ""), "type": "function", "function": c.get("function", {})}
                              for c in out["tool_calls"]]

@@ -66,6 +66,14 @@ def test_a_server_without_a_tool_parser_gets_the_calls_read_from_the_text(server
     result = client.chat([{"role": "user", "content": "What is 4 + 5?"}], SamplingParams(max_tokens=200), TOOLS)
     assert result.text.startswith("Adding.<tool_call>")
     assert [json.loads(c["function"]["arguments"]) for c in result.tool_calls] == [{"a": 4, "b": 5}]
+    # put back as the model wrote it: the server's template must not write the call a second time
+    history = [{"role": "user", "content": "What is 4 + 5?"},
+               {"role": "assistant", "content": result.text, "tool_calls": result.tool_calls},
+               {"role": "tool", "tool_call_id": result.tool_calls[0]["id"], "content": "9"}]
+    client.chat(history, SamplingParams(max_tokens=200), TOOLS)
+    sent = server.requests[-1].body["messages"]
+    assert sent[1] == {"role": "assistant", "content": result.text}
+    assert render_chat(sent).count("<tool_call>") == 1
 
 
 def test_without_tools_chat_sends_exactly_what_complete_sends(server, client):
