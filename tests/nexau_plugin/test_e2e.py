@@ -177,4 +177,7 @@ def test_the_trainer_counts_and_trains_only_the_model_tokens(run):
         assert row["train/trained_tokens"] == sum(sum(t["loss_mask"]) for t in batch)
         untrained = sum(len(t["loss_mask"]) - sum(t["loss_mask"]) for t in batch) / len(batch)
         assert row["train/untrained_response_tokens_mean"] == pytest.approx(untrained)
+        # the agent's counts of the batch, as rollout/* means
+        for name in ("called_tool", "num_llm_calls", "answered"):
+            assert row[f"rollout/{name}"] == pytest.approx(sum(t["score"][name] for t in batch) / len(batch))
     assert any(r["train/untrained_response_tokens_mean"] > 0 for r in steps)  # tool turns were in the batches
