@@ -15,10 +15,11 @@ from .plugins import PluginManager, get_plugin_manager
 from .runtime.module import NexRLModule
 from .runtime.threaded import ThreadedModule
 from .rollout_worker import BaseRolloutWorker, ItemFailure
+from .tool_calls import as_text_messages, parse_tool_calls, render_tool_calls, tools_system_prompt
 from .trainer import BaseTrainer
 from .trajectory_pool import (GroupedTrajectoryStore, HierarchicalTrajectoryStore, SimpleTrajectoryStore,
                               TrajectoryPool, TrajectoryPoolInstance)
-from .types import Batch, ModelTag, NexRLRole, Trajectory
+from .types import Batch, ModelTag, NexRLRole, Trajectory, trajectory_segments
 from .validator import Validator
 from .weight_sync import WeightSyncBackend, WeightSyncController
 
@@ -37,7 +38,8 @@ __all__ = [
     "SamplingParams", "SimpleRolloutWorker", "SimpleTrajectoryStore", "ThreadedModule", "Trajectory",
     "TrajectoryPool", "TrajectoryPoolInstance", "Validator", "WeightSyncBackend", "WeightSyncController",
     "algorithms", "check_options", "component_options", "deferred", "execute", "execute_async",
-    "execute_with_timeout", "get_plugin_manager", "hookimpl", "OpenAICompatibleClient",
+    "execute_with_timeout", "get_plugin_manager", "hookimpl", "OpenAICompatibleClient", "trajectory_segments",
+    "as_text_messages", "parse_tool_calls", "render_tool_calls", "tools_system_prompt",
 ]
 
 

@@ -234,12 +234,15 @@ class BaseRolloutWorker(ThreadedModule):
         key = f"{self._seed}|{task.get('uid')}|{task.get('sample_index')}|{self._task_is_validation}|{version}"
         return zlib.crc32(key.encode())
 
-    def evaluate(self, task: dict[str, Any], final_answer: str) -> EvaluationRunResult:
+    def evaluate(self, task: dict[str, Any], final_answer: str | BaseEvaluationTarget) -> EvaluationRunResult:
+        """Score ``final_answer`` (a string, or a richer target such as an agent's) with the evaluator."""
         if self._evaluator is None:
             return EvaluationRunResult()
         label, cls_name = self._evaluator_label, type(self._evaluator).__name__
+        target = final_answer if isinstance(final_answer, BaseEvaluationTarget) else \
+            BaseEvaluationTarget(final_answer=final_answer)
         try:
-            result = self._evaluator.evaluate(task, BaseEvaluationTarget(final_answer=final_answer))
+            result = self._evaluator.evaluate(task, target)
         except Exception as exc:
             where = failure_location(exc, _code_folder(self._evaluator))
             raise ItemFailure("evaluator_exception", f"{label} raised {type(exc).__name__}: {exc}"

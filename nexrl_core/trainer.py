@@ -7,6 +7,7 @@ the weight-sync controller, which pushes the new weights.
 
 from __future__ import annotations
 
+import math
 import time
 from abc import abstractmethod
 from typing import Any
@@ -186,6 +187,7 @@ class BaseTrainer(ThreadedModule):
         }
         for name, value in execute(self._trajectory_pool.counters).items():
             out[f"pool/{name}"] = float(value)
+        out.update(_score_means(usable))
         return out
 
     # -- checkpoints ----------------------------------------------------------------------
@@ -222,3 +224,16 @@ def _response_tokens(trajectories: list[Trajectory]) -> dict[str, float]:
     """``train/num_response_tokens`` when every trajectory carries its response token ids."""
     lengths = [len(t["response_token_ids"]) for t in trajectories if t.get("response_token_ids") is not None]
     return {"train/num_response_tokens": float(sum(lengths))} if lengths and len(lengths) == len(trajectories) else {}
+
+
+def _score_means(trajectories: list[Trajectory]) -> dict[str, float]:
+    """``rollout/<name>``: the mean of each number in the batch's ``score`` dicts (the evaluator's
+    metrics and a worker's counts, e.g. an agent's ``called_tool``), over the trajectories that
+    report it; the reward has its own metric."""
+    sums: dict[str, list[float]] = {}
+    for traj in trajectories:
+        for name, value in (traj.get("score") or {}).items():
+            if name != "reward" and isinstance(value, (int, float)) and not isinstance(value, bool) \
+                    and math.isfinite(value):
+                sums.setdefault(name, []).append(float(value))
+    return {f"rollout/{name}": sum(values) / len(values) for name, values in sorted(sums.items())}

@@ -13,7 +13,8 @@ import torch
 from loguru import logger
 from omegaconf import OmegaConf
 
-from nexrl_core import Batch, BaseTrainer, Capabilities, ConfigError, Option, SamplingParams, Trajectory, algorithms
+from nexrl_core import (Batch, BaseTrainer, Capabilities, ConfigError, DataError, Option, SamplingParams, Trajectory,
+                        algorithms, trajectory_segments)
 
 from .losses import LossContext, agg_loss, masked_mean
 from .modeling import compute_response_logprobs, position_ids_from_mask
@@ -48,6 +49,46 @@ def _prompt_groups(prompts: list[list[int]]) -> torch.Tensor:
     """Rows with identical prompt tokens get one id, so the model runs each distinct prompt once."""
     ids: dict[tuple[int, ...], int] = {}
     return torch.tensor([ids.setdefault(tuple(p), len(ids)) for p in prompts], dtype=torch.long)
+
+
+class TrajectoryView:
+    """Rows (token sequences) <-> trajectories. A trajectory's rows are laid end to end, padding
+    included (``[T, k * R]`` for at most ``k`` rows of width ``R`` per trajectory), so per-token
+    arrays can be handed to the algorithm one trajectory per row and split back afterwards. With
+    one row per trajectory (every single-turn batch) both directions are the identity."""
+
+    def __init__(self, row_trajectory: list[int], width: int):
+        self.index = np.asarray(row_trajectory, dtype=np.int64)
+        self.width = width
+        self.count = int(self.index.max()) + 1 if len(self.index) else 0
+        self.slot = np.zeros(len(self.index), dtype=np.int64)  # position of a row within its trajectory
+        seen: dict[int, int] = {}
+        for row, traj in enumerate(row_trajectory):
+            self.slot[row] = seen.get(traj, 0)
+            seen[traj] = self.slot[row] + 1
+        self.slots = int(self.slot.max()) + 1 if len(self.slot) else 1
+        self.identity = self.slots == 1 and np.array_equal(self.index, np.arange(len(self.index)))
+
+    def gather(self, rows: np.ndarray) -> np.ndarray:
+        if self.identity:
+            return rows
+        out = np.zeros((self.count, self.slots * self.width), dtype=rows.dtype)
+        for row, (traj, slot) in enumerate(zip(self.index, self.slot)):
+            out[traj, slot * self.width:(slot + 1) * self.width] = rows[row]
+        return out
+
+    def scatter(self, trajectories: np.ndarray) -> np.ndarray:
+        if self.identity:
+            return trajectories
+        return np.stack([trajectories[traj, slot * self.width:(slot + 1) * self.width]
+                         for traj, slot in zip(self.index, self.slot)])
+
+    def first(self, per_row: Any) -> Any:
+        """A per-row value that is the same on every row of a trajectory, once per trajectory."""
+        if self.identity:
+            return per_row
+        picked = [per_row[int(np.nonzero(self.index == t)[0][0])] for t in range(self.count)]
+        return np.asarray(picked) if isinstance(per_row, np.ndarray) else picked
 
 
 class SelfHostedTrainer(BaseTrainer):
@@ -96,6 +137,20 @@ class SelfHostedTrainer(BaseTrainer):
                 f"needs the inference backend to return prompt and response token ids (vLLM: return_token_ids)")
         return list(prompt_ids), list(response_ids)
 
+    def _segments(self, traj: Trajectory) -> list[dict[str, Any]]:
+        """The token sequences ``traj`` trains on (:func:`nexrl_core.trajectory_segments`): one for a
+        single-turn sample, several for an agent rollout whose turns did not merge into one, each
+        with its per-token ``loss_mask`` (None: every response token is trained)."""
+        try:
+            segments = trajectory_segments(traj)
+        except ValueError as exc:
+            raise DataError(str(exc)) from None
+        for seg in segments:  # a single sequence is the trajectory's own keys (SFT may tokenize its text)
+            source = {**seg, "uid": traj.get("uid"), "sample_index": traj.get("sample_index")} \
+                if traj.get("segments") else traj
+            seg["prompt_token_ids"], seg["response_token_ids"] = self._token_ids(source)
+        return segments
+
     def _row_temperature(self, traj: Trajectory) -> float:
         """The temperature this row's log-probs are taken at: the one it was sampled with
         (``trajectory["sampling"]``), 1 for greedy rows."""
@@ -108,29 +163,38 @@ class SelfHostedTrainer(BaseTrainer):
         return SamplingParams(temperature=float(sampling["temperature"])).logprob_temperature
 
     def _process_trajectories(self, trajectories: list[Trajectory]) -> Batch:
-        """Left-padded prompts | right-padded responses, with masks, positions, loss mask and the
-        temperature of each row."""
-        pairs = [self._token_ids(t) for t in trajectories]
-        max_p = max(len(p) for p, _ in pairs)
-        max_r = max(max(len(r) for _, r in pairs), 1)
-        n = len(pairs)
+        """Left-padded prompts | right-padded responses, with masks, positions and the temperature
+        of each row. A row is one token sequence: a trajectory with several (``segments``) gives
+        several rows (``metadata["row_trajectory"]`` maps each row to its trajectory).
+
+        ``response_mask`` is 1 on the response tokens that are trained: every one, unless the
+        trajectory's ``loss_mask`` says otherwise (an agent's tool outputs and the chat template's
+        glue between turns are in the sequence, so the model sees them, but get no gradient).
+        Every loss, advantage and token count downstream reads ``response_mask``."""
+        rows = [(i, seg) for i, traj in enumerate(trajectories) for seg in self._segments(traj)]
+        max_p = max(len(seg["prompt_token_ids"]) for _, seg in rows)
+        max_r = max(max(len(seg["response_token_ids"]) for _, seg in rows), 1)
+        n = len(rows)
         input_ids = torch.full((n, max_p + max_r), self.pad_token_id, dtype=torch.long)
         attention_mask = torch.zeros((n, max_p + max_r), dtype=torch.long)
         response_mask = torch.zeros((n, max_r), dtype=torch.float32)
         rollout_logprobs = torch.zeros((n, max_r), dtype=torch.float32)
         have_logprobs = True
-        for i, ((p, r), traj) in enumerate(zip(pairs, trajectories)):
-            input_ids[i, max_p - len(p):max_p] = torch.tensor(p, dtype=torch.long)
-            attention_mask[i, max_p - len(p):max_p] = 1
+        for row, (_, seg) in enumerate(rows):
+            p, r = seg["prompt_token_ids"], seg["response_token_ids"]
+            input_ids[row, max_p - len(p):max_p] = torch.tensor(p, dtype=torch.long)
+            attention_mask[row, max_p - len(p):max_p] = 1
             if r:
-                input_ids[i, max_p:max_p + len(r)] = torch.tensor(r, dtype=torch.long)
-                attention_mask[i, max_p:max_p + len(r)] = 1
-                response_mask[i, :len(r)] = 1.0
-            lp = traj.get("response_logprobs")
+                input_ids[row, max_p:max_p + len(r)] = torch.tensor(r, dtype=torch.long)
+                attention_mask[row, max_p:max_p + len(r)] = 1
+                mask = seg["loss_mask"]
+                response_mask[row, :len(r)] = 1.0 if mask is None else torch.tensor(mask, dtype=torch.float32)
+            lp = seg["response_logprobs"]
             if lp is not None and len(lp) == len(r):
-                rollout_logprobs[i, :len(r)] = torch.tensor(lp, dtype=torch.float32)
+                rollout_logprobs[row, :len(r)] = torch.tensor(lp, dtype=torch.float32)
             else:
                 have_logprobs = False
+        row_trajectory = [i for i, _ in rows]
         values = {
             "input_ids": input_ids,
             "attention_mask": attention_mask,
@@ -138,17 +202,20 @@ class SelfHostedTrainer(BaseTrainer):
             "responses": input_ids[:, max_p:],
             "response_mask": response_mask,
             "prompts": input_ids[:, :max_p],
-            "loss_mask": response_mask,
-            "rewards": torch.tensor([float(t.get("reward", 0.0)) for t in trajectories], dtype=torch.float32),
-            "prompt_groups": _prompt_groups([p for p, _ in pairs]),
-            "temperature": torch.tensor([self._row_temperature(t) for t in trajectories], dtype=torch.float32),
+            "rewards": torch.tensor([float(trajectories[i].get("reward", 0.0)) for i in row_trajectory],
+                                    dtype=torch.float32),
+            "prompt_groups": _prompt_groups([seg["prompt_token_ids"] for _, seg in rows]),
+            "temperature": torch.tensor([self._row_temperature(trajectories[i]) for i in row_trajectory],
+                                        dtype=torch.float32),
         }
         if have_logprobs:
             values["rollout_log_probs"] = rollout_logprobs
         max_tokens = [int(t["sampling"]["max_tokens"]) for t in trajectories
                       if isinstance(t.get("sampling"), Mapping) and t["sampling"].get("max_tokens")]
-        meta = {"batch_size": n, "uids": [t.get("uid") for t in trajectories], "prompt_length": max_p,
-                "response_length": max_r, "model_tag": self._model_tag,
+        meta = {"batch_size": n, "uids": [trajectories[i].get("uid") for i in row_trajectory],
+                "row_trajectory": row_trajectory, "num_trajectories": len(trajectories),
+                "response_tokens": sum(len(seg["response_token_ids"]) for _, seg in rows),
+                "prompt_length": max_p, "response_length": max_r, "model_tag": self._model_tag,
                 "max_tokens": max(max_tokens) if max_tokens else None}
         return Batch(values, meta)
 
@@ -170,11 +237,16 @@ class SelfHostedTrainer(BaseTrainer):
             out = self.train_service.forward_backward(tensors, self._loss_fn(batch))
             out.update(self.train_service.optim_step())
         t2 = time.perf_counter()
-        lengths = batch.values["response_mask"].sum(-1)
+        meta = batch.metadata
+        trained = float(batch.values["response_mask"].sum())
         metrics.update({f"train/{k}": float(v) for k, v in out.items()})
         metrics.update({
-            "train/response_length_mean": float(lengths.mean()),
-            "train/prompt_length": float(batch.metadata["prompt_length"]),
+            # Counted in trained tokens: what the model generated, not the tool outputs between turns.
+            "train/response_length_mean": trained / meta["num_trajectories"],
+            "train/trained_tokens": trained,
+            "train/untrained_response_tokens_mean": (meta["response_tokens"] - trained) / meta["num_trajectories"],
+            "train/sequences_per_trajectory": meta["batch_size"] / meta["num_trajectories"],
+            "train/prompt_length": float(meta["prompt_length"]),
             "timing/prepare_s": t1 - t0,
             "timing/update_s": t2 - t1,
         })
@@ -257,27 +329,33 @@ class SelfHostedGrpoTrainer(SelfHostedTrainer):
                                              v["responses"].shape[1], v["temperature"])
 
     def _prepare_batch(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
+        """Rewards (with the KL penalty when asked) and advantages, computed per trajectory: a
+        trajectory of several rows (segments) is one sample of its group, its outcome reward sits
+        once on its last trained token, and each of its rows gets its part of the result."""
         v, options, metrics = batch.values, self.selection.options, {}
         mask = v["response_mask"]
         if self._ppo_epochs > 1 or options["use_kl_in_reward"]:
             # Needed before the first update: one no-grad forward, the same computation as training's.
             tensors = {k: x for k, x in v.items() if isinstance(x, torch.Tensor)}
             v["old_log_probs"] = self.train_service.forward(tensors)
-        mask_np = mask.numpy()
-        token_rewards = algorithms.scores_to_token_level(v["rewards"].numpy(), mask_np)
-        v["token_level_scores"] = torch.from_numpy(token_rewards)
+        view = TrajectoryView(batch.metadata["row_trajectory"], mask.shape[1])
+        mask_np = view.gather(mask.numpy())
+        scores = view.first(v["rewards"].numpy())
+        uids = view.first(batch.metadata["uids"])
+        token_rewards = algorithms.scores_to_token_level(scores, mask_np)
+        v["token_level_scores"] = torch.from_numpy(view.scatter(token_rewards))
         if options["use_kl_in_reward"]:
             v["ref_log_probs"] = self._ref_log_probs(batch)
             token_rewards, kl_metrics = algorithms.apply_kl_penalty(
-                token_rewards, v["old_log_probs"].numpy(), v["ref_log_probs"].numpy(), mask_np, self._kl_ctrl,
-                str(options["kl_penalty"]))
+                token_rewards, view.gather(v["old_log_probs"].numpy()), view.gather(v["ref_log_probs"].numpy()),
+                mask_np, self._kl_ctrl, str(options["kl_penalty"]))
             metrics.update({f"train/{k}": float(x) for k, x in kl_metrics.items()})
-        v["token_level_rewards"] = torch.from_numpy(token_rewards)
+        v["token_level_rewards"] = torch.from_numpy(view.scatter(token_rewards))
         estimate = self.selection.bound("type")
-        adv, returns = estimate(algorithms.AdvantageInputs(token_rewards, mask_np, batch.metadata["uids"]))
-        v["advantages"] = torch.from_numpy(np.asarray(adv, dtype=np.float32))
-        v["returns"] = torch.from_numpy(np.asarray(returns, dtype=np.float32))
-        _, group_std, _ = algorithms.group_stats(v["rewards"].numpy(), batch.metadata["uids"])
+        adv, returns = estimate(algorithms.AdvantageInputs(token_rewards, mask_np, uids))
+        v["advantages"] = torch.from_numpy(view.scatter(np.asarray(adv, dtype=np.float32)))
+        v["returns"] = torch.from_numpy(view.scatter(np.asarray(returns, dtype=np.float32)))
+        _, group_std, _ = algorithms.group_stats(scores, uids)
         metrics.update({
             "train/advantages_abs_mean": float(masked_mean(v["advantages"].abs(), mask)),
             "train/group_reward_std_mean": float(group_std.mean()),
