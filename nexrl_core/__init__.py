@@ -14,6 +14,7 @@ from .plugins import PluginManager, get_plugin_manager
 from .runtime.module import NexRLModule
 from .runtime.threaded import ThreadedModule
 from .rollout_worker import BaseRolloutWorker, ItemFailure
+from .train_service import StepResult, TrainService
 from .trainer import BaseTrainer
 from .trajectory_pool import (GroupedTrajectoryStore, HierarchicalTrajectoryStore, SimpleTrajectoryStore,
                               TrajectoryPool, TrajectoryPoolInstance)
@@ -32,7 +33,7 @@ __all__ = [
     "InferenceClient", "InferenceError", "ItemFailure", "ModelTag", "ModuleUnavailable", "NexRLController",
     "NexRLError", "NexRLModule", "NexRLRole", "Option", "PluginError", "PluginManager", "RpcTimeout", "RunFailed",
     "RunSummary",
-    "SamplingParams", "SimpleRolloutWorker", "SimpleTrajectoryStore", "ThreadedModule", "Trajectory",
+    "SamplingParams", "StepResult", "TrainService", "SimpleRolloutWorker", "SimpleTrajectoryStore", "ThreadedModule", "Trajectory",
     "TrajectoryPool", "TrajectoryPoolInstance", "Validator", "WeightSyncBackend", "WeightSyncController",
     "algorithms", "check_options", "component_options", "execute", "execute_async", "execute_with_timeout",
     "get_plugin_manager", "hookimpl", "OpenAICompatibleClient",
