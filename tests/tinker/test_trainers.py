@@ -168,10 +168,10 @@ def test_checkpoints_record_the_remote_state(grpo_run):
 
 # -- datums of one GRPO step, without a service -------------------------------------------------------
 
-def _trainer(tiny_folder: str, **algorithm):
+def _trainer(tiny_folder: str, url: str = "http://127.0.0.1:9", **algorithm):
     from nexrl_tinker.trainers import RemoteApiGrpoTrainer
 
-    recipe = grpo_recipe("/tmp/unused", "http://127.0.0.1:9", tiny_folder, steps=1, group=2)
+    recipe = grpo_recipe("/tmp/unused", url, tiny_folder, steps=1, group=2)
     recipe["algorithm"] = {"type": "grpo", **algorithm}
     cfg = OmegaConf.create(recipe)
     return RemoteApiGrpoTrainer(cfg)
@@ -211,6 +211,29 @@ def test_ppo_clip_ratios_become_the_services_thresholds(tiny_folder):
     assert name == "ppo" and config == pytest.approx({"clip_low_threshold": 0.9, "clip_high_threshold": 1.3})
     assert _trainer(tiny_folder, loss_fn="ppo").loss()[1] == pytest.approx({"clip_low_threshold": 0.8,
                                                                             "clip_high_threshold": 1.2})
+
+
+@pytest.mark.parametrize("loss_fn", ["importance_sampling", "ppo"])
+def test_on_policy_rows_give_the_service_a_ratio_of_one(loss_fn, standin, tiny_folder, tokenizer):
+    """Rollout log-probs taken from the service itself (on-policy): if the datums placed them one
+    token off, the service's ratio would not be 1 and the loss would not be -sum(advantages)."""
+    trainer = _trainer(tiny_folder, standin.url, loss_fn=loss_fn)
+    trainer.initialize_workers()
+    try:
+        prompt, responses = tokenizer("the quick").input_ids, [tokenizer(r).input_ids for r in (" brown", " fox jum")]
+        rows = [_trajectory("a", i, float(i), r, prompt_token_ids=prompt) for i, r in enumerate(responses)]
+        probe = trainer._convert_trajectories_to_datums(trainer._prepare_trajectories(rows, {}))
+        logprobs = [out["logprobs"] for out in trainer.train_service.forward(probe).outputs]
+        rows = [{**t, "response_logprobs": lp[-len(t["response_token_ids"]):].tolist()}
+                for t, lp in zip(rows, logprobs)]
+        prepared = trainer._prepare_trajectories(rows, {})
+        result = trainer.train(rows)
+        expected = -sum(sum(t["advantages"]) for t in prepared)
+        assert expected != 0  # the two responses differ in length
+        assert result["train/loss_sum"] == pytest.approx(expected, abs=1e-4)
+        assert result["train/rollout_logprob_diff_max"] < 1e-5
+    finally:
+        trainer.close()
 
 
 def test_rows_must_say_they_were_sampled_at_the_temperature_the_service_scores(tiny_folder):

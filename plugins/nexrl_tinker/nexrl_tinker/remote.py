@@ -20,6 +20,7 @@ The SDK's other credential sources (``TINKER_CREDENTIAL_CMD``, a key stored by
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -45,6 +46,20 @@ CONNECTION_OPTIONS = {
     "max_retries": Option(3, int, "extra attempts of calls that are safe to repeat", ge=0),
     "retry_backoff": Option(1.0, float, "seconds before the first extra attempt, doubled after each", ge=0),
 }
+
+
+class _PollChatter(logging.Filter):
+    """The SDK logs a WARNING each time the service answers a poll "try again" (a result not ready
+    yet: normal while a request waits in the queue). As DEBUG it stays out of the console and of
+    run.log; a request that never finishes is reported at its deadline instead."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno == logging.WARNING and "because of try_again" in record.getMessage():
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        return True
+
+
+logging.getLogger("tinker.lib.api_future_impl").addFilter(_PollChatter())
 
 
 class TinkerRequestError(NexRLError):

@@ -109,7 +109,7 @@ class TinkerTrainService(TrainService):
         "betas": Option([0.9, 0.999], list[float], "AdamW betas", check=_betas),
         "eps": Option(1e-8, float, "AdamW epsilon", gt=0),
         "weight_decay": Option(0.0, float, "AdamW weight decay", ge=0),
-        "grad_clip": Option(1.0, float, "clip on the global gradient norm (0 or null: none)", ge=0),
+        "grad_clip": Option(1.0, (float, None), "clip on the global gradient norm (0 or null: none)", ge=0),
         **CONNECTION_OPTIONS,
     }
     BATCH_FORMAT = BATCH_FORMAT
