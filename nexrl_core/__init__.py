@@ -6,6 +6,7 @@ from .controller import NexRLController, RunFailed, RunSummary
 from .dataloader import BaseDataLoader
 from .errors import ConfigError, DataError, ErrorReporter, ErrorSeverity, NexRLError, PluginError
 from .evaluation import BaseEvaluationTarget, EvaluationRunResult, Evaluator
+from .runtime.logs import demote_library_log
 from .runtime.execute import ModuleUnavailable, RpcTimeout, execute, execute_async, execute_with_timeout
 from .inference import CompletionResult, InferenceClient, InferenceError, SamplingParams
 from .markers import hookimpl
@@ -35,7 +36,7 @@ __all__ = [
     "RunSummary",
     "SamplingParams", "StepResult", "TrainService", "SimpleRolloutWorker", "SimpleTrajectoryStore", "ThreadedModule", "Trajectory",
     "TrajectoryPool", "TrajectoryPoolInstance", "Validator", "WeightSyncBackend", "WeightSyncController",
-    "algorithms", "check_options", "component_options", "execute", "execute_async", "execute_with_timeout",
+    "algorithms", "check_options", "component_options", "demote_library_log", "execute", "execute_async", "execute_with_timeout",
     "get_plugin_manager", "hookimpl", "OpenAICompatibleClient",
 ]
 

@@ -102,6 +102,13 @@ class BaseTrainer(ThreadedModule):
             self._algorithm_registry = AlgorithmRegistry.from_plugin_manager(get_plugin_manager())
         return self._algorithm_registry
 
+    @classmethod
+    def check_recipe(cls, recipe: dict[str, Any]) -> list[str]:
+        """Rules that involve other sections of the recipe (the trainer is built with all of it):
+        ``["<key>: why", ...]``, reported by ``nexrl validate`` and ``nexrl run`` alike. Values may
+        have the wrong type here (the key checks report those)."""
+        return []
+
     def create_train_service(self) -> TrainService:
         """The train service ``service.train_service`` selects, built from that section."""
         if self._train_service_cls is None:

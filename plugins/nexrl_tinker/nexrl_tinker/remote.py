@@ -20,7 +20,6 @@ The SDK's other credential sources (``TINKER_CREDENTIAL_CMD``, a key stored by
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 import time
@@ -30,7 +29,7 @@ from typing import Any, TypeVar
 
 from loguru import logger
 
-from nexrl_core import ConfigError, NexRLError, Option
+from nexrl_core import ConfigError, NexRLError, Option, demote_library_log
 
 T = TypeVar("T")
 
@@ -48,18 +47,10 @@ CONNECTION_OPTIONS = {
 }
 
 
-class _PollChatter(logging.Filter):
-    """The SDK logs a WARNING each time the service answers a poll "try again" (a result not ready
-    yet: normal while a request waits in the queue). As DEBUG it stays out of the console and of
-    run.log; a request that never finishes is reported at its deadline instead."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno == logging.WARNING and "because of try_again" in record.getMessage():
-            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
-        return True
-
-
-logging.getLogger("tinker.lib.api_future_impl").addFilter(_PollChatter())
+# The SDK logs a WARNING each time the service answers a poll "try again" (a result not ready yet:
+# normal while a request waits in the queue); a request that never finishes is reported at its
+# deadline instead.
+demote_library_log("tinker.lib.api_future_impl", "because of try_again")
 
 
 class TinkerRequestError(NexRLError):
