@@ -8,6 +8,7 @@ from .errors import ConfigError, DataError, ErrorReporter, ErrorSeverity, NexRLE
 from .evaluation import BaseEvaluationTarget, EvaluationRunResult, Evaluator
 from .runtime.execute import (Deferred, ModuleUnavailable, RpcTimeout, deferred, execute, execute_async,
                               execute_with_timeout)
+from .runtime.logs import demote_library_log
 from .inference import CompletionResult, InferenceClient, InferenceError, SamplingParams
 from .markers import hookimpl
 from .options import REQUIRED, Capabilities, Option, check_options, component_options
@@ -16,6 +17,7 @@ from .runtime.module import NexRLModule
 from .runtime.threaded import ThreadedModule
 from .rollout_worker import BaseRolloutWorker, ItemFailure
 from .tool_calls import as_text_messages, parse_tool_calls, render_tool_calls, tools_system_prompt
+from .train_service import StepResult, TrainService
 from .trainer import BaseTrainer
 from .trajectory_pool import (GroupedTrajectoryStore, HierarchicalTrajectoryStore, SimpleTrajectoryStore,
                               TrajectoryPool, TrajectoryPoolInstance)
@@ -35,11 +37,13 @@ __all__ = [
     "InferenceClient", "InferenceError", "ItemFailure", "ModelTag", "ModuleUnavailable", "NexRLController",
     "NexRLError", "NexRLModule", "NexRLRole", "Option", "PluginError", "PluginManager", "RpcTimeout", "RunFailed",
     "RunSummary",
-    "SamplingParams", "SimpleRolloutWorker", "SimpleTrajectoryStore", "ThreadedModule", "Trajectory",
+    "SamplingParams", "StepResult", "TrainService", "SimpleRolloutWorker", "SimpleTrajectoryStore", "ThreadedModule", "Trajectory",
     "TrajectoryPool", "TrajectoryPoolInstance", "Validator", "WeightSyncBackend", "WeightSyncController",
     "algorithms", "check_options", "component_options", "deferred", "execute", "execute_async",
     "execute_with_timeout", "get_plugin_manager", "hookimpl", "OpenAICompatibleClient", "trajectory_segments",
     "as_text_messages", "parse_tool_calls", "render_tool_calls", "tools_system_prompt",
+    "algorithms", "check_options", "component_options", "demote_library_log", "execute", "execute_async", "execute_with_timeout",
+    "get_plugin_manager", "hookimpl", "OpenAICompatibleClient",
 ]
 
 

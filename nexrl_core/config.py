@@ -21,12 +21,13 @@ from .compose import Composer, GroupOverride, deep_merge, read_yaml_file
 from .errors import ConfigError, NexRLError
 from .options import (Option, check_value, component_capabilities, component_options, option_defaults,
                       options_from_signature, type_name, unknown_key)
-from .schema import CORE_OPTIONS, TRAIN_SERVICE_BACKENDS, core_defaults
+from .schema import CORE_OPTIONS, core_defaults
 
 # kind -> words for messages
 KIND_WORDS = {"dataloader": "data loader", "rollout_worker": "rollout worker", "evaluator": "evaluator",
               "trainer": "trainer", "weight_sync_backend": "weight-sync backend",
-              "inference_backend": "inference backend", "metrics_sink": "metrics sink"}
+              "inference_backend": "inference backend", "metrics_sink": "metrics sink",
+              "train_service": "train service"}
 
 
 class RecipeProblems(ConfigError):
@@ -219,7 +220,8 @@ def _plain_value(value: Any) -> Any:
 def _has_key(cfg: DictConfig, dotted: str) -> bool:
     node: Any = cfg
     for part in dotted.split("."):
-        if not isinstance(node, DictConfig) or part not in node:
+        # keys(), not `in`: a key whose value is '???' (to be set on the command line) is not "in" a DictConfig
+        if not isinstance(node, DictConfig) or part not in node.keys():
             return False
         node = node._get_node(part)
     return True
@@ -271,7 +273,8 @@ def check_config(cfg: Any, plugin_manager: Any, eval_only: bool = False) -> list
     trainer_cls = checker.found.get("trainer")
     if trainer_cls is not None:
         problems += check_algorithm(values.get("algorithm"), trainer_cls, plugin_manager)
-        problems += _check_train_service(values, trainer_cls)
+        problems += _check_train_service(values, trainer_cls, plugin_manager)
+        problems += _recipe_check(trainer_cls, values)
     if not eval_only:
         problems += check_capabilities(checker.found, values, plugin_manager)
     return problems
@@ -358,6 +361,19 @@ def component_check(cls: type, values: Mapping[str, Any], path: str, hook: str =
         return [str(p) for p in check(dict(values), path) or []]
     except Exception as exc:  # a plugin bug must not hide the recipe's problems behind a traceback
         return [f"{path}: {cls.__name__}.{hook} raised {type(exc).__name__}: {exc}"]
+
+
+def _recipe_check(trainer_cls: type, values: Mapping[str, Any]) -> list[str]:
+    """A trainer's rules across sections (it is built with the whole recipe):
+    ``cls.check_recipe(recipe) -> ["<key>: why", ...]``, optional; it must cope with values of the
+    wrong type, which the key checks report."""
+    check = getattr(trainer_cls, "check_recipe", None)
+    if not callable(check):
+        return []
+    try:
+        return [str(p) for p in check(values) or []]
+    except Exception as exc:  # a plugin bug must not hide the recipe's problems behind a traceback
+        return [f"trainer: {trainer_cls.__name__}.check_recipe raised {type(exc).__name__}: {exc}"]
 
 
 def declared_options(kind: str, cls: type) -> dict[str, Option] | None:
@@ -463,19 +479,34 @@ def check_algorithm(section: Any, trainer_cls: type, plugin_manager: Any) -> lis
     return key_problems + [p for p in problems if p not in key_problems]
 
 
-def _check_train_service(values: Mapping[str, Any], trainer_cls: type) -> list[str]:
+def _check_train_service(values: Mapping[str, Any], trainer_cls: type, plugin_manager: Any) -> list[str]:
+    """``service.train_service``: the keys of the train service it selects (a trainer that drives a
+    registered one, see :mod:`nexrl_core.train_service`), or else the trainer's own declared keys."""
     from .options import check_options
+    from .train_service import SECTION, train_service_class, train_service_options
 
-    section = _get(values, "service.train_service", {})
-    declared = component_options(trainer_cls, "TRAIN_SERVICE_OPTIONS", "TRAIN_SERVICE_KEYS") or {}
-    problems = check_options(section if section is not None else {}, declared, "service.train_service")
-    if not problems and isinstance(section, Mapping):
-        problems += component_check(trainer_cls, section, "service.train_service", "check_train_service")
-    backend = section.get("backend") if isinstance(section, Mapping) else None
-    if backend is not None and "backend" in declared and backend not in TRAIN_SERVICE_BACKENDS and not any(
-            p.startswith("service.train_service.backend") for p in problems):
-        problems.append(f"service.train_service.backend: {backend!r} is not one of "
-                        f"{', '.join(TRAIN_SERVICE_BACKENDS)}")
+    section = _get(values, SECTION, {})
+    if section is None:
+        section = {}
+    if not isinstance(section, Mapping):
+        return []  # the core's check of the section's type reports it
+    own = component_options(trainer_cls, "TRAIN_SERVICE_OPTIONS", "TRAIN_SERVICE_KEYS") or {}
+    service_cls = None
+    if getattr(trainer_cls, "TRAIN_SERVICE_BATCH_FORMAT", None):
+        try:
+            service_cls = train_service_class(trainer_cls, section, plugin_manager, _get(values, "trainer.type"))
+        except NexRLError as exc:
+            return [str(exc)]
+        name = section.get("backend", getattr(trainer_cls, "TRAIN_SERVICE_DEFAULT", None))
+        declared = {**train_service_options(service_cls, trainer_cls), **own}
+        owner = f"train service '{name}'"
+    else:
+        declared, owner = own, ""
+    problems = check_options(section, declared, SECTION, owner=owner)
+    if not problems and service_cls is not None:
+        problems += component_check(service_cls, section, SECTION)
+    if not problems:
+        problems += component_check(trainer_cls, section, SECTION, "check_train_service")
     return problems
 
 

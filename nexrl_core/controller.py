@@ -442,6 +442,8 @@ class NexRLController:
                 _best_effort("reading the last metrics", self._feed_listeners)
             errors = _best_effort("reading the reported errors", tracker.get_errors)
             self._final_errors = [e.message for e in errors or []]
+            if trainer is not None:
+                _best_effort("closing the trainer", trainer.close)
             _best_effort("closing the inference client", self.inference_client.close)
             _best_effort("closing the run records", tracker.close)
             self.resource_manager.shutdown()

@@ -26,6 +26,7 @@ KINDS: dict[str, tuple[str, str]] = {
     "rollout_worker": ("nexrl_rollout_workers", "nexrl_core.rollout_worker:BaseRolloutWorker"),
     "evaluator": ("nexrl_evaluators", "nexrl_core.evaluation:Evaluator"),
     "trainer": ("nexrl_trainers", "nexrl_core.trainer:BaseTrainer"),
+    "train_service": ("nexrl_train_services", "nexrl_core.train_service:TrainService"),
     "weight_sync_backend": ("nexrl_weight_sync_backends", "nexrl_core.weight_sync:WeightSyncBackend"),
     "inference_backend": ("nexrl_inference_backends", "nexrl_core.inference:InferenceClient"),
     "metrics_sink": ("nexrl_metrics_sinks", ""),

@@ -18,8 +18,6 @@ from .types import NexRLRole
 RESUME_MODES = ("disable", "auto", "from_path")
 ERROR_POLICIES = ("stop_on_error", "stop_on_critical", "continue")
 LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "SUCCESS", "WARNING", "ERROR", "CRITICAL")
-# Train services a trainer can drive; plugins will register more (issue #16).
-TRAIN_SERVICE_BACKENDS = ("local_torch",)
 
 
 def _launch_mode(value: Any) -> str | None:
@@ -128,7 +126,8 @@ INFERENCE_SERVICE = {
 }
 
 SERVICE = {
-    "train_service": Option({}, dict, "the train service the trainer drives (keys declared by the trainer)"),
+    "train_service": Option({}, dict, "the train service the trainer drives: backend (a registered train service) "
+                                      "and that service's own keys"),
     "inference_service": Option(options=INFERENCE_SERVICE, component="inference_backend", selector="backend",
                                 help="the inference service rollouts sample from"),
 }

@@ -15,14 +15,32 @@ from typing import Any
 from .algorithms.registry import AlgorithmRegistry
 from .checkpoint import read_core_state, write_checkpoint
 from .rollout_worker import failure_detail
+from .errors import ConfigError
 from .runtime.execute import execute
 from .runtime.threaded import ThreadedModule
+from .train_service import SECTION, TrainService, train_service_class
 from .types import DEFAULT_MODEL_TAG, Trajectory
 
 _BATCH_WAIT_S = 0.1
 # What samples.jsonl keeps of a trajectory (logger.samples_every).
 SAMPLE_FIELDS = ("uid", "sample_index", "data_source", "prompt", "response", "reward", "score", "model_version",
                  "sampling", "finish_reason", "failed", "error")
+
+
+def _plain(section: Any) -> dict[str, Any]:
+    """A recipe section as a plain dict, interpolations resolved."""
+    if section is None:
+        return {}
+    if hasattr(section, "_get_node"):  # an OmegaConf node
+        from omegaconf import OmegaConf
+        from omegaconf.errors import OmegaConfBaseException
+
+        try:
+            return dict(OmegaConf.to_container(section, resolve=True))
+        except OmegaConfBaseException as exc:
+            key = getattr(exc, "full_key", None) or ""
+            raise ConfigError(f"{SECTION}{'.' + key if key else ''}: {str(exc).splitlines()[0]}") from None
+    return dict(section)
 
 class BaseTrainer(ThreadedModule):
     """Subclasses implement :meth:`train`; self-hosted ones also the model-state methods.
@@ -32,10 +50,17 @@ class BaseTrainer(ThreadedModule):
     ``ALGORITHM_SELECTORS`` (key -> kind) names those that pick a function from the algorithm
     registry (e.g. ``{"type": "advantage_estimator"}``), whose own keys are then accepted too
     (see :mod:`nexrl_core.algorithms.registry`).
+
+    A trainer that drives a train service (:mod:`nexrl_core.train_service`) declares the batch
+    format it builds (``TRAIN_SERVICE_BATCH_FORMAT``) and the service it uses by default
+    (``TRAIN_SERVICE_DEFAULT``); :meth:`create_train_service` builds the one
+    ``service.train_service.backend`` selects.
     """
 
     CONFIG_KEYS: dict[str, Any] = {}
     ALGORITHM_SELECTORS: dict[str, str] = {}
+    TRAIN_SERVICE_BATCH_FORMAT: str | None = None
+    TRAIN_SERVICE_DEFAULT: str | None = None
     STOP_JOIN_TIMEOUT_S = 300.0  # a training step in flight finishes first
 
     def __init__(self, config: Any):
@@ -57,6 +82,15 @@ class BaseTrainer(ThreadedModule):
         self._weight_sync_controller: Any = None
         self._dataloader: Any = None
         self._algorithm_registry: AlgorithmRegistry | None = None
+        self._train_service_cls: type[TrainService] | None = None
+        if self.TRAIN_SERVICE_BATCH_FORMAT:
+            # Resolved while the launch's plugin manager is active (modules are built inside it).
+            from .plugins import active_plugin_manager
+
+            section = config.get("service", {}).get("train_service") or {}
+            backend = section.get("backend") if hasattr(section, "get") else None
+            self._train_service_cls = train_service_class(type(self), {} if backend is None else {"backend": backend},
+                                                          active_plugin_manager(), self._config.get("type"))
 
     def set_module_references(self, trajectory_pool: Any, weight_sync_controller: Any,
                               dataloader: Any = None) -> None:
@@ -75,6 +109,21 @@ class BaseTrainer(ThreadedModule):
 
             self._algorithm_registry = AlgorithmRegistry.from_plugin_manager(get_plugin_manager())
         return self._algorithm_registry
+
+    @classmethod
+    def check_recipe(cls, recipe: dict[str, Any]) -> list[str]:
+        """Rules that involve other sections of the recipe (the trainer is built with all of it):
+        ``["<key>: why", ...]``, reported by ``nexrl validate`` and ``nexrl run`` alike. Values may
+        have the wrong type here (the key checks report those)."""
+        return []
+
+    def create_train_service(self) -> TrainService:
+        """The train service ``service.train_service`` selects, built from that section."""
+        if self._train_service_cls is None:
+            raise NotImplementedError(f"{type(self).__name__} drives no train service (no TRAIN_SERVICE_BATCH_FORMAT)")
+        section = _plain(self._full_config.get("service", {}).get("train_service"))
+        return self._train_service_cls.from_config(section, seed=int(self._full_config.get("seed", 0)),
+                                                   total_steps=self.total_train_steps, path=SECTION)
 
     # -- to implement -----------------------------------------------------------------
     @abstractmethod
@@ -107,6 +156,9 @@ class BaseTrainer(ThreadedModule):
 
         raise NexRLError(f"trainer {cls.__name__} cannot export its checkpoints' weights (it does not implement "
                          f"BaseTrainer.export_checkpoint)")
+
+    def close(self) -> None:
+        """Release the train service's connections; called once the run has stopped (and saved)."""
 
     # -- lifecycle (the thread itself: ThreadedModule) ---------------------------------------
     def is_done(self) -> bool:

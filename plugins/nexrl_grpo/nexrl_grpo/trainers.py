@@ -11,38 +11,13 @@ from typing import Any
 import numpy as np
 import torch
 from loguru import logger
-from omegaconf import OmegaConf
 
 from nexrl_core import (Batch, BaseTrainer, Capabilities, ConfigError, DataError, Option, SamplingParams, Trajectory,
                         algorithms, trajectory_segments)
 
 from .losses import LossContext, agg_loss, masked_mean
 from .modeling import compute_response_logprobs, position_ids_from_mask
-from .train_service import LocalTorchTrainService, export_model_folder
-from .weights import AUTO_FLAG, MODEL_OPTIONS, _auto_flag, check_model_section, config_errors, resolve_model_path
-
-
-def _betas(value: Any) -> str | None:
-    return None if len(value) == 2 and all(0 <= b < 1 for b in value) else \
-        f"expected [beta1, beta2], each in [0, 1), got {list(value)}"
-
-
-TRAIN_SERVICE_OPTIONS = {
-    # The core checks the value against the train services it knows.
-    "backend": Option("local_torch", str, "the train service: local_torch (torch in this process)"),
-    **MODEL_OPTIONS,
-    "lr": Option(1e-6, float, "AdamW learning rate", gt=0),
-    "weight_decay": Option(0.0, float, "AdamW weight decay", ge=0),
-    "betas": Option([0.9, 0.999], list[float], "AdamW betas", check=_betas),
-    "eps": Option(1e-8, float, "AdamW epsilon", gt=0),
-    "grad_clip": Option(1.0, float, "gradient-norm clip (<= 0 or null: none)"),
-    "seed": Option(None, int, "seed of torch, numpy and python RNGs (default: the recipe's seed)"),
-    "micro_batch_size": Option(None, int, "rows per forward pass (null: the whole batch)", ge=1),
-    "temperature": Option(removed="each row is scored at the temperature its trajectory was sampled with "
-                                  "(rollout_worker.sampling.temperature): delete this key"),
-    "packing": Option(None, AUTO_FLAG, "packed sequences without padding: auto | true | false", check=_auto_flag),
-    "max_tokens_per_pack": Option(2048, int, "tokens per packed sequence", ge=1),
-}
+from .train_service import BATCH_FORMAT, LocalTorchTrainService, export_model_folder
 
 
 def _prompt_groups(prompts: list[list[int]]) -> torch.Tensor:
@@ -94,18 +69,18 @@ class TrajectoryView:
 class SelfHostedTrainer(BaseTrainer):
     """Turns trajectories into verl-layout tensors; subclasses add the algorithm in ``_prepare_batch``."""
 
-    TRAIN_SERVICE_OPTIONS = TRAIN_SERVICE_OPTIONS
+    # Padded tensors and a torch loss: any train service taking those (local_torch by default).
+    TRAIN_SERVICE_BATCH_FORMAT = BATCH_FORMAT
+    TRAIN_SERVICE_DEFAULT = "local_torch"
     ALGORITHM_OPTIONS: dict[str, Option] = {}
     # New weights exist as tensors in this process: a weight-sync backend must bring them to inference.
     CAPABILITIES = Capabilities(
         provides={"trainer:state_dict"},
         requires={"weight_sync:state_dict": "it trains new weights in this process, and without a backend that "
                                             "moves them, rollouts keep sampling the initial model"})
-    check_train_service = staticmethod(check_model_section)
 
     def __init__(self, config: Any):
         super().__init__(config)
-        self._service_config = config.service.train_service
         self._algorithm = config.get("algorithm", {}) or {}
         self.train_service: LocalTorchTrainService | None = None
         self.pad_token_id = 0
@@ -114,19 +89,12 @@ class SelfHostedTrainer(BaseTrainer):
     def initialize_workers(self) -> None:
         if self.train_service is not None:
             return
-        cfg = OmegaConf.to_container(self._service_config, resolve=True)
-        cfg["model_path"] = resolve_model_path(cfg.get("model_path"), cfg.get("gguf_file"))
-        cfg.pop("gguf_file", None)
-        if cfg.get("seed") is None:
-            cfg["seed"] = int(self._full_config.seed)
-        if cfg.get("num_threads"):
-            torch.set_num_threads(int(cfg["num_threads"]))
         t0 = time.perf_counter()
-        with config_errors("service.train_service"):
-            self.train_service = LocalTorchTrainService(cfg)
+        self.train_service = self.create_train_service()
         tok = self.train_service.tokenizer
         self.pad_token_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-        logger.info(f"train service ready ({cfg['model_path']}, {time.perf_counter() - t0:.1f}s)")
+        logger.info(f"train service ready ({self.train_service.config.get('model_path')}, "
+                    f"{time.perf_counter() - t0:.1f}s)")
 
     # -- trajectories -> tensors -------------------------------------------------------
     def _token_ids(self, traj: Trajectory) -> tuple[list[int], list[int]]:

@@ -1,6 +1,6 @@
 """The ``tinker`` inference backend: rollouts sample through a Tinker sampling client.
 
-Recipe keys (``service.inference_service``, :data:`INFERENCE_OPTIONS`):
+Recipe keys (``service.inference_service``, :attr:`TinkerInferenceClient.OPTIONS`):
 
 - ``tokenizer_path`` (or ``model_path`` when it is a local folder): the model's tokenizer, read
   from disk (nothing is downloaded); prompts are tokenized here, chat prompts through the
@@ -24,19 +24,13 @@ import os
 import threading
 from typing import Any
 
-from nexrl_core import CompletionResult, ConfigError, InferenceClient, InferenceError, Option, SamplingParams
+from nexrl_core import Capabilities, CompletionResult, ConfigError, InferenceClient, InferenceError, Option, SamplingParams
 
 from .remote import CONNECTION_OPTIONS, RemoteCalls, TinkerRequestError, plain_section, resolve_connection
+from .tokens import encode_prompt, load_tokenizer
 
-INFERENCE_OPTIONS = {
-    "base_model": Option(None, help="the Tinker model name, sampled from until the first weight sync"),
-    "model_path": Option(None, help="a tinker:// sampler checkpoint to sample from, or a local folder holding the "
-                                    "tokenizer"),
-    "tokenizer_path": Option(None, help="local folder of the model's tokenizer (nothing is downloaded)"),
-    "chat_template": Option(True, help="format chat prompts with the tokenizer's chat template (false: join the "
-                                       "message contents)"),
-    **CONNECTION_OPTIONS,
-}
+# What the tinker weight sync hands over and the tinker inference backend samples from.
+SAMPLER_CAPABILITY = "inference:tinker_sampler"
 
 
 def _config_errors(check: Any) -> list[ConfigError]:
@@ -48,7 +42,17 @@ def _config_errors(check: Any) -> list[ConfigError]:
 
 
 class TinkerInferenceClient(InferenceClient):
-    OPTIONS = INFERENCE_OPTIONS
+    OPTIONS = {
+        "base_model": Option(None, str, "Tinker model sampled until the first weight sync (the tinker weight sync "
+                                        "hands over the trainer's sampler at the start)"),
+        "model_path": Option(None, str, "a tinker:// sampler checkpoint to sample from, or a local model folder "
+                                        "(its tokenizer)"),
+        "tokenizer_path": Option(None, str, "local folder holding the model's tokenizer (prompts are tokenized here)"),
+        "chat_template": Option(True, bool, "render chat prompts with the tokenizer's chat template (false: join "
+                                            "the message contents)"),
+        **CONNECTION_OPTIONS,
+    }
+    CAPABILITIES = Capabilities(provides={SAMPLER_CAPABILITY})
 
     def __init__(self, config: Any, section: str = "service.inference_service"):
         super().__init__(config)
@@ -62,12 +66,7 @@ class TinkerInferenceClient(InferenceClient):
             raise ConfigError(f"{section}.tokenizer_path: required (a local folder holding the model's tokenizer)")
         if not os.path.isdir(str(tokenizer_path)):
             raise ConfigError(f"{section}.tokenizer_path: '{tokenizer_path}' is not a folder")
-        from transformers import AutoTokenizer
-
-        try:
-            self.tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_path))
-        except (OSError, ValueError) as exc:
-            raise ConfigError(f"{section}.tokenizer_path: no tokenizer in '{tokenizer_path}' ({exc})") from None
+        self.tokenizer = load_tokenizer(str(tokenizer_path), f"{section}.tokenizer_path")
         self.use_chat_template = bool(cfg.get("chat_template", True))
         self._calls = RemoteCalls(self.connection)
         self._lock = threading.Lock()
@@ -125,14 +124,7 @@ class TinkerInferenceClient(InferenceClient):
 
     def encode_prompt(self, prompt: str | list[dict[str, Any]]) -> list[int]:
         with self._tokenizer_lock:
-            if isinstance(prompt, str):
-                return list(self.tokenizer(prompt).input_ids)
-            if self.use_chat_template:
-                text = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
-            else:
-                text = "\n".join(str(m.get("content", "")) for m in prompt)
-            # The template already holds every special token it wants.
-            return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+            return encode_prompt(self.tokenizer, prompt, self.use_chat_template)
 
     def complete(self, prompt: str | list[dict[str, Any]], params: SamplingParams) -> CompletionResult:
         from tinker import types  # imported on use: `nexrl plugins` / `validate` stay light
