@@ -241,27 +241,28 @@ class BaseRolloutWorker(ThreadedModule):
         label, cls_name = self._evaluator_label, type(self._evaluator).__name__
         target = final_answer if isinstance(final_answer, BaseEvaluationTarget) else \
             BaseEvaluationTarget(final_answer=final_answer)
+        reply = getattr(final_answer, "final_answer", final_answer)  # the text kept with a failure
         try:
             result = self._evaluator.evaluate(task, target)
         except Exception as exc:
             where = failure_location(exc, _code_folder(self._evaluator))
             raise ItemFailure("evaluator_exception", f"{label} raised {type(exc).__name__}: {exc}"
-                                                     f"{f' ({where})' if where else ''}", final_answer) from exc
+                                                     f"{f' ({where})' if where else ''}", reply) from exc
         if not isinstance(result, EvaluationRunResult):
             raise ItemFailure("evaluator_bad_result", f"{label}: {cls_name}.evaluate returned "
                                                       f"{type(result).__name__}, expected EvaluationRunResult",
-                              final_answer)
+                              reply)
         reward = result.reward
         if not isinstance(reward, (int, float)) or isinstance(reward, bool) or not math.isfinite(reward):
-            raise ItemFailure("bad_reward", f"{label}: {cls_name} returned reward {reward!r}", final_answer)
+            raise ItemFailure("bad_reward", f"{label}: {cls_name} returned reward {reward!r}", reply)
         lo_hi = self._reward_range
         if lo_hi is not None and not (float(lo_hi[0]) <= reward <= float(lo_hi[1])):
             raise ItemFailure("reward_out_of_range",
-                              f"reward {reward} outside rollout_worker.reward_range {list(lo_hi)}", final_answer)
+                              f"reward {reward} outside rollout_worker.reward_range {list(lo_hi)}", reply)
         for name, value in result.metrics.items():
             if not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise ItemFailure("bad_metric", f"{label}: metric '{name}' is {value!r}, not a finite number",
-                                  final_answer)
+                                  reply)
         return result
 
     def base_trajectory(self, task: dict[str, Any]) -> Trajectory:
