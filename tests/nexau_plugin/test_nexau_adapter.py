@@ -124,3 +124,6 @@ def test_the_worker_runs_the_real_nexau_agent(agent_factory, nexau_pm):
     assert not traj.get("failed"), traj.get("error")
     assert traj["reward"] == 1.0 and traj["stop_reason"] == "answered" and traj["num_llm_calls"] == 2
     assert sum(traj["loss_mask"]) < len(traj["loss_mask"])  # the tool's tokens are masked
+    # NexAU sent the call and its result back; the two turns merged into one sequence
+    assert [m["role"] for m in backend.requests[1]["messages"]] == ["system", "user", "assistant", "tool"]
+    assert traj["num_tool_calls"] == 1 and traj["num_segments"] == 1 and "segments" not in traj

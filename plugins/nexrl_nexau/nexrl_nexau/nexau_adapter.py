@@ -15,6 +15,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from .agent_config import AgentSpec
 from .gateway import ChatGateway
 from .runner import AgentRunResult, LLMCall
@@ -72,15 +74,18 @@ class NexAUAgentRunner:
 
     def run(self, query: str | list[dict[str, Any]], llm: LLMCall, params: Any,
             variables: dict[str, Any] | None = None) -> AgentRunResult:
-        from nexau import Agent, AgentConfig, LLMConfig
+        from nexau import Agent, AgentConfig
         from nexau.archs.tracer.adapters.in_memory import InMemoryTracer
 
         gateway = self._gateway_started()
         with gateway.session(lambda m, t, p: llm(m, t, p), params) as base_url:
-            config = AgentConfig.from_yaml(Path(self.spec.path))
-            config.llm_config = LLMConfig(model=gateway.model_name, base_url=base_url, api_key="nexrl",
-                                          temperature=params.temperature, max_tokens=params.max_tokens,
-                                          top_p=params.top_p, api_type="openai_chat_completion")
+            # The agent's own llm_config names a server (or reads it from the environment): the
+            # gateway replaces it before NexAU builds its LLM client.
+            raw = yaml.safe_load(Path(self.spec.path).read_text(encoding="utf-8"))
+            raw["llm_config"] = {"model": gateway.model_name, "base_url": base_url, "api_key": "nexrl",
+                                 "temperature": params.temperature, "max_tokens": params.max_tokens,
+                                 "top_p": params.top_p, "api_type": "openai_chat_completion", "stream": False}
+            config = AgentConfig.from_dict(raw, base_path=Path(self.spec.path).parent)
             tracer = InMemoryTracer()
             config.tracers = [tracer]
             config.resolved_tracer = tracer

@@ -1,31 +1,8 @@
 """The seed's NexAU rollout workers: an agent per task, trained on exactly the tokens it produced.
 
-``rollout_worker`` keys (besides the core's ``type``, ``num_workers``, ``seed``, ``evaluator``,
-``reward_range``, ``validate_temperature``):
-
-==============================  ==========  ===============================================
-key                             default     meaning
-==============================  ==========  ===============================================
-``nexau_agent_config_path``     required    the agent YAML (NexAU's format; see agent_config)
-``nexau_agent_workspace``       its folder  where tool bindings are imported from
-``agent_runner``                auto        ``builtin`` (nexrl's runner), ``nexau`` (NexAU
-                                            itself) or ``auto`` (NexAU when importable)
-``prompt_key``                  null        the task field holding the query; null: the
-                                            first of ``prompt``, ``query``, ``question``
-``sampling``                    {}          max_tokens / temperature / top_p / stop of every
-                                            model call (over the agent's ``llm_config``)
-``few_shot``                    []          demonstration messages (role + content) put
-                                            between the system prompt and every query
-``tool_timeout``                30          seconds a tool call may take
-``max_tool_output_chars``       8000        longer tool results are cut (with a note)
-``max_sequence_length``         null        tokens of one training sequence (prompt
-                                            included); longer ones are cut
-``truncated_reward``            0.0         reward of a rollout cut at max_sequence_length
-                                            (null: keep the evaluator's)
-``enable_trace_prefix_merge``   true        merge turns that share a token prefix
-``save_trace`` / ``trace_path`` false/null  write every rollout's trace as JSON there
-``task_name``                   null        a name for logs and trace files
-==============================  ==========  ===============================================
+Recipe keys (``rollout_worker.*``): :attr:`BaseNexAURolloutWorker.OPTIONS`, besides the core's
+``type``, ``num_workers``, ``seed``, ``evaluator``, ``reward_range`` and ``validate_temperature``
+(reference: docs/recipe.md; guide: docs/agents.md).
 
 A trajectory holds the first token sequence at the top level (``prompt_token_ids``,
 ``response_token_ids``, ``response_logprobs``, ``loss_mask`` with one 0/1 per response token)
@@ -69,7 +46,8 @@ class NexAUEvaluationTarget(BaseEvaluationTarget):
 
 
 class BaseNexAURolloutWorker(BaseRolloutWorker):
-    """Runs the agent of ``nexau_agent_config_path`` on every task (see the module doc).
+    """Runs a multi-turn, tool-using agent (NexAU's agent YAML) on every task and trains on the tokens
+    the model wrote: tool outputs and prompts are in the sequence with ``loss_mask`` 0.
 
     Override points (the seed's): :meth:`format_task_query` (task -> the agent's query),
     :meth:`get_train_loss_mask` (which model replies are trained on), :meth:`run_agent` (the
@@ -93,7 +71,7 @@ class BaseNexAURolloutWorker(BaseRolloutWorker):
         "max_tool_output_chars": Option(8000, int, "longer tool results are cut (with a note)", ge=1),
         "max_sequence_length": Option(None, int, "tokens of one training sequence, prompt included (null: no "
                                                  "limit); longer ones are cut", ge=1),
-        "truncated_reward": Option(0.0, float, "reward of a rollout cut at max_sequence_length (null: the "
+        "truncated_reward": Option(0.0, (float, None), "reward of a rollout cut at max_sequence_length (null: the "
                                                "evaluator's)"),
         "enable_trace_prefix_merge": Option(True, bool, "merge model calls that share a token prefix into one "
                                                         "sequence"),
