@@ -70,6 +70,9 @@ def _tokenizer_problem(tokenizer_path: str | None, section: str) -> str | None:
 
 
 class TinkerInferenceClient(InferenceClient):
+    """Rollouts through a Tinker sampling client: prompt tokens, response tokens and their log-probs,
+    and the weight version; the tinker weight sync hands it the trainer's sampler after every step."""
+
     OPTIONS = {
         "base_model": Option(None, str, "Tinker model sampled until the first weight sync (the tinker weight sync "
                                         "hands over the trainer's sampler at the start)"),

@@ -88,9 +88,12 @@ class LearningRateSchedule:
 
 
 class TinkerTrainService(TrainService):
-    """See the module doc. ``seed`` (the recipe's) seeds the LoRA initialisation unless
-    ``lora_seed`` is set; ``total_steps`` (the run's optimizer steps) ends a decaying schedule
-    unless ``lr_decay_steps`` is set."""
+    """One LoRA training run on the Tinker API (the `remote_api_*` trainers' default): forward_backward
+    and optim_step on the service, its weights and Adam state saved and resumed there.
+
+    ``seed`` (the recipe's) seeds the LoRA initialisation unless ``lora_seed`` is set;
+    ``total_steps`` (the run's optimizer steps) ends a decaying schedule unless ``lr_decay_steps``
+    is set. See the module doc."""
 
     OPTIONS = {
         "base_model": Option(REQUIRED, str, "the Tinker name of the model to train (e.g. Qwen/Qwen3-8B), or a "
