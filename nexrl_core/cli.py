@@ -234,7 +234,8 @@ def _eval(args: Any) -> int:
     overrides = [o for o in args.overrides if not o.startswith("checkpoint=")]
     checkpoint = [o.split("=", 1)[1] for o in args.overrides if o.startswith("checkpoint=")]
     if checkpoint:
-        overrides.append(f"service.inference_service.model_path={checkpoint[-1]}")
+        # ++: set or add (a backend whose recipe names no model_path, e.g. tinker, takes one too)
+        overrides.append(f"++service.inference_service.model_path={checkpoint[-1]}")
     cfg = _load(argparse.Namespace(recipe=args.recipe, overrides=overrides))
     setup_logging(None, "WARNING")
     out = args.out

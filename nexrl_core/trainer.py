@@ -15,7 +15,6 @@ from typing import Any
 from .algorithms.registry import AlgorithmRegistry
 from .checkpoint import read_core_state, write_checkpoint
 from .rollout_worker import failure_detail
-from .errors import ConfigError
 from .runtime.execute import execute
 from .runtime.threaded import ThreadedModule
 from .train_service import SECTION, TrainService, train_service_class
@@ -26,21 +25,6 @@ _BATCH_WAIT_S = 0.1
 SAMPLE_FIELDS = ("uid", "sample_index", "data_source", "prompt", "response", "reward", "score", "model_version",
                  "sampling", "finish_reason", "failed", "error")
 
-
-def _plain(section: Any) -> dict[str, Any]:
-    """A recipe section as a plain dict, interpolations resolved."""
-    if section is None:
-        return {}
-    if hasattr(section, "_get_node"):  # an OmegaConf node
-        from omegaconf import OmegaConf
-        from omegaconf.errors import OmegaConfBaseException
-
-        try:
-            return dict(OmegaConf.to_container(section, resolve=True))
-        except OmegaConfBaseException as exc:
-            key = getattr(exc, "full_key", None) or ""
-            raise ConfigError(f"{SECTION}{'.' + key if key else ''}: {str(exc).splitlines()[0]}") from None
-    return dict(section)
 
 class BaseTrainer(ThreadedModule):
     """Subclasses implement :meth:`train`; self-hosted ones also the model-state methods.
@@ -121,7 +105,9 @@ class BaseTrainer(ThreadedModule):
         """The train service ``service.train_service`` selects, built from that section."""
         if self._train_service_cls is None:
             raise NotImplementedError(f"{type(self).__name__} drives no train service (no TRAIN_SERVICE_BATCH_FORMAT)")
-        section = _plain(self._full_config.get("service", {}).get("train_service"))
+        from .config import plain
+
+        section = dict(plain(self._full_config.get("service", {}).get("train_service")) or {})
         return self._train_service_cls.from_config(section, seed=int(self._full_config.get("seed", 0)),
                                                    total_steps=self.total_train_steps, path=SECTION)
 

@@ -66,12 +66,19 @@ def test_the_recipe_runs_end_to_end_against_the_standin_and_the_key_stays_secret
         assert state["optimizer_steps"] == step and state["tinker_path"].startswith("tinker://")
     assert server.count("POST /api/v1/forward_backward") == 3
 
+    # `nexrl eval` of a checkpoint samples its recorded snapshot: greedy validation of step 2 again.
+    evaluation = _nexrl("eval", RECIPE, *overrides, f"checkpoint={run_dir / 'checkpoints' / 'global_step_2'}", env=env)
+    assert evaluation.returncode == 0, (evaluation.stdout + evaluation.stderr)[-4000:]
+    validation_2 = next(r for r in rows if "val/num_samples" in r and r["step"] == 2)
+    assert json.loads(evaluation.stdout.strip().splitlines()[-1]) == {k: v for k, v in validation_2.items()
+                                                                      if k != "step"}
+
     files = [p for p in run_dir.rglob("*") if p.is_file()]
     assert {"metrics.jsonl", "run.log", "nexrl_state.json", "tinker_state.json"} <= {p.name for p in files}
     assert "Tinker" in (run_dir / "run.log").read_text()  # the log is there and speaks of the service
     for path in files:
         assert b"CANARY" not in path.read_bytes(), path
-    assert "CANARY" not in run.stdout + run.stderr
+    assert "CANARY" not in run.stdout + run.stderr + evaluation.stdout + evaluation.stderr
 
 
 def test_a_killed_run_resumes_with_the_same_optimizer_state_and_data(serve, run_env, tiny_folder, tmp_path):

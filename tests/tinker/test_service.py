@@ -126,9 +126,14 @@ def test_checkpoint_resume_continues_with_the_same_optimizer_state(standin, make
     first.save_state(str(folder), extra_state={"note": [1, 2]})
     state = json.loads((folder / "tinker_state.json").read_text())
     path = state["tinker_path"]
-    assert state == {"format": 1, "tinker_path": path, "base_model": MODEL, "lora_rank": 4, "optimizer_steps": 2,
-                     "model_id": first.training_client.model_id, "extra_state": {"note": [1, 2]}}
+    assert state == {"format": 1, "tinker_path": path, "sampler_path": state["sampler_path"], "base_model": MODEL,
+                     "lora_rank": 4, "optimizer_steps": 2, "model_id": first.training_client.model_id,
+                     "extra_state": {"note": [1, 2]}}
     assert path.startswith("tinker://") and path.endswith("/weights/optim_step_2")
+    assert state["sampler_path"].endswith("/sampler_weights/optim_step_2")
+    first.save_state(str(folder), extra_state={"note": [1, 2]})  # again at one step (save_on_stop): one snapshot
+    assert json.loads((folder / "tinker_state.json").read_text())["sampler_path"] == state["sampler_path"]
+    assert standin.count("POST /api/v1/save_weights_for_sampler") == 1
     uninterrupted = first.train_step(datums, "cross_entropy")
     probe = first.forward(datums).outputs
 

@@ -162,6 +162,8 @@ def test_checkpoints_record_the_remote_state(grpo_run):
         assert state["optimizer_steps"] == step and state["base_model"] == MODEL and state["lora_rank"] == 8
         remote = grpo_run.server.state_dir / state["tinker_path"].removeprefix("tinker://")
         assert (remote / "weights.safetensors").is_file() and (remote / "optimizer.safetensors").is_file()
+        sampler = grpo_run.server.state_dir / state["sampler_path"].removeprefix("tinker://")
+        assert (sampler / "weights.safetensors").is_file() and not (sampler / "optimizer.safetensors").exists()
         assert set(state["extra_state"]) == {"algorithm", "rng"}
         assert sorted(p.name for p in folder.iterdir()) == ["nexrl_state.json", "tinker_state.json"]
 

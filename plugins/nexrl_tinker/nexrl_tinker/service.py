@@ -88,9 +88,12 @@ class LearningRateSchedule:
 
 
 class TinkerTrainService(TrainService):
-    """See the module doc. ``seed`` (the recipe's) seeds the LoRA initialisation unless
-    ``lora_seed`` is set; ``total_steps`` (the run's optimizer steps) ends a decaying schedule
-    unless ``lr_decay_steps`` is set."""
+    """One LoRA training run on the Tinker API (the `remote_api_*` trainers' default): forward_backward
+    and optim_step on the service, its weights and Adam state saved and resumed there.
+
+    ``seed`` (the recipe's) seeds the LoRA initialisation unless ``lora_seed`` is set;
+    ``total_steps`` (the run's optimizer steps) ends a decaying schedule unless ``lr_decay_steps``
+    is set. See the module doc."""
 
     OPTIONS = {
         "base_model": Option(REQUIRED, str, "the Tinker name of the model to train (e.g. Qwen/Qwen3-8B), or a "
@@ -146,6 +149,7 @@ class TinkerTrainService(TrainService):
         self._create_lock = threading.Lock()  # one training run, however many threads ask at once
         self._service: Any = None
         self._training: Any = None
+        self._sampler_paths: dict[tuple[str, int], str] = {}
 
     @staticmethod
     def _cross_key_problems(cfg: Mapping[str, Any], section: str) -> list[str]:
@@ -275,12 +279,24 @@ class TinkerTrainService(TrainService):
             self._training = training
         logger.info(f"Tinker training run {training.model_id} continues from {path}")
 
+    def save_sampler_weights(self, name: str) -> str:
+        """Save the current weights for sampling as ``name``; returns their ``tinker://`` path."""
+        training = self.training_client
+        response = self._calls.call(f"save_weights_for_sampler '{name}' of {training.model_id}",
+                                    lambda: training.save_weights_for_sampler(name), repeatable=True)
+        return response.path
+
     def save_state(self, folder: str, extra_state: dict[str, Any] | None = None) -> None:
-        """Save the remote state (named after the optimizer step) and record it, with ``extra_state``,
-        in ``folder/tinker_state.json``."""
-        path = self.save_remote_state(f"optim_step_{self.optimizer_steps}")
-        state = {"format": STATE_FORMAT, "tinker_path": path, "base_model": self.base_model,
-                 "lora_rank": self.lora_rank, "optimizer_steps": self.optimizer_steps,
+        """Save the remote state and a sampler snapshot (named after the optimizer step), and record
+        them, with ``extra_state``, in ``folder/tinker_state.json``. The snapshot lets ``nexrl eval
+        checkpoint=<folder>`` sample these weights."""
+        name = f"optim_step_{self.optimizer_steps}"
+        path = self.save_remote_state(name)
+        key = (self.training_client.model_id, self.optimizer_steps)
+        if key not in self._sampler_paths:  # saved twice at one step (save_on_stop): one snapshot
+            self._sampler_paths[key] = self.save_sampler_weights(name)
+        state = {"format": STATE_FORMAT, "tinker_path": path, "sampler_path": self._sampler_paths[key],
+                 "base_model": self.base_model, "lora_rank": self.lora_rank, "optimizer_steps": self.optimizer_steps,
                  "model_id": self.training_client.model_id, "extra_state": extra_state or {}}
         with open(os.path.join(folder, STATE_FILE), "w", encoding="utf-8") as f:
             json.dump(state, f, indent=1, sort_keys=True)
@@ -316,6 +332,19 @@ class TinkerTrainService(TrainService):
                 self._calls.call("close session", lambda: service.close(status), repeatable=False)
             except TinkerRequestError as exc:
                 logger.warning(str(exc))
+
+
+def checkpoint_sampler_path(folder: str) -> str:
+    """The ``tinker://`` sampler path a nexrl checkpoint of a Tinker run recorded; DataError if the
+    folder holds no such record."""
+    path = os.path.join(folder, STATE_FILE)
+    try:
+        with open(path, encoding="utf-8") as f:
+            return str(json.load(f)["sampler_path"])
+    except FileNotFoundError:
+        raise DataError(f"{folder}: no {STATE_FILE}; not a checkpoint of a Tinker train service") from None
+    except (ValueError, KeyError, TypeError) as exc:
+        raise DataError(f"{path}: no sampler_path to sample from ({type(exc).__name__}: {exc})") from None
 
 
 def _metrics(raw: Mapping[str, float]) -> dict[str, float]:
