@@ -22,8 +22,14 @@ def start_cluster(num_cpus: int = 2) -> TestCluster:
     # A short folder of our own: Ray's socket paths must stay short, and the process table is
     # searched for it to find this cluster's processes (and only them).
     temp_dir = tempfile.mkdtemp(prefix="nxray")
-    ray.init(num_cpus=num_cpus, include_dashboard=False, configure_logging=False, log_to_driver=False,
-             _temp_dir=temp_dir)
+    # Ray waits 30 s for its GCS to start; on two cores shared by many jobs that was seen to run out.
+    os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "180")
+    try:
+        ray.init(num_cpus=num_cpus, include_dashboard=False, configure_logging=False, log_to_driver=False,
+                 _temp_dir=temp_dir)
+    except BaseException:
+        stop_cluster(TestCluster(temp_dir, ""))  # what did start stops; its folder goes
+        raise
     return TestCluster(temp_dir, str(ray.get_runtime_context().gcs_address))
 
 
