@@ -14,7 +14,6 @@ import pytest
 
 from nexrl_core import REQUIRED, BaseTrainer, Option, StepResult, TrainService, hookimpl
 from nexrl_core.config import check_config, load_recipe
-from nexrl_core.plugins import PluginManager
 from nexrl_core.train_service import result_of
 
 

@@ -3,7 +3,6 @@ the nexau package is importable; it is not on PyPI)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -12,7 +11,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from nexrl_core import SamplingParams
-from nexrl_nexau import llm_calls, token_sequences, call_masks
+from nexrl_nexau import llm_calls
 from nexrl_nexau.gateway import ChatGateway
 from nexrl_nexau.nexau_adapter import observation_from_trace, stop_reason_from_trace
 

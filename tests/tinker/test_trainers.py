@@ -26,7 +26,7 @@ from nexrl_core.config import load_recipe
 from nexrl_core.controller import NexRLController
 from nexrl_tinker.standin import BaseModel, Fault, StandinServer
 from tests.support.tiny_lm import build_model
-from tests.tinker.helpers import API_KEY, MODEL, PROMPTS, grpo_recipe, metrics_rows, tinker_plugin_manager
+from tests.tinker.helpers import MODEL, PROMPTS, grpo_recipe, metrics_rows, tinker_plugin_manager
 
 STEPS = 6
 GROUP = 8
