@@ -84,8 +84,11 @@ def resolve_recipe_paths(values: Any, recipe_dir: str, options: Mapping[str, Opt
         options, pm = CORE_OPTIONS, pm or peek_plugin_manager()  # one manager for the whole walk
         train_service = _get(values, "service.train_service")
         trainer_cls = _selected_class(CORE_OPTIONS["trainer"], values.get("trainer"), pm)
-        if isinstance(train_service, dict) and trainer_cls is not None:  # keys declared by the chosen trainer
-            declared = component_options(trainer_cls, "TRAIN_SERVICE_OPTIONS", "TRAIN_SERVICE_KEYS") or {}
+        if isinstance(train_service, dict) and trainer_cls is not None:  # keys of the chosen train service
+            try:
+                declared, _ = _train_service_declared(train_service, trainer_cls, pm)
+            except NexRLError:
+                declared = {}  # an unknown backend: the checks report it
             resolve_recipe_paths(train_service, recipe_dir, declared, pm)
     for key, value in list(values.items()):
         opt = options.get(str(key))
@@ -479,29 +482,38 @@ def check_algorithm(section: Any, trainer_cls: type, plugin_manager: Any) -> lis
     return key_problems + [p for p in problems if p not in key_problems]
 
 
+def _train_service_declared(section: Mapping[str, Any], trainer_cls: type, plugin_manager: Any,
+                            trainer_name: str | None = None) -> tuple[dict[str, Option], type | None]:
+    """The keys ``service.train_service`` may hold with this trainer, and the registered train
+    service the section selects (None for a trainer that drives none: its own declared keys)."""
+    from .train_service import train_service_class, train_service_options
+
+    own = component_options(trainer_cls, "TRAIN_SERVICE_OPTIONS", "TRAIN_SERVICE_KEYS") or {}
+    if not getattr(trainer_cls, "TRAIN_SERVICE_BATCH_FORMAT", None):
+        return own, None
+    service_cls = train_service_class(trainer_cls, section, plugin_manager, trainer_name)
+    return {**train_service_options(service_cls, trainer_cls), **own}, service_cls
+
+
 def _check_train_service(values: Mapping[str, Any], trainer_cls: type, plugin_manager: Any) -> list[str]:
     """``service.train_service``: the keys of the train service it selects (a trainer that drives a
     registered one, see :mod:`nexrl_core.train_service`), or else the trainer's own declared keys."""
     from .options import check_options
-    from .train_service import SECTION, train_service_class, train_service_options
+    from .train_service import SECTION
 
     section = _get(values, SECTION, {})
     if section is None:
         section = {}
     if not isinstance(section, Mapping):
         return []  # the core's check of the section's type reports it
-    own = component_options(trainer_cls, "TRAIN_SERVICE_OPTIONS", "TRAIN_SERVICE_KEYS") or {}
-    service_cls = None
-    if getattr(trainer_cls, "TRAIN_SERVICE_BATCH_FORMAT", None):
-        try:
-            service_cls = train_service_class(trainer_cls, section, plugin_manager, _get(values, "trainer.type"))
-        except NexRLError as exc:
-            return [str(exc)]
-        name = section.get("backend", getattr(trainer_cls, "TRAIN_SERVICE_DEFAULT", None))
-        declared = {**train_service_options(service_cls, trainer_cls), **own}
-        owner = f"train service '{name}'"
-    else:
-        declared, owner = own, ""
+    try:
+        declared, service_cls = _train_service_declared(section, trainer_cls, plugin_manager,
+                                                        _get(values, "trainer.type"))
+    except NexRLError as exc:
+        return [str(exc)]
+    owner = ""
+    if service_cls is not None:
+        owner = f"train service '{section.get('backend', getattr(trainer_cls, 'TRAIN_SERVICE_DEFAULT', None))}'"
     problems = check_options(section, declared, SECTION, owner=owner)
     if not problems and service_cls is not None:
         problems += component_check(service_cls, section, SECTION)

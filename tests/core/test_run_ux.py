@@ -465,3 +465,17 @@ def test_the_plots_validation_lines():
     assert found["train/reward_mean"] == [(1, 0.75)] and "flag" not in found and "time" not in found
     # overall fractions, then each data source's reward; not counts, not other scales
     assert validation_keys(found) == ["val/reward", "val/accuracy", "val/gsm_reward", "val/math_reward"]
+
+
+def test_a_train_service_path_is_next_to_the_recipe(tmp_path):
+    from nexrl_core.config import resolve_recipe_paths
+
+    (tmp_path / "weights").mkdir()
+    values = {"trainer": {"type": "self_hosted_grpo"},
+              "service": {"train_service": {"model_path": "weights", "lr": 1e-5}}}
+    resolve_recipe_paths(values, str(tmp_path))  # the selected service (local_torch) declares model_path a path
+    assert values["service"]["train_service"]["model_path"] == str(tmp_path / "weights")
+    unknown = {"trainer": {"type": "self_hosted_grpo"},
+               "service": {"train_service": {"backend": "nope", "model_path": "weights"}}}
+    resolve_recipe_paths(unknown, str(tmp_path))  # the checks report the backend; paths are left as written
+    assert unknown["service"]["train_service"]["model_path"] == "weights"
