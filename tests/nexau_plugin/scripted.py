@@ -95,3 +95,14 @@ class ScriptedChat:
 
     def model_version(self) -> int:
         return self.version
+
+
+class Collect:
+    """A pool or validator stand-in that keeps what the worker submits."""
+
+    def __init__(self):
+        self.items = []
+
+    def put_trajectory(self, trajectory):
+        self.items.append(trajectory)
+        return "success"

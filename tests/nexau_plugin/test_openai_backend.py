@@ -15,6 +15,8 @@ from nexrl_core.builtins.openai_client import OpenAICompatibleClient
 from nexrl_nexau import DefaultNexAURolloutWorker
 from tests.support.openai_server import FakeOpenAIServer, decode, encode, render_chat, token_logprob
 
+from .scripted import Collect
+
 
 def add_responder(question: str) -> str:
     """Calls add for "What is A + B?" (twice, in parallel, for "... twice"), answers with the
@@ -24,15 +26,6 @@ def add_responder(question: str) -> str:
     a, b = map(int, re.findall(r"\d+", question)[:2])
     call = f'<tool_call>{{"name": "add", "arguments": {{"a": {a}, "b": {b}}}}}</tool_call>'
     return "Adding." + call * (2 if "twice" in question else 1)
-
-
-class Collect:
-    def __init__(self):
-        self.items = []
-
-    def put_trajectory(self, trajectory):
-        self.items.append(trajectory)
-        return "success"
 
 
 @pytest.fixture

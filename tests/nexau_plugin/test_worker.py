@@ -14,16 +14,7 @@ from nexrl_core.config import check_config, load_recipe
 from nexrl_nexau import BaseNexAURolloutWorker, DefaultNexAURolloutWorker, NexAUEvaluationTarget
 from nexrl_nexau.worker import _nexau_importable
 
-from .scripted import EOS, ScriptedChat, decode, encode, render, tool_call
-
-
-class Collect:
-    def __init__(self):
-        self.items = []
-
-    def put_trajectory(self, trajectory):
-        self.items.append(trajectory)
-        return "success"
+from .scripted import EOS, Collect, ScriptedChat, decode, encode, render, tool_call
 
 
 @pytest.fixture(autouse=True)

@@ -184,17 +184,21 @@ def load_agent_spec(path: str, workspace: str | None = None) -> AgentSpec:
                      workspace=os.path.abspath(workspace) if workspace else base)
 
 
+def _check_tool_keys(mapping: dict[str, Any], where: str, known: frozenset[str] | set[str]) -> None:
+    nexau_only = sorted(set(mapping) & _NEXAU_ONLY_TOOL_KEYS)
+    if nexau_only:
+        raise ConfigError(f"{where}: {', '.join(nexau_only)}: not supported by nexrl's built-in agent runner "
+                          f"(rollout_worker.agent_runner: nexau runs NexAU itself)")
+    unknown = sorted(set(mapping) - known)
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+
+
 def _load_tool(entry: Any, index: int, base: str, agent_file: str) -> ToolSpec:
     where = f"{agent_file}: tools[{index}]"
     if not isinstance(entry, dict):
         raise ConfigError(f"{where}: expected a mapping with name and yaml_path, got {entry!r}")
-    nexau_only = sorted(set(entry) & _NEXAU_ONLY_TOOL_KEYS)
-    if nexau_only:
-        raise ConfigError(f"{where}: {', '.join(nexau_only)}: not supported by nexrl's built-in agent runner "
-                          f"(rollout_worker.agent_runner: nexau runs NexAU itself)")
-    unknown = sorted(set(entry) - _TOOL_ENTRY_KEYS)
-    if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)} (known: {', '.join(sorted(_TOOL_ENTRY_KEYS))})")
+    _check_tool_keys(entry, where, _TOOL_ENTRY_KEYS)
     name = entry.get("name")
     if not isinstance(name, str) or not name:
         raise ConfigError(f"{where}: name: required (a non-empty string)")
@@ -208,13 +212,7 @@ def _load_tool(entry: Any, index: int, base: str, agent_file: str) -> ToolSpec:
     tool = _read_yaml(tool_path)
     if not isinstance(tool, dict):
         raise ConfigError(f"{tool_path}: a tool file is a mapping of keys, got {type(tool).__name__}")
-    nexau_only = sorted(set(tool) & _NEXAU_ONLY_TOOL_KEYS)
-    if nexau_only:
-        raise ConfigError(f"{tool_path}: {', '.join(nexau_only)}: not supported by nexrl's built-in agent runner "
-                          f"(rollout_worker.agent_runner: nexau runs NexAU itself)")
-    unknown = sorted(set(tool) - _TOOL_FILE_KEYS)
-    if unknown:
-        raise ConfigError(f"{tool_path}: unknown key(s) {', '.join(unknown)} (known: {', '.join(sorted(_TOOL_FILE_KEYS))})")
+    _check_tool_keys(tool, tool_path, _TOOL_FILE_KEYS)
     if tool.get("type", "tool") != "tool":
         raise ConfigError(f"{tool_path}: type: expected 'tool', got {tool.get('type')!r}")
     description = tool.get("description")
