@@ -128,6 +128,16 @@ class WeightSyncController(NexRLModule):
             if not landed or in_flight == 0:
                 self._cond.notify_all()
 
+    def wait_rollouts_landed(self, model_tag: ModelTag = DEFAULT_MODEL_TAG, timeout: float | None = None) -> bool:
+        """Sync mode: block until no admitted training rollout is in flight (False on timeout).
+        The pool calls this before handing out a batch: with every rollout of the served version
+        landed, the batch can be the earliest-issued groups rather than the first finished ones.
+        Other modes: True at once (their batches never wait for stragglers)."""
+        if self._mode != "sync":
+            return True
+        with self._cond:
+            return self._cond.wait_for(lambda: self._stopping or self._in_flight.get(model_tag, 0) == 0, timeout)
+
     def check_rollout_service_status(self, model_tag: ModelTag = DEFAULT_MODEL_TAG) -> Literal["continue", "block"]:
         with self._cond:
             return "block" if self._blocked_locked(model_tag) else "continue"
