@@ -121,15 +121,21 @@ def test_extra_rollouts_do_not_change_what_is_trained(reference8, recipe, start_
     assert_same_as_reference(tmp_path / "run", reference8, counters_and_position=False)
 
 
-def test_sigkill_with_eight_rollout_workers_then_auto_resume_is_bit_exact(reference8, recipe, start_run, tmp_path):
-    """Killed once step 3's metrics are written (its checkpoint may or may not be complete:
-    rollouts, the save and the weight push are all under way around then)."""
+@pytest.mark.parametrize("kill_when", ["checkpoint_1", "metrics_4"])
+def test_sigkill_with_eight_rollout_workers_then_auto_resume_is_bit_exact(reference8, recipe, start_run, tmp_path,
+                                                                           kill_when):
+    """Killed as soon as step 1's checkpoint is complete (the weight push and step 2's rollouts
+    are starting), or as soon as step 4's metrics are written (its checkpoint may or may not be
+    complete; the save, the push, a validation and step 5's rollouts follow)."""
+    run_dir = tmp_path / "run"
+    done = {"checkpoint_1": _complete(run_dir / "checkpoints", 1),
+            "metrics_4": lambda: sum("train/reward_mean" in r for r in _rows_if_any(run_dir)) >= 4}[kill_when]
     first = start_run(recipe, WORKERS)
-    first.wait_for(lambda: len([r for r in _rows_if_any(tmp_path / "run") if "train/reward_mean" in r]) >= 3)
+    first.wait_for(done)
     first.kill()
     resumed = run_to_end(start_run, recipe, WORKERS, "resume.mode=auto")
     assert "resumed from" in resumed.output()
-    assert_same_as_reference(tmp_path / "run", reference8)
+    assert_same_as_reference(run_dir, reference8)
 
 
 def _rows_if_any(run_dir: Path) -> list[dict]:
