@@ -8,6 +8,7 @@ from .evaluation import BaseEvaluationTarget, EvaluationRunResult, Evaluator
 from .runtime.execute import ModuleUnavailable, RpcTimeout, execute, execute_async, execute_with_timeout
 from .inference import CompletionResult, InferenceClient, InferenceError, SamplingParams
 from .markers import hookimpl
+from .options import REQUIRED, Capabilities, Option, check_options, component_options
 from .plugins import PluginManager, get_plugin_manager
 from .runtime.module import NexRLModule
 from .runtime.threaded import ThreadedModule
@@ -24,14 +25,16 @@ from .builtins.dataloaders import FileDataLoader  # noqa: E402
 from .builtins.workers import SimpleRolloutWorker  # noqa: E402
 
 __all__ = [
-    "ActivityTracker", "ActivityTrackerProxy", "BaseDataLoader", "BaseEvaluationTarget", "BaseRolloutWorker",
-    "BaseTrainer", "Batch", "CompletionResult", "ConfigError", "DataError", "ErrorReporter", "ErrorSeverity",
+    "REQUIRED", "ActivityTracker", "ActivityTrackerProxy", "BaseDataLoader", "BaseEvaluationTarget", "BaseRolloutWorker",
+    "BaseTrainer", "Batch", "Capabilities", "CompletionResult", "ConfigError", "DataError", "ErrorReporter", "ErrorSeverity",
     "EvaluationRunResult", "Evaluator", "FileDataLoader", "GroupedTrajectoryStore", "HierarchicalTrajectoryStore",
     "InferenceClient", "InferenceError", "ItemFailure", "ModelTag", "ModuleUnavailable", "NexRLController",
-    "NexRLError", "NexRLModule", "NexRLRole", "PluginError", "PluginManager", "RpcTimeout", "RunFailed", "RunSummary",
+    "NexRLError", "NexRLModule", "NexRLRole", "Option", "PluginError", "PluginManager", "RpcTimeout", "RunFailed",
+    "RunSummary",
     "SamplingParams", "SimpleRolloutWorker", "SimpleTrajectoryStore", "ThreadedModule", "Trajectory",
     "TrajectoryPool", "TrajectoryPoolInstance", "Validator", "WeightSyncBackend", "WeightSyncController",
-    "execute", "execute_async", "execute_with_timeout", "get_plugin_manager", "hookimpl", "OpenAICompatibleClient",
+    "check_options", "component_options", "execute", "execute_async", "execute_with_timeout", "get_plugin_manager",
+    "hookimpl", "OpenAICompatibleClient",
 ]
 
 

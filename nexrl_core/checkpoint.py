@@ -81,8 +81,24 @@ def write_checkpoint(root: str, step: int, write_model_state: Callable[[str], No
 
 
 def read_core_state(folder: str) -> dict[str, Any]:
-    with open(os.path.join(folder, CORE_STATE_FILE), encoding="utf-8") as f:
-        return json.load(f)
+    """The core state of a checkpoint; a missing, truncated or malformed file is one DataError."""
+    from .errors import DataError
+
+    path = os.path.join(folder, CORE_STATE_FILE)
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DataError(f"{path}: cannot read the checkpoint's state ({exc})") from None
+    try:
+        state = json.loads(text)
+    except ValueError as exc:
+        raise DataError(f"{path}:{getattr(exc, 'lineno', 1)}: not valid JSON ({getattr(exc, 'msg', exc)}); the "
+                        f"checkpoint is damaged (truncated?): resume from another global_step_<N> with "
+                        f"resume.mode=from_path") from None
+    if not isinstance(state, dict) or not isinstance(state.get("global_step"), int):
+        raise DataError(f"{path}: not a nexrl checkpoint state (no integer global_step)")
+    return state
 
 
 def remove_stale_tmp_checkpoints(root: str) -> list[str]:

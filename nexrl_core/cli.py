@@ -1,14 +1,26 @@
-"""The `nexrl` command: run, validate, eval, plugins."""
+"""The `nexrl` command: run, validate, eval, plugins.
+
+Exit codes: 0 success; 2 bad input (a recipe, override, data file or plugin problem: nothing
+ran), the same lines from ``validate`` and ``run``; 1 a run or evaluation that failed (a server
+that does not start included); 130 interrupted.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 from typing import Any
 
-from .errors import NexRLError
+from .errors import ConfigError, DataError, NexRLError, PluginError
+
+EVAL_FILES = ("metrics.json", "samples.jsonl", "errors.jsonl", "eval.log")
+
+
+class _Failed(NexRLError):
+    """A run or evaluation that started and failed (exit 1)."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,17 +36,28 @@ def main(argv: list[str] | None = None) -> int:
     p_eval.add_argument("recipe")
     p_eval.add_argument("overrides", nargs="*", help="key=value overrides; checkpoint=PATH evaluates a checkpoint")
     p_eval.add_argument("--samples-out", help="write per-sample results to this JSONL file")
+    p_eval.add_argument("--out", help="folder for this evaluation's outputs: metrics.json, samples.jsonl, "
+                                      "errors.jsonl (failed samples), eval.log")
     p_plugins = sub.add_parser("plugins", help="list installed plugins")
     p_plugins.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
+    if args.command != "plugins":
+        from .run_log import setup_logging
+
+        setup_logging(None, "INFO")  # plugin-loading warnings in the same short format as the run's
     try:
         return {"run": _run, "validate": _validate, "eval": _eval, "plugins": _plugins}[args.command](args)
     except NexRLError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2 if args.command in ("validate",) else 1
+        _print_problems(getattr(exc, "problems", None) or [str(exc)])
+        return 2 if isinstance(exc, (ConfigError, DataError, PluginError)) else 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+
+
+def _print_problems(problems: list[str]) -> None:
+    for problem in problems:
+        print(f"error: {problem}", file=sys.stderr)
 
 
 def _load(args: Any) -> Any:
@@ -45,17 +68,22 @@ def _load(args: Any) -> Any:
 
 def _run(args: Any) -> int:
     from .controller import NexRLController
-    from .run_log import setup_logging
+    from .plugins import get_plugin_manager
+    from .preflight import require_runnable
+    from .run_log import prepare_run_dir, setup_logging
 
     cfg = _load(args)
-    setup_logging(str(cfg.run_dir), str(cfg.logger.level))
+    pm = get_plugin_manager()
+    require_runnable(cfg, pm)  # before anything is written to run_dir
+    prepare_run_dir(cfg)
+    setup_logging(str(cfg.run_dir), str(cfg.logger.level), fresh=cfg.resume.mode == "disable")
 
     def interrupt(_signum: int, _frame: Any) -> None:
         raise KeyboardInterrupt  # while the run is being built: nothing to drain yet (exit 130)
 
     signal.signal(signal.SIGINT, interrupt)
     signal.signal(signal.SIGTERM, interrupt)
-    controller = NexRLController(cfg)
+    controller = NexRLController(cfg, pm)
 
     def on_signal(signum: int, _frame: Any) -> None:
         # SIGINT/SIGTERM: stop cleanly (workers drained, trainer.save_on_stop honoured), exit 130
@@ -70,14 +98,13 @@ def _run(args: Any) -> int:
 
 
 def _validate(args: Any) -> int:
-    from .config import check_config
     from .plugins import get_plugin_manager
+    from .preflight import validate_recipe
 
     cfg = _load(args)
-    problems = check_config(cfg, get_plugin_manager())
+    problems = validate_recipe(cfg, get_plugin_manager())
     if problems:
-        for problem in problems:
-            print(f"- {problem}", file=sys.stderr)
+        _print_problems(problems)
         return 2
     print(f"{args.recipe}: ok")
     return 0
@@ -85,6 +112,7 @@ def _validate(args: Any) -> int:
 
 def _eval(args: Any) -> int:
     from .controller import NexRLController
+    from .failure_monitor import most_common_error
     from .run_log import setup_logging
     from .runtime.execute import execute
 
@@ -94,7 +122,11 @@ def _eval(args: Any) -> int:
         overrides.append(f"service.inference_service.model_path={checkpoint[-1]}")
     cfg = _load(argparse.Namespace(recipe=args.recipe, overrides=overrides))
     setup_logging(None, "WARNING")
-    controller = NexRLController(cfg, eval_only=True)
+    out = args.out
+    if out is not None:
+        _prepare_eval_out(out, str(cfg.run_dir))
+        setup_logging(out, "WARNING", fresh=True, log_file="eval.log")
+    controller = NexRLController(cfg, eval_only=True, eval_out=out)
     if checkpoint:
         # global_step_<N> holds weight version N: serve it as N, so samples carry the version that
         # produced them and seeded sampling matches the training-time validation of step N.
@@ -104,14 +136,41 @@ def _eval(args: Any) -> int:
         if step is not None:
             execute(controller.inference_client.set_model_version, step)
     metrics = controller.run_evaluation()
-    if args.samples_out:
-        with open(args.samples_out, "w", encoding="utf-8") as f:
-            for traj in controller.evaluation_samples:
-                f.write(json.dumps({k: traj.get(k) for k in ("uid", "sample_index", "data_source", "prompt",
-                                                            "response", "reward", "score", "failed", "error",
-                                                            "model_version")}, default=str) + "\n")
+    samples = [{k: traj.get(k) for k in ("uid", "sample_index", "data_source", "prompt", "response", "reward",
+                                         "score", "failed", "error", "model_version")}
+               for traj in controller.evaluation_samples]
+    samples_out = args.samples_out or (os.path.join(out, "samples.jsonl") if out else None)
+    if samples_out:
+        with open(samples_out, "w", encoding="utf-8") as f:
+            for row in samples:
+                f.write(json.dumps(row, default=str) + "\n")
+    if out:
+        with open(os.path.join(out, "metrics.json"), "w", encoding="utf-8") as f:
+            json.dump(metrics, f, sort_keys=True, indent=1)
     print(json.dumps(metrics, sort_keys=True))
+    failures = [(str(t.get("error_cause") or "failed"), str(t.get("error") or ""))
+                for t in controller.evaluation_samples if t.get("failed")]
+    if not samples or len(failures) == len(samples):
+        raise _Failed(f"no sample could be scored: {len(failures)} of {len(samples)} failed"
+                      f"{'; most common error: ' + most_common_error(failures) if failures else ''}")
     return 0
+
+
+def _prepare_eval_out(out: str, run_dir: str) -> None:
+    from .errors import ConfigError
+    from .preflight import writable_dir_problem
+
+    problem = writable_dir_problem(out, "--out")
+    if problem:
+        raise ConfigError(problem)
+    if os.path.abspath(out) == os.path.abspath(run_dir):
+        raise ConfigError(f"--out: '{out}' is the training run's run_dir; give the evaluation its own folder "
+                          f"(e.g. {os.path.join(run_dir, 'eval')})")
+    os.makedirs(out, exist_ok=True)
+    for name in EVAL_FILES:  # this evaluation's outputs replace the previous evaluation's
+        path = os.path.join(out, name)
+        if os.path.isfile(path):
+            os.remove(path)
 
 
 def _plugins(args: Any) -> int:

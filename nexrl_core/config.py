@@ -1,87 +1,154 @@
-"""Recipe loading: defaults + recipe YAML + Hydra-style overrides, then strict checking.
+"""Recipe loading (core defaults <- composed recipe <- overrides) and strict checking.
 
-Every problem is collected and reported as one line naming the key, so
-``nexrl validate`` can print them all and ``nexrl run`` can refuse to start.
+Every key of a recipe is declared somewhere (:mod:`nexrl_core.schema` for the core's keys, a
+component's ``OPTIONS`` for its own) and every problem is one line naming the key, so
+``nexrl validate`` can print them all and ``nexrl run`` refuses to start with the same lines:
+both call :func:`check_config` (and :mod:`nexrl_core.preflight` for data, run directory and
+resume state).
 """
 
 from __future__ import annotations
 
-import inspect
 import os
-from difflib import get_close_matches
+from collections.abc import Mapping
 from typing import Any
 
-import yaml
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from .compose import Composer, GroupOverride, deep_merge, read_yaml_file
 from .errors import ConfigError, NexRLError
-from .launch import launch_mode_problem
+from .options import (Option, check_value, component_capabilities, component_options, option_defaults,
+                      options_from_signature, type_name, unknown_key)
+from .schema import CORE_OPTIONS, TRAIN_SERVICE_BACKENDS, core_defaults
 
-DEFAULTS_PATH = os.path.join(os.path.dirname(__file__), "defaults.yaml")
+# kind -> words for messages
+KIND_WORDS = {"dataloader": "data loader", "rollout_worker": "rollout worker", "evaluator": "evaluator",
+              "trainer": "trainer", "weight_sync_backend": "weight-sync backend",
+              "inference_backend": "inference backend", "metrics_sink": "metrics sink"}
 
-# Sections owned by the core: their keys are exactly the defaults' keys.
-STRICT_SECTIONS = ("trajectory_pool", "weight", "validate", "resume", "logger", "runtime_monitor")
-RESUME_MODES = ("disable", "auto", "from_path")
-ERROR_POLICIES = ("stop_on_error", "stop_on_critical", "continue")
 
+class RecipeProblems(ConfigError):
+    """A recipe with one or more problems; ``problems`` holds one line each."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = list(problems)
+        super().__init__(problems[0] if len(problems) == 1 else
+                         f"{len(problems)} problems:\n  - " + "\n  - ".join(problems))
+
+
+# -- loading ---------------------------------------------------------------------------------
 
 def load_recipe(path: str, overrides: list[str] | None = None) -> DictConfig:
-    """Defaults <- recipe file <- overrides; interpolations resolved. Raises ConfigError."""
-    if not os.path.isfile(path):
+    """Core defaults <- recipe (with its defaults list) <- overrides; interpolations resolved."""
+    if not os.path.exists(path):
         raise ConfigError(f"{path}: recipe file not found")
-    try:
-        with open(path, encoding="utf-8") as f:
-            raw = yaml.safe_load(f)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"{path}:{mark.line + 1}" if mark else path
-        raise ConfigError(f"{where}: not valid YAML ({getattr(exc, 'problem', exc)})") from None
-    if raw is None:
-        raw = {}
+    raw = read_yaml_file(path)
+    if raw is None or raw == {}:
+        raise ConfigError(f"{path}: the recipe is empty (recipes/quickstart.yaml is a complete example)")
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: a recipe must be a mapping of keys, got {type(raw).__name__}")
-    raw.pop("defaults", None)  # Hydra composition lists are not used: defaults come from the core
-    cfg = OmegaConf.merge(OmegaConf.load(DEFAULTS_PATH), _to_omegaconf(raw, path))
-    _apply_overrides(cfg, overrides or [])
-    recipe_dir = os.path.dirname(os.path.abspath(path))
+    composer = Composer(path, [])
+    group_overrides, value_overrides = _parse_overrides(overrides or [], composer)
+    composer.overrides = group_overrides
+    merged: Any = core_defaults()
+    for layer in composer.layers(raw):
+        merged = deep_merge(merged, layer)
+    cfg = _create(merged, path)
+    _apply_overrides(cfg, value_overrides)
+    plain = _fill_section_defaults(OmegaConf.to_container(cfg, resolve=False), CORE_OPTIONS)
     try:
-        resolved = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+        resolved = OmegaConf.create(OmegaConf.to_container(OmegaConf.create(plain), resolve=True))
     except OmegaConfBaseException as exc:
         raise ConfigError(f"{getattr(exc, 'full_key', '') or path}: cannot resolve interpolation "
                           f"({str(exc.msg).splitlines()[0]})") from None
-    resolved.recipe_dir = recipe_dir  # relative paths stay relative to the working directory
+    resolved.recipe_dir = os.path.dirname(os.path.abspath(path))  # relative paths stay relative to the cwd
     return resolved
 
 
-def _to_omegaconf(raw: dict, path: str) -> DictConfig:
+def _create(data: Any, path: str) -> DictConfig:
     try:
-        return OmegaConf.create(raw)
+        return OmegaConf.create(data)
     except OmegaConfBaseException as exc:
-        raise ConfigError(f"{path}: {exc}") from None
+        raise ConfigError(f"{path}: {str(exc).splitlines()[0]}") from None
 
 
-def _apply_overrides(cfg: DictConfig, overrides: list[str]) -> None:
+def _fill_section_defaults(values: Any, options: Mapping[str, Option]) -> Any:
+    """A section present in the recipe whose default is null (validate.data) gets its core defaults."""
+    if not isinstance(values, dict):
+        return values
+    for key, opt in options.items():
+        value = values.get(key)
+        if opt.options is not None and isinstance(value, dict):
+            if opt.default is None:  # not in core_defaults(): the recipe brought the section
+                value = deep_merge(option_defaults(opt.options), value)
+            values[key] = _fill_section_defaults(value, opt.options)
+    return values
+
+
+def _parse_overrides(overrides: list[str], composer: Composer) -> tuple[list[GroupOverride], list[Any]]:
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
 
     parser = OverridesParser.create()
+    groups: list[GroupOverride] = []
+    values: list[Any] = []
     for text in overrides:
         try:
             ov = parser.parse_override(text)
         except HydraException as exc:
             raise ConfigError(f"override '{text}': {str(exc).splitlines()[0]}") from None
         key = ov.key_or_group
+        if "/" in key or ("." not in key and composer.is_group(key)):
+            if ov.is_delete():
+                groups.append(GroupOverride(text, key, None, "delete"))
+                continue
+            value = ov.value()
+            if value is not None and not isinstance(value, str):
+                raise ConfigError(f"override '{text}': '{key}' is a config group: give one option name "
+                                  f"(available: {', '.join(composer.options(key)) or 'none'})")
+            kind = "add" if ov.is_add() else "set"
+            groups.append(GroupOverride(text, key, value, "delete" if value is None else kind))
+        else:
+            values.append((text, ov))
+    return groups, values
+
+
+def _apply_overrides(cfg: DictConfig, overrides: list[Any]) -> None:
+    for text, ov in overrides:
+        key = ov.key_or_group
         if ov.is_delete():
             _delete(cfg, key, text)
             continue
-        value = ov.value()
-        value = _plain_value(value)
-        if not ov.is_add() and OmegaConf.select(cfg, key, throw_on_missing=False) is None and not _has_key(cfg, key):
+        value = _plain_value(ov.value())
+        exists = _has_key(cfg, key)
+        if not ov.is_add() and not ov.is_force_add() and not exists:
             parent = key.rsplit(".", 1)[0] if "." in key else ""
             raise ConfigError(f"override '{text}': key '{key}' does not exist{_suggest(cfg, key)}; "
                               f"use '+{text}' to add a new key{' under ' + parent if parent else ''}")
+        current = OmegaConf.select(cfg, key, throw_on_missing=False) if exists else None
+        if isinstance(current, DictConfig) and not isinstance(value, dict):
+            raise ConfigError(_section_override_message(text, key, value))
         OmegaConf.update(cfg, key, value, merge=True, force_add=True)
+
+
+def _section_override_message(text: str, key: str, value: Any) -> str:
+    opt = _option_at(key)
+    hint = f"set one of its keys, e.g. {key}.{opt.selector}={value}" if opt is not None and opt.component \
+        else "set one of its keys instead (key.subkey=value)"
+    return (f"override '{text}': '{key}' is a section, not a value, and there is no config group '{key}' "
+            f"(no {key}/{value}.yaml next to the recipe or in nexrl_core/conf); {hint}")
+
+
+def _option_at(dotted: str) -> Option | None:
+    options: Mapping[str, Option] | None = CORE_OPTIONS
+    opt = None
+    for part in dotted.split("."):
+        opt = (options or {}).get(part)
+        if opt is None:
+            return None
+        options = opt.options
+    return opt
 
 
 def _plain_value(value: Any) -> Any:
@@ -110,6 +177,8 @@ def _delete(cfg: DictConfig, key: str, text: str) -> None:
 
 
 def _suggest(cfg: DictConfig, key: str) -> str:
+    from difflib import get_close_matches
+
     parent_key, _, leaf = key.rpartition(".")
     parent = OmegaConf.select(cfg, parent_key) if parent_key else cfg
     if isinstance(parent, DictConfig):
@@ -119,224 +188,263 @@ def _suggest(cfg: DictConfig, key: str) -> str:
     return ""
 
 
-# -- strict checking -------------------------------------------------------------------
+# -- checking ------------------------------------------------------------------------------------
 
-def check_config(cfg: DictConfig, plugin_manager: Any) -> list[str]:
-    """Every problem in ``cfg`` as one line each (empty list: the recipe is sound)."""
-    problems: list[str] = []
-    defaults = OmegaConf.create(OmegaConf.to_container(OmegaConf.load(DEFAULTS_PATH), resolve=True))
-    top_allowed = set(defaults.keys()) | {"recipe_dir"}
-    for key in cfg.keys():
-        if key not in top_allowed:
-            problems.append(_unknown(str(key), "", top_allowed))
-    # The weight-sync backend declares its own keys of the `weight` section (CONFIG_KEYS).
-    weight_backend = _resolve_quietly(plugin_manager, "weight_sync_backend", cfg.weight.get("backend")) \
-        if isinstance(cfg.get("weight"), DictConfig) else None
-    for name in STRICT_SECTIONS:
-        allowed = defaults[name]
-        if name == "weight" and weight_backend is not None:
-            allowed = OmegaConf.merge(allowed, OmegaConf.create(dict(getattr(weight_backend, "CONFIG_KEYS", {}) or {})))
-        problems += _check_keys(cfg.get(name), allowed, name)
-    launch_problem = launch_mode_problem(cfg.get("launch_mode"))
-    if launch_problem is not None:
-        problems.append(launch_problem)
-    problems += _check_choice(cfg, "resume.mode", RESUME_MODES)
-    problems += _check_choice(cfg, "runtime_monitor.exception_handling.policy", ERROR_POLICIES)
-    if cfg.resume.mode == "from_path" and not cfg.resume.resume_path:
-        problems.append("resume.resume_path: required when resume.mode is 'from_path'")
-    problems += _check_positive_int(cfg, "trajectory_pool.batch_size")
-    problems += _check_positive_int(cfg, "trajectory_pool.group_size")
-    problems += _check_positive_int(cfg, "rollout_worker.num_workers")
-    problems += _check_positive_int(cfg, "trainer.total_train_steps")
-    limit = cfg.weight.get("rollout_limit")
-    if limit is not None and limit != "batch" and not (isinstance(limit, int) and not isinstance(limit, bool)
-                                                       and limit >= 1):
-        problems.append(f"weight.rollout_limit: expected null, 'batch' or a positive integer, got {limit!r}")
-    tp = cfg.trajectory_pool
-    if isinstance(tp.get("batch_size"), int) and isinstance(tp.get("group_size"), int) and tp.group_size > 0 \
-            and tp.batch_size % tp.group_size:
-        problems.append(f"trajectory_pool.batch_size ({tp.batch_size}) must be a multiple of "
-                        f"trajectory_pool.group_size ({tp.group_size}) so groups are never split across batches")
-    if tp.get("group_size", 1) > 1 and not tp.get("key_list"):
+def plain(cfg: Any) -> Any:
+    """The recipe as plain dicts and lists (what every check reads)."""
+    if isinstance(cfg, DictConfig):
+        return OmegaConf.to_container(cfg, resolve=True)
+    return cfg
+
+
+def check_config(cfg: Any, plugin_manager: Any, eval_only: bool = False) -> list[str]:
+    """Every problem of the recipe's keys and values, one line each (empty: sound).
+
+    Covers the core's keys, every selected component's declared options, cross-key rules and
+    whether the trainer, inference backend and weight-sync backend fit together. Files (data,
+    run directory, resume state) are checked by :func:`nexrl_core.preflight.check_files`.
+    """
+    values = plain(cfg)
+    checker = _Checker(plugin_manager)
+    options, problems = _core_options(values, plugin_manager)
+    problems += checker.mapping(values, options, "")
+    if not isinstance(values, Mapping):
+        return problems
+    problems += _cross_checks(values)
+    trainer_cls = checker.found.get("trainer")
+    if trainer_cls is not None:
+        problems += check_algorithm(values.get("algorithm"), trainer_cls)
+        problems += _check_train_service(values, trainer_cls)
+    if not eval_only:
+        problems += check_capabilities(checker.found, values, plugin_manager)
+    return problems
+
+
+def require_valid(cfg: Any, plugin_manager: Any, eval_only: bool = False) -> None:
+    """Raise :class:`RecipeProblems` listing every problem :func:`check_config` finds."""
+    problems = check_config(cfg, plugin_manager, eval_only=eval_only)
+    if problems:
+        raise RecipeProblems(problems)
+
+
+class _Checker:
+    """Walks the recipe against the declared options; remembers the component classes it resolved."""
+
+    def __init__(self, pm: Any):
+        self.pm = pm
+        self.found: dict[str, type] = {}
+
+    def mapping(self, values: Any, options: Mapping[str, Option] | None, path: str, owner: str = "",
+                listed: list[str] | None = None) -> list[str]:
+        if not isinstance(values, Mapping):
+            return [f"{path or 'the recipe'}: expected a mapping, got {type_name(values)}"
+                    f"{_section_hint(path, values)}"]
+        if options is None:
+            return []
+        problems: list[str] = []
+        for key, value in values.items():
+            key = str(key)
+            full = f"{path}.{key}" if path else key
+            opt = options.get(key)
+            if opt is None:
+                problems.append(unknown_key(key, path, [k for k, o in options.items() if o.removed is None], owner,
+                                            listed))
+            elif opt.removed is not None:
+                problems.append(f"{full}: no longer a recipe key: {opt.removed}")
+            elif opt.component is not None and isinstance(value, Mapping):
+                problems += self.component(value, opt, full)
+            elif opt.options is not None and isinstance(value, Mapping):
+                inner = self.mapping(value, opt.options, full)
+                if opt.check is not None and not inner and (msg := opt.check(value)):
+                    inner.append(f"{full}: {msg}")
+                problems += inner
+            elif opt.options is not None and value is not None and not isinstance(value, Mapping):
+                problems.append(f"{full}: expected a mapping, got {type_name(value)}{_section_hint(full, value)}")
+            else:
+                problems += check_value(value, opt, full)
+        for key, opt in options.items():
+            if opt.required and opt.removed is None and values.get(key) is None:
+                full = f"{path}.{key}" if path else key
+                problems.append(f"{full}: required{f' ({opt.help})' if opt.help else ''}")
+        return problems
+
+    def component(self, values: Mapping[str, Any], opt: Option, path: str) -> list[str]:
+        assert opt.options is not None and opt.component is not None
+        selector = opt.selector
+        name = values.get(selector, opt.options[selector].default_value())
+        core = dict(opt.options)
+        try:
+            cls = self.pm.resolve(opt.component, name, f"{path}.{selector}")
+        except NexRLError as exc:
+            known = {k: v for k, v in values.items() if k in core and k != selector}
+            return [str(exc)] + self.mapping(known, core, path)
+        self.found[path] = cls
+        own = declared_options(opt.component, cls)
+        words = KIND_WORDS.get(opt.component, opt.component)
+        if own is None:  # takes any keys (**kwargs): only the core's are checked
+            known = {k: v for k, v in values.items() if k in core}
+            return self.mapping(known, core, path)
+        merged = {**own, **core}
+        problems = self.mapping(values, merged, path, owner=f"{words} '{name}'",
+                                listed=[k for k, o in own.items() if o.removed is None and k not in core])
+        return problems or component_check(cls, values, path)
+
+
+def component_check(cls: type, values: Mapping[str, Any], path: str, hook: str = "check_config") -> list[str]:
+    """A component's own rules, run once its declared options are sound:
+    ``cls.check_config(section, key) -> ["<key>.<option>: why", ...]`` (the constructor should raise
+    the same, so validate and run agree)."""
+    check = getattr(cls, hook, None)
+    if not callable(check):
+        return []
+    try:
+        return [str(p) for p in check(dict(values), path) or []]
+    except Exception as exc:  # a plugin bug must not hide the recipe's problems behind a traceback
+        return [f"{path}: {cls.__name__}.{hook} raised {type(exc).__name__}: {exc}"]
+
+
+def declared_options(kind: str, cls: type) -> dict[str, Option] | None:
+    """The options a component class accepts in its recipe section (None: any)."""
+    own = component_options(cls)
+    if own is None and kind == "evaluator":
+        return options_from_signature(cls.__init__)
+    return own if own is not None else {}
+
+
+def _section_hint(path: str, value: Any) -> str:
+    opt = _option_at(path) if path else None
+    if opt is not None and opt.component and isinstance(value, str):
+        return f" ({value!r}); to choose a {KIND_WORDS.get(opt.component, opt.component)} write " \
+               f"{path}: {{{opt.selector}: {value}}}"
+    if isinstance(value, list):
+        return " (a '- item' list where 'key: value' lines belong)"
+    if isinstance(value, (str, int, float, bool)):
+        return f" ({value!r})"
+    return ""
+
+
+def _core_options(values: Any, pm: Any) -> tuple[dict[str, Option], list[str]]:
+    """The core options, plus a ``logger.<sink>`` section for each chosen sink that declares options;
+    and the problems of ``logger.backend`` (sinks that are not registered)."""
+    options = dict(CORE_OPTIONS)
+    logger_section = values.get("logger") if isinstance(values, Mapping) else None
+    backend = logger_section.get("backend") if isinstance(logger_section, Mapping) else None
+    names = [backend] if isinstance(backend, str) else backend if isinstance(backend, list) else []
+    logger_options = dict(options["logger"].options or {})
+    problems = []
+    for name in names:
+        try:
+            cls = pm.resolve("metrics_sink", name, "logger.backend")
+        except NexRLError as exc:
+            problems.append(str(exc))
+            continue
+        own = component_options(cls)
+        if own:
+            logger_options[str(name)] = Option(options=own, help=f"options of the {name} metrics sink")
+    options["logger"] = Option(options=logger_options, help=options["logger"].help)
+    return options, problems
+
+
+# -- cross-key rules ----------------------------------------------------------------------------------
+
+def _get(values: Any, dotted: str, default: Any = None) -> Any:
+    node = values
+    for part in dotted.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            return default
+        node = node[part]
+    return node
+
+
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _cross_checks(values: Mapping[str, Any]) -> list[str]:
+    problems = []
+    batch, group = _int(_get(values, "trajectory_pool.batch_size")), _int(_get(values, "trajectory_pool.group_size"))
+    if batch and group and batch > 0 and group > 0 and batch % group:
+        problems.append(f"trajectory_pool.batch_size ({batch}) must be a multiple of trajectory_pool.group_size "
+                        f"({group}) so groups are never split across batches")
+    if group and group > 1 and _get(values, "trajectory_pool.key_list") == []:
         problems.append("trajectory_pool.key_list: groups of more than one trajectory need a grouping key "
                         "(e.g. [uid])")
-
-    def component(kind: str, section: Any, key: str, extra_defaults: dict | None = None) -> type | None:
-        if section is None:
-            return None
-        type_key = "backend" if kind in ("inference_backend",) else "type"
-        name = section.get(type_key)
-        try:
-            cls = plugin_manager.resolve(kind, name, f"{key}.{type_key}")
-        except NexRLError as exc:
-            problems.append(str(exc))
-            return None
-        allowed = dict(extra_defaults or {})
-        allowed.update(getattr(cls, "CONFIG_KEYS", {}) or {})
-        allowed[type_key] = name
-        key_problems = _check_keys(section, OmegaConf.create(allowed), key, strict_nested=False)
-        problems.extend(key_problems)
-        if not key_problems:
-            problems.extend(_component_check(cls, section, key))
-        return cls
-
-    component("dataloader", cfg.data, "data", _section_defaults(defaults.data, "path", "prompt_key",
-                                                                 "dataset_paths", "rows"))
-    if cfg.validate.get("data") is not None:
-        component("dataloader", cfg.validate.data, "validate.data",
-                  _section_defaults(defaults.data, "path", "prompt_key", "dataset_paths", "rows"))
-    worker_defaults = dict(OmegaConf.to_container(defaults.rollout_worker))
-    component("rollout_worker", cfg.rollout_worker, "rollout_worker", worker_defaults)
-    ev = cfg.rollout_worker.get("evaluator")
-    if ev is not None:
-        problems += _check_evaluator(ev, plugin_manager)
-    trainer_cls = component("trainer", cfg.trainer, "trainer", dict(OmegaConf.to_container(defaults.trainer)))
-    if trainer_cls is not None:
-        algo_keys = getattr(trainer_cls, "ALGORITHM_KEYS", {}) or {}
-        problems += _check_keys(cfg.algorithm, OmegaConf.create(dict(algo_keys)), "algorithm", strict_nested=False)
-        ts_keys = getattr(trainer_cls, "TRAIN_SERVICE_KEYS", {}) or {}
-        problems += _check_keys(cfg.service.train_service, OmegaConf.create(dict(ts_keys)), "service.train_service",
-                                strict_nested=False)
-    component("inference_backend", cfg.service.inference_service, "service.inference_service",
-              {"model_tag": "default"})
-    try:
-        plugin_manager.resolve("weight_sync_backend", cfg.weight.backend, "weight.backend")
-    except NexRLError as exc:
-        problems.append(str(exc))
-    else:
-        problems.extend(_component_check(weight_backend, cfg.weight, "weight"))
-    sinks = cfg.logger.backend
-    for sink in [sinks] if isinstance(sinks, str) else list(sinks or []):
-        try:
-            plugin_manager.resolve("metrics_sink", sink, "logger.backend")
-        except NexRLError as exc:
-            problems.append(str(exc))
-    for key in (set(cfg.service.keys()) - {"train_service", "inference_service"}):
-        problems.append(_unknown(str(key), "service", {"train_service", "inference_service"}))
+    if _get(values, "overwrite_run_dir") is True and _get(values, "resume.mode") in ("auto", "from_path"):
+        problems.append(f"overwrite_run_dir: applies to a fresh run only (resume.mode: disable); with resume.mode "
+                        f"'{_get(values, 'resume.mode')}' the earlier run is continued, not moved aside")
+    if _get(values, "resume.mode") == "from_path" and not _get(values, "resume.resume_path"):
+        problems.append("resume.resume_path: required when resume.mode is 'from_path'")
+    if isinstance(_get(values, "validate"), Mapping) and _get(values, "validate.data") is None:
+        if _get(values, "validate.validate_before_train") is True:
+            problems.append("validate.validate_before_train: validation is requested but validate.data is not set "
+                            "(add a validation set, or set validate_before_train: false)")
+        freq = _int(_get(values, "weight.validate_freq"))
+        if freq and freq > 0:
+            problems.append(f"weight.validate_freq: validation every {freq} steps is requested but validate.data is "
+                            f"not set (add a validation set, or set validate_freq: 0)")
     return problems
 
 
-def _resolve_quietly(plugin_manager: Any, kind: str, name: Any) -> type | None:
-    try:
-        return plugin_manager.resolve(kind, name, kind)
-    except NexRLError:
-        return None
+def check_algorithm(section: Any, trainer_cls: type) -> list[str]:
+    """``algorithm``: the keys the trainer declares (``ALGORITHM_OPTIONS``)."""
+    from .options import check_options
+
+    declared = component_options(trainer_cls, "ALGORITHM_OPTIONS", "ALGORITHM_KEYS") or {}
+    return check_options(section if section is not None else {}, declared, "algorithm",
+                         owner=f"trainer '{getattr(trainer_cls, '__name__', trainer_cls)}'")
 
 
-def _component_check(cls: type | None, section: Any, key: str) -> list[str]:
-    """A component's own value checks: ``cls.check_config(section, key)`` returns problem lines
-    (each naming ``key.<option>``), so `nexrl validate` finds what the constructor would reject."""
-    check = getattr(cls, "check_config", None)
-    if cls is None or not callable(check):
-        return []
-    return [str(p) for p in check(section, key) or []]
+def _check_train_service(values: Mapping[str, Any], trainer_cls: type) -> list[str]:
+    from .options import check_options
+
+    section = _get(values, "service.train_service", {})
+    declared = component_options(trainer_cls, "TRAIN_SERVICE_OPTIONS", "TRAIN_SERVICE_KEYS") or {}
+    problems = check_options(section if section is not None else {}, declared, "service.train_service")
+    if not problems and isinstance(section, Mapping):
+        problems += component_check(trainer_cls, section, "service.train_service", "check_train_service")
+    backend = section.get("backend") if isinstance(section, Mapping) else None
+    if backend is not None and "backend" in declared and backend not in TRAIN_SERVICE_BACKENDS and not any(
+            p.startswith("service.train_service.backend") for p in problems):
+        problems.append(f"service.train_service.backend: {backend!r} is not one of "
+                        f"{', '.join(TRAIN_SERVICE_BACKENDS)}")
+    return problems
 
 
-def _section_defaults(section: Any, *extra: str) -> dict:
-    out = dict(OmegaConf.to_container(section))
-    for key in extra:
-        out.setdefault(key, None)
-    return out
+# -- do the chosen components fit together? ------------------------------------------------------------
+
+_ROLES = (("trainer", "trainer", "trainer.type", "trainer"),
+          ("service.inference_service", "inference backend", "service.inference_service.backend",
+           "inference_backend"),
+          ("weight", "weight-sync backend", "weight.backend", "weight_sync_backend"))
 
 
-def _check_evaluator(ev: Any, pm: Any) -> list[str]:
-    if not isinstance(ev, DictConfig):
-        return [f"rollout_worker.evaluator: expected a mapping with a 'type' key, got {ev!r}"]
-    try:
-        cls = pm.resolve("evaluator", ev.get("type"), "rollout_worker.evaluator.type")
-    except NexRLError as exc:
-        return [str(exc)]
-    params = inspect.signature(cls.__init__).parameters
-    takes_any = any(p.kind == p.VAR_KEYWORD for p in params.values())
-    accepted = [n for n in params if n not in ("self",)]
+def check_capabilities(found: Mapping[str, type], values: Mapping[str, Any], pm: Any = None) -> list[str]:
+    """Every capability one of trainer / inference backend / weight-sync backend requires is provided
+    by one of them (see :class:`nexrl_core.Capabilities`)."""
+    chosen = [(role, found[path], key, kind) for path, role, key, kind in _ROLES if path in found]
+    if len(chosen) < len(_ROLES):
+        return []  # an unknown component is already reported
+    provided: set[str] = set()
+    for _, cls, _, _ in chosen:
+        provided |= component_capabilities(cls).provides
     problems = []
-    for key in ev.keys():
-        if key != "type" and not takes_any and key not in accepted:
-            problems.append(_unknown(str(key), "rollout_worker.evaluator", set(accepted),
-                                     f" (evaluator '{ev.type}' accepts: {', '.join(accepted) or 'no options'})"))
+    for role, cls, key, kind in chosen:
+        name = _get(values, key)
+        for capability, why in component_capabilities(cls).requires.items():
+            if capability in provided:
+                continue
+            others = ", ".join(f"{r} '{_get(values, k)}'" for r, _, k, _ in chosen if k != key)
+            problems.append(f"{key}: {role} '{name}' needs '{capability}' ({why}), which neither {others} "
+                            f"provides{_providers(capability, pm)}")
     return problems
 
 
-def _check_keys(section: Any, allowed: Any, path: str, strict_nested: bool = True) -> list[str]:
-    if section is None:
-        return []
-    if not isinstance(section, DictConfig):
-        return [f"{path}: expected a mapping, got {_type_name(section)}"]
-    problems = []
-    allowed_keys = set(allowed.keys()) if isinstance(allowed, DictConfig) else set()
-    for key in section.keys():
-        key = str(key)
-        if key not in allowed_keys:
-            problems.append(_unknown(key, path, allowed_keys))
-            continue
-        default = allowed[key]
-        value = section[key]
-        problems += _check_type(value, default, f"{path}.{key}")
-        if strict_nested and isinstance(default, DictConfig) and len(default) and isinstance(value, DictConfig):
-            problems += _check_keys(value, default, f"{path}.{key}")
-    return problems
-
-
-def _check_type(value: Any, default: Any, key: str) -> list[str]:
-    if default is None or value is None:
-        return []
-    ok = True
-    if isinstance(default, bool):
-        ok = isinstance(value, bool)
-    elif isinstance(default, int):
-        ok = isinstance(value, int) and not isinstance(value, bool)
-    elif isinstance(default, float):
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    elif isinstance(default, str):
-        ok = isinstance(value, str)
-    elif isinstance(default, (ListConfig, list)):
-        ok = isinstance(value, (ListConfig, list, str)) if key.endswith("logger.backend") else \
-            isinstance(value, (ListConfig, list))
-    elif isinstance(default, (DictConfig, dict)):
-        ok = isinstance(value, (DictConfig, dict))
-    if ok:
-        return []
-    return [f"{key}: expected {_type_name(default)}, got {_type_name(value)} ({value!r})"]
-
-
-def _type_name(value: Any) -> str:
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, int):
-        return "an integer"
-    if isinstance(value, float):
-        return "a number"
-    if isinstance(value, str):
-        return "a string"
-    if isinstance(value, (ListConfig, list)):
-        return "a list"
-    if isinstance(value, (DictConfig, dict)):
-        return "a mapping"
-    return type(value).__name__
-
-
-def _unknown(key: str, path: str, allowed: set, tail: str = "") -> str:
-    full = f"{path}.{key}" if path else key
-    hit = get_close_matches(key, sorted(allowed), n=1)
-    hint = f"; did you mean '{(path + '.') if path else ''}{hit[0]}'?" if hit else ""
-    return f"{full}: unknown key{hint}{tail}"
-
-
-def _check_choice(cfg: DictConfig, key: str, choices: tuple[str, ...]) -> list[str]:
-    value = OmegaConf.select(cfg, key)
-    if value not in choices:
-        return [f"{key}: '{value}' is not one of {', '.join(choices)}"]
-    return []
-
-
-def _check_positive_int(cfg: DictConfig, key: str) -> list[str]:
-    value = OmegaConf.select(cfg, key)
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
-        return []
-    return [f"{key}: expected a positive integer, got {value!r}"]
-
-
-def require_valid(cfg: DictConfig, plugin_manager: Any) -> None:
-    problems = check_config(cfg, plugin_manager)
-    if problems:
-        raise ConfigError("the recipe has problems:\n  - " + "\n  - ".join(problems))
+def _providers(capability: str, pm: Any) -> str:
+    if pm is None:
+        return ""
+    hits = []
+    for _, role, key, kind in _ROLES:
+        for name, reg in sorted(pm.components(kind).items()):
+            if capability in component_capabilities(reg.cls).provides:
+                hits.append(f"{key}: {name} ({reg.distribution})")
+    return f"; it is provided by {', '.join(hits)}" if hits else ""

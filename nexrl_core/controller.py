@@ -14,13 +14,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from loguru import logger
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from .checkpoint import find_latest_checkpoint, is_checkpoint
-from .config import require_valid
+from .checkpoint import find_latest_checkpoint
 from .errors import NexRLError
 from .launch import create_resource_manager
 from .plugins import PluginManager, get_plugin_manager
+from .preflight import dataloader_config, records_config, require_runnable, resume_checkpoint
+from .run_log import prepare_run_dir
 from .runtime.activity import ActivityTracker, ActivityTrackerProxy
 from .runtime.execute import execute
 from .trajectory_pool import TrajectoryPool
@@ -49,11 +50,16 @@ class RunSummary:
 
 class NexRLController:
     def __init__(self, config: DictConfig, plugin_manager: PluginManager | None = None,
-                 eval_only: bool = False):
+                 eval_only: bool = False, eval_out: str | None = None):
+        """``eval_only``: build for ``nexrl eval`` (no trainer, no training data), recording failed
+        samples in ``eval_out`` (None: nowhere), never in the training run's run_dir."""
         self._config = config
         self._pm = plugin_manager or get_plugin_manager()
         self._eval_only = eval_only
-        require_valid(config, self._pm)
+        self._eval_out = eval_out
+        require_runnable(config, self._pm, eval_only=eval_only)  # what `nexrl validate` checks, before any file
+        if not eval_only:
+            prepare_run_dir(config)
         random.seed(int(config.seed))
         self._stop_requested = threading.Event()
         self._stop_reason = ""
@@ -74,28 +80,20 @@ class NexRLController:
     def _create(self, kind: str, name: Any, key: str) -> type:
         return self._pm.resolve(kind, name, key)
 
-    def _data_config(self, section: Any, group_size: int, is_validate: bool) -> DictConfig:
-        data = OmegaConf.create(OmegaConf.to_container(section))
-        data.group_size = group_size
-        if is_validate:
-            data.shuffle = False
-        return data
-
     def _register_roles(self) -> None:
         """Every module of the run, in the seed's order (data loaders, pool/validator, weight
         sync, trainer, workers); the tracker first, the inference service just before the
         workers that use it. Classes are resolved here, so a bad name fails before anything is built."""
         cfg, rm = self._config, self.resource_manager
-        rm.register_role(NexRLRole.ACTIVITY_TRACKER, ActivityTracker, cfg)
+        rm.register_role(NexRLRole.ACTIVITY_TRACKER, ActivityTracker,
+                         records_config(cfg, self._eval_out) if self._eval_only else cfg)
         if not self._eval_only:
             rm.register_role(NexRLRole.DATA_LOADER, self._create("dataloader", cfg.data.type, "data.type"),
-                             self._data_config(cfg.data, int(cfg.trajectory_pool.group_size), False),
-                             kwargs={"is_validate": False})
+                             dataloader_config(cfg, "data"), kwargs={"is_validate": False})
         if cfg.validate.get("data") is not None:
             rm.register_role(NexRLRole.VALIDATE_DATALOADER,
                              self._create("dataloader", cfg.validate.data.type, "validate.data.type"),
-                             self._data_config(cfg.validate.data, int(cfg.validate.n_samples), True),
-                             kwargs={"is_validate": True})
+                             dataloader_config(cfg, "validate.data"), kwargs={"is_validate": True})
         rm.register_role(NexRLRole.TRAJECTORY_POOL, TrajectoryPool, cfg.trajectory_pool)
         rm.register_role(NexRLRole.VALIDATOR, Validator, cfg.validate)
         rm.register_role(NexRLRole.WEIGHT_SYNC_CONTROLLER, WeightSyncController, cfg.weight)
@@ -241,9 +239,13 @@ class NexRLController:
                     execute(wsc.end_validate, self._model_tag)
                 else:
                     self._run_validate(self._model_tag)
+            failed = execute(tracker.failed_samples_verdict)
+            if failed:
+                return "error", failed
             trainer = execute(self.trainer.get_status)
             if self._check_finish(trainer):
-                return "finished", None
+                failed = execute(tracker.failed_samples_verdict)  # the last step may have just failed
+                return ("error", failed) if failed else ("finished", None)
             if trainer["last_error"] is not None:
                 return "error", f"the trainer stopped at step {trainer['global_step'] + 1}: {trainer['last_error']}"
             now = time.monotonic()
@@ -340,6 +342,8 @@ class NexRLController:
         wsc = self.weight_sync_controller
         path = self._load_resume_checkpoint()
         if path is None:
+            if self._config.resume.mode == "auto":  # nothing to resume: an earlier run saved no checkpoint
+                execute(self.activity_tracker.truncate_records_after, 0)
             execute(wsc.sync_weight_to_rollout_service, self._model_tag)
             return 0
         state = execute(self.trainer.resume_checkpoint, path)
@@ -357,16 +361,7 @@ class NexRLController:
         return step
 
     def _load_resume_checkpoint(self) -> str | None:
-        resume = self._config.resume
-        if resume.mode == "disable":
-            return None
-        if resume.mode == "from_path":
-            path = str(resume.resume_path)
-            if is_checkpoint(path):
-                return path
-            raise NexRLError(f"resume.resume_path: '{path}' is not a complete checkpoint folder "
-                             f"(expected global_step_<N>/ with nexrl_state.json)")
-        return self._find_latest_checkpoint(str(self._config.trainer.checkpoint_path))
+        return resume_checkpoint(self._config)
 
     def _find_latest_checkpoint(self, checkpoint_folder: str) -> str | None:
         return find_latest_checkpoint(checkpoint_folder)

@@ -30,7 +30,7 @@ from abc import ABC, abstractmethod
 from collections import deque
 from typing import Any
 
-from .errors import DataError
+from .errors import DataError, NexRLError
 from .runtime.module import NexRLModule
 
 
@@ -45,7 +45,13 @@ class BaseDataLoader(NexRLModule, ABC):
         self._shuffle = bool(config.get("shuffle", not is_validate))
         self._group_size = int(config.get("group_size", 1) or 1)
         self._lock = threading.Condition()
-        self._rows: list[dict[str, Any]] = self.load_rows()
+        try:
+            self._rows: list[dict[str, Any]] = self.load_rows()
+        except NexRLError:
+            raise
+        except Exception as exc:  # a loader's bug or a format it did not expect: one line, no traceback
+            raise DataError(f"{'validate.data' if is_validate else 'data'}: {type(self).__name__} could not read "
+                            f"{self.describe()}: {type(exc).__name__}: {exc}") from None
         if not self._rows:
             raise DataError(f"{self.describe()}: the data has no rows")
         self._epoch = 0

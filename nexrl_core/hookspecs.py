@@ -8,6 +8,12 @@ A plugin is a module named by an entry point in the ``nexrl`` group::
 whose functions are marked with ``@nexrl_core.hookimpl`` and named after the
 specs below. Every component hook returns ``dict[str, type]``: the name a
 recipe uses in ``type:`` mapped to the class that implements it.
+
+A registered class declares the keys of its recipe section as ``OPTIONS = {key:
+nexrl_core.Option(...)}`` (an evaluator may instead rely on its annotated ``__init__``),
+and what it provides to and needs from the other components as ``CAPABILITIES =
+nexrl_core.Capabilities(...)``; ``nexrl validate`` and ``nexrl run`` check both
+(docs/plugins.md).
 """
 
 from __future__ import annotations

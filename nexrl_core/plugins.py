@@ -71,6 +71,9 @@ class PluginManager:
         self.records: dict[str, PluginRecord] = {}
         self.failures: list[PluginLoadFailure] = []
         self.bad_registrations: list[str] = []
+        self.load_filter: set[str] | None = None  # NEXRL_LOAD_PLUGINS, when set
+        self.filter_unmatched: list[str] = []  # names in it that no installed plugin has
+        self.not_loaded: list[str] = []  # installed distributions the filter left out
         self._load_builtins()
         if load_entrypoints:
             self.load_entrypoints()
@@ -109,10 +112,16 @@ class PluginManager:
     def load_entrypoints(self) -> None:
         wanted = os.environ.get("NEXRL_LOAD_PLUGINS")
         allowed = None if wanted is None else {w.strip() for w in wanted.split(",") if w.strip()}
-        for ep in sorted(md.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
+        self.load_filter = allowed
+        matched: set[str] = set()
+        entry_points = sorted(md.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name)
+        for ep in entry_points:
             dist = ep.dist.name if ep.dist is not None else "(unknown distribution)"
             if allowed is not None and dist not in allowed and ep.name not in allowed:
+                if dist not in self.not_loaded:
+                    self.not_loaded.append(dist)
                 continue
+            matched |= {dist, ep.name}
             if ep.name in self.records:
                 continue  # the same distribution visible twice on sys.path
             try:
@@ -121,6 +130,10 @@ class PluginManager:
                 self._import_failed(ep.name, dist, exc)
                 continue
             self.register(module, name=ep.name, distribution=dist, version=ep.dist.version if ep.dist else "")
+        if allowed:
+            self.filter_unmatched = sorted(allowed - matched)
+            for name in self.filter_unmatched:
+                logger.warning(f"NEXRL_LOAD_PLUGINS names '{name}', which is not an installed nexrl plugin")
 
     # -- components -----------------------------------------------------------------
     def components(self, kind: str) -> dict[str, Registration]:
@@ -170,8 +183,20 @@ class PluginManager:
         did_you_mean = f" Did you mean '{hint[0]}'?" if hint else ""
         broken = "".join(f" Plugin '{f.name}' ({f.distribution}) failed to load: {f.error}." for f in self.failures)
         broken += "".join(f" Skipped: {m}." for m in self.bad_registrations if f"registers {kind} '{name}' " in m)
+        broken += self._filter_note()
         raise ConfigError(f"{key}: unknown {kind.replace('_', ' ')} '{name}'.{did_you_mean} Available: {listing}."
                           f"{broken}")
+
+    def _filter_note(self) -> str:
+        """Why components may be missing: NEXRL_LOAD_PLUGINS left plugins out or names absent ones."""
+        if self.load_filter is None:
+            return ""
+        note = f" NEXRL_LOAD_PLUGINS={','.join(sorted(self.load_filter)) or '(empty)'} restricts plugin loading"
+        if self.filter_unmatched:
+            note += f"; it names {', '.join(repr(n) for n in self.filter_unmatched)}, which no installed plugin has"
+        if self.not_loaded:
+            note += f"; installed but not loaded: {', '.join(sorted(self.not_loaded))}"
+        return note + "."
 
     def call_step_end(self, **kwargs: Any) -> None:
         self.pm.hook.nexrl_step_end(**kwargs)

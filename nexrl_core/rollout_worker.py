@@ -9,7 +9,7 @@ from typing import Any
 
 from loguru import logger
 
-from .errors import ErrorSeverity
+from .errors import ConfigError, ErrorSeverity
 from .evaluation import BaseEvaluationTarget, EvaluationRunResult, Evaluator
 from .inference import InferenceError
 from .plugins import active_plugin_manager
@@ -221,7 +221,11 @@ def build_evaluator(section: Any) -> Evaluator | None:
         return None
     cls = active_plugin_manager().resolve("evaluator", section.get("type"), "rollout_worker.evaluator.type")
     items = section.items() if isinstance(section, dict) else _plain(section).items()
-    return cls(**{k: v for k, v in items if k != "type"})
+    try:
+        return cls(**{k: v for k, v in items if k != "type"})
+    except (ValueError, TypeError) as exc:  # options it refuses: one line, as `nexrl validate` prints it
+        raise ConfigError(f"rollout_worker.evaluator: evaluator '{section.get('type')}' rejected its options: "
+                          f"{type(exc).__name__}: {exc}") from None
 
 
 def _plain(section: Any) -> dict[str, Any]:

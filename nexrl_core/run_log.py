@@ -27,17 +27,26 @@ def _jsonable(value: Any) -> Any:
 
 
 class RunRecorder:
-    """Owns the run directory's record files; safe to call from any thread."""
+    """Owns the run directory's record files; safe to call from any thread.
 
-    def __init__(self, run_dir: str, sinks: list[Any] | None = None, step_end_hook: Any = None):
+    ``run_dir=None`` writes no file (metrics still reach the sinks). ``failure_monitor``
+    (a :class:`~nexrl_core.failure_monitor.FailedSampleMonitor`) is told the outcome of every
+    training step: its usable samples and the failed items recorded for it.
+    """
+
+    def __init__(self, run_dir: str | None, sinks: list[Any] | None = None, step_end_hook: Any = None,
+                 failure_monitor: Any = None):
         self.run_dir = run_dir
-        os.makedirs(run_dir, exist_ok=True)
+        if run_dir is not None:
+            os.makedirs(run_dir, exist_ok=True)
         self._sinks = list(sinks or [])
         self._step_end_hook = step_end_hook
         self._lock = threading.Lock()
-        self._metrics_path = os.path.join(run_dir, METRICS_FILE)
-        self._errors_path = os.path.join(run_dir, ERRORS_FILE)
+        self._metrics_path = os.path.join(run_dir, METRICS_FILE) if run_dir is not None else None
+        self._errors_path = os.path.join(run_dir, ERRORS_FILE) if run_dir is not None else None
         self.lost_items = 0
+        self.failure_monitor = failure_monitor
+        self._step_failures: dict[int, list[tuple[str, str]]] = {}
 
     # ActivityTracker.experiment_logger_post lands here.
     def post(self, backend: str = "metrics", data: dict[str, Any] | None = None, step: int | None = None,
@@ -48,8 +57,12 @@ class RunRecorder:
     def log_metrics(self, data: dict[str, Any], step: int) -> None:
         row = {"step": int(step), **{k: _jsonable(v) for k, v in data.items()}}
         with self._lock:
-            with open(self._metrics_path, "a", encoding="utf-8") as f:
-                f.write(json.dumps(row, sort_keys=True) + "\n")
+            if self._metrics_path is not None:
+                with open(self._metrics_path, "a", encoding="utf-8") as f:
+                    f.write(json.dumps(row, sort_keys=True) + "\n")
+            failures = self._step_failures.pop(int(step), []) if "train/num_trajectories" in data else None
+        if failures is not None and self.failure_monitor is not None:
+            self.failure_monitor.observe(int(data["train/num_trajectories"]), failures)
         for sink in self._sinks:
             sink.log(dict(data), int(step))
         if self._step_end_hook is not None and any(k.startswith("train/") for k in data):
@@ -67,8 +80,11 @@ class RunRecorder:
                "seq": task.get("seq"), "item": {k: v for k, v in task.items() if k not in ("seq",)}}
         with self._lock:
             self.lost_items += 1
-            with open(self._errors_path, "a", encoding="utf-8") as f:
-                f.write(json.dumps(row, default=str) + "\n")
+            if not validating and step is not None:
+                self._step_failures.setdefault(int(step), []).append((cause, message))
+            if self._errors_path is not None:
+                with open(self._errors_path, "a", encoding="utf-8") as f:
+                    f.write(json.dumps(row, default=str) + "\n")
 
     def truncate_after(self, step: int) -> None:
         """For a resume from ``step``: keep what that checkpoint already covers.
@@ -81,7 +97,7 @@ class RunRecorder:
         with self._lock:
             for path, keep in ((self._metrics_path, _keep_metric_row(step)),
                                (self._errors_path, _keep_error_row(step))):
-                if not os.path.exists(path):
+                if path is None or not os.path.exists(path):
                     continue
                 with open(path, encoding="utf-8", errors="replace") as f:
                     rows = [line for line in f if line.strip()]
@@ -122,7 +138,9 @@ def _keep_error_row(step: int):
     return keep
 
 
-def setup_logging(run_dir: str | None, level: str = "INFO") -> None:
+def setup_logging(run_dir: str | None, level: str = "INFO", fresh: bool = False, log_file: str = LOG_FILE) -> None:
+    """Log to stderr at ``level`` and, with ``run_dir``, to ``run_dir/run.log`` at DEBUG
+    (``fresh``: start the file anew instead of appending, for a run that does not resume)."""
     from .runtime.logs import route_std_logging
 
     route_std_logging()
@@ -130,4 +148,54 @@ def setup_logging(run_dir: str | None, level: str = "INFO") -> None:
     logger.add(sys.stderr, level=level, format="<green>{time:HH:mm:ss}</green> <level>{level: <7}</level> {message}")
     if run_dir:
         os.makedirs(run_dir, exist_ok=True)
-        logger.add(os.path.join(run_dir, LOG_FILE), level="DEBUG", enqueue=False)
+        logger.add(os.path.join(run_dir, log_file), level="DEBUG", enqueue=False, mode="w" if fresh else "a")
+
+
+# -- run directories ---------------------------------------------------------------------------------
+
+def earlier_run(run_dir: str, checkpoint_path: str | None = None) -> str:
+    """What an earlier run left in ``run_dir`` (and its checkpoint folder), in words; '' when nothing."""
+    from .checkpoint import CHECKPOINT_RE, TMP_CHECKPOINT_RE
+
+    found = []
+    for name in (METRICS_FILE, ERRORS_FILE):
+        path = os.path.join(run_dir, name)
+        if os.path.isfile(path) and os.path.getsize(path) > 0:
+            found.append(name)
+    if checkpoint_path and os.path.isdir(checkpoint_path):
+        steps = [n for n in os.listdir(checkpoint_path) if CHECKPOINT_RE.match(n) or TMP_CHECKPOINT_RE.match(n)]
+        if steps:
+            found.append(f"{len(steps)} checkpoint folder{'s' if len(steps) != 1 else ''} in {checkpoint_path}")
+    return ", ".join(found)
+
+
+def prepare_run_dir(config: Any) -> list[str]:
+    """A fresh run with ``overwrite_run_dir: true`` moves an earlier run aside (run_dir, and its
+    checkpoint folder when that lies outside run_dir) to ``<path>.old-<time>``: never appended
+    to, never deleted. Returns the paths it moved things to."""
+    if config.resume.mode != "disable" or not config.get("overwrite_run_dir"):
+        return []
+    run_dir = str(config.run_dir)
+    ckpt = config.trainer.get("checkpoint_path")
+    ckpt = str(ckpt) if ckpt else None
+    if not earlier_run(run_dir, ckpt):
+        return []
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    moved = []
+    for path in [run_dir] + ([ckpt] if ckpt and not _inside(ckpt, run_dir) else []):
+        if not os.path.exists(path):
+            continue
+        target = f"{os.path.normpath(path)}.old-{stamp}"
+        n = 1
+        while os.path.exists(target):
+            target = f"{os.path.normpath(path)}.old-{stamp}-{n}"
+            n += 1
+        os.replace(path, target)
+        moved.append(target)
+        logger.warning(f"overwrite_run_dir: moved the earlier run's {path} to {target}")
+    return moved
+
+
+def _inside(path: str, folder: str) -> bool:
+    path, folder = os.path.abspath(path), os.path.abspath(folder)
+    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Literal
 
 from ..evaluation import BaseEvaluationTarget, EvaluationRunResult, Evaluator
 from ..markers import hookimpl
+from ..options import Option
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
@@ -32,6 +33,13 @@ class NumericAnswerEvaluator(Evaluator):
     "2 + 3 = 5" answers 5) or ``first``. ``format_reward`` (default 0) is added
     when the reply is a bare number, which nudges a model towards terse answers.
     """
+
+    OPTIONS = {
+        "answer_key": Option("answer", str, "row field that holds the expected number"),
+        "extract": Option("last", Literal["first", "last"], "which number of the reply is the answer"),
+        "format_reward": Option(0.0, float, "added when the reply is a bare number"),
+        "tolerance": Option(1e-6, float, "largest difference counted as equal", ge=0),
+    }
 
     def __init__(self, answer_key: str = "answer", extract: str = "last", format_reward: float = 0.0,
                  tolerance: float = 1e-6):

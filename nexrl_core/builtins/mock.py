@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 from ..markers import hookimpl
+from ..options import Capabilities, Option, option_defaults
 from ..inference import CompletionResult, InferenceClient, SamplingParams
 from ..trainer import BaseTrainer
 from ..types import Trajectory
@@ -35,7 +36,13 @@ class MockInferenceClient(InferenceClient):
     correctly once the served version reaches :func:`mock_sum_threshold` (so
     accuracy rises with training in a way tests can compute exactly)."""
 
-    CONFIG_KEYS = {"mode": "echo", "learn_steps": 4, "delay_s": 0.0}
+    OPTIONS = {
+        "mode": Option("echo", str, "echo: answer the prompt text; sum: answer 'A + B' prompts",
+                       choices=("echo", "sum")),
+        "learn_steps": Option(4, int, "sum mode: versions until every sum is answered right", ge=0),
+        "delay_s": Option(0.0, float, "seconds each completion takes", ge=0),
+    }
+    CONFIG_KEYS = option_defaults(OPTIONS)  # deprecated view, for plugins that extend it
 
     def __init__(self, config: Any):
         super().__init__(config)
@@ -62,7 +69,12 @@ class MockInferenceClient(InferenceClient):
 class MockTrainer(BaseTrainer):
     """Trains nothing; remembers what it was given (tests check the data flow with it)."""
 
-    CONFIG_KEYS = {"step_time_s": 0.0}
+    # Exports an (empty) state dict, so it stands in for a self-hosted trainer with any in-process
+    # weight sync; its weights never change, so it needs none.
+    CAPABILITIES = Capabilities(provides={"trainer:state_dict"})
+
+    OPTIONS = {"step_time_s": Option(0.0, float, "seconds each training step takes", ge=0)}
+    CONFIG_KEYS = option_defaults(OPTIONS)  # deprecated view, for plugins that extend it
 
     def __init__(self, config: Any):
         super().__init__(config)

@@ -63,6 +63,7 @@ from loguru import logger
 
 from ..inference import CompletionResult, InferenceClient, InferenceError, SamplingParams, _get
 from ..markers import hookimpl
+from ..options import Option, option_defaults
 
 __all__ = ["OpenAICompatibleClient"]
 
@@ -85,9 +86,25 @@ class OpenAICompatibleClient(InferenceClient):
     """`InferenceClient` for an OpenAI-compatible HTTP server. See the module docstring."""
 
     # The recipe keys of service.inference_service (the table above); `nexrl validate` checks them.
-    CONFIG_KEYS = {"url": None, "base_url": None, "api_key": None, "model": None, "timeout": 60.0,
-                   "max_retries": 3, "retry_backoff": 0.5, "max_retry_time": 120.0, "request_logprobs": True,
-                   "return_token_ids": True}
+    OPTIONS = {
+        "url": Option(None, str, "the server's OpenAI base URL, e.g. http://127.0.0.1:8000/v1"),
+        "base_url": Option(None, str, "another name for url"),
+        "api_key": Option(None, str, "bearer token (default: env OPENAI_API_KEY)"),
+        "model": Option(None, str, "served model name (default: the first of GET {url}/models)"),
+        "timeout": Option(60.0, float, "seconds per HTTP request", gt=0),
+        "max_retries": Option(3, int, "retries after the first attempt", ge=0),
+        "retry_backoff": Option(0.5, float, "first retry delay in seconds, doubled on each retry", ge=0),
+        "max_retry_time": Option(120.0, float, "seconds spent retrying at most", ge=0),
+        "request_logprobs": Option(True, bool, "ask for the response tokens' logprobs"),
+        "return_token_ids": Option(True, bool, "send vLLM's return_token_ids"),
+    }
+    CONFIG_KEYS = option_defaults(OPTIONS)  # deprecated view, for plugins that extend it
+
+    @classmethod
+    def check_config(cls, section: Any, key: str) -> list[str]:
+        if not section.get("url") and not section.get("base_url"):
+            return [f"{key}.url: required (the server's OpenAI base URL, e.g. http://127.0.0.1:8000/v1)"]
+        return []
 
     def __init__(self, config: Any):
         super().__init__(config)

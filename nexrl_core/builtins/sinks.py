@@ -9,6 +9,7 @@ from loguru import logger
 
 from ..errors import ConfigError
 from ..markers import hookimpl
+from ..options import Option
 
 
 class ConsoleSink:
@@ -25,15 +26,25 @@ class ConsoleSink:
 
 
 class WandbSink:
-    """Weights & Biases; offline mode when no API key is configured."""
+    """Weights & Biases (options under ``logger.wandb``); offline when no API key is configured."""
+
+    OPTIONS = {
+        "project": Option(None, str, "W&B project (default: project_name)"),
+        "entity": Option(None, str, "W&B team or user"),
+        "mode": Option(None, str, "online | offline | disabled (default: online when WANDB_API_KEY is set)",
+                       choices=("online", "offline", "disabled")),
+        "tags": Option([], list[str], "tags of the W&B run"),
+    }
 
     def __init__(self, config: Any, run_dir: str):
         try:
             import wandb
         except ImportError:
             raise ConfigError("logger.backend: 'wandb' needs the wandb package (pip install wandb)") from None
-        mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
-        self._run = wandb.init(project=str(config.get("project_name", "nexrl")),
+        own = (config.get("logger", {}) or {}).get("wandb", {}) or {}
+        mode = own.get("mode") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
+        self._run = wandb.init(project=str(own.get("project") or config.get("project_name", "nexrl")),
+                               entity=own.get("entity"), tags=list(own.get("tags") or []),
                                name=str(config.get("experiment_name", "run")), dir=run_dir, mode=mode,
                                config=_plain(config))
 

@@ -7,6 +7,8 @@ from typing import Any
 
 from ..inference import SamplingParams
 from ..markers import hookimpl
+from ..options import Option, option_defaults
+from ..schema import sampling_options
 from ..rollout_worker import BaseRolloutWorker, ItemFailure
 from ..runtime.execute import execute
 
@@ -14,8 +16,13 @@ from ..runtime.execute import execute
 class SimpleRolloutWorker(BaseRolloutWorker):
     """Single turn: prompt -> inference service -> evaluator -> trajectory."""
 
-    CONFIG_KEYS = {"prompt_key": "prompt", "use_chat": True, "system_prompt": None,
-                   "sampling": {}, "reward_range": None, "answer_key": None}
+    OPTIONS = {
+        "prompt_key": Option("prompt", str, "task field that holds the prompt"),
+        "use_chat": Option(True, bool, "send chat messages (false: the raw prompt text)"),
+        "system_prompt": Option(None, str, "system message put before the prompt (chat only)"),
+        "sampling": Option(options=sampling_options(), help="sampling parameters of every request"),
+    }
+    CONFIG_KEYS = option_defaults(OPTIONS)  # deprecated view, for plugins that extend it
 
     def __init__(self, config: Any):
         super().__init__(config)
@@ -23,7 +30,8 @@ class SimpleRolloutWorker(BaseRolloutWorker):
         self._use_chat = bool(config.get("use_chat", True))
         self._system_prompt = config.get("system_prompt")
         sampling = dict(config.get("sampling", {}) or {})
-        self._sampling = {k: sampling[k] for k in ("max_tokens", "temperature", "top_p", "stop") if k in sampling}
+        # Every declared sampling key reaches SamplingParams (seed is per request).
+        self._sampling = {k: sampling[k] for k in self.OPTIONS["sampling"].options or {} if k in sampling}
         self._validate_temperature = config.get("validate_temperature")
 
     def build_prompt(self, task: dict[str, Any]) -> str | list[dict[str, Any]]:
@@ -76,7 +84,11 @@ def pig_latin(text: str) -> str:
 class PigLatinRolloutWorker(BaseRolloutWorker):
     """Supervised data for the cross-entropy trainer: the target is computed, not sampled."""
 
-    CONFIG_KEYS = {"prompt_key": "prompt", "instruction": "Translate to Pig Latin: "}
+    OPTIONS = {
+        "prompt_key": Option("prompt", str, "task field that holds the source text"),
+        "instruction": Option("Translate to Pig Latin: ", str, "text put before the source in the prompt"),
+    }
+    CONFIG_KEYS = option_defaults(OPTIONS)  # deprecated view, for plugins that extend it
 
     def step(self, task: dict[str, Any]) -> str | None:
         source = str(task.get(self._config.get("prompt_key", "prompt"), ""))

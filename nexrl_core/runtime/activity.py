@@ -142,6 +142,12 @@ class ActivityTracker:
         if self.experiment_logger is not None:
             self.experiment_logger.truncate_after(step)
 
+    def failed_samples_verdict(self) -> str | None:
+        """Why the run must stop because most recent training samples failed, or None
+        (``runtime_monitor.failed_samples``, see :mod:`nexrl_core.failure_monitor`)."""
+        monitor = getattr(self.experiment_logger, "failure_monitor", None)
+        return monitor.verdict() if monitor is not None else None
+
     def close(self) -> None:
         """Close the run's records and sinks (the run is over)."""
         if self.experiment_logger is not None:
@@ -160,15 +166,17 @@ def _answers_health_check(ref: Any, timeout: float) -> bool:
 def open_run_recorder(config: Any) -> Any:
     """The run's records for a recipe: files in ``run_dir`` and the ``logger.backend`` sinks
     (resolved through the plugin manager of the process the tracker is built in)."""
+    from ..failure_monitor import FailedSampleMonitor
     from ..plugins import active_plugin_manager
     from ..run_log import RunRecorder
 
     pm = active_plugin_manager()
-    run_dir = str(config.run_dir)
+    run_dir = str(config.run_dir) if config.get("run_dir") else None  # None: no files (nexrl eval without --out)
     sinks = [pm.resolve("metrics_sink", name, "logger.backend")(config, run_dir)
              for name in _as_list(config.logger.backend)]
     return RunRecorder(run_dir, sinks,
-                       step_end_hook=lambda step, metrics: pm.call_step_end(step=step, metrics=metrics, config=config))
+                       step_end_hook=lambda step, metrics: pm.call_step_end(step=step, metrics=metrics, config=config),
+                       failure_monitor=FailedSampleMonitor.from_config(config))
 
 
 def _as_list(value: Any) -> list[str]:

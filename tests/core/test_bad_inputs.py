@@ -15,6 +15,7 @@ import math
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -27,47 +28,133 @@ from nexrl_core.plugins import PluginManager
 CORPUS = Path(__file__).resolve().parents[1] / "bad_inputs"
 RECIPES = CORPUS / "recipes"
 
-# recipe -> (command, exit code, text the output must contain). `validate` exits 2 and lists
-# every problem; `run` exits 1 with one "error: ..." line. Data files are read by `run`.
-CASES: dict[str, tuple[str, int, list[str]]] = {
-    "malformed_yaml": ("validate", 2, ["recipes/malformed_yaml.yaml:7: not valid YAML (mapping values are not "
-                                       "allowed here)"]),
-    "not_a_mapping": ("validate", 2, ["recipes/not_a_mapping.yaml: a recipe must be a mapping of keys, got list"]),
-    "bad_interpolation": ("validate", 2, ["trainer.total_train_steps: cannot resolve interpolation (Interpolation "
-                                          "key 'trainer.steps' not found)"]),
-    "unknown_top_level_key": ("validate", 2, ["- trainner: unknown key; did you mean 'trainer'?"]),
-    "typo_trainer_key": ("validate", 2, ["- trainer.total_train_step: unknown key; did you mean "
-                                         "'trainer.total_train_steps'?"]),
-    "typo_pool_key": ("validate", 2, ["- trajectory_pool.groupsize: unknown key; did you mean "
-                                      "'trajectory_pool.group_size'?"]),
-    "typo_weight_key": ("validate", 2, ["- weight.validate_frequency: unknown key; did you mean "
-                                        "'weight.validate_freq'?"]),
-    "wrong_type": ("validate", 2, ["- trajectory_pool.batch_size: expected an integer, got a string ('four')"]),
-    "wrong_type_bool": ("validate", 2, ["- validate.validate_before_train: expected a boolean, got a string "
-                                        "('sometimes')"]),
-    "unknown_trainer": ("validate", 2, ["- trainer.type: unknown trainer 'self_hosted_grop'.",
-                                        "Available: 'mock' (nexrl-core)"]),
-    "unknown_evaluator": ("validate", 2, ["- rollout_worker.evaluator.type: unknown evaluator 'exact_matchh'. "
-                                          "Did you mean 'exact_match'?", "'numeric_answer' (nexrl-core)"]),
-    "batch_not_divisible": ("validate", 2, ["- trajectory_pool.batch_size (6) must be a multiple of "
-                                            "trajectory_pool.group_size (4)"]),
-    "resume_from_path_without_path": ("validate", 2, ["- resume.resume_path: required when resume.mode is "
-                                                      "'from_path'"]),
-    "missing_data_file": ("run", 1, ["error: data/no_such_file.jsonl: data file not found"]),
-    "missing_val_file": ("run", 1, ["error: data/no_such_val.jsonl: data file not found"]),
-    "data_without_path": ("run", 1, ["error: data.path: the file data loader needs a path"]),
-    "empty_data_file": ("run", 1, ["error: data/empty.jsonl: the file holds no rows"]),
-    "blank_data_file": ("run", 1, ["error: data/blank_lines.jsonl: the file holds no rows"]),
-    "bad_json_line": ("run", 1, ["error: data/bad_json.jsonl:3: not valid JSON"]),
-    "json_not_object": ("run", 1, ["error: data/not_an_object.jsonl:2: each line must be a JSON object, got list"]),
-    "missing_prompt": ("run", 1, ["error: data/missing_prompt.jsonl:3: the row has no 'prompt' field"]),
-    "empty_prompt": ("run", 1, ["error: data/empty_prompt.jsonl:2: the row has no 'prompt' field"]),
-    "not_parquet": ("run", 1, ["error: data/not_parquet.parquet: not a readable Parquet file"]),
-    "resume_from_bad_path": ("run", 1, ["error: resume.resume_path: 'data' is not a complete checkpoint folder"]),
+
+
+@dataclass(frozen=True)
+class Case:
+    """A bad input: ``recipe`` (under recipes/) with ``overrides``; both ``nexrl validate`` and
+    ``nexrl run`` must exit 2 and print every text of ``expected`` (``run_dir`` is set to a fresh
+    folder unless ``own_run_dir``)."""
+
+    expected: tuple[str, ...]
+    recipe: str = ""
+    overrides: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
+    own_run_dir: bool = False
+
+
+def case(*expected: str, recipe: str = "", overrides: tuple[str, ...] = (), load: str | None = None,
+         own_run_dir: bool = False) -> Case:
+    env = (("NEXRL_LOAD_PLUGINS", load),) if load is not None else ()
+    return Case(tuple(expected), recipe, overrides, env, own_run_dir)
+
+
+GOOD = "good"
+CASES: dict[str, Case] = {
+    # the recipe file
+    "malformed_yaml": case("error: recipes/malformed_yaml.yaml:7: not valid YAML (mapping values are not allowed "
+                           "here)"),
+    "unclosed_quote": case("error: recipes/unclosed_quote.yaml:5: not valid YAML (a quoted string opens here, "
+                           "column 15, and is never closed)"),
+    "duplicate_section": case("error: recipes/duplicate_section.yaml:10: duplicate key 'trainer' (first on line 5)"),
+    "not_a_mapping": case("error: recipes/not_a_mapping.yaml: a recipe must be a mapping of keys, got list"),
+    "empty_recipe": case("error: recipes/empty_recipe.yaml: the recipe is empty"),
+    "missing_recipe": case("error: recipes/no_such_recipe.yaml: recipe file not found", recipe="no_such_recipe"),
+    "bad_interpolation": case("error: trainer.total_train_steps: cannot resolve interpolation (Interpolation key "
+                              "'trainer.steps' not found)"),
+    # keys
+    "unknown_top_level_key": case("error: trainner: unknown key; did you mean 'trainer'?"),
+    "typo_trainer_key": case("error: trainer.total_train_step: unknown key; did you mean "
+                             "'trainer.total_train_steps'?"),
+    "typo_pool_key": case("error: trajectory_pool.groupsize: unknown key; did you mean 'trajectory_pool.group_size'?"),
+    "typo_weight_key": case("error: weight.validate_frequency: unknown key; did you mean 'weight.validate_freq'?"),
+    "sampling_typos": case("error: rollout_worker.sampling.max_token: unknown key; did you mean "
+                           "'rollout_worker.sampling.max_tokens'?",
+                           "error: rollout_worker.sampling.temprature: unknown key; did you mean "
+                           "'rollout_worker.sampling.temperature'?"),
+    "ignored_selector_keys": case("error: trajectory_pool.type: no longer a recipe key: nexrl has one trajectory pool",
+                                  "error: weight.type: no longer a recipe key: the weight-sync backend is chosen "
+                                  "with weight.backend",
+                                  "error: validate.eval: no longer a recipe key"),
+    "list_for_mapping": case("error: trajectory_pool: expected a mapping, got a list"),
+    "string_for_section": case("error: trainer: expected a mapping, got a string ('mock'); to choose a trainer "
+                               "write trainer: {type: mock}"),
+    # values
+    "wrong_type": case("error: trajectory_pool.batch_size: expected an integer, got a string ('four')"),
+    "wrong_type_bool": case("error: validate.validate_before_train: expected a boolean, got a string ('sometimes')"),
+    "unknown_log_level": case("error: logger.level: 'info' is not one of TRACE, DEBUG, INFO, SUCCESS, WARNING, "
+                              "ERROR, CRITICAL; did you mean 'INFO'?", recipe=GOOD, overrides=("logger.level=info",)),
+    "negative_temperature": case("error: rollout_worker.sampling.temperature: expected a non-negative number, got "
+                                 "-0.5", recipe=GOOD, overrides=("+rollout_worker.sampling.temperature=-0.5",)),
+    "top_p_above_1": case("error: rollout_worker.sampling.top_p: expected a number > 0 and <= 1, got 1.5",
+                          recipe=GOOD, overrides=("+rollout_worker.sampling.top_p=1.5",)),
+    "max_tokens_zero": case("error: rollout_worker.sampling.max_tokens: expected a positive integer, got 0",
+                            recipe=GOOD, overrides=("+rollout_worker.sampling.max_tokens=0",)),
+    "nan_timeout": case("error: runtime_monitor.stop_timeout: expected a finite number, got nan", recipe=GOOD,
+                        overrides=("runtime_monitor.stop_timeout=nan",)),
+    "negative_save_freq": case("error: trainer.save_freq: expected a non-negative integer, got -1", recipe=GOOD,
+                               overrides=("trainer.save_freq=-1",)),
+    "zero_validation_samples": case("error: validate.n_samples: expected a positive integer, got 0", recipe=GOOD,
+                                    overrides=("validate.n_samples=0",)),
+    "zero_steps": case("error: trainer.total_train_steps: expected a positive integer, got 0", recipe=GOOD,
+                       overrides=("trainer.total_train_steps=0",)),
+    "evaluator_bad_option": case("error: rollout_worker.evaluator.extract: 'middle' is not one of first, last",
+                                 recipe=GOOD, overrides=("rollout_worker.evaluator.type=numeric_answer",
+                                                         "+rollout_worker.evaluator.extract=middle")),
+    "evaluator_unknown_option": case("error: rollout_worker.evaluator.answer_kye: unknown key; did you mean "
+                                     "'rollout_worker.evaluator.answer_key'?", recipe=GOOD,
+                                     overrides=("+rollout_worker.evaluator.answer_kye=x",)),
+    # overrides
+    "group_override_without_group": case("error: override 'trainer=grpo': 'trainer' is a section, not a value, and "
+                                         "there is no config group 'trainer'", "e.g. trainer.type=grpo",
+                                         recipe=GOOD, overrides=("trainer=grpo",)),
+    "group_override_unknown_option": case("error: override '+weight=fast': config group 'weight' has no option "
+                                          "'fast' (available: batch_async, fully_async, sync)", recipe=GOOD,
+                                          overrides=("+weight=fast",)),
+    "override_missing_key": case("error: override 'trainer.save_frequency=2': key 'trainer.save_frequency' does not "
+                                 "exist (did you mean 'trainer.save_freq'?)", recipe=GOOD,
+                                 overrides=("trainer.save_frequency=2",)),
+    # components
+    "unknown_trainer": case("error: trainer.type: unknown trainer 'self_hosted_grop'.",
+                            "Available: 'mock' (nexrl-core)"),
+    "unknown_evaluator": case("error: rollout_worker.evaluator.type: unknown evaluator 'exact_matchh'. Did you mean "
+                              "'exact_match'?", "'numeric_answer' (nexrl-core)"),
+    "missing_plugin_named_in_filter": case("error: trainer.type: unknown trainer 'self_hosted_grpo'.",
+                                           "NEXRL_LOAD_PLUGINS=nexrl-grop restricts plugin loading; it names "
+                                           "'nexrl-grop', which no installed plugin has", recipe=GOOD,
+                                           overrides=("trainer.type=self_hosted_grpo",), load="nexrl-grop"),
+    # cross-key rules
+    "batch_not_divisible": case("error: trajectory_pool.batch_size (6) must be a multiple of "
+                                "trajectory_pool.group_size (4)"),
+    "resume_from_path_without_path": case("error: resume.resume_path: required when resume.mode is 'from_path'"),
+    "validation_without_data": case("error: validate.validate_before_train: validation is requested but "
+                                    "validate.data is not set"),
+    "validate_freq_without_data": case("error: weight.validate_freq: validation every 2 steps is requested but "
+                                       "validate.data is not set", recipe=GOOD, overrides=("weight.validate_freq=2",)),
+    # files
+    "missing_data_file": case("error: data/no_such_file.jsonl: data file not found"),
+    "missing_val_file": case("error: data/no_such_val.jsonl: data file not found"),
+    "data_without_path": case("error: data.path: required (a JSONL or Parquet file, or a list of them)"),
+    "empty_data_file": case("error: data/empty.jsonl: the file holds no rows"),
+    "blank_data_file": case("error: data/blank_lines.jsonl: the file holds no rows"),
+    "bad_json_line": case("error: data/bad_json.jsonl:3: not valid JSON"),
+    "json_not_object": case("error: data/not_an_object.jsonl:2: each line must be a JSON object, got list"),
+    "missing_prompt": case("error: data/missing_prompt.jsonl:3: the row has no 'prompt' field"),
+    "empty_prompt": case("error: data/empty_prompt.jsonl:2: the row has no 'prompt' field"),
+    "not_parquet": case("error: data/not_parquet.parquet: not a readable Parquet file"),
+    "binary_data_file": case("error: data/binary.jsonl:2: binary data (a NUL byte), not JSON lines"),
+    "not_utf8_data_file": case("error: data/latin1.jsonl:2: not UTF-8 text (byte 0xe9 at column 16)"),
+    "data_is_directory": case("error: data: is a folder, not a data file"),
+    "run_dir_is_file": case("error: run_dir: 'data/train.jsonl' is a file, not a folder", own_run_dir=True),
+    "run_dir_under_a_file": case("error: run_dir: cannot create 'data/train.jsonl/run': ", "data/train.jsonl' is a "
+                                 "file", own_run_dir=True),
+    "resume_from_bad_path": case("error: resume.resume_path: 'data' is not a complete checkpoint folder"),
+    "truncated_resume_state": case("error: checkpoints/truncated/global_step_3/nexrl_state.json:1: not valid JSON",
+                                   "the checkpoint is damaged (truncated?)"),
 }
 # recipes exercised by the plugin tests below
 PLUGIN_RECIPES = {"good", "uses_bad_class", "evaluator_wrong_result_type", "evaluator_raises_on_some",
-                  "evaluator_nan_reward"}
+                  "evaluator_nan_reward", "evaluator_option_wrong_type", "evaluator_always_raises"}
 
 
 @pytest.fixture
@@ -85,7 +172,8 @@ def cli(core_pm, in_corpus, capfd, reset_loguru):
 
 
 def test_every_corpus_recipe_has_a_case():
-    assert {p.stem for p in RECIPES.glob("*.yaml")} == set(CASES) | PLUGIN_RECIPES
+    used = {c.recipe or name for name, c in CASES.items()}
+    assert {p.stem for p in RECIPES.glob("*.yaml")} == (used | PLUGIN_RECIPES) - {"no_such_recipe"}
 
 
 def test_good_recipe_validates(cli):
@@ -94,19 +182,34 @@ def test_good_recipe_validates(cli):
     assert "Traceback" not in err
 
 
+def _errors(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("error: ")]
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_bad_recipe(name, cli, tmp_path):
-    command, exit_code, expected = CASES[name]
-    argv = [command, f"recipes/{name}.yaml"]
-    if command == "run":
+def test_validate_and_run_give_the_same_message(name, cli, tmp_path, monkeypatch):
+    """Each bad input: one short message naming the key or file:line, no traceback, exit 2, and
+    the same lines from `nexrl validate` and `nexrl run` (run writes nothing)."""
+    c = CASES[name]
+    if c.env:
+        import nexrl_core.plugins as plugins
+
+        for key, value in c.env:
+            monkeypatch.setenv(key, value)
+        monkeypatch.setattr(plugins, "_DEFAULT", PluginManager())
+    argv = [f"recipes/{c.recipe or name}.yaml", *c.overrides]
+    if not c.own_run_dir:
         argv.append(f"run_dir={tmp_path / 'run'}")
-    code, out, err = cli(*argv)
-    assert code == exit_code, err
-    for text in expected:
-        assert text in err, f"{name}: {text!r} not in:\n{err}"
-    assert "Traceback" not in err and "Traceback" not in out
-    if command == "run":
-        assert not (tmp_path / "run" / "metrics.jsonl").exists()  # refused before training
+    results = {command: cli(command, *argv) for command in ("validate", "run")}
+    for command, (code, out, err) in results.items():
+        assert code == 2, f"{command}: {err}"
+        for text in c.expected:
+            assert text in err, f"{command} {name}: {text!r} not in:\n{err}"
+        assert "Traceback" not in err and "Traceback" not in out
+        assert _errors(err), err
+    # run stops at the first failing step; every line it prints, validate prints too
+    assert set(_errors(results["run"][2])) <= set(_errors(results["validate"][2]))
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # refused before training
 
 
 # ----------------------------------------------------------------------------- plugins
@@ -169,7 +272,7 @@ def test_recipe_using_a_badly_registered_class_is_refused(monkeypatch, in_corpus
     code = main(["validate", "recipes/uses_bad_class.yaml"])
     _, err = capfd.readouterr()
     assert code == 2
-    assert "- trainer.type: unknown trainer 'not_a_trainer'. Available: 'mock' (nexrl-core)." in err
+    assert "error: trainer.type: unknown trainer 'not_a_trainer'. Available: 'mock' (nexrl-core)." in err
     assert "Skipped: plugin 'bad_class' (nexrl-bad-class) registers trainer 'not_a_trainer'" in err
     assert "Traceback" not in err
     # the good recipe still validates with that plugin installed
@@ -238,3 +341,53 @@ def test_misbehaving_evaluator_items_are_recorded_one_by_one_and_the_rest_trains
     out, err = capfd.readouterr()
     assert "Traceback" not in err and "Traceback" not in out
     assert f"failed ({cause})" in err  # each failure is also logged, as one line
+
+
+def test_evaluator_options_are_checked_from_its_annotated_signature(monkeypatch, in_corpus, tmp_path, capfd,
+                                                                   reset_loguru):
+    """An evaluator that declares no OPTIONS: its __init__ annotations type its options, and
+    validate and run refuse `target_chars: abc` with the same line (no traceback at run time)."""
+    import nexrl_core.plugins as plugins
+
+    monkeypatch.setattr(plugins, "_DEFAULT", _corpus_pm(monkeypatch, "evaluators", "nexrl-bad-evaluators"))
+    expected = "error: rollout_worker.evaluator.target_chars: expected an integer, got a string ('abc')"
+    for command in ("validate", "run"):
+        code = main([command, "recipes/evaluator_option_wrong_type.yaml", f"run_dir={tmp_path / 'run'}"])
+        out, err = capfd.readouterr()
+        assert code == 2 and _errors(err) == [expected], err
+        assert "Traceback" not in err
+    # the declared name of a parameter that is not annotated nor typo'd passes; a typo does not
+    assert main(["validate", "recipes/evaluator_option_wrong_type.yaml", "rollout_worker.evaluator.target_chars=4",
+                 "+rollout_worker.evaluator.letter=b"]) == 0
+    assert main(["validate", "recipes/evaluator_option_wrong_type.yaml", "rollout_worker.evaluator.target_chars=4",
+                 "+rollout_worker.evaluator.leter=b"]) == 2
+    assert "did you mean 'rollout_worker.evaluator.letter'?" in capfd.readouterr().err
+
+
+def test_a_run_whose_samples_all_fail_stops_with_exit_1_naming_the_evaluator(monkeypatch, in_corpus, tmp_path,
+                                                                             capfd, reset_loguru):
+    """An evaluator that raises on every sample: the run used to end `finished` with exit 0 while
+    training on nothing. It now stops at the first step with exit 1 and says why."""
+    import nexrl_core.plugins as plugins
+
+    monkeypatch.setattr(plugins, "_DEFAULT", _corpus_pm(monkeypatch, "evaluators", "nexrl-bad-evaluators"))
+    run_dir = tmp_path / "run"
+    code = main(["run", "recipes/evaluator_always_raises.yaml", f"run_dir={run_dir}",
+                 "runtime_monitor.stop_timeout=10"])
+    out, err = capfd.readouterr()
+    assert code == 1, err
+    [line] = _errors(err)
+    assert line.startswith("error: 4 of the last 4 training samples failed (more than "
+                           "runtime_monitor.failed_samples.max_fraction=0.5)")
+    assert "rollout_worker.evaluator: evaluator 'always_raises'" in line
+    assert "most common error: evaluator_exception (4 of 4): evaluator AlwaysRaises raised KeyError: " \
+           "'expected_answer'" in line
+    assert "Traceback" not in err and out == ""
+    rows = [json.loads(r) for r in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert rows and all(r["train/num_trajectories"] == 0 for r in rows)  # it trained on nothing
+    # the threshold is a recipe key: raised to 1.0 the same run trains to the end on nothing
+    code = main(["run", "recipes/evaluator_always_raises.yaml", f"run_dir={tmp_path / 'run2'}",
+                 "runtime_monitor.failed_samples.max_fraction=1.0", "runtime_monitor.stop_timeout=10"])
+    out, err = capfd.readouterr()
+    assert code == 0, err
+    assert json.loads(out.strip().splitlines()[-1])["global_step"] == 6

@@ -131,20 +131,20 @@ def test_validate_prints_every_problem_with_exit_2(cli, recipe):
     assert out == ""
     lines = [line for line in err.splitlines() if line.strip()]
     expected = [
-        "- trianer: unknown key; did you mean 'trainer'?",
-        "- trajectory_pool.chek_batch_ready_function: unknown key; did you mean "
+        "error: trianer: unknown key; did you mean 'trainer'?",
+        "error: trajectory_pool.chek_batch_ready_function: unknown key; did you mean "
         "'trajectory_pool.check_batch_ready_function'?",
-        "- weight.validate_frq: unknown key; did you mean 'weight.validate_freq'?",
-        "- logger.level: expected a string, got an integer (3)",
-        "- trajectory_pool.batch_size (6) must be a multiple of trajectory_pool.group_size (4) so groups are "
+        "error: weight.validate_frq: unknown key; did you mean 'weight.validate_freq'?",
+        "error: logger.level: expected a string, got an integer (3)",
+        "error: trajectory_pool.batch_size (6) must be a multiple of trajectory_pool.group_size (4) so groups are "
         "never split across batches",
-        "- rollout_worker.num_workers: expected an integer, got a string ('four')",
+        "error: rollout_worker.num_workers: expected an integer, got a string ('four')",
     ]
     for line in expected:
         assert line in lines, f"missing {line!r} in:\n{err}"
-    unknown = [line for line in lines if line.startswith("- trainer.type: unknown trainer 'mokc'")]
+    unknown = [line for line in lines if line.startswith("error: trainer.type: unknown trainer 'mokc'")]
     assert len(unknown) == 1 and "Did you mean 'mock'?" in unknown[0] and "'mock' (nexrl-core)" in unknown[0]
-    assert all(line.startswith("- ") for line in lines)
+    assert len(lines) == len(expected) + 1 and all(line.startswith("error: ") for line in lines)
     assert "Traceback" not in err
 
 
@@ -167,6 +167,54 @@ KEY_PROBLEMS = [
     ("rollout_worker: {evaluator: {type: exact_match, answer_kye: x}}\n",
      "rollout_worker.evaluator.answer_kye: unknown key; did you mean 'rollout_worker.evaluator.answer_key'? "
      "(evaluator 'exact_match' accepts: answer_key, case_sensitive)"),
+    ("rollout_worker: {sampling: {max_token: 8}}\n",
+     "rollout_worker.sampling.max_token: unknown key; did you mean 'rollout_worker.sampling.max_tokens'?"),
+    ("rollout_worker: {sampling: {temprature: 0.7}}\n",
+     "rollout_worker.sampling.temprature: unknown key; did you mean 'rollout_worker.sampling.temperature'?"),
+    ("rollout_worker: {sampling: {stop: ['a', 3]}}\n",
+     "rollout_worker.sampling.stop: expected a list of strings, got a list"),
+    ("rollout_worker: {reward_range: [1, 0]}\n",
+     "rollout_worker.reward_range: expected [low, high] with low <= high, got [1, 0]"),
+    ("rollout_worker: {validate_temperature: -1}\n",
+     "rollout_worker.validate_temperature: expected a non-negative number, got -1"),
+    ("rollout_worker: {answer_key: x}\n", "rollout_worker.answer_key: unknown key"),
+    ("rollout_worker: {evaluator: {type: numeric_answer, tolerance: -0.1}}\n",
+     "rollout_worker.evaluator.tolerance: expected a non-negative number, got -0.1"),
+    ("rollout_worker: {evaluator: {type: exact_match, case_sensitive: maybe}}\n",
+     "rollout_worker.evaluator.case_sensitive: expected a boolean, got a string ('maybe')"),
+    ("validate: {data: {type: arithmetic, num_rows: 0}}\n",
+     "validate.data.num_rows: expected a positive integer, got 0"),
+    ("validate: {data: {type: arithmetic, min_value: 5, max_value: 2}}\n",
+     "validate.data.max_value: 2 is below min_value 5"),
+    ("validate: {data: {type: arithmetic, split: test}}\n",
+     "validate.data.split: 'test' is not one of train, validation"),
+    ("validate: {data: {type: arithmetic, shuffle: true}}\n", "validate.data.shuffle: unknown key"),
+    ("validate: {data: {type: inline, rows: [a, b]}}\n", "validate.data.rows: expected a list of mappings, got a list"),
+    ("validate: {data: {type: inline}}\n", "validate.data.rows: required"),
+    ("service: {inference_service: {backend: mock, mode: summ}}\n",
+     "service.inference_service.mode: 'summ' is not one of echo, sum; did you mean 'sum'?"),
+    ("service: {inference_service: {backend: openai}}\n",
+     "service.inference_service.url: required (the server's OpenAI base URL"),
+    ("service: {inference_service: {backend: openai, url: 'http://x/v1', timeout: 0}}\n",
+     "service.inference_service.timeout: expected a positive number, got 0"),
+    ("service: {train_service: {backend: local_torch}}\n",
+     "service.train_service.backend: unknown key"),
+    ("weight: {rollout_limit: some}\n", "weight.rollout_limit: expected null, 'batch' or a positive integer, got 'some'"),
+    ("weight: {sync_mode: async}\n", "weight.sync_mode: 'async' is not one of sync, batch-async, fully-async"),
+    ("runtime_monitor: {failed_samples: {max_fraction: 1.5}}\n",
+     "runtime_monitor.failed_samples.max_fraction: expected a number >= 0 and <= 1, got 1.5"),
+    ("runtime_monitor: {health_check: {timeout: .inf}}\n",
+     "runtime_monitor.health_check.timeout: expected a finite number, got inf"),
+    ("trainer: {checkpoint_path: '???'}\n", "trainer.checkpoint_path: a value is required here (the recipe has '???')"),
+    ("logger: {backend: [console, tensorbord]}\n", "logger.backend: unknown metrics sink 'tensorbord'"),
+    ("logger: {backend: [console], wandb: {mode: offline}}\n", "logger.wandb: unknown key"),
+    ("logger: {backend: [wandb], wandb: {mode: onlin}}\n",
+     "logger.wandb.mode: 'onlin' is not one of online, offline, disabled; did you mean 'online'?"),
+    ("trajectory_pool: {type: default}\n", "trajectory_pool.type: no longer a recipe key"),
+    ("validate: {data: {type: inline, rows: [{prompt: a}], seed: 3}}\n", "validate.data.seed: unknown key"),
+    ("overwrite_run_dir: true\nresume: {mode: auto}\n",
+     "overwrite_run_dir: applies to a fresh run only (resume.mode: disable)"),
+    ("seed: 1.5\n", "seed: expected an integer, got a number (1.5)"),
     ("launch_mode: cluster\n", "launch_mode: 'cluster' is not one of local"),
     ("resume: {mode: from_path}\n", "resume.resume_path: required when resume.mode is 'from_path'"),
     ("trajectory_pool: {batch_size: 0}\n", "trajectory_pool.batch_size: expected a positive integer, got 0"),
@@ -216,11 +264,10 @@ def test_validate_missing_recipe_and_malformed_yaml(cli, recipe, tmp_path):
     assert "Traceback" not in err
 
 
-def test_run_refuses_a_bad_recipe_with_exit_1_and_no_traceback(cli, recipe, tmp_path):
+def test_run_refuses_a_bad_recipe_with_exit_2_and_no_traceback(cli, recipe, tmp_path):
     code, out, err = cli("run", recipe(), "trajectory_pool.group_size=3", f"run_dir={tmp_path / 'run'}")
-    assert code == 1
-    assert "error: the recipe has problems:" in err
-    assert "trajectory_pool.batch_size (4) must be a multiple of trajectory_pool.group_size (3)" in err
+    assert code == 2
+    assert "error: trajectory_pool.batch_size (4) must be a multiple of trajectory_pool.group_size (3)" in err
     assert "Traceback" not in err
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
@@ -248,6 +295,6 @@ def test_console_script_validate_exit_codes(recipe):
                          capture_output=True, text=True, env=env, timeout=60)
     assert bad.returncode == 2
     lines = bad.stderr.splitlines()
-    assert "- weight.validate_frq: unknown key; did you mean 'weight.validate_freq'?" in lines
-    assert "- trainer.total_train_steps: expected a positive integer, got 0" in lines
+    assert "error: weight.validate_frq: unknown key; did you mean 'weight.validate_freq'?" in lines
+    assert "error: trainer.total_train_steps: expected a positive integer, got 0" in lines
     assert "Traceback" not in bad.stderr

@@ -88,7 +88,8 @@ def val_rows(run_dir: Path) -> dict[int, dict]:
 def test_eval_prints_one_json_summary_and_writes_samples(tmp_path):
     recipe = write_recipe(tmp_path)
     samples = tmp_path / "samples.jsonl"
-    proc = nexrl("eval", recipe, "--samples-out", samples)
+    out = tmp_path / "eval"
+    proc = nexrl("eval", recipe, "--samples-out", samples, "--out", out)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert len(lines) == 1, f"stdout must hold exactly the JSON summary, got:\n{proc.stdout}"
@@ -112,14 +113,51 @@ def test_eval_prints_one_json_summary_and_writes_samples(tmp_path):
     hard = [0.0 if r["failed"] else r["reward"] for r in records if r["data_source"] == "hard"]
     assert metrics["val/hard_reward"] == pytest.approx(sum(hard) / len(hard))
     assert {r["model_version"] for r in records} == {0}
-    # docs/evaluation.md §Failed samples: failures land in errors.jsonl
-    errors = (tmp_path / "run" / "errors.jsonl").read_text().splitlines()
-    assert len(errors) == N_SAMPLES
+    # docs/evaluation.md §Failed samples: failures land in the evaluation's own errors.jsonl, never
+    # in the training run's run_dir (which eval does not create or touch)
+    errors = [json.loads(line) for line in (out / "errors.jsonl").read_text().splitlines()]
+    assert len(errors) == N_SAMPLES and all(e["validation"] for e in errors)
+    assert not (tmp_path / "run").exists()
+    assert json.loads((out / "metrics.json").read_text()) == metrics
+    assert (out / "samples.jsonl").exists() is False  # --samples-out named another file
+    # a second evaluation into the same folder replaces its outputs, never appends
+    again = nexrl("eval", recipe, "--out", out)
+    assert again.returncode == 0, again.stderr
+    assert len((out / "errors.jsonl").read_text().splitlines()) == N_SAMPLES
+    assert len((out / "samples.jsonl").read_text().splitlines()) == n_rows * N_SAMPLES
+
+
+def test_eval_never_writes_into_the_training_run(tmp_path):
+    recipe = write_recipe(tmp_path)
+    run = nexrl("run", recipe)
+    assert run.returncode == 0, run.stderr
+    before = {p: p.read_bytes() for p in (tmp_path / "run").rglob("*") if p.is_file()}
+    ev = nexrl("eval", recipe)
+    assert ev.returncode == 0, ev.stderr
+    after = {p: p.read_bytes() for p in (tmp_path / "run").rglob("*") if p.is_file()}
+    assert after == before
+    refused = nexrl("eval", recipe, "--out", tmp_path / "run")
+    assert refused.returncode == 2 and "--out: " in refused.stderr and "is the training run's run_dir" in refused.stderr
+
+
+def test_eval_exits_1_when_no_sample_could_be_scored(tmp_path):
+    recipe = write_recipe(tmp_path)
+    cfg = yaml.safe_load(recipe.read_text())
+    cfg["validate"]["data"]["rows"] = [FAILING_ROW, dict(FAILING_ROW, answer="1")]  # no prompt: every sample fails
+    recipe.write_text(yaml.safe_dump(cfg))
+    proc = nexrl("eval", recipe)
+    assert proc.returncode == 1
+    metrics = json.loads(proc.stdout)  # the summary is still printed
+    assert metrics["val/num_failed"] == metrics["val/num_samples"] == 2 * N_SAMPLES
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == [f"error: no sample could be scored: {2 * N_SAMPLES} of {2 * N_SAMPLES} failed; most common "
+                      f"error: missing_prompt ({2 * N_SAMPLES} of {2 * N_SAMPLES}): task has no 'prompt' field"]
+    assert "Traceback" not in proc.stderr
 
 
 def test_eval_errors_are_one_message_on_stderr(tmp_path):
     proc = nexrl("eval", tmp_path / "missing.yaml")
-    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.returncode == 2 and proc.stdout == ""
     assert "missing.yaml" in proc.stderr and "Traceback" not in proc.stderr
 
 

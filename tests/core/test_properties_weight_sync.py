@@ -193,10 +193,12 @@ def test_every_validation_sample_counted_exactly_once(pm, rows, n_samples, num_w
         path = os.path.join(tmp, "recipe.yaml")
         with open(path, "w") as f:
             yaml.safe_dump(recipe, f)
-        controller = NexRLController(load_recipe(path), plugin_manager=pm, eval_only=True)
+        controller = NexRLController(load_recipe(path), plugin_manager=pm, eval_only=True,
+                                     eval_out=os.path.join(tmp, "eval"))
         metrics = controller.run_evaluation()
         trajs = controller.validator.trajectories()
-        errors_path = os.path.join(tmp, "run", "errors.jsonl")
+        errors_path = os.path.join(tmp, "eval", "errors.jsonl")  # never the training run's run_dir
+        assert not os.path.exists(os.path.join(tmp, "run"))
         errors = [json.loads(line) for line in open(errors_path)] if os.path.exists(errors_path) else []
 
     expected = {(f"0:{i}", j) for i in range(len(rows)) for j in range(n_samples)}

@@ -313,10 +313,10 @@ def test_validate_and_run_reject_ray_with_the_same_message(core_pm, capfd, reset
                     "trajectory_pool: {batch_size: 2, group_size: 2}\n")
     message = launch_mode_problem("ray")
     assert main(["validate", str(path)]) == 2
-    assert f"- {message}\n" in capfd.readouterr().err
-    assert main(["run", str(path)]) == 1
+    assert capfd.readouterr().err == f"error: {message}\n"
+    assert main(["run", str(path)]) == 2  # bad input: the same line and exit code as validate
     err = capfd.readouterr().err
-    assert f"- {message}\n" in err and "Traceback" not in err
+    assert err == f"error: {message}\n" and "Traceback" not in err
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 

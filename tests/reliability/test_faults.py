@@ -215,7 +215,9 @@ def test_hung_module_is_detected_within_interval_plus_timeout(build):
 def test_stopped_inference_server_is_noticed_within_one_health_interval(build):
     with FakeOpenAIServer() as server:
         controller = build({"trainer": {"total_train_steps": 100000, "step_time_s": 0.01},
-                            "service": openai_service(server)})
+                            "service": openai_service(server),
+                            # the health check is what is timed here; the failed samples would stop it too
+                            "runtime_monitor": {"failed_samples": {"enabled": False}}})
         seen = record_detections(controller)
         stopped_at: list[float] = []
         when_step(controller, 2, lambda: (server.stop(), stopped_at.append(time.monotonic())))
@@ -313,6 +315,8 @@ def test_every_consumed_item_is_trained_or_recorded_once(build):
             "trainer": {"total_train_steps": steps, "step_time_s": 0.01},
             "weight": {"sync_mode": "batch-async"},
             "service": openai_service(server),
+            # most of a batch fails here on purpose: the failed-sample stop is tested elsewhere
+            "runtime_monitor": {"failed_samples": {"max_fraction": 1.0}},
         })
         when_step(controller, 3, lambda: server.fail_next(12, status=503))  # retried once, then fails
         summary = controller.run()

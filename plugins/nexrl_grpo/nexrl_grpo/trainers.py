@@ -11,17 +11,34 @@ import torch
 from loguru import logger
 from omegaconf import OmegaConf
 
-from nexrl_core import Batch, BaseTrainer, ConfigError, Trajectory
+from nexrl_core import Batch, BaseTrainer, Capabilities, ConfigError, Option, Trajectory
 
 from . import core_algos
 from .modeling import compute_response_logprobs, position_ids_from_mask
 from .train_service import LocalTorchTrainService
-from .weights import config_errors, resolve_model_path
+from .weights import AUTO_FLAG, MODEL_OPTIONS, _auto_flag, check_model_section, config_errors, resolve_model_path
 
-TRAIN_SERVICE_KEYS = {"backend": "local_torch", "model_path": None, "gguf_file": None, "dtype": "float32",
-                      "lr": 1e-6, "weight_decay": 0.0, "betas": [0.9, 0.999], "eps": 1e-8, "grad_clip": 1.0,
-                      "seed": None, "micro_batch_size": None, "temperature": 1.0, "num_threads": None,
-                      "packing": None, "max_tokens_per_pack": 2048}  # packing: auto | true | false
+
+def _betas(value: Any) -> str | None:
+    return None if len(value) == 2 and all(0 <= b < 1 for b in value) else \
+        f"expected [beta1, beta2], each in [0, 1), got {list(value)}"
+
+
+TRAIN_SERVICE_OPTIONS = {
+    # The core checks the value against the train services it knows.
+    "backend": Option("local_torch", str, "the train service: local_torch (torch in this process)"),
+    **MODEL_OPTIONS,
+    "lr": Option(1e-6, float, "AdamW learning rate", gt=0),
+    "weight_decay": Option(0.0, float, "AdamW weight decay", ge=0),
+    "betas": Option([0.9, 0.999], list[float], "AdamW betas", check=_betas),
+    "eps": Option(1e-8, float, "AdamW epsilon", gt=0),
+    "grad_clip": Option(1.0, float, "gradient-norm clip (<= 0 or null: none)"),
+    "seed": Option(None, int, "seed of torch, numpy and python RNGs (default: the recipe's seed)"),
+    "micro_batch_size": Option(None, int, "rows per forward pass (null: the whole batch)", ge=1),
+    "temperature": Option(1.0, float, "logits are divided by it when scoring", gt=0),
+    "packing": Option(None, AUTO_FLAG, "packed sequences without padding: auto | true | false", check=_auto_flag),
+    "max_tokens_per_pack": Option(2048, int, "tokens per packed sequence", ge=1),
+}
 
 
 def _prompt_groups(prompts: list[list[int]]) -> torch.Tensor:
@@ -33,8 +50,14 @@ def _prompt_groups(prompts: list[list[int]]) -> torch.Tensor:
 class SelfHostedTrainer(BaseTrainer):
     """Turns trajectories into verl-layout tensors; subclasses add the algorithm in ``_prepare_batch``."""
 
-    TRAIN_SERVICE_KEYS = TRAIN_SERVICE_KEYS
+    TRAIN_SERVICE_OPTIONS = TRAIN_SERVICE_OPTIONS
     ALGORITHM_KEYS: dict[str, Any] = {}
+    # New weights exist as tensors in this process: a weight-sync backend must bring them to inference.
+    CAPABILITIES = Capabilities(
+        provides={"trainer:state_dict"},
+        requires={"weight_sync:state_dict": "it trains new weights in this process, and without a backend that "
+                                            "moves them, rollouts keep sampling the initial model"})
+    check_train_service = staticmethod(check_model_section)
 
     def __init__(self, config: Any):
         super().__init__(config)

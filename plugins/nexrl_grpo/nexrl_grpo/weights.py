@@ -7,7 +7,7 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from nexrl_core import ConfigError, WeightSyncBackend, execute
+from nexrl_core import Capabilities, ConfigError, Option, WeightSyncBackend, execute
 
 from .engine import HFInferenceEngine
 from .modeling import ensure_safetensors_model, smollm2_gguf_path
@@ -16,24 +16,59 @@ from .modeling import ensure_safetensors_model, smollm2_gguf_path
 SMOLLM2 = "smollm2-135m-instruct"
 
 
-def resolve_model_path(model_path: str | None, gguf_file: str | None = None) -> str:
-    """An HF folder for ``model_path``; GGUF files (and the SmolLM2 alias) are converted once and cached."""
+def model_path_problem(model_path: str | None, gguf_file: str | None = None) -> str | None:
+    """Why ``model_path``/``gguf_file`` name no loadable model ("key: why"), or None. Cheap: reads no weights."""
     if model_path == SMOLLM2 or gguf_file == SMOLLM2:
         try:
-            return ensure_safetensors_model(smollm2_gguf_path())
+            smollm2_gguf_path()
         except FileNotFoundError as exc:
-            raise ConfigError(f"model_path: {exc}") from None
+            return f"model_path: {exc}"
+        return None
     if gguf_file:
-        gguf = gguf_file if os.path.isabs(gguf_file) or not model_path else os.path.join(model_path, gguf_file)
-        if not os.path.isfile(gguf):
-            raise ConfigError(f"gguf_file: '{gguf}' does not exist")
-        return ensure_safetensors_model(gguf)
+        gguf = _gguf(model_path, gguf_file)
+        return None if os.path.isfile(gguf) else f"gguf_file: '{gguf}' does not exist"
     if not model_path:
-        raise ConfigError(f"model_path: required (an HF model folder, a global_step_<N> checkpoint, or '{SMOLLM2}')")
+        return f"model_path: required (an HF model folder, a global_step_<N> checkpoint, or '{SMOLLM2}')"
     if not os.path.isfile(os.path.join(str(model_path), "config.json")):
-        raise ConfigError(f"model_path: '{model_path}' is not a model folder (no config.json); use an HF folder, "
-                          f"a global_step_<N> checkpoint or '{SMOLLM2}'")
+        return (f"model_path: '{model_path}' is not a model folder (no config.json); use an HF folder, "
+                f"a global_step_<N> checkpoint or '{SMOLLM2}'")
+    return None
+
+
+def _gguf(model_path: str | None, gguf_file: str) -> str:
+    return gguf_file if os.path.isabs(gguf_file) or not model_path else os.path.join(model_path, gguf_file)
+
+
+def resolve_model_path(model_path: str | None, gguf_file: str | None = None) -> str:
+    """An HF folder for ``model_path``; GGUF files (and the SmolLM2 alias) are converted once and cached."""
+    problem = model_path_problem(model_path, gguf_file)
+    if problem:
+        raise ConfigError(problem)
+    if model_path == SMOLLM2 or gguf_file == SMOLLM2:
+        return ensure_safetensors_model(smollm2_gguf_path())
+    if gguf_file:
+        return ensure_safetensors_model(_gguf(model_path, gguf_file))
     return str(model_path)
+
+
+def check_model_section(section: Any, key: str) -> list[str]:
+    """``check_config`` of a section holding ``model_path``/``gguf_file``."""
+    problem = model_path_problem(section.get("model_path"), section.get("gguf_file"))
+    return [f"{key}.{problem}"] if problem else []
+
+
+MODEL_OPTIONS = {
+    "model_path": Option(None, str, f"HF model folder, a global_step_<N> checkpoint, or '{SMOLLM2}'"),
+    "gguf_file": Option(None, str, "GGUF file (in model_path, or absolute), converted once to safetensors"),
+    "dtype": Option("float32", str, "torch floating-point dtype of the weights"),
+    "num_threads": Option(None, int, "torch CPU threads", ge=1),
+}
+AUTO_FLAG = (bool, str, None)  # auto | true | false
+
+
+def _auto_flag(value: Any) -> str | None:
+    return None if isinstance(value, bool) or str(value).lower() in ("auto", "true", "false") else \
+        f"{value!r} is not one of auto, true, false"
 
 
 @contextlib.contextmanager
@@ -48,10 +83,18 @@ def config_errors(section: str) -> Iterator[None]:
 class HFInferenceBackend(HFInferenceEngine):
     """The ``hf`` inference backend: the in-process engine, with recipe model paths resolved."""
 
-    CONFIG_KEYS = {"model_path": None, "gguf_file": None, "dtype": "float32", "max_batch_size": 64,
-                   "batch_wait_ms": 2, "batch_wait_max_ms": 50, "chat_template": True, "seed": None,
-                   "num_threads": None,
-                   "fast_path": None}  # fast_path: auto | true | false
+    OPTIONS = {
+        **MODEL_OPTIONS,
+        "max_batch_size": Option(64, int, "most requests decoded together", ge=1),
+        "batch_wait_ms": Option(2.0, float, "wait for more requests before a batch starts", ge=0),
+        "batch_wait_max_ms": Option(50.0, float, "longest wait for a batch to fill", ge=0),
+        "chat_template": Option(True, bool, "apply the tokenizer's chat template to chat prompts"),
+        "seed": Option(None, int, "seed of requests without their own"),
+        "fast_path": Option(None, AUTO_FLAG, "fused decoding for Llama-family models: auto | true | false",
+                            check=_auto_flag),
+    }
+    CAPABILITIES = Capabilities(provides={"inference:load_weights"})
+    check_config = staticmethod(check_model_section)
 
     def __init__(self, config: Any):
         from omegaconf import OmegaConf
@@ -69,6 +112,11 @@ class HFInferenceBackend(HFInferenceEngine):
 
 class InProcessWeightSync(WeightSyncBackend):
     """Copies the trainer's tensors into the engine's model; the engine serves them from its next batch."""
+
+    CAPABILITIES = Capabilities(
+        provides={"weight_sync:state_dict"},
+        requires={"trainer:state_dict": "it copies the tensors a trainer in this process exports",
+                  "inference:load_weights": "it loads them into an inference engine in this process"})
 
     def sync(self, trainer: Any, inference_client: Any, version: int) -> None:
         execute(inference_client.load_weights, execute(trainer.export_weights), version)

@@ -36,7 +36,8 @@ from typing import Any
 from loguru import logger
 from omegaconf import DictConfig, OmegaConf
 
-from nexrl_core import CompletionResult, ConfigError, InferenceError, OpenAICompatibleClient, SamplingParams
+from nexrl_core import (Capabilities, CompletionResult, ConfigError, InferenceError, OpenAICompatibleClient,
+                        SamplingParams)
 
 from .control import PAUSE_MODES, SyncPhaseError, VLLMControl
 from .server import ManagedVLLMServer, ServeOptions, is_loopback, log_tail, parse_command
@@ -176,6 +177,8 @@ def parse_serve_options(config: Any, section: str = "service.inference_service")
 
 
 class VLLMClient(OpenAICompatibleClient):
+    # Loads new weights through vLLM's weight-update routes (only a vLLM weight sync drives them).
+    CAPABILITIES = Capabilities(provides={"inference:vllm"})
     """The ``vllm`` inference backend. See the module docstring."""
 
     CONFIG_KEYS = {**_CLIENT_KEYS, **_SERVE_KEYS}

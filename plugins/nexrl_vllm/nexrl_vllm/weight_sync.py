@@ -47,7 +47,7 @@ from urllib.parse import urlparse
 
 from loguru import logger
 
-from nexrl_core import ConfigError, WeightSyncBackend
+from nexrl_core import Capabilities, ConfigError, WeightSyncBackend
 
 from .client import VLLMClient, _run_dir, _value, require_vllm_client
 from .control import PAUSE_MODES, SyncPhaseError, VLLMControl
@@ -72,6 +72,10 @@ def unique_tensors(state: Mapping[str, Any]) -> list[tuple[str, Any]]:
 
 
 class _VLLMWeightSync(WeightSyncBackend):
+    CAPABILITIES = Capabilities(
+        provides={"weight_sync:state_dict"},
+        requires={"trainer:state_dict": "it sends the tensors a trainer in this process exports",
+                  "inference:vllm": "it loads them through a vLLM server's weight-update routes"})
     NAME = ""
     # Compatibility declaration: the transport this backend speaks (see VLLMClient.ACCEPTS_WEIGHT_TRANSPORTS).
     WEIGHT_TRANSPORT = "vllm"

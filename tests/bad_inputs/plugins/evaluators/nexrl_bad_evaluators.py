@@ -37,6 +37,26 @@ class NanReward(_Base):
         return self.good(data, evaluation_target)
 
 
+class AlwaysRaises(_Base):
+    """Raises on every row: a run with it trains on nothing."""
+
+    def evaluate(self, data, evaluation_target):
+        raise KeyError("expected_answer")
+
+
+class TargetChars(Evaluator):
+    """Options described only by an annotated constructor (no OPTIONS declared)."""
+
+    def __init__(self, target_chars: int = 3, letter: str = "a"):
+        self.target_chars = target_chars
+        self.letter = letter
+
+    def evaluate(self, data, evaluation_target):
+        text = evaluation_target.final_answer
+        return EvaluationRunResult(reward=float(text.count(self.letter) >= self.target_chars))
+
+
 @hookimpl
 def nexrl_evaluators():
-    return {"wrong_result_type": WrongResultType, "raises_on_some": RaisesOnSome, "nan_reward": NanReward}
+    return {"wrong_result_type": WrongResultType, "raises_on_some": RaisesOnSome, "nan_reward": NanReward,
+            "always_raises": AlwaysRaises, "target_chars": TargetChars}

@@ -1,0 +1,165 @@
+"""What a run builds from its recipe before it starts, shared by ``nexrl validate`` and the
+controller so both decide every input with the same code: the data loaders (which read every
+data file), the evaluator, the run directory and the resume state.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from .checkpoint import CORE_STATE_FILE, find_latest_checkpoint, is_checkpoint, read_core_state
+from .errors import ConfigError, NexRLError
+from .run_log import _inside, earlier_run
+
+DATA_SECTIONS = ("data", "validate.data")
+
+
+def _section(cfg: DictConfig, dotted: str) -> Any:
+    return OmegaConf.select(cfg, dotted, default=None)
+
+
+def dataloader_config(cfg: DictConfig, which: str) -> DictConfig | None:
+    """What the data loader of ``data`` or ``validate.data`` is built with (None: no such section)."""
+    section = _section(cfg, which)
+    if section is None:
+        return None
+    is_validate = which == "validate.data"
+    data = OmegaConf.create(OmegaConf.to_container(section))
+    data.group_size = int(cfg.validate.n_samples if is_validate else cfg.trajectory_pool.group_size)
+    if is_validate:
+        data.shuffle = False
+    return data
+
+
+def build_dataloader(cfg: DictConfig, pm: Any, which: str) -> Any:
+    """The data loader of ``data`` or ``validate.data``, built as the run builds it; its
+    constructor reads the data, so a bad file fails here with ``file:line``."""
+    data = dataloader_config(cfg, which)
+    if data is None:
+        return None
+    cls = pm.resolve("dataloader", data.type, f"{which}.type")
+    return cls(data, is_validate=which == "validate.data")
+
+
+def build_evaluator(cfg: DictConfig, pm: Any) -> Any:
+    """The evaluator of ``rollout_worker.evaluator``, built as each rollout worker builds it."""
+    from .plugins import use_plugin_manager
+    from .rollout_worker import build_evaluator as build
+
+    with use_plugin_manager(pm):
+        return build(cfg.rollout_worker.get("evaluator"))
+
+
+def records_config(cfg: DictConfig, out: str | None) -> DictConfig:
+    """The recipe as ``nexrl eval``'s records see it: files in ``out`` (None: none), no sinks."""
+    records = OmegaConf.create(OmegaConf.to_container(cfg))
+    records.run_dir = out
+    records.logger.backend = []
+    return records
+
+
+def check_files(cfg: DictConfig, pm: Any, eval_only: bool = False) -> list[str]:
+    """Problems a recipe with sound keys can still have: the run directory, the resume
+    checkpoint, every data file (the loaders are built and dropped), the evaluator's options."""
+    problems = [] if eval_only else run_dir_problems(cfg) + resume_problems(cfg)
+    for which in DATA_SECTIONS:
+        if eval_only and which == "data":
+            continue
+        try:
+            build_dataloader(cfg, pm, which)
+        except NexRLError as exc:
+            problems.append(str(exc))
+    try:
+        build_evaluator(cfg, pm)
+    except NexRLError as exc:
+        problems.append(str(exc))
+    return problems
+
+
+# -- run directory -------------------------------------------------------------------------------
+
+def writable_dir_problem(path: str, key: str) -> str | None:
+    """Why ``path`` cannot be (made into) a writable folder, or None."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        return f"{key}: '{path}' is a file, not a folder"
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe):
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            break
+        probe = parent
+    if not os.path.isdir(probe):
+        return f"{key}: cannot create '{path}': '{probe}' is a file"
+    if not os.access(probe, os.W_OK | os.X_OK):
+        return f"{key}: cannot write to '{probe}' (permission denied)"
+    return None
+
+
+def run_dir_problems(cfg: DictConfig) -> list[str]:
+    run_dir = str(cfg.run_dir)
+    problems = [p for p in (writable_dir_problem(run_dir, "run_dir"),) if p]
+    ckpt = cfg.trainer.get("checkpoint_path")
+    if ckpt and not (problems and _inside(str(ckpt), run_dir)):  # one message when run_dir is the cause
+        problem = writable_dir_problem(str(ckpt), "trainer.checkpoint_path")
+        if problem:
+            problems.append(problem)
+    if problems or cfg.resume.mode != "disable" or cfg.get("overwrite_run_dir"):
+        return problems
+    found = earlier_run(run_dir, str(ckpt) if ckpt else None)
+    if found:
+        problems.append(f"run_dir: '{run_dir}' holds an earlier run ({found}) and resume.mode is 'disable'. "
+                        f"Choose: resume.mode=auto to continue it, another run_dir, or overwrite_run_dir=true "
+                        f"to move the earlier run aside (to '{run_dir}.old-<time>')")
+    return problems
+
+
+# -- resume state --------------------------------------------------------------------------------
+
+def resume_checkpoint(cfg: DictConfig) -> str | None:
+    """The checkpoint a run resumes from (None: a fresh start). Raises ConfigError when
+    ``from_path`` names something that is not a complete checkpoint."""
+    mode = cfg.resume.mode
+    if mode == "disable":
+        return None
+    if mode == "from_path":
+        path = str(cfg.resume.resume_path)
+        if not is_checkpoint(path):
+            raise ConfigError(f"resume.resume_path: '{path}' is not a complete checkpoint folder "
+                              f"(expected global_step_<N>/ with {CORE_STATE_FILE})")
+        return path
+    root = cfg.trainer.get("checkpoint_path")
+    return find_latest_checkpoint(str(root)) if root else None
+
+
+def resume_problems(cfg: DictConfig) -> list[str]:
+    try:
+        path = resume_checkpoint(cfg)
+        if path is not None:
+            read_core_state(path)
+    except NexRLError as exc:
+        return [str(exc)]
+    return []
+
+
+def validate_recipe(cfg: DictConfig, pm: Any, eval_only: bool = False) -> list[str]:
+    """Everything ``nexrl validate`` reports: key problems first; files once the keys are sound."""
+    from .config import check_config
+
+    problems = check_config(cfg, pm, eval_only=eval_only)
+    if problems:
+        return problems
+    return check_files(cfg, pm, eval_only=eval_only)
+
+
+def require_runnable(cfg: DictConfig, pm: Any, eval_only: bool = False) -> None:
+    """What the controller checks before it builds anything (data files come next, when the
+    loaders are built): the same functions, in the same order, as :func:`validate_recipe`."""
+    from .config import RecipeProblems, require_valid
+
+    require_valid(cfg, pm, eval_only=eval_only)
+    problems = [] if eval_only else run_dir_problems(cfg) + resume_problems(cfg)
+    if problems:
+        raise RecipeProblems(problems)

@@ -1,0 +1,1 @@
+"""nexrl-tinker: training and sampling through the Tinker API (the ``tinker`` SDK)."""

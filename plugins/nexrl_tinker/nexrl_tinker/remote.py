@@ -1,0 +1,223 @@
+"""Talking to the Tinker service: credentials, deadlines, retries, and errors that name the request.
+
+The ``tinker`` SDK already retries HTTP 408/409/429/5xx, timeouts and connection errors, for up
+to several minutes per request, and polls futures forever. This layer adds what a training run
+needs on top:
+
+- a deadline per remote call (``request_timeout``): a call still unanswered by then is
+  abandoned and reported, naming the request;
+- a few more attempts, with exponential backoff, for calls that are safe to repeat (sampling,
+  snapshots for sampling, creating clients, saving and loading checkpoints) when the SDK gives
+  up or the service reports a server-side failure; ``forward_backward`` and ``optim_step`` are
+  never repeated (gradients would accumulate twice), their failure is reported;
+- error messages that never contain the API key.
+
+Credentials: ``api_key`` from the recipe, else the SDK's ``TINKER_API_KEY``; ``base_url`` from
+the recipe, else the SDK's ``TINKER_BASE_URL``, else the SDK's default (the hosted service).
+The SDK's other credential sources (``TINKER_CREDENTIAL_CMD``, a key stored by
+``tinker auth login``) are accepted too.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from loguru import logger
+
+from nexrl_core import ConfigError, NexRLError
+
+T = TypeVar("T")
+
+ENV_API_KEY = "TINKER_API_KEY"
+ENV_BASE_URL = "TINKER_BASE_URL"
+ENV_CREDENTIAL_CMD = "TINKER_CREDENTIAL_CMD"
+CONNECTION_KEYS = {"api_key": None, "base_url": None, "request_timeout": 600.0, "max_retries": 3,
+                   "retry_backoff": 1.0}
+
+
+class TinkerRequestError(NexRLError):
+    """A remote call failed for good. ``request`` names it (operation, model, size)."""
+
+    def __init__(self, request: str, reason: str):
+        super().__init__(f"Tinker {request} failed: {reason}")
+        self.request = request
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class TinkerConnection:
+    """Where the service is and how to reach it. The key is kept out of ``repr`` and messages."""
+
+    base_url: str | None
+    api_key: str | None = field(repr=False)  # None: the SDK finds it (credential command, stored key)
+    request_timeout: float = 600.0
+    max_retries: int = 3
+    retry_backoff: float = 1.0
+
+    def service_client(self) -> Any:
+        import tinker
+
+        return tinker.ServiceClient(base_url=self.base_url, api_key=self.api_key)
+
+    def redact(self, text: str) -> str:
+        return text.replace(self.api_key, "***") if self.api_key else text
+
+    @property
+    def where(self) -> str:
+        return self.base_url or "the hosted Tinker service"
+
+
+def plain_section(section: Any, path: str) -> dict[str, Any]:
+    """A recipe section as a plain dict, interpolations (``${oc.env:TINKER_API_KEY}``) resolved."""
+    if section is None:
+        return {}
+    if hasattr(section, "_get_node"):  # an OmegaConf node
+        from omegaconf import OmegaConf
+        from omegaconf.errors import OmegaConfBaseException
+
+        try:
+            return dict(OmegaConf.to_container(section, resolve=True))
+        except OmegaConfBaseException as exc:
+            key = getattr(exc, "full_key", None) or getattr(exc, "key", None)
+            detail = str(exc).splitlines()[0]
+            raise ConfigError(f"{path}{f'.{key}' if key else ''}: {detail}") from None
+    return dict(section)
+
+
+def resolve_connection(section: Mapping[str, Any] | None, path: str) -> TinkerConnection:
+    """Connection settings of a recipe section (``service.train_service``...); ConfigError if no
+    API key can be found. Reads only the recipe and the environment: nothing is contacted."""
+    section = plain_section(section, path)
+
+    def number(key: str, cast: type, minimum: float) -> Any:
+        value = section.get(key, CONNECTION_KEYS[key])
+        try:
+            value = cast(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{path}.{key}: expected a number, got {value!r}") from None
+        if not value >= minimum:
+            raise ConfigError(f"{path}.{key}: must be >= {minimum}, got {value}")
+        return value
+
+    api_key = section.get("api_key") or os.environ.get(ENV_API_KEY) or None
+    if api_key is not None:
+        api_key = str(api_key)
+        if not api_key.startswith(("tml-", "eyJ")):
+            source = f"{path}.api_key" if section.get("api_key") else ENV_API_KEY
+            raise ConfigError(f"{source}: not a Tinker API key (a key starts with 'tml-')")
+    elif not os.environ.get(ENV_CREDENTIAL_CMD) and not _stored_key_exists():
+        raise ConfigError(f"{path}.api_key: no Tinker API key: set {path}.api_key (e.g. "
+                          f"${{oc.env:{ENV_API_KEY}}}) or the {ENV_API_KEY} environment variable")
+    base_url = section.get("base_url") or os.environ.get(ENV_BASE_URL) or None
+    return TinkerConnection(base_url=str(base_url).rstrip("/") if base_url else None, api_key=api_key,
+                            request_timeout=number("request_timeout", float, 0.001),
+                            max_retries=number("max_retries", int, 0),
+                            retry_backoff=number("retry_backoff", float, 0.0))
+
+
+def _stored_key_exists() -> bool:
+    """A default key stored by ``tinker auth login`` (the SDK's own fallback)."""
+    try:
+        from tinker.lib.credentials import JsonCredentialStore, default_credentials_path
+
+        return JsonCredentialStore(default_credentials_path()).get_default_key() is not None
+    except Exception:
+        return False
+
+
+class RemoteCalls:
+    """Runs remote calls with the connection's deadline and retry policy."""
+
+    def __init__(self, connection: TinkerConnection):
+        self.connection = connection
+
+    def call(self, request: str, submit: Callable[[], Any], *, repeatable: bool) -> Any:
+        """``submit()`` returns an SDK future (or a plain value); wait for its result.
+
+        ``repeatable``: the call may be sent again (up to ``max_retries`` more times, backing off
+        ``retry_backoff * 2**i`` seconds) when it fails in a way worth retrying.
+        """
+        attempts = 1 + (self.connection.max_retries if repeatable else 0)
+        for attempt in range(attempts):
+            deadline = time.monotonic() + self.connection.request_timeout
+            try:
+                return self.wait(request, self.run(request, submit, deadline), deadline)
+            except TinkerRequestError as exc:
+                cause = exc.__cause__
+                if attempt + 1 >= attempts or not _worth_retrying(cause):
+                    raise
+                delay = self.connection.retry_backoff * 2 ** attempt
+                logger.warning(f"Tinker {request}: {exc.reason}; retrying in {delay:.1f}s "
+                               f"(attempt {attempt + 2} of {attempts})")
+                time.sleep(delay)
+        raise AssertionError("unreachable")
+
+    def run(self, request: str, fn: Callable[[], T], deadline: float | None = None) -> T:
+        """Run a blocking SDK call (creating a client contacts the service) under the deadline."""
+        deadline = deadline if deadline is not None else time.monotonic() + self.connection.request_timeout
+        box: dict[str, Any] = {}
+        done = threading.Event()
+
+        def target() -> None:
+            try:
+                box["value"] = fn()
+            except BaseException as exc:  # handed to the caller
+                box["error"] = exc
+            done.set()
+
+        # A daemon thread: an SDK call stuck past the deadline must not hold the process at exit.
+        threading.Thread(target=target, name=f"tinker-{request.split()[0]}", daemon=True).start()
+        if not done.wait(max(0.0, deadline - time.monotonic())):
+            raise self._timeout(request)
+        if "error" in box:
+            raise self._failure(request, box["error"])
+        return box["value"]
+
+    def wait(self, request: str, future: Any, deadline: float | None = None) -> Any:
+        """The result of an SDK future (an ``APIFuture`` or a concurrent future) by the deadline."""
+        if not hasattr(future, "result"):
+            return future
+        deadline = deadline if deadline is not None else time.monotonic() + self.connection.request_timeout
+        try:
+            return future.result(timeout=max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            inner = future.future() if hasattr(future, "future") else future
+            inner.cancel()  # stop the SDK's polling of an abandoned request
+            raise self._timeout(request) from None
+        except TinkerRequestError:
+            raise
+        except Exception as exc:
+            raise self._failure(request, exc) from exc
+
+    def _timeout(self, request: str) -> TinkerRequestError:
+        return TinkerRequestError(request, f"no result within request_timeout={self.connection.request_timeout:g}s "
+                                           f"from {self.connection.where} (the Tinker SDK retries HTTP 429/5xx, "
+                                           f"timeouts and connection errors until then)")
+
+    def _failure(self, request: str, exc: BaseException) -> TinkerRequestError:
+        error = TinkerRequestError(request, self.connection.redact(_describe(exc)))
+        error.__cause__ = exc
+        return error
+
+
+def _describe(exc: BaseException) -> str:
+    status = getattr(exc, "status_code", None)
+    message = str(getattr(exc, "message", None) or exc) or type(exc).__name__
+    if len(message) > 400:
+        message = message[:400] + "..."
+    return f"{type(exc).__name__}{f' (HTTP {status})' if status else ''}: {message}"
+
+
+def _worth_retrying(exc: BaseException | None) -> bool:
+    import tinker
+
+    if isinstance(exc, tinker.RequestFailedError):
+        return str(exc.category) != "user"
+    if isinstance(exc, tinker.APIStatusError):
+        return exc.status_code in (408, 409, 429) or exc.status_code >= 500
+    return isinstance(exc, (tinker.APIConnectionError, ConnectionError))

@@ -1,0 +1,109 @@
+"""nexrl-grpo's declared options and capabilities, through `nexrl validate` and `nexrl run`:
+each bad recipe gets the same one-line message from both, exit 2, before any model is loaded.
+
+The trainer, inference backend and weight-sync backend declare what they provide and need
+(nexrl_core.Capabilities); a combination that cannot move the trained weights to the service
+that samples is refused (a self-hosted trainer with `version_only` trained against a server
+that never received its weights, while staleness read 0).
+"""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from nexrl_core.cli import main
+from tests.support.letters import grpo_plugin_manager
+
+
+@pytest.fixture
+def recipe(tmp_path, tiny_model_dir):
+    data = {
+        "data": {"type": "inline", "rows": [{"prompt": "the quick"}, {"prompt": "hello world"}]},
+        "rollout_worker": {"num_workers": 2, "sampling": {"max_tokens": 4},
+                           "evaluator": {"type": "letter_share", "letter": "e"}},
+        "trajectory_pool": {"batch_size": 4, "group_size": 2},
+        "trainer": {"type": "self_hosted_grpo", "total_train_steps": 1},
+        "weight": {"backend": "in_process"},
+        "service": {"train_service": {"model_path": tiny_model_dir, "lr": 1.0e-3},
+                    "inference_service": {"backend": "hf", "model_path": tiny_model_dir}},
+        "logger": {"backend": [], "level": "WARNING"},
+    }
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+@pytest.fixture
+def cli(monkeypatch, capfd, reset_loguru):
+    import nexrl_core.plugins as plugins
+
+    monkeypatch.setattr(plugins, "_DEFAULT", grpo_plugin_manager())
+
+    def call(*argv: str):
+        code = main(list(argv))
+        out, err = capfd.readouterr()
+        return code, out, [line for line in err.splitlines() if line.startswith("error: ")], err
+    return call
+
+
+OPENAI = "service.inference_service={backend: openai, url: 'http://127.0.0.1:9/v1'}"
+CASES = {
+    "self_hosted_with_version_only": (
+        ["weight.backend=version_only"],
+        "error: trainer.type: trainer 'self_hosted_grpo' needs 'weight_sync:state_dict' (it trains new weights in "
+        "this process, and without a backend that moves them, rollouts keep sampling the initial model), which "
+        "neither inference backend 'hf', weight-sync backend 'version_only' provides; it is provided by "
+        "weight.backend: in_process (nexrl-grpo)"),
+    "self_hosted_openai_version_only": (
+        [OPENAI, "weight.backend=version_only"],
+        "error: trainer.type: trainer 'self_hosted_grpo' needs 'weight_sync:state_dict'"),
+    "in_process_into_an_external_server": (
+        [OPENAI],
+        "error: weight.backend: weight-sync backend 'in_process' needs 'inference:load_weights' (it loads them into "
+        "an inference engine in this process), which neither trainer 'self_hosted_grpo', inference backend "
+        "'openai' provides; it is provided by service.inference_service.backend: hf (nexrl-grpo)"),
+    "nan_learning_rate": (["service.train_service.lr=nan"],
+                          "error: service.train_service.lr: expected a finite number, got nan"),
+    "inf_learning_rate": (["service.train_service.lr=inf"],
+                          "error: service.train_service.lr: expected a finite number, got inf"),
+    "zero_learning_rate": (["service.train_service.lr=0"],
+                           "error: service.train_service.lr: expected a positive number, got 0"),
+    "text_learning_rate": (["service.train_service.lr='1e-5'"],
+                           "error: service.train_service.lr: expected a number, got a string ('1e-5'); YAML reads "
+                           "a number like 1e-5 as text: write 1.0e-5"),
+    "missing_model_path": (["service.train_service.model_path=/no/such/model"],
+                           "error: service.train_service.model_path: '/no/such/model' is not a model folder "
+                           "(no config.json)"),
+    "no_model_path": (["~service.train_service.model_path"],
+                      "error: service.train_service.model_path: required (an HF model folder"),
+    "inference_model_path": (["service.inference_service.model_path=/no/such/model"],
+                             "error: service.inference_service.model_path: '/no/such/model' is not a model folder"),
+    "unknown_train_service": (["+service.train_service.backend=tinker"],
+                              "error: service.train_service.backend: 'tinker' is not one of local_torch"),
+    "bad_packing": (["+service.train_service.packing=maybe"],
+                    "error: service.train_service.packing: 'maybe' is not one of auto, true, false"),
+    "bad_betas": (["+service.train_service.betas=[0.9,1.5]"],
+                  "error: service.train_service.betas: expected [beta1, beta2], each in [0, 1), got [0.9, 1.5]"),
+    "engine_typo": (["+service.inference_service.max_batch=8"],
+                    "error: service.inference_service.max_batch: unknown key; did you mean "
+                    "'service.inference_service.max_batch_size'?"),
+}
+
+
+def test_the_base_recipe_validates(cli, recipe, tmp_path):
+    code, out, errors, err = cli("validate", recipe, f"run_dir={tmp_path / 'run'}")
+    assert code == 0 and not errors, err
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_validate_and_run_refuse_with_the_same_line(name, cli, recipe, tmp_path):
+    overrides, expected = CASES[name]
+    results = {command: cli(command, recipe, f"run_dir={tmp_path / 'run'}", *overrides)
+               for command in ("validate", "run")}
+    for command, (code, out, errors, err) in results.items():
+        assert code == 2, f"{command}: {err}"
+        assert any(line.startswith(expected) for line in errors), f"{command}: {expected!r} not in {errors}"
+        assert "Traceback" not in err
+    assert results["run"][2] == results["validate"][2]
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

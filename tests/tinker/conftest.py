@@ -1,0 +1,70 @@
+"""The real ``tinker`` SDK against the local stand-in on loopback, backed by a tiny Llama."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import pytest
+import torch
+
+from tests.support.tiny_lm import build_model, build_tokenizer
+
+from tests.tinker.helpers import API_KEY, MODEL
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_torch_thread():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return build_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_folder(tmp_path_factory, tokenizer):
+    """The tiny model as an HF folder (tokenizer included)."""
+    folder = tmp_path_factory.mktemp("tiny_tinker")
+    build_model(tokenizer).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture
+def make_standin(tmp_path, tokenizer):
+    """``make_standin(**kwargs)`` -> a started StandinServer serving ``tiny`` (stopped at the end)."""
+    from nexrl_tinker.standin import BaseModel, StandinServer
+
+    servers = []
+
+    def make(**kwargs):
+        kwargs.setdefault("state_dir", str(tmp_path / f"state{len(servers)}"))
+        kwargs.setdefault("try_again_polls", 1)  # every future answers "try again" once: the SDK polls
+        server = StandinServer({MODEL: BaseModel(MODEL, build_model(tokenizer), tokenizer)}, **kwargs).start()
+        servers.append(server)
+        return server
+
+    yield make
+    for server in servers:
+        server.stop()
+
+
+@pytest.fixture
+def standin(make_standin):
+    return make_standin()
+
+
+@pytest.fixture
+def service_client(standin):
+    import tinker
+
+    client = tinker.ServiceClient(base_url=standin.url, api_key=API_KEY)
+    yield client
+    client.close("success").result(timeout=30)

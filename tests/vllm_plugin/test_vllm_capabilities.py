@@ -1,0 +1,50 @@
+"""`vllm` inference fits only a weight sync that drives vLLM's weight-update routes: with a
+self-hosted trainer, `nexrl validate` refuses `version_only` (the server would never receive the
+trained weights) and `in_process` (it loads into an in-process engine), naming the backends that
+fit. Checked from the declared capabilities, no server needed."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from nexrl_core.config import check_config, load_recipe
+from nexrl_core.plugins import PluginManager
+
+
+@pytest.fixture
+def pm(monkeypatch):
+    monkeypatch.setenv("NEXRL_LOAD_PLUGINS", "nexrl-grpo,nexrl-vllm")
+    manager = PluginManager()
+    assert {"nexrl-grpo", "nexrl-vllm"} <= {r.distribution for r in manager.records.values()}, manager.failures
+    return manager
+
+
+def problems(tmp_path, pm, weight: dict) -> list[str]:
+    model = tmp_path / "model"
+    model.mkdir(exist_ok=True)
+    (model / "config.json").write_text("{}")  # a model folder as far as the checks go (nothing is loaded)
+    recipe = {
+        "data": {"type": "inline", "rows": [{"prompt": "a"}]},
+        "trajectory_pool": {"batch_size": 2, "group_size": 2},
+        "trainer": {"type": "self_hosted_grpo"},
+        "weight": weight,
+        "service": {"train_service": {"model_path": str(model)},
+                    "inference_service": {"backend": "vllm", "url": "http://127.0.0.1:9"}},
+    }
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return check_config(load_recipe(str(path)), pm)
+
+
+def test_vllm_with_a_self_hosted_trainer_needs_a_vllm_weight_sync(tmp_path, pm):
+    assert problems(tmp_path, pm, {"backend": "vllm_disk", "sync_dir": str(tmp_path / "sync")}) == []
+    assert problems(tmp_path, pm, {"backend": "vllm_nccl"}) == []
+    [line] = problems(tmp_path, pm, {"backend": "version_only"})
+    assert line.startswith("trainer.type: trainer 'self_hosted_grpo' needs 'weight_sync:state_dict'")
+    assert line.endswith("it is provided by weight.backend: in_process (nexrl-grpo), weight.backend: vllm_disk "
+                         "(nexrl-vllm), weight.backend: vllm_nccl (nexrl-vllm)")
+    [line] = problems(tmp_path, pm, {"backend": "in_process"})
+    assert line == ("weight.backend: weight-sync backend 'in_process' needs 'inference:load_weights' (it loads them "
+                    "into an inference engine in this process), which neither trainer 'self_hosted_grpo', inference "
+                    "backend 'vllm' provides; it is provided by service.inference_service.backend: hf (nexrl-grpo)")
