@@ -1,5 +1,6 @@
 """nexrl-core: hook specs, plugin manager, controller and data flow of the nexrl RL framework."""
 
+from . import algorithms
 from .runtime.activity import ActivityTracker, ActivityTrackerProxy
 from .controller import NexRLController, RunFailed, RunSummary
 from .dataloader import BaseDataLoader
@@ -33,8 +34,8 @@ __all__ = [
     "RunSummary",
     "SamplingParams", "SimpleRolloutWorker", "SimpleTrajectoryStore", "ThreadedModule", "Trajectory",
     "TrajectoryPool", "TrajectoryPoolInstance", "Validator", "WeightSyncBackend", "WeightSyncController",
-    "check_options", "component_options", "execute", "execute_async", "execute_with_timeout", "get_plugin_manager",
-    "hookimpl", "OpenAICompatibleClient",
+    "algorithms", "check_options", "component_options", "execute", "execute_async", "execute_with_timeout",
+    "get_plugin_manager", "hookimpl", "OpenAICompatibleClient",
 ]
 
 

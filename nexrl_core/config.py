@@ -9,6 +9,7 @@ resume state).
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -213,7 +214,7 @@ def check_config(cfg: Any, plugin_manager: Any, eval_only: bool = False) -> list
     problems += _cross_checks(values)
     trainer_cls = checker.found.get("trainer")
     if trainer_cls is not None:
-        problems += check_algorithm(values.get("algorithm"), trainer_cls)
+        problems += check_algorithm(values.get("algorithm"), trainer_cls, plugin_manager)
         problems += _check_train_service(values, trainer_cls)
     if not eval_only:
         problems += check_capabilities(checker.found, values, plugin_manager)
@@ -307,7 +308,7 @@ def declared_options(kind: str, cls: type) -> dict[str, Option] | None:
     """The options a component class accepts in its recipe section (None: any)."""
     own = component_options(cls)
     if own is None and kind == "evaluator":
-        return options_from_signature(cls.__init__)
+        return options_from_signature(cls.__init__, doc=inspect.getdoc(cls))
     return own if own is not None else {}
 
 
@@ -385,13 +386,19 @@ def _cross_checks(values: Mapping[str, Any]) -> list[str]:
     return problems
 
 
-def check_algorithm(section: Any, trainer_cls: type) -> list[str]:
-    """``algorithm``: the keys the trainer declares (``ALGORITHM_OPTIONS``)."""
+def check_algorithm(section: Any, trainer_cls: type, plugin_manager: Any) -> list[str]:
+    """``algorithm``: the trainer's own keys plus those of the estimator and loss the recipe selects
+    by name (:func:`nexrl_core.algorithms.algorithm_keys`, which the trainer's selection also uses)."""
+    from .algorithms.registry import algorithm_keys
     from .options import check_options
 
-    declared = component_options(trainer_cls, "ALGORITHM_OPTIONS", "ALGORITHM_KEYS") or {}
-    return check_options(section if section is not None else {}, declared, "algorithm",
-                         owner=f"trainer '{getattr(trainer_cls, '__name__', trainer_cls)}'")
+    section = section if section is not None else {}
+    if not isinstance(section, Mapping):
+        return [f"algorithm: expected a mapping, got {type_name(section)}"]
+    declared, problems = algorithm_keys(trainer_cls, section, plugin_manager)
+    key_problems = check_options(section, declared, "algorithm",
+                                 owner=f"trainer '{getattr(trainer_cls, '__name__', trainer_cls)}'")
+    return key_problems + [p for p in problems if p not in key_problems]
 
 
 def _check_train_service(values: Mapping[str, Any], trainer_cls: type) -> list[str]:

@@ -16,6 +16,7 @@ from typing import Any
 from loguru import logger
 from omegaconf import DictConfig
 
+from .algorithms import AlgorithmRegistry
 from .checkpoint import find_latest_checkpoint
 from .errors import NexRLError
 from .launch import create_resource_manager
@@ -154,6 +155,8 @@ class NexRLController:
         execute(self.weight_sync_controller.set_module_references, self.dataloader, self.trajectory_pool,
                 self.trainer, self.inference_client)
         if self.trainer is not None:
+            # The estimators and losses the recipe may name: this run's plugins (in-process ones too).
+            execute(self.trainer.set_algorithm_registry, AlgorithmRegistry.from_plugin_manager(self._pm))
             execute(self.trainer.set_module_references, self.trajectory_pool, self.weight_sync_controller,
                     self.dataloader)
         for worker in self.rollout_workers:

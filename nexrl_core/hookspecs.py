@@ -18,6 +18,7 @@ nexrl_core.Capabilities(...)``; ``nexrl validate`` and ``nexrl run`` check both
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import pluggy
@@ -88,6 +89,47 @@ def nexrl_inference_backends() -> dict[str, type[InferenceClient]]:
 
     :return: registered name -> subclass of :class:`nexrl_core.InferenceClient`,
         built as ``cls(config)`` with the ``service.inference_service`` mapping.
+    """
+
+
+@hookspec
+def nexrl_advantage_estimators() -> dict[str, Callable[..., Any]]:
+    """Register advantage estimators, selected with ``algorithm.type`` (e.g. ``grpo``, ``dr_grpo``).
+
+    An estimator is a pure function on numpy arrays (no torch: remote trainers call it too)::
+
+        def my_estimator(data: nexrl_core.algorithms.AdvantageInputs, *, my_key: float = 1.0)
+            -> tuple[np.ndarray, np.ndarray]:   # (advantages [B, T], returns [B, T])
+
+    Its keyword-only parameters are the ``algorithm.*`` keys it reads; their defaults give the
+    keys' defaults and types (``nexrl validate`` rejects keys no selected function reads), a
+    ``typing.Literal`` annotation lists accepted values. A ``loss_defaults`` dict attribute on
+    the function sets defaults for the policy loss's keys (used when the recipe leaves them
+    unset). Document the formula and a reference in its docstring.
+
+    :return: registered name -> estimator function. Two distributions registering one name is
+        an error that names both.
+    """
+
+
+@hookspec
+def nexrl_policy_losses() -> dict[str, Callable[..., Any]]:
+    """Register policy losses, selected with ``algorithm.policy_loss`` (e.g. ``ppo_clip``).
+
+    A loss needs autograd, so it lives in the distribution that owns the tensor library. For the
+    self-hosted trainers of nexrl-grpo (torch)::
+
+        def my_loss(log_prob, old_log_prob, advantages, response_mask, context, *, my_key: float = 0.2)
+            -> tuple[torch.Tensor, dict[str, float]]:   # (this micro-batch's share of the loss, metrics)
+
+    ``context`` carries what aggregation needs (``nexrl_grpo.losses.LossContext``: whole-batch row
+    and token counts, the constant length normaliser, per-token importance weights of the
+    rollout correction). Options are declared as for estimators (keyword-only parameters).
+    Metric names ending in ``_max``/``_min`` combine across micro-batches as a max/min, others as
+    a token-weighted mean (:mod:`nexrl_core.algorithms.metrics`).
+
+    :return: registered name -> loss function. Two distributions registering one name is an
+        error that names both.
     """
 
 

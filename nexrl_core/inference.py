@@ -6,19 +6,114 @@ server can give them) so training never re-tokenizes text.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import threading
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from .errors import ConfigError
+
+
 @dataclass
 class SamplingParams:
+    """How one completion is sampled. Every backend honours every field (none is dropped).
+
+    A trajectory carries the parameters it was sampled with (``trajectory["sampling"]``, written
+    by :meth:`as_record`): they travel with the data, so the trainer scores each row at the
+    temperature that produced it. Conventions:
+
+    - ``temperature`` 0 is greedy decoding, and the reported log-probs are then those at
+      temperature 1 (vLLM's convention); :attr:`logprob_temperature` is the temperature the
+      log-probs of a completion are taken at, which is what the trainer uses.
+    - ``top_k`` 0 (or -1, vLLM's older spelling) keeps every token; ``top_p`` 1 likewise.
+    - The trainer scores the full vocabulary at the temperature, as the in-process engine
+      reports it even when ``top_k``/``top_p`` truncated the sampling distribution. A backend
+      whose log-probs are those of the truncated distribution differs there, and the trainer's
+      rollout-mismatch metrics show by how much.
+    """
+
     max_tokens: int = 64
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = 0
     stop: list[str] = field(default_factory=list)
     # Per-request seed: makes sampling reproducible whatever else is batched with it.
     seed: int | None = None
+
+    @property
+    def logprob_temperature(self) -> float:
+        return float(self.temperature) if self.temperature > 0 else 1.0
+
+    def problems(self) -> list[str]:
+        """What is wrong with these values, one line per field (empty when they are sound)."""
+        out = []
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            out.append(f"max_tokens: must be an integer >= 1, got {self.max_tokens!r}")
+        if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
+            out.append(f"temperature: must be a finite number >= 0, got {self.temperature!r}")
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+            out.append(f"top_p: must be in (0, 1], got {self.top_p!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
+            out.append(f"top_k: must be an integer >= 0 (0 or -1: no limit), got {self.top_k!r}")
+        if not isinstance(self.stop, (list, tuple)) or not all(isinstance(x, str) for x in self.stop):
+            out.append(f"stop: must be a list of strings, got {self.stop!r}")
+        return out
+
+    def check(self) -> SamplingParams:
+        """``self``, or ValueError naming every bad field."""
+        problems = self.problems()
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    def as_record(self) -> dict[str, Any]:
+        """The parameters as a plain dict, for ``trajectory["sampling"]``."""
+        record = dataclasses.asdict(self)
+        record["stop"] = list(record["stop"])
+        return record
+
+    @classmethod
+    def recipe_problems(cls, section: Any, key: str = "rollout_worker.sampling") -> list[str]:
+        """Problems of a recipe's sampling mapping, one line each naming the key: an unknown key
+        (with a "did you mean") or a bad value. Empty when :meth:`from_config` will accept it."""
+        from .options import check_options
+        from .schema import sampling_options
+
+        if section is None:
+            return []
+        if not isinstance(section, Mapping):
+            return [f"{key}: expected a mapping of sampling keys, got {section!r}"]
+        problems = check_options(_stop_as_list(section), sampling_options(), key)
+        if not problems:
+            problems = [f"{key}.{line}" for line in cls(**_stop_as_list(section)).problems()]
+        return problems
+
+    @classmethod
+    def from_config(cls, section: Mapping[str, Any] | None, key: str = "rollout_worker.sampling") -> SamplingParams:
+        """Parameters from a recipe mapping (``top_k`` -1 read as 0); ConfigError listing
+        :meth:`recipe_problems`."""
+        problems = cls.recipe_problems(section, key)
+        if problems:
+            raise ConfigError("; ".join(problems))
+        params = cls(**_stop_as_list(section or {}))
+        if params.top_k == -1:
+            params.top_k = 0
+        return params
+
+
+def _stop_as_list(section: Mapping[str, Any]) -> dict[str, Any]:
+    """A single stop string is a list of one (as OpenAI's API accepts it)."""
+    out = dict(section)
+    if isinstance(out.get("stop"), str):
+        out["stop"] = [out["stop"]]
+    return out
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 @dataclass
@@ -56,10 +151,12 @@ class InferenceClient(ABC):
     def completion(self, prompt: str | list[dict[str, Any]], **kwargs: Any) -> dict[str, Any]:
         """The seed's dict-shaped call: sampling keys as keyword arguments."""
         known = {k: kwargs.pop(k) for k in list(kwargs) if k in SamplingParams.__dataclass_fields__}
-        result = self.complete(prompt, SamplingParams(**known))
+        params = SamplingParams(**known).check()
+        result = self.complete(prompt, params)
         return {"prompt": prompt, "response": result.text, "finish_reason": result.finish_reason,
                 "prompt_token_ids": result.prompt_token_ids, "response_token_ids": result.response_token_ids,
-                "response_logprobs": result.response_logprobs, "model_version": result.model_version, **kwargs}
+                "response_logprobs": result.response_logprobs, "model_version": result.model_version,
+                "sampling": params.as_record(), **kwargs}
 
     def get_model_tag(self) -> str:
         return self.model_tag

@@ -8,14 +8,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from difflib import get_close_matches
 from typing import Any
 
 import pluggy
 from loguru import logger
 
 from . import hookspecs
-from .errors import ConfigError, PluginError
+from .algorithms.registry import ALGORITHM_KINDS, option_defaults, unknown_name_error
+from .errors import PluginError
 
 ENTRY_POINT_GROUP = "nexrl"
 CORE_DISTRIBUTION = "nexrl-core"
@@ -41,7 +41,7 @@ class PluginLoadFailure:
 
 @dataclass
 class Registration:
-    cls: type
+    cls: Any  # the class (components) or function (algorithm kinds)
     distribution: str
     plugin: str
 
@@ -81,6 +81,10 @@ class PluginManager:
         self._cache: dict[str, dict[str, Registration]] = {}
 
     def register(self, module: Any, name: str, distribution: str = "(in-process)", version: str = "") -> None:
+        """Register a plugin module (or object) in-process. Registering one that is already
+        registered (an installed plugin, loaded through its entry point) is a no-op."""
+        if self.pm.is_registered(module):
+            return
         if name in self.records:
             raise PluginError(f"plugin name '{name}' is used by both {self.records[name].distribution} and "
                               f"{distribution}")
@@ -135,12 +139,34 @@ class PluginManager:
             for name in self.filter_unmatched:
                 logger.warning(f"NEXRL_LOAD_PLUGINS names '{name}', which is not an installed nexrl plugin")
 
-    # -- components -----------------------------------------------------------------
+    # -- components and algorithm functions --------------------------------------------
     def components(self, kind: str) -> dict[str, Registration]:
-        if kind in self._cache:
-            return self._cache[kind]
+        """Registered classes of one component kind (a key of :data:`KINDS`), by name."""
         hook_name, base_path = KINDS[kind]
         base = _import_base(base_path)
+
+        def problem(obj: Any) -> str | None:
+            if not isinstance(obj, type) or (base is not None and not issubclass(obj, base)):
+                return f"which is not a subclass of {base.__name__ if base else 'a class'}"
+            return None
+        return self._collect(kind, hook_name, "dict[str, type]", problem)
+
+    def functions(self, kind: str) -> dict[str, Registration]:
+        """Registered functions of one algorithm kind (a key of :data:`ALGORITHM_KINDS`), by name;
+        ``Registration.cls`` holds the function."""
+        def problem(obj: Any) -> str | None:
+            if isinstance(obj, type) or not callable(obj):
+                return "which is not a function"
+            try:
+                option_defaults(obj)
+            except (TypeError, ValueError) as exc:
+                return f"whose options cannot be read: {exc}"
+            return None
+        return self._collect(kind, ALGORITHM_KINDS[kind], "dict[str, function]", problem)
+
+    def _collect(self, kind: str, hook_name: str, expected: str, problem: Any) -> dict[str, Registration]:
+        if kind in self._cache:
+            return self._cache[kind]
         found: dict[str, Registration] = {}
         for impl in getattr(self.pm.hook, hook_name).get_hookimpls():
             record = self.records.get(impl.plugin_name)
@@ -152,20 +178,19 @@ class PluginManager:
                 continue
             if not isinstance(answer, dict):
                 self._bad(f"plugin '{impl.plugin_name}' ({dist}): {hook_name}() returned {type(answer).__name__}, "
-                          f"expected dict[str, type]")
+                          f"expected {expected}")
                 continue
-            for name, cls in answer.items():
-                if not isinstance(cls, type) or (base is not None and not issubclass(cls, base)):
-                    self._bad(f"plugin '{impl.plugin_name}' ({dist}) registers {kind} '{name}' as {cls!r}, "
-                              f"which is not a subclass of {base.__name__ if base else 'a class'}")
+            for name, obj in answer.items():
+                why = problem(obj)
+                if why:
+                    self._bad(f"plugin '{impl.plugin_name}' ({dist}) registers {kind} '{name}' as {obj!r}, {why}")
                     continue
-                if name in found and found[name].cls is not cls:
+                if name in found and found[name].cls is not obj:
                     raise PluginError(f"two plugins register the {kind} name '{name}': "
-                                      f"{found[name].distribution} ({found[name].cls.__module__}."
-                                      f"{found[name].cls.__qualname__}) and {dist} "
-                                      f"({cls.__module__}.{cls.__qualname__}); uninstall one or restrict "
-                                      f"loading with NEXRL_LOAD_PLUGINS")
-                found[name] = Registration(cls, dist, impl.plugin_name)
+                                      f"{found[name].distribution} ({_qualname(found[name].cls)}) and {dist} "
+                                      f"({_qualname(obj)}); uninstall one or restrict loading with "
+                                      f"NEXRL_LOAD_PLUGINS")
+                found[name] = Registration(obj, dist, impl.plugin_name)
         self._cache[kind] = found
         return found
 
@@ -174,18 +199,16 @@ class PluginManager:
             self.bad_registrations.append(message)
             logger.warning(message)
 
-    def resolve(self, kind: str, name: Any, key: str) -> type:
-        available = self.components(kind)
-        if name in available:
+    def resolve(self, kind: str, name: Any, key: str) -> Any:
+        """The class (component kinds) or function (algorithm kinds) registered as ``name``;
+        ConfigError naming ``key``, with a "did you mean" and what is available, otherwise."""
+        available = self.functions(kind) if kind in ALGORITHM_KINDS else self.components(kind)
+        if isinstance(name, str) and name in available:
             return available[name].cls
-        listing = ", ".join(f"'{n}' ({r.distribution})" for n, r in sorted(available.items())) or "none"
-        hint = get_close_matches(str(name), list(available), n=1)
-        did_you_mean = f" Did you mean '{hint[0]}'?" if hint else ""
         broken = "".join(f" Plugin '{f.name}' ({f.distribution}) failed to load: {f.error}." for f in self.failures)
         broken += "".join(f" Skipped: {m}." for m in self.bad_registrations if f"registers {kind} '{name}' " in m)
         broken += self._filter_note()
-        raise ConfigError(f"{key}: unknown {kind.replace('_', ' ')} '{name}'.{did_you_mean} Available: {listing}."
-                          f"{broken}")
+        raise unknown_name_error(kind, name, key, {n: r.distribution for n, r in available.items()}, broken)
 
     def _filter_note(self) -> str:
         """Why components may be missing: NEXRL_LOAD_PLUGINS left plugins out or names absent ones."""
@@ -198,21 +221,39 @@ class PluginManager:
             note += f"; installed but not loaded: {', '.join(sorted(self.not_loaded))}"
         return note + "."
 
-    def call_step_end(self, **kwargs: Any) -> None:
-        self.pm.hook.nexrl_step_end(**kwargs)
+    def call_step_end(self, **kwargs: Any) -> list[tuple[str, BaseException, str | None]]:
+        """Call every plugin's ``nexrl_step_end``. One that raises neither stops the others nor the
+        run: it is returned as ``(plugin label, exception, its module's file)`` for the caller to report."""
+        failed = []
+        for impl in reversed(self.pm.hook.nexrl_step_end.get_hookimpls()):  # pluggy's calling order
+            try:
+                impl.function(*[kwargs[name] for name in impl.argnames])
+            except Exception as exc:
+                failed.append((self.label(impl.plugin_name), exc, getattr(impl.plugin, "__file__", None)))
+        return failed
+
+    def label(self, plugin: str) -> str:
+        """``plugin 'NAME' (distribution)``: how messages name a plugin."""
+        record = self.records.get(plugin)
+        return f"plugin '{plugin}'" + (f" ({record.distribution})" if record is not None else "")
 
     def describe(self) -> list[dict[str, Any]]:
         """One entry per plugin: distribution, version, hooks and registered names."""
         out = []
         for record in self.records.values():
             components: dict[str, list[str]] = {}
-            for kind in KINDS:
-                names = sorted(n for n, r in self.components(kind).items() if r.plugin == record.name)
+            for kind in (*KINDS, *ALGORITHM_KINDS):
+                registry = self.functions(kind) if kind in ALGORITHM_KINDS else self.components(kind)
+                names = sorted(n for n, r in registry.items() if r.plugin == record.name)
                 if names:
                     components[kind] = names
             out.append({"name": record.name, "distribution": record.distribution, "version": record.version,
                         "hooks": record.hooks, "components": components})
         return out
+
+
+def _qualname(obj: Any) -> str:
+    return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', repr(obj))}"
 
 
 def _version(dist: str) -> str:

@@ -206,7 +206,7 @@ _SAMPLING = {
     "top_k": dict(ge=-1, help="sample among the k likeliest tokens (0 or -1: all)"),
     "stop": dict(help="strings that end a response"),
 }
-_NOT_RECIPE_KEYS = ("seed",)  # per-request: the worker derives it from rollout_worker.seed
+_NOT_RECIPE_KEYS = {"seed": "the seed is derived per request from rollout_worker.seed"}
 
 
 def sampling_options() -> dict[str, Option]:
@@ -217,6 +217,7 @@ def sampling_options() -> dict[str, Option]:
     out = {}
     for f in dataclasses.fields(SamplingParams):
         if f.name in _NOT_RECIPE_KEYS:
+            out[f.name] = Option(removed=_NOT_RECIPE_KEYS[f.name])
             continue
         default = f.default if f.default is not dataclasses.MISSING else \
             (f.default_factory() if f.default_factory is not dataclasses.MISSING else None)  # type: ignore[misc]

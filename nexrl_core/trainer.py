@@ -11,7 +11,9 @@ import time
 from abc import abstractmethod
 from typing import Any
 
+from .algorithms.registry import AlgorithmRegistry
 from .checkpoint import read_core_state, write_checkpoint
+from .rollout_worker import failure_detail
 from .runtime.execute import execute
 from .runtime.threaded import ThreadedModule
 from .types import DEFAULT_MODEL_TAG, Trajectory
@@ -19,9 +21,17 @@ from .types import DEFAULT_MODEL_TAG, Trajectory
 _BATCH_WAIT_S = 0.1
 
 class BaseTrainer(ThreadedModule):
-    """Subclasses implement :meth:`train`; self-hosted ones also the model-state methods."""
+    """Subclasses implement :meth:`train`; self-hosted ones also the model-state methods.
+
+    ``ALGORITHM_OPTIONS`` (name -> :class:`~nexrl_core.Option`) are the ``algorithm.*`` keys a
+    trainer reads itself;
+    ``ALGORITHM_SELECTORS`` (key -> kind) names those that pick a function from the algorithm
+    registry (e.g. ``{"type": "advantage_estimator"}``), whose own keys are then accepted too
+    (see :mod:`nexrl_core.algorithms.registry`).
+    """
 
     CONFIG_KEYS: dict[str, Any] = {}
+    ALGORITHM_SELECTORS: dict[str, str] = {}
     STOP_JOIN_TIMEOUT_S = 300.0  # a training step in flight finishes first
 
     def __init__(self, config: Any):
@@ -39,12 +49,25 @@ class BaseTrainer(ThreadedModule):
         self._trajectory_pool: Any = None
         self._weight_sync_controller: Any = None
         self._dataloader: Any = None
+        self._algorithm_registry: AlgorithmRegistry | None = None
 
     def set_module_references(self, trajectory_pool: Any, weight_sync_controller: Any,
                               dataloader: Any = None) -> None:
         self._trajectory_pool = trajectory_pool
         self._weight_sync_controller = weight_sync_controller
         self._dataloader = dataloader
+
+    def set_algorithm_registry(self, registry: AlgorithmRegistry) -> None:
+        """The estimators and losses a recipe may select (the controller passes its plugin manager's)."""
+        self._algorithm_registry = registry
+
+    @property
+    def algorithm_registry(self) -> AlgorithmRegistry:
+        if self._algorithm_registry is None:  # built standalone: the process's installed plugins
+            from .plugins import get_plugin_manager
+
+            self._algorithm_registry = AlgorithmRegistry.from_plugin_manager(get_plugin_manager())
+        return self._algorithm_registry
 
     # -- to implement -----------------------------------------------------------------
     @abstractmethod
@@ -107,7 +130,8 @@ class BaseTrainer(ThreadedModule):
         for t in trajectories:  # consumed for good: a failed item is lost now, one row each
             if t.get("failed"):
                 self._activity_tracker.record_lost_item(t.get("task") or t, str(t.get("error_cause", "failed")),
-                                                        str(t.get("error", "")), False, self.global_step)
+                                                        str(t.get("error", "")), False, self.global_step,
+                                                        failure_detail(t))
         self._activity_tracker.experiment_logger_post("metrics", data=metrics, step=self.global_step)
         if self.save_freq > 0 and (self.global_step % self.save_freq == 0 or self.is_done()):
             self.save_checkpoint()

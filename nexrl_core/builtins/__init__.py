@@ -15,4 +15,5 @@ DEFAULT_PLUGINS: tuple[tuple[str, str], ...] = (
     ("core.mock", "nexrl_core.builtins.mock"),
     ("core.weight_sync", "nexrl_core.builtins.weight_sync"),
     ("core.sinks", "nexrl_core.builtins.sinks"),
+    ("core.algorithms", "nexrl_core.builtins.algorithms"),
 )

@@ -35,6 +35,10 @@ key                    default    meaning
 ``return_token_ids``   true       send vLLM's ``return_token_ids``
 =====================  =========  ======================================================
 
+Sampling: ``max_tokens``, ``temperature``, ``top_p``, ``stop`` and ``seed`` are standard
+request fields; ``top_k`` (when > 0) is sent as vLLM's extra body field ``top_k`` — a server
+that does not know it answers 400 and the request fails (it is never silently dropped).
+
 Retries: connection errors, timeouts, HTTP 408, 429 and 5xx, and vLLM's
 ``finish_reason: "abort"`` are retried with exponential backoff (a ``Retry-After``
 header lengthens the wait); any other 4xx fails at once. The `openai` package's own
@@ -197,9 +201,12 @@ class OpenAICompatibleClient(InferenceClient):
             else self._client.completions.with_raw_response.create
         )
         target = {"messages": payload} if chat else {"prompt": payload}
+        # vLLM's extensions of the OpenAI request go in the body as extra fields.
+        extra: dict[str, Any] = {"top_k": int(params.top_k)} if params.top_k > 0 else {}
         send_ids = self._send_token_ids
         try:
-            return create(**target, **kwargs, extra_body={"return_token_ids": True} if send_ids else None)
+            body = {**extra, "return_token_ids": True} if send_ids else extra
+            return create(**target, **kwargs, extra_body=body or None)
         except openai.BadRequestError as exc:
             if not (send_ids and "return_token_ids" in str(exc.message)):
                 raise
@@ -209,7 +216,7 @@ class OpenAICompatibleClient(InferenceClient):
                 self._send_token_ids = False
                 logger.warning(f"inference server {self.url} rejects `return_token_ids`; continuing without "
                                f"token ids (set return_token_ids: false to silence this)")
-            return create(**target, **kwargs)
+            return create(**target, **kwargs, extra_body=extra or None)
 
     def _served_model(self) -> str:
         if self.model:

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from typing import Any
 
+from omegaconf import DictConfig, OmegaConf
+
+from ..errors import ConfigError
 from ..inference import SamplingParams
 from ..markers import hookimpl
 from ..options import Option, option_defaults
@@ -29,10 +33,21 @@ class SimpleRolloutWorker(BaseRolloutWorker):
         self._prompt_key = str(config.get("prompt_key", "prompt"))
         self._use_chat = bool(config.get("use_chat", True))
         self._system_prompt = config.get("system_prompt")
-        sampling = dict(config.get("sampling", {}) or {})
-        # Every declared sampling key reaches SamplingParams (seed is per request).
-        self._sampling = {k: sampling[k] for k in self.OPTIONS["sampling"].options or {} if k in sampling}
+        problems = self.check_config(config)
+        if problems:
+            raise ConfigError("; ".join(problems))
+        self._sampling = SamplingParams.from_config(_plain(config.get("sampling")))
         self._validate_temperature = config.get("validate_temperature")
+
+    @classmethod
+    def check_config(cls, section: Any, key: str = "rollout_worker") -> list[str]:
+        """The sampling values (``nexrl validate`` and the constructor run the same checks)."""
+        problems = SamplingParams.recipe_problems(_plain(section.get("sampling")), f"{key}.sampling")
+        temperature = section.get("validate_temperature")
+        if temperature is not None and SamplingParams(temperature=temperature).problems():
+            problems.append(f"{key}.validate_temperature: must be a finite number >= 0 (0: greedy), "
+                            f"got {temperature!r}")
+        return problems
 
     def build_prompt(self, task: dict[str, Any]) -> str | list[dict[str, Any]]:
         prompt = task.get(self._prompt_key)
@@ -45,7 +60,7 @@ class SimpleRolloutWorker(BaseRolloutWorker):
         if task.get(self._prompt_key) in (None, ""):
             raise ItemFailure("missing_prompt", f"task has no '{self._prompt_key}' field")
         prompt = self.build_prompt(task)
-        params = SamplingParams(**self._sampling, seed=self.sampling_seed(task))
+        params = replace(self._sampling, seed=self.sampling_seed(task))
         if self._task_is_validation and self._validate_temperature is not None:
             params.temperature = float(self._validate_temperature)
         result = execute(self._llm_client.complete, prompt, params)
@@ -58,6 +73,7 @@ class SimpleRolloutWorker(BaseRolloutWorker):
             "prompt_token_ids": result.prompt_token_ids,
             "response_token_ids": result.response_token_ids,
             "response_logprobs": result.response_logprobs,
+            "sampling": params.as_record(),  # what produced these tokens: the trainer scores with it
             "model_version": result.model_version if result.model_version >= 0 else self._current_version(),
             "reward": float(evaluation.reward),
             "ground_truth": evaluation.ground_truth,
@@ -65,6 +81,10 @@ class SimpleRolloutWorker(BaseRolloutWorker):
             "extra_info": evaluation.extra_info,
         })
         return self._put_trajectory(trajectory)
+
+
+def _plain(value: Any) -> Any:
+    return OmegaConf.to_container(value, resolve=True) if isinstance(value, DictConfig) else value
 
 
 _WORD = re.compile(r"[A-Za-z]+")

@@ -154,6 +154,23 @@ def test_server_rejecting_return_token_ids_is_asked_again_without_it(server, cli
     assert "return_token_ids" not in server.last_request(COMPLETIONS_PATH).body
 
 
+def test_top_k_reaches_the_server_as_vllm_field(server, client):
+    client.complete("What is 2 + 2?", SamplingParams(top_k=5))
+    assert server.last_request(COMPLETIONS_PATH).body["top_k"] == 5
+    client.complete([{"role": "user", "content": "What is 2 + 2?"}], SamplingParams(top_k=3))
+    assert server.last_request(CHAT_PATH).body["top_k"] == 3
+    client.complete("What is 2 + 2?", SamplingParams(top_k=0))  # 0: no limit, nothing to send
+    assert "top_k" not in server.last_request(COMPLETIONS_PATH).body
+
+
+def test_server_rejecting_top_k_fails_instead_of_dropping_it(server, client):
+    server.strict_params = True
+    with pytest.raises(InferenceError, match="top_k"):
+        client.complete("What is 2 + 2?", SamplingParams(top_k=5))
+    # The second attempt (without return_token_ids) still carried top_k.
+    assert server.request_count == 2 and server.last_request(COMPLETIONS_PATH).body["top_k"] == 5
+
+
 def test_api_key_from_environment(monkeypatch):
     monkeypatch.setenv("OPENAI_API_KEY", "sk-secret")
     with FakeOpenAIServer(api_key="sk-secret") as srv:

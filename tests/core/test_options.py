@@ -152,7 +152,8 @@ def test_sampling_keys_are_exactly_the_fields_of_sampling_params():
     from nexrl_core import SamplingParams
 
     fields = {f.name for f in dataclasses.fields(SamplingParams)} - {"seed"}
-    assert set(sampling_options()) == fields
+    assert {k for k, o in sampling_options().items() if o.removed is None} == fields
+    assert "per request" in sampling_options()["seed"].removed  # named, not silently unknown
     # top_k is checked the same way: accepted iff SamplingParams carries it, and bounded then
     found = check_options({"top_k": 5}, sampling_options(), "rollout_worker.sampling")
     if "top_k" in fields:
@@ -173,9 +174,12 @@ def test_a_sampling_key_the_recipe_sets_reaches_the_request(run_local):
         "trainer": {"total_train_steps": 1},
         "service": {"inference_service": {"backend": "mock", "mode": "echo"}},
     })
-    worker = controller.rollout_workers[0]
-    assert worker._sampling == {"max_tokens": 1, "temperature": 0.3, "top_p": 0.5, "stop": ["x"]}
-    assert all(len(t["response"]) == 1 for batch in controller.trainer.batches for t in batch)
+    trajectories = [t for batch in controller.trainer.batches for t in batch]
+    assert trajectories and all(len(t["response"]) == 1 for t in trajectories)
+    for t in trajectories:  # what the backend received travels with each trajectory
+        record = dict(t["sampling"])
+        assert {k: record[k] for k in ("max_tokens", "temperature", "top_p", "stop")} == \
+            {"max_tokens": 1, "temperature": 0.3, "top_p": 0.5, "stop": ["x"]}
 
 
 # -- capabilities -------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ import importlib
 
 from nexrl_core.builtins import DEFAULT_PLUGINS
 from nexrl_core.errors import ConfigError, PluginError
+from nexrl_core.algorithms import ALGORITHM_KINDS
 from nexrl_core.plugins import CORE_DISTRIBUTION, KINDS, PluginManager
 
 TRAINER_PLUGIN = """
@@ -274,7 +275,7 @@ def test_plugins_json_lists_the_core_builtins():
     assert [p["name"] for p in core] == [name for name, _ in DEFAULT_PLUGINS]
     # expected: exactly what the built-in hooks return, kind by kind
     expected, listed = {}, {}
-    for kind, (hook, _) in KINDS.items():
+    for kind, hook in [*((k, h) for k, (h, _) in KINDS.items()), *ALGORITHM_KINDS.items()]:
         names = sorted(_builtin_names(hook))
         if names:
             expected[kind] = names
@@ -283,7 +284,10 @@ def test_plugins_json_lists_the_core_builtins():
             listed[kind] = got
     assert listed == expected
     assert {p["version"] for p in core} == {nexrl_core_version()}
-    assert {h for p in core for h in p["hooks"]} == {hook for hook, _ in KINDS.values()}
+    # Every hook of the core's own kinds; the core registers estimators, while losses need torch.
+    assert {h for p in core for h in p["hooks"]} == {hook for hook, _ in KINDS.values()} | {
+        "nexrl_advantage_estimators"}
+    assert listed["advantage_estimator"] == ["dr_grpo", "grpo"]
     assert data["failed"] == [] and data["bad_registrations"] == []
     assert "Traceback" not in proc.stderr
 

@@ -170,6 +170,7 @@ def test_engine_outputs_agree_between_paths(tiny_model_and_tokenizer):
     prompts = ["the quick brown fox", [{"role": "user", "content": "what is two plus three?"}], "count: one, two"]
     params = [SamplingParams(max_tokens=12, temperature=t, seed=s, top_p=p)
               for t, s, p in [(0.0, None, 1.0), (1.0, 3, 1.0), (0.8, 4, 0.9)]]
+    params.append(SamplingParams(max_tokens=12, temperature=1.2, seed=5, top_k=5))
     results = {}
     for mode in ("true", "false"):
         engine = HFInferenceEngine({"fast_path": mode, "max_batch_size": 1}, model=model, tokenizer=tokenizer)
@@ -189,23 +190,30 @@ def test_sampler_follows_the_distribution_and_never_picks_excluded_tokens():
     generators = [torch.Generator().manual_seed(100 + i) for i in range(4)]
     temps = torch.ones(4)
     greedy = torch.zeros(4, dtype=torch.bool)
-    top_p = torch.tensor([1.0, 1.0, 0.8, 0.8])  # 0.5 + 0.2 < 0.8 <= 0.85: three tokens stay
+    top_p = torch.tensor([1.0, 1.0, 0.8, 0.75])
+    top_k = torch.tensor([0, 2, 0, 3])
+    # row 0: everything; row 1: top-2; row 2: 0.5 + 0.2 < 0.8 <= 0.85, three tokens stay;
+    # row 3: top-3 renormalised (0.59, 0.24, 0.18), then 0.59 < 0.75 <= 0.82: two tokens stay
+    # (top_p on the raw probabilities would have kept three).
     draws = 4000
     counts = torch.zeros(4, 6)
     for _ in range(draws):
-        tokens, logprobs = _sample(logits, temps, greedy, top_p, generators)
+        tokens, logprobs = _sample(logits, temps, greedy, top_p, top_k, generators)
         counts[torch.arange(4), tokens] += 1
         torch.testing.assert_close(logprobs, torch.log(probs)[tokens])  # full-vocabulary logprobs
     freq = counts / draws
     assert counts[:, 5].sum() == 0
-    assert counts[2:, 3:].sum() == 0
+    assert counts[1, 2:].sum() == 0 and counts[3, 2:].sum() == 0 and counts[2, 3:].sum() == 0
     torch.testing.assert_close(freq[0], probs, atol=0.025, rtol=0)
+    top2 = probs[:2] / probs[:2].sum()
+    torch.testing.assert_close(freq[1, :2], top2, atol=0.03, rtol=0)
+    torch.testing.assert_close(freq[3, :2], top2, atol=0.03, rtol=0)
     truncated = probs[:3] / probs[:3].sum()
     torch.testing.assert_close(freq[2, :3], truncated, atol=0.03, rtol=0)
     # A row's stream is its own: re-seeding one generator replays that row whatever the others do.
     g1 = [torch.Generator().manual_seed(7), torch.Generator().manual_seed(8)]
     g2 = [torch.Generator().manual_seed(7), torch.Generator().manual_seed(9)]
     two = logits[:2]
-    seq1 = [_sample(two, temps[:2], greedy[:2], top_p[:2], g1)[0][0].item() for _ in range(50)]
-    seq2 = [_sample(two, temps[:2], greedy[:2], top_p[:2], g2)[0][0].item() for _ in range(50)]
+    seq1 = [_sample(two, temps[:2], greedy[:2], top_p[:2], top_k[:2], g1)[0][0].item() for _ in range(50)]
+    seq2 = [_sample(two, temps[:2], greedy[:2], top_p[:2], top_k[:2], g2)[0][0].item() for _ in range(50)]
     assert seq1 == seq2

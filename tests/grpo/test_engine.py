@@ -240,6 +240,27 @@ def test_bad_params_are_rejected(make_engine):
         engine.complete("hello", SamplingParams(top_p=0.0))
     with pytest.raises(ValueError, match="max_tokens"):
         engine.complete("hello", SamplingParams(max_tokens=0))
+    with pytest.raises(ValueError, match="top_k"):
+        engine.complete("hello", SamplingParams(top_k=-3))
+    with pytest.raises(ValueError, match="temperature"):
+        engine.complete("hello", SamplingParams(temperature=-0.5))
+
+
+def test_top_k_reaches_the_sampler(make_engine):
+    """top_k 1 keeps only the most likely token: hot sampling then decodes exactly the greedy text,
+    while the reported log-probs stay those of the full distribution at the temperature."""
+    engine = make_engine(batch_wait_ms=50)
+    greedy = [SamplingParams(max_tokens=10, temperature=0) for _ in PROMPTS]
+    top1 = [SamplingParams(max_tokens=10, temperature=1.5, top_k=1, seed=i) for i in range(len(PROMPTS))]
+    hot = [SamplingParams(max_tokens=10, temperature=1.5, seed=i) for i in range(len(PROMPTS))]
+    want = run_concurrently(engine, PROMPTS, greedy)
+    got = run_concurrently(engine, PROMPTS, top1)
+    free = run_concurrently(engine, PROMPTS, hot)
+    assert [r.response_token_ids for r in got] == [r.response_token_ids for r in want]
+    assert [r.response_token_ids for r in free] != [r.response_token_ids for r in want]
+    for g, w in zip(got, want):
+        # Full vocabulary at T=1.5: not the 0 of the one-token truncated distribution, not the T=1 values.
+        assert all(lp < 0 for lp in g.response_logprobs) and g.response_logprobs != w.response_logprobs
 
 
 # ---------------------------------------------------------------- model loading (modeling.py)

@@ -124,7 +124,7 @@ def _assert_finite(rows: list[dict]) -> None:
 def test_loss_agg_modes(tiny_model_dir, tmp_path, loss_agg_mode):
     run = Run(tmp_path, recipe(tmp_path / "run", tiny_model_dir, 1, algorithm={"loss_agg_mode": loss_agg_mode}))
     assert run.summary.stopped_by == "finished" and run.summary.global_step == 1
-    assert run.c.trainer._loss_agg_mode == loss_agg_mode
+    assert run.c.trainer.selection.options["loss_agg_mode"] == loss_agg_mode
     (row,) = run.train_rows
     _assert_finite([row])
     for key in ("train/loss", "train/grad_norm", "train/ppo_kl", "train/pg_clipfrac", "train/reward_mean"):

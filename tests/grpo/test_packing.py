@@ -63,6 +63,28 @@ def test_packed_logprobs_and_gradients_equal_padded(tiny_model_and_tokenizer, gr
         torch.testing.assert_close(got_grads[name], want_grads[name], atol=1e-5, rtol=1e-4, msg=name)
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_each_row_is_scored_at_its_own_temperature(tiny_model_and_tokenizer, packed):
+    """Rows of one prompt group sampled at different temperatures (the group's shared prompt
+    position predicts each row's first token at that row's temperature)."""
+    model, _ = tiny_model_and_tokenizer
+    ids, mask, pos, resp_w, groups = padded_batch()
+    temps = torch.tensor([0.7, 1.0, 1.3, 0.5, 1.0, 2.0, 0.9])
+    response_mask = mask[:, -resp_w:].float()
+    with torch.no_grad():
+        if packed:
+            got = compute_response_logprobs_packed(model, ids, mask, pos, resp_w, groups, temps, 12)
+        else:
+            got = compute_response_logprobs(model, ids, mask, pos, resp_w, temps)
+        for i, t in enumerate(temps.tolist()):
+            alone = compute_response_logprobs(model, ids[i:i + 1], mask[i:i + 1], pos[i:i + 1], resp_w, t)
+            torch.testing.assert_close(got[i] * response_mask[i], alone[0] * response_mask[i], atol=1e-5, rtol=1e-5)
+        at_one = compute_response_logprobs(model, ids, mask, pos, resp_w, 1.0)
+    assert not torch.allclose(got[0] * response_mask[0], at_one[0] * response_mask[0], atol=1e-3)
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        compute_response_logprobs(model, ids, mask, pos, resp_w, torch.tensor([1.0, 0.0, 1, 1, 1, 1, 1]))
+
+
 def test_packing_problems_are_named(tiny_model_and_tokenizer):
     model, _ = tiny_model_and_tokenizer
     ids, mask, pos, resp_w, _ = padded_batch()

@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 import torch
 
+from nexrl_core import algorithms
 from nexrl_core.inference import SamplingParams
-from nexrl_grpo import core_algos
+from nexrl_grpo import losses
 from nexrl_grpo.engine import HFInferenceEngine
 from nexrl_grpo.modeling import load_causal_lm, position_ids_from_mask
 from nexrl_grpo.train_service import LocalTorchTrainService
@@ -46,16 +47,9 @@ def random_batch(seed: int, rows: int = 6, vocab: int = 150) -> dict[str, torch.
 
 def grpo_loss(mode: str = "seq-mean-token-mean"):
     def loss_fn(log_probs, mb):
-        return core_algos.compute_policy_loss(
-            mb["old_log_probs"],
-            log_probs,
-            mb["advantages"],
-            mb["response_mask"],
-            loss_agg_mode=mode,
-            max_response_length=8,
-            batch_num_seqs=mb["batch_num_seqs"],
-            batch_num_tokens=mb["batch_num_tokens"],
-        )
+        context = losses.LossContext(mb["batch_num_seqs"], mb["batch_num_tokens"], max_response_length=8)
+        return losses.ppo_clip(log_probs, mb["old_log_probs"], mb["advantages"], mb["response_mask"], context,
+                               loss_agg_mode=mode)
 
     return loss_fn
 
@@ -115,7 +109,7 @@ def test_checkpoint_folder_is_hf_loadable_and_pickle_free(tiny_model_dir, tmp_pa
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]
 
 
-@pytest.mark.parametrize("mode", core_algos.LOSS_AGG_MODES)
+@pytest.mark.parametrize("mode", losses.LOSS_AGG_MODES)
 def test_micro_batches_accumulate_the_full_batch_gradient(tiny_model_dir, mode):
     service = LocalTorchTrainService({"model_path": tiny_model_dir})
     batch = random_batch(11, rows=7)
@@ -168,8 +162,10 @@ def test_grpo_steps_move_the_reward(tiny_model_dir):
             assert {r.model_version for r in results} == {step}
             batch = make_batch([r.prompt_token_ids for r in results], [r.response_token_ids for r in results])
             rewards = torch.tensor([1.0 if r.response_token_ids[0] % 2 == 0 else 0.0 for r in results])
-            token_rewards = core_algos.scores_to_token_level(rewards, batch["response_mask"])
-            batch["advantages"], _ = core_algos.compute_grpo_outcome_advantage(token_rewards, batch["response_mask"], [0] * 16)
+            mask = batch["response_mask"].numpy()
+            token_rewards = algorithms.scores_to_token_level(rewards.numpy(), mask)
+            adv, _ = algorithms.grpo(algorithms.AdvantageInputs(token_rewards, mask, [0] * 16))
+            batch["advantages"] = torch.from_numpy(adv)
             # On-policy: the engine's logprobs are the old logprobs.
             batch["old_log_probs"] = torch.tensor([r.response_logprobs for r in results])
             if step == 0:

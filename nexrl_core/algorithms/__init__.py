@@ -1,0 +1,32 @@
+"""RL math shared by every trainer: pure functions on numpy arrays, registered by name. No torch.
+
+- :mod:`.advantages`: advantage estimators (``grpo``, ``dr_grpo``) and their group statistics;
+- :mod:`.kl`: the k1/k2/k3 KL estimators (numpy or torch), KL controllers, the KL reward penalty;
+- :mod:`.rollout_correction`: rollout-vs-trainer log-prob mismatch metrics, truncated IS weights;
+- :mod:`.metrics`: how per-micro-batch metrics combine (``_max``/``_min``/weighted mean);
+- :mod:`.registry`: the named registries plugins fill through ``nexrl_advantage_estimators`` /
+  ``nexrl_policy_losses``, and how a recipe's ``algorithm`` section selects from them.
+
+A self-hosted trainer converts its tensors to numpy and calls these; a remote trainer (Tinker)
+calls the same functions on the arrays it has. Policy losses need autograd and live in the
+distribution that owns torch (``nexrl-grpo``), registered through the same registry.
+"""
+
+from .advantages import AdvantageInputs, dr_grpo, group_stats, grpo, scores_to_token_level
+from .kl import (KL_CTRL_DEFAULTS, KL_CTRL_OPTIONS, KL_KINDS, AdaptiveKLController, FixedKLController, apply_kl_penalty,
+                 array_namespace, get_kl_controller, kl_penalty)
+from .metrics import aggregate_metrics, reduction
+from .registry import (ALGORITHM_KINDS, AlgorithmFunction, AlgorithmRegistry, AlgorithmSelection, algorithm_keys,
+                       option_defaults, select_algorithms, unknown_name_error)
+from .rollout_correction import (ROLLOUT_CORRECTION_DEFAULTS, ROLLOUT_CORRECTION_OPTIONS, check_cap, rollout_mismatch_metrics,
+                                 truncated_is_weights)
+
+__all__ = [
+    "ALGORITHM_KINDS", "KL_CTRL_DEFAULTS", "KL_CTRL_OPTIONS", "KL_KINDS", "ROLLOUT_CORRECTION_DEFAULTS",
+    "ROLLOUT_CORRECTION_OPTIONS", "AdaptiveKLController",
+    "AdvantageInputs", "AlgorithmFunction", "AlgorithmRegistry", "AlgorithmSelection", "FixedKLController",
+    "aggregate_metrics", "algorithm_keys", "apply_kl_penalty", "array_namespace", "check_cap", "dr_grpo",
+    "get_kl_controller", "group_stats", "grpo", "kl_penalty", "option_defaults", "reduction",
+    "rollout_mismatch_metrics", "scores_to_token_level", "select_algorithms", "truncated_is_weights",
+    "unknown_name_error",
+]

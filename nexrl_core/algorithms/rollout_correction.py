@@ -1,0 +1,88 @@
+"""Rollout-vs-trainer log-prob mismatch: metrics and truncated importance sampling (numpy).
+
+The rollout engine (vLLM, Tinker, a bf16 engine, a KV-cached decoder) and the trainer compute
+the log-probs of the same sampled tokens with different numerics. The trainer optimises its own
+policy, so the samples are slightly off-policy; these functions measure by how much and give the
+per-token correction weights.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..options import Option, option_defaults
+from .kl import kl_penalty
+
+ROLLOUT_CORRECTION_OPTIONS = {
+    "enabled": Option(False, bool, "weight each token's loss by its truncated importance ratio "
+                                   "exp(trainer - rollout log-prob), capped at cap"),
+    "cap": Option(2.0, float, "truncation of the importance weights", ge=1),
+}
+ROLLOUT_CORRECTION_DEFAULTS = option_defaults(ROLLOUT_CORRECTION_OPTIONS)
+
+
+def _masked(trainer_logprob: np.ndarray, rollout_logprob: np.ndarray,
+            response_mask: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    trainer = np.asarray(trainer_logprob, dtype=np.float64)
+    rollout = np.asarray(rollout_logprob, dtype=np.float64)
+    if trainer.shape != rollout.shape:
+        raise ValueError(f"trainer log-probs {trainer.shape} and rollout log-probs {rollout.shape} differ in shape")
+    return trainer, rollout, np.asarray(response_mask).astype(bool)
+
+
+def rollout_mismatch_metrics(trainer_logprob: np.ndarray, rollout_logprob: np.ndarray,
+                             response_mask: np.ndarray) -> dict[str, float]:
+    """Mismatch over the valid response tokens:
+
+    - ``rollout_logprob_diff_mean``: mean of ``|logp_trainer - logp_rollout|``;
+    - ``rollout_logprob_diff_max``: its maximum (aggregate across micro-batches as a max);
+    - ``rollout_kl_k3``: mean k3 estimate of ``KL(pi_rollout || pi_trainer)`` (the tokens were
+      sampled by the rollout policy): ``exp(d) - d - 1`` with ``d = logp_trainer - logp_rollout``.
+
+    All 0 when no token is valid.
+    """
+    trainer, rollout, mask = _masked(trainer_logprob, rollout_logprob, response_mask)
+    if not mask.any():
+        return {"rollout_logprob_diff_mean": 0.0, "rollout_logprob_diff_max": 0.0, "rollout_kl_k3": 0.0}
+    diff = np.abs(trainer - rollout)[mask]
+    k3 = kl_penalty(rollout, trainer, "k3")[mask]
+    return {"rollout_logprob_diff_mean": float(diff.mean()), "rollout_logprob_diff_max": float(diff.max()),
+            "rollout_kl_k3": float(k3.mean())}
+
+
+def check_cap(cap: float) -> float:
+    """``cap`` as a float; TypeError for a non-number, ValueError below 1 (it would down-weight
+    on-policy tokens too) or not finite."""
+    if isinstance(cap, bool) or not isinstance(cap, (int, float, np.floating, np.integer)):
+        raise TypeError(f"rollout_correction.cap: expected a number, got {cap!r}")
+    value = float(cap)
+    if not math.isfinite(value) or value < 1.0:
+        raise ValueError(f"rollout_correction.cap: must be a finite number >= 1, got {cap!r}")
+    return value
+
+
+def truncated_is_weights(trainer_logprob: np.ndarray, rollout_logprob: np.ndarray, response_mask: np.ndarray,
+                         cap: float = 2.0) -> tuple[np.ndarray, dict[str, float]]:
+    """Token-level truncated importance sampling (TIS; Yao et al. 2025, "Your efficient RL framework
+    secretly brings you off-policy RL training"): each valid token's weight is::
+
+        w_t = min(pi_trainer(y_t) / pi_rollout(y_t), cap) = min(exp(logp_trainer - logp_rollout), cap)
+
+    and 0 on masked tokens. Multiplied (as a constant, no gradient) into the per-token
+    policy-gradient loss, it turns the gradient of samples drawn by the rollout engine into one
+    for the trainer's policy; the cap bounds the variance that rare large ratios would bring.
+
+    :return: ``(weights [B, T] float64, metrics)``: ``rollout_is_weight_mean`` (mean weight over
+        valid tokens) and ``rollout_is_capped_frac`` (share of valid tokens whose ratio exceeded
+        the cap).
+    """
+    trainer, rollout, mask = _masked(trainer_logprob, rollout_logprob, response_mask)
+    log_cap = math.log(check_cap(cap))
+    log_ratio = trainer - rollout
+    weights = np.where(mask, np.exp(np.minimum(log_ratio, log_cap)), 0.0)
+    n = int(mask.sum())
+    metrics = {"rollout_is_weight_mean": float(weights[mask].mean()) if n else 0.0,
+               "rollout_is_capped_frac": float((log_ratio[mask] > log_cap).mean()) if n else 0.0}
+    return weights, metrics

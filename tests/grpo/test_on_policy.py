@@ -1,0 +1,212 @@
+"""On-policy ratios, sampling parameters carried by trajectories, the rollout-vs-trainer mismatch
+metrics and the rollout correction, on the tiny Llama.
+
+- Through the real controller at temperatures 0.7 and 1.0: step 1 reads ``ppo_kl`` < 1e-6 and a
+  clip fraction of 0, trajectories carry the sampling parameters the worker sent (validation's
+  greedy temperature included), and the mismatch metrics are float noise.
+- Through the trainer on engine rollouts: a trajectory that misreports its temperature shows up
+  in the mismatch metrics; greedy rows are scored at temperature 1; several updates per batch
+  compute old log-probs once (ratio 1 at the first update); the truncated-IS correction scales
+  each token's gradient by its weight, capped.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from omegaconf import OmegaConf
+
+from nexrl_core import ConfigError
+from nexrl_core.config import load_recipe
+from nexrl_core.controller import NexRLController
+from nexrl_core.inference import SamplingParams
+from nexrl_grpo.engine import HFInferenceEngine
+from nexrl_grpo.modeling import load_causal_lm
+from nexrl_grpo.trainers import SelfHostedGrpoTrainer
+from tests.support.letters import grpo_plugin_manager
+
+PROMPTS = ["the quick", "what is", "count: one", "hello world"]
+GROUP = 4
+
+
+def recipe(run_dir: Path, model_dir: str, temperature: float) -> dict:
+    return {
+        "run_dir": str(run_dir),
+        "seed": 11,
+        "logger": {"backend": [], "level": "WARNING"},
+        "data": {"type": "inline", "rows": [{"prompt": p} for p in PROMPTS]},
+        "validate": {"validate_before_train": True, "data": {"type": "inline", "rows": [{"prompt": "hello"}]}},
+        "rollout_worker": {"num_workers": 4, "validate_temperature": 0,
+                           "sampling": {"max_tokens": 6, "temperature": temperature, "top_k": 50},
+                           "evaluator": {"type": "letter_share", "letter": "e"}},
+        "trajectory_pool": {"batch_size": 2 * GROUP, "group_size": GROUP, "key_list": ["uid"]},
+        "trainer": {"type": "self_hosted_grpo", "total_train_steps": 1},
+        "weight": {"sync_mode": "sync", "backend": "in_process"},
+        "service": {"train_service": {"model_path": model_dir, "lr": 1e-2, "num_threads": 1},
+                    "inference_service": {"backend": "hf", "model_path": model_dir, "num_threads": 1}},
+        "runtime_monitor": {"stop_timeout": 10, "health_check": {"check_interval": 0.5, "timeout": 10.0},
+                            "exception_handling": {"check_interval": 0.05}},
+    }
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.0])
+def test_first_step_is_on_policy_at_any_temperature(tiny_model_dir, tmp_path, temperature):
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe(tmp_path / "run", tiny_model_dir, temperature), sort_keys=False))
+    controller = NexRLController(load_recipe(str(path)), plugin_manager=grpo_plugin_manager())
+    trained, validated = [], []
+    train, put_validation = controller.trainer.train, controller.validator.put_trajectory
+
+    def record_train(trajectories):
+        trained.extend(trajectories)
+        return train(trajectories)
+
+    def record_validation(trajectory):
+        validated.append(trajectory)
+        return put_validation(trajectory)
+    controller.trainer.train, controller.validator.put_trajectory = record_train, record_validation
+    summary = controller.run()
+    assert summary.stopped_by == "finished" and summary.errors == []
+
+    sent = {"max_tokens": 6, "temperature": temperature, "top_p": 1.0, "top_k": 50, "stop": []}
+    assert trained and all({k: t["sampling"][k] for k in sent} == sent for t in trained)
+    assert len({t["sampling"]["seed"] for t in trained}) == len(trained)  # the per-request seed travels too
+    assert validated and all(t["sampling"]["temperature"] == 0 for t in validated)
+
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    (row,) = [r for r in rows if "train/reward_mean" in r]
+    assert abs(row["train/ppo_kl"]) < 1e-6 and row["train/pg_clipfrac"] == 0.0, row
+    assert row["train/rollout_logprob_diff_max"] < 1e-3 and row["train/rollout_kl_k3"] < 1e-6, row
+    assert math.isfinite(row["train/loss"]) and row["train/grad_norm"] > 0
+
+
+# ---------------------------------------------------------------- the trainer on engine rollouts
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    model, tokenizer = load_causal_lm(tiny_model_dir)
+    eng = HFInferenceEngine({"batch_wait_ms": 20}, model=model, tokenizer=tokenizer)
+    yield eng
+    eng.close()
+
+
+def rollouts(engine, temperature: float, n: int = 8, seed: int = 0) -> list[dict]:
+    """Trajectories as the simple worker writes them: tokens, log-probs, sampling record, reward."""
+    prompt = [{"role": "user", "content": "count: one, two"}]
+    params = [SamplingParams(max_tokens=5, temperature=temperature, seed=seed + i) for i in range(n)]
+    with ThreadPoolExecutor(n) as pool:
+        results = list(pool.map(lambda p: engine.complete(prompt, p), params))
+    return [{"uid": f"g{i // 4}", "sample_index": i % 4, "prompt_token_ids": r.prompt_token_ids,
+             "response_token_ids": r.response_token_ids, "response_logprobs": r.response_logprobs,
+             "sampling": p.as_record(), "reward": float(i % 3), "model_version": 0}
+            for i, (r, p) in enumerate(zip(results, params))]
+
+
+def make_trainer(model_dir: str, service: dict | None = None, **algorithm) -> SelfHostedGrpoTrainer:
+    train_service = {"model_path": model_dir, "lr": 0.0, "grad_clip": 0, "num_threads": 1, **(service or {})}
+    config = OmegaConf.create({
+        "seed": 0, "trainer": {"total_train_steps": 1}, "trajectory_pool": {"batch_size": 8},
+        "rollout_worker": {}, "algorithm": algorithm,
+        "service": {"train_service": train_service, "inference_service": {}},
+    })
+    trainer = SelfHostedGrpoTrainer(config)
+    trainer.initialize_workers()
+    return trainer
+
+
+def test_mismatch_metrics_see_a_misreported_temperature(tiny_model_dir, engine):
+    trainer = make_trainer(tiny_model_dir)
+    honest = rollouts(engine, 0.7)
+    metrics = trainer.train(honest)
+    assert metrics["train/rollout_logprob_diff_max"] < 1e-3
+    lying = [{**t, "sampling": {**t["sampling"], "temperature": 1.0}} for t in honest]
+    metrics = trainer.train(lying)
+    assert metrics["train/rollout_logprob_diff_mean"] > 0.05 and metrics["train/rollout_kl_k3"] > 1e-3, metrics
+    assert metrics["train/rollout_logprob_diff_max"] >= metrics["train/rollout_logprob_diff_mean"]
+    assert abs(metrics["train/ppo_kl"]) < 1e-6  # the ratio stays the trainer's own
+
+
+def test_micro_batches_report_the_whole_batch_mismatch(tiny_model_dir, engine):
+    """Per-micro-batch metrics combine by name: the max as a max, means weighted by tokens."""
+    # A mismatch growing with the row: the batch's max sits in the last micro-batch only.
+    batch = [{**t, "response_logprobs": [lp - 0.01 * i * (k + 1) for k, lp in enumerate(t["response_logprobs"])]}
+             for i, t in enumerate(rollouts(engine, 0.7))]
+    whole = make_trainer(tiny_model_dir, rollout_correction={"enabled": True}).train(batch)
+    split = make_trainer(tiny_model_dir, service={"micro_batch_size": 3}, rollout_correction={"enabled": True}).train(batch)
+    for name in ("rollout_logprob_diff_mean", "rollout_logprob_diff_max", "rollout_kl_k3", "rollout_is_weight_mean",
+                 "rollout_is_capped_frac", "ppo_kl", "pg_clipfrac"):
+        # Smaller forwards round differently (~1e-6 per log-prob); a max averaged by tokens would be far off.
+        assert split[f"train/{name}"] == pytest.approx(whole[f"train/{name}"], rel=1e-4, abs=1e-5), name
+    assert whole["train/rollout_logprob_diff_max"] > 2 * whole["train/rollout_logprob_diff_mean"] > 0
+
+
+def test_greedy_rows_are_scored_at_temperature_one(tiny_model_dir, engine):
+    trainer = make_trainer(tiny_model_dir)
+    greedy = rollouts(engine, 0.0)
+    assert all(t["sampling"]["temperature"] == 0 for t in greedy)
+    metrics = trainer.train(greedy)
+    assert metrics["train/rollout_logprob_diff_max"] < 1e-3, metrics
+
+
+def test_a_trajectory_without_sampling_record_is_refused(tiny_model_dir, engine):
+    trainer = make_trainer(tiny_model_dir)
+    batch = rollouts(engine, 1.0)
+    del batch[3]["sampling"]
+    with pytest.raises(ConfigError, match=r"trajectory g0#3 does not say how it was sampled"):
+        trainer.train(batch)
+
+
+def test_several_updates_compute_old_logprobs_once_before_the_first(tiny_model_dir, engine):
+    trainer = make_trainer(tiny_model_dir, ppo_epochs=2)
+    forwards = []
+    forward = trainer.train_service.forward
+    trainer.train_service.forward = lambda batch: forwards.append(1) or forward(batch)
+    metrics = trainer.train(rollouts(engine, 0.7))
+    assert forwards == [1]
+    # lr 0: the weights never move, so the precomputed old log-probs are the current ones.
+    assert abs(metrics["train/ppo_kl"]) < 1e-6 and metrics["train/pg_clipfrac"] == 0.0
+    assert metrics["train/rollout_logprob_diff_max"] < 1e-3
+
+
+def _grads(trainer) -> torch.Tensor:
+    return torch.cat([p.grad.reshape(-1) for p in trainer.train_service._params if p.grad is not None])
+
+
+def test_rollout_correction_weights_each_token_and_caps(tiny_model_dir, engine):
+    batch = rollouts(engine, 0.7)
+    grads = {}
+    for name, shift, correction in [("off", 0.0, {"enabled": False}), ("x1.5", math.log(1.5), {"enabled": True}),
+                                    ("capped", math.log(3.0), {"enabled": True, "cap": 2.0})]:
+        trainer = make_trainer(tiny_model_dir, rollout_correction=correction)
+        # Rollout log-probs lower than the trainer's by `shift`: every weight is exp(shift), capped.
+        shifted = [{**t, "response_logprobs": [lp - shift for lp in t["response_logprobs"]]} for t in batch]
+        step = trainer.train_service.optim_step
+        trainer.train_service.optim_step = lambda: (grads.__setitem__(name, _grads(trainer)), step())[1]
+        metrics = trainer.train(shifted)
+        if name == "off":
+            assert "train/rollout_is_weight_mean" not in metrics
+        elif name == "x1.5":
+            assert metrics["train/rollout_is_weight_mean"] == pytest.approx(1.5, rel=1e-3)
+            assert metrics["train/rollout_is_capped_frac"] == 0.0
+        else:
+            assert metrics["train/rollout_is_weight_mean"] == pytest.approx(2.0, rel=1e-6)
+            assert metrics["train/rollout_is_capped_frac"] == 1.0
+    # Weights of 1.5 carry the engine-vs-trainer noise (~1e-5 relative); capped ones are exactly 2.
+    scale = float(grads["off"].abs().max())
+    torch.testing.assert_close(grads["x1.5"], 1.5 * grads["off"], rtol=0, atol=1e-4 * scale)
+    torch.testing.assert_close(grads["capped"], 2.0 * grads["off"], rtol=0, atol=1e-6 * scale)
+    assert not torch.allclose(grads["x1.5"], grads["off"], rtol=0, atol=0.1 * scale)
+
+
+def test_rollout_correction_needs_rollout_logprobs(tiny_model_dir, engine):
+    trainer = make_trainer(tiny_model_dir, rollout_correction={"enabled": True})
+    batch = [{**t, "response_logprobs": None} for t in rollouts(engine, 1.0)]
+    with pytest.raises(ConfigError, match="rollout_correction.enabled: the rollout returned no log-probs"):
+        trainer.train(batch)
