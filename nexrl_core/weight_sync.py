@@ -129,6 +129,20 @@ class WeightSyncController(NexRLModule):
             if not landed or in_flight == 0:
                 self._cond.notify_all()
 
+    def begin_rollouts(self, model_tag: ModelTag = DEFAULT_MODEL_TAG, count: int = 1) -> int:
+        """Admit up to ``count`` rollouts at once (:meth:`begin_rollout` each); returns how many."""
+        admitted = 0
+        while admitted < count and self.begin_rollout(model_tag):
+            admitted += 1
+        return admitted
+
+    def end_rollouts(self, model_tag: ModelTag = DEFAULT_MODEL_TAG, landed: int = 0, returned: int = 0) -> None:
+        """:meth:`end_rollout` for ``landed`` rollouts that reached the pool and ``returned`` that did not."""
+        for _ in range(landed):
+            self.end_rollout(model_tag, True)
+        for _ in range(returned):
+            self.end_rollout(model_tag, False)
+
     def wait_rollouts_landed(self, model_tag: ModelTag = DEFAULT_MODEL_TAG, timeout: float | None = None) -> bool:
         """Sync mode: block until no admitted training rollout is in flight (False on timeout).
         The pool calls this before handing out a batch: with every rollout of the served version
