@@ -6,12 +6,18 @@ Invariants (see docs/evaluation.md and tests/core/test_properties_pool.py):
   re-rolled (never trained on, never lost);
 - a batch is made of whole groups;
 - a group older than the weight-sync staleness bound is not handed to the trainer:
-  its tasks go back to the data loader for a re-rollout and are counted.
+  its tasks go back to the data loader for a re-rollout and are counted;
+- a batch is ordered, and chosen, by issue order, never by completion order: whole groups
+  sorted by (version, first ``seq``), members by ``seq``. In sync mode the pool first waits
+  until every admitted rollout has landed, so a step trains on the earliest-issued groups of the
+  served version and the extras are re-rolled before the next version's rollouts start
+  (docs/reliability.md, "Reproducibility").
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any, Callable
 
 from .errors import ConfigError
@@ -28,6 +34,15 @@ def _version(traj: Trajectory) -> int:
 
 def _group_version(group: list[Trajectory]) -> int:
     return min(_version(t) for t in group)
+
+
+def _seq(traj: Trajectory) -> int:
+    seq = traj.get("seq")
+    return -1 if seq is None else int(seq)
+
+
+def _issue_order(group: list[Trajectory]) -> tuple[int, int]:
+    return _group_version(group), min(_seq(t) for t in group)
 
 
 class SimpleTrajectoryStore:
@@ -179,20 +194,33 @@ class TrajectoryPoolInstance:
                   timeout: float = 0.0) -> Batch | None:
         """Whole groups with at least ``batch_size`` trajectories, or None.
 
-        Groups older than ``min_version`` are re-rolled instead of returned.
-        Waits up to ``timeout`` seconds for enough trajectories.
+        Groups older than ``min_version`` are re-rolled instead of returned, and so are, once a
+        batch is taken, the groups that will be too old for the next step (``min_version + 1``).
+        Waits up to ``timeout`` seconds for enough trajectories (and, in sync mode, for the
+        rollouts still in flight).
         """
         want = batch_size or self._batch_size
+        deadline = time.monotonic() + timeout
         with self._cond:
             stale = self._drop_stale_locked(min_version)
             if not self._enough_locked(want):
                 self._cond.wait_for(lambda: self._enough_locked(want), timeout)
                 stale += self._drop_stale_locked(min_version)
-            groups = self._take_locked(want) if self._enough_locked(want) else None
+            enough = self._enough_locked(want)
+        wsc, groups = self._weight_sync_controller, None
+        if enough and wsc is not None:
+            enough = execute(wsc.wait_rollouts_landed, self.model_tag, max(0.0, deadline - time.monotonic()))
+        if enough:
+            with self._cond:
+                stale += self._drop_stale_locked(min_version)
+                if self._enough_locked(want):
+                    groups = self._take_locked(want)
+                    if min_version is not None:
+                        stale += self._drop_stale_locked(min_version + 1)
         self._requeue(stale)
         if not groups:
             return None
-        trajs = [t for g in groups for t in g]
+        trajs = [t for g in groups for t in sorted(g, key=_seq)]
         batch = Batch.from_trajectories(trajs, self.model_tag)
         batch.metadata["num_groups"] = len(groups)
         return batch
@@ -214,6 +242,7 @@ class TrajectoryPoolInstance:
         return False
 
     def _take_locked(self, want: int) -> list[list[Trajectory]]:
+        self._store.finished.sort(key=_issue_order)
         taken, n = [], 0
         while self._store.finished and n < want:
             group = self._store.finished.pop(0)
@@ -250,7 +279,7 @@ class TrajectoryPoolInstance:
         """Send the tasks behind dropped trajectories back for a re-rollout."""
         if not trajectories or self._dataloader is None:
             return
-        for traj in sorted(trajectories, key=lambda t: t.get("seq", 0), reverse=True):
+        for traj in trajectories:  # the loader serves re-queued tasks in seq order
             task = traj.get("task")
             if task is not None:
                 execute(self._dataloader.add_item_front, task)

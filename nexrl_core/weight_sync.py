@@ -6,7 +6,8 @@ carries the version that produced it.
 
 Modes (``weight.sync_mode``):
 - ``sync``: once a batch is ready, rollouts block until the trainer's new weights
-  are served; the trainer only ever sees trajectories of its current version.
+  are served; the trainer only ever sees trajectories of its current version, and takes a
+  batch only when every admitted rollout has landed (reproducible runs: docs/reliability.md).
 - ``batch-async``: rollouts block only when ``train_version + 1 - rollout_version
   > staleness_threshold``, where ``train_version + 1`` counts the steps the trainer
   has started (it is producing that version): rollouts may run ahead of the
@@ -97,12 +98,12 @@ class WeightSyncController(NexRLModule):
     # -- rollout side -------------------------------------------------------------
     def set_rollout_budget(self, tasks: int | None) -> None:
         """Sync mode: start at most ``tasks`` training rollouts per served weight version
-        (``weight.rollout_limit``; ``batch`` means ``trajectory_pool.batch_size``). Rollouts started
-        beyond one batch are only re-rolled after the weight push (stale), and on shared hardware
-        they run during the training step, slowing it down. Rollouts that do not reach the pool
-        (re-rolled tasks) give their slot back; if everything started has landed and still no
-        batch is ready (e.g. the pool re-queued evicted members), more are admitted, so this never
-        stalls. None: no limit."""
+        (``weight.rollout_limit``, default ``batch``: ``trajectory_pool.batch_size``). Rollouts
+        started beyond one batch are waited for (:meth:`wait_rollouts_landed`) and re-rolled: wasted
+        work, and their number depends on timing. Rollouts that do not reach the pool (re-rolled
+        tasks) give their slot back; if everything started has landed and still no batch is ready
+        (e.g. the pool re-queued evicted members), more are admitted, so this never stalls.
+        None: no limit."""
         with self._cond:
             self._rollout_budget = int(tasks) if tasks and self._mode == "sync" else None
             self._cond.notify_all()
@@ -141,6 +142,16 @@ class WeightSyncController(NexRLModule):
             self.end_rollout(model_tag, True)
         for _ in range(returned):
             self.end_rollout(model_tag, False)
+
+    def wait_rollouts_landed(self, model_tag: ModelTag = DEFAULT_MODEL_TAG, timeout: float | None = None) -> bool:
+        """Sync mode: block until no admitted training rollout is in flight (False on timeout).
+        The pool calls this before handing out a batch: with every rollout of the served version
+        landed, the batch can be the earliest-issued groups rather than the first finished ones.
+        Other modes: True at once (their batches never wait for stragglers)."""
+        if self._mode != "sync":
+            return True
+        with self._cond:
+            return self._cond.wait_for(lambda: self._stopping or self._in_flight.get(model_tag, 0) == 0, timeout)
 
     def check_rollout_service_status(self, model_tag: ModelTag = DEFAULT_MODEL_TAG) -> Literal["continue", "block"]:
         with self._cond:
