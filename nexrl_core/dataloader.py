@@ -5,6 +5,11 @@ Every item handed out is a *task*: a copy of one data row plus
 order). A task stays *outstanding* until the trainer consumed it or it was
 recorded as lost; checkpoints store the outstanding tasks so nothing is dropped
 by a resume.
+
+Dynamic sampling (the trajectory pool dropping a group whose rewards are all equal) asks for a
+*replacement* with :meth:`BaseDataLoader.add_replacement`: the next fresh row is drawn for it (of
+the same ``domain`` where the loader has domains) and its tasks carry ``sampling_attempt``, the
+number of groups that slot has dropped so far.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ class BaseDataLoader(NexRLModule, ABC):
         self._pending: deque[dict[str, Any]] = deque()  # expanded tasks not yet handed out
         self._requeued: deque[dict[str, Any]] = deque()
         self._outstanding: dict[int, dict[str, Any]] = {}
+        self._owed: deque[tuple[str | None, int]] = deque()  # replacements to draw: (domain, attempt)
         self._next_seq = 0
         self._locked = is_validate  # validation data flows only while a validation runs
         self._new_epoch()
@@ -56,6 +62,16 @@ class BaseDataLoader(NexRLModule, ABC):
 
     def describe(self) -> str:
         return type(self).__name__
+
+    @classmethod
+    def declared_domains(cls, section: Any) -> list[str] | None:
+        """The domains a recipe section of this loader gives its rows (None: not known before the
+        data is read). ``nexrl validate`` checks per-domain settings against them."""
+        return None
+
+    def rows(self) -> list[dict[str, Any]]:
+        """Copies of every data row, in file order."""
+        return [dict(r) for r in self._rows]
 
     # -- seed API ---------------------------------------------------------------
     def __len__(self) -> int:
@@ -92,6 +108,7 @@ class BaseDataLoader(NexRLModule, ABC):
             self._requeued.clear()
             self._pending.clear()
             self._outstanding.clear()
+            self._owed.clear()
             self._new_epoch()
             self._lock.notify_all()
 
@@ -108,6 +125,13 @@ class BaseDataLoader(NexRLModule, ABC):
         with self._lock:
             self._requeued.append(dict(item))
             self._outstanding.pop(item.get("seq"), None)
+            self._lock.notify_all()
+
+    def add_replacement(self, item: dict[str, Any]) -> None:
+        """Draw a fresh row in place of the group ``item`` belongs to (dynamic sampling dropped it):
+        of the item's ``domain``, tagged ``sampling_attempt`` = the item's + 1."""
+        with self._lock:
+            self._owed.append((item.get("domain"), int(item.get("sampling_attempt") or 0) + 1))
             self._lock.notify_all()
 
     def lock_for_weight_sync(self) -> None:
@@ -152,7 +176,9 @@ class BaseDataLoader(NexRLModule, ABC):
                 "cursor": self._cursor,
                 "pending": [dict(t) for t in self._pending],
                 "requeued": [dict(t) for t in queued],
+                "owed": [[domain, attempt] for domain, attempt in self._owed],
                 "next_seq": self._next_seq,
+                **self._extra_state_locked(),
             }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -163,7 +189,9 @@ class BaseDataLoader(NexRLModule, ABC):
             self._pending = deque(dict(t) for t in state["pending"])
             self._requeued = deque(dict(t) for t in state["requeued"])
             self._outstanding.clear()
+            self._owed = deque((domain, int(attempt)) for domain, attempt in state.get("owed", []))
             self._next_seq = int(state["next_seq"])
+            self._load_extra_state_locked(state)
 
     # -- internals --------------------------------------------------------------
     def _new_epoch(self) -> None:
@@ -177,26 +205,51 @@ class BaseDataLoader(NexRLModule, ABC):
         return not self._locked and (self._remaining_locked() > 0 or not self._is_validate)
 
     def _remaining_locked(self) -> int:
-        return len(self._requeued) + len(self._pending) + (len(self._order) - self._cursor) * self._group_size
+        return len(self._requeued) + len(self._pending) + self._fresh_rows_left_locked() * self._group_size
+
+    def _fresh_rows_left_locked(self) -> int:
+        """Rows not yet handed out in this pass (training: in this epoch)."""
+        return len(self._order) - self._cursor
+
+    def _next_row_locked(self, domain: str | None) -> tuple[int, str] | None:
+        """The next fresh row to hand out, as (row index, uid); None when a validation pass is
+        over. ``domain``: the domain a replacement must come from (None: any)."""
+        if self._cursor >= len(self._order):
+            if self._is_validate:
+                return None
+            self._epoch += 1
+            self._new_epoch()
+        index = self._order[self._cursor]
+        self._cursor += 1
+        return index, f"{self._epoch}:{index}"
+
+    def _extra_state_locked(self) -> dict[str, Any]:
+        """A subclass's own resume state (merged into :meth:`state_dict`)."""
+        return {}
+
+    def _load_extra_state_locked(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`_extra_state_locked` saved."""
 
     def _take_locked(self) -> dict[str, Any] | None:
         if self._requeued:
             return self._requeued.popleft()
         if not self._pending:
-            if self._cursor >= len(self._order):
-                if self._is_validate:
-                    return None
-                self._epoch += 1
-                self._new_epoch()
-            index = self._order[self._cursor]
-            self._cursor += 1
+            domain, attempt = self._owed[0] if self._owed else (None, 0)
+            picked = self._next_row_locked(domain)
+            if picked is None:
+                return None
+            if self._owed:
+                self._owed.popleft()
+            index, uid = picked
             row = self._rows[index]
             for j in range(self._group_size):
                 task = dict(row)
-                task["uid"] = f"{self._epoch}:{index}"
+                task["uid"] = uid
                 task["row_index"] = index
                 task["sample_index"] = j
                 task["seq"] = self._next_seq
+                if attempt:
+                    task["sampling_attempt"] = attempt
                 self._next_seq += 1
                 self._pending.append(task)
         return self._pending.popleft()

@@ -49,6 +49,8 @@ class BaseRolloutWorker(ThreadedModule):
         self._config = config
         self._llm_client: Any = None
         self._evaluator: Evaluator | None = build_evaluator(config.get("evaluator"))
+        # A task's `domain` picks its evaluator (multi-domain data); others use the default one.
+        self._domain_evaluators: dict[str, Evaluator | None] = build_domain_evaluators(config.get("domain_evaluators"))
         self._model_tag = DEFAULT_MODEL_TAG
         self._seed = int(config.get("seed", 0) or 0)
         # Read once: DictConfig.get of an absent key raises and catches internally (slow on a per-task path).
@@ -160,21 +162,29 @@ class BaseRolloutWorker(ThreadedModule):
         key = f"{self._seed}|{task.get('uid')}|{task.get('sample_index')}|{self._task_is_validation}|{version}"
         return zlib.crc32(key.encode())
 
+    def evaluator_for(self, task: dict[str, Any]) -> Evaluator | None:
+        """The evaluator of the task's ``domain`` (``rollout_worker.domain_evaluators``), else the
+        default ``rollout_worker.evaluator``."""
+        domain = task.get("domain")
+        if domain is not None and domain in self._domain_evaluators:
+            return self._domain_evaluators[domain]
+        return self._evaluator
+
     def evaluate(self, task: dict[str, Any], final_answer: str) -> EvaluationRunResult:
-        if self._evaluator is None:
+        evaluator = self.evaluator_for(task)
+        if evaluator is None:
             return EvaluationRunResult()
+        name = type(evaluator).__name__
         try:
-            result = self._evaluator.evaluate(task, BaseEvaluationTarget(final_answer=final_answer))
+            result = evaluator.evaluate(task, BaseEvaluationTarget(final_answer=final_answer))
         except Exception as exc:
-            raise ItemFailure("evaluator_exception",
-                              f"evaluator {type(self._evaluator).__name__} raised {type(exc).__name__}: {exc}") from exc
+            raise ItemFailure("evaluator_exception", f"evaluator {name} raised {type(exc).__name__}: {exc}") from exc
         if not isinstance(result, EvaluationRunResult):
             raise ItemFailure("evaluator_bad_result",
-                              f"evaluator {type(self._evaluator).__name__}.evaluate returned "
-                              f"{type(result).__name__}, expected EvaluationRunResult")
+                              f"evaluator {name}.evaluate returned {type(result).__name__}, expected EvaluationRunResult")
         reward = result.reward
         if not isinstance(reward, (int, float)) or isinstance(reward, bool) or not math.isfinite(reward):
-            raise ItemFailure("bad_reward", f"evaluator {type(self._evaluator).__name__} returned reward {reward!r}")
+            raise ItemFailure("bad_reward", f"evaluator {name} returned reward {reward!r}")
         lo_hi = self._reward_range
         if lo_hi is not None and not (float(lo_hi[0]) <= reward <= float(lo_hi[1])):
             raise ItemFailure("reward_out_of_range",
@@ -190,6 +200,7 @@ class BaseRolloutWorker(ThreadedModule):
             "sample_index": task.get("sample_index"),
             "seq": task.get("seq"),
             "data_source": task.get("data_source", "default"),
+            "domain": task.get("domain"),
             "model_tag": self._model_tag,
             "is_validation": self._task_is_validation,
             "task": task,
@@ -215,17 +226,23 @@ class BaseRolloutWorker(ThreadedModule):
         return execute(self._llm_client.model_version) if self._llm_client is not None else 0
 
 
-def build_evaluator(section: Any) -> Evaluator | None:
+def build_evaluator(section: Any, key: str = "rollout_worker.evaluator") -> Evaluator | None:
     """The evaluator a ``rollout_worker.evaluator`` mapping names (``type`` + constructor keywords)."""
     if section is None:
         return None
-    cls = active_plugin_manager().resolve("evaluator", section.get("type"), "rollout_worker.evaluator.type")
+    cls = active_plugin_manager().resolve("evaluator", section.get("type"), f"{key}.type")
     items = section.items() if isinstance(section, dict) else _plain(section).items()
     try:
         return cls(**{k: v for k, v in items if k != "type"})
     except (ValueError, TypeError) as exc:  # options it refuses: one line, as `nexrl validate` prints it
-        raise ConfigError(f"rollout_worker.evaluator: evaluator '{section.get('type')}' rejected its options: "
+        raise ConfigError(f"{key}: evaluator '{section.get('type')}' rejected its options: "
                           f"{type(exc).__name__}: {exc}") from None
+
+
+def build_domain_evaluators(section: Any) -> dict[str, Evaluator | None]:
+    """``rollout_worker.domain_evaluators``: domain -> its evaluator (null: none, reward 0)."""
+    return {str(domain): build_evaluator(sub, f"rollout_worker.domain_evaluators.{domain}")
+            for domain, sub in (section or {}).items()}
 
 
 def _plain(section: Any) -> dict[str, Any]:

@@ -78,6 +78,10 @@ ROLLOUT_WORKER = {
                            check=_reward_range),
     "evaluator": Option(type=(dict, None), options=EVALUATOR, component="evaluator",
                         help="how a response is scored (null: no evaluator, reward 0)"),
+    "domain_evaluators": Option({}, dict, "per-domain evaluators, {<domain>: {type: <evaluator>, ...}}: a task "
+                                          "with a domain listed here is scored by its evaluator, others by "
+                                          "rollout_worker.evaluator",
+                                values=Option(type=(dict, None), options=EVALUATOR, component="evaluator")),
 }
 
 TRAJECTORY_POOL = {
@@ -87,6 +91,11 @@ TRAJECTORY_POOL = {
     "key_list": Option(["uid"], list[str], "trajectory keys that group samples (empty: no grouping)"),
     "check_batch_ready_function": Option("batch_size", str, "when a batch is ready",
                                          choices=_batch_ready_functions()),
+    "dynamic_sampling": Option(options={
+        "enabled": Option(False, bool, "drop finished groups whose rewards are all equal and draw a fresh row "
+                                       "in their place"),
+        "max_replacements": Option(3, int, "drops in a row for one batch slot before a flat group is kept", ge=0),
+    }, help="dynamic sampling (DAPO): train only on groups with a reward signal"),
 }
 
 TRAINER = {

@@ -6,7 +6,11 @@ Invariants (see docs/evaluation.md and tests/core/test_properties_pool.py):
   re-rolled (never trained on, never lost);
 - a batch is made of whole groups;
 - a group older than the weight-sync staleness bound is not handed to the trainer:
-  its tasks go back to the data loader for a re-rollout and are counted.
+  its tasks go back to the data loader for a re-rollout and are counted;
+- dynamic sampling (``trajectory_pool.dynamic_sampling``): a finished group whose rewards are
+  all equal (no failed member) is dropped, its tasks consumed, and the data loader draws a fresh
+  row in its place (:meth:`~nexrl_core.BaseDataLoader.add_replacement`); after
+  ``max_replacements`` drops in a row for one slot the flat group is kept. Both are counted.
 """
 
 from __future__ import annotations
@@ -28,6 +32,18 @@ def _version(traj: Trajectory) -> int:
 
 def _group_version(group: list[Trajectory]) -> int:
     return min(_version(t) for t in group)
+
+
+def _sampling_attempt(group: list[Trajectory]) -> int:
+    return max(int((t.get("task") or {}).get("sampling_attempt") or 0) for t in group)
+
+
+def is_flat_group(group: list[Trajectory]) -> bool:
+    """All rewards equal and no member failed (a failed member is recorded when the trainer
+    consumes it, so such a group is never dropped)."""
+    if any(t.get("failed") for t in group):
+        return False
+    return len({float(t.get("reward", 0.0)) for t in group}) == 1
 
 
 class SimpleTrajectoryStore:
@@ -133,6 +149,13 @@ class TrajectoryPoolInstance:
         self._weight_sync_controller: Any = None
         self._activity_tracker: Any = None
         self.counters = {"stale_rerolled": 0, "group_evicted": 0, "rerollout_while_locked": 0}
+        dynamic = config.get("dynamic_sampling") or {}
+        self._dynamic_sampling = bool(dynamic.get("enabled", False))
+        self._max_replacements = int(dynamic.get("max_replacements", 3))
+        # Dropped groups since the last batch: their domain and rewards go with the next batch (metrics).
+        self._dropped_since_batch: list[dict[str, Any]] = []
+        if self._dynamic_sampling:
+            self.counters.update(dynamic_sampling_dropped_groups=0, dynamic_sampling_kept_flat_groups=0)
 
     def set_module_references(self, dataloader: Any, weight_sync_controller: Any, activity_tracker: Any) -> None:
         self._dataloader = dataloader
@@ -153,6 +176,7 @@ class TrajectoryPoolInstance:
             finished_before = len(self._store.finished)
             evicted = self._store.add(trajectory)
             self.counters["group_evicted"] += len(evicted)
+            dropped = self._drop_flat_locked(finished_before) if self._dynamic_sampling else []
             for group in self._store.finished[finished_before:]:
                 self._count_finished_locked(group, +1)
             ready = self._is_batch_ready_locked(min_version)
@@ -161,6 +185,7 @@ class TrajectoryPoolInstance:
                 # trajectory made the trainer thread re-count the pool on every put.
                 self._cond.notify_all()
         self._requeue(evicted)
+        self._replace(dropped)
         if ready and wsc is not None:
             execute(wsc.trajectory_pool_notify_batch_ready, self.model_tag, min_version)
         return "success"
@@ -195,7 +220,43 @@ class TrajectoryPoolInstance:
         trajs = [t for g in groups for t in g]
         batch = Batch.from_trajectories(trajs, self.model_tag)
         batch.metadata["num_groups"] = len(groups)
+        if self._dynamic_sampling:
+            with self._cond:
+                batch.metadata["dropped_groups"], self._dropped_since_batch = self._dropped_since_batch, []
         return batch
+
+    # -- dynamic sampling --------------------------------------------------------------------
+    def _drop_flat_locked(self, finished_before: int) -> list[list[Trajectory]]:
+        """Take the flat groups among those finished since ``finished_before`` out of the pool."""
+        kept, dropped = [], []
+        for group in self._store.finished[finished_before:]:
+            if not is_flat_group(group):
+                kept.append(group)
+            elif _sampling_attempt(group) >= self._max_replacements:
+                self.counters["dynamic_sampling_kept_flat_groups"] += 1
+                kept.append(group)
+            else:
+                dropped.append(group)
+                self.counters["dynamic_sampling_dropped_groups"] += 1
+                self._dropped_since_batch.append({"domain": group[0].get("domain"),
+                                                  "rewards": [float(t.get("reward", 0.0)) for t in group]})
+        self._store.finished[finished_before:] = kept
+        return dropped
+
+    def _replace(self, dropped: list[list[Trajectory]]) -> None:
+        """A dropped group's tasks are consumed; a fresh row takes its place, and in sync mode its
+        rollout slots are given back so the replacement can start at once."""
+        if not dropped:
+            return
+        wsc = self._weight_sync_controller
+        for group in dropped:
+            if self._dataloader is not None:
+                execute(self._dataloader.mark_done, [t["seq"] for t in group if t.get("seq") is not None])
+                task = next((t["task"] for t in group if t.get("task") is not None), None)
+                if task is not None:
+                    execute(self._dataloader.add_replacement, task)
+            if wsc is not None:
+                execute(wsc.return_rollout_slots, self.model_tag, len(group))
 
     def _count_finished_locked(self, group: list[Trajectory], sign: int) -> None:
         version = _group_version(group)

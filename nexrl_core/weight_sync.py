@@ -128,6 +128,13 @@ class WeightSyncController(NexRLModule):
             if not landed or in_flight == 0:
                 self._cond.notify_all()
 
+    def return_rollout_slots(self, model_tag: ModelTag = DEFAULT_MODEL_TAG, count: int = 1) -> None:
+        """Sync mode: ``count`` rollouts that landed will not be trained on (dynamic sampling dropped
+        their group): their slots of the rollout budget go to the replacements."""
+        with self._cond:
+            self._admitted[model_tag] = max(0, self._admitted.get(model_tag, 0) - int(count))
+            self._cond.notify_all()
+
     def check_rollout_service_status(self, model_tag: ModelTag = DEFAULT_MODEL_TAG) -> Literal["continue", "block"]:
         with self._cond:
             return "block" if self._blocked_locked(model_tag) else "continue"

@@ -44,6 +44,17 @@ TRAIN_SERVICE_OPTIONS = {
 }
 
 
+def _truncated(traj: Trajectory, response_tokens: int) -> bool:
+    """The response was cut off by the token limit: the backend says so (``finish_reason``
+    ``length``), or, when it does not say, the response has ``max_tokens`` tokens."""
+    reason = traj.get("finish_reason")
+    if reason is not None:
+        return reason == "length"
+    sampling = traj.get("sampling")
+    limit = sampling.get("max_tokens") if isinstance(sampling, Mapping) else None
+    return bool(limit) and response_tokens >= int(limit)
+
+
 def _prompt_groups(prompts: list[list[int]]) -> torch.Tensor:
     """Rows with identical prompt tokens get one id, so the model runs each distinct prompt once."""
     ids: dict[tuple[int, ...], int] = {}
@@ -147,7 +158,10 @@ class SelfHostedTrainer(BaseTrainer):
             values["rollout_log_probs"] = rollout_logprobs
         max_tokens = [int(t["sampling"]["max_tokens"]) for t in trajectories
                       if isinstance(t.get("sampling"), Mapping) and t["sampling"].get("max_tokens")]
-        meta = {"batch_size": n, "uids": [t.get("uid") for t in trajectories], "prompt_length": max_p,
+        meta = {"batch_size": n, "uids": [t.get("uid") for t in trajectories],
+                "domains": [t.get("domain") for t in trajectories],
+                "truncated": [_truncated(t, len(r)) for (_, r), t in zip(pairs, trajectories)],
+                "prompt_length": max_p,
                 "response_length": max_r, "model_tag": self._model_tag,
                 "max_tokens": max(max_tokens) if max_tokens else None}
         return Batch(values, meta)
@@ -163,14 +177,18 @@ class SelfHostedTrainer(BaseTrainer):
     def train(self, trajectories: list[Trajectory]) -> dict[str, float]:
         t0 = time.perf_counter()
         batch = self._process_trajectories(trajectories)
+        lengths = batch.values["response_mask"].sum(-1)  # before a sample-level mask
         batch, metrics = self._prepare_batch(batch)
         t1 = time.perf_counter()
         tensors = {k: v for k, v in batch.values.items() if isinstance(v, torch.Tensor)}
-        for _ in range(self._ppo_epochs):
+        # A sample-level mask that left nothing to train on: no optimizer step (Adam's momentum
+        # alone would still move the weights).
+        skip = not bool(batch.values["response_mask"].any())
+        out: dict[str, float] = {"update_skipped": 1.0} if skip else {}
+        for _ in range(0 if skip else self._ppo_epochs):
             out = self.train_service.forward_backward(tensors, self._loss_fn(batch))
             out.update(self.train_service.optim_step())
         t2 = time.perf_counter()
-        lengths = batch.values["response_mask"].sum(-1)
         metrics.update({f"train/{k}": float(v) for k, v in out.items()})
         metrics.update({
             "train/response_length_mean": float(lengths.mean()),
@@ -221,6 +239,9 @@ class SelfHostedGrpoTrainer(SelfHostedTrainer):
                                                  "(null: rollout_worker.sampling.max_tokens)", ge=1),
         "rollout_correction": Option(options=algorithms.ROLLOUT_CORRECTION_OPTIONS,
                                      help="truncated importance sampling against the rollout's log-probs"),
+        "reward_processing": Option(options=algorithms.REWARD_PROCESSING_OPTIONS,
+                                    help="sample-level masks and reward normalisation / clipping / scaling, "
+                                         "before advantages; per domain with domains.<name>"),
     }
     ALGORITHM_SELECTORS = {"type": "advantage_estimator", "policy_loss": "policy_loss"}
 
@@ -228,6 +249,7 @@ class SelfHostedGrpoTrainer(SelfHostedTrainer):
         super().__init__(config)
         self._selection: algorithms.AlgorithmSelection | None = None
         self._kl_ctrl: Any = None
+        self._reward_processor: algorithms.RewardProcessor | None = None
         self._ref_model: torch.nn.Module | None = None
 
     @property
@@ -236,6 +258,7 @@ class SelfHostedGrpoTrainer(SelfHostedTrainer):
         if self._selection is None:
             selection = algorithms.select_algorithms(type(self), self._algorithm, self.algorithm_registry)
             self._kl_ctrl = algorithms.get_kl_controller(selection.options["kl_ctrl"])
+            self._reward_processor = algorithms.RewardProcessor(selection.options["reward_processing"])
             self._ppo_epochs = int(selection.options["ppo_epochs"])
             self._selection = selection
         return self._selection
@@ -260,7 +283,13 @@ class SelfHostedGrpoTrainer(SelfHostedTrainer):
             tensors = {k: x for k, x in v.items() if isinstance(x, torch.Tensor)}
             v["old_log_probs"] = self.train_service.forward(tensors)
         mask_np = mask.numpy()
-        token_rewards = algorithms.scores_to_token_level(v["rewards"].numpy(), mask_np)
+        # The seed's order: get_sample_level_mask -> reward_postprocess (per domain) ->
+        # compute_token_reward (scores on the last token, KL penalty) -> compute_advantage.
+        processed = self._reward_processor(v["rewards"].numpy(), batch.metadata["uids"], batch.metadata["truncated"],
+                                           batch.metadata["domains"])
+        metrics.update({f"train/{k}": float(x) for k, x in processed.metrics.items()})
+        scores = processed.rewards.astype(v["rewards"].numpy().dtype)
+        token_rewards = algorithms.scores_to_token_level(scores, mask_np)
         v["token_level_scores"] = torch.from_numpy(token_rewards)
         if options["use_kl_in_reward"]:
             v["ref_log_probs"] = self._ref_log_probs(batch)
@@ -273,6 +302,8 @@ class SelfHostedGrpoTrainer(SelfHostedTrainer):
         adv, returns = estimate(algorithms.AdvantageInputs(token_rewards, mask_np, batch.metadata["uids"]))
         v["advantages"] = torch.from_numpy(np.asarray(adv, dtype=np.float32))
         v["returns"] = torch.from_numpy(np.asarray(returns, dtype=np.float32))
+        # Masked rows leave the loss only: they still counted in their group's statistics above.
+        v["response_mask"] = mask * torch.from_numpy(processed.sample_mask.astype(np.float32))[:, None]
         _, group_std, _ = algorithms.group_stats(v["rewards"].numpy(), batch.metadata["uids"])
         metrics.update({
             "train/advantages_abs_mean": float(masked_mean(v["advantages"].abs(), mask)),
@@ -312,13 +343,14 @@ class SelfHostedGrpoTrainer(SelfHostedTrainer):
         return loss_fn
 
     def algorithm_state(self) -> dict[str, Any]:
-        self.selection  # noqa: B018 - resolves the KL controller
-        return {"kl_coef": float(self._kl_ctrl.value)}
+        self.selection  # noqa: B018 - resolves the KL controller and the reward processor
+        return {"kl_coef": float(self._kl_ctrl.value), "reward_running": self._reward_processor.state_dict()}
 
     def load_algorithm_state(self, state: dict[str, Any]) -> None:
+        self.selection  # noqa: B018
         if "kl_coef" in state:
-            self.selection  # noqa: B018
             self._kl_ctrl.value = float(state["kl_coef"])
+        self._reward_processor.load_state_dict(state.get("reward_running", {}))
 
 
 class SelfHostedCrossEntropyTrainer(SelfHostedTrainer):
