@@ -188,6 +188,8 @@ class _DomainStream:
     """One domain's pass over its rows: its own epochs and shuffles."""
 
     rows: list[int]  # row indices (into the loader's rows) of this domain
+    seed: int = 0
+    shuffle: bool = True
     order: list[int] = field(default_factory=list)
     cursor: int = 0
     epoch: int = -1
@@ -287,9 +289,7 @@ class MultiDomainDataLoader(BaseDataLoader):
         for name, section in self._domain_configs.items():
             key = f"{self._key}.domains.{name}"
             cls = pm.resolve("dataloader", section.get("type", "file"), f"{key}.type")
-            child = {**section, "group_size": self._group_size,
-                     "seed": self._seed if section.get("seed") is None else section["seed"],
-                     "shuffle": self._shuffle if section.get("shuffle") is None else section["shuffle"]}
+            child = {**section, "group_size": self._group_size, **self._domain_order(name)}
             try:
                 loaded = cls(OmegaConf.create(child), is_validate=self._is_validate).rows()
             except DataError as exc:
@@ -303,10 +303,16 @@ class MultiDomainDataLoader(BaseDataLoader):
         return rows
 
     # -- training: per-domain streams and the interleaving schedule -------------------------------
+    def _domain_order(self, domain: str) -> dict[str, Any]:
+        """A domain's seed and shuffle: its own keys, else the data section's."""
+        section = self._domain_configs[domain]
+        return {"seed": self._seed if section.get("seed") is None else int(section["seed"]),
+                "shuffle": self._shuffle if section.get("shuffle") is None else bool(section["shuffle"])}
+
     def _new_epoch(self) -> None:
         super()._new_epoch()  # validation: one ordered pass over all rows, domain by domain
         if not self._is_validate:
-            self._streams = {d: _DomainStream(self._domain_rows[d]) for d in self._domains}
+            self._streams = {d: _DomainStream(self._domain_rows[d], **self._domain_order(d)) for d in self._domains}
             self._scheduled = {d: 0 for d in self._domains}
 
     def _stream_next(self, domain: str) -> tuple[int, str]:
@@ -314,8 +320,8 @@ class MultiDomainDataLoader(BaseDataLoader):
         if stream.cursor >= len(stream.order):
             stream.epoch += 1
             stream.order = list(stream.rows)
-            if self._shuffle:
-                random.Random(f"{self._seed}|{domain}|{stream.epoch}").shuffle(stream.order)
+            if stream.shuffle:
+                random.Random(f"{stream.seed}|{domain}|{stream.epoch}").shuffle(stream.order)
             stream.cursor = 0
         index = stream.order[stream.cursor]
         stream.cursor += 1
