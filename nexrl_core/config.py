@@ -58,12 +58,14 @@ def load_recipe(path: str, overrides: list[str] | None = None) -> DictConfig:
     cfg = _create(merged, path)
     _apply_overrides(cfg, value_overrides)
     plain = _fill_section_defaults(OmegaConf.to_container(cfg, resolve=False), CORE_OPTIONS)
+    # Set before resolving, so a recipe can name files next to it: ${recipe_dir}/data/train.jsonl
+    plain["recipe_dir"] = os.path.dirname(os.path.abspath(path))
     try:
         resolved = OmegaConf.create(OmegaConf.to_container(OmegaConf.create(plain), resolve=True))
     except OmegaConfBaseException as exc:
         raise ConfigError(f"{getattr(exc, 'full_key', '') or path}: cannot resolve interpolation "
                           f"({str(exc.msg).splitlines()[0]})") from None
-    resolved.recipe_dir = os.path.dirname(os.path.abspath(path))  # relative paths stay relative to the cwd
+    # Plain relative paths stay relative to the cwd.
     return resolved
 
 
@@ -412,8 +414,8 @@ def _domain_checks(values: Mapping[str, Any], found: Mapping[str, type]) -> list
     train = _declared_domains(found, values, "data")
     val = _declared_domains(found, values, "validate.data")
     problems = []
-    checks = (("rollout_worker.domain_evaluators", None if train is None and val is None else
-               list(dict.fromkeys((train or []) + (val or [])))),
+    both = None if train is None and val is None else list(dict.fromkeys((train or []) + (val or [])))
+    checks = (("rollout_worker.domain_evaluators", both), ("rollout_worker.domain_sampling", both),
               ("algorithm.reward_processing.domains", train))
     for key, known in checks:
         section = _get(values, key)

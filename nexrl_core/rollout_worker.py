@@ -226,7 +226,10 @@ class BaseRolloutWorker(ThreadedModule):
         return execute(self._llm_client.model_version) if self._llm_client is not None else 0
 
 
-def build_evaluator(section: Any, key: str = "rollout_worker.evaluator") -> Evaluator | None:
+_EVALUATOR_KEY = "rollout_worker.evaluator"
+
+
+def build_evaluator(section: Any, key: str = _EVALUATOR_KEY) -> Evaluator | None:
     """The evaluator a ``rollout_worker.evaluator`` mapping names (``type`` + constructor keywords)."""
     if section is None:
         return None
@@ -234,6 +237,11 @@ def build_evaluator(section: Any, key: str = "rollout_worker.evaluator") -> Eval
     items = section.items() if isinstance(section, dict) else _plain(section).items()
     try:
         return cls(**{k: v for k, v in items if k != "type"})
+    except ConfigError as exc:
+        if key == _EVALUATOR_KEY:
+            raise
+        # An evaluator names its keys as rollout_worker.evaluator.<option>: say where they are.
+        raise ConfigError(str(exc).replace(_EVALUATOR_KEY, key)) from None
     except (ValueError, TypeError) as exc:  # options it refuses: one line, as `nexrl validate` prints it
         raise ConfigError(f"{key}: evaluator '{section.get('type')}' rejected its options: "
                           f"{type(exc).__name__}: {exc}") from None

@@ -192,7 +192,8 @@ CORE_OPTIONS: dict[str, Option] = {
     "resume": Option(options=RESUME, help="resuming from checkpoints"),
     "logger": Option(options=LOGGER, help="logging and experiment loggers"),
     "runtime_monitor": Option(options=RUNTIME_MONITOR, help="health, errors and failed samples"),
-    "recipe_dir": Option(None, str, "set by nexrl: the recipe file's folder"),
+    "recipe_dir": Option(None, str, "set by nexrl: the recipe file's folder (${recipe_dir}/data.jsonl names a file "
+                                    "next to the recipe)"),
 }
 
 
