@@ -127,10 +127,14 @@ class BaseDataLoader(NexRLModule, ABC):
             self._outstanding.pop(item.get("seq"), None)
             self._lock.notify_all()
 
-    def add_replacement(self, item: dict[str, Any]) -> None:
+    def add_replacement(self, item: dict[str, Any], consumed: list[int] | None = None) -> None:
         """Draw a fresh row in place of the group ``item`` belongs to (dynamic sampling dropped it):
-        of the item's ``domain``, tagged ``sampling_attempt`` = the item's + 1."""
+        of the item's ``domain``, tagged ``sampling_attempt`` = the item's + 1. ``consumed``: the
+        ``seq`` of the dropped group's tasks, done for good in the same step (a checkpoint never
+        holds one without the other)."""
         with self._lock:
+            for seq in consumed or ():
+                self._outstanding.pop(seq, None)
             self._owed.append((item.get("domain"), int(item.get("sampling_attempt") or 0) + 1))
             self._lock.notify_all()
 

@@ -250,11 +250,9 @@ class TrajectoryPoolInstance:
             return
         wsc = self._weight_sync_controller
         for group in dropped:
-            if self._dataloader is not None:
-                execute(self._dataloader.mark_done, [t["seq"] for t in group if t.get("seq") is not None])
-                task = next((t["task"] for t in group if t.get("task") is not None), None)
-                if task is not None:
-                    execute(self._dataloader.add_replacement, task)
+            task = next((t["task"] for t in group if t.get("task") is not None), None)
+            if self._dataloader is not None and task is not None:
+                execute(self._dataloader.add_replacement, task, [t["seq"] for t in group if t.get("seq") is not None])
             if wsc is not None:
                 execute(wsc.return_rollout_slots, self.model_tag, len(group))
 
