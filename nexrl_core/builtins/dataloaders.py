@@ -315,8 +315,13 @@ class MultiDomainDataLoader(BaseDataLoader):
             self._streams = {d: _DomainStream(self._domain_rows[d], **self._domain_order(d)) for d in self._domains}
             self._scheduled = {d: 0 for d in self._domains}
 
-    def _stream_next(self, domain: str) -> tuple[int, str]:
-        stream = self._streams[domain]
+    def _draw(self, streams: dict[str, _DomainStream], scheduled: dict[str, int], domain: str | None) -> tuple[int, str]:
+        """The next row of ``domain`` (a replacement), else of the scheduled pick; advances
+        ``streams`` and ``scheduled`` (the loader's own, or copies to look ahead)."""
+        if domain not in streams:
+            domain = self._pick_domain(scheduled)
+            scheduled[domain] += 1
+        stream = streams[domain]
         if stream.cursor >= len(stream.order):
             stream.epoch += 1
             stream.order = list(stream.rows)
@@ -330,21 +335,18 @@ class MultiDomainDataLoader(BaseDataLoader):
     def next_domain(self) -> str:
         """The domain the next scheduled group comes from (see the class docstring)."""
         with self._lock:
-            return self._pick_domain_locked()
+            return self._pick_domain(self._scheduled)
 
-    def _pick_domain_locked(self) -> str:
-        issued = sum(self._scheduled.values())
+    def _pick_domain(self, scheduled: dict[str, int]) -> str:
+        issued = sum(scheduled.values())
         end_of_batch = (issued // self._batch_groups + 1) * self._batch_groups
-        deficits = {d: end_of_batch * p - self._scheduled[d] for d, p in self._probs.items() if p > 0}
+        deficits = {d: end_of_batch * p - scheduled[d] for d, p in self._probs.items() if p > 0}
         return max(deficits, key=lambda d: (deficits[d], -self._domains.index(d)))
 
     def _next_row_locked(self, domain: str | None) -> tuple[int, str] | None:
         if self._is_validate:
             return super()._next_row_locked(domain)
-        if domain not in self._streams:  # a scheduled pick (a replacement names its domain)
-            domain = self._pick_domain_locked()
-            self._scheduled[domain] += 1
-        return self._stream_next(domain)
+        return self._draw(self._streams, self._scheduled, domain)
 
     def _fresh_rows_left_locked(self) -> int:
         if self._is_validate:
