@@ -38,15 +38,26 @@ def main(argv: list[str] | None = None) -> int:
     p_eval.add_argument("--samples-out", help="write per-sample results to this JSONL file")
     p_eval.add_argument("--out", help="folder for this evaluation's outputs: metrics.json, samples.jsonl, "
                                       "errors.jsonl (failed samples), eval.log")
-    p_plugins = sub.add_parser("plugins", help="list installed plugins")
+    p_plugins = sub.add_parser("plugins", help="list installed plugins; 'plugins check NAME' checks one")
     p_plugins.add_argument("--json", action="store_true")
+    plugin_commands = p_plugins.add_subparsers(dest="plugins_command")
+    p_check = plugin_commands.add_parser(
+        "check", help="conformance check of a plugin's evaluators (and its components' option declarations)")
+    p_check.add_argument("name", help="distribution (nexrl-rewards), entry-point name (rewards) or evaluator name")
+    p_check.add_argument("options", nargs="*", help="key=value constructor options of the one evaluator NAME")
+    p_check.add_argument("--json", action="store_true", dest="check_json")
+    p_new = sub.add_parser("new", help="scaffold a plugin package: nexrl new evaluator NAME")
+    p_new.add_argument("kind", choices=["evaluator"], help="what the plugin provides")
+    p_new.add_argument("name", help="its registered name, e.g. length_penalty (package nexrl-evaluator-NAME)")
+    p_new.add_argument("--dir", default=".", help="folder to create the package in (default: here)")
+    p_new.add_argument("--license", default="Apache-2.0", help="SPDX license expression (default: Apache-2.0)")
     args = parser.parse_args(argv)
-    if args.command != "plugins":
+    if args.command not in ("plugins", "new"):
         from .run_log import setup_logging
 
         setup_logging(None, "INFO")  # plugin-loading warnings in the same short format as the run's
     try:
-        return {"run": _run, "validate": _validate, "eval": _eval, "plugins": _plugins}[args.command](args)
+        return {"run": _run, "validate": _validate, "eval": _eval, "plugins": _plugins, "new": _new}[args.command](args)
     except NexRLError as exc:
         _print_problems(getattr(exc, "problems", None) or [str(exc)])
         return 2 if isinstance(exc, (ConfigError, DataError, PluginError)) else 1
@@ -177,6 +188,8 @@ def _prepare_eval_out(out: str, run_dir: str) -> None:
 def _plugins(args: Any) -> int:
     from .plugins import get_plugin_manager
 
+    if getattr(args, "plugins_command", None) == "check":
+        return _plugins_check(args)
     pm = get_plugin_manager()
     info = pm.describe()
     failures = [{"name": f.name, "distribution": f.distribution, "error": f.error} for f in pm.failures]
@@ -193,6 +206,50 @@ def _plugins(args: Any) -> int:
     for message in pm.bad_registrations:
         print(f"BAD {message}")
     return 0
+
+
+def _new(args: Any) -> int:
+    from .plugins import get_plugin_manager
+    from .scaffold import new_evaluator, names
+
+    names(args.name)  # a bad NAME fails before the plugins load
+    root = new_evaluator(args.name, args.dir, args.license, set(get_plugin_manager().components("evaluator")))
+    n = names(args.name)
+    print(f"created {root}/ ({n['dist']}: evaluator '{n['name']}', class {n['cls']} in {n['package']}/plugin.py)\n"
+          f"next:\n  cd {root}\n  pip install -e '.[test]'\n  pytest\n  nexrl run recipe.yaml")
+    return 0
+
+
+def _plugins_check(args: Any) -> int:
+    from .testing.conformance import check_plugin
+
+    reports = check_plugin(args.name, options=_key_values(args.options))
+    if args.check_json:
+        print(json.dumps([r.to_dict() for r in reports], indent=2))
+    else:
+        print("\n".join(r.text() for r in reports))
+    return 1 if any(r.problems for r in reports) else 0
+
+
+def _key_values(items: list[str]) -> dict[str, Any]:
+    """``a=1 b.c=x`` -> ``{"a": 1, "b": {"c": "x"}}`` (values read as YAML)."""
+    import yaml
+
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"'{item}': options are key=value")
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"'{item}': the value is not YAML ({str(exc).splitlines()[0]})") from None
+        node = out
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return out
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ resume state).
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Mapping
 from difflib import get_close_matches
@@ -321,7 +322,7 @@ def declared_options(kind: str, cls: type) -> dict[str, Option] | None:
     """The options a component class accepts in its recipe section (None: any)."""
     own = component_options(cls)
     if own is None and kind == "evaluator":
-        return options_from_signature(cls.__init__)
+        return options_from_signature(cls.__init__, doc=inspect.getdoc(cls))
     return own if own is not None else {}
 
 

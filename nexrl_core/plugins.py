@@ -81,6 +81,10 @@ class PluginManager:
         self._cache: dict[str, dict[str, Registration]] = {}
 
     def register(self, module: Any, name: str, distribution: str = "(in-process)", version: str = "") -> None:
+        """Register a plugin module (or object) in-process. Registering one that is already
+        registered (an installed plugin, loaded through its entry point) is a no-op."""
+        if self.pm.is_registered(module):
+            return
         if name in self.records:
             raise PluginError(f"plugin name '{name}' is used by both {self.records[name].distribution} and "
                               f"{distribution}")
@@ -217,8 +221,21 @@ class PluginManager:
             note += f"; installed but not loaded: {', '.join(sorted(self.not_loaded))}"
         return note + "."
 
-    def call_step_end(self, **kwargs: Any) -> None:
-        self.pm.hook.nexrl_step_end(**kwargs)
+    def call_step_end(self, **kwargs: Any) -> list[tuple[str, BaseException, str | None]]:
+        """Call every plugin's ``nexrl_step_end``. One that raises neither stops the others nor the
+        run: it is returned as ``(plugin label, exception, its module's file)`` for the caller to report."""
+        failed = []
+        for impl in reversed(self.pm.hook.nexrl_step_end.get_hookimpls()):  # pluggy's calling order
+            try:
+                impl.function(*[kwargs[name] for name in impl.argnames])
+            except Exception as exc:
+                failed.append((self.label(impl.plugin_name), exc, getattr(impl.plugin, "__file__", None)))
+        return failed
+
+    def label(self, plugin: str) -> str:
+        """``plugin 'NAME' (distribution)``: how messages name a plugin."""
+        record = self.records.get(plugin)
+        return f"plugin '{plugin}'" + (f" ({record.distribution})" if record is not None else "")
 
     def describe(self) -> list[dict[str, Any]]:
         """One entry per plugin: distribution, version, hooks and registered names."""

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import os
+import sys
 import zlib
 from abc import abstractmethod
 from typing import Any
@@ -14,6 +16,7 @@ from .evaluation import BaseEvaluationTarget, EvaluationRunResult, Evaluator
 from .inference import InferenceError
 from .plugins import active_plugin_manager
 from .runtime.execute import execute
+from .runtime.logs import failure_location, failure_signature, format_traceback
 from .runtime.threaded import ThreadedModule
 from .types import DEFAULT_MODEL_TAG, Trajectory
 
@@ -21,11 +24,13 @@ _IDLE_WAIT_S = 0.05
 
 
 class ItemFailure(Exception):
-    """A task that cannot produce a usable trajectory; ``cause`` goes to errors.jsonl."""
+    """A task that cannot produce a usable trajectory; ``cause`` goes to errors.jsonl, with
+    ``response`` (the reply that could not be used, when there is one)."""
 
-    def __init__(self, cause: str, message: str):
+    def __init__(self, cause: str, message: str, response: str | None = None):
         super().__init__(message)
         self.cause = cause
+        self.response = response
 
 
 class BaseRolloutWorker(ThreadedModule):
@@ -49,8 +54,11 @@ class BaseRolloutWorker(ThreadedModule):
         self._config = config
         self._llm_client: Any = None
         self._evaluator: Evaluator | None = build_evaluator(config.get("evaluator"))
+        self._evaluator_label = evaluator_label(config.get("evaluator"))
         # A task's `domain` picks its evaluator (multi-domain data); others use the default one.
-        self._domain_evaluators: dict[str, Evaluator | None] = build_domain_evaluators(config.get("domain_evaluators"))
+        domain_sections = config.get("domain_evaluators") or {}
+        self._domain_evaluators: dict[str, Evaluator | None] = build_domain_evaluators(domain_sections)
+        self._domain_labels = {str(d): evaluator_label(sub) for d, sub in domain_sections.items()}
         self._model_tag = DEFAULT_MODEL_TAG
         self._seed = int(config.get("seed", 0) or 0)
         # Read once: DictConfig.get of an absent key raises and catches internally (slow on a per-task path).
@@ -123,12 +131,12 @@ class BaseRolloutWorker(ThreadedModule):
                 raise ItemFailure("no_trajectory", f"{type(self).__name__}.step returned {result!r} "
                                                    f"without submitting a trajectory")
         except ItemFailure as exc:
-            result = self._put_failed(task, exc.cause, str(exc), validating)
+            result = self._put_failed(task, exc.cause, str(exc), validating, exc.response, exc.__cause__)
         except InferenceError as exc:
             result = self._put_failed(task, "rollout_failure", str(exc), validating)
         except Exception as exc:  # a bug in a plugin: record it, keep the item accounted for
             self._activity_tracker.report_exception(self._module_name, "step", exc)
-            result = self._put_failed(task, "worker_exception", f"{type(exc).__name__}: {exc}", validating)
+            result = self._put_failed(task, "worker_exception", f"{type(exc).__name__}: {exc}", validating, error=exc)
         if result == "re-rollout":
             self._put_rollout_task(task, validating)
             return False
@@ -174,24 +182,30 @@ class BaseRolloutWorker(ThreadedModule):
         evaluator = self.evaluator_for(task)
         if evaluator is None:
             return EvaluationRunResult()
-        name = type(evaluator).__name__
+        label = self._domain_labels.get(task.get("domain"), self._evaluator_label)
+        cls_name = type(evaluator).__name__
+        reply = getattr(final_answer, "final_answer", final_answer)  # the text kept with a failure
         try:
             result = evaluator.evaluate(task, BaseEvaluationTarget(final_answer=final_answer))
         except Exception as exc:
-            raise ItemFailure("evaluator_exception", f"evaluator {name} raised {type(exc).__name__}: {exc}") from exc
+            where = failure_location(exc, _code_folder(evaluator))
+            raise ItemFailure("evaluator_exception", f"{label} raised {type(exc).__name__}: {exc}"
+                                                     f"{f' ({where})' if where else ''}", reply) from exc
         if not isinstance(result, EvaluationRunResult):
-            raise ItemFailure("evaluator_bad_result",
-                              f"evaluator {name}.evaluate returned {type(result).__name__}, expected EvaluationRunResult")
+            raise ItemFailure("evaluator_bad_result", f"{label}: {cls_name}.evaluate returned "
+                                                      f"{type(result).__name__}, expected EvaluationRunResult",
+                              reply)
         reward = result.reward
         if not isinstance(reward, (int, float)) or isinstance(reward, bool) or not math.isfinite(reward):
-            raise ItemFailure("bad_reward", f"evaluator {name} returned reward {reward!r}")
+            raise ItemFailure("bad_reward", f"{label}: {cls_name} returned reward {reward!r}", reply)
         lo_hi = self._reward_range
         if lo_hi is not None and not (float(lo_hi[0]) <= reward <= float(lo_hi[1])):
             raise ItemFailure("reward_out_of_range",
-                              f"reward {reward} outside rollout_worker.reward_range {list(lo_hi)}")
+                              f"reward {reward} outside rollout_worker.reward_range {list(lo_hi)}", reply)
         for name, value in result.metrics.items():
             if not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise ItemFailure("bad_metric", f"evaluator metric '{name}' is {value!r}, not a finite number")
+                raise ItemFailure("bad_metric", f"{label}: metric '{name}' is {value!r}, not a finite number",
+                                  reply)
         return result
 
     def base_trajectory(self, task: dict[str, Any]) -> Trajectory:
@@ -206,20 +220,30 @@ class BaseRolloutWorker(ThreadedModule):
             "task": task,
         }
 
-    def _put_failed(self, task: dict[str, Any], cause: str, message: str, validating: bool) -> str:
+    def _put_failed(self, task: dict[str, Any], cause: str, message: str, validating: bool,
+                    response: str | None = None, error: BaseException | None = None) -> str:
         traj = self.base_trajectory(task)
         traj.update({"failed": True, "error": message, "error_cause": cause, "reward": 0.0,
                      "score": {}, "is_validation": validating, "model_version": self._task_version})
+        if response is not None:
+            traj["response"] = response  # the reply that could not be scored: kept for its author
+        if error is not None:
+            traj["error_traceback"] = format_traceback(error)
         # errors.jsonl gets a failed *validation* sample now (the validator consumes it at once);
         # a failed *training* item when the trainer consumes it (BaseTrainer._train_step): a failed
         # trajectory dropped as stale is re-rolled, and only the attempt that is used counts.
+        line = f"{self._module_name}: task {task.get('uid')}#{task.get('sample_index')} failed ({cause}): {message}"
         if self._activity_tracker is not None:
             if validating:
-                self._activity_tracker.record_lost_item(task, cause, message, True, traj["model_version"])
-            self._activity_tracker.report_error(self._module_name, cause, message, ErrorSeverity.WARNING,
-                                                {"uid": task.get("uid"), "sample_index": task.get("sample_index"),
-                                                 "seq": task.get("seq"), "validation": validating})
-        logger.warning(f"{self._module_name}: task {task.get('uid')}#{task.get('sample_index')} failed ({cause}): {message}")
+                self._activity_tracker.record_lost_item(task, cause, message, True, traj["model_version"],
+                                                        failure_detail(traj))
+            # the tracker shows each distinct error once on the console; every one goes to run.log
+            self._activity_tracker.report_error(self._module_name, cause, line, ErrorSeverity.WARNING, {
+                "uid": task.get("uid"), "sample_index": task.get("sample_index"), "seq": task.get("seq"),
+                "validation": validating, "traceback": traj.get("error_traceback"),
+                "signature": failure_signature(cause, message, error, _code_folder(self.evaluator_for(task)))})
+        else:
+            logger.warning(line)
         return self._put_trajectory(traj)
 
     def _current_version(self) -> int:
@@ -251,6 +275,27 @@ def build_domain_evaluators(section: Any) -> dict[str, Evaluator | None]:
     """``rollout_worker.domain_evaluators``: domain -> its evaluator (null: none, reward 0)."""
     return {str(domain): build_evaluator(sub, f"rollout_worker.domain_evaluators.{domain}")
             for domain, sub in (section or {}).items()}
+
+
+def evaluator_label(section: Any) -> str:
+    """``evaluator 'NAME' (distribution)``: how messages name the evaluator a recipe chose."""
+    if section is None:
+        return "no evaluator"
+    name = section.get("type")
+    registration = active_plugin_manager().components("evaluator").get(name)
+    return f"evaluator '{name}'" + (f" ({registration.distribution})" if registration is not None else "")
+
+
+def failure_detail(trajectory: Trajectory) -> dict[str, Any]:
+    """What errors.jsonl keeps of a failed trajectory besides its cause: the reply and the traceback."""
+    return {key: trajectory[key] for key in ("response", "error_traceback") if trajectory.get(key) is not None}
+
+
+def _code_folder(obj: Any) -> str | None:
+    """Folder of the module that defines ``obj``'s class: where its author's code lives."""
+    module = sys.modules.get(type(obj).__module__) if obj is not None else None
+    path = getattr(obj, "source_path", None) or getattr(module, "__file__", None)
+    return os.path.dirname(os.path.abspath(path)) if path else None
 
 
 def _plain(section: Any) -> dict[str, Any]:

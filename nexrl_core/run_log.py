@@ -12,6 +12,8 @@ from typing import Any
 
 from loguru import logger
 
+from .runtime.logs import FailureLog, failure_location, failure_signature, format_traceback
+
 
 METRICS_FILE = "metrics.jsonl"
 ERRORS_FILE = "errors.jsonl"
@@ -35,11 +37,14 @@ class RunRecorder:
     """
 
     def __init__(self, run_dir: str | None, sinks: list[Any] | None = None, step_end_hook: Any = None,
-                 failure_monitor: Any = None):
+                 failure_monitor: Any = None, sink_labels: list[str] | None = None):
         self.run_dir = run_dir
         if run_dir is not None:
             os.makedirs(run_dir, exist_ok=True)
         self._sinks = list(sinks or [])
+        self._sink_labels = list(sink_labels or [f"metrics sink {type(s).__name__}" for s in self._sinks])
+        # a failing sink or nexrl_step_end hook is reported (once per distinct error) and training goes on
+        self._hook_failures = FailureLog()
         self._step_end_hook = step_end_hook
         self._lock = threading.Lock()
         self._metrics_path = os.path.join(run_dir, METRICS_FILE) if run_dir is not None else None
@@ -63,21 +68,37 @@ class RunRecorder:
             failures = self._step_failures.pop(int(step), []) if "train/num_trajectories" in data else None
         if failures is not None and self.failure_monitor is not None:
             self.failure_monitor.observe(int(data["train/num_trajectories"]), failures)
-        for sink in self._sinks:
-            sink.log(dict(data), int(step))
+        for sink, label in zip(self._sinks, self._sink_labels):
+            try:
+                sink.log(dict(data), int(step))
+            except Exception as exc:
+                self._hook_failed(label, "log", exc, getattr(sys.modules.get(type(sink).__module__), "__file__", None))
         if self._step_end_hook is not None and any(k.startswith("train/") for k in data):
-            self._step_end_hook(step=int(step), metrics=dict(data))
+            try:
+                failed = self._step_end_hook(step=int(step), metrics=dict(data)) or []
+            except Exception as exc:
+                failed = [("the step-end hook", exc, None)]
+            for label, exc, source in failed:
+                self._hook_failed(label, "nexrl_step_end", exc, source)
+
+    def _hook_failed(self, label: str, call: str, exc: BaseException, source: str | None) -> None:
+        where = failure_location(exc, os.path.dirname(os.path.abspath(source)) if source else None)
+        self._hook_failures.log(failure_signature(f"{label}.{call}", str(exc), exc),
+                                f"{label}: {call} raised {type(exc).__name__}: {exc}{f' ({where})' if where else ''};"
+                                f" training goes on", format_traceback(exc))
 
     def record_lost_item(self, task: dict[str, Any], cause: str, message: str, validating: bool = False,
-                         step: int | None = None) -> None:
+                         step: int | None = None, detail: dict[str, Any] | None = None) -> None:
         """One line of errors.jsonl: an item that ended failed (see docs/reliability.md).
 
         ``step``: the training step that consumed the failed item, or for a validation
-        sample the step (weight version) being validated.
+        sample the step (weight version) being validated. ``detail``: what else the row keeps
+        (``response``: the reply that could not be scored, ``error_traceback``).
         """
         row = {"time": time.time(), "cause": cause, "message": message, "validation": bool(validating),
                "step": step, "uid": task.get("uid"), "sample_index": task.get("sample_index"),
-               "seq": task.get("seq"), "item": {k: v for k, v in task.items() if k not in ("seq",)}}
+               "seq": task.get("seq"), "item": {k: v for k, v in task.items() if k not in ("seq",)},
+               **(detail or {})}
         with self._lock:
             self.lost_items += 1
             if not validating and step is not None:

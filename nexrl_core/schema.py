@@ -81,7 +81,8 @@ ROLLOUT_WORKER = {
     "domain_evaluators": Option({}, dict, "per-domain evaluators, {<domain>: {type: <evaluator>, ...}}: a task "
                                           "with a domain listed here is scored by its evaluator, others by "
                                           "rollout_worker.evaluator",
-                                values=Option(type=(dict, None), options=EVALUATOR, component="evaluator")),
+                                values=Option(type=(dict, None), options=EVALUATOR, component="evaluator",
+                                              help="one domain's evaluator (null: none, reward 0)")),
 }
 
 TRAJECTORY_POOL = {

@@ -14,6 +14,7 @@ from typing import Any
 from .algorithms.registry import AlgorithmRegistry
 from .checkpoint import read_core_state, write_checkpoint
 from .eval_core import training_domain_metrics
+from .rollout_worker import failure_detail
 from .runtime.execute import execute
 from .runtime.threaded import ThreadedModule
 from .types import DEFAULT_MODEL_TAG, Trajectory
@@ -133,7 +134,8 @@ class BaseTrainer(ThreadedModule):
         for t in trajectories:  # consumed for good: a failed item is lost now, one row each
             if t.get("failed"):
                 self._activity_tracker.record_lost_item(t.get("task") or t, str(t.get("error_cause", "failed")),
-                                                        str(t.get("error", "")), False, self.global_step)
+                                                        str(t.get("error", "")), False, self.global_step,
+                                                        failure_detail(t))
         self._activity_tracker.experiment_logger_post("metrics", data=metrics, step=self.global_step)
         if self.save_freq > 0 and (self.global_step % self.save_freq == 0 or self.is_done()):
             self.save_checkpoint()

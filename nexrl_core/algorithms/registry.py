@@ -34,7 +34,7 @@ from difflib import get_close_matches
 from typing import Any
 
 from ..errors import ConfigError
-from ..options import Option, check_options, component_options
+from ..options import Option, check_options, component_options, param_docs
 
 # kind -> hook that registers it
 ALGORITHM_KINDS: dict[str, str] = {
@@ -81,12 +81,13 @@ class AlgorithmFunction:
 
     def declared(self) -> dict[str, Option]:
         """The keys ``fn`` reads as options: typed by annotation (a ``Literal`` lists the choices)
-        or by the default."""
+        or by the default; the help is the parameter's ``:param name:`` line."""
         try:
             hints = typing.get_type_hints(self.fn)
         except Exception:  # an annotation that does not resolve: typed by the defaults
             hints = {}
-        return {name: Option(default, hints.get(name)) for name, default in self.options.items()}
+        helps = param_docs(inspect.getdoc(self.fn) or "")
+        return {name: Option(default, hints.get(name), helps.get(name, "")) for name, default in self.options.items()}
 
     def bind(self, options: Mapping[str, Any]) -> Callable[..., Any]:
         """``fn`` with its declared options taken from ``options`` (keys it does not read are left out)."""

@@ -58,7 +58,7 @@ REWARD_OPTIONS: dict[str, Option] = {
 REWARD_PROCESSING_OPTIONS: dict[str, Option] = {
     **REWARD_OPTIONS,
     "domains": Option({}, dict, "per-domain overrides of these keys: {<domain>: {norm: group, ...}}",
-                      values=Option(options=REWARD_OPTIONS)),
+                      values=Option(options=REWARD_OPTIONS, help="the keys above, for one domain")),
 }
 
 REWARD_PROCESSING_DEFAULTS: dict[str, Any] = option_defaults(REWARD_OPTIONS)

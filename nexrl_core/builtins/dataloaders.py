@@ -215,7 +215,8 @@ class MultiDomainDataLoader(BaseDataLoader):
 
     OPTIONS = {
         "domains": Option(REQUIRED, dict, "the domains, by name: {<domain>: {type: <data loader>, <its keys>}}",
-                          values=Option(options=DOMAIN_DATA, component="dataloader")),
+                          values=Option(options=DOMAIN_DATA, component="dataloader",
+                                        help="one domain's data: a data loader mapping")),
         "domain_interleave_probs": Option(None, dict[str, float], "training: the share of groups each domain gets "
                                                                   "({<domain>: weight}; normalised to sum 1)"),
     }

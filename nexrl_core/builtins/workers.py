@@ -27,7 +27,8 @@ class SimpleRolloutWorker(BaseRolloutWorker):
         "sampling": Option(options=sampling_options(), help="sampling parameters of every request"),
         "domain_sampling": Option({}, dict, "per-domain changes to sampling, {<domain>: {max_tokens: 64, ...}}: a "
                                             "task of a domain listed here is sampled with them",
-                                  values=Option({}, dict)),
+                                  values=Option({}, dict, "a domain's sampling keys (those of rollout_worker.sampling) "
+                                                          "that differ from rollout_worker.sampling")),
     }
     CONFIG_KEYS = option_defaults(OPTIONS)  # deprecated view, for plugins that extend it
 

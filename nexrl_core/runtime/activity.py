@@ -17,6 +17,7 @@ from loguru import logger
 
 from ..errors import ErrorInfo, ErrorReporter, ErrorSeverity
 from .execute import execute, execute_with_timeout
+from .logs import FailureLog
 
 
 class ActivityTracker:
@@ -32,6 +33,7 @@ class ActivityTracker:
             experiment_logger = open_run_recorder(config)
         self.experiment_logger = experiment_logger
         self._error_reporter = ErrorReporter(max_errors)
+        self._failure_log = FailureLog()
         self._cond = threading.Condition()
         self._in_flight: dict[str, tuple[str, str, float]] = {}
         self._tokens = itertools.count()
@@ -113,7 +115,14 @@ class ActivityTracker:
 
     def report_error(self, module: str, work: str, message: str,
                      severity: ErrorSeverity = ErrorSeverity.ERROR, details: dict | None = None) -> str:
-        logger.log(severity.name if severity.name != "CRITICAL" else "CRITICAL", f"{module}/{work}: {message}")
+        """Record an error; ``details["signature"]`` marks one that may repeat (a failed sample):
+        the console shows each signature once, run.log every occurrence (and ``details["traceback"]``)."""
+        signature = (details or {}).get("signature")
+        if signature is None:
+            logger.log(severity.name, f"{module}/{work}: {message}")
+        else:
+            self._failure_log.log(signature, message, (details or {}).get("traceback"), severity.name,
+                                  records="run.log and errors.jsonl")
         return self._error_reporter.report_error(module, work, message, severity, details)
 
     def get_error_health_status(self) -> dict[str, Any]:
@@ -132,10 +141,10 @@ class ActivityTracker:
 
     # -- the run's records (errors.jsonl, resume) --------------------------------
     def record_lost_item(self, task: dict[str, Any], cause: str, message: str, validating: bool = False,
-                         step: int | None = None) -> None:
+                         step: int | None = None, detail: dict[str, Any] | None = None) -> None:
         """One line of errors.jsonl (see :meth:`nexrl_core.run_log.RunRecorder.record_lost_item`)."""
         if self.experiment_logger is not None:
-            self.experiment_logger.record_lost_item(task, cause, message, validating, step)
+            self.experiment_logger.record_lost_item(task, cause, message, validating, step, detail)
 
     def truncate_records_after(self, step: int) -> None:
         """A resume from ``step``: drop records the resumed run writes again."""
@@ -172,9 +181,11 @@ def open_run_recorder(config: Any) -> Any:
 
     pm = active_plugin_manager()
     run_dir = str(config.run_dir) if config.get("run_dir") else None  # None: no files (nexrl eval without --out)
-    sinks = [pm.resolve("metrics_sink", name, "logger.backend")(config, run_dir)
-             for name in _as_list(config.logger.backend)]
-    return RunRecorder(run_dir, sinks,
+    sinks, labels = [], []
+    for name in _as_list(config.logger.backend):
+        sinks.append(pm.resolve("metrics_sink", name, "logger.backend")(config, run_dir))
+        labels.append(f"metrics sink '{name}' ({pm.components('metrics_sink')[name].distribution})")
+    return RunRecorder(run_dir, sinks, sink_labels=labels,
                        step_end_hook=lambda step, metrics: pm.call_step_end(step=step, metrics=metrics, config=config),
                        failure_monitor=FailedSampleMonitor.from_config(config))
 
@@ -226,5 +237,5 @@ class ActivityTrackerProxy:
         execute(self._tracker.experiment_logger_post, backend, **kwargs)
 
     def record_lost_item(self, task: dict[str, Any], cause: str, message: str, validating: bool = False,
-                         step: int | None = None) -> None:
-        execute(self._tracker.record_lost_item, task, cause, message, validating, step)
+                         step: int | None = None, detail: dict[str, Any] | None = None) -> None:
+        execute(self._tracker.record_lost_item, task, cause, message, validating, step, detail)

@@ -380,8 +380,8 @@ def test_a_run_whose_samples_all_fail_stops_with_exit_1_naming_the_evaluator(mon
     assert line.startswith("error: 4 of the last 4 training samples failed (more than "
                            "runtime_monitor.failed_samples.max_fraction=0.5)")
     assert "rollout_worker.evaluator: evaluator 'always_raises'" in line
-    assert "most common error: evaluator_exception (4 of 4): evaluator AlwaysRaises raised KeyError: " \
-           "'expected_answer'" in line
+    assert "most common error: evaluator_exception (4 of 4): evaluator 'always_raises' (nexrl-bad-evaluators) " \
+           "raised KeyError: 'expected_answer' (plugins/evaluators/nexrl_bad_evaluators.py:44 in evaluate)" in line
     assert "Traceback" not in err and out == ""
     rows = [json.loads(r) for r in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert rows and all(r["train/num_trajectories"] == 0 for r in rows)  # it trained on nothing

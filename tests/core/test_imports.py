@@ -7,10 +7,12 @@ import ast
 from pathlib import Path
 
 import nexrl_core
+import nexrl_core.testing
 
 REPO = Path(__file__).resolve().parents[2]
-# The public import paths of the core. A documented public sub-namespace would be listed here.
-PUBLIC_MODULES = {"nexrl_core"}
+# The public import paths of the core and their public names: nexrl_core, and the testing kit
+# for plugin authors (docs/plugins.md).
+PUBLIC_MODULES = {"nexrl_core": nexrl_core.__all__, "nexrl_core.testing": nexrl_core.testing.__all__}
 
 
 def private_imports(source: str, filename: str = "<source>") -> list[str]:
@@ -27,20 +29,22 @@ def private_imports(source: str, filename: str = "<source>") -> list[str]:
                 found.append(f"{filename}:{node.lineno}: from {node.module} import ...")
                 continue
             for alias in node.names:  # `from nexrl_core import inference` would reach a private module
-                if alias.name not in nexrl_core.__all__:
-                    found.append(f"{filename}:{node.lineno}: {alias.name} is not in nexrl_core.__all__")
+                if alias.name not in PUBLIC_MODULES[node.module]:
+                    found.append(f"{filename}:{node.lineno}: {alias.name} is not in {node.module}.__all__")
     return found
 
 
 def test_the_checker_finds_every_private_import():
     source = ("import nexrl_core\nfrom nexrl_core import BaseTrainer, execute\nimport nexrl_core.inference\n"
               "from nexrl_core.runtime.execute import execute\nfrom nexrl_core import inference\n"
-              "def f():\n    from nexrl_core.builtins.mock import MockTrainer\n")
+              "def f():\n    from nexrl_core.builtins.mock import MockTrainer\n"
+              "from nexrl_core.testing import check_evaluator, kit\nimport nexrl_core.testing\n")
     assert private_imports(source, "x.py") == [
         "x.py:3: import nexrl_core.inference",
         "x.py:4: from nexrl_core.runtime.execute import ...",
         "x.py:5: inference is not in nexrl_core.__all__",
-        "x.py:7: from nexrl_core.builtins.mock import ...",
+        "x.py:8: kit is not in nexrl_core.testing.__all__",
+        "x.py:7: from nexrl_core.builtins.mock import ...",  # nested: ast.walk visits it last
     ]
 
 
@@ -52,8 +56,9 @@ def test_plugins_import_only_public_names():
 
 
 def test_every_public_name_resolves():
-    for name in nexrl_core.__all__:
-        assert getattr(nexrl_core, name, None) is not None, name
+    for module in (nexrl_core, nexrl_core.testing):
+        for name in module.__all__:
+            assert getattr(module, name, None) is not None, f"{module.__name__}.{name}"
 
 
 def test_every_core_folder_is_a_package():

@@ -1,6 +1,6 @@
 """The ``tinker`` inference backend: rollouts sample through a Tinker sampling client.
 
-Recipe keys (``service.inference_service``, :data:`INFERENCE_KEYS`):
+Recipe keys (``service.inference_service``, :data:`INFERENCE_OPTIONS`):
 
 - ``tokenizer_path`` (or ``model_path`` when it is a local folder): the model's tokenizer, read
   from disk (nothing is downloaded); prompts are tokenized here, chat prompts through the
@@ -24,13 +24,19 @@ import os
 import threading
 from typing import Any
 
-from nexrl_core import CompletionResult, ConfigError, InferenceClient, InferenceError, SamplingParams
+from nexrl_core import CompletionResult, ConfigError, InferenceClient, InferenceError, Option, SamplingParams
 
-from .remote import CONNECTION_KEYS, RemoteCalls, TinkerRequestError, plain_section, resolve_connection
+from .remote import CONNECTION_OPTIONS, RemoteCalls, TinkerRequestError, plain_section, resolve_connection
 
-INFERENCE_KEYS: dict[str, Any] = {"backend": "tinker", "model_tag": "default", "base_model": None,
-                                  "model_path": None, "tokenizer_path": None, "chat_template": True,
-                                  **CONNECTION_KEYS}
+INFERENCE_OPTIONS = {
+    "base_model": Option(None, help="the Tinker model name, sampled from until the first weight sync"),
+    "model_path": Option(None, help="a tinker:// sampler checkpoint to sample from, or a local folder holding the "
+                                    "tokenizer"),
+    "tokenizer_path": Option(None, help="local folder of the model's tokenizer (nothing is downloaded)"),
+    "chat_template": Option(True, help="format chat prompts with the tokenizer's chat template (false: join the "
+                                       "message contents)"),
+    **CONNECTION_OPTIONS,
+}
 
 
 def _config_errors(check: Any) -> list[ConfigError]:
@@ -42,7 +48,7 @@ def _config_errors(check: Any) -> list[ConfigError]:
 
 
 class TinkerInferenceClient(InferenceClient):
-    CONFIG_KEYS = INFERENCE_KEYS
+    OPTIONS = INFERENCE_OPTIONS
 
     def __init__(self, config: Any, section: str = "service.inference_service"):
         super().__init__(config)

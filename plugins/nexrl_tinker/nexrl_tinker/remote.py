@@ -29,15 +29,23 @@ from typing import Any, TypeVar
 
 from loguru import logger
 
-from nexrl_core import ConfigError, NexRLError
+from nexrl_core import ConfigError, NexRLError, Option
 
 T = TypeVar("T")
 
 ENV_API_KEY = "TINKER_API_KEY"
 ENV_BASE_URL = "TINKER_BASE_URL"
 ENV_CREDENTIAL_CMD = "TINKER_CREDENTIAL_CMD"
-CONNECTION_KEYS = {"api_key": None, "base_url": None, "request_timeout": 600.0, "max_retries": 3,
-                   "retry_backoff": 1.0}
+CONNECTION_OPTIONS = {
+    "api_key": Option(None, help=f"Tinker API key (default: env {ENV_API_KEY}, or the SDK's other credential "
+                                 f"sources); never logged"),
+    "base_url": Option(None, help=f"the service's URL (default: env {ENV_BASE_URL}, else the SDK's)"),
+    "request_timeout": Option(600.0, help="seconds a remote call may take before it is abandoned and reported"),
+    "max_retries": Option(3, help="more attempts for calls that are safe to repeat (sampling, snapshots, "
+                                  "checkpoints)"),
+    "retry_backoff": Option(1.0, help="first retry delay in seconds, doubled on each retry"),
+}
+CONNECTION_KEYS = {key: opt.default for key, opt in CONNECTION_OPTIONS.items()}
 
 
 class TinkerRequestError(NexRLError):
