@@ -167,13 +167,14 @@ SECTIONS: dict[str, tuple[str, str]] = {
     "rollout_worker": ("rollout_worker", "rollout_worker.type"),
     "evaluator": ("rollout_worker.evaluator", "rollout_worker.evaluator.type"),
     "trainer": ("trainer", "trainer.type"),
+    "train_service": ("service.train_service", "service.train_service.backend"),
     "weight_sync_backend": ("weight", "weight.backend"),
     "inference_backend": ("service.inference_service", "service.inference_service.backend"),
     "metrics_sink": ("logger.<name>", "logger.backend"),
 }
 
 TITLES = {"dataloader": "Data loaders", "rollout_worker": "Rollout workers", "evaluator": "Evaluators",
-          "trainer": "Trainers", "weight_sync_backend": "Weight-sync backends",
+          "trainer": "Trainers", "train_service": "Train services", "weight_sync_backend": "Weight-sync backends",
           "inference_backend": "Inference backends", "metrics_sink": "Metrics sinks"}
 
 
@@ -191,7 +192,8 @@ def recipe_reference(pm: Any, distributions: Iterable[str] | None = None) -> str
            "`python scripts/gen_docs.py`; `tests/docs/test_reference_docs.py` fails when this page is out of date. "
            "`nexrl validate` checks a recipe against the same declarations.", "",
            "A section that selects a component (`data`, `rollout_worker`, `rollout_worker.evaluator`, `trainer`, "
-           "`weight`, `service.inference_service`, `validate.data`) also takes the chosen component's own keys: "
+           "`service.train_service`, `weight`, `service.inference_service`, `validate.data`) also takes the chosen "
+           "component's own keys: "
            "see [Components](#components). `${key}` in a default is an interpolation of another key.", "",
            "## Core keys", ""]
     core = {k: v for k, v in CORE_OPTIONS.items() if k != "recipe_dir"}

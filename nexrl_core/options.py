@@ -74,6 +74,9 @@ class Option:
     :param component: core use: the mapping selects a registered component of this kind
         (``"trainer"``, ``"dataloader"``...) by its ``selector`` key; the component's own
         options are allowed next to ``options``.
+    :param path: a file or folder the run reads (a string or a list of them): a relative path
+        written in a recipe file is looked up next to that recipe first (one given as an
+        override stays relative to the current folder).
     """
 
     default: Any = _UNSET
@@ -90,6 +93,7 @@ class Option:
     removed: str | None = None
     component: str | None = None
     selector: str = "type"
+    path: bool = False
 
     @property
     def required(self) -> bool:

@@ -73,6 +73,11 @@ class BaseRolloutWorker(ThreadedModule):
         self._validator: Any = None
         self.completed = 0
         self._puts_this_task = 0  # trajectories submitted for the task in hand
+        self._tasks_per_call = int(config.get("tasks_per_call", 1) or 1)
+        self._idle_wait_s = _IDLE_WAIT_S
+        # While running several tasks: (task number, destination, trajectory) held for one call each.
+        self._held: list[tuple[int, Any, Trajectory]] | None = None
+        self._task_number = 0
 
     def set_module_references(self, trajectory_pool: Any, dataloader: Any, weight_sync_controller: Any,
                               validate_dataloader: Any, validator: Any, inference_client: Any = None) -> None:
@@ -87,6 +92,12 @@ class BaseRolloutWorker(ThreadedModule):
         if inference_client is not None:
             self._model_tag = str(execute(inference_client.get_model_tag))
 
+    def set_idle_wait(self, seconds: float) -> None:
+        """How long the loop waits for a rollout slot or a task before it looks at its mode again
+        (validation starting). The launch mode sets it: where each wait is a call to another
+        process, a longer one costs fewer calls while rollouts are held back."""
+        self._idle_wait_s = float(seconds)
+
     # -- lifecycle (the thread itself: ThreadedModule) ---------------------------------
     def begin_validate(self) -> None:
         self._is_running_validate = True
@@ -99,29 +110,77 @@ class BaseRolloutWorker(ThreadedModule):
         while not self._should_stop():
             validating = self._is_running_validate
             wsc = None if validating else self._weight_sync_controller
+            admitted = self._tasks_per_call
             if wsc is not None:
-                # begin_rollout admits the task (sync mode starts no more rollouts than one batch needs)
-                if execute(wsc.check_rollout_service_status, self._model_tag) == "block" or \
+                # begin_rollout(s) admits tasks (sync mode starts no more rollouts than one batch needs)
+                if admitted > 1:
+                    admitted = execute(wsc.begin_rollouts, self._model_tag, admitted)
+                elif execute(wsc.check_rollout_service_status, self._model_tag) == "block" or \
                         not execute(wsc.begin_rollout, self._model_tag):
-                    execute(wsc.wait_rollout_allowed, self._model_tag, _IDLE_WAIT_S)
+                    admitted = 0
+                if not admitted:
+                    execute(wsc.wait_rollout_allowed, self._model_tag, self._idle_wait_s)
                     continue
             loader = self._validate_dataloader if validating else self._dataloader
-            task, landed = None, False
+            tasks: list[dict[str, Any]] = []
+            landed = 0
             try:
                 with self._activity_tracker.track(self._module_name, "validate" if validating else "rollout"):
-                    task = execute(loader.get_next_item)
-                    if task is not None:
-                        landed = self._run_task(task, validating)
+                    if admitted == 1:
+                        task = execute(loader.get_next_item)
+                        tasks = [] if task is None else [task]
+                        landed = sum(bool(self._run_task(t, validating)) for t in tasks)
+                    else:
+                        tasks = execute(loader.get_next_items, admitted)
+                        landed = self._run_tasks(tasks, validating)
             finally:
                 if wsc is not None:
-                    execute(wsc.end_rollout, self._model_tag, landed)
-            if task is None:
-                execute(loader.wait_for_item, _IDLE_WAIT_S)
+                    if admitted == 1:
+                        execute(wsc.end_rollout, self._model_tag, landed == 1)
+                    else:
+                        execute(wsc.end_rollouts, self._model_tag, landed, admitted - landed)
+            if not tasks:
+                execute(loader.wait_for_item, self._idle_wait_s)
 
-    def _run_task(self, task: dict[str, Any], validating: bool) -> bool:
-        """Run one task; True when its trajectory went on (False: the task was re-queued)."""
+    def _run_tasks(self, tasks: list[dict[str, Any]], validating: bool) -> int:
+        """Several tasks, their trajectories handed on in one call per destination (``tasks_per_call``);
+        returns how many went on (the others were re-queued)."""
+        self._held, done = [], []
+        version = self._current_version()  # the tasks were admitted together, at this version
+        self._task_version, self._task_is_validation = version, validating
+        try:
+            self.prepare_tasks(tasks)
+        except Exception as exc:  # each task then does its own work (and fails on its own)
+            logger.warning(f"{self._module_name}: preparing {len(tasks)} tasks failed ({type(exc).__name__}: {exc})")
+        try:
+            for number, task in enumerate(tasks):
+                self._task_number = number
+                done.append(bool(self._run_task(task, validating, version)))
+        finally:
+            held, self._held = self._held, None
+        by_target: dict[int, tuple[Any, list[tuple[int, Trajectory]]]] = {}
+        for i, target, trajectory in held:
+            by_target.setdefault(id(target), (target, []))[1].append((i, trajectory))
+        last: dict[int, str] = {}  # task -> result of its last put (what step() returns locally)
+        for target, items in by_target.values():
+            results = execute(target.put_trajectories, [t for _, t in items])
+            for (i, _), result in zip(items, results):
+                last[i] = result
+        landed = 0
+        for i, task in enumerate(tasks):
+            if done[i] and last.get(i) == "re-rollout":  # e.g. the pool was locked for a weight push
+                self.completed -= 1
+                self._put_rollout_task(task, validating)
+            else:
+                landed += int(done[i])
+        return landed
+
+    def _run_task(self, task: dict[str, Any], validating: bool, version: int | None = None) -> bool:
+        """Run one task; True when its trajectory went on (False: the task was re-queued).
+        ``version``: the served weight version (read here when not given)."""
         self._task_is_validation = validating
-        self._task_version = self._current_version()  # what a failed attempt is stamped with
+        # what a failed attempt is stamped with, and what seeds its sampling
+        self._task_version = self._current_version() if version is None else version
         self._puts_this_task = 0
         try:
             result = self.step(task)
@@ -145,6 +204,11 @@ class BaseRolloutWorker(ThreadedModule):
         return True
 
     # -- subclass API -----------------------------------------------------------------------
+    def prepare_tasks(self, tasks: list[dict[str, Any]]) -> None:
+        """Called before :meth:`step` runs on each of several tasks taken in one call
+        (``tasks_per_call`` > 1), e.g. to ask the inference service for all of them at once.
+        :meth:`sampling_seed` already gives their seeds here."""
+
     @abstractmethod
     def step(self, task: dict[str, Any]) -> str | None:
         """Process one task; submit with :meth:`_put_trajectory`; return its result."""
@@ -153,6 +217,9 @@ class BaseRolloutWorker(ThreadedModule):
         self._puts_this_task += 1
         trajectory.setdefault("model_tag", self._model_tag)
         target = self._validator if self._is_validation_task(trajectory) else self._trajectory_pool
+        if self._held is not None:  # handed on with the other tasks' (see _run_tasks)
+            self._held.append((self._task_number, target, trajectory))
+            return "success"
         return execute(target.put_trajectory, trajectory)
 
     def _put_rollout_task(self, task: dict[str, Any], validating: bool = False) -> bool:
@@ -165,8 +232,9 @@ class BaseRolloutWorker(ThreadedModule):
 
     # -- helpers for subclasses -------------------------------------------------------------
     def sampling_seed(self, task: dict[str, Any]) -> int:
-        """Per-request seed: the same task at the same weights samples the same text."""
-        version = self._current_version()
+        """Per-request seed: the same task at the same weights samples the same text (the weights
+        served when the task started)."""
+        version = self._task_version
         key = f"{self._seed}|{task.get('uid')}|{task.get('sample_index')}|{self._task_is_validation}|{version}"
         return zlib.crc32(key.encode())
 
@@ -178,15 +246,19 @@ class BaseRolloutWorker(ThreadedModule):
             return self._domain_evaluators[domain]
         return self._evaluator
 
-    def evaluate(self, task: dict[str, Any], final_answer: str) -> EvaluationRunResult:
+    def evaluate(self, task: dict[str, Any], final_answer: str | BaseEvaluationTarget) -> EvaluationRunResult:
+        """Score ``final_answer`` (a string, or a richer target such as an agent's) with the task's
+        evaluator."""
         evaluator = self.evaluator_for(task)
         if evaluator is None:
             return EvaluationRunResult()
         label = self._domain_labels.get(task.get("domain"), self._evaluator_label)
         cls_name = type(evaluator).__name__
+        target = final_answer if isinstance(final_answer, BaseEvaluationTarget) else \
+            BaseEvaluationTarget(final_answer=final_answer)
         reply = getattr(final_answer, "final_answer", final_answer)  # the text kept with a failure
         try:
-            result = evaluator.evaluate(task, BaseEvaluationTarget(final_answer=final_answer))
+            result = evaluator.evaluate(task, target)
         except Exception as exc:
             where = failure_location(exc, _code_folder(evaluator))
             raise ItemFailure("evaluator_exception", f"{label} raised {type(exc).__name__}: {exc}"

@@ -42,7 +42,7 @@ class PythonFunctionEvaluator(Evaluator):
     """The reward a Python function in a file returns (``path``, ``function``, ``kwargs``)."""
 
     OPTIONS = {
-        "path": Option(REQUIRED, str, "Python file that defines the reward function"),
+        "path": Option(REQUIRED, str, "Python file that defines the reward function", path=True),
         "function": Option("score", str, "the function: function(response, data, **kwargs) -> a number, a bool, "
                                          "a dict with 'reward' and metrics, or an EvaluationRunResult"),
         "kwargs": Option({}, dict, "keyword arguments passed to the function on every call"),

@@ -16,7 +16,7 @@ from typing import Any, Iterator
 from loguru import logger
 
 from ..errors import ErrorInfo, ErrorReporter, ErrorSeverity
-from .execute import execute, execute_with_timeout
+from .execute import ModuleUnavailable, RpcTimeout, execute, execute_with_timeout
 from .logs import FailureLog
 
 
@@ -40,6 +40,7 @@ class ActivityTracker:
         self._modules: dict[str, Any] = {}
         self._rollout_workers: set[str] = set()
         self._training_step = 0
+        self._health_problems: dict[str, str] = {}
 
     # -- activity -------------------------------------------------------------
     def start(self, module: str, work: str) -> str:
@@ -69,9 +70,13 @@ class ActivityTracker:
         with self._cond:
             return not self._in_flight
 
-    def wait_quiescent(self, timeout: float | None = None) -> bool:
+    def wait_quiescent(self, timeout: float | None = None, ignore: list[str] | None = None) -> bool:
+        """Wait until no work is in flight; work of the modules in ``ignore`` (dead ones, whose work
+        will never end) does not count."""
+        skip = set(ignore or ())
         with self._cond:
-            return self._cond.wait_for(lambda: not self._in_flight, timeout)
+            return self._cond.wait_for(lambda: not any(m not in skip for m, _, _ in self._in_flight.values()),
+                                       timeout)
 
     def is_rollout_worker_quiescent(self) -> bool:
         with self._cond:
@@ -93,8 +98,18 @@ class ActivityTracker:
 
     def dead_modules(self, timeout: float = 5.0) -> list[str]:
         """Names of registered modules whose ``health_check`` fails, raises (a module that is gone)
-        or does not answer within ``timeout`` seconds."""
-        return [name for name, ref in list(self._modules.items()) if not _answers_health_check(ref, timeout)]
+        or does not answer within ``timeout`` seconds (why: :meth:`last_health_problems`)."""
+        problems = {}
+        for name, ref in list(self._modules.items()):
+            problem = _health_problem(ref, timeout)
+            if problem is not None:
+                problems[name] = problem
+        self._health_problems = problems
+        return list(problems)
+
+    def last_health_problems(self) -> dict[str, str]:
+        """Module name -> why it failed the last :meth:`dead_modules` check."""
+        return dict(self._health_problems)
 
     def check_module_liveness(self, timeout: float = 5.0) -> bool:
         return not self.dead_modules(timeout)
@@ -139,7 +154,18 @@ class ActivityTracker:
         if self.experiment_logger is not None:
             self.experiment_logger.post(backend, **kwargs)
 
-    # -- the run's records (errors.jsonl, resume) --------------------------------
+    def recorded_rows(self, cursor: int = 0) -> tuple[list[dict[str, Any]], int]:
+        """Metrics rows recorded since ``cursor`` and the next cursor: how the driver's listeners
+        (the progress display) follow the run wherever the tracker lives."""
+        rows_since = getattr(self.experiment_logger, "rows_since", None)
+        return rows_since(cursor) if rows_since is not None else ([], cursor)
+
+    # -- the run's records (errors.jsonl, samples.jsonl, resume) ------------------------
+    def record_samples(self, step: int, samples: list[dict[str, Any]]) -> None:
+        """Lines of samples.jsonl (see :meth:`nexrl_core.run_log.RunRecorder.record_samples`)."""
+        if self.experiment_logger is not None and hasattr(self.experiment_logger, "record_samples"):
+            self.experiment_logger.record_samples(step, samples)
+
     def record_lost_item(self, task: dict[str, Any], cause: str, message: str, validating: bool = False,
                          step: int | None = None, detail: dict[str, Any] | None = None) -> None:
         """One line of errors.jsonl (see :meth:`nexrl_core.run_log.RunRecorder.record_lost_item`)."""
@@ -163,13 +189,15 @@ class ActivityTracker:
             self.experiment_logger.close()
 
 
-def _answers_health_check(ref: Any, timeout: float) -> bool:
+def _health_problem(ref: Any, timeout: float) -> str | None:
     # A hung module must not hang the monitor (execute_with_timeout stops waiting); a module that
     # is gone raises from execute: both count as dead.
     try:
-        return bool(execute_with_timeout(timeout, ref.health_check))
-    except Exception:
-        return False
+        return None if execute_with_timeout(timeout, ref.health_check) else "its health check says unhealthy"
+    except RpcTimeout:
+        return f"no answer within {timeout:g}s"
+    except Exception as exc:
+        return str(exc) if isinstance(exc, ModuleUnavailable) else f"{type(exc).__name__}: {exc}"
 
 
 def open_run_recorder(config: Any) -> Any:
@@ -239,3 +267,6 @@ class ActivityTrackerProxy:
     def record_lost_item(self, task: dict[str, Any], cause: str, message: str, validating: bool = False,
                          step: int | None = None, detail: dict[str, Any] | None = None) -> None:
         execute(self._tracker.record_lost_item, task, cause, message, validating, step, detail)
+
+    def record_samples(self, step: int, samples: list[dict[str, Any]]) -> None:
+        execute(self._tracker.record_samples, step, samples)

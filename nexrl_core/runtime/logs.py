@@ -106,3 +106,21 @@ class FailureLog:
     def count(self, signature: str) -> int:
         with self._lock:
             return self._seen.get(signature, 0)
+
+
+class _Demote(logging.Filter):
+    def __init__(self, message_part: str, level: int):
+        super().__init__()
+        self.message_part, self.level = message_part, level
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno > self.level and self.message_part in record.getMessage():
+            record.levelno, record.levelname = self.level, logging.getLevelName(self.level)
+        return True
+
+
+def demote_library_log(logger_name: str, message_part: str, level: str = "DEBUG") -> None:
+    """Log the records of a library's standard ``logging`` logger whose message contains
+    ``message_part`` at ``level`` instead: for routine protocol events a library reports as
+    warnings (below WARNING they stay out of the console and run.log, see :data:`STD_LOGGING_LEVEL`)."""
+    logging.getLogger(logger_name).addFilter(_Demote(message_part, logging.getLevelName(level)))

@@ -82,7 +82,7 @@ def nexrl(*args, env_extra=None):
 
 def val_rows(run_dir: Path) -> dict[int, dict]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: {k: v for k, v in r.items() if k != "step"} for r in rows if "val/num_samples" in r}
+    return {r["step"]: {k: v for k, v in r.items() if k not in ("step", "time")} for r in rows if "val/num_samples" in r}
 
 
 def test_eval_prints_one_json_summary_and_writes_samples(tmp_path):

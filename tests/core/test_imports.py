@@ -66,3 +66,42 @@ def test_every_core_folder_is_a_package():
     folders = {p.parent for p in (REPO / "nexrl_core").rglob("*.py") if "__pycache__" not in p.parts}
     missing = sorted(str(f.relative_to(REPO)) for f in folders if not (f / "__init__.py").exists())
     assert missing == []
+
+
+def _imports_ray(path: Path) -> list[int]:
+    lines = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+            [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else []
+        if any(n == "ray" or n.startswith("ray.") for n in names):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_only_the_ray_launch_mode_imports_ray():
+    """Ray has one home: nexrl_core/launch/ray/ (DESIGN: the launch mode has one home)."""
+    home = REPO / "nexrl_core" / "launch" / "ray"
+    files = sorted((REPO / "nexrl_core").rglob("*.py")) + sorted((REPO / "plugins").rglob("*.py"))
+    outside = [f"{f.relative_to(REPO)}:{line}" for f in files if home not in f.parents for line in _imports_ray(f)]
+    assert outside == []
+    assert _imports_ray(home / "manager.py")  # the checker does see an import of ray
+
+
+def test_the_core_imports_and_validates_a_ray_recipe_without_ray(tmp_path):
+    """Without the extra, nexrl_core (its launch package and the ray settings included) imports,
+    and validate names what to install."""
+    import subprocess
+    import sys
+
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("launch_mode: ray\ndata: {type: inline, rows: [{prompt: a, answer: b}]}\n"
+                      "trajectory_pool: {batch_size: 2, group_size: 2}\n")
+    code = ("import sys; sys.modules['ray'] = None\n"  # `import ray` now fails, as without the extra
+            "import nexrl_core, nexrl_core.launch, nexrl_core.launch.ray, nexrl_core.controller\n"
+            "from nexrl_core.cli import main\n"
+            f"sys.exit(main(['validate', {str(recipe)!r}]))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=str(REPO),
+                         env={**__import__("os").environ, "NEXRL_LOAD_PLUGINS": ""})
+    assert out.returncode == 2, out.stderr
+    assert "launch_mode: 'ray' needs Ray, an optional extra: pip install 'nexrl-core[ray]'" in out.stderr
+    assert "Traceback" not in out.stderr

@@ -14,7 +14,7 @@ import types
 import pytest
 
 import nexrl_core.plugins as plugins
-from nexrl_core import EvaluationRunResult, Evaluator, Option, hookimpl
+from nexrl_core import EvaluationRunResult, Evaluator, Option
 from nexrl_core.cli import main
 from nexrl_core.plugins import PluginManager
 from nexrl_core.testing import check_evaluator, plugin_manager, run_recipe, use_plugins

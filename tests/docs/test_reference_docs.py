@@ -71,8 +71,8 @@ def test_the_core_keys_are_all_in_the_reference_and_in_the_defaults(pages):
             # recipe is merged onto it (an entry the recipe names, <name>, has no default)
             node = defaults
             for part in key.split("."):
-                if node is None:
-                    break  # inside an optional section (validate.data): its defaults apply when it is given
+                if node is None or node == {}:
+                    break  # inside an optional section (validate.data, ray.resources.<role>): applies when given
                 assert isinstance(node, dict) and part in node, f"core_defaults() lacks {key}"
                 node = node[part]
 

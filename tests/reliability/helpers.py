@@ -103,7 +103,7 @@ def run_to_end(start_run, recipe: str, *overrides: str, timeout: float = 240.0) 
 def metrics_rows(run_dir: Path, drop_timing: bool = True) -> list[dict]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     if drop_timing:
-        rows = [{k: v for k, v in row.items() if not k.startswith("timing/")} for row in rows]
+        rows = [{k: v for k, v in row.items() if not k.startswith("timing/") and k != "time"} for row in rows]
     return rows
 
 

@@ -252,7 +252,15 @@ class VLLMClient(OpenAICompatibleClient):
     def complete(self, prompt: str | list[dict[str, Any]], params: SamplingParams) -> CompletionResult:
         with self._gate:
             self._raise_if_unusable()
-        result = super().complete(prompt, params)
+        return self._with_token_data(super().complete(prompt, params))
+
+    def chat(self, messages: list[dict[str, Any]], params: SamplingParams,
+             tools: list[dict[str, Any]] | None = None) -> CompletionResult:
+        with self._gate:
+            self._raise_if_unusable()
+        return self._with_token_data(super().chat(messages, params, tools))
+
+    def _with_token_data(self, result: CompletionResult) -> CompletionResult:
         missing = [name for name, value in (("prompt token ids", result.prompt_token_ids),
                                             ("response token ids", result.response_token_ids),
                                             ("log-probs", result.response_logprobs)) if value is None]
