@@ -55,7 +55,8 @@ def add_sample(state: EvalState, record: SampleRecord) -> EvalState:
 def summarize(state: EvalState, *, expected_samples: int | None = None, n_samples: int = 1,
               success_threshold: float = 1.0, prefix: str = "val/") -> dict[str, float]:
     """Metrics of docs/evaluation.md. Failed samples count in every denominator with score 0."""
-    records = list(state.samples.values())
+    # In sample order, not arrival order: float sums must not depend on which worker finished first.
+    records = [state.samples[key] for key in sorted(state.samples)]
     total = len(records)
     keys = sorted({k for r in records for k in r.scores} | {"reward"})
     out: dict[str, float] = {}

@@ -125,8 +125,10 @@ WEIGHT = {
     "sync_mode": Option("sync", str, "sync | batch-async | fully-async", choices=_sync_modes()),
     "staleness_threshold": Option(0, int, "max weight versions a trained sample may lag (async modes)", ge=0),
     "validate_freq": Option(0, int, "validate every N steps (0: never; needs validate.data)", ge=0),
-    "rollout_limit": Option(None, (int, str, None), "sync mode: rollouts started per weight version; 'batch' = "
-                                                    "trajectory_pool.batch_size; null = until a batch is ready",
+    "rollout_limit": Option("batch", (int, str, None), "sync mode: rollouts started per weight version; 'batch' = "
+                                                       "trajectory_pool.batch_size (none wasted, runs reproducible); "
+                                                       "N or null (until a batch is ready) start extras, which are "
+                                                       "waited for and re-rolled",
                             check=_rollout_limit),
 }
 

@@ -11,11 +11,17 @@ Invariants (see docs/evaluation.md and tests/core/test_properties_pool.py):
   all equal (no failed member) is dropped, its tasks consumed, and the data loader draws a fresh
   row in its place (:meth:`~nexrl_core.BaseDataLoader.add_replacement`); after
   ``max_replacements`` drops in a row for one slot the flat group is kept. Both are counted.
+- a batch is ordered, and chosen, by issue order, never by completion order: whole groups
+  sorted by (version, first ``seq``), members by ``seq``. In sync mode the pool first waits
+  until every admitted rollout has landed, so a step trains on the earliest-issued groups of the
+  served version and the extras are re-rolled before the next version's rollouts start
+  (docs/reliability.md, "Reproducibility").
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any, Callable
 
 from .errors import ConfigError
@@ -44,6 +50,15 @@ def is_flat_group(group: list[Trajectory]) -> bool:
     if any(t.get("failed") for t in group):
         return False
     return len({float(t.get("reward", 0.0)) for t in group}) == 1
+
+
+def _seq(traj: Trajectory) -> int:
+    seq = traj.get("seq")
+    return -1 if seq is None else int(seq)
+
+
+def _issue_order(group: list[Trajectory]) -> tuple[int, int]:
+    return _group_version(group), min(_seq(t) for t in group)
 
 
 class SimpleTrajectoryStore:
@@ -154,6 +169,8 @@ class TrajectoryPoolInstance:
         self._max_replacements = int(dynamic.get("max_replacements", 3))
         # Dropped groups since the last batch: their domain and rewards go with the next batch (metrics).
         self._dropped_since_batch: list[dict[str, Any]] = []
+        # Sync mode: dropped groups whose replacements wait until every admitted rollout has landed.
+        self._set_aside: list[list[Trajectory]] = []
         if self._dynamic_sampling:
             self.counters.update(dynamic_sampling_dropped_groups=0, dynamic_sampling_kept_flat_groups=0)
 
@@ -185,7 +202,12 @@ class TrajectoryPoolInstance:
                 # trajectory made the trainer thread re-count the pool on every put.
                 self._cond.notify_all()
         self._requeue(evicted)
-        self._replace(dropped)
+        if dropped and wsc is not None and execute(wsc.hold_rollouts, self.model_tag):
+            with self._cond:
+                self._set_aside.extend(dropped)
+                self._cond.notify_all()
+        else:
+            self._replace(dropped)
         if ready and wsc is not None:
             execute(wsc.trajectory_pool_notify_batch_ready, self.model_tag, min_version)
         return "success"
@@ -204,20 +226,43 @@ class TrajectoryPoolInstance:
                   timeout: float = 0.0) -> Batch | None:
         """Whole groups with at least ``batch_size`` trajectories, or None.
 
-        Groups older than ``min_version`` are re-rolled instead of returned.
-        Waits up to ``timeout`` seconds for enough trajectories.
+        Groups older than ``min_version`` are re-rolled instead of returned, and so are, once a
+        batch is taken, the groups that will be too old for the next step (``min_version + 1``).
+        Waits up to ``timeout`` seconds for enough trajectories (and, in sync mode, for the
+        rollouts still in flight).
         """
         want = batch_size or self._batch_size
-        with self._cond:
-            stale = self._drop_stale_locked(min_version)
-            if not self._enough_locked(want):
-                self._cond.wait_for(lambda: self._enough_locked(want), timeout)
+        deadline = time.monotonic() + timeout
+        wsc, groups, stale = self._weight_sync_controller, None, []
+        while True:
+            with self._cond:
                 stale += self._drop_stale_locked(min_version)
-            groups = self._take_locked(want) if self._enough_locked(want) else None
+                if not self._enough_locked(want) and not self._set_aside:
+                    self._cond.wait_for(lambda: self._enough_locked(want) or bool(self._set_aside),
+                                        max(0.0, deadline - time.monotonic()))
+                    stale += self._drop_stale_locked(min_version)
+                enough, held = self._enough_locked(want), bool(self._set_aside)
+            if not held:
+                break
+            # Sync-mode dynamic sampling: once the round has landed, the dropped groups are
+            # replaced in issue order; then wait for the replacements.
+            if execute(wsc.wait_rollouts_landed, self.model_tag, max(0.0, deadline - time.monotonic())):
+                self._replace_set_aside()
+            if enough or time.monotonic() >= deadline:
+                break
+        if enough and wsc is not None:
+            enough = execute(wsc.wait_rollouts_landed, self.model_tag, max(0.0, deadline - time.monotonic()))
+        if enough:
+            with self._cond:
+                stale += self._drop_stale_locked(min_version)
+                if self._enough_locked(want):
+                    groups = self._take_locked(want)
+                    if min_version is not None:
+                        stale += self._drop_stale_locked(min_version + 1)
         self._requeue(stale)
         if not groups:
             return None
-        trajs = [t for g in groups for t in g]
+        trajs = [t for g in groups for t in sorted(g, key=_seq)]
         batch = Batch.from_trajectories(trajs, self.model_tag)
         batch.metadata["num_groups"] = len(groups)
         if self._dynamic_sampling:
@@ -243,18 +288,24 @@ class TrajectoryPoolInstance:
         self._store.finished[finished_before:] = kept
         return dropped
 
-    def _replace(self, dropped: list[list[Trajectory]]) -> None:
-        """A dropped group's tasks are consumed; a fresh row takes its place, and in sync mode its
-        rollout slots are given back so the replacement can start at once."""
+    def _replace(self, dropped: list[list[Trajectory]], released: int = 0) -> None:
+        """A dropped group's tasks are consumed and a fresh row takes its place; then (sync mode)
+        its rollout slots are given back, so the replacement can start at once, and ``released``
+        held groups let rollouts start again."""
         if not dropped:
             return
-        wsc = self._weight_sync_controller
         for group in dropped:
             task = next((t["task"] for t in group if t.get("task") is not None), None)
             if self._dataloader is not None and task is not None:
                 execute(self._dataloader.add_replacement, task, [t["seq"] for t in group if t.get("seq") is not None])
-            if wsc is not None:
-                execute(wsc.return_rollout_slots, self.model_tag, len(group))
+        wsc = self._weight_sync_controller
+        if wsc is not None:
+            execute(wsc.return_rollout_slots, self.model_tag, sum(len(g) for g in dropped), released)
+
+    def _replace_set_aside(self) -> None:
+        with self._cond:
+            dropped, self._set_aside = sorted(self._set_aside, key=_issue_order), []
+        self._replace(dropped, released=len(dropped))
 
     def _count_finished_locked(self, group: list[Trajectory], sign: int) -> None:
         version = _group_version(group)
@@ -273,6 +324,7 @@ class TrajectoryPoolInstance:
         return False
 
     def _take_locked(self, want: int) -> list[list[Trajectory]]:
+        self._store.finished.sort(key=_issue_order)
         taken, n = [], 0
         while self._store.finished and n < want:
             group = self._store.finished.pop(0)
@@ -309,7 +361,7 @@ class TrajectoryPoolInstance:
         """Send the tasks behind dropped trajectories back for a re-rollout."""
         if not trajectories or self._dataloader is None:
             return
-        for traj in sorted(trajectories, key=lambda t: t.get("seq", 0), reverse=True):
+        for traj in trajectories:  # the loader serves re-queued tasks in seq order
             task = traj.get("task")
             if task is not None:
                 execute(self._dataloader.add_item_front, task)

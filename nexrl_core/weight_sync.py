@@ -6,7 +6,8 @@ carries the version that produced it.
 
 Modes (``weight.sync_mode``):
 - ``sync``: once a batch is ready, rollouts block until the trainer's new weights
-  are served; the trainer only ever sees trajectories of its current version.
+  are served; the trainer only ever sees trajectories of its current version, and takes a
+  batch only when every admitted rollout has landed (reproducible runs: docs/reliability.md).
 - ``batch-async``: rollouts block only when ``train_version + 1 - rollout_version
   > staleness_threshold``, where ``train_version + 1`` counts the steps the trainer
   has started (it is producing that version): rollouts may run ahead of the
@@ -70,6 +71,8 @@ class WeightSyncController(NexRLModule):
         self._rollout_budget: int | None = None
         self._admitted: dict[ModelTag, int] = {}
         self._in_flight: dict[ModelTag, int] = {}
+        # Sync mode: groups dynamic sampling dropped, whose replacements wait for the round to land.
+        self._held: dict[ModelTag, int] = {}
         self._waiting_for_validation = False
         self._stopping = False
         self._trainer: Any = None
@@ -97,12 +100,12 @@ class WeightSyncController(NexRLModule):
     # -- rollout side -------------------------------------------------------------
     def set_rollout_budget(self, tasks: int | None) -> None:
         """Sync mode: start at most ``tasks`` training rollouts per served weight version
-        (``weight.rollout_limit``; ``batch`` means ``trajectory_pool.batch_size``). Rollouts started
-        beyond one batch are only re-rolled after the weight push (stale), and on shared hardware
-        they run during the training step, slowing it down. Rollouts that do not reach the pool
-        (re-rolled tasks) give their slot back; if everything started has landed and still no
-        batch is ready (e.g. the pool re-queued evicted members), more are admitted, so this never
-        stalls. None: no limit."""
+        (``weight.rollout_limit``, default ``batch``: ``trajectory_pool.batch_size``). Rollouts
+        started beyond one batch are waited for (:meth:`wait_rollouts_landed`) and re-rolled: wasted
+        work, and their number depends on timing. Rollouts that do not reach the pool (re-rolled
+        tasks) give their slot back; if everything started has landed and still no batch is ready
+        (e.g. the pool re-queued evicted members), more are admitted, so this never stalls.
+        None: no limit."""
         with self._cond:
             self._rollout_budget = int(tasks) if tasks and self._mode == "sync" else None
             self._cond.notify_all()
@@ -128,11 +131,25 @@ class WeightSyncController(NexRLModule):
             if not landed or in_flight == 0:
                 self._cond.notify_all()
 
-    def return_rollout_slots(self, model_tag: ModelTag = DEFAULT_MODEL_TAG, count: int = 1) -> None:
+    def hold_rollouts(self, model_tag: ModelTag = DEFAULT_MODEL_TAG) -> bool:
+        """Sync mode: dynamic sampling dropped a group; no new rollout starts until its replacement
+        is asked for (:meth:`return_rollout_slots` with ``released``). The pool asks once every
+        admitted rollout has landed, for all the round's dropped groups in issue order, so which
+        rows replace them never depends on thread timing. Other modes: False (nothing held; the
+        pool replaces at once)."""
+        if self._mode != "sync":
+            return False
+        with self._cond:
+            self._held[model_tag] = self._held.get(model_tag, 0) + 1
+            return True
+
+    def return_rollout_slots(self, model_tag: ModelTag = DEFAULT_MODEL_TAG, count: int = 1, released: int = 0) -> None:
         """Sync mode: ``count`` rollouts that landed will not be trained on (dynamic sampling dropped
-        their group): their slots of the rollout budget go to the replacements."""
+        their group): their slots of the rollout budget go to the replacements. ``released``: held
+        groups (:meth:`hold_rollouts`) whose replacements are now asked for."""
         with self._cond:
             self._admitted[model_tag] = max(0, self._admitted.get(model_tag, 0) - int(count))
+            self._held[model_tag] = max(0, self._held.get(model_tag, 0) - int(released))
             self._cond.notify_all()
 
     def begin_rollouts(self, model_tag: ModelTag = DEFAULT_MODEL_TAG, count: int = 1) -> int:
@@ -149,6 +166,16 @@ class WeightSyncController(NexRLModule):
         for _ in range(returned):
             self.end_rollout(model_tag, False)
 
+    def wait_rollouts_landed(self, model_tag: ModelTag = DEFAULT_MODEL_TAG, timeout: float | None = None) -> bool:
+        """Sync mode: block until no admitted training rollout is in flight (False on timeout).
+        The pool calls this before handing out a batch: with every rollout of the served version
+        landed, the batch can be the earliest-issued groups rather than the first finished ones.
+        Other modes: True at once (their batches never wait for stragglers)."""
+        if self._mode != "sync":
+            return True
+        with self._cond:
+            return self._cond.wait_for(lambda: self._stopping or self._in_flight.get(model_tag, 0) == 0, timeout)
+
     def check_rollout_service_status(self, model_tag: ModelTag = DEFAULT_MODEL_TAG) -> Literal["continue", "block"]:
         with self._cond:
             return "block" if self._blocked_locked(model_tag) else "continue"
@@ -164,7 +191,7 @@ class WeightSyncController(NexRLModule):
         if self._waiting_for_validation:
             return True
         if self._mode == "sync":
-            if self._batch_ready.get(tag, False):
+            if self._batch_ready.get(tag, False) or self._held.get(tag, 0):
                 return True
             budget = self._rollout_budget
             return budget is not None and self._admitted.get(tag, 0) >= budget and self._in_flight.get(tag, 0) > 0

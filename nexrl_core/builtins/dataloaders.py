@@ -7,7 +7,7 @@ import json
 import os
 import random
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from typing import Any
 
@@ -209,8 +209,9 @@ class MultiDomainDataLoader(BaseDataLoader):
     the given proportions (exactly when each ``G * p_d`` is an integer; otherwise the counts so far
     stay within one group of the target), and the choice is deterministic. Each domain runs
     through its own rows epoch by epoch, reshuffled with its own seed. A replacement asked for by
-    dynamic sampling comes from the dropped group's domain and does not count as a pick.
-    Validation hands every row of every domain out once, domain by domain.
+    dynamic sampling comes from the dropped group's domain and does not count as a pick. A training
+    pass (what ``len()`` counts and ``add_item_back`` items wait for) is as many scheduled groups
+    as the domains have rows together. Validation hands every row of every domain out once, domain by domain.
     """
 
     OPTIONS = {
@@ -276,6 +277,7 @@ class MultiDomainDataLoader(BaseDataLoader):
         self._batch_groups = max(1, int(plain.get("batch_groups") or 1))
         self._streams: dict[str, _DomainStream] = {}
         self._scheduled = {d: 0 for d in self._domains}
+        self._pass_start = 0
         super().__init__(config, is_validate)
 
     def describe(self) -> str:
@@ -312,9 +314,14 @@ class MultiDomainDataLoader(BaseDataLoader):
 
     def _new_epoch(self) -> None:
         super()._new_epoch()  # validation: one ordered pass over all rows, domain by domain
-        if not self._is_validate:
+        if self._is_validate:
+            return
+        if self._epoch == 0:  # the start (or a reset): each domain's stream from its beginning
             self._streams = {d: _DomainStream(self._domain_rows[d], **self._domain_order(d)) for d in self._domains}
             self._scheduled = {d: 0 for d in self._domains}
+        # A training pass is as many scheduled groups as the domains have rows together; each
+        # domain's stream runs on across passes (its own epochs), so the proportions hold throughout.
+        self._pass_start = sum(self._scheduled.values())
 
     def _draw(self, streams: dict[str, _DomainStream], scheduled: dict[str, int], domain: str | None) -> tuple[int, str]:
         """The next row of ``domain`` (a replacement), else of the scheduled pick; advances
@@ -344,22 +351,24 @@ class MultiDomainDataLoader(BaseDataLoader):
         deficits = {d: end_of_batch * p - scheduled[d] for d, p in self._probs.items() if p > 0}
         return max(deficits, key=lambda d: (deficits[d], -self._domains.index(d)))
 
-    def _next_row_locked(self, domain: str | None) -> tuple[int, str] | None:
-        if self._is_validate:
-            return super()._next_row_locked(domain)
-        return self._draw(self._streams, self._scheduled, domain)
-
     def _fresh_rows_left_locked(self) -> int:
         if self._is_validate:
             return super()._fresh_rows_left_locked()
-        return sum(len(s.rows) - s.cursor if s.order else len(s.rows) for s in self._streams.values())
+        return len(self._rows) - (sum(self._scheduled.values()) - self._pass_start) + len(self._owed)
+
+    def _draw_rows_locked(self, domains: list[str | None], consume: bool) -> list[tuple[int, str]]:
+        if self._is_validate:
+            return super()._draw_rows_locked(domains, consume)
+        streams = self._streams if consume else {d: replace(s, order=list(s.order)) for d, s in self._streams.items()}
+        scheduled = self._scheduled if consume else dict(self._scheduled)
+        return [self._draw(streams, scheduled, domain) for domain in domains]
 
     def _extra_state_locked(self) -> dict[str, Any]:
         if self._is_validate:
             return {}
         return {"domains": {d: {"epoch": s.epoch, "order": list(s.order), "cursor": s.cursor}
                             for d, s in self._streams.items()},
-                "scheduled": dict(self._scheduled)}
+                "scheduled": dict(self._scheduled), "pass_start": self._pass_start}
 
     def _load_extra_state_locked(self, state: dict[str, Any]) -> None:
         if self._is_validate:
@@ -373,6 +382,7 @@ class MultiDomainDataLoader(BaseDataLoader):
             stream = self._streams[d]
             stream.epoch, stream.order, stream.cursor = int(s["epoch"]), [int(i) for i in s["order"]], int(s["cursor"])
         self._scheduled = {d: int(state["scheduled"].get(d, 0)) for d in self._domains}
+        self._pass_start = int(state.get("pass_start", 0))
 
 
 def _plain_dict(config: Any) -> dict[str, Any]:

@@ -106,21 +106,24 @@ def test_validation_loader_is_one_ordered_pass_and_resets(jsonl):
 
 
 def test_add_item_front_and_back_requeue_items(jsonl):
+    """The seed's queue: add_item_front serves an item next, add_item_back / add_item after every
+    fresh row of the pass."""
     dl = loader(jsonl, is_validate=True)
     dl.unlock_for_weight_sync()
     a, b, c = take(dl, 3)
     dl.add_item_back(b)
     dl.add_item_front(a)
     assert dl.get_next_item()["seq"] == a["seq"]
-    assert dl.get_next_item()["seq"] == b["seq"]
-    assert dl.get_next_item()["prompt"] == ROWS[3]["prompt"]
+    assert dl.get_next_item()["prompt"] == ROWS[3]["prompt"]  # b waits behind the fresh rows
     # a requeued item is no longer outstanding; handing it out again makes it outstanding
     dl.add_item(c)
     assert c["seq"] not in [t["seq"] for t in dl.outstanding()]
     rest = []
     while (item := dl.get_next_item()) is not None:
         rest.append(item)
-    assert sorted(i["prompt"] for i in rest) == sorted([c["prompt"]] + [r["prompt"] for r in ROWS[4:]])
+    assert [i["prompt"] for i in rest] == [r["prompt"] for r in ROWS[4:]] + [b["prompt"], c["prompt"]]
+    assert [i["seq"] for i in rest[-2:]] == [b["seq"], c["seq"]]
+    assert c["seq"] in [t["seq"] for t in dl.outstanding()]
     assert dl.is_finished()
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from omegaconf import OmegaConf
 
-from nexrl_core.builtins.dataloaders import InlineDataLoader
+from nexrl_core.builtins.dataloaders import InlineDataLoader, MultiDomainDataLoader
 from nexrl_core.trajectory_pool import TrajectoryPool
 from nexrl_core.weight_sync import WeightSyncController
 
@@ -26,12 +26,19 @@ def parts():
     return loader, wsc, pool
 
 
-def land(loader, wsc, pool, rewards, failed=()):
-    """Start a rollout for each of the next tasks and put its trajectory with ``rewards[i]``."""
-    out = []
-    for i, reward in enumerate(rewards):
+def draw(loader, wsc, count):
+    """Start ``count`` rollouts: admitted by the controller, each takes the loader's next task."""
+    tasks = []
+    for _ in range(count):
         assert wsc.begin_rollout()
-        task = loader.get_next_item()
+        tasks.append(loader.get_next_item())
+    return tasks
+
+
+def put(wsc, pool, tasks, rewards, failed=()):
+    """Land the rollouts of ``tasks`` (in the order given) with ``rewards[i]``."""
+    out = []
+    for i, (task, reward) in enumerate(zip(tasks, rewards)):
         traj = {"uid": task["uid"], "sample_index": task["sample_index"], "seq": task["seq"], "task": task,
                 "reward": reward, "model_version": wsc.get_rollout_model_version(), "domain": task.get("domain"),
                 "failed": i in failed}
@@ -41,23 +48,73 @@ def land(loader, wsc, pool, rewards, failed=()):
     return out
 
 
+def land(loader, wsc, pool, rewards, failed=()):
+    return put(wsc, pool, draw(loader, wsc, len(rewards)), rewards, failed)
+
+
 def test_a_flat_group_is_dropped_consumed_replaced_and_its_slots_returned(parts):
     loader, wsc, pool = parts
     land(loader, wsc, pool, [1.0, 1.0])  # p0: flat
     assert pool.counters()["dynamic_sampling_dropped_groups"] == 1
     assert pool.instance("default").size() == 0
+    # Sync mode: the replacement waits for the round to land; meanwhile no rollout starts.
+    assert not wsc.begin_rollout()
+    assert [t["prompt"] for t in loader.outstanding()] == ["p0", "p0"]
+    assert pool.get_batch(4, timeout=0.0) is None  # everything landed: the replacement is asked for
     assert loader.outstanding() == []  # p0's tasks were consumed, not re-queued
     replacement = land(loader, wsc, pool, [0.0, 1.0])  # the next fresh row takes p0's place
     assert [(t["task"]["prompt"], t["task"]["sampling_attempt"]) for t in replacement] == [("p1", 1)] * 2
     land(loader, wsc, pool, [0.0, 1.0])
-    # budget 4, six rollouts started: p0's two slots came back when its group was dropped
+    # budget 4, six rollouts started: p0's two slots came back when its replacement was asked for
     assert pool.get_batch(4) is not None
     assert not wsc.begin_rollout()  # now the batch is ready: rollouts wait for the next weights
+
+
+def test_async_modes_replace_at_once():
+    loader = InlineDataLoader(OmegaConf.create({"rows": [{"prompt": f"p{i}"} for i in range(6)], "group_size": GROUP,
+                                                "shuffle": False}))
+    wsc = WeightSyncController(OmegaConf.create({"sync_mode": "fully-async", "backend": "version_only"}),
+                               backend=object())
+    pool = TrajectoryPool(OmegaConf.create({"batch_size": 4, "group_size": GROUP, "key_list": ["uid"],
+                                            "dynamic_sampling": {"enabled": True}}))
+    pool.set_module_references(loader, wsc)
+    first = draw(loader, wsc, 3)  # p0 and one task of p1 in flight
+    put(wsc, pool, first[:2], [1.0, 1.0])  # p0 flat: dropped, replaced while p1 is still running
+    assert loader.outstanding() == [first[2]]
+    assert [(t["prompt"], t.get("sampling_attempt", 0)) for t in draw(loader, wsc, 3)] == \
+        [("p1", 0), ("p2", 1), ("p2", 1)]
+
+
+def _served_after_two_drops(landing_order):
+    """Two domains, one group each, both flat, landing in ``landing_order``; what the loader
+    serves next (domain, seq, attempt)."""
+    loader = MultiDomainDataLoader(OmegaConf.create({
+        "domains": {"a": {"type": "inline", "rows": [{"prompt": f"a{i}"} for i in range(4)]},
+                    "b": {"type": "inline", "rows": [{"prompt": f"b{i}"} for i in range(4)]}},
+        "domain_interleave_probs": {"a": 1, "b": 1}, "group_size": GROUP, "batch_groups": 2, "shuffle": False}))
+    wsc = WeightSyncController(OmegaConf.create({"sync_mode": "sync", "backend": "version_only"}),
+                               backend=object())
+    wsc.set_rollout_budget(4)
+    pool = TrajectoryPool(OmegaConf.create({"batch_size": 4, "group_size": GROUP, "key_list": ["uid"],
+                                            "dynamic_sampling": {"enabled": True}}))
+    pool.set_module_references(loader, wsc)
+    tasks = draw(loader, wsc, 4)
+    assert [t["domain"] for t in tasks] == ["a", "a", "b", "b"]
+    put(wsc, pool, [tasks[i] for i in landing_order], [0.0] * 4)
+    assert pool.get_batch(4, timeout=0.0) is None
+    return [(t["domain"], t["prompt"], t["seq"], t["sampling_attempt"]) for t in draw(loader, wsc, 4)]
+
+
+def test_sync_mode_replacements_do_not_depend_on_landing_order():
+    a_first = _served_after_two_drops([0, 1, 2, 3])
+    assert a_first == [("a", "a1", 4, 1), ("a", "a1", 5, 1), ("b", "b1", 6, 1), ("b", "b1", 7, 1)]
+    assert _served_after_two_drops([3, 2, 1, 0]) == a_first  # b's group landed (and was dropped) first
 
 
 def test_after_max_replacements_a_flat_group_is_kept_and_counted(parts):
     loader, wsc, pool = parts
     land(loader, wsc, pool, [0.0, 0.0])  # p0: dropped (attempt 0)
+    assert pool.get_batch(4, timeout=0.0) is None  # the round landed: its replacement is asked for
     land(loader, wsc, pool, [0.0, 0.0])  # p1 replaces it (attempt 1 = max_replacements): kept
     counters = pool.counters()
     assert counters["dynamic_sampling_dropped_groups"] == 1

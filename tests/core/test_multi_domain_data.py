@@ -137,6 +137,25 @@ def test_replacements_are_served_after_the_group_in_hand():
     assert dl.get_next_item()["domain"] == "b"
 
 
+# -- the queue: len() and loader[i] (the data-loader contract) ------------------------------------
+
+def test_len_and_getitem_preview_exactly_what_is_served_replacements_and_added_rows_included():
+    dl = loader({"a": 2, "b": 1}, sizes={"a": 3, "b": 4}, group_size=2, batch_groups=3)
+    assert len(dl) == 2 * (3 + 4)  # a training pass: as many groups as the domains have rows
+    head = [dl.get_next_item() for _ in range(3)]  # mid-group: one sample pending
+    dl.add_replacement(head[0])  # owed: a fresh row of head[0]'s domain, before the scheduled ones
+    dl.add_item_back({"prompt": "extra", "domain": "b"})  # a new row, after the pass
+    dl.add_item_front(head[1])  # a re-roll, first
+    assert len(dl) == 1 + 1 + 2 * (7 - 2 + 1) + 2
+    preview = [dl[i] for i in range(len(dl))]
+    served = [dl.get_next_item() for _ in range(len(preview))]
+    assert served == preview  # seqs, uids, domains and sampling attempts included
+    assert served[2]["domain"] == head[0]["domain"] and served[2]["sampling_attempt"] == 1
+    assert served[-1]["prompt"] == "extra" and len(dl) == 0
+    # the next pass goes on with every domain's stream (and the interleaving) where it was
+    assert len(dl) == 0 and dl.get_next_item() is not None and len(dl) == 2 * 7 - 1
+
+
 # -- resume -------------------------------------------------------------------------------------------
 
 def test_resume_continues_every_domain_exactly():

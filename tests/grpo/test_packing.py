@@ -63,6 +63,34 @@ def test_packed_logprobs_and_gradients_equal_padded(tiny_model_and_tokenizer, gr
         torch.testing.assert_close(got_grads[name], want_grads[name], atol=1e-5, rtol=1e-4, msg=name)
 
 
+def test_a_shared_prompt_position_is_scored_once_and_its_gradient_has_the_same_bits_every_call(
+        tiny_model_and_tokenizer):
+    """A group's prompt is packed once; its last position predicts the first token of each of the
+    group's rows. The LM head sees that position once, then it is selected per row: gathering it
+    once per row made the backward add the rows' gradients with atomics (CPU, 2+ threads), in
+    another order on each call, so two runs of one recipe trained different bits."""
+    model, _ = tiny_model_and_tokenizer
+    model.train()
+    ids, mask, pos, resp_w, groups = padded_batch()
+    response_mask = mask[:, -resp_w:].float()
+    weights = torch.randn(response_mask.shape, generator=torch.Generator().manual_seed(1))
+    lm_head_rows: list[int] = []
+    hook = model.lm_head.register_forward_pre_hook(lambda module, args: lm_head_rows.append(args[0].shape[-2]))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        runs = [grads_of(model, compute_response_logprobs_packed(model, ids, mask, pos, resp_w, groups),
+                         response_mask, weights) for _ in range(4)]
+    finally:
+        hook.remove()
+        torch.set_num_threads(threads)
+    answered = {(g, i) for i, (g, _, r) in enumerate(ROWS) if r}
+    shared = len(answered) - len({g for g, _ in answered})  # first tokens predicted by a position already kept
+    assert lm_head_rows == [int(response_mask.sum()) - shared] * len(runs)
+    for grads in runs[1:]:
+        assert all(torch.equal(grads[name], runs[0][name]) for name in grads)
+
+
 @pytest.mark.parametrize("packed", [False, True])
 def test_each_row_is_scored_at_its_own_temperature(tiny_model_and_tokenizer, packed):
     """Rows of one prompt group sampled at different temperatures (the group's shared prompt

@@ -301,7 +301,8 @@ def test_every_consumed_item_is_trained_or_recorded_once(build):
     """Evaluator raising on one row, the inference server failing some requests beyond retries,
     first failures handed in stale: every task the trainer consumed is either trained on or in
     errors.jsonl (once, with its cause and the step that consumed it); failed attempts thrown
-    away as stale are rolled again, not recorded."""
+    away as stale are rolled again, not recorded. (batch-async: in sync mode the trainer waits for
+    every admitted rollout before it takes a batch, so no attempt can arrive stale.)"""
     rows = [{"prompt": f"What is {a} + {b}?", "answer": str(a + b), **({"boom": True} if a == 6 else {})}
             for a, b in [(1, 2), (3, 4), (5, 6), (6, 1), (2, 2), (4, 5)]]
     steps, batch = 8, 4
@@ -312,6 +313,7 @@ def test_every_consumed_item_is_trained_or_recorded_once(build):
             "data": {"rows": rows},
             "rollout_worker": {"type": "late_failure", "num_workers": 4, "evaluator": {"type": "boom"}},
             "trainer": {"total_train_steps": steps, "step_time_s": 0.01},
+            "weight": {"sync_mode": "batch-async"},
             "service": openai_service(server),
             # most of a batch fails here on purpose: the failed-sample stop is tested elsewhere
             "runtime_monitor": {"failed_samples": {"max_fraction": 1.0}},

@@ -12,6 +12,18 @@ Two implementations of one interface:
   forward spends about as long in Python and mask building as in matmuls. Same fp32 maths,
   different summation order: logits agree with the HF forward to ~1e-5.
 
+**Batch invariance.** A row's logits in :class:`FastLlamaSession` do not depend on the other rows
+of its batch, bit for bit, so a seeded request samples the same tokens with the same logprobs
+whichever requests it was batched with (what makes runs with many rollout workers reproducible).
+Measured on CPU with oneDNN, one or two threads: a prepacked matmul gives each row the same bits
+for any row count M >= 2 (M = 1 takes another kernel for some shapes, so a lone row is doubled);
+``scaled_dot_product_attention`` gives each batch row the same bits for any number of rows, but
+a row's result changes with the masked key columns around its own (left padding, a longer
+neighbour). So attention runs once per group of rows that share their first key column, over
+exactly their own keys, with no mask. (MKL's ``F.linear`` picks kernels by M: 1, 2-15, 16+; the
+transformers forward is not batch-invariant.) :class:`FastLlama` checks this property once on
+first use and says so when it does not hold on the machine at hand.
+
 :class:`FastLlama` holds the packed weights. It repacks itself when any parameter of the model
 was modified in place since it last packed (tensor version counters), so an optimizer step on a
 shared model or an engine ``load_weights`` can never leave it serving stale weights. It checks
@@ -100,6 +112,9 @@ class _Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed:
+            if x.numel() == x.shape[-1]:  # one row: M = 1 takes another oneDNN kernel (other bits)
+                return torch.ops.mkldnn._linear_pointwise(torch.cat([x, x], dim=-2), self.weight, self.bias,
+                                                          "none", [], "")[..., :1, :]
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
@@ -144,6 +159,7 @@ class FastLlama:
         self.enabled = True
         self._packed_versions: tuple[int, ...] | None = None
         self._checked = False
+        self.batch_invariant = False  # set by the self-check on first use
 
     def _versions(self) -> tuple[int, ...] | None:
         try:
@@ -177,7 +193,8 @@ class FastLlama:
 
     @torch.inference_mode()
     def _self_check(self) -> None:
-        """Compare prefill + two steps against the HF forward on a left-padded toy batch."""
+        """Compare prefill + two steps against the HF forward on a left-padded toy batch, and the
+        padded row against itself decoded alone (batch invariance, bit for bit)."""
         vocab = self.model.config.vocab_size
         generator = torch.Generator().manual_seed(0)
         ids = torch.randint(0, vocab, (2, 6), generator=generator).to(self.model.device)
@@ -185,14 +202,16 @@ class FastLlama:
         mask[1, :2] = 0  # one left-padded row
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         nxt = torch.randint(0, vocab, (2, 2), generator=generator).to(self.model.device)
-        sessions = (FastLlamaSession(self), HFSession(self.model))
-        results = []
-        for session in sessions:
-            out = [session.prefill(ids, mask, positions)]
+
+        def decode(session, rows: slice) -> torch.Tensor:
+            keep = int(mask[rows].sum(-1).max())  # without the columns that are padding in every row
+            out = [session.prefill(ids[rows, -keep:], mask[rows, -keep:], positions[rows, -keep:])]
             for t in range(2):
-                out.append(session.step(nxt[:, t], positions[:, -1] + 1 + t))
-            results.append(torch.stack(out))
-        fast, ref = results
+                out.append(session.step(nxt[rows, t], positions[rows, -1] + 1 + t))
+            return torch.stack(out)
+
+        both = slice(0, 2)
+        fast, ref = decode(FastLlamaSession(self), both), decode(HFSession(self.model), both)
         valid = mask[:, -1].bool()  # every row's last prompt token is real
         worst = float((fast[:, valid] - ref[:, valid]).abs().max())
         scale = max(float(ref[:, valid].abs().max()), 1.0)
@@ -200,33 +219,38 @@ class FastLlama:
             self.enabled = False
             logger.warning(f"fast decoding path disagrees with the model's own forward (max |diff| {worst:.3g} at "
                            f"logit scale {scale:.3g}); using the transformers forward")
+            return
+        self.batch_invariant = torch.equal(decode(FastLlamaSession(self), slice(1, 2))[:, 0], fast[:, 1])
+        if not self.batch_invariant:
+            logger.warning("fast decoding path: a row's logits depend on the other rows of its batch on this machine "
+                           "(no oneDNN?); runs with several rollout workers are not bit-reproducible")
 
 
 class FastLlamaSession:
     """One batch's decoding state: a ``[layers, rows, kv_heads, capacity, head_dim]`` K and V buffer,
-    a key-validity mask, and the next free column (all rows advance together).
+    each row's first key column (its left padding), and the next free column (all rows advance
+    together).
 
     Finished rows are not copied out at once: they stay in the buffer (decoding a few more rows
     costs little next to streaming the weights) until at most half the rows are live, then the
-    buffer is compacted.
+    buffer is compacted. Attention runs per run of adjacent buffer rows with the same first key
+    column (see the module doc): callers that order rows by prompt length make few runs.
     """
 
     def __init__(self, owner: FastLlama):
         self.o = owner
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
-        self.valid: torch.Tensor | None = None  # [rows, capacity] bool: which cache columns a row attends to
+        self.starts: list[int] = []  # per buffer row: the column of its first real token
         self.live: torch.Tensor | None = None  # buffer rows the caller's rows map to (None: all, in order)
         self.length = 0
 
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """``attention_mask`` must be left padding (each row's real tokens at its end)."""
         rows, width = input_ids.shape
         self._allocate(rows, width + 64, input_ids.device)
-        self.valid[:, :width] = attention_mask.bool()
-        causal = torch.ones(width, width, dtype=torch.bool, device=input_ids.device).tril()
-        # A padding query sees only itself: finite garbage in a column no real token attends to.
-        mask = (causal & self.valid[:, None, :width]) | torch.eye(width, dtype=torch.bool, device=input_ids.device)
-        return self._forward(input_ids, position_ids, mask[:, None])
+        self.starts = (width - attention_mask.sum(-1)).tolist()
+        return self._forward(input_ids, position_ids)
 
     def select(self, rows: torch.Tensor) -> None:
         """Keep the caller's ``rows`` (indices into the current rows, in their new order; may repeat)."""
@@ -240,12 +264,10 @@ class FastLlamaSession:
     def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         if self.length == self.keys.shape[3]:
             self._grow()
-        self.valid[:, self.length] = True
-        mask = self.valid[:, None, None, : self.length + 1]
         if self.live is not None:  # finished rows still in the buffer decode a dummy token
             tokens = tokens.new_zeros(self.keys.shape[1]).index_copy_(0, self.live, tokens)
             positions = positions.new_zeros(self.keys.shape[1]).index_copy_(0, self.live, positions)
-        return self._forward(tokens.unsqueeze(-1), positions.unsqueeze(-1), mask, self.live)
+        return self._forward(tokens.unsqueeze(-1), positions.unsqueeze(-1), self.live)
 
     def _allocate(self, rows: int, capacity: int, device: torch.device) -> None:
         o = self.o
@@ -253,16 +275,15 @@ class FastLlamaSession:
         shape = (len(o.layers), rows, o.num_kv_heads, capacity, o.layers[0].head_dim)
         self.keys = torch.empty(shape, dtype=dtype, device=device)
         self.values = torch.empty(shape, dtype=dtype, device=device)
-        self.valid = torch.zeros((rows, capacity), dtype=torch.bool, device=device)
 
     def _gather(self, live: torch.Tensor) -> None:
         """Copy the filled columns of buffer rows ``live`` into a fresh buffer."""
-        keys, values, valid = self.keys, self.values, self.valid
+        keys, values = self.keys, self.values
         self._allocate(len(live), keys.shape[3], keys.device)
         n = self.length
         self.keys[:, :, :, :n] = keys[:, live, :, :n]
         self.values[:, :, :, :n] = values[:, live, :, :n]
-        self.valid[:, :n] = valid[live, :n]
+        self.starts = [self.starts[i] for i in live.tolist()]
         self.live = None
 
     def _grow(self) -> None:
@@ -271,15 +292,25 @@ class FastLlamaSession:
         pad[3] = extra
         self.keys = torch.cat([self.keys, self.keys.new_empty(pad)], dim=3)
         self.values = torch.cat([self.values, self.values.new_empty(pad)], dim=3)
-        self.valid = torch.cat([self.valid, self.valid.new_zeros((self.valid.shape[0], extra))], dim=1)
 
-    def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,
+    def _runs(self) -> list[tuple[int, int, int]]:
+        """``(first_row, end_row, start_column)`` of each run of adjacent buffer rows sharing a first key column."""
+        runs: list[tuple[int, int, int]] = []
+        for row, start in enumerate(self.starts):
+            if runs and runs[-1][2] == start:
+                runs[-1] = (runs[-1][0], row + 1, start)
+            else:
+                runs.append((row, row + 1, start))
+        return runs
+
+    def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
                  out_rows: torch.Tensor | None = None) -> torch.Tensor:
-        """Run ``input_ids`` ``[rows, T]`` into cache columns ``length .. length+T-1``; logits of the
-        last position of ``out_rows`` (all rows when None)."""
+        """Run ``input_ids`` ``[rows, T]`` into cache columns ``length .. length+T-1`` (T > 1 only for the
+        prefill); logits of the last position of ``out_rows`` (all rows when None)."""
         o = self.o
         rows, width = input_ids.shape
         start, end = self.length, self.length + width
+        runs = self._runs()
         x = o.embed(input_ids)
         cos, sin = o.rotary(x, position_ids)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
@@ -291,9 +322,7 @@ class FastLlamaSession:
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
             self.keys[i, :, :, start:end] = k
             self.values[i, :, :, start:end] = v.view(rows, width, -1, layer.head_dim).transpose(1, 2)
-            attn = F.scaled_dot_product_attention(
-                q, self.keys[i, :, :, :end], self.values[i, :, :, :end], attn_mask=mask,
-                scale=layer.scaling, enable_gqa=True)
+            attn = self._attend(i, q, runs, end, layer.scaling)
             x = x + layer.o(attn.transpose(1, 2).reshape(rows, width, -1))
             h = F.rms_norm(x, (x.shape[-1],), *layer.norm_post)
             gate, up = layer.gate_up(h).split((layer.intermediate, layer.intermediate), dim=-1)
@@ -301,6 +330,25 @@ class FastLlamaSession:
         self.length = end
         last = x[:, -1] if out_rows is None else x[out_rows, -1]
         return o.lm_head(F.rms_norm(last, (last.shape[-1],), *o.final_norm))
+
+    def _attend(self, layer: int, q: torch.Tensor, runs: list[tuple[int, int, int]], end: int,
+                scaling: float) -> torch.Tensor:
+        """Attention of queries ``q`` ``[rows, heads, T, head_dim]`` (the last T columns up to ``end``),
+        each run over exactly its rows' own keys. In the prefill (T > 1) causal, with zeros for
+        padding queries."""
+        width = q.shape[2]
+        keys, values = self.keys[layer], self.values[layer]
+        if width == 1:
+            parts = [F.scaled_dot_product_attention(q[a:b], keys[a:b, :, s:end], values[a:b, :, s:end],
+                                                    scale=scaling, enable_gqa=True) for a, b, s in runs]
+            return parts[0] if len(parts) == 1 else torch.cat(parts)
+        out = q.new_zeros(q.shape)
+        for a, b, s in runs:
+            if s < end:  # a row of padding only has no query to answer
+                out[a:b, :, s:] = F.scaled_dot_product_attention(
+                    q[a:b, :, s:], keys[a:b, :, s:end], values[a:b, :, s:end], scale=scaling, is_causal=True,
+                    enable_gqa=True)
+        return out
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -319,5 +367,6 @@ def make_session_factory(model: torch.nn.Module, mode: Any, rows_hint: int):
             return fast.session
         if mode == "true":
             raise ValueError(f"fast_path: true, but the fast decoding path cannot run this model: {problem}")
-        logger.info(f"fast decoding path off: {problem}")
+        logger.info(f"fast decoding path off: {problem} (the transformers forward is not batch-invariant: with "
+                    f"several rollout workers, runs are bit-reproducible only with max_batch_size: 1)")
     return lambda: HFSession(model)

@@ -239,8 +239,11 @@ def compute_response_logprobs_packed(
     longer gets a sequence of its own): each distinct prompt (``prompt_groups``; none: every row
     its own) once, followed by its rows' real response tokens. A 4-D boolean mask lets a token see
     its own prompt and the earlier tokens of its own segment; positions are the batch's
-    ``position_ids``; the LM head runs only at the positions that predict a response token.
-    Same numbers as the padded computation up to float summation order, gradients included.
+    ``position_ids``; the LM head runs only at the positions that predict a response token, each
+    once (a prompt's last position predicts the first token of each of its rows).
+    Same numbers as the padded computation up to float summation order, gradients included, and
+    the same bits on every call (no position is gathered twice: on CPU the backward of a repeated
+    index adds with atomics, in another order each run).
     Entries past a row's response length are 0. Needs left-padded prompts, right-padded
     responses and an ``sdpa`` model (:func:`packing_problem`).
     """
@@ -272,7 +275,9 @@ def compute_response_logprobs_packed(
 
     parts, dest_rows, dest_cols = [], [], []
     for bin_groups in bins:
-        tokens, pos, segment, owner, keep, targets, kept_rows = [], [], [], [], [], [], []
+        tokens, pos, segment, owner, targets, kept_rows = [], [], [], [], [], []
+        keep: dict[int, int] = {}  # packed position -> its row in the LM head's output
+        pick: list[int] = []  # per target: the LM head row that predicts it
         length = 0
         for group in bin_groups:
             first = members[group][0]
@@ -294,7 +299,8 @@ def compute_response_logprobs_packed(
                 segment += [row] * n
                 owner += [group] * n
                 # The prompt's last token predicts response token 0; response token t predicts t+1.
-                keep += [prompt_last] + list(range(start, start + n - 1))
+                for position in [prompt_last, *range(start, start + n - 1)]:
+                    pick.append(keep.setdefault(position, len(keep)))
                 targets.append(ids[row, prompt_len:prompt_len + n])
                 kept_rows += [row] * n
                 dest_rows += [row] * n
@@ -310,12 +316,14 @@ def compute_response_logprobs_packed(
             attention_mask=sees[None, None].to(device),
             position_ids=torch.cat(pos)[None].to(device),
             use_cache=False,
-            logits_to_keep=torch.tensor(keep, device=device),
+            logits_to_keep=torch.tensor(list(keep), device=device),
         )
-        # One temperature per kept position: that of the row whose token it predicts.
+        # index_select's backward (index_add) sums a prompt row's gradients in target order.
+        logits = out.logits[0].index_select(0, torch.tensor(pick, device=device))
+        # One temperature per target: that of its row.
         temps = temperature[torch.tensor(kept_rows, device=temperature.device)] if torch.is_tensor(temperature) \
             else temperature
-        parts.append(token_logprobs(out.logits[0], torch.cat(targets).to(device), temps))
+        parts.append(token_logprobs(logits, torch.cat(targets).to(device), temps))
     result = torch.zeros((rows, response_length), dtype=torch.float32, device=device)
     if parts:
         values = torch.cat(parts)
