@@ -22,14 +22,15 @@ from .registry import (ALGORITHM_KINDS, AlgorithmFunction, AlgorithmRegistry, Al
                        option_defaults, select_algorithms, unknown_name_error)
 from .reward_processing import (NORM_MODES, OVERLONG_MODES, REWARD_OPTIONS, REWARD_PROCESSING_OPTIONS,
                                 ProcessedRewards, RewardProcessor, RunningMoments, domain_settings, flat_group_rows,
-                                get_sample_level_mask, process_rewards, reward_postprocess)
+                                get_sample_level_mask, process_rewards, response_truncated,
+                                reward_postprocess)
 from .rollout_correction import (ROLLOUT_CORRECTION_DEFAULTS, ROLLOUT_CORRECTION_OPTIONS, check_cap, rollout_mismatch_metrics,
                                  truncated_is_weights)
 
 __all__ = [
     "ALGORITHM_KINDS", "KL_CTRL_DEFAULTS", "NORM_MODES", "OVERLONG_MODES", "REWARD_OPTIONS",
     "REWARD_PROCESSING_OPTIONS", "ProcessedRewards", "RewardProcessor", "RunningMoments", "domain_settings",
-    "flat_group_rows", "get_sample_level_mask", "process_rewards", "reward_postprocess", "KL_CTRL_OPTIONS", "KL_KINDS", "ROLLOUT_CORRECTION_DEFAULTS",
+    "flat_group_rows", "get_sample_level_mask", "process_rewards", "response_truncated", "reward_postprocess", "KL_CTRL_OPTIONS", "KL_KINDS", "ROLLOUT_CORRECTION_DEFAULTS",
     "ROLLOUT_CORRECTION_OPTIONS", "AdaptiveKLController",
     "AdvantageInputs", "AlgorithmFunction", "AlgorithmRegistry", "AlgorithmSelection", "FixedKLController",
     "aggregate_metrics", "algorithm_keys", "apply_kl_penalty", "array_namespace", "check_cap", "dr_grpo",

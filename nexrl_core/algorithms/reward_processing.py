@@ -242,6 +242,18 @@ def process_rewards(rewards: np.ndarray, group_ids: Sequence[Hashable], truncate
     return ProcessedRewards(out, mask, states, metrics)
 
 
+def response_truncated(trajectory: Mapping[str, Any], response_tokens: int) -> bool:
+    """The response was cut off by the token limit (what ``overlong`` acts on): the backend says
+    so (``finish_reason`` ``length``), or, when it does not say, the response has the
+    ``max_tokens`` of its sampling record (``trajectory["sampling"]``)."""
+    reason = trajectory.get("finish_reason")
+    if reason is not None:
+        return reason == "length"
+    sampling = trajectory.get("sampling")
+    limit = sampling.get("max_tokens") if isinstance(sampling, Mapping) else None
+    return bool(limit) and response_tokens >= int(limit)
+
+
 class RewardProcessor:
     """:func:`process_rewards` with the running statistics kept between calls (a trainer holds
     one; :meth:`state_dict` goes into its checkpoint, so a resumed run normalises as an

@@ -20,17 +20,6 @@ from .modeling import compute_response_logprobs, position_ids_from_mask
 from .train_service import BATCH_FORMAT, LocalTorchTrainService, export_model_folder
 
 
-def _truncated(traj: Trajectory, response_tokens: int) -> bool:
-    """The response was cut off by the token limit: the backend says so (``finish_reason``
-    ``length``), or, when it does not say, the response has ``max_tokens`` tokens."""
-    reason = traj.get("finish_reason")
-    if reason is not None:
-        return reason == "length"
-    sampling = traj.get("sampling")
-    limit = sampling.get("max_tokens") if isinstance(sampling, Mapping) else None
-    return bool(limit) and response_tokens >= int(limit)
-
-
 def _prompt_groups(prompts: list[list[int]]) -> torch.Tensor:
     """Rows with identical prompt tokens get one id, so the model runs each distinct prompt once."""
     ids: dict[tuple[int, ...], int] = {}
@@ -193,7 +182,7 @@ class SelfHostedTrainer(BaseTrainer):
                       if isinstance(t.get("sampling"), Mapping) and t["sampling"].get("max_tokens")]
         # Per trajectory, then per row: a row carries its trajectory's domain and cut-off flag.
         last_response = {i: seg["response_token_ids"] for i, seg in rows}  # the turn a token limit cuts off
-        truncated = [_truncated(t, len(last_response[i])) for i, t in enumerate(trajectories)]
+        truncated = [algorithms.response_truncated(t, len(last_response[i])) for i, t in enumerate(trajectories)]
         meta = {"batch_size": n, "uids": [trajectories[i].get("uid") for i in row_trajectory],
                 "domains": [trajectories[i].get("domain") for i in row_trajectory],
                 "truncated": [truncated[i] for i in row_trajectory],
