@@ -63,8 +63,12 @@ def summarize(state: EvalState, *, expected_samples: int | None = None, n_sample
     for key in keys:
         out[f"{prefix}{key}"] = _mean([r.scores.get(key, 0.0) for r in records])
     subsets = _subsets(records)
+    domains = {r.domain for r in records if r.domain is not None}
     for name, subset in subsets.items():
-        for key in keys:
+        # A domain has its own evaluator: only the keys its samples reported (another domain's
+        # evaluator metrics are not zeros of this one).
+        own = sorted({k for r in subset for k in r.scores} | {"reward"}) if name in domains else keys
+        for key in own:
             out[f"{prefix}{name}_{key}"] = _mean([r.scores.get(key, 0.0) for r in subset])
     out[f"{prefix}num_samples"] = float(total)
     out[f"{prefix}num_failed"] = float(sum(r.failed for r in records))

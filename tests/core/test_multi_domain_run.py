@@ -162,6 +162,11 @@ def test_a_multi_domain_run(run_local, pm, tmp_path):
         assert v0[f"val/mixed_pass@{k}"] == pytest.approx(float(want))
     assert v0[f"val/mixed_mean@{N_VAL}"] == pytest.approx(sum(mixed_rewards) / len(mixed_rewards))
     assert "val/flat_reward" not in v0  # no validation rows in that domain
+    # a domain's evaluator metric is the domain's own: not a zero of the other domain
+    mixed_hits = [r == 1.0 for r in mixed_rewards]
+    assert v0["val/mixed_hit"] == pytest.approx(sum(mixed_hits) / len(mixed_hits))
+    assert "val/sum_hit" not in v0
+    assert v0["val/hit"] == pytest.approx(sum(mixed_hits) / v0["val/num_samples"])  # overall: every sample
 
 
 def test_without_dynamic_sampling_flat_groups_are_trained_on_and_nothing_is_dropped(run_local, pm, tmp_path):
@@ -188,6 +193,24 @@ def test_resume_across_domains_trains_on_the_same_data(run_local, pm, tmp_path):
     state = json.loads((tmp_path / "cut" / "checkpoints" / "global_step_2" / "nexrl_state.json").read_text())
     assert sorted(state["dataloader"]["domains"]) == ["flat", "mixed", "sum"]
     assert state["trajectory_pool"]["counters"]["default"]["dynamic_sampling_dropped_groups"] == 8
+
+
+def test_two_runs_with_dynamic_sampling_train_on_the_same_batches_in_the_same_order(run_local, pm, tmp_path):
+    """Sync mode, several workers: flat groups are dropped and replaced every step, yet the batches
+    (their tasks, seqs, order and sampling attempts) are the same in two runs (the replacements
+    are asked for once the round has landed, in issue order)."""
+    def trained(controller):
+        return [[(t["uid"], t["sample_index"], t["seq"], t["reward"], t["task"].get("sampling_attempt", 0))
+                 for t in batch] for batch in controller.trainer.batches]
+
+    runs = [run_local(recipe(steps=3, run_dir=str(tmp_path / f"run{i}"),
+                             rollout_worker={"num_workers": 4, "evaluator": {"type": "exact_match"},
+                                             "domain_evaluators": {"mixed": {"type": "pattern"},
+                                                                   "flat": {"type": "pattern"}}}), pm=pm)[0]
+            for i in range(2)]
+    first = trained(runs[0])
+    assert any(attempt for batch in first for *_, attempt in batch)  # replacements were trained on
+    assert trained(runs[1]) == first
 
 
 # -- recipe checks: validate and run say the same ----------------------------------------------------
