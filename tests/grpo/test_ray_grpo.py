@@ -1,10 +1,12 @@
 """The GRPO loop of the tiny Llama in ``launch_mode: ray`` against the same recipe in local mode.
 
 The trainer and the ``hf`` engine sit in different actors, so every weight push crosses a process
-boundary (the ``in_process`` backend's deferred export goes through Ray's object store); with one
-rollout worker in sync mode the Ray run must match the local run number for number and end with
-bit-identical weights. A second Ray run keeps the default placement (trainer and engine in one
-actor: the in-process hand-over) and must match as well.
+boundary (the ``in_process`` backend's deferred export goes through Ray's object store). In sync
+mode the Ray run must match the local run number for number and end with bit-identical weights,
+although its four rollout workers sit in two actors and take two tasks per call (batches are in
+issue order, not completion order: docs/reliability.md, "Reproducibility"). A second Ray run keeps
+the default placement (trainer and engine in one actor: the in-process hand-over) and must match
+as well.
 """
 
 from __future__ import annotations
@@ -28,6 +30,11 @@ STEPS = 4
 PROMPTS = ["the quick", "what is", "count: one", "hello world"]
 
 
+WORKERS = 4
+# Ray only: the workers spread over two actors, each taking two tasks per data-loader call.
+RAY_WORKERS = {"num_actors": 2, "tasks_per_call": 2}
+
+
 def recipe(run_dir: Path, model_dir: str, launch_mode: str, **ray: dict) -> dict:
     return {
         "launch_mode": launch_mode,
@@ -37,8 +44,9 @@ def recipe(run_dir: Path, model_dir: str, launch_mode: str, **ray: dict) -> dict
         "data": {"type": "inline", "rows": [{"prompt": p} for p in PROMPTS]},
         "validate": {"validate_before_train": True, "n_samples": 2,
                      "data": {"type": "inline", "rows": [{"prompt": "the lazy dog"}, {"prompt": "nine, ten"}]}},
-        "rollout_worker": {"num_workers": 1, "sampling": {"max_tokens": 6, "temperature": 1.0},
-                           "evaluator": {"type": "letter_share", "letter": "e"}},
+        "rollout_worker": {"num_workers": WORKERS, "sampling": {"max_tokens": 6, "temperature": 1.0},
+                           "evaluator": {"type": "letter_share", "letter": "e"},
+                           **(RAY_WORKERS if launch_mode == "ray" else {})},
         "trajectory_pool": {"batch_size": 8, "group_size": 4, "key_list": ["uid"]},
         "trainer": {"type": "self_hosted_grpo", "total_train_steps": STEPS, "save_freq": STEPS},
         "weight": {"sync_mode": "sync", "backend": "in_process", "validate_freq": 2, "rollout_limit": "batch"},
@@ -70,7 +78,8 @@ def run(root: Path, model_dir: str, launch_mode: str, **ray) -> dict:
     rm = controller.resource_manager
     placement = None
     if launch_mode == "ray":
-        placement = (rm.actor_of(NexRLRole.TRAINER).name, rm.actor_of(NexRLRole.INFERENCE_SERVICE).name)
+        placement = (rm.actor_of(NexRLRole.TRAINER).name, rm.actor_of(NexRLRole.INFERENCE_SERVICE).name,
+                     len({rm.actor_of(NexRLRole.ROLLOUT_WORKER, i).name for i in range(WORKERS)}))
     return {"rows": rows, "weights": weights, "summary": summary, "placement": placement, **seen}
 
 
@@ -88,8 +97,9 @@ def local_run(tiny_model_dir, tmp_path_factory):
 def test_ray_run_matches_the_local_run(local_run, ray_cluster, tiny_model_dir, tmp_path, monkeypatch, placement):
     monkeypatch.setenv("NEXRL_LOAD_PLUGINS", "nexrl-grpo")  # the actors load nexrl-grpo (+ the in-process evaluator)
     ray_run = run(tmp_path, tiny_model_dir, "ray", **({"colocation": {"trainer": None}} if placement == "apart" else {}))
-    trainer_actor, engine_actor = ray_run["placement"]
+    trainer_actor, engine_actor, worker_actors = ray_run["placement"]
     assert (trainer_actor != engine_actor) == (placement == "apart")
+    assert worker_actors == RAY_WORKERS["num_actors"]
     assert ray_run["served_version"] == STEPS  # the engine in its actor serves the last push
 
     local_rows, ray_rows = _comparable(local_run["rows"]), _comparable(ray_run["rows"])
