@@ -152,3 +152,30 @@ def test_reward_processing_keys_are_checked_alike_by_validate_and_run(tiny_model
     with pytest.raises(RecipeProblems) as exc:
         NexRLController(load_recipe(str(path)), plugin_manager=pm)
     assert exc.value.problems == expected
+
+
+def test_an_agent_trajectory_of_two_sequences_is_one_sample_masked_on_both_rows(tiny_model_dir):
+    """A multi-turn trajectory (``segments``) is one sample of its group: cut off in its last turn,
+    ``overlong: mask`` leaves both of its rows out of the loss, and the group's statistics count
+    its reward once."""
+    prompt = [11, 12, 13, 14]
+    segments = [{"prompt_token_ids": prompt, "response_token_ids": [20, 21], "response_logprobs": None},
+                {"prompt_token_ids": [30, 31], "response_token_ids": [40, 41, 42, 43, 44], "response_logprobs": None}]
+    agent = {"uid": "g", "sample_index": 0, "domain": "tools", "reward": 1.0, "segments": segments,
+             "prompt_token_ids": prompt, "response_token_ids": [20, 21],
+             "sampling": {"temperature": 1.0, "max_tokens": MAX_TOKENS}, "model_version": 0}
+    others = [{"uid": "g", "sample_index": i, "domain": "tools", "reward": r, "prompt_token_ids": prompt,
+               "response_token_ids": [50 + i, 60 + i], "finish_reason": "stop",
+               "sampling": {"temperature": 1.0, "max_tokens": MAX_TOKENS}, "model_version": 0}
+              for i, r in ((1, 0.0), (2, 0.5))]
+    trainer = make_trainer(tiny_model_dir, reward_processing={"overlong": "mask"})
+    batch, metrics = trainer._prepare_batch(trainer._process_trajectories([agent] + others))
+    assert batch.metadata["row_trajectory"] == [0, 0, 1, 2]
+    assert batch.metadata["truncated"] == [True, True, False, False]  # the last turn hit max_tokens
+    rows = batch.values["response_mask"].sum(-1)
+    assert rows.tolist() == [0.0, 0.0, 2.0, 2.0]
+    assert metrics["train/tools/masked_frac"] == pytest.approx(1 / 3)  # per trajectory, not per row
+    # GRPO over the three trajectory rewards (1, 0, 0.5): the masked one still sets the baseline
+    std = torch.tensor([1.0, 0.0, 0.5]).std().item()
+    adv = batch.values["advantages"][:, 0]
+    assert adv[2:].tolist() == pytest.approx([(0.0 - 0.5) / (std + 1e-6), (0.5 - 0.5) / (std + 1e-6)], abs=1e-6)
