@@ -252,8 +252,9 @@ def _eval(args: Any) -> int:
         if step is not None:
             execute(controller.inference_client.set_model_version, step)
     metrics = controller.run_evaluation()
-    samples = [{k: traj.get(k) for k in ("uid", "sample_index", "data_source", "prompt", "response", "reward",
-                                         "score", "failed", "error", "model_version")}
+    fields = ("uid", "sample_index", "data_source", "domain", "prompt", "response", "reward", "score", "failed",
+              "error", "model_version")
+    samples = [{k: traj.get(k) for k in fields}
                for traj in controller.evaluation_samples]
     samples_out = args.samples_out or (os.path.join(out, "samples.jsonl") if out else None)
     if samples_out:

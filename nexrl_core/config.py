@@ -12,6 +12,7 @@ from __future__ import annotations
 import inspect
 import os
 from collections.abc import Mapping
+from difflib import get_close_matches
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -61,12 +62,13 @@ def load_recipe(path: str, overrides: list[str] | None = None) -> DictConfig:
     cfg = _create(deep_merge(core_defaults(), recipe), path)
     _apply_overrides(cfg, value_overrides)
     plain = _fill_section_defaults(OmegaConf.to_container(cfg, resolve=False), CORE_OPTIONS)
+    # Set before resolving, so a recipe can name files next to it: ${recipe_dir}/data/train.jsonl
+    plain["recipe_dir"] = recipe_dir
     try:
         resolved = OmegaConf.create(OmegaConf.to_container(OmegaConf.create(plain), resolve=True))
     except OmegaConfBaseException as exc:
         raise ConfigError(f"{getattr(exc, 'full_key', '') or path}: cannot resolve interpolation "
                           f"({str(exc.msg).splitlines()[0]})") from None
-    resolved.recipe_dir = recipe_dir
     return resolved
 
 
@@ -273,6 +275,7 @@ def check_config(cfg: Any, plugin_manager: Any, eval_only: bool = False) -> list
     if not isinstance(values, Mapping):
         return problems
     problems += _cross_checks(values)
+    problems += _domain_checks(values, checker.found)
     trainer_cls = checker.found.get("trainer")
     if trainer_cls is not None:
         problems += check_algorithm(values.get("algorithm"), trainer_cls, plugin_manager)
@@ -314,22 +317,32 @@ class _Checker:
                                             listed))
             elif opt.removed is not None:
                 problems.append(f"{full}: no longer a recipe key: {opt.removed}")
-            elif opt.component is not None and isinstance(value, Mapping):
-                problems += self.component(value, opt, full)
-            elif opt.options is not None and isinstance(value, Mapping):
-                inner = self.mapping(value, opt.options, full)
-                if opt.check is not None and not inner and (msg := opt.check(value)):
-                    inner.append(f"{full}: {msg}")
-                problems += inner
-            elif opt.options is not None and value is not None and not isinstance(value, Mapping):
-                problems.append(f"{full}: expected a mapping, got {type_name(value)}{_section_hint(full, value)}")
             else:
-                problems += check_value(value, opt, full)
+                problems += self.value(value, opt, full)
         for key, opt in options.items():
             if opt.required and opt.removed is None and values.get(key) is None:
                 full = f"{path}.{key}" if path else key
                 problems.append(f"{full}: required{f' ({opt.help})' if opt.help else ''}")
         return problems
+
+    def value(self, value: Any, opt: Option, full: str) -> list[str]:
+        """Problems of one declared key's value (a component, a nested section, a mapping of
+        named entries, or a plain value)."""
+        if opt.component is not None and isinstance(value, Mapping):
+            return self.component(value, opt, full)
+        if opt.options is not None and isinstance(value, Mapping):
+            inner = self.mapping(value, opt.options, full)
+            if opt.check is not None and not inner and (msg := opt.check(value)):
+                inner.append(f"{full}: {msg}")
+            return inner
+        if opt.options is not None and value is not None and not isinstance(value, Mapping):
+            return [f"{full}: expected a mapping, got {type_name(value)}{_section_hint(full, value)}"]
+        if opt.values is not None and isinstance(value, Mapping):
+            inner = [p for key, item in value.items() for p in self.value(item, opt.values, f"{full}.{key}")]
+            if opt.check is not None and not inner and (msg := opt.check(value)):
+                inner.append(f"{full}: {msg}")
+            return inner
+        return check_value(value, opt, full)
 
     def component(self, values: Mapping[str, Any], opt: Option, path: str) -> list[str]:
         assert opt.options is not None and opt.component is not None
@@ -447,6 +460,10 @@ def _cross_checks(values: Mapping[str, Any]) -> list[str]:
     if group and group > 1 and _get(values, "trajectory_pool.key_list") == []:
         problems.append("trajectory_pool.key_list: groups of more than one trajectory need a grouping key "
                         "(e.g. [uid])")
+    if _get(values, "trajectory_pool.dynamic_sampling.enabled") is True and (
+            (group is not None and group < 2) or _get(values, "trajectory_pool.key_list") == []):
+        problems.append("trajectory_pool.dynamic_sampling.enabled: drops groups whose rewards are all equal, so it "
+                        "needs groups of several samples (group_size > 1 and a key_list)")
     if _get(values, "overwrite_run_dir") is True and _get(values, "resume.mode") in ("auto", "from_path"):
         problems.append(f"overwrite_run_dir: applies to a fresh run only (resume.mode: disable); with resume.mode "
                         f"'{_get(values, 'resume.mode')}' the earlier run is continued, not moved aside")
@@ -464,6 +481,32 @@ def _cross_checks(values: Mapping[str, Any]) -> list[str]:
         if freq and freq > 0:
             problems.append(f"weight.validate_freq: validation every {freq} steps is requested but validate.data is "
                             f"not set (add a validation set, or set validate_freq: 0)")
+    return problems
+
+
+def _declared_domains(found: Mapping[str, type], values: Mapping[str, Any], which: str) -> list[str] | None:
+    cls, section = found.get(which), _get(values, which)
+    declared = getattr(cls, "declared_domains", None)
+    return declared(section) if declared is not None and isinstance(section, Mapping) else None
+
+
+def _domain_checks(values: Mapping[str, Any], found: Mapping[str, type]) -> list[str]:
+    """Per-domain settings name domains the data has (where the data loader declares them)."""
+    train = _declared_domains(found, values, "data")
+    val = _declared_domains(found, values, "validate.data")
+    problems = []
+    both = None if train is None and val is None else list(dict.fromkeys((train or []) + (val or [])))
+    checks = (("rollout_worker.domain_evaluators", both), ("rollout_worker.domain_sampling", both),
+              ("algorithm.reward_processing.domains", train))
+    for key, known in checks:
+        section = _get(values, key)
+        if known is None or not isinstance(section, Mapping):
+            continue
+        for name in section:
+            if name not in known:
+                hint = get_close_matches(str(name), known, n=1)
+                problems.append(f"{key}.{name}: no such domain{f'; did you mean {hint[0]!r}?' if hint else ''} "
+                                f"(the data's domains: {', '.join(known) or 'none'})")
     return problems
 
 

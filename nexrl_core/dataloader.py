@@ -12,12 +12,19 @@ next item, ``len(loader)`` counts what is left of the current pass):
 1. the *front*: tasks sent back with :meth:`~BaseDataLoader.add_item_front` (re-rollouts), in
    ``seq`` order whatever order they came back in, so a re-roll never depends on thread timing;
 2. the rest of the row being handed out (its remaining samples);
-3. the pass's fresh rows, each expanded into ``group_size`` tasks;
+3. the pass's fresh rows, each expanded into ``group_size`` tasks (replacements owed to dynamic
+   sampling first, see below);
 4. the *back*: items added with :meth:`~BaseDataLoader.add_item_back` / ``add_item``, in the order
    they were added; then (training) the next epoch, reshuffled.
 
 An added item that carries a ``seq`` is a task coming back; one without is a new data row, expanded
 into ``group_size`` tasks like the others.
+
+Dynamic sampling (the trajectory pool dropping a group whose rewards are all equal) asks for a
+*replacement* with :meth:`BaseDataLoader.add_replacement`: the next fresh row is drawn for it (of
+the same ``domain`` where the loader has domains) and its tasks carry ``sampling_attempt``, the
+number of groups that slot has dropped so far. Owed replacements are drawn in the order they were
+asked for, before the pass's other fresh rows.
 """
 
 from __future__ import annotations
@@ -62,6 +69,7 @@ class BaseDataLoader(NexRLModule, ABC):
         self._pending: deque[dict[str, Any]] = deque()  # the current row's tasks not yet handed out
         self._back: deque[dict[str, Any]] = deque()
         self._outstanding: dict[int, dict[str, Any]] = {}
+        self._owed: deque[tuple[str | None, int]] = deque()  # replacements to draw: (domain, attempt)
         self._next_seq = 0
         self._num_added = 0  # rows added through add_item_*: their uids
         self._locked = is_validate  # validation data flows only while a validation runs
@@ -74,6 +82,16 @@ class BaseDataLoader(NexRLModule, ABC):
 
     def describe(self) -> str:
         return type(self).__name__
+
+    @classmethod
+    def declared_domains(cls, section: Any) -> list[str] | None:
+        """The domains a recipe section of this loader gives its rows (None: not known before the
+        data is read). ``nexrl validate`` checks per-domain settings against them."""
+        return None
+
+    def rows(self) -> list[dict[str, Any]]:
+        """Copies of every data row, in file order."""
+        return [dict(r) for r in self._rows]
 
     # -- seed API ---------------------------------------------------------------
     def __len__(self) -> int:
@@ -97,10 +115,11 @@ class BaseDataLoader(NexRLModule, ABC):
             if index < len(self._pending):
                 return dict(self._pending[index])
             index -= len(self._pending)
-            fresh = (len(self._order) - self._cursor) * self._group_size
+            fresh = self._fresh_rows_left_locked() * self._group_size
             if index < fresh:
                 row, sample = divmod(index, self._group_size)
-                return self._make_task(self._order[self._cursor + row], sample, self._next_seq + index)
+                picked, uid, attempt = self._fresh_rows_locked(row + 1, consume=False)[row]
+                return self._make_task(picked, sample, self._next_seq + index, uid, attempt)
             return dict(self._back[index - fresh])
 
     def get_next_item(self) -> dict[str, Any] | None:
@@ -140,6 +159,7 @@ class BaseDataLoader(NexRLModule, ABC):
             self._pending.clear()
             self._back.clear()
             self._outstanding.clear()
+            self._owed.clear()
             self._new_epoch()
             self._lock.notify_all()
 
@@ -158,6 +178,17 @@ class BaseDataLoader(NexRLModule, ABC):
         """Serve ``item`` after the current pass's fresh rows (training: before the next epoch)."""
         with self._lock:
             self._back.extend(self._as_tasks_locked(item))
+            self._lock.notify_all()
+
+    def add_replacement(self, item: dict[str, Any], consumed: list[int] | None = None) -> None:
+        """Draw a fresh row in place of the group ``item`` belongs to (dynamic sampling dropped it):
+        of the item's ``domain``, tagged ``sampling_attempt`` = the item's + 1. ``consumed``: the
+        ``seq`` of the dropped group's tasks, done for good in the same step (a checkpoint never
+        holds one without the other)."""
+        with self._lock:
+            for seq in consumed or ():
+                self._outstanding.pop(seq, None)
+            self._owed.append((item.get("domain"), int(item.get("sampling_attempt") or 0) + 1))
             self._lock.notify_all()
 
     def lock_for_weight_sync(self) -> None:
@@ -203,8 +234,10 @@ class BaseDataLoader(NexRLModule, ABC):
                 "pending": [dict(t) for t in self._pending],
                 "requeued": [dict(t) for t in front],
                 "back": [dict(t) for t in self._back],
+                "owed": [[domain, attempt] for domain, attempt in self._owed],
                 "next_seq": self._next_seq,
                 "num_added": self._num_added,
+                **self._extra_state_locked(),
             }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -217,8 +250,10 @@ class BaseDataLoader(NexRLModule, ABC):
             heapq.heapify(self._front)
             self._back = deque(dict(t) for t in state.get("back", []))
             self._outstanding.clear()
+            self._owed = deque((domain, int(attempt)) for domain, attempt in state.get("owed", []))
             self._next_seq = int(state["next_seq"])
             self._num_added = int(state.get("num_added", 0))
+            self._load_extra_state_locked(state)
 
     # -- internals --------------------------------------------------------------
     def _new_epoch(self) -> None:
@@ -229,15 +264,49 @@ class BaseDataLoader(NexRLModule, ABC):
 
     def _has_item_locked(self) -> bool:
         # Training data cycles: at an epoch boundary the next call starts a new epoch.
-        return not self._locked and (self._remaining_locked() > 0 or not self._is_validate)
+        return not self._locked and (not self._is_validate or self._remaining_locked() > 0)
 
     def _remaining_locked(self) -> int:
-        return len(self._front) + len(self._pending) + (len(self._order) - self._cursor) * self._group_size + \
+        return len(self._front) + len(self._pending) + self._fresh_rows_left_locked() * self._group_size + \
             len(self._back)
 
-    def _make_task(self, index: int, sample_index: int, seq: int) -> dict[str, Any]:
+    def _fresh_rows_left_locked(self) -> int:
+        """Fresh rows (owed replacements included) left before the pass ends (training: the epoch)."""
+        return len(self._order) - self._cursor
+
+    def _fresh_rows_locked(self, count: int, consume: bool) -> list[tuple[int, str, int]]:
+        """The next ``count`` fresh rows of the pass as (row index, uid, sampling attempt), owed
+        replacements first; ``consume``: hand them out (else only look ahead)."""
+        owed = list(itertools.islice(self._owed, count))
+        wanted = [domain for domain, _ in owed] + [None] * (count - len(owed))
+        attempts = [attempt for _, attempt in owed] + [0] * (count - len(owed))
+        drawn = self._draw_rows_locked(wanted, consume)
+        if consume:
+            for _ in owed:
+                self._owed.popleft()
+        return [(index, uid, attempt) for (index, uid), attempt in zip(drawn, attempts)]
+
+    def _draw_rows_locked(self, domains: list[str | None], consume: bool) -> list[tuple[int, str]]:
+        """The next fresh rows (row index, uid), one per entry of ``domains`` (the domain a
+        replacement must come from; None: the next scheduled row). Here rows have no domains:
+        a replacement is the next row of the pass."""
+        picked = self._order[self._cursor:self._cursor + len(domains)]
+        if consume:
+            self._cursor += len(picked)
+        return [(index, f"{self._epoch}:{index}") for index in picked]
+
+    def _extra_state_locked(self) -> dict[str, Any]:
+        """A subclass's own resume state (merged into :meth:`state_dict`)."""
+        return {}
+
+    def _load_extra_state_locked(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`_extra_state_locked` saved."""
+
+    def _make_task(self, index: int, sample_index: int, seq: int, uid: str, attempt: int = 0) -> dict[str, Any]:
         task = dict(self._rows[index])
-        task.update(uid=f"{self._epoch}:{index}", row_index=index, sample_index=sample_index, seq=seq)
+        task.update(uid=uid, row_index=index, sample_index=sample_index, seq=seq)
+        if attempt:
+            task["sampling_attempt"] = attempt
         return task
 
     def _as_tasks_locked(self, item: dict[str, Any]) -> list[dict[str, Any]]:
@@ -257,16 +326,15 @@ class BaseDataLoader(NexRLModule, ABC):
         if self._front:
             return heapq.heappop(self._front)[2]
         if not self._pending:
-            if self._cursor >= len(self._order):
+            if self._fresh_rows_left_locked() <= 0:
                 if self._back:
                     return self._back.popleft()
                 if self._is_validate:
                     return None
                 self._epoch += 1
                 self._new_epoch()
-            index = self._order[self._cursor]
-            self._cursor += 1
+            index, uid, attempt = self._fresh_rows_locked(1, consume=True)[0]
             for j in range(self._group_size):
-                self._pending.append(self._make_task(index, j, self._next_seq))
+                self._pending.append(self._make_task(index, j, self._next_seq, uid, attempt))
                 self._next_seq += 1
         return self._pending.popleft()

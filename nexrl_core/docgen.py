@@ -102,6 +102,9 @@ def flatten_options(options: Mapping[str, Option] | None, prefix: str = "") -> l
         rows.append((full, opt))
         if opt.options is not None:  # a section: its keys follow it
             rows.extend(flatten_options(opt.options, f"{full}."))
+        if opt.values is not None:  # entries the recipe names (domains): one row stands for each
+            rows.append((f"{full}.<name>", opt.values))
+            rows.extend(flatten_options(opt.values.options, f"{full}.<name>."))
     return rows
 
 

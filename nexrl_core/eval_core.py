@@ -24,6 +24,7 @@ class SampleRecord:
     scores: dict[str, float]
     failed: bool = False
     error: str | None = None
+    domain: str | None = None
 
     @staticmethod
     def from_trajectory(traj: dict[str, Any]) -> SampleRecord:
@@ -34,6 +35,7 @@ class SampleRecord:
             scores={} if traj.get("failed") else {k: float(v) for k, v in (traj.get("score") or {}).items()},
             failed=bool(traj.get("failed")),
             error=traj.get("error"),
+            domain=None if traj.get("domain") is None else str(traj["domain"]),
         )
 
 
@@ -57,32 +59,54 @@ def summarize(state: EvalState, *, expected_samples: int | None = None, n_sample
     records = [state.samples[key] for key in sorted(state.samples)]
     total = len(records)
     keys = sorted({k for r in records for k in r.scores} | {"reward"})
-    sources = sorted({r.data_source for r in records})
     out: dict[str, float] = {}
     for key in keys:
         out[f"{prefix}{key}"] = _mean([r.scores.get(key, 0.0) for r in records])
-    for source in sources:
-        subset = [r for r in records if r.data_source == source]
-        for key in keys:
-            out[f"{prefix}{source}_{key}"] = _mean([r.scores.get(key, 0.0) for r in subset])
+    subsets = _subsets(records)
+    domains = {r.domain for r in records if r.domain is not None}
+    for name, subset in subsets.items():
+        # A domain has its own evaluator: only the keys its samples reported (another domain's
+        # evaluator metrics are not zeros of this one).
+        own = sorted({k for r in subset for k in r.scores} | {"reward"}) if name in domains else keys
+        for key in own:
+            out[f"{prefix}{name}_{key}"] = _mean([r.scores.get(key, 0.0) for r in subset])
     out[f"{prefix}num_samples"] = float(total)
     out[f"{prefix}num_failed"] = float(sum(r.failed for r in records))
     if expected_samples is not None:
         out[f"{prefix}num_missing"] = float(max(expected_samples - total, 0))
     if n_samples > 1:
-        by_prompt: dict[str, list[SampleRecord]] = {}
-        for r in records:
-            by_prompt.setdefault(r.uid, []).append(r)
-        out[f"{prefix}num_prompts"] = float(len(by_prompt))
-        out[f"{prefix}mean@{n_samples}"] = out[f"{prefix}reward"]
-        for k in sorted({1, n_samples}):
-            # A prompt with fewer than n_samples recorded samples (an interrupted validation,
-            # reported in num_missing) counts its missing samples as incorrect: never an overestimate.
-            out[f"{prefix}pass@{k}"] = _mean([
-                pass_at_k(max(len(group), n_samples),
-                          sum(r.scores.get("reward", 0.0) >= success_threshold for r in group), k)
-                for group in by_prompt.values()
-            ])
+        out[f"{prefix}num_prompts"] = float(len({r.uid for r in records}))
+        out.update(_pass_metrics(records, n_samples, success_threshold, prefix))
+        for name, subset in subsets.items():
+            out.update(_pass_metrics(subset, n_samples, success_threshold, f"{prefix}{name}_"))
+    return out
+
+
+def _subsets(records: list[SampleRecord]) -> dict[str, list[SampleRecord]]:
+    """The samples of each data source and of each domain, by name (a domain's name wins over a
+    data source of the same name)."""
+    domains = {r.domain for r in records if r.domain is not None}
+    out = {source: [r for r in records if r.data_source == source]
+           for source in sorted({r.data_source for r in records}) if source not in domains}
+    out.update({domain: [r for r in records if r.domain == domain] for domain in sorted(domains)})
+    return dict(sorted(out.items()))
+
+
+def _pass_metrics(records: list[SampleRecord], n_samples: int, success_threshold: float,
+                  prefix: str) -> dict[str, float]:
+    """``mean@n`` and the unbiased ``pass@1`` / ``pass@n`` of ``records``, averaged over prompts."""
+    by_prompt: dict[str, list[SampleRecord]] = {}
+    for r in records:
+        by_prompt.setdefault(r.uid, []).append(r)
+    out = {f"{prefix}mean@{n_samples}": _mean([r.scores.get("reward", 0.0) for r in records])}
+    for k in sorted({1, n_samples}):
+        # A prompt with fewer than n_samples recorded samples (an interrupted validation,
+        # reported in num_missing) counts its missing samples as incorrect: never an overestimate.
+        out[f"{prefix}pass@{k}"] = _mean([
+            pass_at_k(max(len(group), n_samples),
+                      sum(r.scores.get("reward", 0.0) >= success_threshold for r in group), k)
+            for group in by_prompt.values()
+        ])
     return out
 
 
@@ -97,3 +121,39 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else 0.0
+
+
+# -- training metrics per domain (docs/evaluation.md §Training metrics per domain) --------------
+
+def training_domain_metrics(trajectories: list[dict[str, Any]],
+                            dropped_groups: list[dict[str, Any]] | None = None) -> dict[str, float]:
+    """Per-domain metrics of one training step, ``train/<domain>/<name>``, for the trajectories of
+    the batch that carry a ``domain``. ``dropped_groups`` (dynamic sampling: ``{"domain",
+    "rewards"}`` of each group dropped since the previous batch; None when dynamic sampling is
+    off) adds ``dropped_groups`` and ``sampled_reward_mean``, per domain and overall."""
+    used = [t for t in trajectories if not t.get("failed")]
+    domains = sorted({str(t["domain"]) for t in trajectories if t.get("domain") is not None}
+                     | {str(g["domain"]) for g in dropped_groups or [] if g.get("domain") is not None})
+    out: dict[str, float] = {}
+    for domain in domains:
+        mine = [t for t in used if t.get("domain") == domain]
+        p = f"train/{domain}/"
+        out[f"{p}reward_mean"] = _mean([float(t.get("reward", 0.0)) for t in mine])
+        out[f"{p}num_trajectories"] = float(len(mine))
+        out[f"{p}num_failed"] = float(sum(1 for t in trajectories if t.get("failed") and t.get("domain") == domain))
+        out[f"{p}num_groups"] = float(len({t.get("uid") for t in trajectories if t.get("domain") == domain}))
+        out[f"{p}response_length_mean"] = _mean([float(len(t.get("response_token_ids") or ())) for t in mine])
+        for key in sorted({k for t in mine for k in (t.get("score") or {})} - {"reward"}):
+            out[f"{p}{key}_mean"] = _mean([float((t.get("score") or {}).get(key, 0.0)) for t in mine])
+    if dropped_groups is not None:
+        out.update(_sampled_metrics(used, dropped_groups, "train/"))
+        for domain in domains:
+            out.update(_sampled_metrics([t for t in used if t.get("domain") == domain],
+                                        [g for g in dropped_groups if g.get("domain") == domain],
+                                        f"train/{domain}/"))
+    return out
+
+
+def _sampled_metrics(used: list[dict[str, Any]], dropped: list[dict[str, Any]], prefix: str) -> dict[str, float]:
+    rewards = [float(t.get("reward", 0.0)) for t in used] + [float(r) for g in dropped for r in g["rewards"]]
+    return {f"{prefix}dropped_groups": float(len(dropped)), f"{prefix}sampled_reward_mean": _mean(rewards)}

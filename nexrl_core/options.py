@@ -67,6 +67,8 @@ class Option:
     :param choices: the allowed values.
     :param ge, gt, le, lt: numeric bounds (>=, >, <=, <). Numbers must also be finite.
     :param options: for a mapping: its keys' own options (checked recursively).
+    :param values: for a mapping whose keys the user names (domains, say): the option every
+        value is checked against.
     :param check: extra rule ``fn(value) -> problem or None``, run when the type is right.
     :param removed: the key is no longer read; the text says what to do instead.
     :param component: core use: the mapping selects a registered component of this kind
@@ -86,6 +88,7 @@ class Option:
     le: float | None = None
     lt: float | None = None
     options: Mapping[str, Option] | None = None
+    values: Option | None = None
     check: Callable[[Any], str | None] | None = None
     removed: str | None = None
     component: str | None = None
@@ -107,7 +110,7 @@ class Option:
     def spec(self) -> _Spec:
         if self.type is not None:
             spec = _spec(self.type)
-        elif self.options is not None:
+        elif self.options is not None or self.values is not None:
             spec = _Spec("dict")
         else:
             spec = _infer(self.default_value())
@@ -291,6 +294,9 @@ def check_value(value: Any, opt: Option, path: str) -> list[str]:
     problems: list[str] = []
     if opt.options is not None and isinstance(value, Mapping):
         problems += check_options(value, opt.options, path)
+    if opt.values is not None and isinstance(value, Mapping):
+        for key, item in value.items():
+            problems += check_value(item, opt.values, f"{path}.{key}")
     if not problems and opt.check is not None:
         message = opt.check(value)
         if message:

@@ -1,4 +1,5 @@
-"""``metrics.png`` of a run directory: training reward, validation scores and loss by step.
+"""``metrics.png`` of a run directory: training reward (and each domain's), validation scores and
+loss by step.
 
 Written at the end of ``nexrl run`` and on demand by ``nexrl plot RUN_DIR``. Needs matplotlib
 (the ``plot`` extra: ``pip install 'nexrl-core[plot]'``); everything else here is plain Python.
@@ -69,6 +70,11 @@ def validation_keys(found: dict[str, list[tuple[int, float]]]) -> list[str]:
     return [f"val/{n}" for n in keys]
 
 
+def domain_reward_keys(found: dict[str, list[tuple[int, float]]]) -> list[str]:
+    """Each domain's training reward (``train/<domain>/reward_mean``, multi-domain runs), by name."""
+    return sorted(k for k in found if k.startswith("train/") and k.endswith("/reward_mean") and k.count("/") == 2)
+
+
 def _title(run_dir: str) -> str:
     """``experiment_name`` from the run's config.yaml, else the folder's name."""
     folder = os.path.basename(os.path.normpath(os.path.abspath(run_dir)))
@@ -118,6 +124,10 @@ def plot_run(run_dir: str, out: str | None = None, title: str | None = None) -> 
             ax.plot(steps, values, color="tab:blue", alpha=0.35, linewidth=1, label="reward_mean")
             ax.plot(steps, _running_mean(list(values), _SMOOTH), color="tab:blue", linewidth=2,
                     label=f"running mean ({_SMOOTH} steps)")
+            for i, key in enumerate(domain_reward_keys(found)):  # smoothed: a domain has fewer samples a step
+                steps, values = zip(*found[key])
+                ax.plot(steps, _running_mean(list(values), _SMOOTH), color=f"C{i + 1}", linewidth=1.5,
+                        linestyle="--", label=f"{key.split('/')[1]} (running mean)")
             ax.set_ylabel("training reward")
         elif panel == "val":
             for key in val_keys:

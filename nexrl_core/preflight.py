@@ -31,26 +31,35 @@ def dataloader_config(cfg: DictConfig, which: str) -> DictConfig | None:
     data.group_size = int(cfg.validate.n_samples if is_validate else cfg.trajectory_pool.group_size)
     if is_validate:
         data.shuffle = False
+    else:  # groups per training batch: a loader that interleaves domains plans each batch's share
+        data.batch_groups = max(1, int(cfg.trajectory_pool.batch_size) // max(1, int(data.group_size)))
     return data
 
 
 def build_dataloader(cfg: DictConfig, pm: Any, which: str) -> Any:
     """The data loader of ``data`` or ``validate.data``, built as the run builds it; its
     constructor reads the data, so a bad file fails here with ``file:line``."""
+    from .plugins import use_plugin_manager
+
     data = dataloader_config(cfg, which)
     if data is None:
         return None
     cls = pm.resolve("dataloader", data.type, f"{which}.type")
-    return cls(data, is_validate=which == "validate.data")
+    with use_plugin_manager(pm):  # a loader may build others (multi_domain's domains)
+        return cls(data, is_validate=which == "validate.data")
 
 
 def build_evaluator(cfg: DictConfig, pm: Any) -> Any:
-    """The evaluator of ``rollout_worker.evaluator``, built as each rollout worker builds it."""
+    """The evaluator of ``rollout_worker.evaluator`` (and those of ``rollout_worker.domain_evaluators``,
+    built and dropped), as each rollout worker builds them."""
     from .plugins import use_plugin_manager
+    from .rollout_worker import build_domain_evaluators
     from .rollout_worker import build_evaluator as build
 
     with use_plugin_manager(pm):
-        return build(cfg.rollout_worker.get("evaluator"))
+        evaluator = build(cfg.rollout_worker.get("evaluator"))
+        build_domain_evaluators(cfg.rollout_worker.get("domain_evaluators"))
+        return evaluator
 
 
 def records_config(cfg: DictConfig, out: str | None) -> DictConfig:

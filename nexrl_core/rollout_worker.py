@@ -55,6 +55,10 @@ class BaseRolloutWorker(ThreadedModule):
         self._llm_client: Any = None
         self._evaluator: Evaluator | None = build_evaluator(config.get("evaluator"))
         self._evaluator_label = evaluator_label(config.get("evaluator"))
+        # A task's `domain` picks its evaluator (multi-domain data); others use the default one.
+        domain_sections = config.get("domain_evaluators") or {}
+        self._domain_evaluators: dict[str, Evaluator | None] = build_domain_evaluators(domain_sections)
+        self._domain_labels = {str(d): evaluator_label(sub) for d, sub in domain_sections.items()}
         self._model_tag = DEFAULT_MODEL_TAG
         self._seed = int(config.get("seed", 0) or 0)
         # Read once: DictConfig.get of an absent key raises and catches internally (slow on a per-task path).
@@ -234,18 +238,29 @@ class BaseRolloutWorker(ThreadedModule):
         key = f"{self._seed}|{task.get('uid')}|{task.get('sample_index')}|{self._task_is_validation}|{version}"
         return zlib.crc32(key.encode())
 
+    def evaluator_for(self, task: dict[str, Any]) -> Evaluator | None:
+        """The evaluator of the task's ``domain`` (``rollout_worker.domain_evaluators``), else the
+        default ``rollout_worker.evaluator``."""
+        domain = task.get("domain")
+        if domain is not None and domain in self._domain_evaluators:
+            return self._domain_evaluators[domain]
+        return self._evaluator
+
     def evaluate(self, task: dict[str, Any], final_answer: str | BaseEvaluationTarget) -> EvaluationRunResult:
-        """Score ``final_answer`` (a string, or a richer target such as an agent's) with the evaluator."""
-        if self._evaluator is None:
+        """Score ``final_answer`` (a string, or a richer target such as an agent's) with the task's
+        evaluator."""
+        evaluator = self.evaluator_for(task)
+        if evaluator is None:
             return EvaluationRunResult()
-        label, cls_name = self._evaluator_label, type(self._evaluator).__name__
+        label = self._domain_labels.get(task.get("domain"), self._evaluator_label)
+        cls_name = type(evaluator).__name__
         target = final_answer if isinstance(final_answer, BaseEvaluationTarget) else \
             BaseEvaluationTarget(final_answer=final_answer)
         reply = getattr(final_answer, "final_answer", final_answer)  # the text kept with a failure
         try:
-            result = self._evaluator.evaluate(task, target)
+            result = evaluator.evaluate(task, target)
         except Exception as exc:
-            where = failure_location(exc, _code_folder(self._evaluator))
+            where = failure_location(exc, _code_folder(evaluator))
             raise ItemFailure("evaluator_exception", f"{label} raised {type(exc).__name__}: {exc}"
                                                      f"{f' ({where})' if where else ''}", reply) from exc
         if not isinstance(result, EvaluationRunResult):
@@ -271,6 +286,7 @@ class BaseRolloutWorker(ThreadedModule):
             "sample_index": task.get("sample_index"),
             "seq": task.get("seq"),
             "data_source": task.get("data_source", "default"),
+            "domain": task.get("domain"),
             "model_tag": self._model_tag,
             "is_validation": self._task_is_validation,
             "task": task,
@@ -297,7 +313,7 @@ class BaseRolloutWorker(ThreadedModule):
             self._activity_tracker.report_error(self._module_name, cause, line, ErrorSeverity.WARNING, {
                 "uid": task.get("uid"), "sample_index": task.get("sample_index"), "seq": task.get("seq"),
                 "validation": validating, "traceback": traj.get("error_traceback"),
-                "signature": failure_signature(cause, message, error, _code_folder(self._evaluator))})
+                "signature": failure_signature(cause, message, error, _code_folder(self.evaluator_for(task)))})
         else:
             logger.warning(line)
         return self._put_trajectory(traj)
@@ -306,17 +322,31 @@ class BaseRolloutWorker(ThreadedModule):
         return execute(self._llm_client.model_version) if self._llm_client is not None else 0
 
 
-def build_evaluator(section: Any) -> Evaluator | None:
+_EVALUATOR_KEY = "rollout_worker.evaluator"
+
+
+def build_evaluator(section: Any, key: str = _EVALUATOR_KEY) -> Evaluator | None:
     """The evaluator a ``rollout_worker.evaluator`` mapping names (``type`` + constructor keywords)."""
     if section is None:
         return None
-    cls = active_plugin_manager().resolve("evaluator", section.get("type"), "rollout_worker.evaluator.type")
+    cls = active_plugin_manager().resolve("evaluator", section.get("type"), f"{key}.type")
     items = section.items() if isinstance(section, dict) else _plain(section).items()
     try:
         return cls(**{k: v for k, v in items if k != "type"})
+    except ConfigError as exc:
+        if key == _EVALUATOR_KEY:
+            raise
+        # An evaluator names its keys as rollout_worker.evaluator.<option>: say where they are.
+        raise ConfigError(str(exc).replace(_EVALUATOR_KEY, key)) from None
     except (ValueError, TypeError) as exc:  # options it refuses: one line, as `nexrl validate` prints it
-        raise ConfigError(f"rollout_worker.evaluator: evaluator '{section.get('type')}' rejected its options: "
+        raise ConfigError(f"{key}: evaluator '{section.get('type')}' rejected its options: "
                           f"{type(exc).__name__}: {exc}") from None
+
+
+def build_domain_evaluators(section: Any) -> dict[str, Evaluator | None]:
+    """``rollout_worker.domain_evaluators``: domain -> its evaluator (null: none, reward 0)."""
+    return {str(domain): build_evaluator(sub, f"rollout_worker.domain_evaluators.{domain}")
+            for domain, sub in (section or {}).items()}
 
 
 def evaluator_label(section: Any) -> str:

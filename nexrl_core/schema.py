@@ -88,6 +88,11 @@ ROLLOUT_WORKER = {
                                      "processes)", ge=1),
     "evaluator": Option(type=(dict, None), options=EVALUATOR, component="evaluator",
                         help="how a response is scored (null: no evaluator, reward 0)"),
+    "domain_evaluators": Option({}, dict, "per-domain evaluators, {<domain>: {type: <evaluator>, ...}}: a task "
+                                          "with a domain listed here is scored by its evaluator, others by "
+                                          "rollout_worker.evaluator",
+                                values=Option(type=(dict, None), options=EVALUATOR, component="evaluator",
+                                              help="one domain's evaluator (null: none, reward 0)")),
 }
 
 TRAJECTORY_POOL = {
@@ -97,6 +102,11 @@ TRAJECTORY_POOL = {
     "key_list": Option(["uid"], list[str], "trajectory keys that group samples (empty: no grouping)"),
     "check_batch_ready_function": Option("batch_size", str, "when a batch is ready",
                                          choices=_batch_ready_functions()),
+    "dynamic_sampling": Option(options={
+        "enabled": Option(False, bool, "drop finished groups whose rewards are all equal and draw a fresh row "
+                                       "in their place"),
+        "max_replacements": Option(3, int, "drops in a row for one batch slot before a flat group is kept", ge=0),
+    }, help="dynamic sampling (DAPO): train only on groups with a reward signal"),
 }
 
 TRAINER = {
@@ -270,7 +280,8 @@ CORE_OPTIONS: dict[str, Option] = {
     "runtime_monitor": Option(options=RUNTIME_MONITOR, help="health, errors and failed samples"),
     "ray": Option(options=RAY, help="launch_mode ray: the cluster, placement and resources of the actors "
                                     "(pip install 'nexrl-core[ray]')"),
-    "recipe_dir": Option(None, str, "set by nexrl: the recipe file's folder"),
+    "recipe_dir": Option(None, str, "set by nexrl: the recipe file's folder (${recipe_dir}/data.jsonl names a file "
+                                    "next to the recipe)"),
 }
 
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from .algorithms.registry import AlgorithmRegistry
 from .checkpoint import read_core_state, write_checkpoint
+from .eval_core import training_domain_metrics
 from .rollout_worker import failure_detail
 from .runtime.execute import execute
 from .runtime.threaded import ThreadedModule
@@ -168,13 +169,15 @@ class BaseTrainer(ThreadedModule):
             if batch is None:
                 continue
             try:
-                self._train_step(batch.to_trajectories(), time.perf_counter() - t0)
+                self._train_step(batch.to_trajectories(), time.perf_counter() - t0,
+                                 batch.metadata.get("dropped_groups"))
             except Exception as exc:
                 self._activity_tracker.report_exception(self._module_name, f"train step {self.global_step + 1}", exc)
                 raise  # ends the loop; get_last_error() tells the controller
             t0 = time.perf_counter()
 
-    def _train_step(self, trajectories: list[Trajectory], wait_s: float) -> None:
+    def _train_step(self, trajectories: list[Trajectory], wait_s: float,
+                    dropped_groups: list[dict[str, Any]] | None = None) -> None:
         execute(self._weight_sync_controller.train_worker_notify_step_start, self._module_name, self._model_tag)
         usable = [t for t in trajectories if not t.get("failed")]
         t0 = time.perf_counter()
@@ -184,6 +187,7 @@ class BaseTrainer(ThreadedModule):
         self.global_step += 1
         self._activity_tracker.set_training_step(self.global_step)
         metrics.update(self._core_metrics(trajectories, usable, wait_s, train_s))
+        metrics.update(training_domain_metrics(trajectories, dropped_groups))
         if self._dataloader is not None:
             execute(self._dataloader.mark_done, [t["seq"] for t in trajectories if t.get("seq") is not None])
         for t in trajectories:  # consumed for good: a failed item is lost now, one row each

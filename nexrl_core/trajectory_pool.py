@@ -7,6 +7,10 @@ Invariants (see docs/evaluation.md and tests/core/test_properties_pool.py):
 - a batch is made of whole groups;
 - a group older than the weight-sync staleness bound is not handed to the trainer:
   its tasks go back to the data loader for a re-rollout and are counted;
+- dynamic sampling (``trajectory_pool.dynamic_sampling``): a finished group whose rewards are
+  all equal (no failed member) is dropped, its tasks consumed, and the data loader draws a fresh
+  row in its place (:meth:`~nexrl_core.BaseDataLoader.add_replacement`); after
+  ``max_replacements`` drops in a row for one slot the flat group is kept. Both are counted.
 - a batch is ordered, and chosen, by issue order, never by completion order: whole groups
   sorted by (version, first ``seq``), members by ``seq``. In sync mode the pool first waits
   until every admitted rollout has landed, so a step trains on the earliest-issued groups of the
@@ -34,6 +38,18 @@ def _version(traj: Trajectory) -> int:
 
 def _group_version(group: list[Trajectory]) -> int:
     return min(_version(t) for t in group)
+
+
+def _sampling_attempt(group: list[Trajectory]) -> int:
+    return max(int((t.get("task") or {}).get("sampling_attempt") or 0) for t in group)
+
+
+def is_flat_group(group: list[Trajectory]) -> bool:
+    """All rewards equal and no member failed (a failed member is recorded when the trainer
+    consumes it, so such a group is never dropped)."""
+    if any(t.get("failed") for t in group):
+        return False
+    return len({float(t.get("reward", 0.0)) for t in group}) == 1
 
 
 def _seq(traj: Trajectory) -> int:
@@ -148,6 +164,15 @@ class TrajectoryPoolInstance:
         self._weight_sync_controller: Any = None
         self._activity_tracker: Any = None
         self.counters = {"stale_rerolled": 0, "group_evicted": 0, "rerollout_while_locked": 0}
+        dynamic = config.get("dynamic_sampling") or {}
+        self._dynamic_sampling = bool(dynamic.get("enabled", False))
+        self._max_replacements = int(dynamic.get("max_replacements", 3))
+        # Dropped groups since the last batch: their domain and rewards go with the next batch (metrics).
+        self._dropped_since_batch: list[dict[str, Any]] = []
+        # Sync mode: dropped groups whose replacements wait until every admitted rollout has landed.
+        self._set_aside: list[list[Trajectory]] = []
+        if self._dynamic_sampling:
+            self.counters.update(dynamic_sampling_dropped_groups=0, dynamic_sampling_kept_flat_groups=0)
 
     def set_module_references(self, dataloader: Any, weight_sync_controller: Any, activity_tracker: Any) -> None:
         self._dataloader = dataloader
@@ -168,6 +193,7 @@ class TrajectoryPoolInstance:
             finished_before = len(self._store.finished)
             evicted = self._store.add(trajectory)
             self.counters["group_evicted"] += len(evicted)
+            dropped = self._drop_flat_locked(finished_before) if self._dynamic_sampling else []
             for group in self._store.finished[finished_before:]:
                 self._count_finished_locked(group, +1)
             ready = self._is_batch_ready_locked(min_version)
@@ -176,6 +202,12 @@ class TrajectoryPoolInstance:
                 # trajectory made the trainer thread re-count the pool on every put.
                 self._cond.notify_all()
         self._requeue(evicted)
+        if dropped and wsc is not None and execute(wsc.hold_rollouts, self.model_tag):
+            with self._cond:
+                self._set_aside.extend(dropped)
+                self._cond.notify_all()
+        else:
+            self._replace(dropped)
         if ready and wsc is not None:
             execute(wsc.trajectory_pool_notify_batch_ready, self.model_tag, min_version)
         return "success"
@@ -201,13 +233,23 @@ class TrajectoryPoolInstance:
         """
         want = batch_size or self._batch_size
         deadline = time.monotonic() + timeout
-        with self._cond:
-            stale = self._drop_stale_locked(min_version)
-            if not self._enough_locked(want):
-                self._cond.wait_for(lambda: self._enough_locked(want), timeout)
+        wsc, groups, stale = self._weight_sync_controller, None, []
+        while True:
+            with self._cond:
                 stale += self._drop_stale_locked(min_version)
-            enough = self._enough_locked(want)
-        wsc, groups = self._weight_sync_controller, None
+                if not self._enough_locked(want) and not self._set_aside:
+                    self._cond.wait_for(lambda: self._enough_locked(want) or bool(self._set_aside),
+                                        max(0.0, deadline - time.monotonic()))
+                    stale += self._drop_stale_locked(min_version)
+                enough, held = self._enough_locked(want), bool(self._set_aside)
+            if not held:
+                break
+            # Sync-mode dynamic sampling: once the round has landed, the dropped groups are
+            # replaced in issue order; then wait for the replacements.
+            if execute(wsc.wait_rollouts_landed, self.model_tag, max(0.0, deadline - time.monotonic())):
+                self._replace_set_aside()
+            if enough or time.monotonic() >= deadline:
+                break
         if enough and wsc is not None:
             enough = execute(wsc.wait_rollouts_landed, self.model_tag, max(0.0, deadline - time.monotonic()))
         if enough:
@@ -223,7 +265,47 @@ class TrajectoryPoolInstance:
         trajs = [t for g in groups for t in sorted(g, key=_seq)]
         batch = Batch.from_trajectories(trajs, self.model_tag)
         batch.metadata["num_groups"] = len(groups)
+        if self._dynamic_sampling:
+            with self._cond:
+                batch.metadata["dropped_groups"], self._dropped_since_batch = self._dropped_since_batch, []
         return batch
+
+    # -- dynamic sampling --------------------------------------------------------------------
+    def _drop_flat_locked(self, finished_before: int) -> list[list[Trajectory]]:
+        """Take the flat groups among those finished since ``finished_before`` out of the pool."""
+        kept, dropped = [], []
+        for group in self._store.finished[finished_before:]:
+            if not is_flat_group(group):
+                kept.append(group)
+            elif _sampling_attempt(group) >= self._max_replacements:
+                self.counters["dynamic_sampling_kept_flat_groups"] += 1
+                kept.append(group)
+            else:
+                dropped.append(group)
+                self.counters["dynamic_sampling_dropped_groups"] += 1
+                self._dropped_since_batch.append({"domain": group[0].get("domain"),
+                                                  "rewards": [float(t.get("reward", 0.0)) for t in group]})
+        self._store.finished[finished_before:] = kept
+        return dropped
+
+    def _replace(self, dropped: list[list[Trajectory]], released: int = 0) -> None:
+        """A dropped group's tasks are consumed and a fresh row takes its place; then (sync mode)
+        its rollout slots are given back, so the replacement can start at once, and ``released``
+        held groups let rollouts start again."""
+        if not dropped:
+            return
+        for group in dropped:
+            task = next((t["task"] for t in group if t.get("task") is not None), None)
+            if self._dataloader is not None and task is not None:
+                execute(self._dataloader.add_replacement, task, [t["seq"] for t in group if t.get("seq") is not None])
+        wsc = self._weight_sync_controller
+        if wsc is not None:
+            execute(wsc.return_rollout_slots, self.model_tag, sum(len(g) for g in dropped), released)
+
+    def _replace_set_aside(self) -> None:
+        with self._cond:
+            dropped, self._set_aside = sorted(self._set_aside, key=_issue_order), []
+        self._replace(dropped, released=len(dropped))
 
     def _count_finished_locked(self, group: list[Trajectory], sign: int) -> None:
         version = _group_version(group)

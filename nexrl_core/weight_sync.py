@@ -71,6 +71,8 @@ class WeightSyncController(NexRLModule):
         self._rollout_budget: int | None = None
         self._admitted: dict[ModelTag, int] = {}
         self._in_flight: dict[ModelTag, int] = {}
+        # Sync mode: groups dynamic sampling dropped, whose replacements wait for the round to land.
+        self._held: dict[ModelTag, int] = {}
         self._waiting_for_validation = False
         self._stopping = False
         self._trainer: Any = None
@@ -129,6 +131,27 @@ class WeightSyncController(NexRLModule):
             if not landed or in_flight == 0:
                 self._cond.notify_all()
 
+    def hold_rollouts(self, model_tag: ModelTag = DEFAULT_MODEL_TAG) -> bool:
+        """Sync mode: dynamic sampling dropped a group; no new rollout starts until its replacement
+        is asked for (:meth:`return_rollout_slots` with ``released``). The pool asks once every
+        admitted rollout has landed, for all the round's dropped groups in issue order, so which
+        rows replace them never depends on thread timing. Other modes: False (nothing held; the
+        pool replaces at once)."""
+        if self._mode != "sync":
+            return False
+        with self._cond:
+            self._held[model_tag] = self._held.get(model_tag, 0) + 1
+            return True
+
+    def return_rollout_slots(self, model_tag: ModelTag = DEFAULT_MODEL_TAG, count: int = 1, released: int = 0) -> None:
+        """Sync mode: ``count`` rollouts that landed will not be trained on (dynamic sampling dropped
+        their group): their slots of the rollout budget go to the replacements. ``released``: held
+        groups (:meth:`hold_rollouts`) whose replacements are now asked for."""
+        with self._cond:
+            self._admitted[model_tag] = max(0, self._admitted.get(model_tag, 0) - int(count))
+            self._held[model_tag] = max(0, self._held.get(model_tag, 0) - int(released))
+            self._cond.notify_all()
+
     def begin_rollouts(self, model_tag: ModelTag = DEFAULT_MODEL_TAG, count: int = 1) -> int:
         """Admit up to ``count`` rollouts at once (:meth:`begin_rollout` each); returns how many."""
         admitted = 0
@@ -168,7 +191,7 @@ class WeightSyncController(NexRLModule):
         if self._waiting_for_validation:
             return True
         if self._mode == "sync":
-            if self._batch_ready.get(tag, False):
+            if self._batch_ready.get(tag, False) or self._held.get(tag, 0):
                 return True
             budget = self._rollout_budget
             return budget is not None and self._admitted.get(tag, 0) >= budget and self._in_flight.get(tag, 0) > 0

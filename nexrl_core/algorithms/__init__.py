@@ -3,6 +3,8 @@
 - :mod:`.advantages`: advantage estimators (``grpo``, ``dr_grpo``) and their group statistics;
 - :mod:`.kl`: the k1/k2/k3 KL estimators (numpy or torch), KL controllers, the KL reward penalty;
 - :mod:`.rollout_correction`: rollout-vs-trainer log-prob mismatch metrics, truncated IS weights;
+- :mod:`.reward_processing`: sample-level masks and reward post-processing (normalisation by
+  group / batch / running statistics, clipping, scaling), per domain;
 - :mod:`.metrics`: how per-micro-batch metrics combine (``_max``/``_min``/weighted mean);
 - :mod:`.registry`: the named registries plugins fill through ``nexrl_advantage_estimators`` /
   ``nexrl_policy_losses``, and how a recipe's ``algorithm`` section selects from them.
@@ -18,11 +20,17 @@ from .kl import (KL_CTRL_DEFAULTS, KL_CTRL_OPTIONS, KL_KINDS, AdaptiveKLControll
 from .metrics import aggregate_metrics, reduction
 from .registry import (ALGORITHM_KINDS, AlgorithmFunction, AlgorithmRegistry, AlgorithmSelection, algorithm_keys,
                        option_defaults, select_algorithms, unknown_name_error)
+from .reward_processing import (NORM_MODES, OVERLONG_MODES, REWARD_OPTIONS, REWARD_PROCESSING_OPTIONS,
+                                ProcessedRewards, RewardProcessor, RunningMoments, domain_settings, flat_group_rows,
+                                get_sample_level_mask, process_rewards, response_truncated,
+                                reward_postprocess)
 from .rollout_correction import (ROLLOUT_CORRECTION_DEFAULTS, ROLLOUT_CORRECTION_OPTIONS, check_cap, rollout_mismatch_metrics,
                                  truncated_is_weights)
 
 __all__ = [
-    "ALGORITHM_KINDS", "KL_CTRL_DEFAULTS", "KL_CTRL_OPTIONS", "KL_KINDS", "ROLLOUT_CORRECTION_DEFAULTS",
+    "ALGORITHM_KINDS", "KL_CTRL_DEFAULTS", "NORM_MODES", "OVERLONG_MODES", "REWARD_OPTIONS",
+    "REWARD_PROCESSING_OPTIONS", "ProcessedRewards", "RewardProcessor", "RunningMoments", "domain_settings",
+    "flat_group_rows", "get_sample_level_mask", "process_rewards", "response_truncated", "reward_postprocess", "KL_CTRL_OPTIONS", "KL_KINDS", "ROLLOUT_CORRECTION_DEFAULTS",
     "ROLLOUT_CORRECTION_OPTIONS", "AdaptiveKLController",
     "AdvantageInputs", "AlgorithmFunction", "AlgorithmRegistry", "AlgorithmSelection", "FixedKLController",
     "aggregate_metrics", "algorithm_keys", "apply_kl_penalty", "array_namespace", "check_cap", "dr_grpo",

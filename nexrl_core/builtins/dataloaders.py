@@ -1,11 +1,17 @@
-"""Built-in data loaders: JSONL/Parquet files, rows inline in the recipe, generated arithmetic."""
+"""Built-in data loaders: JSONL/Parquet files, rows inline in the recipe, generated arithmetic, and
+several of those as the domains of one multi-domain data set."""
 
 from __future__ import annotations
 
 import json
 import os
 import random
+import re
+from dataclasses import dataclass, field, replace
+from fractions import Fraction
 from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
 
 from ..dataloader import BaseDataLoader
 from ..errors import ConfigError, DataError
@@ -168,6 +174,224 @@ class ArithmeticDataLoader(BaseDataLoader):
                 for a, b in pairs[:n]]
 
 
+_DOMAIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+
+DOMAIN_DATA = {  # the core's keys of one domain's data loader mapping (the loader adds its own)
+    "type": Option("file", str, "registered data loader of this domain's rows"),
+    "seed": Option(None, int, "seed of this domain's shuffling (default: data.seed)"),
+    "shuffle": Option(None, bool, "shuffle this domain's rows each epoch (default: data.shuffle)"),
+}
+
+
+@dataclass
+class _DomainStream:
+    """One domain's pass over its rows: its own epochs and shuffles."""
+
+    rows: list[int]  # row indices (into the loader's rows) of this domain
+    seed: int = 0
+    shuffle: bool = True
+    order: list[int] = field(default_factory=list)
+    cursor: int = 0
+    epoch: int = -1
+
+
+class MultiDomainDataLoader(BaseDataLoader):
+    """Several data sets, each a *domain* (ROLL's multi-domain RLVR): every row gets ``domain``
+    (and ``data_source`` = the domain when it has none), so each domain can have its own evaluator
+    (``rollout_worker.domain_evaluators``), reward processing
+    (``algorithm.reward_processing.domains``) and metrics (``train/<domain>/...``,
+    ``val/<domain>_...``).
+
+    Training draws whole rows (GRPO groups) from the domains in the proportions of
+    ``domain_interleave_probs``, batch by batch: for the ``b``-th batch of ``G`` groups
+    (``trajectory_pool.batch_size / group_size``), each pick goes to the domain furthest below its
+    target ``(b + 1) * G * p_d`` of groups issued so far. So every batch holds whole groups in
+    the given proportions (exactly when each ``G * p_d`` is an integer; otherwise the counts so far
+    stay within one group of the target), and the choice is deterministic. Each domain runs
+    through its own rows epoch by epoch, reshuffled with its own seed. A replacement asked for by
+    dynamic sampling comes from the dropped group's domain and does not count as a pick. A training
+    pass (what ``len()`` counts and ``add_item_back`` items wait for) is as many scheduled groups
+    as the domains have rows together. Validation hands every row of every domain out once, domain by domain.
+    """
+
+    OPTIONS = {
+        "domains": Option(REQUIRED, dict, "the domains, by name: {<domain>: {type: <data loader>, <its keys>}}",
+                          values=Option(options=DOMAIN_DATA, component="dataloader",
+                                        help="one domain's data: a data loader mapping")),
+        "domain_interleave_probs": Option(None, dict[str, float], "training: the share of groups each domain gets "
+                                                                  "({<domain>: weight}; normalised to sum 1)"),
+    }
+
+    @classmethod
+    def check_config(cls, section: Any, key: str) -> list[str]:
+        domains = section.get("domains") or {}
+        problems = [f"{key}.domains.{name}: a domain name is letters, digits, '_', '.' or '-'"
+                    for name in domains if not _DOMAIN_NAME.fullmatch(str(name))]
+        if not domains:
+            problems.append(f"{key}.domains: name at least one domain")
+        problems += [f"{key}.domains.{name}.type: a domain cannot itself be multi_domain"
+                     for name, sub in domains.items() if isinstance(sub, dict) and sub.get("type") == "multi_domain"]
+        probs = section.get("domain_interleave_probs")
+        if key.startswith("validate"):
+            if probs is not None:
+                problems.append(f"{key}.domain_interleave_probs: a validation pass covers every row of every domain "
+                                f"once; delete this key")
+            return problems
+        if probs is None:
+            if len(domains) > 1:
+                problems.append(f"{key}.domain_interleave_probs: required with several domains (the share of each "
+                                f"training batch, e.g. {{{', '.join(f'{d}: 1' for d in domains)}}})")
+            return problems
+        missing = [d for d in domains if d not in probs]
+        unknown = [d for d in probs if d not in domains]
+        if missing:
+            problems.append(f"{key}.domain_interleave_probs: no share for domain(s) {', '.join(missing)}")
+        if unknown:
+            problems.append(f"{key}.domain_interleave_probs: {', '.join(map(str, unknown))} "
+                            f"{'is not a domain' if len(unknown) == 1 else 'are not domains'} "
+                            f"(domains: {', '.join(domains)})")
+        negative = [d for d, p in probs.items() if p < 0]
+        if negative:
+            problems.append(f"{key}.domain_interleave_probs: shares must be >= 0 ({', '.join(negative)})")
+        elif not missing and not unknown and sum(probs.values()) <= 0:
+            problems.append(f"{key}.domain_interleave_probs: at least one share must be positive")
+        return problems
+
+    @classmethod
+    def declared_domains(cls, section: Any) -> list[str] | None:
+        domains = section.get("domains") if hasattr(section, "get") else None
+        return [str(d) for d in domains] if isinstance(domains, (dict, DictConfig)) else None
+
+    def __init__(self, config: Any, is_validate: bool = False):
+        self._key = _section(is_validate)
+        plain = _plain_dict(config)
+        problems = self.check_config(plain, self._key)
+        if problems:
+            raise ConfigError("; ".join(problems))
+        self._domain_configs: dict[str, dict[str, Any]] = {str(d): dict(c) for d, c in plain["domains"].items()}
+        self._domains = list(self._domain_configs)
+        probs = plain.get("domain_interleave_probs") or {d: 1.0 for d in self._domains}
+        weights = {d: Fraction(str(float(probs[d]))) for d in self._domains}
+        total = sum(weights.values())
+        self._probs = {d: w / total for d, w in weights.items()}
+        self._batch_groups = max(1, int(plain.get("batch_groups") or 1))
+        self._streams: dict[str, _DomainStream] = {}
+        self._scheduled = {d: 0 for d in self._domains}
+        self._pass_start = 0
+        super().__init__(config, is_validate)
+
+    def describe(self) -> str:
+        return f"{self._key} (domains {', '.join(self._domains)})"
+
+    def load_rows(self) -> list[dict[str, Any]]:
+        from ..plugins import active_plugin_manager
+
+        pm = active_plugin_manager()
+        rows: list[dict[str, Any]] = []
+        self._domain_rows: dict[str, list[int]] = {}
+        for name, section in self._domain_configs.items():
+            key = f"{self._key}.domains.{name}"
+            cls = pm.resolve("dataloader", section.get("type", "file"), f"{key}.type")
+            child = {**section, "group_size": self._group_size, **self._domain_order(name)}
+            try:
+                loaded = cls(OmegaConf.create(child), is_validate=self._is_validate).rows()
+            except DataError as exc:
+                raise DataError(f"{key}: {exc}") from None
+            start = len(rows)
+            for row in loaded:
+                row["domain"] = name
+                row.setdefault("data_source", name)
+                rows.append(row)
+            self._domain_rows[name] = list(range(start, len(rows)))
+        return rows
+
+    # -- training: per-domain streams and the interleaving schedule -------------------------------
+    def _domain_order(self, domain: str) -> dict[str, Any]:
+        """A domain's seed and shuffle: its own keys, else the data section's."""
+        section = self._domain_configs[domain]
+        return {"seed": self._seed if section.get("seed") is None else int(section["seed"]),
+                "shuffle": self._shuffle if section.get("shuffle") is None else bool(section["shuffle"])}
+
+    def _new_epoch(self) -> None:
+        super()._new_epoch()  # validation: one ordered pass over all rows, domain by domain
+        if self._is_validate:
+            return
+        if self._epoch == 0:  # the start (or a reset): each domain's stream from its beginning
+            self._streams = {d: _DomainStream(self._domain_rows[d], **self._domain_order(d)) for d in self._domains}
+            self._scheduled = {d: 0 for d in self._domains}
+        # A training pass is as many scheduled groups as the domains have rows together; each
+        # domain's stream runs on across passes (its own epochs), so the proportions hold throughout.
+        self._pass_start = sum(self._scheduled.values())
+
+    def _draw(self, streams: dict[str, _DomainStream], scheduled: dict[str, int], domain: str | None) -> tuple[int, str]:
+        """The next row of ``domain`` (a replacement), else of the scheduled pick; advances
+        ``streams`` and ``scheduled`` (the loader's own, or copies to look ahead)."""
+        if domain not in streams:
+            domain = self._pick_domain(scheduled)
+            scheduled[domain] += 1
+        stream = streams[domain]
+        if stream.cursor >= len(stream.order):
+            stream.epoch += 1
+            stream.order = list(stream.rows)
+            if stream.shuffle:
+                random.Random(f"{stream.seed}|{domain}|{stream.epoch}").shuffle(stream.order)
+            stream.cursor = 0
+        index = stream.order[stream.cursor]
+        stream.cursor += 1
+        return index, f"{domain}/{stream.epoch}:{index}"
+
+    def next_domain(self) -> str:
+        """The domain the next scheduled group comes from (see the class docstring)."""
+        with self._lock:
+            return self._pick_domain(self._scheduled)
+
+    def _pick_domain(self, scheduled: dict[str, int]) -> str:
+        issued = sum(scheduled.values())
+        end_of_batch = (issued // self._batch_groups + 1) * self._batch_groups
+        deficits = {d: end_of_batch * p - scheduled[d] for d, p in self._probs.items() if p > 0}
+        return max(deficits, key=lambda d: (deficits[d], -self._domains.index(d)))
+
+    def _fresh_rows_left_locked(self) -> int:
+        if self._is_validate:
+            return super()._fresh_rows_left_locked()
+        return len(self._rows) - (sum(self._scheduled.values()) - self._pass_start) + len(self._owed)
+
+    def _draw_rows_locked(self, domains: list[str | None], consume: bool) -> list[tuple[int, str]]:
+        if self._is_validate:
+            return super()._draw_rows_locked(domains, consume)
+        streams = self._streams if consume else {d: replace(s, order=list(s.order)) for d, s in self._streams.items()}
+        scheduled = self._scheduled if consume else dict(self._scheduled)
+        return [self._draw(streams, scheduled, domain) for domain in domains]
+
+    def _extra_state_locked(self) -> dict[str, Any]:
+        if self._is_validate:
+            return {}
+        return {"domains": {d: {"epoch": s.epoch, "order": list(s.order), "cursor": s.cursor}
+                            for d, s in self._streams.items()},
+                "scheduled": dict(self._scheduled), "pass_start": self._pass_start}
+
+    def _load_extra_state_locked(self, state: dict[str, Any]) -> None:
+        if self._is_validate:
+            return
+        saved = state.get("domains")
+        if not isinstance(saved, dict) or sorted(saved) != sorted(self._domains):
+            have = ", ".join(sorted(saved)) if isinstance(saved, dict) else "none"
+            raise ConfigError(f"{self._key}.domains: the checkpoint's data has domains {have}, the recipe "
+                              f"{', '.join(sorted(self._domains))}; resume with the recipe that wrote it")
+        for d, s in saved.items():
+            stream = self._streams[d]
+            stream.epoch, stream.order, stream.cursor = int(s["epoch"]), [int(i) for i in s["order"]], int(s["cursor"])
+        self._scheduled = {d: int(state["scheduled"].get(d, 0)) for d in self._domains}
+        self._pass_start = int(state.get("pass_start", 0))
+
+
+def _plain_dict(config: Any) -> dict[str, Any]:
+    if isinstance(config, DictConfig):
+        return OmegaConf.to_container(config, resolve=True)
+    return dict(config)
+
+
 @hookimpl
 def nexrl_dataloaders():
-    return {"file": FileDataLoader, "inline": InlineDataLoader, "arithmetic": ArithmeticDataLoader}
+    return {"file": FileDataLoader, "inline": InlineDataLoader, "arithmetic": ArithmeticDataLoader,
+            "multi_domain": MultiDomainDataLoader}

@@ -25,6 +25,10 @@ class SimpleRolloutWorker(BaseRolloutWorker):
         "use_chat": Option(True, bool, "send chat messages (false: the raw prompt text)"),
         "system_prompt": Option(None, str, "system message put before the prompt (chat only)"),
         "sampling": Option(options=sampling_options(), help="sampling parameters of every request"),
+        "domain_sampling": Option({}, dict, "per-domain changes to sampling, {<domain>: {max_tokens: 64, ...}}: a "
+                                            "task of a domain listed here is sampled with them",
+                                  values=Option({}, dict, "a domain's sampling keys (those of rollout_worker.sampling) "
+                                                          "that differ from rollout_worker.sampling")),
     }
     CONFIG_KEYS = option_defaults(OPTIONS)  # deprecated view, for plugins that extend it
 
@@ -37,6 +41,8 @@ class SimpleRolloutWorker(BaseRolloutWorker):
         if problems:
             raise ConfigError("; ".join(problems))
         self._sampling = SamplingParams.from_config(_plain(config.get("sampling")))
+        self._domain_sampling = {str(domain): SamplingParams.from_config(sampling)
+                                 for domain, sampling in _domain_sampling(config).items()}
         self._validate_temperature = config.get("validate_temperature")
         self._answers: dict[int, Any] = {}  # id(task) -> prepared completion (prepare_tasks)
 
@@ -44,6 +50,13 @@ class SimpleRolloutWorker(BaseRolloutWorker):
     def check_config(cls, section: Any, key: str = "rollout_worker") -> list[str]:
         """The sampling values (``nexrl validate`` and the constructor run the same checks)."""
         problems = SamplingParams.recipe_problems(_plain(section.get("sampling")), f"{key}.sampling")
+        changes = _plain(section.get("domain_sampling")) or {}
+        merged = _domain_sampling(section)
+        for domain, change in changes.items():
+            # What the recipe wrote for the domain first, then that over the shared sampling.
+            where = f"{key}.domain_sampling.{domain}"
+            problems += SamplingParams.recipe_problems(change, where) or \
+                SamplingParams.recipe_problems(merged[str(domain)], where)
         temperature = section.get("validate_temperature")
         if temperature is not None and SamplingParams(temperature=temperature).problems():
             problems.append(f"{key}.validate_temperature: must be a finite number >= 0 (0: greedy), "
@@ -59,7 +72,7 @@ class SimpleRolloutWorker(BaseRolloutWorker):
 
     def _request(self, task: dict[str, Any]) -> tuple[Any, SamplingParams]:
         prompt = self.build_prompt(task)
-        params = replace(self._sampling, seed=self.sampling_seed(task))
+        params = replace(self._domain_sampling.get(task.get("domain"), self._sampling), seed=self.sampling_seed(task))
         if self._task_is_validation and self._validate_temperature is not None:
             params.temperature = float(self._validate_temperature)
         return prompt, params
@@ -100,6 +113,14 @@ class SimpleRolloutWorker(BaseRolloutWorker):
 
 def _plain(value: Any) -> Any:
     return OmegaConf.to_container(value, resolve=True) if isinstance(value, DictConfig) else value
+
+
+def _domain_sampling(section: Any) -> dict[str, dict[str, Any]]:
+    """``rollout_worker.domain_sampling``: each domain's full sampling mapping (the shared
+    ``sampling`` with the domain's changes over it)."""
+    shared = _plain(section.get("sampling")) or {}
+    changes = _plain(section.get("domain_sampling")) or {}
+    return {str(d): {**shared, **(c if isinstance(c, dict) else {})} for d, c in changes.items()}
 
 
 _WORD = re.compile(r"[A-Za-z]+")

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.timeout(180)
 
 REPO = Path(__file__).resolve().parents[2]
 DOC = REPO / "docs" / "evaluation.md"
-SAMPLE_FIELDS = {"uid", "sample_index", "data_source", "prompt", "response", "reward", "score", "failed", "error",
+SAMPLE_FIELDS = {"uid", "sample_index", "data_source", "domain", "prompt", "response", "reward", "score", "failed", "error",
                  "model_version"}
 VAL_ROWS = [{"prompt": f"{a} + {b}", "answer": str(a + b), "data_source": src} for a, b, src in
             [(1, 1, "easy"), (2, 3, "easy"), (4, 0, "easy"), (9, 9, "hard"), (7, 6, "hard"), (5, 8, "hard")]]

@@ -267,3 +267,25 @@ def test_summarize_emits_exactly_the_documented_metrics(n, expected_known):
         if emitted(condition, n, expected_known):
             documented |= expand(template, score_keys, sources, n)
     assert set(m) == documented
+
+
+# -- domains (multi-domain data) ---------------------------------------------------------------------
+
+def test_domain_metrics_cover_the_domains_samples_and_pass_at_k_its_prompts():
+    # docs/evaluation.md §Metrics: <data_source> ranges over data sources and domains
+    def drec(uid, idx, source, domain, reward):
+        return SampleRecord(uid=uid, sample_index=idx, data_source=source, scores={"reward": reward}, domain=domain)
+
+    outcomes = {("m0", "gsm8k", "math"): [1.0, 0.0, 0.0], ("m1", "aime", "math"): [0.0, 0.0, 0.0],
+                ("c0", "code", "code"): [1.0, 1.0, 0.0]}
+    records = [drec(uid, i, src, dom, r) for (uid, src, dom), rs in outcomes.items() for i, r in enumerate(rs)]
+    m = summarize(state_of(records), n_samples=3)
+    assert m["val/math_reward"] == pytest.approx(1 / 6)  # both of the domain's data sources
+    assert m["val/gsm8k_reward"] == pytest.approx(1 / 3) and m["val/aime_reward"] == 0.0
+    assert m["val/code_reward"] == pytest.approx(2 / 3)  # a data source named like a domain: the domain's
+    for k in (1, 3):
+        math = (brute_force_pass_at_k([True, False, False], k) + brute_force_pass_at_k([False] * 3, k)) / 2
+        assert m[f"val/math_pass@{k}"] == pytest.approx(float(math))
+        assert m[f"val/code_pass@{k}"] == pytest.approx(float(brute_force_pass_at_k([True, True, False], k)))
+    assert m["val/math_mean@3"] == pytest.approx(1 / 6)
+    assert SampleRecord.from_trajectory({"uid": "u", "domain": "math", "score": {"reward": 1.0}}).domain == "math"

@@ -169,6 +169,30 @@ def test_workers_over_several_actors_taking_several_tasks_per_call(build, probe_
     assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == ["global_step_3", "global_step_6"]
 
 
+def test_multi_domain_data_and_dynamic_sampling_in_actors(build, core_pm, tmp_path):
+    """The multi_domain loader, the pool's dynamic sampling (replacements asked of the loader actor,
+    slots of the weight-sync actor) and per-domain metrics across actors: mock answers are all
+    wrong, then all right, so most groups are flat and get replaced from their own domain."""
+    domains = {"low": {"type": "inline", "rows": [_row(a, b) for a, b in TRAIN[:3]]},
+               "high": {"type": "inline", "rows": [_row(a, b) for a, b in TRAIN[3:]]}}
+    recipe = _recipe(tmp_path, trajectory_pool={"dynamic_sampling": {"enabled": True, "max_replacements": 1}},
+                     rollout_worker={"num_workers": 2, "num_actors": 2})
+    recipe["data"] = {"type": "multi_domain", "domains": domains, "domain_interleave_probs": {"low": 1, "high": 1}}
+    controller = build(recipe, core_pm)
+    summary, reads = run_with_reads(controller, batches=(NexRLRole.TRAINER, "get_batches"))
+    assert summary.stopped_by == "finished" and summary.global_step == 4
+    for batch in reads["batches"]:  # one group of each domain, whole
+        assert sorted((t["domain"], t["sample_index"]) for t in batch) == [("high", 0), ("high", 1),
+                                                                         ("low", 0), ("low", 1)]
+    rows = [r for r in _metrics(tmp_path) if "train/reward_mean" in r]
+    assert all(r["train/low/num_groups"] == r["train/high/num_groups"] == 1 for r in rows)
+    assert rows[-1]["pool/dynamic_sampling_dropped_groups"] > 0
+    assert sum(r["train/low/dropped_groups"] + r["train/high/dropped_groups"] for r in rows) == \
+        rows[-1]["pool/dynamic_sampling_dropped_groups"]
+    replaced = [t for b in reads["batches"] for t in b if t["task"].get("sampling_attempt")]
+    assert replaced  # replacement groups were trained on
+
+
 def test_a_third_party_plugin_is_found_inside_every_actor(build, tmp_path, write_dist, monkeypatch):
     """An evaluator installed as its own distribution (entry point in a .dist-info on the path):
     the worker actors discover it themselves, and honour NEXRL_LOAD_PLUGINS as the driver does."""

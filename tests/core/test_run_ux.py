@@ -467,6 +467,20 @@ def test_the_plots_validation_lines():
     assert validation_keys(found) == ["val/reward", "val/accuracy", "val/gsm_reward", "val/math_reward"]
 
 
+def test_the_plot_draws_each_domains_training_reward(tmp_path):
+    pytest.importorskip("matplotlib")
+    from nexrl_core.plot import domain_reward_keys, plot_run, series
+
+    rows = [{"step": s, "train/reward_mean": 0.1 * s, "train/code/reward_mean": 0.05 * s,
+             "train/arithmetic/reward_mean": 0.2 * s, "train/code/num_groups": 2.0, "val/code_reward": 0.1}
+            for s in range(1, 4)]
+    found = series(rows)
+    assert domain_reward_keys(found) == ["train/arithmetic/reward_mean", "train/code/reward_mean"]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = plot_run(str(tmp_path))
+    assert os.path.getsize(out) > 0
+
+
 def test_a_train_service_path_is_next_to_the_recipe(tmp_path):
     from nexrl_core.config import resolve_recipe_paths
 

@@ -67,7 +67,8 @@ def test_the_core_keys_are_all_in_the_reference_and_in_the_defaults(pages):
     for key, opt in flatten_options({k: v for k, v in CORE_OPTIONS.items() if k != "recipe_dir"}):
         assert key in documented, key
         assert opt.help, f"{key}: no help text in nexrl_core/schema.py"
-        if not opt.required and opt.options is None:  # a leaf with a default: the recipe is merged onto it
+        if not opt.required and opt.options is None and "<name>" not in key:  # a leaf with a default: the
+            # recipe is merged onto it (an entry the recipe names, <name>, has no default)
             node = defaults
             for part in key.split("."):
                 if node is None or node == {}:
@@ -78,8 +79,8 @@ def test_the_core_keys_are_all_in_the_reference_and_in_the_defaults(pages):
 
 def _unread(options: dict[str, Option], source: str) -> list[str]:
     """Declared keys whose name the code never mentions (accepted, then ignored)."""
-    return [key for key, _ in flatten_options(options)
-            if not re.search(rf"""["'.]{re.escape(key.split('.')[-1])}\b""", source)]
+    return [key for key, _ in flatten_options(options) if not key.endswith("<name>")
+            and not re.search(rf"""["'.]{re.escape(key.split('.')[-1])}\b""", source)]
 
 
 def test_every_declared_core_key_is_read_by_the_core():
@@ -96,3 +97,9 @@ def test_the_table_escapes_pipes_and_shows_required_keys():
                            "path": Option(REQUIRED, str, "where")}, "x.")
     assert table[2:] == ["| `x.mode` | a string | `a` | a \\| b; one of `a`, `b` |",
                          "| `x.path` | a string | required | where |"]
+
+
+def test_mappings_of_named_entries_get_one_row_for_each_entry_and_its_keys():
+    entry = Option(options={"scale": Option(1.0, float, "weight")}, help="one domain")
+    rows = [key for key, _ in flatten_options({"domains": Option({}, dict, "by name", values=entry)}, "x.")]
+    assert rows == ["x.domains", "x.domains.<name>", "x.domains.<name>.scale"]

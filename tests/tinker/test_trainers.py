@@ -207,6 +207,30 @@ def test_a_grpo_steps_datums_token_by_token(tiny_folder):
     assert trainer.loss() == ("importance_sampling", None)
 
 
+def test_reward_processing_per_domain_before_the_advantages_and_masked_samples_leave_the_step(tiny_folder):
+    """The same core functions as self_hosted_grpo: a flat code group is masked (its datums are not
+    sent), math rewards are scaled before the estimator, a truncated reply is scored; the running
+    statistics go into the checkpoint's algorithm state."""
+    trainer = _trainer(tiny_folder, type="dr_grpo", reward_processing={
+        "overlong": "score", "overlong_reward": -1.0, "norm": "running",
+        "domains": {"code": {"mask_flat_groups": True, "norm": "none"}, "math": {"scale": 2.0, "norm": "none"}}})
+    trajectories = [_trajectory("m", 0, 1.0, [11], domain="math"), _trajectory("m", 1, 0.0, [12], domain="math"),
+                    _trajectory("c", 0, 0.0, [13], domain="code"), _trajectory("c", 1, 0.0, [14], domain="code"),
+                    _trajectory("x", 0, 1.0, [15, 16, 17, 18], finish_reason="length"),  # cut off: scored -1
+                    _trajectory("x", 1, 1.0, [19])]
+    metrics: dict = {}
+    prepared = trainer._prepare_trajectories(trajectories, metrics)
+    assert [(t["uid"], t["sample_index"]) for t in prepared] == [("m", 0), ("m", 1), ("x", 0), ("x", 1)]
+    assert [t["advantages"] for t in prepared[:2]] == [pytest.approx([1.0]), pytest.approx([-1.0])]  # dr_grpo: 2r - mean
+    x = np.array([-1.0, 1.0])
+    z = (x - x.mean()) / (x.std(ddof=1) + 1e-6)  # running stats of the first batch = the batch's
+    assert prepared[2]["advantages"] == pytest.approx([z[0] - z.mean()] * 4)
+    assert metrics["train/code/masked_frac"] == 1.0 and metrics["train/truncated_frac"] == 0.5
+    assert trainer.algorithm_state()["reward_running"][""]["count"] == 2
+    masked_only = [t for t in trajectories if t["uid"] == "c"]
+    assert trainer.train(masked_only)["train/update_skipped"] == 1.0  # nothing to send: no service call
+
+
 def test_ppo_clip_ratios_become_the_services_thresholds(tiny_folder):
     trainer = _trainer(tiny_folder, loss_fn="ppo", clip_ratio_low=0.1, clip_ratio_high=0.3)
     name, config = trainer.loss()

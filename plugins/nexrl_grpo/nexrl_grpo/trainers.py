@@ -180,7 +180,12 @@ class SelfHostedTrainer(BaseTrainer):
             values["rollout_log_probs"] = rollout_logprobs
         max_tokens = [int(t["sampling"]["max_tokens"]) for t in trajectories
                       if isinstance(t.get("sampling"), Mapping) and t["sampling"].get("max_tokens")]
+        # Per trajectory, then per row: a row carries its trajectory's domain and cut-off flag.
+        last_response = {i: seg["response_token_ids"] for i, seg in rows}  # the turn a token limit cuts off
+        truncated = [algorithms.response_truncated(t, len(last_response[i])) for i, t in enumerate(trajectories)]
         meta = {"batch_size": n, "uids": [trajectories[i].get("uid") for i in row_trajectory],
+                "domains": [trajectories[i].get("domain") for i in row_trajectory],
+                "truncated": [truncated[i] for i in row_trajectory],
                 "row_trajectory": row_trajectory, "num_trajectories": len(trajectories),
                 "response_tokens": sum(len(seg["response_token_ids"]) for _, seg in rows),
                 "prompt_length": max_p, "response_length": max_r, "model_tag": self._model_tag,
@@ -198,21 +203,27 @@ class SelfHostedTrainer(BaseTrainer):
     def train(self, trajectories: list[Trajectory]) -> dict[str, float]:
         t0 = time.perf_counter()
         batch = self._process_trajectories(trajectories)
+        lengths = batch.values["response_mask"].sum(-1)  # before a sample-level mask
         batch, metrics = self._prepare_batch(batch)
         t1 = time.perf_counter()
         tensors = {k: v for k, v in batch.values.items() if isinstance(v, torch.Tensor)}
-        for _ in range(self._ppo_epochs):
+        # A sample-level mask that left nothing to train on: no optimizer step (Adam's momentum
+        # alone would still move the weights).
+        skip = not bool(batch.values["response_mask"].any())
+        out: dict[str, float] = {"update_skipped": 1.0} if skip else {}
+        for _ in range(0 if skip else self._ppo_epochs):
             out = self.train_service.forward_backward(tensors, self._loss_fn(batch))
             out.update(self.train_service.optim_step())
         t2 = time.perf_counter()
         meta = batch.metadata
         trained = float(batch.values["response_mask"].sum())
+        generated = float(lengths.sum())  # before a sample-level mask
         metrics.update({f"train/{k}": float(v) for k, v in out.items()})
         metrics.update({
             # Counted in trained tokens: what the model generated, not the tool outputs between turns.
-            "train/response_length_mean": trained / meta["num_trajectories"],
+            "train/response_length_mean": generated / meta["num_trajectories"],
             "train/trained_tokens": trained,
-            "train/untrained_response_tokens_mean": (meta["response_tokens"] - trained) / meta["num_trajectories"],
+            "train/untrained_response_tokens_mean": (meta["response_tokens"] - generated) / meta["num_trajectories"],
             "train/sequences_per_trajectory": meta["batch_size"] / meta["num_trajectories"],
             "train/prompt_length": float(meta["prompt_length"]),
             "timing/prepare_s": t1 - t0,
@@ -265,6 +276,9 @@ class SelfHostedGrpoTrainer(SelfHostedTrainer):
                                                  "(null: rollout_worker.sampling.max_tokens)", ge=1),
         "rollout_correction": Option(options=algorithms.ROLLOUT_CORRECTION_OPTIONS,
                                      help="truncated importance sampling against the rollout's log-probs"),
+        "reward_processing": Option(options=algorithms.REWARD_PROCESSING_OPTIONS,
+                                    help="sample-level masks and reward normalisation / clipping / scaling, "
+                                         "before advantages; per domain with domains.<name>"),
     }
     ALGORITHM_SELECTORS = {"type": "advantage_estimator", "policy_loss": "policy_loss"}
 
@@ -272,6 +286,7 @@ class SelfHostedGrpoTrainer(SelfHostedTrainer):
         super().__init__(config)
         self._selection: algorithms.AlgorithmSelection | None = None
         self._kl_ctrl: Any = None
+        self._reward_processor: algorithms.RewardProcessor | None = None
         self._ref_model: torch.nn.Module | None = None
 
     @property
@@ -280,6 +295,7 @@ class SelfHostedGrpoTrainer(SelfHostedTrainer):
         if self._selection is None:
             selection = algorithms.select_algorithms(type(self), self._algorithm, self.algorithm_registry)
             self._kl_ctrl = algorithms.get_kl_controller(selection.options["kl_ctrl"])
+            self._reward_processor = algorithms.RewardProcessor(selection.options["reward_processing"])
             self._ppo_epochs = int(selection.options["ppo_epochs"])
             self._selection = selection
         return self._selection
@@ -308,8 +324,14 @@ class SelfHostedGrpoTrainer(SelfHostedTrainer):
             v["old_log_probs"] = self.train_service.forward(tensors)
         view = TrajectoryView(batch.metadata["row_trajectory"], mask.shape[1])
         mask_np = view.gather(mask.numpy())
-        scores = view.first(v["rewards"].numpy())
         uids = view.first(batch.metadata["uids"])
+        rewards = view.first(v["rewards"].numpy())
+        # The seed's order: get_sample_level_mask -> reward_postprocess (per domain) ->
+        # compute_token_reward (scores on the last token, KL penalty) -> compute_advantage.
+        processed = self._reward_processor(rewards, uids, view.first(batch.metadata["truncated"]),
+                                           view.first(batch.metadata["domains"]))
+        metrics.update({f"train/{k}": float(x) for k, x in processed.metrics.items()})
+        scores = processed.rewards.astype(rewards.dtype)
         token_rewards = algorithms.scores_to_token_level(scores, mask_np)
         v["token_level_scores"] = torch.from_numpy(view.scatter(token_rewards))
         if options["use_kl_in_reward"]:
@@ -323,7 +345,11 @@ class SelfHostedGrpoTrainer(SelfHostedTrainer):
         adv, returns = estimate(algorithms.AdvantageInputs(token_rewards, mask_np, uids))
         v["advantages"] = torch.from_numpy(view.scatter(np.asarray(adv, dtype=np.float32)))
         v["returns"] = torch.from_numpy(view.scatter(np.asarray(returns, dtype=np.float32)))
-        _, group_std, _ = algorithms.group_stats(scores, uids)
+        # Masked samples leave the loss only (every row of theirs): they still counted in their
+        # group's statistics above.
+        row_mask = processed.sample_mask.astype(np.float32)[view.index]
+        v["response_mask"] = mask * torch.from_numpy(row_mask)[:, None]
+        _, group_std, _ = algorithms.group_stats(rewards, uids)
         metrics.update({
             "train/advantages_abs_mean": float(masked_mean(v["advantages"].abs(), mask)),
             "train/group_reward_std_mean": float(group_std.mean()),
@@ -362,13 +388,14 @@ class SelfHostedGrpoTrainer(SelfHostedTrainer):
         return loss_fn
 
     def algorithm_state(self) -> dict[str, Any]:
-        self.selection  # noqa: B018 - resolves the KL controller
-        return {"kl_coef": float(self._kl_ctrl.value)}
+        self.selection  # noqa: B018 - resolves the KL controller and the reward processor
+        return {"kl_coef": float(self._kl_ctrl.value), "reward_running": self._reward_processor.state_dict()}
 
     def load_algorithm_state(self, state: dict[str, Any]) -> None:
+        self.selection  # noqa: B018
         if "kl_coef" in state:
-            self.selection  # noqa: B018
             self._kl_ctrl.value = float(state["kl_coef"])
+        self._reward_processor.load_state_dict(state.get("reward_running", {}))
 
 
 class SelfHostedCrossEntropyTrainer(SelfHostedTrainer):

@@ -125,6 +125,8 @@ class RemoteApiTrainer(BaseTrainer):
         t0 = time.perf_counter()
         metrics: dict[str, float] = {}
         trajectories = self._prepare_trajectories(trajectories, metrics)
+        if not trajectories:  # a sample-level mask left nothing to train on: no optimizer step
+            return {**metrics, "train/update_skipped": 1.0, "timing/prepare_s": time.perf_counter() - t0}
         datums = self._convert_trajectories_to_datums(trajectories)
         name, config = self.loss()
         t1 = time.perf_counter()
@@ -186,6 +188,9 @@ class RemoteApiGrpoTrainer(RemoteApiTrainer):
                                  ge=0, lt=1),
         "clip_ratio_high": Option(None, float, "ppo: the ratio is clipped above at 1 + clip_ratio_high (null: 0.2)",
                                   ge=0),
+        "reward_processing": Option(options=algorithms.REWARD_PROCESSING_OPTIONS,
+                                    help="sample-level masks and reward normalisation / clipping / scaling, "
+                                         "before advantages; per domain with domains.<name>"),
     }
     ALGORITHM_SELECTORS = {"type": "advantage_estimator"}
     DEFAULT_CLIP_RATIO = 0.2
@@ -193,6 +198,7 @@ class RemoteApiGrpoTrainer(RemoteApiTrainer):
     def __init__(self, config: Any):
         super().__init__(config)
         self._selection: algorithms.AlgorithmSelection | None = None
+        self._reward_processor: algorithms.RewardProcessor | None = None
 
     @classmethod
     def algorithm_option_problems(cls, options: Mapping[str, Any]) -> list[str]:
@@ -222,8 +228,18 @@ class RemoteApiGrpoTrainer(RemoteApiTrainer):
     def selection(self) -> algorithms.AlgorithmSelection:
         """The recipe's estimator and every ``algorithm.*`` value (resolved once)."""
         if self._selection is None:
-            self._selection = algorithms.select_algorithms(type(self), self._algorithm, self.algorithm_registry)
+            selection = algorithms.select_algorithms(type(self), self._algorithm, self.algorithm_registry)
+            self._reward_processor = algorithms.RewardProcessor(selection.options["reward_processing"])
+            self._selection = selection
         return self._selection
+
+    def algorithm_state(self) -> dict[str, Any]:
+        self.selection  # noqa: B018 - builds the reward processor
+        return {"reward_running": self._reward_processor.state_dict()}
+
+    def load_algorithm_state(self, state: dict[str, Any]) -> None:
+        self.selection  # noqa: B018
+        self._reward_processor.load_state_dict(state.get("reward_running", {}))
 
     def initialize_workers(self) -> None:
         self.selection  # noqa: B018 - a bad algorithm section fails before the service is built
@@ -257,12 +273,20 @@ class RemoteApiGrpoTrainer(RemoteApiTrainer):
         mask = _padded(masks)
         rewards = np.asarray([float(t.get("reward", 0.0)) for t in trajectories], dtype=np.float64)
         group_ids = [t.get("uid") for t in trajectories]
-        token_rewards = algorithms.scores_to_token_level(rewards, mask)
-        estimate = self.selection.bound("type")
+        estimate = self.selection.bound("type")  # (also builds the reward processor)
+        # The seed's order, as in self_hosted_grpo: sample-level mask -> reward post-processing (per
+        # domain) -> token-level reward -> advantages.
+        processed = self._reward_processor(
+            rewards, group_ids, [algorithms.response_truncated(t, len(t.get("response_token_ids") or []))
+                                 for t in trajectories], [t.get("domain") for t in trajectories])
+        metrics.update({f"train/{k}": float(x) for k, x in processed.metrics.items()})
+        token_rewards = algorithms.scores_to_token_level(processed.rewards, mask)
         advantages, _ = estimate(algorithms.AdvantageInputs(token_rewards, mask, group_ids))
         advantages = np.asarray(advantages, dtype=np.float64)
-        # New dicts: the pool's trajectories are left as they were.
-        prepared = [{**t, "advantages": row[:len(m)].tolist()} for t, row, m in zip(trajectories, advantages, masks)]
+        # New dicts: the pool's trajectories are left as they were. A masked sample leaves the
+        # loss (it still counted in its group's statistics above).
+        prepared = [{**t, "advantages": row[:len(m)].tolist()}
+                    for t, row, m, keep in zip(trajectories, advantages, masks, processed.sample_mask) if keep]
         _, group_std, _ = algorithms.group_stats(rewards, group_ids)
         valid = mask > 0
         metrics.update({
