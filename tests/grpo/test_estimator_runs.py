@@ -149,3 +149,14 @@ def test_a_checkpoint_without_a_critic_is_refused_by_gae(tiny_model_dir, batch, 
     plain.save_model_state(str(tmp_path / "ckpt"))
     with pytest.raises(ConfigError, match=r"the checkpoint has no critic \(critic/\), but algorithm.type 'gae'"):
         make_trainer(tiny_model_dir, type="gae").load_model_state(str(tmp_path / "ckpt"))
+
+
+def test_micro_batched_critic_gives_the_whole_batch_value_loss(tiny_model_dir, batch):
+    algorithm = {"type": "gae", "critic": {"lr": 1e-2, "loss_agg_mode": "seq-mean-token-mean"}}
+    whole = make_trainer(tiny_model_dir, **algorithm)
+    split = make_trainer(tiny_model_dir, {"micro_batch_size": 3}, **algorithm)
+    assert split.critic.micro_batch_size == 3 and whole.critic.micro_batch_size is None
+    for _ in range(2):  # the second step starts from trained (nonzero) values
+        want, got = whole.train(batch), split.train(batch)
+        for name in ("critic/vf_loss", "critic/loss", "critic/vpred_mean", "critic/values_mean"):
+            assert got[name] == pytest.approx(want[name], rel=1e-4, abs=1e-6), name
