@@ -287,7 +287,7 @@ def test_plugins_json_lists_the_core_builtins():
     # Every hook of the core's own kinds; the core registers estimators, while losses need torch.
     assert {h for p in core for h in p["hooks"]} == {hook for hook, _ in KINDS.values()} | {
         "nexrl_advantage_estimators"}
-    assert listed["advantage_estimator"] == ["dr_grpo", "grpo"]
+    assert listed["advantage_estimator"] == ["dr_grpo", "gae", "grpo", "reinforce_plus_plus", "rloo"]
     assert data["failed"] == [] and data["bad_registrations"] == []
     assert "Traceback" not in proc.stderr
 

@@ -48,6 +48,8 @@ def _nexrl(*args: str) -> subprocess.Popen:
     (["+algorithm.type=gae", "+algorithm.critic.lr=0"], "algorithm.critic.lr: expected a positive number, got 0"),
     (["+algorithm.type=gae", "+algorithm.critic.value_clp=0.2"], "did you mean 'algorithm.critic.value_clip'?"),
     (["+algorithm.kl_loss_type=k4"], "algorithm.kl_loss_type: 'k4' is not one of"),
+    (["+algorithm.adv_estimator=gae"], "algorithm.adv_estimator: no longer a recipe key: the advantage estimator "
+                                       "is algorithm.type"),
     (["algorithm.loss_agg_mode=token_mean"], "algorithm.loss_agg_mode: 'token_mean' is not one of"),
     (["+algorithm.do_old_log_prob_compute=true"], "algorithm.do_old_log_prob_compute: unknown key"),
     (["+algorithm.rollout_correction.cap=0.5"], "algorithm.rollout_correction.cap: expected a number >= 1, got 0.5"),

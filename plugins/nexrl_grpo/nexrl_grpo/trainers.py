@@ -225,6 +225,8 @@ class SelfHostedGrpoTrainer(SelfHostedTrainer):
     ALGORITHM_OPTIONS = {
         "type": Option("grpo", str, "advantage estimator, by registered name (nexrl_advantage_estimators)"),
         "policy_loss": Option("ppo_clip", str, "policy loss, by registered name (nexrl_policy_losses)"),
+        "adv_estimator": Option(removed="the advantage estimator is algorithm.type (verl's and ROLL's "
+                                        "adv_estimator): rename the key"),
         "ppo_epochs": Option(1, int, "updates per batch (1: on-policy, the ratio is exactly 1)", ge=1),
         "use_kl_in_reward": Option(False, bool, "subtract beta * KL(policy || initial model) from the reward"),
         "kl_penalty": Option("kl", str, "KL estimator of the reward penalty", choices=tuple(algorithms.KL_KINDS)),
@@ -266,7 +268,9 @@ class SelfHostedGrpoTrainer(SelfHostedTrainer):
         if self.selection.requires("values") and self.critic is None:
             critic = options["critic"]
             service = OmegaConf.to_container(self._service_config, resolve=True)
-            config = {**critic, "betas": service.get("betas", [0.9, 0.999]), "eps": service.get("eps", 1e-8),
+            # Its own optimizer settings; Adam's betas/eps and the micro-batch size default to the policy's.
+            config = {"lr": critic["lr"], "weight_decay": critic["weight_decay"], "grad_clip": critic["grad_clip"],
+                      "betas": service.get("betas", [0.9, 0.999]), "eps": service.get("eps", 1e-8),
                       "micro_batch_size": critic["micro_batch_size"] or service.get("micro_batch_size")}
             self.critic = CriticService(config, model=ValueModel.from_causal_lm(self.train_service.model),
                                         tokenizer=self.train_service.tokenizer)
