@@ -15,10 +15,22 @@ Target: framework <= 2% of the step.
 Part 3 (``--part pack``): fwd+bwd of one GRPO batch two ways: full padded rows (as TRL does)
 and nexrl's packed forward (``compute_response_logprobs_packed``, no padding, each prompt once).
 
+Part 4 (``--part ray``): part 1's data path in ``launch_mode: ray`` against local mode, measured
+alternately in one run on one local Ray cluster: the rollout workers in 1, 2 and 4 actors (the
+control plane in one actor, the mock trainer and engine in another). Target: >= 1,000
+trajectories/s in Ray mode.
+
+Part 5 (``--part ray-step``): the quickstart's s/step in Ray mode (trainer and engine in one
+actor, the default; and apart, so every weight push crosses processes through the object store)
+against local mode, alternately in one run, with the weight-sync time of each. Target: Ray <= 1.1x
+local.
+
     python benchmarks/overhead.py                      # all parts (~6 min on 2 CPU cores)
     python benchmarks/overhead.py --part flow --workers 4 16 --batches 64
     python benchmarks/overhead.py --part step --real-steps 3 --py-spy /tmp/step.txt
     python benchmarks/overhead.py --part flow --profile flow.prof   # cProfile of one flow config
+    python benchmarks/overhead.py --part ray --workers 16 --batches 256 --tasks-per-call 16
+    python benchmarks/overhead.py --part ray-step --real-steps 4 --reps 2
 """
 from __future__ import annotations
 
@@ -37,7 +49,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUICKSTART = os.path.join(REPO, "recipes", "quickstart.yaml")
 
 FLOW_RECIPE = """\
-launch_mode: local
+launch_mode: {launch_mode}
 project_name: nexrl-bench
 experiment_name: overhead
 run_dir: {run_dir}
@@ -49,6 +61,8 @@ data:
 rollout_worker:
   type: simple
   num_workers: {workers}
+  num_actors: {actors}
+  tasks_per_call: {tasks_per_call}
   sampling: {{max_tokens: 16}}
   evaluator: {{type: numeric_answer}}
 trajectory_pool:
@@ -90,31 +104,44 @@ def _quiet_logs() -> None:
 
 
 def run_flow(workers: int, batch: int, group: int, steps: int, sync_mode: str = "sync",
-             staleness: int = 0, profile: str | None = None, limit: str = "null") -> dict[str, float]:
+             staleness: int = 0, profile: str | None = None, limit: str = "null", launch_mode: str = "local",
+             actors: int = 1, tasks_per_call: int = 1) -> dict[str, float]:
     from nexrl_core.config import load_recipe
     from nexrl_core.controller import NexRLController
+    from nexrl_core.runtime.execute import execute
 
     with tempfile.TemporaryDirectory(prefix="nexrl-overhead-") as tmp:
         path = os.path.join(tmp, "recipe.yaml")
         with open(path, "w") as f:
             f.write(FLOW_RECIPE.format(run_dir=os.path.join(tmp, "run"), workers=workers, batch=batch, group=group,
-                                       steps=steps, sync_mode=sync_mode, staleness=staleness, limit=limit))
+                                       steps=steps, sync_mode=sync_mode, staleness=staleness, limit=limit,
+                                       launch_mode=launch_mode, actors=actors, tasks_per_call=tasks_per_call))
         cfg = load_recipe(path)
-        controller = NexRLController(cfg)
-        t0 = time.perf_counter()
+        controller = NexRLController(cfg)  # (Ray: the actors start here, outside the timed run)
+        read: dict[str, Any] = {}
+        release = controller.resource_manager.shutdown
+
+        def read_then_release() -> None:  # modules are reached through their handles in any launch mode
+            read["cpu"] = cpu_since(cpu0)
+            read["n"] = sum(len(b) for b in execute(controller.trainer.get_batches))
+            read["rerolled"] = execute(controller.trajectory_pool.counters).get("stale_rerolled", 0)
+            read["calls"] = execute(controller.inference_client.num_calls)
+            release()
+
+        controller.resource_manager.shutdown = read_then_release
+        t0, cpu0 = time.perf_counter(), tree_cpu_s()
         if profile:
             summary = _run_profiled(controller, profile)
         else:
             summary = controller.run()
         wall = time.perf_counter() - t0
-        trainer = controller.trainer
-        n = sum(len(b) for b in trainer.batches)
-        rerolled = controller.trajectory_pool.counters().get("stale_rerolled", 0)
-        calls = controller.inference_client.calls
     assert summary.stopped_by == "finished", summary
+    n = read["n"]
     return {"workers": workers, "batch": batch, "group": group, "steps": steps, "sync_mode": sync_mode,
             "trajectories": n, "wall_s": wall, "traj_per_s": n / wall, "steps_per_s": steps / wall,
-            "generated": calls, "stale_rerolled": rerolled}
+            "generated": read["calls"], "stale_rerolled": read["rerolled"], "launch_mode": launch_mode,
+            "cpu_ms_per_traj": 1000 * read["cpu"] / max(n, 1),
+            "actors": actors, "tasks_per_call": tasks_per_call}
 
 
 def _run_profiled(controller: Any, out: str) -> Any:
@@ -173,6 +200,165 @@ def part_flow(args: argparse.Namespace) -> list[dict[str, float]]:
     best = max(results, key=lambda r: r["traj_per_s"])
     print(f"best: {best['traj_per_s']:.0f} trajectories/s (workers={best['workers']}, batch={best['batch']}, "
           f"{best['sync_mode']}); target >= 5000; load avg {loadavg()}")
+    return results
+
+
+# ----------------------------------------------------------------------------- part 4: ray flow
+
+
+def tree_cpu_s(root: int | None = None) -> dict[int, float]:
+    """CPU seconds (user + system) used so far by process ``root`` (this one) and by each of its
+    descendants (with Ray: the raylet, the GCS and the actors' workers), by pid."""
+    root = os.getpid() if root is None else root
+    ticks = os.sysconf("SC_CLK_TCK")
+    stats: dict[int, tuple[int, float]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            stats[int(entry)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / ticks)
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _) in stats.items():
+        children.setdefault(ppid, []).append(pid)
+    out, todo = {}, [root]
+    while todo:
+        pid = todo.pop()
+        if pid in stats:
+            out[pid] = stats[pid][1]
+        todo += children.get(pid, [])
+    return out
+
+
+def cpu_since(before: dict[int, float]) -> float:
+    """CPU seconds the process tree used since ``before`` (processes alive now)."""
+    return sum(max(0.0, cpu - before.get(pid, 0.0)) for pid, cpu in tree_cpu_s().items())
+
+
+def _start_ray(num_cpus: int | None) -> None:
+    import ray
+
+    ray.init(num_cpus=num_cpus, include_dashboard=False, configure_logging=False, log_to_driver=False)
+
+
+def part_ray(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Part 1's data path, local vs Ray with the workers in 1, 2, 4 actors, alternated per repetition."""
+    import ray
+
+    _quiet_logs()
+    os.environ.setdefault("NEXRL_LOAD_PLUGINS", "")  # the mock components are built in; nothing else to load
+    _start_ray(args.ray_cpus)
+    print(f"== part 4: data path, local (tasks_per_call 1) vs ray (tasks_per_call {args.tasks_per_call}), "
+          f"mock engine + mock trainer "
+          f"(ray: {ray.cluster_resources().get('CPU', 0):g} CPUs; load avg {loadavg()})")
+    print(f"{'mode':>6} {'actors':>6} {'workers':>7} {'batch':>5} {'steps':>5} {'traj':>7} {'wall_s':>7} "
+          f"{'traj/s':>8} {'steps/s':>7} {'rerolled':>8} {'cpu ms/traj':>11}")
+    variants = [("local", 1)] + [("ray", a) for a in args.actors]
+    results: list[dict[str, Any]] = []
+    try:
+        for _ in range(args.reps):
+            for w in args.workers:
+                for b in args.batches:
+                    steps = args.steps or max(10, args.trajectories // b)
+                    for mode, actors in variants:
+                        r = run_flow(w, b, args.group, steps, "sync", 0, None, args.flow_rollout_limit, mode,
+                                     min(actors, w), args.tasks_per_call if mode == "ray" else 1)
+                        results.append(r)
+                        print(f"{mode:>6} {r['actors'] if mode == 'ray' else '-':>6} {w:>7} {b:>5} {steps:>5} "
+                              f"{r['trajectories']:>7} {r['wall_s']:>7.2f} {r['traj_per_s']:>8.0f} "
+                              f"{r['steps_per_s']:>7.1f} {r['stale_rerolled']:>8} {r['cpu_ms_per_traj']:>11.3f}",
+                              flush=True)
+    finally:
+        ray.shutdown()
+    for mode, actors in variants:
+        mine = [r for r in results if r["launch_mode"] == mode and (mode == "local" or r["actors"] == actors)]
+        best = max(mine, key=lambda r: r["traj_per_s"])
+        label = "local" if mode == "local" else f"ray, workers in {actors} actor(s)"
+        cpu = min(r["cpu_ms_per_traj"] for r in mine)
+        print(f"best {label}: {best['traj_per_s']:.0f} trajectories/s (workers={best['workers']}, "
+              f"batch={best['batch']}); {cpu:.3f} CPU-ms per trajectory over all its processes "
+              f"(2 idle cores: at most {2000 / cpu:.0f} trajectories/s)")
+    print(f"target: ray >= 1000 trajectories/s; load avg {loadavg()}")
+    return results
+
+
+# ----------------------------------------------------------------------------- part 5: ray step
+
+
+def _watch_steps(run_dir: str, stop: threading.Event, marks: list[float]) -> None:
+    """Arrival time of each training row of metrics.jsonl (how a step's end is seen in any launch mode)."""
+    path, seen = os.path.join(run_dir, "metrics.jsonl"), 0
+    while not stop.is_set():
+        if os.path.exists(path):
+            with open(path) as f:
+                rows = [json.loads(line) for line in f if line.strip()]
+            n = sum("train/reward_mean" in r for r in rows)
+            marks.extend([time.perf_counter()] * (n - seen))
+            seen = n
+        stop.wait(0.05)
+
+
+def run_quickstart(tmp: str, mode: str, steps: int, extra: list[str]) -> dict[str, Any]:
+    from nexrl_core.config import load_recipe
+    from nexrl_core.controller import NexRLController
+
+    run_dir = os.path.join(tmp, f"{mode}-{time.monotonic_ns()}")
+    overrides = [f"run_dir={run_dir}", f"trainer.total_train_steps={steps}", "trainer.save_freq=0",
+                 "validate.validate_before_train=false", "weight.validate_freq=0", "logger.backend=[]",
+                 f"launch_mode={'local' if mode == 'local' else 'ray'}"]
+    if mode == "ray-apart":
+        overrides.append("ray.colocation.trainer=null")  # trainer in an actor of its own: pushes cross processes
+    controller = NexRLController(load_recipe(QUICKSTART, overrides + extra))
+    marks: list[float] = []
+    stop = threading.Event()
+    watcher = threading.Thread(target=_watch_steps, args=(run_dir, stop, marks), daemon=True)
+    watcher.start()
+    summary = controller.run()
+    stop.set()
+    watcher.join()
+    _watch_steps_final(run_dir, marks)
+    assert summary.stopped_by == "finished", summary
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    syncs = [r["timing/weight_sync_s"] for r in rows if "timing/weight_sync_s" in r][1:]
+    span = marks[-1] - marks[0]
+    return {"mode": mode, "s_per_step": span / max(len(marks) - 1, 1), "steps": len(marks),
+            "weight_sync_s": sum(syncs) / len(syncs) if syncs else float("nan")}
+
+
+def _watch_steps_final(run_dir: str, marks: list[float]) -> None:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        n = sum("train/reward_mean" in json.loads(line) for line in f if line.strip())
+    marks.extend([time.perf_counter()] * (n - len(marks)))
+
+
+def part_ray_step(args: argparse.Namespace) -> list[dict[str, Any]]:
+    import ray
+
+    _quiet_logs()
+    os.environ.setdefault("NEXRL_LOAD_PLUGINS", "nexrl-grpo")
+    _start_ray(args.ray_cpus)
+    modes = ["local", "ray", "ray-apart"]
+    print(f"== part 5: quickstart s/step, local vs ray, alternately ({args.real_steps} steps a run, "
+          f"{args.reps} runs each; load avg {loadavg()})")
+    results: list[dict[str, Any]] = []
+    try:
+        with tempfile.TemporaryDirectory(prefix="nexrl-raystep-") as tmp:
+            for _ in range(args.reps):
+                for mode in modes:
+                    r = run_quickstart(tmp, mode, args.real_steps, list(args.override))
+                    results.append(r)
+                    print(f"  {mode:<10} {r['s_per_step']:7.2f} s/step over steps 2..{r['steps']}  "
+                          f"weight sync {r['weight_sync_s']:.3f} s  (load avg {loadavg()})", flush=True)
+    finally:
+        ray.shutdown()
+    mean = {m: sum(r["s_per_step"] for r in results if r["mode"] == m) / args.reps for m in modes}
+    sync = {m: sum(r["weight_sync_s"] for r in results if r["mode"] == m) / args.reps for m in modes}
+    for m in modes:
+        print(f"{m:<10} {mean[m]:7.2f} s/step  {mean[m] / mean['local']:5.2f}x local  weight sync {sync[m]:.3f} s")
+    print("target: ray <= 1.1x local")
     return results
 
 
@@ -434,7 +620,7 @@ def _torch_profiler(out: str):
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--part", choices=["flow", "step", "pack", "all"], default="all")
+    p.add_argument("--part", choices=["flow", "step", "pack", "ray", "ray-step", "all"], default="all")
     p.add_argument("--workers", type=int, nargs="+", default=[1, 4, 16, 64], help="flow: rollout workers to try")
     p.add_argument("--batches", type=int, nargs="+", default=[16, 64, 256], help="flow: trajectory_pool.batch_size")
     p.add_argument("--group", type=int, default=4, help="flow: GRPO group size")
@@ -456,6 +642,10 @@ def main(argv: list[str] | None = None) -> int:
                    default=[7, 48, 12, 30, 48, 26, 9, 17, 41, 14, 48, 22, 6, 33, 19, 48],
                    help="pack: response lengths of the batch (4 groups)")
     p.add_argument("--pack-reps", type=int, default=3, help="pack: timed repetitions per variant")
+    p.add_argument("--actors", type=int, nargs="+", default=[1, 2, 4], help="ray: actors the workers are spread over")
+    p.add_argument("--tasks-per-call", type=int, default=16, help="ray: rollout_worker.tasks_per_call (both modes)")
+    p.add_argument("--reps", type=int, default=2, help="ray, ray-step: alternated repetitions")
+    p.add_argument("--ray-cpus", type=int, default=None, help="ray, ray-step: CPUs of the local cluster")
     args = p.parse_args(argv)
     if args.part in ("pack", "all"):
         part_pack(args)
@@ -463,6 +653,10 @@ def main(argv: list[str] | None = None) -> int:
         part_flow(args)
     if args.part in ("step", "all"):
         part_step(args)
+    if args.part in ("ray", "all"):
+        part_ray(args)
+    if args.part in ("ray-step", "all"):
+        part_ray_step(args)
     return 0
 
 

@@ -6,7 +6,9 @@ from .controller import NexRLController, RunFailed, RunSummary
 from .dataloader import BaseDataLoader
 from .errors import ConfigError, DataError, ErrorReporter, ErrorSeverity, NexRLError, PluginError
 from .evaluation import BaseEvaluationTarget, EvaluationRunResult, Evaluator
-from .runtime.execute import ModuleUnavailable, RpcTimeout, execute, execute_async, execute_with_timeout
+from .runtime.execute import (Deferred, ModuleUnavailable, RpcTimeout, deferred, execute, execute_async,
+                              execute_with_timeout)
+from .runtime.logs import demote_library_log
 from .inference import CompletionResult, InferenceClient, InferenceError, SamplingParams
 from .markers import hookimpl
 from .options import REQUIRED, Capabilities, Option, check_options, component_options
@@ -14,10 +16,12 @@ from .plugins import PluginManager, get_plugin_manager
 from .runtime.module import NexRLModule
 from .runtime.threaded import ThreadedModule
 from .rollout_worker import BaseRolloutWorker, ItemFailure
+from .tool_calls import as_text_messages, parse_tool_calls, render_tool_calls, tools_system_prompt
+from .train_service import StepResult, TrainService
 from .trainer import BaseTrainer
 from .trajectory_pool import (GroupedTrajectoryStore, HierarchicalTrajectoryStore, SimpleTrajectoryStore,
                               TrajectoryPool, TrajectoryPoolInstance)
-from .types import Batch, ModelTag, NexRLRole, Trajectory
+from .types import Batch, ModelTag, NexRLRole, Trajectory, trajectory_segments
 from .validator import Validator
 from .weight_sync import WeightSyncBackend, WeightSyncController
 
@@ -27,14 +31,18 @@ from .builtins.workers import SimpleRolloutWorker  # noqa: E402
 
 __all__ = [
     "REQUIRED", "ActivityTracker", "ActivityTrackerProxy", "BaseDataLoader", "BaseEvaluationTarget", "BaseRolloutWorker",
-    "BaseTrainer", "Batch", "Capabilities", "CompletionResult", "ConfigError", "DataError", "ErrorReporter", "ErrorSeverity",
+    "BaseTrainer", "Batch", "Capabilities", "CompletionResult", "ConfigError", "DataError", "Deferred", "ErrorReporter",
+    "ErrorSeverity",
     "EvaluationRunResult", "Evaluator", "FileDataLoader", "GroupedTrajectoryStore", "HierarchicalTrajectoryStore",
     "InferenceClient", "InferenceError", "ItemFailure", "ModelTag", "ModuleUnavailable", "NexRLController",
     "NexRLError", "NexRLModule", "NexRLRole", "Option", "PluginError", "PluginManager", "RpcTimeout", "RunFailed",
     "RunSummary",
-    "SamplingParams", "SimpleRolloutWorker", "SimpleTrajectoryStore", "ThreadedModule", "Trajectory",
+    "SamplingParams", "StepResult", "TrainService", "SimpleRolloutWorker", "SimpleTrajectoryStore", "ThreadedModule", "Trajectory",
     "TrajectoryPool", "TrajectoryPoolInstance", "Validator", "WeightSyncBackend", "WeightSyncController",
-    "algorithms", "check_options", "component_options", "execute", "execute_async", "execute_with_timeout",
+    "algorithms", "check_options", "component_options", "deferred", "execute", "execute_async",
+    "execute_with_timeout", "get_plugin_manager", "hookimpl", "OpenAICompatibleClient", "trajectory_segments",
+    "as_text_messages", "parse_tool_calls", "render_tool_calls", "tools_system_prompt",
+    "algorithms", "check_options", "component_options", "demote_library_log", "execute", "execute_async", "execute_with_timeout",
     "get_plugin_manager", "hookimpl", "OpenAICompatibleClient",
 ]
 

@@ -1,8 +1,8 @@
-"""The `nexrl` command: run, validate, eval, plugins.
+"""The `nexrl` command: run, validate, config, eval, plot, export, plugins.
 
 Exit codes: 0 success; 2 bad input (a recipe, override, data file or plugin problem: nothing
 ran), the same lines from ``validate`` and ``run``; 1 a run or evaluation that failed (a server
-that does not start included); 130 interrupted.
+that does not start included); 130 interrupted; 141 the reader of stdout went away (``| head``).
 """
 
 from __future__ import annotations
@@ -10,46 +10,148 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import sys
 from typing import Any
 
-from .errors import ConfigError, DataError, NexRLError, PluginError
+from .errors import ConfigError, NexRLError, exit_code
 
 EVAL_FILES = ("metrics.json", "samples.jsonl", "errors.jsonl", "eval.log")
+_SIGPIPE_EXIT = 141  # what a shell reports for a command killed by SIGPIPE
+
+OVERRIDE_HELP = """\
+overrides (Hydra syntax, any number, before or after the options):
+  key.sub=value        set an existing key         trainer.total_train_steps=50
+  +key.sub=value       add a key the recipe lacks  +rollout_worker.evaluator.format_reward=0.1
+  ~key.sub             delete a key                ~validate.data
+  key=[a,b]  key={a: 1}  lists and mappings; quote values with spaces: 'experiment_name="my run"'
+  group=option         choose a config group's option   weight=fully_async (weight/fully_async.yaml)
+Relative paths written in a recipe are relative to the recipe's folder; paths given here, to
+the current folder."""
 
 
 class _Failed(NexRLError):
     """A run or evaluation that started and failed (exit 1)."""
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="nexrl", description="nexrl: reinforcement learning for LLMs")
-    sub = parser.add_subparsers(dest="command", required=True)
-    p_run = sub.add_parser("run", help="train with a recipe")
-    p_run.add_argument("recipe")
-    p_run.add_argument("overrides", nargs="*", help="Hydra-style key=value overrides")
-    p_val = sub.add_parser("validate", help="resolve a recipe and every component, run nothing")
-    p_val.add_argument("recipe")
-    p_val.add_argument("overrides", nargs="*")
-    p_eval = sub.add_parser("eval", help="evaluate a model (or checkpoint=PATH) on the recipe's validation set")
-    p_eval.add_argument("recipe")
-    p_eval.add_argument("overrides", nargs="*", help="key=value overrides; checkpoint=PATH evaluates a checkpoint")
+def version_text() -> str:
+    """``nexrl --version``: nexrl-core and every installed plugin distribution (read from metadata)."""
+    import importlib.metadata as md
+
+    from .run_info import _version
+
+    lines = [f"nexrl-core {_version('nexrl-core') or 'unknown'}"]
+    seen = set()
+    for ep in md.entry_points(group="nexrl"):
+        dist = ep.dist.name if ep.dist is not None else ep.value.split(".")[0]
+        if dist in seen or dist == "nexrl-core":
+            continue
+        seen.add(dist)
+        lines.append(f"  {dist} {ep.dist.version if ep.dist is not None else '?'}")
+    lines.append(f"  python {sys.version.split()[0]}")
+    return "\n".join(lines)
+
+
+class _VersionAction(argparse.Action):
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS, **kwargs: Any):
+        super().__init__(option_strings, dest, nargs=0, help="print nexrl-core's and the plugins' versions")
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option_string: str | None = None) -> None:
+        print(version_text())
+        parser.exit()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    fmt = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(prog="nexrl", description="nexrl: reinforcement learning for LLMs",
+                                     epilog=OVERRIDE_HELP, formatter_class=fmt)
+    parser.add_argument("--version", "-V", action=_VersionAction)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def recipe_command(name: str, help_text: str, overrides_help: str = "key=value overrides") -> Any:
+        p = sub.add_parser(name, help=help_text, description=help_text, epilog=OVERRIDE_HELP, formatter_class=fmt)
+        p.add_argument("recipe", help="the recipe YAML file")
+        p.add_argument("overrides", nargs="*", metavar="key=value", help=overrides_help)
+        return p
+
+    recipe_command("run", "train with a recipe")
+    recipe_command("validate", "resolve a recipe and every component, run nothing; exit 0, or 2 and each problem")
+    p_config = recipe_command("config", "print the resolved recipe (defaults, recipe and overrides merged; "
+                                        "secrets redacted) as YAML")
+    p_config.add_argument("--no-check", action="store_true", help="print even when the recipe has problems")
+    p_eval = recipe_command("eval", "evaluate a model (or checkpoint=PATH) on the recipe's validation set",
+                            "key=value overrides; checkpoint=PATH evaluates a checkpoint")
     p_eval.add_argument("--samples-out", help="write per-sample results to this JSONL file")
     p_eval.add_argument("--out", help="folder for this evaluation's outputs: metrics.json, samples.jsonl, "
                                       "errors.jsonl (failed samples), eval.log")
-    p_plugins = sub.add_parser("plugins", help="list installed plugins")
+    p_plot = sub.add_parser("plot", help="draw a run's training reward and validation metrics to a PNG",
+                            description="draw RUN_DIR/metrics.jsonl (training reward, validation, loss) to a PNG "
+                                        "(needs matplotlib: pip install 'nexrl-core[plot]')")
+    p_plot.add_argument("run_dir", help="a run directory (run_dir in the recipe)")
+    p_plot.add_argument("--out", "-o", help="the PNG to write (default RUN_DIR/metrics.png)")
+    p_export = sub.add_parser("export", help="write a checkpoint's model (no optimizer state) to a new folder",
+                              description="write the model of a global_step_<N> checkpoint to OUT for inference "
+                                          "(transformers' from_pretrained), without optimizer or RNG state")
+    p_export.add_argument("checkpoint", help="a global_step_<N> folder")
+    p_export.add_argument("out", help="the folder to create")
+    p_export.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                          help="cast floating-point weights (default: as trained)")
+    p_export.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    p_plugins = sub.add_parser("plugins", help="list installed plugins; 'plugins check NAME' checks one")
     p_plugins.add_argument("--json", action="store_true")
-    args = parser.parse_args(argv)
-    if args.command != "plugins":
+    plugin_commands = p_plugins.add_subparsers(dest="plugins_command")
+    p_check = plugin_commands.add_parser(
+        "check", help="conformance check of a plugin's evaluators (and its components' option declarations)")
+    p_check.add_argument("name", help="distribution (nexrl-rewards), entry-point name (rewards) or evaluator name")
+    p_check.add_argument("options", nargs="*", help="key=value constructor options of the one evaluator NAME")
+    p_check.add_argument("--json", action="store_true", dest="check_json")
+    p_new = sub.add_parser("new", help="scaffold a plugin package: nexrl new evaluator NAME")
+    p_new.add_argument("kind", choices=["evaluator"], help="what the plugin provides")
+    p_new.add_argument("name", help="its registered name, e.g. length_penalty (package nexrl-evaluator-NAME)")
+    p_new.add_argument("--dir", default=".", help="folder to create the package in (default: here)")
+    p_new.add_argument("--license", default="Apache-2.0", help="SPDX license expression (default: Apache-2.0)")
+    return parser
+
+
+_INTERMIXED = ("run", "validate", "config", "eval", "plot", "export")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """Options may come before, between or after a command's overrides."""
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    if argv and argv[0] in _INTERMIXED:  # commands with key=value overrides
+        args = sub.choices[argv[0]].parse_intermixed_args(argv[1:])
+        args.command = argv[0]
+        return args
+    return parser.parse_args(argv)  # --help, --version, a missing or unknown command
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        code = _main(argv)
+        sys.stdout.flush()  # here, so a closed pipe is caught below and not at interpreter exit
+        return code
+    except BrokenPipeError:
+        # ``nexrl plugins | head``: the reader has what it wanted; no traceback, no flush error at exit
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return _SIGPIPE_EXIT
+
+
+def _main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    if args.command not in ("plugins", "config", "new"):
         from .run_log import setup_logging
 
         setup_logging(None, "INFO")  # plugin-loading warnings in the same short format as the run's
+    commands = {"run": _run, "validate": _validate, "config": _config, "eval": _eval, "plot": _plot,
+                "export": _export, "plugins": _plugins, "new": _new}
     try:
-        return {"run": _run, "validate": _validate, "eval": _eval, "plugins": _plugins}[args.command](args)
+        return commands[args.command](args)
     except NexRLError as exc:
         _print_problems(getattr(exc, "problems", None) or [str(exc)])
-        return 2 if isinstance(exc, (ConfigError, DataError, PluginError)) else 1
+        return exit_code(exc)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
@@ -67,34 +169,9 @@ def _load(args: Any) -> Any:
 
 
 def _run(args: Any) -> int:
-    from .controller import NexRLController
-    from .plugins import get_plugin_manager
-    from .preflight import require_runnable
-    from .run_log import prepare_run_dir, setup_logging
+    from .cli_run import run_command
 
-    cfg = _load(args)
-    pm = get_plugin_manager()
-    require_runnable(cfg, pm)  # before anything is written to run_dir
-    prepare_run_dir(cfg)
-    setup_logging(str(cfg.run_dir), str(cfg.logger.level), fresh=cfg.resume.mode == "disable")
-
-    def interrupt(_signum: int, _frame: Any) -> None:
-        raise KeyboardInterrupt  # while the run is being built: nothing to drain yet (exit 130)
-
-    signal.signal(signal.SIGINT, interrupt)
-    signal.signal(signal.SIGTERM, interrupt)
-    controller = NexRLController(cfg, pm)
-
-    def on_signal(signum: int, _frame: Any) -> None:
-        # SIGINT/SIGTERM: stop cleanly (workers drained, trainer.save_on_stop honoured), exit 130
-        controller.request_stop(signal.Signals(signum).name)
-
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
-    summary = controller.run()
-    print(json.dumps({"global_step": summary.global_step, "stopped_by": summary.stopped_by,
-                      "run_dir": str(cfg.run_dir), "validation": summary.validation}, default=float))
-    return 130 if summary.stopped_by == "signal" else 0
+    return run_command(args)
 
 
 def _validate(args: Any) -> int:
@@ -106,7 +183,45 @@ def _validate(args: Any) -> int:
     if problems:
         _print_problems(problems)
         return 2
+    from .launch import unused_launch_keys_note
+
+    note = unused_launch_keys_note(cfg)
+    if note:
+        print(f"warning: {note}", file=sys.stderr)  # as `nexrl run` logs it
     print(f"{args.recipe}: ok")
+    return 0
+
+
+def _config(args: Any) -> int:
+    from .config import check_config
+    from .plugins import get_plugin_manager
+    from .run_info import redacted_yaml
+
+    cfg = _load(args)
+    if not args.no_check:
+        problems = check_config(cfg, get_plugin_manager())
+        if problems:
+            _print_problems(problems + ["(nexrl config --no-check prints the recipe anyway)"])
+            return 2
+    sys.stdout.write(redacted_yaml(cfg))
+    return 0
+
+
+def _plot(args: Any) -> int:
+    from .plot import plot_run
+
+    if not os.path.isdir(args.run_dir):
+        raise ConfigError(f"{args.run_dir}: no such run directory")
+    print(plot_run(args.run_dir, args.out))
+    return 0
+
+
+def _export(args: Any) -> int:
+    from .export import export_checkpoint
+    from .plugins import get_plugin_manager
+
+    out = export_checkpoint(args.checkpoint, args.out, get_plugin_manager(), dtype=args.dtype, force=args.force)
+    print(out)
     return 0
 
 
@@ -119,7 +234,8 @@ def _eval(args: Any) -> int:
     overrides = [o for o in args.overrides if not o.startswith("checkpoint=")]
     checkpoint = [o.split("=", 1)[1] for o in args.overrides if o.startswith("checkpoint=")]
     if checkpoint:
-        overrides.append(f"service.inference_service.model_path={checkpoint[-1]}")
+        # ++: set or add (a backend whose recipe names no model_path, e.g. tinker, takes one too)
+        overrides.append(f"++service.inference_service.model_path={checkpoint[-1]}")
     cfg = _load(argparse.Namespace(recipe=args.recipe, overrides=overrides))
     setup_logging(None, "WARNING")
     out = args.out
@@ -157,7 +273,6 @@ def _eval(args: Any) -> int:
 
 
 def _prepare_eval_out(out: str, run_dir: str) -> None:
-    from .errors import ConfigError
     from .preflight import writable_dir_problem
 
     problem = writable_dir_problem(out, "--out")
@@ -176,6 +291,8 @@ def _prepare_eval_out(out: str, run_dir: str) -> None:
 def _plugins(args: Any) -> int:
     from .plugins import get_plugin_manager
 
+    if getattr(args, "plugins_command", None) == "check":
+        return _plugins_check(args)
     pm = get_plugin_manager()
     info = pm.describe()
     failures = [{"name": f.name, "distribution": f.distribution, "error": f.error} for f in pm.failures]
@@ -192,6 +309,50 @@ def _plugins(args: Any) -> int:
     for message in pm.bad_registrations:
         print(f"BAD {message}")
     return 0
+
+
+def _new(args: Any) -> int:
+    from .plugins import get_plugin_manager
+    from .scaffold import new_evaluator, names
+
+    names(args.name)  # a bad NAME fails before the plugins load
+    root = new_evaluator(args.name, args.dir, args.license, set(get_plugin_manager().components("evaluator")))
+    n = names(args.name)
+    print(f"created {root}/ ({n['dist']}: evaluator '{n['name']}', class {n['cls']} in {n['package']}/plugin.py)\n"
+          f"next:\n  cd {root}\n  pip install -e '.[test]'\n  pytest\n  nexrl run recipe.yaml")
+    return 0
+
+
+def _plugins_check(args: Any) -> int:
+    from .testing.conformance import check_plugin
+
+    reports = check_plugin(args.name, options=_key_values(args.options))
+    if args.check_json:
+        print(json.dumps([r.to_dict() for r in reports], indent=2))
+    else:
+        print("\n".join(r.text() for r in reports))
+    return 1 if any(r.problems for r in reports) else 0
+
+
+def _key_values(items: list[str]) -> dict[str, Any]:
+    """``a=1 b.c=x`` -> ``{"a": 1, "b": {"c": "x"}}`` (values read as YAML)."""
+    import yaml
+
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"'{item}': options are key=value")
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"'{item}': the value is not YAML ({str(exc).splitlines()[0]})") from None
+        node = out
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return out
 
 
 if __name__ == "__main__":

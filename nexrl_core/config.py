@@ -9,6 +9,7 @@ resume state).
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -20,12 +21,13 @@ from .compose import Composer, GroupOverride, deep_merge, read_yaml_file
 from .errors import ConfigError, NexRLError
 from .options import (Option, check_value, component_capabilities, component_options, option_defaults,
                       options_from_signature, type_name, unknown_key)
-from .schema import CORE_OPTIONS, TRAIN_SERVICE_BACKENDS, core_defaults
+from .schema import CORE_OPTIONS, core_defaults
 
 # kind -> words for messages
 KIND_WORDS = {"dataloader": "data loader", "rollout_worker": "rollout worker", "evaluator": "evaluator",
               "trainer": "trainer", "weight_sync_backend": "weight-sync backend",
-              "inference_backend": "inference backend", "metrics_sink": "metrics sink"}
+              "inference_backend": "inference backend", "metrics_sink": "metrics sink",
+              "train_service": "train service"}
 
 
 class RecipeProblems(ConfigError):
@@ -51,10 +53,12 @@ def load_recipe(path: str, overrides: list[str] | None = None) -> DictConfig:
     composer = Composer(path, [])
     group_overrides, value_overrides = _parse_overrides(overrides or [], composer)
     composer.overrides = group_overrides
-    merged: Any = core_defaults()
+    recipe: Any = {}
     for layer in composer.layers(raw):
-        merged = deep_merge(merged, layer)
-    cfg = _create(merged, path)
+        recipe = deep_merge(recipe, layer)
+    recipe_dir = os.path.dirname(os.path.abspath(path))
+    resolve_recipe_paths(recipe, recipe_dir)
+    cfg = _create(deep_merge(core_defaults(), recipe), path)
     _apply_overrides(cfg, value_overrides)
     plain = _fill_section_defaults(OmegaConf.to_container(cfg, resolve=False), CORE_OPTIONS)
     try:
@@ -62,8 +66,65 @@ def load_recipe(path: str, overrides: list[str] | None = None) -> DictConfig:
     except OmegaConfBaseException as exc:
         raise ConfigError(f"{getattr(exc, 'full_key', '') or path}: cannot resolve interpolation "
                           f"({str(exc.msg).splitlines()[0]})") from None
-    resolved.recipe_dir = os.path.dirname(os.path.abspath(path))  # relative paths stay relative to the cwd
+    resolved.recipe_dir = recipe_dir
     return resolved
+
+
+def resolve_recipe_paths(values: Any, recipe_dir: str, options: Mapping[str, Option] | None = None,
+                         pm: Any = None) -> None:
+    """In place: each relative path a recipe names (options declared ``path=True``, the core's and
+    the selected components') becomes the path next to the recipe when that file or folder exists
+    there; otherwise it is left as written (relative to the current folder, or a name such as a
+    model id). Values with an interpolation are left alone."""
+    if not isinstance(values, dict):
+        return
+    if options is None:
+        from .plugins import peek_plugin_manager
+
+        options, pm = CORE_OPTIONS, pm or peek_plugin_manager()  # one manager for the whole walk
+        train_service = _get(values, "service.train_service")
+        trainer_cls = _selected_class(CORE_OPTIONS["trainer"], values.get("trainer"), pm)
+        if isinstance(train_service, dict) and trainer_cls is not None:  # keys of the chosen train service
+            try:
+                declared, _ = _train_service_declared(train_service, trainer_cls, pm)
+            except NexRLError:
+                declared = {}  # an unknown backend: the checks report it
+            resolve_recipe_paths(train_service, recipe_dir, declared, pm)
+    for key, value in list(values.items()):
+        opt = options.get(str(key))
+        if opt is None:
+            continue
+        if opt.path:
+            values[key] = _recipe_path(value, recipe_dir)
+        elif opt.component is not None and isinstance(value, dict):
+            cls = _selected_class(opt, value, pm)
+            own = declared_options(opt.component, cls) if cls is not None else None
+            resolve_recipe_paths(value, recipe_dir, {**(own or {}), **dict(opt.options or {})}, pm)
+        elif opt.options is not None and isinstance(value, dict):
+            resolve_recipe_paths(value, recipe_dir, opt.options, pm)
+
+
+def _recipe_path(value: Any, recipe_dir: str) -> Any:
+    if isinstance(value, list):
+        return [_recipe_path(v, recipe_dir) for v in value]
+    if not isinstance(value, str) or not value or os.path.isabs(value) or "${" in value or value.startswith("~"):
+        return value
+    candidate = os.path.normpath(os.path.join(recipe_dir, value))
+    return candidate if os.path.exists(candidate) else value
+
+
+def _selected_class(opt: Option, values: Any, pm: Any) -> type | None:
+    """The registered class a component section selects (None when unknown: the checks say so)."""
+    from .plugins import peek_plugin_manager
+
+    if opt.options is None or opt.component is None:
+        return None
+    section = values if isinstance(values, Mapping) else {}
+    name = section.get(opt.selector, opt.options[opt.selector].default_value())
+    if not isinstance(name, str):
+        return None
+    registered = (pm or peek_plugin_manager()).components(opt.component).get(name)
+    return registered.cls if registered is not None else None
 
 
 def _create(data: Any, path: str) -> DictConfig:
@@ -162,7 +223,8 @@ def _plain_value(value: Any) -> Any:
 def _has_key(cfg: DictConfig, dotted: str) -> bool:
     node: Any = cfg
     for part in dotted.split("."):
-        if not isinstance(node, DictConfig) or part not in node:
+        # keys(), not `in`: a key whose value is '???' (to be set on the command line) is not "in" a DictConfig
+        if not isinstance(node, DictConfig) or part not in node.keys():
             return False
         node = node._get_node(part)
     return True
@@ -214,7 +276,8 @@ def check_config(cfg: Any, plugin_manager: Any, eval_only: bool = False) -> list
     trainer_cls = checker.found.get("trainer")
     if trainer_cls is not None:
         problems += check_algorithm(values.get("algorithm"), trainer_cls, plugin_manager)
-        problems += _check_train_service(values, trainer_cls)
+        problems += _check_train_service(values, trainer_cls, plugin_manager)
+        problems += _recipe_check(trainer_cls, values)
     if not eval_only:
         problems += check_capabilities(checker.found, values, plugin_manager)
     return problems
@@ -303,11 +366,24 @@ def component_check(cls: type, values: Mapping[str, Any], path: str, hook: str =
         return [f"{path}: {cls.__name__}.{hook} raised {type(exc).__name__}: {exc}"]
 
 
+def _recipe_check(trainer_cls: type, values: Mapping[str, Any]) -> list[str]:
+    """A trainer's rules across sections (it is built with the whole recipe):
+    ``cls.check_recipe(recipe) -> ["<key>: why", ...]``, optional; it must cope with values of the
+    wrong type, which the key checks report."""
+    check = getattr(trainer_cls, "check_recipe", None)
+    if not callable(check):
+        return []
+    try:
+        return [str(p) for p in check(values) or []]
+    except Exception as exc:  # a plugin bug must not hide the recipe's problems behind a traceback
+        return [f"trainer: {trainer_cls.__name__}.check_recipe raised {type(exc).__name__}: {exc}"]
+
+
 def declared_options(kind: str, cls: type) -> dict[str, Option] | None:
     """The options a component class accepts in its recipe section (None: any)."""
     own = component_options(cls)
     if own is None and kind == "evaluator":
-        return options_from_signature(cls.__init__)
+        return options_from_signature(cls.__init__, doc=inspect.getdoc(cls))
     return own if own is not None else {}
 
 
@@ -341,6 +417,8 @@ def _core_options(values: Any, pm: Any) -> tuple[dict[str, Option], list[str]]:
         own = component_options(cls)
         if own:
             logger_options[str(name)] = Option(options=own, help=f"options of the {name} metrics sink")
+        section = logger_section.get(str(name)) if isinstance(logger_section, Mapping) else None
+        problems += component_check(cls, section if isinstance(section, Mapping) else {}, f"logger.{name}")
     options["logger"] = Option(options=logger_options, help=options["logger"].help)
     return options, problems
 
@@ -372,6 +450,10 @@ def _cross_checks(values: Mapping[str, Any]) -> list[str]:
     if _get(values, "overwrite_run_dir") is True and _get(values, "resume.mode") in ("auto", "from_path"):
         problems.append(f"overwrite_run_dir: applies to a fresh run only (resume.mode: disable); with resume.mode "
                         f"'{_get(values, 'resume.mode')}' the earlier run is continued, not moved aside")
+    workers, actors = _int(_get(values, "rollout_worker.num_workers")), _int(_get(values, "rollout_worker.num_actors"))
+    if workers and actors and actors > workers > 0:
+        problems.append(f"rollout_worker.num_actors ({actors}) exceeds rollout_worker.num_workers ({workers}): "
+                        f"every actor hosts at least one worker")
     if _get(values, "resume.mode") == "from_path" and not _get(values, "resume.resume_path"):
         problems.append("resume.resume_path: required when resume.mode is 'from_path'")
     if isinstance(_get(values, "validate"), Mapping) and _get(values, "validate.data") is None:
@@ -400,19 +482,43 @@ def check_algorithm(section: Any, trainer_cls: type, plugin_manager: Any) -> lis
     return key_problems + [p for p in problems if p not in key_problems]
 
 
-def _check_train_service(values: Mapping[str, Any], trainer_cls: type) -> list[str]:
-    from .options import check_options
+def _train_service_declared(section: Mapping[str, Any], trainer_cls: type, plugin_manager: Any,
+                            trainer_name: str | None = None) -> tuple[dict[str, Option], type | None]:
+    """The keys ``service.train_service`` may hold with this trainer, and the registered train
+    service the section selects (None for a trainer that drives none: its own declared keys)."""
+    from .train_service import train_service_class, train_service_options
 
-    section = _get(values, "service.train_service", {})
-    declared = component_options(trainer_cls, "TRAIN_SERVICE_OPTIONS", "TRAIN_SERVICE_KEYS") or {}
-    problems = check_options(section if section is not None else {}, declared, "service.train_service")
-    if not problems and isinstance(section, Mapping):
-        problems += component_check(trainer_cls, section, "service.train_service", "check_train_service")
-    backend = section.get("backend") if isinstance(section, Mapping) else None
-    if backend is not None and "backend" in declared and backend not in TRAIN_SERVICE_BACKENDS and not any(
-            p.startswith("service.train_service.backend") for p in problems):
-        problems.append(f"service.train_service.backend: {backend!r} is not one of "
-                        f"{', '.join(TRAIN_SERVICE_BACKENDS)}")
+    own = component_options(trainer_cls, "TRAIN_SERVICE_OPTIONS", "TRAIN_SERVICE_KEYS") or {}
+    if not getattr(trainer_cls, "TRAIN_SERVICE_BATCH_FORMAT", None):
+        return own, None
+    service_cls = train_service_class(trainer_cls, section, plugin_manager, trainer_name)
+    return {**train_service_options(service_cls, trainer_cls), **own}, service_cls
+
+
+def _check_train_service(values: Mapping[str, Any], trainer_cls: type, plugin_manager: Any) -> list[str]:
+    """``service.train_service``: the keys of the train service it selects (a trainer that drives a
+    registered one, see :mod:`nexrl_core.train_service`), or else the trainer's own declared keys."""
+    from .options import check_options
+    from .train_service import SECTION
+
+    section = _get(values, SECTION, {})
+    if section is None:
+        section = {}
+    if not isinstance(section, Mapping):
+        return []  # the core's check of the section's type reports it
+    try:
+        declared, service_cls = _train_service_declared(section, trainer_cls, plugin_manager,
+                                                        _get(values, "trainer.type"))
+    except NexRLError as exc:
+        return [str(exc)]
+    owner = ""
+    if service_cls is not None:
+        owner = f"train service '{section.get('backend', getattr(trainer_cls, 'TRAIN_SERVICE_DEFAULT', None))}'"
+    problems = check_options(section, declared, SECTION, owner=owner)
+    if not problems and service_cls is not None:
+        problems += component_check(service_cls, section, SECTION)
+    if not problems:
+        problems += component_check(trainer_cls, section, SECTION, "check_train_service")
     return problems
 
 

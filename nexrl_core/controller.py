@@ -30,7 +30,7 @@ from .types import NexRLRole, Trajectory
 from .validator import Validator
 from .weight_sync import WeightSyncController
 
-_LOOP_WAIT_S = 0.02
+_LISTENER_POLL_S = 0.1  # how often the driver's listeners (progress display) are handed new metrics rows
 
 
 class RunFailed(NexRLError):
@@ -51,9 +51,13 @@ class RunSummary:
 
 class NexRLController:
     def __init__(self, config: DictConfig, plugin_manager: PluginManager | None = None,
-                 eval_only: bool = False, eval_out: str | None = None):
+                 eval_only: bool = False, eval_out: str | None = None, listeners: list[Any] | None = None):
         """``eval_only``: build for ``nexrl eval`` (no trainer, no training data), recording failed
-        samples in ``eval_out`` (None: nowhere), never in the training run's run_dir."""
+        samples in ``eval_out`` (None: nowhere), never in the training run's run_dir.
+
+        ``listeners``: objects with ``log(metrics, step)`` (a metrics sink's interface) that follow the
+        run in this process (the driver), whatever the launch mode: every metrics row (with its
+        ``time``) reaches them, read from what the run recorded, never from the data path."""
         self._config = config
         self._pm = plugin_manager or get_plugin_manager()
         self._eval_only = eval_only
@@ -64,9 +68,13 @@ class NexRLController:
         random.seed(int(config.seed))
         self._stop_requested = threading.Event()
         self._stop_reason = ""
+        self._dead: list[str] = []  # modules the health check found dead (their work never ends)
         self._validations: list[dict[str, float]] = []
         self._final_step = 0
         self._final_errors: list[str] = []
+        self._listeners = list(listeners or [])
+        self._rows_cursor = 0
+        self._failed_listeners: set[int] = set()
         self.run_dir = str(config.run_dir)
         #: validation trajectories of the last :meth:`run_evaluation`
         self.evaluation_samples: list[Trajectory] = []
@@ -74,8 +82,12 @@ class NexRLController:
         self.resource_manager = create_resource_manager(config, self._pm)
         self._register_roles()
         self.resource_manager.create_all_actors()
-        self._take_handles()
-        self._set_module_references()
+        try:
+            self._take_handles()
+            self._set_module_references()
+        except BaseException:
+            self.resource_manager.shutdown()  # no actor or cluster outlives a run that could not start
+            raise
 
     # -- construction ---------------------------------------------------------------
     def _create(self, kind: str, name: Any, key: str) -> type:
@@ -162,6 +174,7 @@ class NexRLController:
         for worker in self.rollout_workers:
             execute(worker.set_module_references, self.trajectory_pool, self.dataloader, self.weight_sync_controller,
                     self.validate_dataloader, self.validator, self.inference_client)
+            execute(worker.set_idle_wait, self.resource_manager.idle_wait_s)
 
     def modules(self) -> dict[NexRLRole, Any]:
         """Handles of every module, by role."""
@@ -172,6 +185,13 @@ class NexRLController:
                 NexRLRole.INFERENCE_SERVICE: self.inference_client}
 
     # -- run -----------------------------------------------------------------------------
+    def final_step(self) -> int:
+        """The trainer's step when the run stopped (known once :meth:`run` returned or raised)."""
+        return self._final_step
+
+    def stop_requested(self) -> bool:
+        return self._stop_requested.is_set()
+
     def request_stop(self, reason: str) -> None:
         """Ask the monitor loop to stop (signal handlers call this)."""
         self._stop_reason = reason
@@ -191,6 +211,7 @@ class NexRLController:
             if due:
                 self._wait_validation()
                 self._end_validate(self._model_tag, start_step)
+                self._feed_listeners()
             execute(self.trainer.run)
             stopped_by, error = self._monitor(cfg)
         except NexRLError as exc:
@@ -232,11 +253,14 @@ class NexRLController:
         rm = cfg.runtime_monitor
         wsc, tracker = self.weight_sync_controller, self.activity_tracker
         next_health = time.monotonic() + float(rm.health_check.check_interval)
-        next_exc = time.monotonic()
+        next_exc = next_feed = time.monotonic()
         unhealthy_since: float | None = None
         while True:
             if self._stop_requested.is_set():
                 return "signal", None
+            if self._listeners and time.monotonic() >= next_feed:
+                next_feed = time.monotonic() + _LISTENER_POLL_S
+                self._feed_listeners()
             if execute(wsc.is_waiting_for_validation):
                 if self.validate_dataloader is None:
                     execute(wsc.end_validate, self._model_tag)
@@ -262,12 +286,29 @@ class NexRLController:
                 if dead:
                     unhealthy_since = unhealthy_since or now
                     if now - unhealthy_since >= float(rm.health_check.grace_period):
+                        self._dead = list(dead)
                         return "error", self._dead_message(dead)
                     logger.warning(f"not answering health checks: {', '.join(dead)}; waiting up to "
                                    f"{rm.health_check.grace_period}s for them to come back")
                 else:
                     unhealthy_since = None
-            self._stop_requested.wait(_LOOP_WAIT_S)
+            self._stop_requested.wait(self.resource_manager.poll_interval_s)
+
+    def _feed_listeners(self) -> None:
+        """Hand the metrics rows recorded since the last call to every listener (a listener that
+        raises is reported once and skipped: it must not stop the run)."""
+        rows, self._rows_cursor = execute(self.activity_tracker.recorded_rows, self._rows_cursor)
+        for row in rows:
+            step = int(row.pop("step"))
+            for i, listener in enumerate(self._listeners):
+                if i in self._failed_listeners:
+                    continue
+                try:
+                    listener.log(row, step)
+                except Exception as exc:
+                    self._failed_listeners.add(i)
+                    logger.opt(exception=exc).warning(f"{type(listener).__name__}.log failed and is skipped for the "
+                                                      f"rest of the run: {type(exc).__name__}: {exc}")
 
     def _policy_message(self, policy: str) -> str:
         """Name the error that made ``policy`` stop the run (not merely the latest one)."""
@@ -280,14 +321,19 @@ class NexRLController:
         return f"stopping on {e.severity.value} (policy {policy}): {e.module_name}/{e.work_context}: {e.message}"
 
     def _dead_message(self, dead: list[str]) -> str:
+        try:
+            why = execute(self.activity_tracker.last_health_problems)
+        except Exception:
+            why = {}
         parts = []
         for name in dead:
             if name == "inference_service":
                 url = self._config.service.inference_service.get("url")
                 where = f" at {str(url).rstrip('/')}" if url else ""
-                parts.append(f"the inference service{where} stopped answering")
+                parts.append(f"the inference service{where} stopped answering"
+                             + (f" ({why[name]})" if why.get(name) else ""))
             else:
-                parts.append(f"module {name} is dead or hung")
+                parts.append(f"module {name} is dead or hung" + (f" ({why[name]})" if why.get(name) else ""))
         return "health check failed: " + "; ".join(parts)
 
     def _check_finish(self, trainer: dict[str, Any]) -> bool:
@@ -329,7 +375,7 @@ class NexRLController:
 
     def _wait_validation(self) -> None:
         while not execute(self.validator.is_complete):
-            if self._stop_requested.wait(_LOOP_WAIT_S):
+            if self._stop_requested.wait(self.resource_manager.poll_interval_s):
                 raise _StopRequested(f"stopped during validation ({self._stop_reason})")
 
     def _end_validate(self, model_tag: str, step: int) -> None:
@@ -383,7 +429,7 @@ class NexRLController:
                 _best_effort("stopping the trainer", trainer.stop)
             for worker in self.rollout_workers:
                 _best_effort("stopping a rollout worker", worker.stop)
-            if not _best_effort("waiting for work in flight", tracker.wait_quiescent, timeout):
+            if not _best_effort("waiting for work in flight", tracker.wait_quiescent, timeout, self._dead):
                 logger.warning(f"still running after {timeout}s: "
                                f"{_best_effort('reading the activity', tracker.get_running_status_summary)}")
             if trainer is not None:
@@ -392,8 +438,12 @@ class NexRLController:
             if save and self._final_step > 0:
                 execute(trainer.save_checkpoint)  # a failed save must not pass unnoticed
         finally:
+            if self._listeners:
+                _best_effort("reading the last metrics", self._feed_listeners)
             errors = _best_effort("reading the reported errors", tracker.get_errors)
             self._final_errors = [e.message for e in errors or []]
+            if trainer is not None:
+                _best_effort("closing the trainer", trainer.close)
             _best_effort("closing the inference client", self.inference_client.close)
             _best_effort("closing the run records", tracker.close)
             self.resource_manager.shutdown()

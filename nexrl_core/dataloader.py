@@ -75,6 +75,16 @@ class BaseDataLoader(NexRLModule, ABC):
                 self._outstanding[task["seq"]] = task
             return None if task is None else dict(task)
 
+    def get_next_items(self, count: int) -> list[dict[str, Any]]:
+        """Up to ``count`` items (fewer when the loader runs dry): one call for several tasks."""
+        items = []
+        for _ in range(count):
+            item = self.get_next_item()
+            if item is None:
+                break
+            items.append(item)
+        return items
+
     def is_finished(self) -> bool:
         with self._lock:
             if self._is_validate:

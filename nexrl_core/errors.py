@@ -28,6 +28,11 @@ class PluginError(NexRLError):
     """A plugin failed to load, conflicts with another or registered a bad class."""
 
 
+def exit_code(exc: BaseException) -> int:
+    """The ``nexrl`` command's exit code for an error: 2 bad input (nothing ran), 1 anything else."""
+    return 2 if isinstance(exc, (ConfigError, DataError, PluginError)) else 1
+
+
 class ErrorSeverity(Enum):
     INFO = "info"
     WARNING = "warning"

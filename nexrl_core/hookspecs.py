@@ -28,6 +28,7 @@ if TYPE_CHECKING:  # imported for annotations only; keeps this module dependency
     from .evaluation import Evaluator
     from .inference import InferenceClient
     from .rollout_worker import BaseRolloutWorker
+    from .train_service import TrainService
     from .trainer import BaseTrainer
     from .weight_sync import WeightSyncBackend
 
@@ -71,6 +72,19 @@ def nexrl_trainers() -> dict[str, type[BaseTrainer]]:
 
     :return: registered name -> subclass of :class:`nexrl_core.BaseTrainer`,
         built as ``cls(config)`` with the whole recipe.
+    """
+
+
+@hookspec
+def nexrl_train_services() -> dict[str, type[TrainService]]:
+    """Register train services, selected with ``service.train_service.backend``.
+
+    :return: registered name -> subclass of :class:`nexrl_core.TrainService` (forward,
+        forward_backward, optim_step, train_step, save/load state, a sampling client of the
+        current weights), built with ``cls.from_config(section, seed=..., total_steps=...)`` from
+        the ``service.train_service`` mapping, whose other keys are the class's ``OPTIONS``. Its
+        ``BATCH_FORMAT`` says which trainers can drive it (those declaring the same
+        ``TRAIN_SERVICE_BATCH_FORMAT``).
     """
 
 
@@ -140,7 +154,10 @@ def nexrl_metrics_sinks() -> dict[str, type[Any]]:
     """Register experiment loggers, selected with ``logger.backend``.
 
     :return: registered name -> class with ``__init__(config, run_dir)``,
-        ``log(metrics: dict, step: int)`` and ``close()``.
+        ``log(metrics: dict, step: int)`` and ``close()``; optionally ``OPTIONS`` (its keys under
+        ``logger.<name>``), ``check_config(section, key) -> [problem, ...]`` (run by ``nexrl
+        validate`` too) and ``truncate_after(step)`` (a resume from checkpoint ``step``: forget
+        what was logged after it).
     """
 
 

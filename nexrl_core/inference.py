@@ -11,6 +11,7 @@ import math
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -125,6 +126,10 @@ class CompletionResult:
     response_logprobs: list[float] | None = None
     # Weight version that produced this completion (-1 when the backend cannot tell).
     model_version: int = -1
+    # Tool calls of a chat reply (InferenceClient.chat with tools), OpenAI's shape: {"id", "type":
+    # "function", "function": {"name", "arguments": JSON text}}; a call the backend could not read
+    # out of the model's text also has an "error" key. None: no call.
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class InferenceError(RuntimeError):
@@ -147,6 +152,43 @@ class InferenceClient(ABC):
     @abstractmethod
     def complete(self, prompt: str | list[dict[str, Any]], params: SamplingParams) -> CompletionResult:
         """Generate one completion for `prompt` (text, or chat messages)."""
+
+    def complete_many(self, requests: list[tuple[Any, SamplingParams]]) -> list[CompletionResult | InferenceError]:
+        """:meth:`complete` for several ``(prompt, params)`` at once: one call for a worker's batch of
+        tasks (``rollout_worker.tasks_per_call``; one round trip when the client is in another
+        process). A request that fails gets its :class:`InferenceError` in its place. The requests
+        run concurrently, so an engine that batches concurrent requests batches these too."""
+        def attempt(request: tuple[Any, SamplingParams]) -> CompletionResult | InferenceError:
+            try:
+                return self.complete(*request)
+            except InferenceError as exc:
+                return exc
+
+        if len(requests) <= 1:
+            return [attempt(r) for r in requests]
+        with ThreadPoolExecutor(max_workers=len(requests), thread_name_prefix="complete_many") as pool:
+            return list(pool.map(attempt, requests))
+
+    def chat(self, messages: list[dict[str, Any]], params: SamplingParams,
+             tools: list[dict[str, Any]] | None = None) -> CompletionResult:
+        """One assistant reply to chat ``messages``, offered ``tools`` (OpenAI ``tools`` entries).
+
+        The result's ``text`` is the reply as the model wrote it (an agent puts it back in the
+        history as the assistant message's content) and ``tool_calls`` its calls. Without tools
+        (and no tool calls in the history) this is :meth:`complete`. This default serves backends
+        that only take text: the tools are described in the system message, calls already in the
+        history are written out as ``<tool_call>`` blocks, and the reply's calls are read from its
+        text (:func:`nexrl_core.tool_calls.parse_tool_calls`). Backends with native tool support
+        override it.
+        """
+        if not tools and not any(m.get("tool_calls") for m in messages):
+            return self.complete(messages, params)
+        from .tool_calls import as_text_messages, parse_tool_calls
+
+        result = self.complete(as_text_messages(messages, tools), params)
+        if tools:
+            result.tool_calls = parse_tool_calls(result.text)[1] or None
+        return result
 
     def completion(self, prompt: str | list[dict[str, Any]], **kwargs: Any) -> dict[str, Any]:
         """The seed's dict-shaped call: sampling keys as keyword arguments."""

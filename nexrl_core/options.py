@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import re
 import types
 import typing
 import warnings
@@ -71,6 +72,9 @@ class Option:
     :param component: core use: the mapping selects a registered component of this kind
         (``"trainer"``, ``"dataloader"``...) by its ``selector`` key; the component's own
         options are allowed next to ``options``.
+    :param path: a file or folder the run reads (a string or a list of them): a relative path
+        written in a recipe file is looked up next to that recipe first (one given as an
+        override stays relative to the current folder).
     """
 
     default: Any = _UNSET
@@ -86,6 +90,7 @@ class Option:
     removed: str | None = None
     component: str | None = None
     selector: str = "type"
+    path: bool = False
 
     @property
     def required(self) -> bool:
@@ -171,10 +176,13 @@ def component_options(cls: type, attr: str = "OPTIONS", legacy: str = "CONFIG_KE
     return merged if found else None
 
 
-def options_from_signature(func: Callable[..., Any], skip: tuple[str, ...] = ("self",)) -> dict[str, Option] | None:
+def options_from_signature(func: Callable[..., Any], skip: tuple[str, ...] = ("self",),
+                           doc: str | None = None) -> dict[str, Option] | None:
     """Options described by a constructor's keyword parameters; None when it takes ``**kwargs``
-    (anything goes). Annotations give the types; a parameter without a default is required."""
+    (anything goes). Annotations give the types; a parameter without a default is required;
+    its ``:param name: text`` line (in ``func``'s docstring, else in ``doc``) is its help."""
     sig = inspect.signature(func)
+    helps = {**param_docs(doc or ""), **param_docs(inspect.getdoc(func) or "")}
     try:
         hints = typing.get_type_hints(func)
     except Exception:  # an annotation that does not evaluate: fall back to the defaults' types
@@ -191,7 +199,26 @@ def options_from_signature(func: Callable[..., Any], skip: tuple[str, ...] = ("s
             tp = None  # unresolvable string annotation
         elif tp is None and p.annotation is not p.empty:
             tp = p.annotation
-        out[name] = Option(default, tp)
+        out[name] = Option(default, tp, helps.get(name, ""))
+    return out
+
+
+def param_docs(doc: str) -> dict[str, str]:
+    """``{name: text}`` of the ``:param name: text`` fields of a docstring (continuation lines joined)."""
+    out: dict[str, str] = {}
+    name = None
+    for line in doc.splitlines():
+        match = re.match(r"\s*:param (?:[\w\[\], |.]+ )?(\w+):\s*(.*)", line)
+        if match:
+            name = match.group(1)
+            out[name] = match.group(2).strip()
+        elif name is not None and line.strip() and not line.strip().startswith(":"):
+            if line.startswith((" ", "\t")):
+                out[name] += " " + line.strip()
+            else:
+                name = None
+        else:
+            name = None
     return out
 
 

@@ -26,6 +26,7 @@ KINDS: dict[str, tuple[str, str]] = {
     "rollout_worker": ("nexrl_rollout_workers", "nexrl_core.rollout_worker:BaseRolloutWorker"),
     "evaluator": ("nexrl_evaluators", "nexrl_core.evaluation:Evaluator"),
     "trainer": ("nexrl_trainers", "nexrl_core.trainer:BaseTrainer"),
+    "train_service": ("nexrl_train_services", "nexrl_core.train_service:TrainService"),
     "weight_sync_backend": ("nexrl_weight_sync_backends", "nexrl_core.weight_sync:WeightSyncBackend"),
     "inference_backend": ("nexrl_inference_backends", "nexrl_core.inference:InferenceClient"),
     "metrics_sink": ("nexrl_metrics_sinks", ""),
@@ -53,6 +54,9 @@ class PluginRecord:
     version: str
     module: Any
     hooks: list[str] = field(default_factory=list)
+    #: "builtin", "entry_point" or "in_process" (registered by code; a launch mode re-registers
+    #: these in its other processes, the others each process loads itself)
+    source: str = "in_process"
 
 
 def _import_base(path: str) -> type | None:
@@ -80,13 +84,18 @@ class PluginManager:
         self.pm.check_pending()
         self._cache: dict[str, dict[str, Registration]] = {}
 
-    def register(self, module: Any, name: str, distribution: str = "(in-process)", version: str = "") -> None:
+    def register(self, module: Any, name: str, distribution: str = "(in-process)", version: str = "",
+                 source: str = "in_process") -> None:
+        """Register a plugin module (or object) in-process. Registering one that is already
+        registered (an installed plugin, loaded through its entry point) is a no-op."""
+        if self.pm.is_registered(module):
+            return
         if name in self.records:
             raise PluginError(f"plugin name '{name}' is used by both {self.records[name].distribution} and "
                               f"{distribution}")
         self.pm.register(module, name=name)
         hooks = sorted(h.name for h in self.pm.get_hookcallers(module) or [])
-        self.records[name] = PluginRecord(name, distribution, version, module, hooks)
+        self.records[name] = PluginRecord(name, distribution, version, module, hooks, source)
         self._cache = {}
 
     def _load_builtins(self) -> None:
@@ -102,7 +111,7 @@ class PluginManager:
             except Exception as exc:  # one broken built-in must not stop the others
                 self._import_failed(name, CORE_DISTRIBUTION, exc)
                 continue
-            self.register(module, name=name, distribution=CORE_DISTRIBUTION, version=version)
+            self.register(module, name=name, distribution=CORE_DISTRIBUTION, version=version, source="builtin")
 
     def _import_failed(self, name: str, dist: str, exc: BaseException) -> None:
         failure = PluginLoadFailure(name, dist, f"{type(exc).__name__}: {exc}")
@@ -129,7 +138,8 @@ class PluginManager:
             except Exception as exc:  # one broken plugin must not stop the others
                 self._import_failed(ep.name, dist, exc)
                 continue
-            self.register(module, name=ep.name, distribution=dist, version=ep.dist.version if ep.dist else "")
+            self.register(module, name=ep.name, distribution=dist, version=ep.dist.version if ep.dist else "",
+                          source="entry_point")
         if allowed:
             self.filter_unmatched = sorted(allowed - matched)
             for name in self.filter_unmatched:
@@ -217,8 +227,21 @@ class PluginManager:
             note += f"; installed but not loaded: {', '.join(sorted(self.not_loaded))}"
         return note + "."
 
-    def call_step_end(self, **kwargs: Any) -> None:
-        self.pm.hook.nexrl_step_end(**kwargs)
+    def call_step_end(self, **kwargs: Any) -> list[tuple[str, BaseException, str | None]]:
+        """Call every plugin's ``nexrl_step_end``. One that raises neither stops the others nor the
+        run: it is returned as ``(plugin label, exception, its module's file)`` for the caller to report."""
+        failed = []
+        for impl in reversed(self.pm.hook.nexrl_step_end.get_hookimpls()):  # pluggy's calling order
+            try:
+                impl.function(*[kwargs[name] for name in impl.argnames])
+            except Exception as exc:
+                failed.append((self.label(impl.plugin_name), exc, getattr(impl.plugin, "__file__", None)))
+        return failed
+
+    def label(self, plugin: str) -> str:
+        """``plugin 'NAME' (distribution)``: how messages name a plugin."""
+        record = self.records.get(plugin)
+        return f"plugin '{plugin}'" + (f" ({record.distribution})" if record is not None else "")
 
     def describe(self) -> list[dict[str, Any]]:
         """One entry per plugin: distribution, version, hooks and registered names."""
@@ -257,6 +280,12 @@ def get_plugin_manager() -> PluginManager:
     return _DEFAULT
 
 
+def set_default_plugin_manager(pm: PluginManager) -> None:
+    """Make ``pm`` this process's default (a launch mode's actor process, built like the driver's)."""
+    global _DEFAULT
+    _DEFAULT = pm
+
+
 @contextmanager
 def use_plugin_manager(pm: PluginManager | None) -> Iterator[None]:
     """Modules built inside this block resolve their parts (evaluators, weight-sync backends, sinks)
@@ -272,3 +301,10 @@ def active_plugin_manager() -> PluginManager:
     """The manager a module being built uses: the launch's (:func:`use_plugin_manager`), else this
     process's default (entry points and ``NEXRL_LOAD_PLUGINS``, as in a process of its own)."""
     return _ACTIVE.get() or get_plugin_manager()
+
+
+def peek_plugin_manager() -> PluginManager:
+    """The manager in use (the launch's, else this process's default) without creating the cached
+    default: reading a recipe (:func:`nexrl_core.config.load_recipe`) must not fix which plugins
+    this process loads before the command has chosen its manager."""
+    return _ACTIVE.get() or _DEFAULT or PluginManager()

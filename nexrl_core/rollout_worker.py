@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import os
+import sys
 import zlib
 from abc import abstractmethod
 from typing import Any
@@ -14,6 +16,7 @@ from .evaluation import BaseEvaluationTarget, EvaluationRunResult, Evaluator
 from .inference import InferenceError
 from .plugins import active_plugin_manager
 from .runtime.execute import execute
+from .runtime.logs import failure_location, failure_signature, format_traceback
 from .runtime.threaded import ThreadedModule
 from .types import DEFAULT_MODEL_TAG, Trajectory
 
@@ -21,11 +24,13 @@ _IDLE_WAIT_S = 0.05
 
 
 class ItemFailure(Exception):
-    """A task that cannot produce a usable trajectory; ``cause`` goes to errors.jsonl."""
+    """A task that cannot produce a usable trajectory; ``cause`` goes to errors.jsonl, with
+    ``response`` (the reply that could not be used, when there is one)."""
 
-    def __init__(self, cause: str, message: str):
+    def __init__(self, cause: str, message: str, response: str | None = None):
         super().__init__(message)
         self.cause = cause
+        self.response = response
 
 
 class BaseRolloutWorker(ThreadedModule):
@@ -49,6 +54,7 @@ class BaseRolloutWorker(ThreadedModule):
         self._config = config
         self._llm_client: Any = None
         self._evaluator: Evaluator | None = build_evaluator(config.get("evaluator"))
+        self._evaluator_label = evaluator_label(config.get("evaluator"))
         self._model_tag = DEFAULT_MODEL_TAG
         self._seed = int(config.get("seed", 0) or 0)
         # Read once: DictConfig.get of an absent key raises and catches internally (slow on a per-task path).
@@ -63,6 +69,11 @@ class BaseRolloutWorker(ThreadedModule):
         self._validator: Any = None
         self.completed = 0
         self._puts_this_task = 0  # trajectories submitted for the task in hand
+        self._tasks_per_call = int(config.get("tasks_per_call", 1) or 1)
+        self._idle_wait_s = _IDLE_WAIT_S
+        # While running several tasks: (task number, destination, trajectory) held for one call each.
+        self._held: list[tuple[int, Any, Trajectory]] | None = None
+        self._task_number = 0
 
     def set_module_references(self, trajectory_pool: Any, dataloader: Any, weight_sync_controller: Any,
                               validate_dataloader: Any, validator: Any, inference_client: Any = None) -> None:
@@ -77,6 +88,12 @@ class BaseRolloutWorker(ThreadedModule):
         if inference_client is not None:
             self._model_tag = str(execute(inference_client.get_model_tag))
 
+    def set_idle_wait(self, seconds: float) -> None:
+        """How long the loop waits for a rollout slot or a task before it looks at its mode again
+        (validation starting). The launch mode sets it: where each wait is a call to another
+        process, a longer one costs fewer calls while rollouts are held back."""
+        self._idle_wait_s = float(seconds)
+
     # -- lifecycle (the thread itself: ThreadedModule) ---------------------------------
     def begin_validate(self) -> None:
         self._is_running_validate = True
@@ -89,29 +106,77 @@ class BaseRolloutWorker(ThreadedModule):
         while not self._should_stop():
             validating = self._is_running_validate
             wsc = None if validating else self._weight_sync_controller
+            admitted = self._tasks_per_call
             if wsc is not None:
-                # begin_rollout admits the task (sync mode starts no more rollouts than one batch needs)
-                if execute(wsc.check_rollout_service_status, self._model_tag) == "block" or \
+                # begin_rollout(s) admits tasks (sync mode starts no more rollouts than one batch needs)
+                if admitted > 1:
+                    admitted = execute(wsc.begin_rollouts, self._model_tag, admitted)
+                elif execute(wsc.check_rollout_service_status, self._model_tag) == "block" or \
                         not execute(wsc.begin_rollout, self._model_tag):
-                    execute(wsc.wait_rollout_allowed, self._model_tag, _IDLE_WAIT_S)
+                    admitted = 0
+                if not admitted:
+                    execute(wsc.wait_rollout_allowed, self._model_tag, self._idle_wait_s)
                     continue
             loader = self._validate_dataloader if validating else self._dataloader
-            task, landed = None, False
+            tasks: list[dict[str, Any]] = []
+            landed = 0
             try:
                 with self._activity_tracker.track(self._module_name, "validate" if validating else "rollout"):
-                    task = execute(loader.get_next_item)
-                    if task is not None:
-                        landed = self._run_task(task, validating)
+                    if admitted == 1:
+                        task = execute(loader.get_next_item)
+                        tasks = [] if task is None else [task]
+                        landed = sum(bool(self._run_task(t, validating)) for t in tasks)
+                    else:
+                        tasks = execute(loader.get_next_items, admitted)
+                        landed = self._run_tasks(tasks, validating)
             finally:
                 if wsc is not None:
-                    execute(wsc.end_rollout, self._model_tag, landed)
-            if task is None:
-                execute(loader.wait_for_item, _IDLE_WAIT_S)
+                    if admitted == 1:
+                        execute(wsc.end_rollout, self._model_tag, landed == 1)
+                    else:
+                        execute(wsc.end_rollouts, self._model_tag, landed, admitted - landed)
+            if not tasks:
+                execute(loader.wait_for_item, self._idle_wait_s)
 
-    def _run_task(self, task: dict[str, Any], validating: bool) -> bool:
-        """Run one task; True when its trajectory went on (False: the task was re-queued)."""
+    def _run_tasks(self, tasks: list[dict[str, Any]], validating: bool) -> int:
+        """Several tasks, their trajectories handed on in one call per destination (``tasks_per_call``);
+        returns how many went on (the others were re-queued)."""
+        self._held, done = [], []
+        version = self._current_version()  # the tasks were admitted together, at this version
+        self._task_version, self._task_is_validation = version, validating
+        try:
+            self.prepare_tasks(tasks)
+        except Exception as exc:  # each task then does its own work (and fails on its own)
+            logger.warning(f"{self._module_name}: preparing {len(tasks)} tasks failed ({type(exc).__name__}: {exc})")
+        try:
+            for number, task in enumerate(tasks):
+                self._task_number = number
+                done.append(bool(self._run_task(task, validating, version)))
+        finally:
+            held, self._held = self._held, None
+        by_target: dict[int, tuple[Any, list[tuple[int, Trajectory]]]] = {}
+        for i, target, trajectory in held:
+            by_target.setdefault(id(target), (target, []))[1].append((i, trajectory))
+        last: dict[int, str] = {}  # task -> result of its last put (what step() returns locally)
+        for target, items in by_target.values():
+            results = execute(target.put_trajectories, [t for _, t in items])
+            for (i, _), result in zip(items, results):
+                last[i] = result
+        landed = 0
+        for i, task in enumerate(tasks):
+            if done[i] and last.get(i) == "re-rollout":  # e.g. the pool was locked for a weight push
+                self.completed -= 1
+                self._put_rollout_task(task, validating)
+            else:
+                landed += int(done[i])
+        return landed
+
+    def _run_task(self, task: dict[str, Any], validating: bool, version: int | None = None) -> bool:
+        """Run one task; True when its trajectory went on (False: the task was re-queued).
+        ``version``: the served weight version (read here when not given)."""
         self._task_is_validation = validating
-        self._task_version = self._current_version()  # what a failed attempt is stamped with
+        # what a failed attempt is stamped with, and what seeds its sampling
+        self._task_version = self._current_version() if version is None else version
         self._puts_this_task = 0
         try:
             result = self.step(task)
@@ -121,12 +186,12 @@ class BaseRolloutWorker(ThreadedModule):
                 raise ItemFailure("no_trajectory", f"{type(self).__name__}.step returned {result!r} "
                                                    f"without submitting a trajectory")
         except ItemFailure as exc:
-            result = self._put_failed(task, exc.cause, str(exc), validating)
+            result = self._put_failed(task, exc.cause, str(exc), validating, exc.response, exc.__cause__)
         except InferenceError as exc:
             result = self._put_failed(task, "rollout_failure", str(exc), validating)
         except Exception as exc:  # a bug in a plugin: record it, keep the item accounted for
             self._activity_tracker.report_exception(self._module_name, "step", exc)
-            result = self._put_failed(task, "worker_exception", f"{type(exc).__name__}: {exc}", validating)
+            result = self._put_failed(task, "worker_exception", f"{type(exc).__name__}: {exc}", validating, error=exc)
         if result == "re-rollout":
             self._put_rollout_task(task, validating)
             return False
@@ -135,6 +200,11 @@ class BaseRolloutWorker(ThreadedModule):
         return True
 
     # -- subclass API -----------------------------------------------------------------------
+    def prepare_tasks(self, tasks: list[dict[str, Any]]) -> None:
+        """Called before :meth:`step` runs on each of several tasks taken in one call
+        (``tasks_per_call`` > 1), e.g. to ask the inference service for all of them at once.
+        :meth:`sampling_seed` already gives their seeds here."""
+
     @abstractmethod
     def step(self, task: dict[str, Any]) -> str | None:
         """Process one task; submit with :meth:`_put_trajectory`; return its result."""
@@ -143,6 +213,9 @@ class BaseRolloutWorker(ThreadedModule):
         self._puts_this_task += 1
         trajectory.setdefault("model_tag", self._model_tag)
         target = self._validator if self._is_validation_task(trajectory) else self._trajectory_pool
+        if self._held is not None:  # handed on with the other tasks' (see _run_tasks)
+            self._held.append((self._task_number, target, trajectory))
+            return "success"
         return execute(target.put_trajectory, trajectory)
 
     def _put_rollout_task(self, task: dict[str, Any], validating: bool = False) -> bool:
@@ -155,33 +228,41 @@ class BaseRolloutWorker(ThreadedModule):
 
     # -- helpers for subclasses -------------------------------------------------------------
     def sampling_seed(self, task: dict[str, Any]) -> int:
-        """Per-request seed: the same task at the same weights samples the same text."""
-        version = self._current_version()
+        """Per-request seed: the same task at the same weights samples the same text (the weights
+        served when the task started)."""
+        version = self._task_version
         key = f"{self._seed}|{task.get('uid')}|{task.get('sample_index')}|{self._task_is_validation}|{version}"
         return zlib.crc32(key.encode())
 
-    def evaluate(self, task: dict[str, Any], final_answer: str) -> EvaluationRunResult:
+    def evaluate(self, task: dict[str, Any], final_answer: str | BaseEvaluationTarget) -> EvaluationRunResult:
+        """Score ``final_answer`` (a string, or a richer target such as an agent's) with the evaluator."""
         if self._evaluator is None:
             return EvaluationRunResult()
+        label, cls_name = self._evaluator_label, type(self._evaluator).__name__
+        target = final_answer if isinstance(final_answer, BaseEvaluationTarget) else \
+            BaseEvaluationTarget(final_answer=final_answer)
+        reply = getattr(final_answer, "final_answer", final_answer)  # the text kept with a failure
         try:
-            result = self._evaluator.evaluate(task, BaseEvaluationTarget(final_answer=final_answer))
+            result = self._evaluator.evaluate(task, target)
         except Exception as exc:
-            raise ItemFailure("evaluator_exception",
-                              f"evaluator {type(self._evaluator).__name__} raised {type(exc).__name__}: {exc}") from exc
+            where = failure_location(exc, _code_folder(self._evaluator))
+            raise ItemFailure("evaluator_exception", f"{label} raised {type(exc).__name__}: {exc}"
+                                                     f"{f' ({where})' if where else ''}", reply) from exc
         if not isinstance(result, EvaluationRunResult):
-            raise ItemFailure("evaluator_bad_result",
-                              f"evaluator {type(self._evaluator).__name__}.evaluate returned "
-                              f"{type(result).__name__}, expected EvaluationRunResult")
+            raise ItemFailure("evaluator_bad_result", f"{label}: {cls_name}.evaluate returned "
+                                                      f"{type(result).__name__}, expected EvaluationRunResult",
+                              reply)
         reward = result.reward
         if not isinstance(reward, (int, float)) or isinstance(reward, bool) or not math.isfinite(reward):
-            raise ItemFailure("bad_reward", f"evaluator {type(self._evaluator).__name__} returned reward {reward!r}")
+            raise ItemFailure("bad_reward", f"{label}: {cls_name} returned reward {reward!r}", reply)
         lo_hi = self._reward_range
         if lo_hi is not None and not (float(lo_hi[0]) <= reward <= float(lo_hi[1])):
             raise ItemFailure("reward_out_of_range",
-                              f"reward {reward} outside rollout_worker.reward_range {list(lo_hi)}")
+                              f"reward {reward} outside rollout_worker.reward_range {list(lo_hi)}", reply)
         for name, value in result.metrics.items():
             if not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise ItemFailure("bad_metric", f"evaluator metric '{name}' is {value!r}, not a finite number")
+                raise ItemFailure("bad_metric", f"{label}: metric '{name}' is {value!r}, not a finite number",
+                                  reply)
         return result
 
     def base_trajectory(self, task: dict[str, Any]) -> Trajectory:
@@ -195,20 +276,30 @@ class BaseRolloutWorker(ThreadedModule):
             "task": task,
         }
 
-    def _put_failed(self, task: dict[str, Any], cause: str, message: str, validating: bool) -> str:
+    def _put_failed(self, task: dict[str, Any], cause: str, message: str, validating: bool,
+                    response: str | None = None, error: BaseException | None = None) -> str:
         traj = self.base_trajectory(task)
         traj.update({"failed": True, "error": message, "error_cause": cause, "reward": 0.0,
                      "score": {}, "is_validation": validating, "model_version": self._task_version})
+        if response is not None:
+            traj["response"] = response  # the reply that could not be scored: kept for its author
+        if error is not None:
+            traj["error_traceback"] = format_traceback(error)
         # errors.jsonl gets a failed *validation* sample now (the validator consumes it at once);
         # a failed *training* item when the trainer consumes it (BaseTrainer._train_step): a failed
         # trajectory dropped as stale is re-rolled, and only the attempt that is used counts.
+        line = f"{self._module_name}: task {task.get('uid')}#{task.get('sample_index')} failed ({cause}): {message}"
         if self._activity_tracker is not None:
             if validating:
-                self._activity_tracker.record_lost_item(task, cause, message, True, traj["model_version"])
-            self._activity_tracker.report_error(self._module_name, cause, message, ErrorSeverity.WARNING,
-                                                {"uid": task.get("uid"), "sample_index": task.get("sample_index"),
-                                                 "seq": task.get("seq"), "validation": validating})
-        logger.warning(f"{self._module_name}: task {task.get('uid')}#{task.get('sample_index')} failed ({cause}): {message}")
+                self._activity_tracker.record_lost_item(task, cause, message, True, traj["model_version"],
+                                                        failure_detail(traj))
+            # the tracker shows each distinct error once on the console; every one goes to run.log
+            self._activity_tracker.report_error(self._module_name, cause, line, ErrorSeverity.WARNING, {
+                "uid": task.get("uid"), "sample_index": task.get("sample_index"), "seq": task.get("seq"),
+                "validation": validating, "traceback": traj.get("error_traceback"),
+                "signature": failure_signature(cause, message, error, _code_folder(self._evaluator))})
+        else:
+            logger.warning(line)
         return self._put_trajectory(traj)
 
     def _current_version(self) -> int:
@@ -226,6 +317,27 @@ def build_evaluator(section: Any) -> Evaluator | None:
     except (ValueError, TypeError) as exc:  # options it refuses: one line, as `nexrl validate` prints it
         raise ConfigError(f"rollout_worker.evaluator: evaluator '{section.get('type')}' rejected its options: "
                           f"{type(exc).__name__}: {exc}") from None
+
+
+def evaluator_label(section: Any) -> str:
+    """``evaluator 'NAME' (distribution)``: how messages name the evaluator a recipe chose."""
+    if section is None:
+        return "no evaluator"
+    name = section.get("type")
+    registration = active_plugin_manager().components("evaluator").get(name)
+    return f"evaluator '{name}'" + (f" ({registration.distribution})" if registration is not None else "")
+
+
+def failure_detail(trajectory: Trajectory) -> dict[str, Any]:
+    """What errors.jsonl keeps of a failed trajectory besides its cause: the reply and the traceback."""
+    return {key: trajectory[key] for key in ("response", "error_traceback") if trajectory.get(key) is not None}
+
+
+def _code_folder(obj: Any) -> str | None:
+    """Folder of the module that defines ``obj``'s class: where its author's code lives."""
+    module = sys.modules.get(type(obj).__module__) if obj is not None else None
+    path = getattr(obj, "source_path", None) or getattr(module, "__file__", None)
+    return os.path.dirname(os.path.abspath(path)) if path else None
 
 
 def _plain(section: Any) -> dict[str, Any]:

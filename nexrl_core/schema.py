@@ -13,12 +13,11 @@ import typing
 from typing import Any
 
 from .options import Option, option_defaults
+from .types import NexRLRole
 
 RESUME_MODES = ("disable", "auto", "from_path")
 ERROR_POLICIES = ("stop_on_error", "stop_on_critical", "continue")
 LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "SUCCESS", "WARNING", "ERROR", "CRITICAL")
-# Train services a trainer can drive; plugins will register more (issue #16).
-TRAIN_SERVICE_BACKENDS = ("local_torch",)
 
 
 def _launch_mode(value: Any) -> str | None:
@@ -38,6 +37,12 @@ def _batch_ready_functions() -> tuple[str, ...]:
     from .trajectory_pool import BATCH_READY_FUNCTIONS
 
     return BATCH_READY_FUNCTIONS
+
+
+def _progress_available(value: Any) -> str | None:
+    from .progress import progress_problem
+
+    return progress_problem(value)
 
 
 def _rollout_limit(value: Any) -> str | None:
@@ -76,6 +81,11 @@ ROLLOUT_WORKER = {
                                                 "training temperature)", ge=0),
     "reward_range": Option(None, list[float], "[low, high]: a reward outside fails the sample",
                            check=_reward_range),
+    "num_actors": Option(1, int, "launch_mode ray: actors the workers are spread over (at most num_workers)",
+                         ge=1),
+    "tasks_per_call": Option(1, int, "tasks a worker takes per data-loader call and hands on per pool call "
+                                     "(raise it for cheap rollouts in Ray mode, where every call crosses "
+                                     "processes)", ge=1),
     "evaluator": Option(type=(dict, None), options=EVALUATOR, component="evaluator",
                         help="how a response is scored (null: no evaluator, reward 0)"),
 }
@@ -116,7 +126,8 @@ INFERENCE_SERVICE = {
 }
 
 SERVICE = {
-    "train_service": Option({}, dict, "the train service the trainer drives (keys declared by the trainer)"),
+    "train_service": Option({}, dict, "the train service the trainer drives: backend (a registered train service) "
+                                      "and that service's own keys"),
     "inference_service": Option(options=INFERENCE_SERVICE, component="inference_backend", selector="backend",
                                 help="the inference service rollouts sample from"),
 }
@@ -136,9 +147,18 @@ RESUME = {
     "resume_path": Option(None, str, "global_step_<N> folder for mode from_path"),
 }
 
+PROGRESS_MODES = ("auto", "rich", "plain", "off")
+
 LOGGER = {
-    "backend": Option(["console"], (str, list[str]), "experiment loggers (registered metrics sinks)"),
+    "backend": Option(["console"], (str, list[str]), "experiment loggers (registered metrics sinks): console, "
+                                                     "wandb, tensorboard"),
     "level": Option("INFO", str, "console log level (run.log is always DEBUG)", choices=LOG_LEVELS),
+    "progress": Option("auto", str, "nexrl run's progress display on stderr: rich (live, for a terminal), plain "
+                                    "(one line per step), auto (rich on a terminal, else plain), off",
+                       choices=PROGRESS_MODES, check=_progress_available),
+    "samples_every": Option(10, int, "every N training steps, write some of the step's generations to "
+                                     "samples.jsonl (0: never)", ge=0),
+    "samples_per_step": Option(4, int, "generations written per such step, spread over the batch", ge=1),
 }
 
 RUNTIME_MONITOR = {
@@ -162,9 +182,72 @@ RUNTIME_MONITOR = {
     }, help="failed samples (rollout or evaluator errors) among those the trainer consumed"),
 }
 
+# -- launch_mode: ray ----------------------------------------------------------------------------
+
+# Where each role runs by default (role -> co-location group; null: an actor of its own): the
+# control plane together, the trainer with the inference engine (their weight sync stays in
+# process), the rollout workers over rollout_worker.num_actors actors of their own.
+RAY_COLOCATION = {
+    NexRLRole.ACTIVITY_TRACKER: "control", NexRLRole.DATA_LOADER: "control",
+    NexRLRole.VALIDATE_DATALOADER: "control", NexRLRole.TRAJECTORY_POOL: "control", NexRLRole.VALIDATOR: "control",
+    NexRLRole.WEIGHT_SYNC_CONTROLLER: "control", NexRLRole.TRAINER: "model", NexRLRole.INFERENCE_SERVICE: "model",
+    NexRLRole.ROLLOUT_WORKER: None,
+}
+
+
+def _group_name(value: Any) -> str | None:
+    return None if value else "expected a group name or null, got ''"
+
+
+def _worker_group_alone(colocation: Any) -> str | None:
+    group = colocation.get(NexRLRole.ROLLOUT_WORKER.value)
+    others = sorted(r for r, g in colocation.items() if g == group and r != NexRLRole.ROLLOUT_WORKER.value)
+    if group is None or not others:
+        return None
+    return (f"rollout workers spread over rollout_worker.num_actors actors of their own; group '{group}' also "
+            f"names {', '.join(others)}")
+
+
+def _custom_resources(value: Any) -> str | None:
+    bad = {k: v for k, v in value.items() if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0}
+    return f"expected a mapping of custom resource -> amount >= 0, got {bad}" if bad else None
+
+
+RAY_RESOURCES = {
+    "num_cpus": Option(None, float, "CPUs reserved", ge=0),
+    "num_gpus": Option(None, float, "GPUs reserved (fractions share one)", ge=0),
+    "memory": Option(None, float, "bytes of memory reserved", ge=0),
+    "resources": Option(None, dict, "custom resources: name -> amount", check=_custom_resources),
+}
+
+RAY = {
+    "address": Option(None, str, "a running cluster to attach to ('auto', 'host:6379', 'ray://host:10001'); null: "
+                                 "$RAY_ADDRESS, else a local cluster started and stopped by the run"),
+    "num_cpus": Option(None, float, "local cluster: CPUs it offers (null: the machine's)", ge=0),
+    "num_gpus": Option(None, float, "local cluster: GPUs it offers (null: those found)", ge=0),
+    "object_store_memory": Option(None, int, "local cluster: bytes of its object store (null: Ray's default)", ge=1),
+    "call_timeout": Option(300.0, (float, None), "seconds a call to an actor may take (null: no limit); calls that "
+                                                 "last as long as their work (model load, checkpoint, weight push, "
+                                                 "stop) are not limited", gt=0),
+    "max_concurrency": Option(None, int, "calls one actor serves at once (null: one per rollout worker + 32)", ge=1),
+    "colocation": Option(options={
+        role.value: Option(group, (str, None), f"co-location group of the {role.value.replace('_', ' ')}",
+                           check=_group_name)
+        for role, group in RAY_COLOCATION.items()
+    }, check=_worker_group_alone, help="role -> group: the roles of one group share one actor (null: an actor of "
+                                       "its own)"),
+    "resources": Option({}, dict, "role -> what its actor reserves (rollout workers: per actor; an actor hosting "
+                                  "several roles reserves the sum)",
+                        options={role.value: Option(None, (dict, None), f"resources of the "
+                                                    f"{role.value.replace('_', ' ')}", options=RAY_RESOURCES)
+                                 for role in NexRLRole}),
+    "env_vars": Option({}, dict[str, str | int | float | bool], "extra environment of every actor (NEXRL_*, HF_*, "
+                                                                "TRANSFORMERS_* ... are passed on already)"),
+}
+
 CORE_OPTIONS: dict[str, Option] = {
-    "launch_mode": Option("local", str, "where the modules run (local: threads in one process)",
-                          check=_launch_mode),
+    "launch_mode": Option("local", str, "where the modules run (local: threads in one process; ray: Ray actors, "
+                                        "see the ray section)", check=_launch_mode),
     "project_name": Option("nexrl", str, "project name (experiment loggers)"),
     "experiment_name": Option("run", str, "experiment name (experiment loggers, default run_dir)"),
     "run_dir": Option("runs/${experiment_name}", str, "where metrics.jsonl, errors.jsonl and run.log go"),
@@ -183,6 +266,8 @@ CORE_OPTIONS: dict[str, Option] = {
     "resume": Option(options=RESUME, help="resuming from checkpoints"),
     "logger": Option(options=LOGGER, help="logging and experiment loggers"),
     "runtime_monitor": Option(options=RUNTIME_MONITOR, help="health, errors and failed samples"),
+    "ray": Option(options=RAY, help="launch_mode ray: the cluster, placement and resources of the actors "
+                                    "(pip install 'nexrl-core[ray]')"),
     "recipe_dir": Option(None, str, "set by nexrl: the recipe file's folder"),
 }
 

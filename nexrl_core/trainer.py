@@ -7,17 +7,24 @@ the weight-sync controller, which pushes the new weights.
 
 from __future__ import annotations
 
+import math
 import time
 from abc import abstractmethod
 from typing import Any
 
 from .algorithms.registry import AlgorithmRegistry
 from .checkpoint import read_core_state, write_checkpoint
+from .rollout_worker import failure_detail
 from .runtime.execute import execute
 from .runtime.threaded import ThreadedModule
+from .train_service import SECTION, TrainService, train_service_class
 from .types import DEFAULT_MODEL_TAG, Trajectory
 
 _BATCH_WAIT_S = 0.1
+# What samples.jsonl keeps of a trajectory (logger.samples_every).
+SAMPLE_FIELDS = ("uid", "sample_index", "data_source", "prompt", "response", "reward", "score", "model_version",
+                 "sampling", "finish_reason", "failed", "error")
+
 
 class BaseTrainer(ThreadedModule):
     """Subclasses implement :meth:`train`; self-hosted ones also the model-state methods.
@@ -27,10 +34,17 @@ class BaseTrainer(ThreadedModule):
     ``ALGORITHM_SELECTORS`` (key -> kind) names those that pick a function from the algorithm
     registry (e.g. ``{"type": "advantage_estimator"}``), whose own keys are then accepted too
     (see :mod:`nexrl_core.algorithms.registry`).
+
+    A trainer that drives a train service (:mod:`nexrl_core.train_service`) declares the batch
+    format it builds (``TRAIN_SERVICE_BATCH_FORMAT``) and the service it uses by default
+    (``TRAIN_SERVICE_DEFAULT``); :meth:`create_train_service` builds the one
+    ``service.train_service.backend`` selects.
     """
 
     CONFIG_KEYS: dict[str, Any] = {}
     ALGORITHM_SELECTORS: dict[str, str] = {}
+    TRAIN_SERVICE_BATCH_FORMAT: str | None = None
+    TRAIN_SERVICE_DEFAULT: str | None = None
     STOP_JOIN_TIMEOUT_S = 300.0  # a training step in flight finishes first
 
     def __init__(self, config: Any):
@@ -44,11 +58,23 @@ class BaseTrainer(ThreadedModule):
         self.checkpoint_path = self._config.get("checkpoint_path")
         self.save_freq = int(self._config.get("save_freq", 0) or 0)
         self.remove_previous_ckpt = bool(self._config.get("remove_previous_ckpt", False))
+        logger_section = config.get("logger", {}) or {}
+        self.samples_every = int(logger_section.get("samples_every", 0) or 0)
+        self.samples_per_step = int(logger_section.get("samples_per_step", 4) or 0)
         self.global_step = 0
         self._trajectory_pool: Any = None
         self._weight_sync_controller: Any = None
         self._dataloader: Any = None
         self._algorithm_registry: AlgorithmRegistry | None = None
+        self._train_service_cls: type[TrainService] | None = None
+        if self.TRAIN_SERVICE_BATCH_FORMAT:
+            # Resolved while the launch's plugin manager is active (modules are built inside it).
+            from .plugins import active_plugin_manager
+
+            section = config.get("service", {}).get("train_service") or {}
+            backend = section.get("backend") if hasattr(section, "get") else None
+            self._train_service_cls = train_service_class(type(self), {} if backend is None else {"backend": backend},
+                                                          active_plugin_manager(), self._config.get("type"))
 
     def set_module_references(self, trajectory_pool: Any, weight_sync_controller: Any,
                               dataloader: Any = None) -> None:
@@ -68,6 +94,23 @@ class BaseTrainer(ThreadedModule):
             self._algorithm_registry = AlgorithmRegistry.from_plugin_manager(get_plugin_manager())
         return self._algorithm_registry
 
+    @classmethod
+    def check_recipe(cls, recipe: dict[str, Any]) -> list[str]:
+        """Rules that involve other sections of the recipe (the trainer is built with all of it):
+        ``["<key>: why", ...]``, reported by ``nexrl validate`` and ``nexrl run`` alike. Values may
+        have the wrong type here (the key checks report those)."""
+        return []
+
+    def create_train_service(self) -> TrainService:
+        """The train service ``service.train_service`` selects, built from that section."""
+        if self._train_service_cls is None:
+            raise NotImplementedError(f"{type(self).__name__} drives no train service (no TRAIN_SERVICE_BATCH_FORMAT)")
+        from .config import plain
+
+        section = dict(plain(self._full_config.get("service", {}).get("train_service")) or {})
+        return self._train_service_cls.from_config(section, seed=int(self._full_config.get("seed", 0)),
+                                                   total_steps=self.total_train_steps, path=SECTION)
+
     # -- to implement -----------------------------------------------------------------
     @abstractmethod
     def train(self, trajectories: list[Trajectory]) -> dict[str, float]:
@@ -85,6 +128,23 @@ class BaseTrainer(ThreadedModule):
     def export_weights(self) -> dict[str, Any]:
         """Current weights for an in-process weight sync."""
         raise NotImplementedError(f"{type(self).__name__} has no weights to export")
+
+    @classmethod
+    def export_checkpoint(cls, checkpoint: str, out: str, dtype: str | None = None) -> None:
+        """Write the model of ``checkpoint`` (a ``global_step_<N>`` folder this trainer saved) into
+        the existing empty folder ``out`` for inference, without optimizer or RNG state; ``dtype``
+        (float32 | bfloat16 | float16) casts floating-point weights (``nexrl export``).
+
+        A trainer whose checkpoints hold a model overrides this; the checkpoint names its trainer
+        in ``nexrl_state.json``, so ``nexrl export`` finds the right one.
+        """
+        from .errors import NexRLError
+
+        raise NexRLError(f"trainer {cls.__name__} cannot export its checkpoints' weights (it does not implement "
+                         f"BaseTrainer.export_checkpoint)")
+
+    def close(self) -> None:
+        """Release the train service's connections; called once the run has stopped (and saved)."""
 
     # -- lifecycle (the thread itself: ThreadedModule) ---------------------------------------
     def is_done(self) -> bool:
@@ -129,11 +189,23 @@ class BaseTrainer(ThreadedModule):
         for t in trajectories:  # consumed for good: a failed item is lost now, one row each
             if t.get("failed"):
                 self._activity_tracker.record_lost_item(t.get("task") or t, str(t.get("error_cause", "failed")),
-                                                        str(t.get("error", "")), False, self.global_step)
+                                                        str(t.get("error", "")), False, self.global_step,
+                                                        failure_detail(t))
         self._activity_tracker.experiment_logger_post("metrics", data=metrics, step=self.global_step)
+        if self.samples_every > 0 and self.global_step % self.samples_every == 0 and self.samples_per_step > 0:
+            self._activity_tracker.record_samples(self.global_step, self._pick_samples(trajectories))
         if self.save_freq > 0 and (self.global_step % self.save_freq == 0 or self.is_done()):
             self.save_checkpoint()
         execute(self._weight_sync_controller.train_worker_notify_weight_update, self._module_name, self._model_tag)
+
+    def _pick_samples(self, trajectories: list[Trajectory]) -> list[dict[str, Any]]:
+        """``samples_per_step`` trajectories spread over the batch (no random draw: the run's
+        random streams stay as they are), as samples.jsonl rows."""
+        n = len(trajectories)
+        k = min(self.samples_per_step, n)
+        picked = sorted({i * n // k for i in range(k)}) if k else []
+        return [{f: trajectories[i].get(f) for f in SAMPLE_FIELDS if trajectories[i].get(f) is not None}
+                for i in picked]
 
     def _core_metrics(self, trajectories: list[Trajectory], usable: list[Trajectory], wait_s: float,
                       train_s: float) -> dict[str, float]:
@@ -144,6 +216,7 @@ class BaseTrainer(ThreadedModule):
             "train/reward_mean": sum(rewards) / len(rewards) if rewards else 0.0,
             "train/num_trajectories": float(len(usable)),
             "train/num_failed": float(len(trajectories) - len(usable)),
+            **_response_tokens(usable),
             "train/staleness_max": float(max(staleness, default=0)),
             "train/staleness_mean": sum(staleness) / len(staleness) if staleness else 0.0,
             "timing/wait_batch_s": wait_s,  # rollouts of this batch, in sync mode
@@ -152,11 +225,13 @@ class BaseTrainer(ThreadedModule):
         }
         for name, value in execute(self._trajectory_pool.counters).items():
             out[f"pool/{name}"] = float(value)
+        out.update(_score_means(usable))
         return out
 
     # -- checkpoints ----------------------------------------------------------------------
     def core_state(self) -> dict[str, Any]:
-        state: dict[str, Any] = {"global_step": self.global_step}
+        # ``trainer``: the registered name of the trainer that wrote the checkpoint (nexrl export asks it)
+        state: dict[str, Any] = {"global_step": self.global_step, "trainer": self._config.get("type")}
         if self._dataloader is not None:
             state["dataloader"] = execute(self._dataloader.state_dict)
         if self._weight_sync_controller is not None:
@@ -181,3 +256,22 @@ class BaseTrainer(ThreadedModule):
         self.load_model_state(folder)
         self.global_step = int(state["global_step"])
         return state
+
+
+def _response_tokens(trajectories: list[Trajectory]) -> dict[str, float]:
+    """``train/num_response_tokens`` when every trajectory carries its response token ids."""
+    lengths = [len(t["response_token_ids"]) for t in trajectories if t.get("response_token_ids") is not None]
+    return {"train/num_response_tokens": float(sum(lengths))} if lengths and len(lengths) == len(trajectories) else {}
+
+
+def _score_means(trajectories: list[Trajectory]) -> dict[str, float]:
+    """``rollout/<name>``: the mean of each number in the batch's ``score`` dicts (the evaluator's
+    metrics and a worker's counts, e.g. an agent's ``called_tool``), over the trajectories that
+    report it; the reward has its own metric."""
+    sums: dict[str, list[float]] = {}
+    for traj in trajectories:
+        for name, value in (traj.get("score") or {}).items():
+            if name != "reward" and isinstance(value, (int, float)) and not isinstance(value, bool) \
+                    and math.isfinite(value):
+                sums.setdefault(name, []).append(float(value))
+    return {f"rollout/{name}": sum(values) / len(values) for name, values in sorted(sums.items())}

@@ -305,6 +305,10 @@ class TrajectoryPool(NexRLModule):
     def put_trajectory(self, trajectory: Trajectory) -> str:
         return self._instance(trajectory.get("model_tag") or DEFAULT_MODEL_TAG).put_trajectory(trajectory)
 
+    def put_trajectories(self, trajectories: list[Trajectory]) -> list[str]:
+        """:meth:`put_trajectory` for each, in order (one call for several)."""
+        return [self.put_trajectory(t) for t in trajectories]
+
     def get_batch(self, batch_size: int | None = None, model_tag: ModelTag | None = None,
                   min_version: int | None = None, timeout: float = 0.0) -> Batch | None:
         if model_tag is None:

@@ -90,3 +90,31 @@ def _leading_all_true(flags: list[bool]) -> int:
             break
         n += 1
     return n
+
+
+SEGMENT_KEYS = ("prompt_token_ids", "response_token_ids", "response_logprobs", "loss_mask")
+
+
+def trajectory_segments(trajectory: Trajectory) -> list[dict[str, Any]]:
+    """The token sequences a trajectory trains on, each with ``prompt_token_ids``,
+    ``response_token_ids``, ``response_logprobs`` (or None) and ``loss_mask`` (one 0/1 per response
+    token; None when the trajectory has none: every response token is trained).
+
+    A single-turn trajectory is one sequence (its top-level keys). A multi-turn agent rollout whose
+    turns could not all be laid into one sequence carries them all in ``segments`` (the top level
+    then repeats the first). Every trainer reads trajectories through this function, so a
+    ``loss_mask`` is never ignored. Raises ValueError when a mask does not fit its response.
+    """
+    raw = trajectory.get("segments") or [trajectory]
+    out = []
+    for i, seg in enumerate(raw):
+        response = seg.get("response_token_ids")
+        mask = seg.get("loss_mask")
+        if mask is not None and response is not None and len(mask) != len(response):
+            where = f"trajectory {trajectory.get('uid')}#{trajectory.get('sample_index')}"
+            raise ValueError(f"{where}{f' segment {i}' if 'segments' in trajectory else ''}: loss_mask has "
+                             f"{len(mask)} entries for {len(response)} response tokens")
+        out.append({"prompt_token_ids": seg.get("prompt_token_ids"), "response_token_ids": response,
+                    "response_logprobs": seg.get("response_logprobs"),
+                    "loss_mask": None if mask is None else [1 if m else 0 for m in mask]})
+    return out

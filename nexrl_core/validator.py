@@ -41,6 +41,10 @@ class Validator(NexRLModule):
             self._trajectories.append(trajectory)
         return "success"
 
+    def put_trajectories(self, trajectories: list[Trajectory]) -> list[str]:
+        """:meth:`put_trajectory` for each, in order (one call for several)."""
+        return [self.put_trajectory(t) for t in trajectories]
+
     def is_complete(self) -> bool:
         return bool(execute(self._validate_dataloader.is_finished)) and \
             self._activity_tracker.is_rollout_worker_quiescent()

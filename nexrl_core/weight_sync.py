@@ -128,6 +128,20 @@ class WeightSyncController(NexRLModule):
             if not landed or in_flight == 0:
                 self._cond.notify_all()
 
+    def begin_rollouts(self, model_tag: ModelTag = DEFAULT_MODEL_TAG, count: int = 1) -> int:
+        """Admit up to ``count`` rollouts at once (:meth:`begin_rollout` each); returns how many."""
+        admitted = 0
+        while admitted < count and self.begin_rollout(model_tag):
+            admitted += 1
+        return admitted
+
+    def end_rollouts(self, model_tag: ModelTag = DEFAULT_MODEL_TAG, landed: int = 0, returned: int = 0) -> None:
+        """:meth:`end_rollout` for ``landed`` rollouts that reached the pool and ``returned`` that did not."""
+        for _ in range(landed):
+            self.end_rollout(model_tag, True)
+        for _ in range(returned):
+            self.end_rollout(model_tag, False)
+
     def check_rollout_service_status(self, model_tag: ModelTag = DEFAULT_MODEL_TAG) -> Literal["continue", "block"]:
         with self._cond:
             return "block" if self._blocked_locked(model_tag) else "continue"

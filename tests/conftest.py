@@ -93,3 +93,16 @@ def run_local(tmp_path, core_pm, reset_loguru):
         return controller, controller.run()
 
     return run
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One local Ray cluster (2 CPUs, no dashboard) for every Ray test of the session, stopped at
+    its end with a check that none of its processes is left. A Ray run in this process attaches
+    to it (and only kills its own actors)."""
+    pytest.importorskip("ray")
+    from tests.support.ray_cluster import start_cluster, stop_cluster
+
+    cluster = start_cluster(num_cpus=2)
+    yield cluster
+    stop_cluster(cluster)

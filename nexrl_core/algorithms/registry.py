@@ -40,7 +40,7 @@ from difflib import get_close_matches
 from typing import Any
 
 from ..errors import ConfigError
-from ..options import Option, check_options, component_options
+from ..options import Option, check_options, component_options, param_docs
 
 # kind -> hook that registers it
 ALGORITHM_KINDS: dict[str, str] = {
@@ -90,11 +90,13 @@ class AlgorithmFunction:
 
     def declared(self) -> dict[str, Option]:
         """The keys ``fn`` reads as options: typed by annotation (a ``Literal`` lists the choices)
-        or by the default. ``Annotated[float, Option(gt=1, help=...)]`` adds bounds and help."""
+        or by the default; the help is the parameter's ``:param name:`` line.
+        ``Annotated[float, Option(gt=1)]`` adds bounds (and a help that replaces the docstring's)."""
         try:
             hints = typing.get_type_hints(self.fn, include_extras=True)
         except Exception:  # an annotation that does not resolve: typed by the defaults
             hints = {}
+        helps = param_docs(inspect.getdoc(self.fn) or "")
         out = {}
         for name, default in self.options.items():
             hint = hints.get(name)
@@ -102,7 +104,9 @@ class AlgorithmFunction:
             if typing.get_origin(hint) is typing.Annotated:
                 hint, *metadata = typing.get_args(hint)
                 extra = next((m for m in metadata if isinstance(m, Option)), None)
-            out[name] = replace(extra, default=default, type=extra.type or hint) if extra else Option(default, hint)
+            help_text = (extra.help if extra else "") or helps.get(name, "")
+            out[name] = (replace(extra, default=default, type=extra.type or hint, help=help_text) if extra
+                         else Option(default, hint, help_text))
         return out
 
     def bind(self, options: Mapping[str, Any]) -> Callable[..., Any]:

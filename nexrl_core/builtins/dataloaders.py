@@ -19,8 +19,8 @@ class FileDataLoader(BaseDataLoader):
     """Rows from JSONL or Parquet files (``path``: one path or a list)."""
 
     OPTIONS = {
-        "path": Option(None, _PATHS, "JSONL or Parquet file, or a list of them"),
-        "dataset_paths": Option(None, _PATHS, "the seed's name for path"),
+        "path": Option(None, _PATHS, "JSONL or Parquet file, or a list of them", path=True),
+        "dataset_paths": Option(None, _PATHS, "the seed's name for path", path=True),
         "prompt_key": Option("prompt", str, "row field that holds the prompt"),
     }
 

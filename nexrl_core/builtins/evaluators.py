@@ -8,6 +8,7 @@ from typing import Any, Literal
 from ..evaluation import BaseEvaluationTarget, EvaluationRunResult, Evaluator
 from ..markers import hookimpl
 from ..options import Option
+from .python_reward import PythonFunctionEvaluator
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
@@ -15,7 +16,19 @@ _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 class ExactMatchEvaluator(Evaluator):
     """Reward 1 when the stripped answer equals ``data[answer_key]``."""
 
+    # sample data for the conformance check (nexrl plugins check) and the docs
+    EXAMPLES = [
+        {"data": {"prompt": "Capital of France? One word.", "answer": "Paris"}, "response": " Paris\n", "reward": 1.0},
+        {"data": {"prompt": "Capital of France? One word.", "answer": "Paris"}, "response": "paris", "reward": 0.0},
+        {"data": {"prompt": "Capital of France? One word.", "answer": "Paris"}, "response": "paris", "reward": 1.0,
+         "options": {"case_sensitive": False}},
+    ]
+
     def __init__(self, answer_key: str = "answer", case_sensitive: bool = True):
+        """
+        :param answer_key: row field that holds the expected answer
+        :param case_sensitive: whether 'Paris' and 'paris' differ
+        """
         self.answer_key = answer_key
         self.case_sensitive = case_sensitive
 
@@ -40,6 +53,14 @@ class NumericAnswerEvaluator(Evaluator):
         "format_reward": Option(0.0, float, "added when the reply is a bare number"),
         "tolerance": Option(1e-6, float, "largest difference counted as equal", ge=0),
     }
+
+    EXAMPLES = [
+        {"data": {"prompt": "What is 2 + 3?", "answer": 5}, "response": "2 + 3 = 5", "reward": 1.0},
+        {"data": {"prompt": "What is 2 + 3?", "answer": 5}, "response": "5.", "reward": 1.5,
+         "options": {"format_reward": 0.5}},
+        {"data": {"prompt": "What is 2 + 3?", "answer": 5}, "response": "5, or maybe 6", "reward": 0.0},
+        {"data": {"prompt": "What is 0.1 + 0.2?", "answer": "0.3"}, "response": "0.3", "reward": 1.0},
+    ]
 
     def __init__(self, answer_key: str = "answer", extract: str = "last", format_reward: float = 0.0,
                  tolerance: float = 1e-6):
@@ -66,4 +87,5 @@ class NumericAnswerEvaluator(Evaluator):
 
 @hookimpl
 def nexrl_evaluators():
-    return {"exact_match": ExactMatchEvaluator, "numeric_answer": NumericAnswerEvaluator}
+    return {"exact_match": ExactMatchEvaluator, "numeric_answer": NumericAnswerEvaluator,
+            "python": PythonFunctionEvaluator}

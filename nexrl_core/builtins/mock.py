@@ -65,6 +65,13 @@ class MockInferenceClient(InferenceClient):
         return CompletionResult(text=text, finish_reason="stop", prompt_token_ids=list(_last_user_text(prompt).encode()),
                                 response_token_ids=ids, response_logprobs=[-0.5] * len(ids), model_version=version)
 
+    def complete_many(self, requests: list[tuple[Any, SamplingParams]]) -> list[CompletionResult]:
+        return [self.complete(prompt, params) for prompt, params in requests]  # instant: no threads needed
+
+    def num_calls(self) -> int:
+        """Completions served so far (public: reachable through a handle in any launch mode)."""
+        return self.calls
+
 
 class MockTrainer(BaseTrainer):
     """Trains nothing; remembers what it was given (tests check the data flow with it)."""
@@ -86,6 +93,10 @@ class MockTrainer(BaseTrainer):
             time.sleep(self.step_time_s)
         self.batches.append(trajectories)
         return {"train/loss": 0.0}
+
+    def get_batches(self) -> list[list[Trajectory]]:
+        """Every batch trained on so far (public: reachable through a handle in any launch mode)."""
+        return self.batches
 
     def export_weights(self) -> dict[str, Any]:
         return {}

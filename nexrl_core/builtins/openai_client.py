@@ -12,6 +12,11 @@ OpenAI-compatible server accepts it:
   ``choices[0].prompt_token_ids`` (completions) or the top-level ``prompt_token_ids``
   (chat).
 
+``chat(messages, params, tools)`` sends ``tools`` (OpenAI's function schemas) and reads
+``choices[0].message.tool_calls`` (vLLM fills it when started with a tool parser, e.g.
+``--enable-auto-tool-choice --tool-call-parser hermes``; without one the calls stay in the text and
+are read from it with :func:`nexrl_core.parse_tool_calls`). Without tools it is :meth:`complete`.
+
 A server without those extensions (plain OpenAI) simply leaves them out, and the
 result carries ``None`` for them. A server that rejects ``return_token_ids`` with a 400
 (api.openai.com does) is asked again without it, and this client stops sending it.
@@ -68,6 +73,7 @@ from loguru import logger
 from ..inference import CompletionResult, InferenceClient, InferenceError, SamplingParams, _get
 from ..markers import hookimpl
 from ..options import Option, option_defaults
+from ..tool_calls import parse_tool_calls
 
 __all__ = ["OpenAICompatibleClient"]
 
@@ -144,13 +150,27 @@ class OpenAICompatibleClient(InferenceClient):
             chat, payload = True, [{str(k): v for k, v in m.items()} for m in prompt]
         else:
             raise TypeError(f"prompt must be a string or a list of chat messages, not {type(prompt).__name__}")
+        return self._generate(chat, payload, params, None)
+
+    def chat(self, messages: list[dict[str, Any]], params: SamplingParams,
+             tools: list[dict[str, Any]] | None = None) -> CompletionResult:
+        """A chat reply offered ``tools``: sent as OpenAI ``tools``, calls read from
+        ``choices[0].message.tool_calls`` (vLLM: a server started with a tool parser). A server
+        without one leaves the calls in the text; they are then read from it as the in-process
+        engine reads them (:func:`nexrl_core.parse_tool_calls`)."""
+        if not tools and not any(m.get("tool_calls") for m in messages):
+            return self.complete(messages, params)
+        return self._generate(True, [_wire_message(m) for m in messages], params, tools or None)
+
+    def _generate(self, chat: bool, payload: Any, params: SamplingParams,
+                  tools: list[dict[str, Any]] | None) -> CompletionResult:
         endpoint = "/chat/completions" if chat else "/completions"
         model = self._served_model()
 
         def attempt(timeout: float) -> CompletionResult:
             with self.generation_attempt() as served:
-                raw = self._post(chat, model, payload, params, timeout)
-            result = self._parse(chat, self._decode(raw, endpoint), endpoint)
+                raw = self._post(chat, model, payload, params, timeout, tools)
+            result = self._parse(chat, self._decode(raw, endpoint), endpoint, tools is not None)
             result.model_version = served.model_version
             return result
 
@@ -178,7 +198,8 @@ class OpenAICompatibleClient(InferenceClient):
 
     # ------------------------------------------------------------------ requests
 
-    def _post(self, chat: bool, model: str, payload: Any, params: SamplingParams, timeout: float) -> Any:
+    def _post(self, chat: bool, model: str, payload: Any, params: SamplingParams, timeout: float,
+              tools: list[dict[str, Any]] | None = None) -> Any:
         kwargs: dict[str, Any] = {
             "model": model,
             "max_tokens": int(params.max_tokens),
@@ -191,6 +212,8 @@ class OpenAICompatibleClient(InferenceClient):
             kwargs["stop"] = stop
         if params.seed is not None:
             kwargs["seed"] = int(params.seed)
+        if tools:
+            kwargs["tools"] = tools
         if self.request_logprobs:
             # Completions take a count of top alternatives (the sampled token's logprob
             # comes with any count); chat takes a flag.
@@ -294,7 +317,7 @@ class OpenAICompatibleClient(InferenceClient):
             raise self._malformed(endpoint, f"the body is a JSON {type(body).__name__}, not an object")
         return body
 
-    def _parse(self, chat: bool, body: dict[str, Any], endpoint: str) -> CompletionResult:
+    def _parse(self, chat: bool, body: dict[str, Any], endpoint: str, with_tools: bool = False) -> CompletionResult:
         choices = body.get("choices")
         if not isinstance(choices, list) or not choices:
             raise self._malformed(endpoint, "it has no choices")
@@ -308,9 +331,13 @@ class OpenAICompatibleClient(InferenceClient):
                 raise self._malformed(endpoint, "choices[0].message is missing")
             text = message.get("content") or ""
             prompt_ids = body.get("prompt_token_ids", choice.get("prompt_token_ids"))
+            calls = self._tool_calls(message.get("tool_calls"), endpoint) if with_tools else None
+            if with_tools and not calls and "<tool_call>" in str(text):
+                calls = parse_tool_calls(str(text))[1]  # a server without a tool parser
         else:
             text = choice.get("text")
             prompt_ids = choice.get("prompt_token_ids", body.get("prompt_token_ids"))
+            calls = None
         if not isinstance(text, str):
             raise self._malformed(endpoint, "the completion text is not a string")
 
@@ -331,7 +358,25 @@ class OpenAICompatibleClient(InferenceClient):
             prompt_token_ids=prompt_ids,
             response_token_ids=response_ids,
             response_logprobs=logprobs,
+            tool_calls=calls or None,
         )
+
+    def _tool_calls(self, value: Any, endpoint: str) -> list[dict[str, Any]] | None:
+        """``message.tool_calls`` in OpenAI's shape (arguments as JSON text)."""
+        if not value:
+            return None
+        if not isinstance(value, list) or not all(isinstance(c, dict) for c in value):
+            raise self._malformed(endpoint, "choices[0].message.tool_calls is not a list of objects")
+        calls = []
+        for call in value:
+            fn = call.get("function")
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                raise self._malformed(endpoint, "a tool call has no function name")
+            args = fn.get("arguments")
+            calls.append({"id": str(call.get("id") or ""), "type": "function",
+                          "function": {"name": fn["name"],
+                                       "arguments": args if isinstance(args, str) else json.dumps(args or {})}})
+        return calls
 
     def _logprobs(self, chat: bool, obj: Any, endpoint: str) -> list[float] | None:
         if obj is None:
@@ -385,6 +430,19 @@ class OpenAICompatibleClient(InferenceClient):
             f"inference server {self.url} rejected {what} with HTTP {exc.status_code} "
             f"(not retried): {_short(exc.message)}.{hint}"
         )
+
+
+def _wire_message(message: dict[str, Any]) -> dict[str, Any]:
+    """A chat message as the API takes it: tool calls with only OpenAI's fields. A reply whose
+    calls were read from its own text (a server without a tool parser) goes back as the model
+    wrote it, without ``tool_calls``: the server's template would write the calls a second time."""
+    out = {str(k): v for k, v in message.items()}
+    if out.get("role") == "assistant" and "<tool_call>" in str(out.get("content") or ""):
+        out.pop("tool_calls", None)
+    if out.get("tool_calls"):
+        out["tool_calls"] = [{"id": c.get("id", ""), "type": "function", "function": c.get("function", {})}
+                             for c in out["tool_calls"]]
+    return out
 
 
 def _retry_after(response: Any) -> float | None:

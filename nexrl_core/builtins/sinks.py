@@ -1,8 +1,11 @@
-"""Built-in experiment loggers: the console and Weights & Biases."""
+"""Built-in experiment loggers: the console, Weights & Biases and TensorBoard (the last two need
+their extras: ``pip install 'nexrl-core[wandb]'`` / ``'nexrl-core[tensorboard]'``)."""
 
 from __future__ import annotations
 
+import json
 import os
+import secrets
 from typing import Any
 
 from loguru import logger
@@ -10,6 +13,7 @@ from loguru import logger
 from ..errors import ConfigError
 from ..markers import hookimpl
 from ..options import Option
+from ..run_log import STEP_LINE
 
 
 class ConsoleSink:
@@ -19,51 +23,177 @@ class ConsoleSink:
     def log(self, metrics: dict[str, Any], step: int) -> None:
         shown = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in sorted(metrics.items())
                           if k.startswith(("train/reward", "val/", "timing/step", "train/loss", "train/num")))
-        logger.info(f"step {step}: {shown}")
+        logger.bind(**{STEP_LINE: True}).info(f"step {step}: {shown}")
 
     def close(self) -> None:
         pass
 
 
 class WandbSink:
-    """Weights & Biases (options under ``logger.wandb``); offline when no API key is configured."""
+    """Weights & Biases (options under ``logger.wandb``), as wandb users expect it to behave.
+
+    Project: ``logger.wandb.project``, else ``WANDB_PROJECT``, else ``project_name``. Entity and
+    group: the recipe's, else wandb's own ``WANDB_ENTITY`` / ``WANDB_RUN_GROUP``. Run name:
+    ``logger.wandb.name``, else ``experiment_name``. Mode: ``logger.wandb.mode``, else
+    ``WANDB_MODE``, else online when an API key is configured (``WANDB_API_KEY`` or ``wandb
+    login``) and offline without one (``wandb sync RUN_DIR/wandb/offline-run-*`` uploads it later).
+    The run's id is kept in ``RUN_DIR/wandb_run.json``: a resumed nexrl run (``resume.mode``
+    auto or from_path) continues the same wandb run. Every metric is plotted against
+    ``global_step``, so steps a resume trains again are added, never refused by wandb.
+    """
 
     OPTIONS = {
-        "project": Option(None, str, "W&B project (default: project_name)"),
-        "entity": Option(None, str, "W&B team or user"),
-        "mode": Option(None, str, "online | offline | disabled (default: online when WANDB_API_KEY is set)",
-                       choices=("online", "offline", "disabled")),
+        "project": Option(None, str, "W&B project (default: WANDB_PROJECT, else project_name)"),
+        "entity": Option(None, str, "W&B team or user (default: WANDB_ENTITY, else your default entity)"),
+        "group": Option(None, str, "W&B run group (default: WANDB_RUN_GROUP)"),
+        "name": Option(None, str, "W&B run name (default: experiment_name)"),
         "tags": Option([], list[str], "tags of the W&B run"),
+        "notes": Option(None, str, "a longer description of the W&B run"),
+        "mode": Option(None, str, "online | offline | disabled (default: WANDB_MODE, else online when an API key "
+                                  "is configured, else offline)", choices=("online", "offline", "disabled")),
     }
+    STEP_METRIC = "global_step"
+    MISSING = "logger.backend: 'wandb' needs the wandb package: pip install 'nexrl-core[wandb]'"
 
-    def __init__(self, config: Any, run_dir: str):
+    @classmethod
+    def check_config(cls, section: dict[str, Any], path: str) -> list[str]:
+        return [] if _installed("wandb") else [cls.MISSING]
+
+    def __init__(self, config: Any, run_dir: str | None):
         try:
             import wandb
         except ImportError:
-            raise ConfigError("logger.backend: 'wandb' needs the wandb package (pip install wandb)") from None
+            raise ConfigError(self.MISSING) from None
+        from ..run_info import redact
+
         own = (config.get("logger", {}) or {}).get("wandb", {}) or {}
-        mode = own.get("mode") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
-        self._run = wandb.init(project=str(own.get("project") or config.get("project_name", "nexrl")),
-                               entity=own.get("entity"), tags=list(own.get("tags") or []),
-                               name=str(config.get("experiment_name", "run")), dir=run_dir, mode=mode,
-                               config=_plain(config))
+        mode = own.get("mode") or os.environ.get("WANDB_MODE") or ("online" if _wandb_key_configured() else "offline")
+        if mode == "dryrun":  # wandb's older name for offline
+            mode = "offline"
+        resuming = str((config.get("resume", {}) or {}).get("mode", "disable")) != "disable"
+        self._id_file = os.path.join(run_dir, WANDB_RUN_FILE) if run_dir else None
+        run_id = _read_run_id(self._id_file) if resuming else None
+        project = own.get("project") or os.environ.get("WANDB_PROJECT") or str(config.get("project_name") or "nexrl")
+        kwargs: dict[str, Any] = dict(
+            project=project, entity=own.get("entity"), group=own.get("group"), notes=own.get("notes"),
+            tags=list(own.get("tags") or []) or None, name=str(own.get("name") or config.get("experiment_name", "run")),
+            dir=run_dir, mode=mode, config=redact(_plain(config)), id=run_id or secrets.token_hex(4),
+            resume="allow")
+        if mode == "offline" and not own.get("mode") and not os.environ.get("WANDB_MODE"):
+            logger.info(f"wandb: no API key configured, logging offline to {run_dir or '.'}/wandb "
+                        f"(upload later with `wandb sync`)")
+        self._run = wandb.init(**{k: v for k, v in kwargs.items() if v is not None})
+        self._run.define_metric(self.STEP_METRIC)
+        self._run.define_metric("*", step_metric=self.STEP_METRIC)
+        if self._id_file is not None:
+            with open(self._id_file, "w", encoding="utf-8") as f:
+                json.dump({"id": self._run.id, "project": project, "entity": own.get("entity"), "mode": mode}, f)
+                f.write("\n")
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
-        self._run.log(metrics, step=step)
+        self._run.log({**metrics, self.STEP_METRIC: int(step)})
 
     def close(self) -> None:
         self._run.finish()
 
 
-def _plain(config: Any) -> Any:
-    try:
-        from omegaconf import OmegaConf
+WANDB_RUN_FILE = "wandb_run.json"
 
-        return OmegaConf.to_container(config, resolve=True)
+
+def _read_run_id(path: str | None) -> str | None:
+    if path is None or not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f).get("id")
+    except (OSError, ValueError, AttributeError):
+        logger.warning(f"{path}: unreadable; this run starts a new wandb run")
+        return None
+    return str(value) if value else None
+
+
+def _wandb_key_configured() -> bool:
+    """An API key in the environment or in the netrc file ``wandb login`` writes."""
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    import netrc
+    from urllib.parse import urlparse
+
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname or "api.wandb.ai"
+    try:
+        return netrc.netrc(os.environ.get("NETRC")).authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
+class TensorBoardSink:
+    """TensorBoard event files (``logger.tensorboard.log_dir``, default ``RUN_DIR/tensorboard``):
+    ``tensorboard --logdir RUN_DIR/tensorboard``. A resumed run purges the steps after its
+    checkpoint from the view, so the curves continue from where the checkpoint left them."""
+
+    OPTIONS = {
+        "log_dir": Option(None, str, "folder of the event files (default: RUN_DIR/tensorboard)"),
+        "flush_secs": Option(10, int, "write buffered events at least this often (seconds)", ge=1),
+    }
+
+    MISSING = "logger.backend: 'tensorboard' needs the tensorboardX package: pip install 'nexrl-core[tensorboard]'"
+
+    @classmethod
+    def check_config(cls, section: dict[str, Any], path: str) -> list[str]:
+        return [] if _installed("tensorboardX") else [cls.MISSING]
+
+    def __init__(self, config: Any, run_dir: str | None):
+        try:
+            from tensorboardX import SummaryWriter
+        except ImportError:
+            raise ConfigError(self.MISSING) from None
+        own = (config.get("logger", {}) or {}).get("tensorboard", {}) or {}
+        self.log_dir = str(own.get("log_dir") or os.path.join(run_dir or ".", "tensorboard"))
+        self._flush_secs = int(own.get("flush_secs") or 10)
+        self._writer_cls = SummaryWriter
+        self._writer: Any = None
+        self._purge_step: int | None = None
+
+    def _writer_now(self) -> Any:
+        if self._writer is None:
+            self._writer = self._writer_cls(logdir=self.log_dir, flush_secs=self._flush_secs,
+                                            purge_step=self._purge_step)
+        return self._writer
+
+    def truncate_after(self, step: int) -> None:
+        """A resume from checkpoint ``step``: TensorBoard drops the earlier run's events after it."""
+        if self._writer is None:
+            self._purge_step = int(step) + 1
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        writer = self._writer_now()
+        for key, value in metrics.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                writer.add_scalar(key, float(value), int(step))
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+
+
+def _installed(module: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _plain(config: Any) -> Any:
+    from ..run_info import plain_config
+
+    try:
+        return plain_config(config)
     except Exception:
         return {}
 
 
 @hookimpl
 def nexrl_metrics_sinks():
-    return {"console": ConsoleSink, "wandb": WandbSink}
+    return {"console": ConsoleSink, "wandb": WandbSink, "tensorboard": TensorBoardSink}

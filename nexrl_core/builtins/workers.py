@@ -38,6 +38,7 @@ class SimpleRolloutWorker(BaseRolloutWorker):
             raise ConfigError("; ".join(problems))
         self._sampling = SamplingParams.from_config(_plain(config.get("sampling")))
         self._validate_temperature = config.get("validate_temperature")
+        self._answers: dict[int, Any] = {}  # id(task) -> prepared completion (prepare_tasks)
 
     @classmethod
     def check_config(cls, section: Any, key: str = "rollout_worker") -> list[str]:
@@ -56,14 +57,28 @@ class SimpleRolloutWorker(BaseRolloutWorker):
         messages = [{"role": "system", "content": self._system_prompt}] if self._system_prompt else []
         return messages + [{"role": "user", "content": str(prompt)}]
 
-    def step(self, task: dict[str, Any]) -> str | None:
-        if task.get(self._prompt_key) in (None, ""):
-            raise ItemFailure("missing_prompt", f"task has no '{self._prompt_key}' field")
+    def _request(self, task: dict[str, Any]) -> tuple[Any, SamplingParams]:
         prompt = self.build_prompt(task)
         params = replace(self._sampling, seed=self.sampling_seed(task))
         if self._task_is_validation and self._validate_temperature is not None:
             params.temperature = float(self._validate_temperature)
-        result = execute(self._llm_client.complete, prompt, params)
+        return prompt, params
+
+    def prepare_tasks(self, tasks: list[dict[str, Any]]) -> None:
+        """One ``complete_many`` call for the tasks' requests; :meth:`step` takes its answer from here."""
+        asked = [t for t in tasks if t.get(self._prompt_key) not in (None, "")]
+        results = execute(self._llm_client.complete_many, [self._request(t) for t in asked])
+        self._answers = {id(t): r for t, r in zip(asked, results)}
+
+    def step(self, task: dict[str, Any]) -> str | None:
+        if task.get(self._prompt_key) in (None, ""):
+            raise ItemFailure("missing_prompt", f"task has no '{self._prompt_key}' field")
+        prompt, params = self._request(task)
+        result = self._answers.pop(id(task), None)
+        if result is None:
+            result = execute(self._llm_client.complete, prompt, params)
+        elif isinstance(result, Exception):
+            raise result
         evaluation = self.evaluate(task, result.text)
         trajectory = self.base_trajectory(task)
         trajectory.update({

@@ -12,24 +12,58 @@ from typing import Any
 
 from ..errors import ConfigError
 from .base import ResourceManager, RoleSpec
+from .ray.settings import ray_installed
 
 # launch_mode -> "module:class" of its resource manager
 LAUNCH_MODES: dict[str, str] = {
     "local": "nexrl_core.launch.local:LocalResourceManager",
+    "ray": "nexrl_core.launch.ray.manager:RayResourceManager",
 }
 # Accepted names that do not run yet, and why (one message for `nexrl validate` and `nexrl run`).
-PLANNED_LAUNCH_MODES: dict[str, str] = {
-    "ray": "launch_mode: 'ray' is not available in this release (Ray support is planned); use launch_mode: local",
-}
+PLANNED_LAUNCH_MODES: dict[str, str] = {}
 
 
 def launch_mode_problem(mode: Any) -> str | None:
     """Why ``launch_mode: mode`` cannot run, or None when it can."""
+    if mode == "ray" and not ray_installed():
+        return "launch_mode: 'ray' needs Ray, an optional extra: pip install 'nexrl-core[ray]'"
     if mode in LAUNCH_MODES:
         return None
     if mode in PLANNED_LAUNCH_MODES:
         return PLANNED_LAUNCH_MODES[mode]
     return f"launch_mode: '{mode}' is not one of {', '.join(LAUNCH_MODES)}"
+
+
+def unused_launch_keys(config: Any) -> list[str]:
+    """Keys of another launch mode that the recipe sets to other than their defaults (a Ray
+    recipe run with ``launch_mode=local``): accepted, so one key switches the mode, but named,
+    so nobody believes they took effect."""
+    from ..options import option_defaults
+    from ..schema import RAY, ROLLOUT_WORKER
+
+    if config.get("launch_mode", "local") == "ray":
+        return []
+    section = config.get("ray") or {}
+    defaults = option_defaults(RAY)
+    keys = [f"ray.{k}" for k in RAY if k in section and _plain(section[k]) != defaults[k]]
+    workers = config.get("rollout_worker") or {}
+    if workers.get("num_actors", 1) != ROLLOUT_WORKER["num_actors"].default:
+        keys.append("rollout_worker.num_actors")
+    return keys
+
+
+def _plain(value: Any) -> Any:
+    from omegaconf import DictConfig, ListConfig, OmegaConf
+
+    return OmegaConf.to_container(value, resolve=True) if isinstance(value, (DictConfig, ListConfig)) else value
+
+
+def unused_launch_keys_note(config: Any) -> str | None:
+    keys = unused_launch_keys(config)
+    if not keys:
+        return None
+    return (f"{', '.join(keys)}: appl{'ies' if len(keys) == 1 else 'y'} to launch_mode: ray only; this run is "
+            f"launch_mode: {config.get('launch_mode', 'local')} and does not use {'it' if len(keys) == 1 else 'them'}")
 
 
 def create_resource_manager(config: Any, plugin_manager: Any = None) -> ResourceManager:
@@ -43,4 +77,4 @@ def create_resource_manager(config: Any, plugin_manager: Any = None) -> Resource
 
 
 __all__ = ["LAUNCH_MODES", "PLANNED_LAUNCH_MODES", "ResourceManager", "RoleSpec", "create_resource_manager",
-           "launch_mode_problem"]
+           "launch_mode_problem", "unused_launch_keys", "unused_launch_keys_note"]

@@ -32,6 +32,13 @@ class ResourceManager(ABC):
     them, as the seed's co-located actors); ``None`` means a place of its own.
     """
 
+    #: seconds between two rounds of the controller's monitor loop (each round asks the trainer,
+    #: the weight-sync controller and the tracker a few questions: cheap in process, a few
+    #: round trips between processes)
+    poll_interval_s: float = 0.02
+    #: seconds a rollout worker waits for a slot or a task before it looks at its mode again
+    idle_wait_s: float = 0.05
+
     def __init__(self, config: Any = None, plugin_manager: Any = None) -> None:
         """``config``: the recipe (a mode reads its own settings there); ``plugin_manager``: what
         modules built in this process resolve their parts with (None: the process default)."""

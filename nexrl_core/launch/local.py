@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from loguru import logger
+
 from ..plugins import PluginManager, use_plugin_manager
 from ..types import NexRLRole
 from .base import ResourceManager
@@ -17,6 +19,12 @@ class LocalResourceManager(ResourceManager):
     def __init__(self, config: Any = None, plugin_manager: PluginManager | None = None) -> None:
         super().__init__(config, plugin_manager)
         self._instances: dict[NexRLRole, list[Any]] = {}
+        if config is not None:
+            from . import unused_launch_keys_note
+
+            note = unused_launch_keys_note(config)
+            if note:
+                logger.warning(note)
 
     def _create(self) -> None:
         with use_plugin_manager(self._pm):

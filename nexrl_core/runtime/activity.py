@@ -16,7 +16,8 @@ from typing import Any, Iterator
 from loguru import logger
 
 from ..errors import ErrorInfo, ErrorReporter, ErrorSeverity
-from .execute import execute, execute_with_timeout
+from .execute import ModuleUnavailable, RpcTimeout, execute, execute_with_timeout
+from .logs import FailureLog
 
 
 class ActivityTracker:
@@ -32,12 +33,14 @@ class ActivityTracker:
             experiment_logger = open_run_recorder(config)
         self.experiment_logger = experiment_logger
         self._error_reporter = ErrorReporter(max_errors)
+        self._failure_log = FailureLog()
         self._cond = threading.Condition()
         self._in_flight: dict[str, tuple[str, str, float]] = {}
         self._tokens = itertools.count()
         self._modules: dict[str, Any] = {}
         self._rollout_workers: set[str] = set()
         self._training_step = 0
+        self._health_problems: dict[str, str] = {}
 
     # -- activity -------------------------------------------------------------
     def start(self, module: str, work: str) -> str:
@@ -67,9 +70,13 @@ class ActivityTracker:
         with self._cond:
             return not self._in_flight
 
-    def wait_quiescent(self, timeout: float | None = None) -> bool:
+    def wait_quiescent(self, timeout: float | None = None, ignore: list[str] | None = None) -> bool:
+        """Wait until no work is in flight; work of the modules in ``ignore`` (dead ones, whose work
+        will never end) does not count."""
+        skip = set(ignore or ())
         with self._cond:
-            return self._cond.wait_for(lambda: not self._in_flight, timeout)
+            return self._cond.wait_for(lambda: not any(m not in skip for m, _, _ in self._in_flight.values()),
+                                       timeout)
 
     def is_rollout_worker_quiescent(self) -> bool:
         with self._cond:
@@ -91,8 +98,18 @@ class ActivityTracker:
 
     def dead_modules(self, timeout: float = 5.0) -> list[str]:
         """Names of registered modules whose ``health_check`` fails, raises (a module that is gone)
-        or does not answer within ``timeout`` seconds."""
-        return [name for name, ref in list(self._modules.items()) if not _answers_health_check(ref, timeout)]
+        or does not answer within ``timeout`` seconds (why: :meth:`last_health_problems`)."""
+        problems = {}
+        for name, ref in list(self._modules.items()):
+            problem = _health_problem(ref, timeout)
+            if problem is not None:
+                problems[name] = problem
+        self._health_problems = problems
+        return list(problems)
+
+    def last_health_problems(self) -> dict[str, str]:
+        """Module name -> why it failed the last :meth:`dead_modules` check."""
+        return dict(self._health_problems)
 
     def check_module_liveness(self, timeout: float = 5.0) -> bool:
         return not self.dead_modules(timeout)
@@ -113,7 +130,14 @@ class ActivityTracker:
 
     def report_error(self, module: str, work: str, message: str,
                      severity: ErrorSeverity = ErrorSeverity.ERROR, details: dict | None = None) -> str:
-        logger.log(severity.name if severity.name != "CRITICAL" else "CRITICAL", f"{module}/{work}: {message}")
+        """Record an error; ``details["signature"]`` marks one that may repeat (a failed sample):
+        the console shows each signature once, run.log every occurrence (and ``details["traceback"]``)."""
+        signature = (details or {}).get("signature")
+        if signature is None:
+            logger.log(severity.name, f"{module}/{work}: {message}")
+        else:
+            self._failure_log.log(signature, message, (details or {}).get("traceback"), severity.name,
+                                  records="run.log and errors.jsonl")
         return self._error_reporter.report_error(module, work, message, severity, details)
 
     def get_error_health_status(self) -> dict[str, Any]:
@@ -130,12 +154,23 @@ class ActivityTracker:
         if self.experiment_logger is not None:
             self.experiment_logger.post(backend, **kwargs)
 
-    # -- the run's records (errors.jsonl, resume) --------------------------------
+    def recorded_rows(self, cursor: int = 0) -> tuple[list[dict[str, Any]], int]:
+        """Metrics rows recorded since ``cursor`` and the next cursor: how the driver's listeners
+        (the progress display) follow the run wherever the tracker lives."""
+        rows_since = getattr(self.experiment_logger, "rows_since", None)
+        return rows_since(cursor) if rows_since is not None else ([], cursor)
+
+    # -- the run's records (errors.jsonl, samples.jsonl, resume) ------------------------
+    def record_samples(self, step: int, samples: list[dict[str, Any]]) -> None:
+        """Lines of samples.jsonl (see :meth:`nexrl_core.run_log.RunRecorder.record_samples`)."""
+        if self.experiment_logger is not None and hasattr(self.experiment_logger, "record_samples"):
+            self.experiment_logger.record_samples(step, samples)
+
     def record_lost_item(self, task: dict[str, Any], cause: str, message: str, validating: bool = False,
-                         step: int | None = None) -> None:
+                         step: int | None = None, detail: dict[str, Any] | None = None) -> None:
         """One line of errors.jsonl (see :meth:`nexrl_core.run_log.RunRecorder.record_lost_item`)."""
         if self.experiment_logger is not None:
-            self.experiment_logger.record_lost_item(task, cause, message, validating, step)
+            self.experiment_logger.record_lost_item(task, cause, message, validating, step, detail)
 
     def truncate_records_after(self, step: int) -> None:
         """A resume from ``step``: drop records the resumed run writes again."""
@@ -154,13 +189,15 @@ class ActivityTracker:
             self.experiment_logger.close()
 
 
-def _answers_health_check(ref: Any, timeout: float) -> bool:
+def _health_problem(ref: Any, timeout: float) -> str | None:
     # A hung module must not hang the monitor (execute_with_timeout stops waiting); a module that
     # is gone raises from execute: both count as dead.
     try:
-        return bool(execute_with_timeout(timeout, ref.health_check))
-    except Exception:
-        return False
+        return None if execute_with_timeout(timeout, ref.health_check) else "its health check says unhealthy"
+    except RpcTimeout:
+        return f"no answer within {timeout:g}s"
+    except Exception as exc:
+        return str(exc) if isinstance(exc, ModuleUnavailable) else f"{type(exc).__name__}: {exc}"
 
 
 def open_run_recorder(config: Any) -> Any:
@@ -172,9 +209,11 @@ def open_run_recorder(config: Any) -> Any:
 
     pm = active_plugin_manager()
     run_dir = str(config.run_dir) if config.get("run_dir") else None  # None: no files (nexrl eval without --out)
-    sinks = [pm.resolve("metrics_sink", name, "logger.backend")(config, run_dir)
-             for name in _as_list(config.logger.backend)]
-    return RunRecorder(run_dir, sinks,
+    sinks, labels = [], []
+    for name in _as_list(config.logger.backend):
+        sinks.append(pm.resolve("metrics_sink", name, "logger.backend")(config, run_dir))
+        labels.append(f"metrics sink '{name}' ({pm.components('metrics_sink')[name].distribution})")
+    return RunRecorder(run_dir, sinks, sink_labels=labels,
                        step_end_hook=lambda step, metrics: pm.call_step_end(step=step, metrics=metrics, config=config),
                        failure_monitor=FailedSampleMonitor.from_config(config))
 
@@ -226,5 +265,8 @@ class ActivityTrackerProxy:
         execute(self._tracker.experiment_logger_post, backend, **kwargs)
 
     def record_lost_item(self, task: dict[str, Any], cause: str, message: str, validating: bool = False,
-                         step: int | None = None) -> None:
-        execute(self._tracker.record_lost_item, task, cause, message, validating, step)
+                         step: int | None = None, detail: dict[str, Any] | None = None) -> None:
+        execute(self._tracker.record_lost_item, task, cause, message, validating, step, detail)
+
+    def record_samples(self, step: int, samples: list[dict[str, Any]]) -> None:
+        execute(self._tracker.record_samples, step, samples)

@@ -34,6 +34,10 @@ class RemoteMethod(ABC):
     """
 
     timeout: float | None = None
+    #: True when :meth:`submit` accepts :class:`Deferred` arguments itself (moving the result
+    #: from the producing module to this one without the caller); otherwise :func:`execute`
+    #: evaluates them first.
+    takes_deferred: bool = False
 
     @abstractmethod
     def submit(self, *args: Any, **kwargs: Any) -> Any:
@@ -42,6 +46,37 @@ class RemoteMethod(ABC):
     @abstractmethod
     def result(self, ref: Any, timeout: float | None) -> Any:
         """The value of a submitted call, waiting at most ``timeout`` seconds."""
+
+
+class Deferred:
+    """A module call whose result is an argument of another call (see :func:`deferred`)."""
+
+    def __init__(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]):
+        self.func = func
+        self.args = args
+        self.kwargs = kwargs
+
+    def evaluate(self) -> Any:
+        return execute(self.func, *self.args, **self.kwargs)
+
+
+def deferred(func: Any, *args: Any, **kwargs: Any) -> Deferred:
+    """``func(*args, **kwargs)`` as an argument of another :func:`execute`, for large results
+    (weights): ``execute(engine.load_weights, deferred(trainer.export_weights), version)``.
+
+    Locally the call runs just before the outer one. A launch mode with modules in other
+    processes hands the result straight from the producing module to the consuming one (Ray:
+    through the object store, written once; in process when both share an actor), never
+    through the caller's process.
+    """
+    return Deferred(func, args, kwargs)
+
+
+def _evaluate_deferred(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    if not any(isinstance(a, Deferred) for a in args) and not any(isinstance(v, Deferred) for v in kwargs.values()):
+        return args, kwargs
+    return (tuple(a.evaluate() if isinstance(a, Deferred) else a for a in args),
+            {k: v.evaluate() if isinstance(v, Deferred) else v for k, v in kwargs.items()})
 
 
 class PendingCall:
@@ -58,7 +93,10 @@ class PendingCall:
 def execute(func: Any, *args: Any, **kwargs: Any) -> Any:
     """Call ``func`` (a bound method of a module handle) and return its result."""
     if isinstance(func, RemoteMethod):
+        if not func.takes_deferred:
+            args, kwargs = _evaluate_deferred(args, kwargs)
         return func.result(func.submit(*args, **kwargs), func.timeout)
+    args, kwargs = _evaluate_deferred(args, kwargs)
     return func(*args, **kwargs)
 
 
@@ -69,7 +107,10 @@ def execute_with_timeout(timeout: float | None, func: Any, *args: Any, **kwargs:
     monitor's health checks); the call itself is not interrupted.
     """
     if isinstance(func, RemoteMethod):
+        if not func.takes_deferred:
+            args, kwargs = _evaluate_deferred(args, kwargs)
         return func.result(func.submit(*args, **kwargs), timeout)
+    args, kwargs = _evaluate_deferred(args, kwargs)
     if timeout is None:
         return func(*args, **kwargs)
     outcome: list[tuple[bool, Any]] = []
@@ -94,7 +135,10 @@ def execute_with_timeout(timeout: float | None, func: Any, *args: Any, **kwargs:
 def execute_async(func: Any, *args: Any, **kwargs: Any) -> Any:
     """Start ``func``: its result (local) or a :class:`PendingCall` (a remote module)."""
     if isinstance(func, RemoteMethod):
+        if not func.takes_deferred:
+            args, kwargs = _evaluate_deferred(args, kwargs)
         return PendingCall(func, func.submit(*args, **kwargs))
+    args, kwargs = _evaluate_deferred(args, kwargs)
     return func(*args, **kwargs)
 
 

@@ -104,6 +104,21 @@ CASES: dict[str, Case] = {
     "evaluator_unknown_option": case("error: rollout_worker.evaluator.answer_kye: unknown key; did you mean "
                                      "'rollout_worker.evaluator.answer_key'?", recipe=GOOD,
                                      overrides=("+rollout_worker.evaluator.answer_kye=x",)),
+    # launch_mode: ray (checked whether or not Ray is installed, and before any cluster starts)
+    "ray_negative_call_timeout": case("error: ray.call_timeout: expected a positive number, got -1", recipe=GOOD,
+                                      overrides=("launch_mode=ray", "ray.call_timeout=-1")),
+    "ray_typo_resource": case("error: ray.resources.trainer.num_gpu: unknown key; did you mean "
+                              "'ray.resources.trainer.num_gpus'?", recipe=GOOD,
+                              overrides=("launch_mode=ray", "+ray.resources.trainer.num_gpu=1")),
+    "ray_workers_in_the_control_actor": case("error: ray.colocation: rollout workers spread over "
+                                             "rollout_worker.num_actors actors of their own; group 'control' also "
+                                             "names activity_tracker", recipe=GOOD,
+                                             overrides=("launch_mode=ray", "ray.colocation.rollout_worker=control")),
+    "more_worker_actors_than_workers": case("error: rollout_worker.num_actors (3) exceeds rollout_worker.num_workers "
+                                            "(2): every actor hosts at least one worker", recipe=GOOD,
+                                            overrides=("launch_mode=ray", "rollout_worker.num_actors=3")),
+    "zero_tasks_per_call": case("error: rollout_worker.tasks_per_call: expected a positive integer, got 0",
+                                recipe=GOOD, overrides=("rollout_worker.tasks_per_call=0",)),
     # overrides
     "group_override_without_group": case("error: override 'trainer=grpo': 'trainer' is a section, not a value, and "
                                          "there is no config group 'trainer'", "e.g. trainer.type=grpo",
@@ -380,8 +395,8 @@ def test_a_run_whose_samples_all_fail_stops_with_exit_1_naming_the_evaluator(mon
     assert line.startswith("error: 4 of the last 4 training samples failed (more than "
                            "runtime_monitor.failed_samples.max_fraction=0.5)")
     assert "rollout_worker.evaluator: evaluator 'always_raises'" in line
-    assert "most common error: evaluator_exception (4 of 4): evaluator AlwaysRaises raised KeyError: " \
-           "'expected_answer'" in line
+    assert "most common error: evaluator_exception (4 of 4): evaluator 'always_raises' (nexrl-bad-evaluators) " \
+           "raised KeyError: 'expected_answer' (plugins/evaluators/nexrl_bad_evaluators.py:44 in evaluate)" in line
     assert "Traceback" not in err and out == ""
     rows = [json.loads(r) for r in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert rows and all(r["train/num_trajectories"] == 0 for r in rows)  # it trained on nothing

@@ -552,6 +552,7 @@ def test_validator_metric_names_and_values(tmp_path):
     assert metrics["val/num_samples"] == 4.0
     assert metrics["val/num_failed"] == 1.0
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert abs(rows[0].pop("time") - time.time()) < 60  # every row is stamped when it is written
     assert rows == [{"step": 3, **metrics}]
     assert tracker.error_reporter.get_health_status()["error_level_count"] == 1  # the duplicate
     v.clear()

@@ -253,7 +253,15 @@ _recommends.recommended_defaults = {"ppo_epochs": 3, "mode": "b"}
 
 
 def _copy_loss(log_prob, old_log_prob, advantages, response_mask, context, *, mode: str = "a",
-               bound: Annotated[float, Option(help="a bound", gt=1.0)] = 2.0):
+               bound: Annotated[float, Option(help="a bound", gt=1.0)] = 2.0,
+               cap: Annotated[float, Option(ge=0.0)] = 1.0):
+    """A loss for the tests.
+
+    :param mode: which mode.
+    :param bound: the docstring's help, replaced by the annotation's.
+    :param cap: a cap, with its bound from the annotation
+        and its help from these two lines.
+    """
     return 0.0, {}
 
 
@@ -318,6 +326,11 @@ def test_annotated_options_carry_bounds_and_help():
     registry = al.AlgorithmRegistry.from_plugin_manager(_pm())
     declared = registry.get("policy_loss", "copy", "algorithm.policy_loss").declared()
     assert declared["bound"].gt == 1.0 and declared["bound"].help == "a bound" and declared["bound"].default == 2.0
+    # An annotation without help keeps the docstring's; a plain parameter takes the docstring's too.
+    assert declared["cap"].ge == 0.0 and declared["cap"].type is float
+    assert declared["cap"].help == "a cap, with its bound from the annotation and its help from these two lines."
+    assert declared["mode"].help == "which mode." and declared["mode"].ge is None
+    assert check_algorithm({"cap": -1.0}, _NoCritic, _pm())[0].startswith("algorithm.cap: ")
     problems = check_algorithm({"bound": 0.5}, _NoCritic, _pm())
     assert len(problems) == 1 and problems[0].startswith("algorithm.bound: ") and "> 1" in problems[0]
     assert check_algorithm({"bound": 1.5}, _NoCritic, _pm()) == []

@@ -7,10 +7,12 @@ import ast
 from pathlib import Path
 
 import nexrl_core
+import nexrl_core.testing
 
 REPO = Path(__file__).resolve().parents[2]
-# The public import paths of the core. A documented public sub-namespace would be listed here.
-PUBLIC_MODULES = {"nexrl_core"}
+# The public import paths of the core and their public names: nexrl_core, and the testing kit
+# for plugin authors (docs/plugins.md).
+PUBLIC_MODULES = {"nexrl_core": nexrl_core.__all__, "nexrl_core.testing": nexrl_core.testing.__all__}
 
 
 def private_imports(source: str, filename: str = "<source>") -> list[str]:
@@ -27,20 +29,22 @@ def private_imports(source: str, filename: str = "<source>") -> list[str]:
                 found.append(f"{filename}:{node.lineno}: from {node.module} import ...")
                 continue
             for alias in node.names:  # `from nexrl_core import inference` would reach a private module
-                if alias.name not in nexrl_core.__all__:
-                    found.append(f"{filename}:{node.lineno}: {alias.name} is not in nexrl_core.__all__")
+                if alias.name not in PUBLIC_MODULES[node.module]:
+                    found.append(f"{filename}:{node.lineno}: {alias.name} is not in {node.module}.__all__")
     return found
 
 
 def test_the_checker_finds_every_private_import():
     source = ("import nexrl_core\nfrom nexrl_core import BaseTrainer, execute\nimport nexrl_core.inference\n"
               "from nexrl_core.runtime.execute import execute\nfrom nexrl_core import inference\n"
-              "def f():\n    from nexrl_core.builtins.mock import MockTrainer\n")
+              "def f():\n    from nexrl_core.builtins.mock import MockTrainer\n"
+              "from nexrl_core.testing import check_evaluator, kit\nimport nexrl_core.testing\n")
     assert private_imports(source, "x.py") == [
         "x.py:3: import nexrl_core.inference",
         "x.py:4: from nexrl_core.runtime.execute import ...",
         "x.py:5: inference is not in nexrl_core.__all__",
-        "x.py:7: from nexrl_core.builtins.mock import ...",
+        "x.py:8: kit is not in nexrl_core.testing.__all__",
+        "x.py:7: from nexrl_core.builtins.mock import ...",  # nested: ast.walk visits it last
     ]
 
 
@@ -52,8 +56,9 @@ def test_plugins_import_only_public_names():
 
 
 def test_every_public_name_resolves():
-    for name in nexrl_core.__all__:
-        assert getattr(nexrl_core, name, None) is not None, name
+    for module in (nexrl_core, nexrl_core.testing):
+        for name in module.__all__:
+            assert getattr(module, name, None) is not None, f"{module.__name__}.{name}"
 
 
 def test_every_core_folder_is_a_package():
@@ -61,3 +66,42 @@ def test_every_core_folder_is_a_package():
     folders = {p.parent for p in (REPO / "nexrl_core").rglob("*.py") if "__pycache__" not in p.parts}
     missing = sorted(str(f.relative_to(REPO)) for f in folders if not (f / "__init__.py").exists())
     assert missing == []
+
+
+def _imports_ray(path: Path) -> list[int]:
+    lines = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+            [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else []
+        if any(n == "ray" or n.startswith("ray.") for n in names):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_only_the_ray_launch_mode_imports_ray():
+    """Ray has one home: nexrl_core/launch/ray/ (DESIGN: the launch mode has one home)."""
+    home = REPO / "nexrl_core" / "launch" / "ray"
+    files = sorted((REPO / "nexrl_core").rglob("*.py")) + sorted((REPO / "plugins").rglob("*.py"))
+    outside = [f"{f.relative_to(REPO)}:{line}" for f in files if home not in f.parents for line in _imports_ray(f)]
+    assert outside == []
+    assert _imports_ray(home / "manager.py")  # the checker does see an import of ray
+
+
+def test_the_core_imports_and_validates_a_ray_recipe_without_ray(tmp_path):
+    """Without the extra, nexrl_core (its launch package and the ray settings included) imports,
+    and validate names what to install."""
+    import subprocess
+    import sys
+
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("launch_mode: ray\ndata: {type: inline, rows: [{prompt: a, answer: b}]}\n"
+                      "trajectory_pool: {batch_size: 2, group_size: 2}\n")
+    code = ("import sys; sys.modules['ray'] = None\n"  # `import ray` now fails, as without the extra
+            "import nexrl_core, nexrl_core.launch, nexrl_core.launch.ray, nexrl_core.controller\n"
+            "from nexrl_core.cli import main\n"
+            f"sys.exit(main(['validate', {str(recipe)!r}]))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=str(REPO),
+                         env={**__import__("os").environ, "NEXRL_LOAD_PLUGINS": ""})
+    assert out.returncode == 2, out.stderr
+    assert "launch_mode: 'ray' needs Ray, an optional extra: pip install 'nexrl-core[ray]'" in out.stderr
+    assert "Traceback" not in out.stderr

@@ -1,7 +1,10 @@
-"""A complete local run: controller -> data loader -> rollout workers -> pool -> trainer -> weight
+"""A complete run: controller -> data loader -> rollout workers -> pool -> trainer -> weight
 sync -> validator, with the ``mock`` inference backend in ``mode: sum`` (a row "A + B" is
 answered correctly once the served weight version reaches ``mock_sum_threshold(A, B)``) and the
-``mock`` trainer. Every number is recomputed here from the rows and the versions."""
+``mock`` trainer. Every number is recomputed here from the rows and the versions. The shared run
+goes once per launch mode (``local``: threads in this process; ``ray``: every module in a Ray
+actor of the test cluster); what the tests read of the modules is read through their handles
+just before the run releases them."""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import sys
 import pytest
 
 from nexrl_core.builtins.mock import mock_sum_threshold
+from nexrl_core import execute
 from nexrl_core.checkpoint import CORE_STATE_FILE
 
 LEARN_STEPS = 4
@@ -59,9 +63,35 @@ def expected_validation(version: int) -> dict[str, float]:
     return out
 
 
-@pytest.fixture(scope="module")
-def finished_run(tmp_path_factory, fast_monitor):
-    """One run shared by the tests below (module scope keeps the suite fast)."""
+class Snapshot:
+    """What the tests read of the modules, taken through their handles before the run ends."""
+
+    def __init__(self, controller):
+        self.batches = execute(controller.trainer.get_batches)
+        self.global_step = execute(controller.trainer.get_global_step)
+        self.rollout_version = execute(controller.weight_sync_controller.get_rollout_model_version)
+        self.served_version = execute(controller.inference_client.model_version)
+
+
+def run_and_snapshot(controller):
+    """``controller.run()`` and a :class:`Snapshot` taken when its modules are stopped but not released."""
+    taken = []
+    release = controller.resource_manager.shutdown
+
+    def snapshot_then_release():
+        taken.append(Snapshot(controller))
+        release()
+
+    controller.resource_manager.shutdown = snapshot_then_release
+    summary = controller.run()
+    return summary, taken[0]
+
+
+@pytest.fixture(scope="module", params=["local", "local-4-tasks-per-call", "ray"])
+def finished_run(request, tmp_path_factory, fast_monitor):
+    """One run per launch mode shared by the tests below (module scope keeps the suite fast); also
+    local mode with workers taking 4 tasks per call (one loader call, one engine call, one pool
+    call for the 4): the same numbers."""
     import yaml
     from loguru import logger
 
@@ -69,16 +99,20 @@ def finished_run(tmp_path_factory, fast_monitor):
     from nexrl_core.controller import NexRLController
     from nexrl_core.plugins import PluginManager
 
-    tmp_path = tmp_path_factory.mktemp("local_run")
+    launch_mode, tasks_per_call = ("local", 4) if request.param == "local-4-tasks-per-call" else (request.param, 1)
+    if launch_mode == "ray":
+        request.getfixturevalue("ray_cluster")
+    tmp_path = tmp_path_factory.mktemp(f"{request.param}_run")
     train = _write_jsonl(tmp_path / "train.jsonl", [_row(a, b, "train") for a, b in TRAIN])
     val = [_write_jsonl(tmp_path / f"{s}.jsonl", [_row(a, b, s) for a, b in pairs])
            for s, pairs in VAL_SOURCES.items()]
     recipe = {
+        "launch_mode": launch_mode,
         "run_dir": str(tmp_path / "run"),
         "runtime_monitor": fast_monitor,
         "logger": {"backend": ["console"], "level": "WARNING"},
         "data": {"type": "file", "path": train},
-        "rollout_worker": {"num_workers": 3, "evaluator": {"type": "exact_match"}},
+        "rollout_worker": {"num_workers": 3, "tasks_per_call": tasks_per_call, "evaluator": {"type": "exact_match"}},
         "trajectory_pool": {"batch_size": BATCH, "group_size": GROUP},
         "trainer": {"total_train_steps": STEPS, "save_freq": 2},
         "weight": {"validate_freq": VALIDATE_FREQ},
@@ -89,20 +123,20 @@ def finished_run(tmp_path_factory, fast_monitor):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("NEXRL_LOAD_PLUGINS", "")
         controller = NexRLController(load_recipe(str(tmp_path / "recipe.yaml")), plugin_manager=PluginManager())
-        summary = controller.run()
+        summary, snapshot = run_and_snapshot(controller)
     logger.remove()
     logger.add(lambda m: sys.stderr.write(m), level="WARNING")
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    return controller, summary, rows, tmp_path / "run"
+    return snapshot, summary, rows, tmp_path / "run"
 
 
 def test_run_finishes_every_step(finished_run):
-    controller, summary, _, _ = finished_run
+    snapshot, summary, _, _ = finished_run
     assert summary.stopped_by == "finished"
-    assert summary.global_step == STEPS == controller.trainer.global_step
-    assert len(controller.trainer.batches) == STEPS
-    assert controller.weight_sync_controller.get_rollout_model_version() == STEPS
-    assert controller.inference_client.model_version() == STEPS
+    assert summary.global_step == STEPS == snapshot.global_step
+    assert len(snapshot.batches) == STEPS
+    assert snapshot.rollout_version == STEPS
+    assert snapshot.served_version == STEPS
 
 
 def test_validation_numbers_are_exact(finished_run):
@@ -132,11 +166,11 @@ def test_per_source_keys_exist_for_every_source(finished_run):
 
 
 def test_training_batches_are_whole_groups_of_the_current_version(finished_run):
-    controller, _, rows, _ = finished_run
+    snapshot, _, rows, _ = finished_run
     train_rows = {r["step"]: r for r in rows if "train/reward_mean" in r}
     assert sorted(train_rows) == list(range(1, STEPS + 1))
     assert len([r for r in rows if "train/reward_mean" in r]) == STEPS
-    for step, batch in enumerate(controller.trainer.batches, start=1):
+    for step, batch in enumerate(snapshot.batches, start=1):
         version = step - 1
         assert len(batch) == BATCH
         uids = [t["uid"] for t in batch]
@@ -160,8 +194,8 @@ def test_training_batches_are_whole_groups_of_the_current_version(finished_run):
 
 
 def test_no_task_is_trained_twice(finished_run):
-    controller, _, _, _ = finished_run
-    trained = [t for batch in controller.trainer.batches for t in batch]
+    snapshot, _, _, _ = finished_run
+    trained = [t for batch in snapshot.batches for t in batch]
     seqs = [t["seq"] for t in trained]
     assert len(set(seqs)) == len(seqs)
     assert len({(t["uid"], t["sample_index"]) for t in trained}) == len(trained)

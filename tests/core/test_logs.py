@@ -71,3 +71,22 @@ def test_no_module_logs_around_loguru():
             if "logging" in names:
                 offenders.append(f"{path.relative_to(REPO)}:{node.lineno}")
     assert offenders == [], offenders
+
+
+def test_a_librarys_routine_warnings_can_be_demoted(tmp_path):
+    script = textwrap.dedent(f"""
+        import logging
+        from nexrl_core import demote_library_log
+        from nexrl_core.run_log import setup_logging
+
+        setup_logging({str(tmp_path)!r}, "INFO")
+        demote_library_log("some.sdk", "because of try_again")
+        logging.getLogger("some.sdk").warning("Retrying request 7 because of try_again")
+        logging.getLogger("some.sdk").warning("request 8 failed")
+        logging.getLogger("other.sdk").warning("Retrying request 9 because of try_again")
+    """)
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    for text in ((tmp_path / LOG_FILE).read_text(), done.stderr):
+        assert "request 7" not in text  # demoted below the level library records are forwarded at
+        assert "some.sdk: request 8 failed" in text and "other.sdk: Retrying request 9" in text

@@ -121,6 +121,8 @@ def validate_results():
         "sys.__stdout__.write('@@RESULT@@' + json.dumps(out) + '\\n')\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "NEXRL_LOAD_PLUGINS"}
+    # Credentials come from the environment (a remote-API recipe never holds its key): a placeholder.
+    env["TINKER_API_KEY"] = "tml-placeholder"
     proc = subprocess.run([sys.executable, "-c", script, *map(str, RECIPES)], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=300)
     line = [x for x in proc.stdout.splitlines() if x.startswith("@@RESULT@@")]
@@ -134,8 +136,13 @@ def test_recipe_names_registered_components(recipe, validate_results):
     if result["rc"] == 0:
         assert "ok" in result["stdout"]
         return
-    problems = [line[2:] for line in result["stderr"].splitlines() if line.startswith("- ")]
+    problems = [line[2:] for line in result["stderr"].splitlines() if line.startswith("- ")] or \
+        [line[len("error: "):] for line in result["stderr"].splitlines() if line.startswith("error: ")]
     assert problems, result
+    # A value the recipe asks its user for ('???', e.g. a local tokenizer folder) is not a defect.
+    problems = [p for p in problems if "a value is required here (the recipe has '???')" not in p]
+    if not problems:
+        return
     missing_plugins, real = set(), []
     for problem in problems:
         m = re.search(r"unknown [a-z ]+ '([^']+)'", problem)

@@ -4,6 +4,7 @@ interface with its local implementation."""
 
 from __future__ import annotations
 
+import importlib.util
 import threading
 import time
 
@@ -297,27 +298,58 @@ def test_launch_mode_selects_the_resource_manager():
     rm = create_resource_manager(OmegaConf.create({"launch_mode": "local"}))
     assert type(rm) is LocalResourceManager
     assert launch_mode_problem("local") is None
-    for mode, message in [("ray", "launch_mode: 'ray' is not available in this release"),
-                          ("slurm", "launch_mode: 'slurm' is not one of local")]:
-        assert launch_mode_problem(mode).startswith(message)
-        with pytest.raises(ConfigError, match=message):
-            create_resource_manager(OmegaConf.create({"launch_mode": mode}))
+    message = "launch_mode: 'slurm' is not one of local, ray"
+    assert launch_mode_problem("slurm") == message
+    with pytest.raises(ConfigError, match=message):
+        create_resource_manager(OmegaConf.create({"launch_mode": "slurm"}))
+    if importlib.util.find_spec("ray") is not None:  # building the manager starts nothing yet
+        rm = create_resource_manager(OmegaConf.create({"launch_mode": "ray"}))
+        assert type(rm).__name__ == "RayResourceManager"
 
 
-def test_validate_and_run_reject_ray_with_the_same_message(core_pm, capfd, reset_loguru, tmp_path):
+def test_validate_and_run_reject_ray_without_ray_with_the_same_message(core_pm, capfd, reset_loguru, tmp_path,
+                                                                       monkeypatch):
+    import nexrl_core.launch
     from nexrl_core.cli import main
+
+    monkeypatch.setattr(nexrl_core.launch, "ray_installed", lambda: False)  # as on a machine without the extra
 
     path = tmp_path / "recipe.yaml"
     path.write_text(f"launch_mode: ray\nrun_dir: {tmp_path / 'run'}\n"
                     "data: {type: inline, rows: [{prompt: '1 + 2', answer: '3'}]}\n"
                     "trajectory_pool: {batch_size: 2, group_size: 2}\n")
     message = launch_mode_problem("ray")
+    assert message == "launch_mode: 'ray' needs Ray, an optional extra: pip install 'nexrl-core[ray]'"
     assert main(["validate", str(path)]) == 2
     assert capfd.readouterr().err == f"error: {message}\n"
     assert main(["run", str(path)]) == 2  # bad input: the same line and exit code as validate
     err = capfd.readouterr().err
     assert err == f"error: {message}\n" and "Traceback" not in err
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_ray_keys_in_a_local_run_are_named_not_silently_ignored(core_pm, capfd, reset_loguru, tmp_path):
+    """A Ray recipe switched to local mode with one key still validates and runs, and both
+    commands say which of its keys this mode does not use."""
+    from loguru import logger
+
+    from nexrl_core.cli import main
+
+    path = tmp_path / "recipe.yaml"
+    path.write_text(f"launch_mode: ray\nrun_dir: {tmp_path / 'run'}\n"
+                    "data: {type: inline, rows: [{prompt: '1 + 2', answer: '3'}]}\n"
+                    "rollout_worker: {num_workers: 2, num_actors: 2}\n"
+                    "trajectory_pool: {batch_size: 2, group_size: 2}\ntrainer: {total_train_steps: 1}\n"
+                    "ray: {num_cpus: 8, colocation: {trainer: null}, call_timeout: 300}\n")
+    note = ("ray.num_cpus, ray.colocation, rollout_worker.num_actors: apply to launch_mode: ray only; this run is "
+            "launch_mode: local and does not use them")
+    assert main(["validate", str(path), "launch_mode=local"]) == 0
+    assert f"warning: {note}\n" in capfd.readouterr().err  # call_timeout 300 is the default: not named
+    assert main(["run", str(path), "launch_mode=local"]) == 0
+    logger.remove()  # `nexrl run` pointed loguru at the captured stderr
+    assert note in capfd.readouterr().err
+    assert main(["validate", str(path)]) in (0, 2)  # in Ray mode (with or without Ray installed): no note
+    assert "apply to launch_mode: ray only" not in capfd.readouterr().err
 
 
 class GoneOnStopTrainer(MockTrainer):

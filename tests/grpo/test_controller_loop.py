@@ -239,3 +239,52 @@ def test_cli_plugins_and_validate_quickstart():
 
     assert validate.returncode == 0, f"nexrl validate failed:\n{v_out}\n{v_err}"
     assert "ok" in v_out
+
+
+def test_export_writes_a_from_pretrained_folder_without_optimizer_state(grpo_run, tmp_path, capsys):
+    """`nexrl export CHECKPOINT OUT`: the model and tokenizer of a checkpoint, no optimizer or RNG state."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from nexrl_core.cli import main
+
+    step = SAVE_FREQ
+    ckpt = grpo_run.run_dir / "checkpoints" / f"global_step_{step}"
+    out = tmp_path / "exported"
+    assert main(["export", str(ckpt), str(out)]) == 0
+    assert capsys.readouterr().out.strip() == str(out)
+    names = {p.name for p in out.iterdir()}
+    assert {"model.safetensors", "config.json", "tokenizer.json", "nexrl_export.json"} <= names
+    assert not names & {"optimizer.safetensors", "optimizer.json", "rng.safetensors", "rng.json", "extra_state.json",
+                        "nexrl_state.json"}
+    assert json.loads((out / "nexrl_export.json").read_text())["global_step"] == step
+    size = sum(p.stat().st_size for p in out.iterdir())
+    assert size < sum(p.stat().st_size for p in ckpt.iterdir()) / 2  # AdamW keeps two moments per weight
+    model = AutoModelForCausalLM.from_pretrained(str(out))
+    AutoTokenizer.from_pretrained(str(out))
+    assert _same_weights(dict(model.state_dict()), grpo_run.trainer_weights[step])
+
+    # --dtype casts the weights and says so in config.json
+    half = tmp_path / "exported-bf16"
+    assert main(["export", str(ckpt), str(half), "--dtype", "bfloat16"]) == 0
+    model16 = AutoModelForCausalLM.from_pretrained(str(half), dtype="auto")
+    assert {p.dtype for p in model16.parameters()} == {torch.bfloat16}
+    expected = {k: v.to(torch.bfloat16) for k, v in grpo_run.trainer_weights[step].items()}
+    assert _same_weights(dict(model16.state_dict()), expected)
+    assert (half / "model.safetensors").stat().st_size < (out / "model.safetensors").stat().st_size * 0.6
+
+    # an existing folder is replaced only with --force, and only when an earlier export wrote it
+    capsys.readouterr()
+    assert main(["export", str(ckpt), str(out)]) == 2
+    assert "exists and is not empty (--force replaces an earlier export)" in capsys.readouterr().err
+    last = grpo_run.run_dir / "checkpoints" / f"global_step_{STEPS}"
+    assert main(["export", str(last), str(out), "--force"]) == 0
+    assert json.loads((out / "nexrl_export.json").read_text())["global_step"] == STEPS
+    mine = tmp_path / "my-notes"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    capsys.readouterr()
+    assert main(["export", str(ckpt), str(mine), "--force"]) == 2
+    assert "replaces only a folder an earlier `nexrl export` wrote" in capsys.readouterr().err
+    assert (mine / "notes.txt").read_text() == "keep me"
+    assert main(["export", str(grpo_run.run_dir), str(tmp_path / "x")]) == 2
+    assert "not a complete checkpoint" in capsys.readouterr().err

@@ -312,6 +312,12 @@ def test_new_losses_are_registered_with_their_options():
     assert {"ppo_clip", "dual_clip", "gspo", "topr"} <= set(registry.names("policy_loss"))
     dual = registry.get("policy_loss", "dual_clip", "algorithm.policy_loss")
     assert dual.distribution == "nexrl-grpo" and dual.declared()["clip_ratio_c"].gt == 1.0
+    # Every key of every built-in estimator and loss has its help (the recipe reference shows it).
+    for kind in ("advantage_estimator", "policy_loss"):
+        for name in registry.names(kind):
+            fn = registry.get(kind, name, "x")
+            if fn.distribution in ("nexrl-core", "nexrl-grpo"):
+                assert all(opt.help for opt in fn.declared().values()), (kind, name, fn.declared())
     assert registry.get("policy_loss", "gspo", "x").options == {
         "clip_ratio_low": 3e-4, "clip_ratio_high": 4e-4, "loss_agg_mode": "seq-mean-token-mean"}
     assert registry.get("policy_loss", "topr", "x").options == {"loss_agg_mode": "seq-mean-token-mean"}

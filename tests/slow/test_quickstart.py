@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.metrics import read_metrics
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 STEPS = 2
 
@@ -89,3 +91,41 @@ def test_quickstart_two_steps(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(str(ckpt))
     assert model.config.model_type == "llama"
     assert sum(p.numel() for p in model.parameters()) > 100_000_000  # SmolLM2-135M
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_quickstart_in_ray_mode_matches_local_mode(tmp_path):
+    """The quickstart with ``launch_mode=ray`` (its own local cluster; the trainer and the engine in
+    one actor, the workers in another) against ``launch_mode=local``, same seed: the same
+    validation numbers, rewards and losses, and bit-identical weights. One rollout worker, so the
+    order in which samples reach the engine is the same in both runs. One training step between two
+    validations keeps it short (one worker decodes the step's 16 samples one after another)."""
+    reason = _skip_reason()
+    if reason:
+        pytest.skip(reason)
+    pytest.importorskip("ray")
+    import torch
+    from safetensors.torch import load_file
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    env.pop("NEXRL_LOAD_PLUGINS", None)
+    out = {}
+    for mode in ("local", "ray"):
+        run_dir = tmp_path / mode
+        overrides = [f"launch_mode={mode}", "trainer.total_train_steps=1", "trainer.save_freq=1",
+                     "validate.data.num_rows=8", "weight.validate_freq=1", f"run_dir={run_dir}",
+                     "rollout_worker.num_workers=1", "+service.train_service.num_threads=1",
+                     "+service.inference_service.num_threads=1", "ray.num_cpus=2"]
+        proc = subprocess.run(_nexrl_cmd() + ["run", "recipes/quickstart.yaml", *overrides], cwd=REPO_ROOT, env=env,
+                              capture_output=True, text=True, timeout=420)
+        assert proc.returncode == 0, f"{mode}: nexrl run exited {proc.returncode}\n{proc.stderr[-6000:]}"
+        out[mode] = {
+            "rows": read_metrics(run_dir),
+            "weights": load_file(str(run_dir / "checkpoints" / "global_step_1" / "model.safetensors")),
+        }
+    local, ray_run = out["local"], out["ray"]
+    assert [r["step"] for r in local["rows"] if "val/accuracy" in r] == [0, 1]
+    assert ray_run["rows"] == local["rows"]
+    assert ray_run["weights"].keys() == local["weights"].keys()
+    assert all(torch.equal(ray_run["weights"][k], v) for k, v in local["weights"].items())

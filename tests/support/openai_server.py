@@ -4,7 +4,9 @@
 and speaks the endpoints an RL rollout needs, with vLLM's extra fields:
 
 - ``POST /v1/completions``      (``prompt`` is a string)
-- ``POST /v1/chat/completions`` (``messages`` is a list of ``{role, content}``)
+- ``POST /v1/chat/completions`` (``messages`` is a list of ``{role, content}``; with ``tools``,
+  ``<tool_call>{json}</tool_call>`` blocks of the reply come back as ``message.tool_calls``, as
+  from vLLM with the hermes tool parser, unless ``tool_parser = False``)
 - ``GET  /v1/models``
 
 Wire layout follows vLLM's OpenAI-compatible server
@@ -100,9 +102,34 @@ def decode(token_ids: list[int]) -> str:
 
 
 def render_chat(messages: list[dict[str, Any]]) -> str:
-    """The fake chat template: ``<|role|>\\ncontent\\n`` per message, then the assistant cue."""
-    parts = [f"<|{m.get('role', 'user')}|>\n{_content_text(m.get('content'))}\n" for m in messages]
+    """The fake chat template: ``<|role|>\\ncontent\\n`` per message, then the assistant cue. An
+    assistant message's ``tool_calls`` follow its content as ``<tool_call>{json}</tool_call>``."""
+    parts = [f"<|{m.get('role', 'user')}|>\n{_content_text(m.get('content'))}{_calls_text(m)}\n" for m in messages]
     return "".join(parts) + "<|assistant|>\n"
+
+
+def _calls_text(message: dict[str, Any]) -> str:
+    out = ""
+    for call in message.get("tool_calls") or []:
+        fn = call.get("function") or {}
+        args = fn.get("arguments")
+        args = json.loads(args) if isinstance(args, str) else args
+        out += "<tool_call>" + json.dumps({"name": fn.get("name"), "arguments": args}) + "</tool_call>"
+    return out
+
+
+_CALL_RE = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
+
+
+def split_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
+    """What a vLLM tool parser (hermes) makes of a reply: the text outside the blocks, the calls."""
+    calls = []
+    for i, match in enumerate(_CALL_RE.finditer(text)):
+        obj = json.loads(match.group(1))
+        calls.append({"id": f"chatcmpl-tool-{i}", "type": "function",
+                      "function": {"name": obj["name"], "arguments": json.dumps(obj.get("arguments", {}))}})
+    content = _CALL_RE.sub("", text).strip()
+    return (content or None), calls
 
 
 def token_logprob(position: int, token_id: int) -> float:
@@ -156,8 +183,10 @@ def expected_completion(
         rendered, question = prompt, prompt
     else:
         rendered = render_chat(prompt)
-        users = [m for m in prompt if m.get("role") == "user"]
-        question = _content_text(users[-1].get("content")) if users else ""
+        users = [m for m in prompt if m.get("role") in ("user", "tool")]
+        # the responder sees the last user message, or "tool: <result>" after a tool call
+        question = ("tool: " if users and users[-1].get("role") == "tool" else "") + \
+            (_content_text(users[-1].get("content")) if users else "")
     full = encode(responder(question))
     stops = [stop] if isinstance(stop, str) else list(stop or [])
     limit = len(full) if max_tokens is None else max(0, int(max_tokens))
@@ -467,6 +496,11 @@ class _Handler(BaseHTTPRequestHandler):
             "finish_reason": gen.finish_reason,
             "stop_reason": None,
         }
+        if body.get("tools") and owner.tool_parser:
+            content, calls = split_tool_calls(gen.text)
+            if calls:
+                choice["message"] = {"role": "assistant", "content": content, "tool_calls": calls}
+                choice["finish_reason"] = "tool_calls"
         if body.get("logprobs") and not owner.plain_openai:
             choice["logprobs"] = {
                 "content": [
@@ -516,6 +550,7 @@ class FakeOpenAIServer:
         self.delay: float = 0.0
         self.plain_openai: bool = False
         self.strict_params: bool = False
+        self.tool_parser: bool = True  # requests with tools get tool_calls parsed out of the text (vLLM's hermes)
         # state
         self.requests: list[RecordedRequest] = []
         self._lock = threading.Lock()

@@ -38,7 +38,7 @@ def build_tokenizer():
     return tok
 
 
-def build_model(tokenizer, seed: int = 0):
+def build_model(tokenizer, seed: int = 0, max_positions: int = 256):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
@@ -48,7 +48,7 @@ def build_model(tokenizer, seed: int = 0):
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=256,
+        max_position_embeddings=max_positions,
         # Wider init than a real model: peaked logits keep greedy argmax away from near-ties.
         initializer_range=0.2,
         tie_word_embeddings=True,
@@ -58,3 +58,29 @@ def build_model(tokenizer, seed: int = 0):
     )
     torch.manual_seed(seed)
     return LlamaForCausalLM(config).eval()
+
+
+TOOL_CORPUS = CORPUS + [
+    '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>',
+    "# Tools\n\nYou can call these functions (JSON schemas, one per line):",
+    '{"name": "add", "description": "Adds two numbers.", "parameters": {"type": "object", "properties": '
+    '{"a": {"type": "number"}, "b": {"type": "number"}}, "required": ["a", "b"]}}',
+    "What is 2 + 3? The answer is 5. tool system user assistant",
+] * 4
+
+
+def build_byte_tokenizer(corpus: list[str] = TOOL_CORPUS, vocab_size: int = 420):
+    """A byte-level BPE tokenizer that can encode any text (all 256 byte symbols are in its
+    vocabulary), merged on ``corpus``; same specials and chat template as :func:`build_tokenizer`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    raw = Tokenizer(models.BPE())
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<pad>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    raw.train_from_iterator(corpus, trainer=trainer)
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw, pad_token="<pad>", eos_token="<|im_end|>")
+    tok.chat_template = CHAT_TEMPLATE
+    return tok

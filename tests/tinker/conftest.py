@@ -68,3 +68,25 @@ def service_client(standin):
     client = tinker.ServiceClient(base_url=standin.url, api_key=API_KEY)
     yield client
     client.close("success").result(timeout=30)
+
+
+@pytest.fixture(scope="session")
+def run_env(tmp_path_factory) -> dict[str, str]:
+    """Environment of ``nexrl`` subprocesses: offline, one torch thread, no Tinker credentials of the
+    caller's, and the reliability suite's test plugin (evaluator ``letter_share``) installed as a
+    distribution with an entry point."""
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    root = tmp_path_factory.mktemp("reltest_dist")
+    info = root / "nexrl_reltest-0.1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: nexrl-reltest\nVersion: 0.1.0\n")
+    (info / "entry_points.txt").write_text("[nexrl]\nreltest = tests.reliability.reltest_plugin\n")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("NEXRL_LOAD_PLUGINS", "TINKER_API_KEY", "TINKER_BASE_URL", "TINKER_CREDENTIAL_CMD")}
+    env.update({"PYTHONPATH": os.pathsep.join([str(root), str(repo)]), "OMP_NUM_THREADS": "1",
+                "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
+                "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
+                "HOME": str(tmp_path_factory.mktemp("home"))})  # no key stored by `tinker auth login`
+    return env

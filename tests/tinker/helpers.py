@@ -17,3 +17,54 @@ def sft_datum(tokenizer, text: str, prompt_len: int = 3):
     weights[:prompt_len - 1] = 0.0
     return types.Datum(model_input=types.ModelInput.from_ints(ids[:-1]),
                        loss_fn_inputs={"target_tokens": np.asarray(ids[1:], dtype=np.int64), "weights": weights})
+
+
+PROMPTS = ["the quick", "what is", "count: one", "hello world"]
+
+
+def grpo_recipe(run_dir, url: str, tokenizer_path: str, *, steps: int, group: int, lr: float = 2e-2,
+                workers: int = 4, **sections) -> dict:
+    """A remote_api_grpo recipe on the tiny model behind the stand-in at ``url``: every prompt of
+    :data:`PROMPTS` once per step, rewarded by the share of the letter 'e' in the reply (dense, so
+    groups are rarely flat). ``sections`` replace whole top-level sections."""
+    connection = {"base_url": url, "api_key": API_KEY}
+    recipe = {
+        "run_dir": str(run_dir),
+        "seed": 42,
+        "logger": {"backend": [], "level": "WARNING"},
+        "data": {"type": "inline", "rows": [{"prompt": p} for p in PROMPTS]},
+        "rollout_worker": {"num_workers": workers, "sampling": {"max_tokens": 6, "temperature": 1.0},
+                           "evaluator": {"type": "letter_share", "letter": "e"}},
+        "trajectory_pool": {"batch_size": len(PROMPTS) * group, "group_size": group, "key_list": ["uid"]},
+        "trainer": {"type": "remote_api_grpo", "total_train_steps": steps},
+        "algorithm": {"type": "grpo", "loss_fn": "importance_sampling"},
+        "weight": {"sync_mode": "sync", "backend": "tinker"},
+        "service": {"train_service": {"backend": "tinker", "base_model": MODEL, "lora_rank": 8, "lr": lr,
+                                      **connection},
+                    "inference_service": {"backend": "tinker", "tokenizer_path": tokenizer_path, **connection}},
+        "runtime_monitor": {"stop_timeout": 20, "health_check": {"check_interval": 0.5, "timeout": 20.0},
+                            "exception_handling": {"check_interval": 0.05}},
+    }
+    recipe.update(sections)
+    return recipe
+
+
+def tinker_plugin_manager():
+    """The installed nexrl-tinker (through its entry point) + the in-process letter_share evaluator."""
+    import pytest
+
+    from nexrl_core.plugins import PluginManager
+    from tests.support.letters import LetterPlugin
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("NEXRL_LOAD_PLUGINS", "nexrl-tinker")
+        pm = PluginManager()
+    assert "nexrl-tinker" in {r.distribution for r in pm.records.values()}, pm.failures
+    pm.register(LetterPlugin(), name="letters", distribution="nexrl-letters (in-process)")
+    return pm
+
+
+def metrics_rows(run_dir) -> list[dict]:
+    from tests.support.metrics import read_metrics
+
+    return read_metrics(run_dir)

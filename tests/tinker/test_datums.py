@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from nexrl_core import DataError
-from nexrl_tinker.datums import build_datum, response_values, trajectory_to_datum
+from nexrl_tinker.datums import build_datum, response_values, trajectory_to_datum, trajectory_to_datums
 
 PROMPT = [11, 12, 13]
 RESPONSE = [21, 22, 23, 24]
@@ -63,10 +63,10 @@ def test_trajectory_keys_and_errors_name_the_trajectory():
         ({"response_logprobs": None}, "needs the rollout's response_logprobs"),
         ({"advantages": None}, "needs advantages"),
         ({"advantages": float("nan")}, "advantages is not finite"),
-        ({"loss_mask": [1, 1]}, "loss_mask has 2 values"),
-        ({"response_token_ids": []}, "empty response"),
+        ({"loss_mask": [1, 1]}, "loss_mask has 2 entries for 4 response tokens"),
+        ({"response_token_ids": [], "loss_mask": None}, "empty response"),
         ({"prompt_token_ids": None}, "no prompt_token_ids"),
-        ({"response_token_ids": [1, -2]}, "negative token id"),
+        ({"response_token_ids": [1, -2], "loss_mask": None, "response_logprobs": None}, "negative token id"),
     ]
     for change, message in cases:
         with pytest.raises(DataError, match=message) as info:
@@ -94,3 +94,20 @@ def test_datum_trains_the_stand_in_on_exactly_the_response(make_standin, tokeniz
     logprobs = out.loss_fn_outputs[0]["logprobs"].to_numpy()
     response_lps = response_values(datum, logprobs, len(response))
     assert out.metrics["loss:sum"] == pytest.approx(-float(np.sum(response_lps)), rel=1e-5)
+
+
+def test_an_agent_rollout_of_two_sequences_gives_two_datums_with_their_masks():
+    first = {"prompt_token_ids": PROMPT, "response_token_ids": RESPONSE, "response_logprobs": [-1.0] * 4,
+             "loss_mask": [1, 0, 0, 1]}
+    second = {"prompt_token_ids": [30, 31], "response_token_ids": [40, 41], "response_logprobs": [-2.0, -3.0],
+              "loss_mask": [1, 1]}
+    traj = {"uid": "a", "sample_index": 0, **first, "segments": [first, second], "advantages": 0.5}
+    one, two = trajectory_to_datums(traj, "ppo")
+    assert _inputs(one)["advantages"] == [0, 0, 0.5, 0, 0, 0.5]
+    assert _inputs(two)["advantages"] == [0, 0.5, 0.5] and _inputs(two)["logprobs"] == [0, -2.0, -3.0]
+    with pytest.raises(DataError, match="trajectory a#0 has 2 token sequences"):
+        trajectory_to_datum(traj, "ppo")
+    with pytest.raises(DataError, match="per-token advantages or weights need a single token sequence"):
+        trajectory_to_datums({**traj, "advantages": [1, 2, 3, 4]}, "ppo")
+    with pytest.raises(DataError, match="trajectory a#0 segment 1: loss_mask has 1 entries for 2 response tokens"):
+        trajectory_to_datums({**traj, "segments": [first, {**second, "loss_mask": [1]}]}, "ppo")

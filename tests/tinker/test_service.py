@@ -88,13 +88,15 @@ def test_each_step_sends_the_scheduled_learning_rate(standin, make_service, toke
 
 def test_bad_config_values_name_the_key(standin):
     for change, message in [({"base_model": None}, "service.train_service.base_model: required"),
-                            ({"lora_rank": 0}, "lora_rank: expected an integer >= 1"),
-                            ({"lr_schedule": "step"}, "lr_schedule: 'step' is not one of"),
-                            ({"betas": [0.9]}, "betas: expected two numbers"),
-                            ({"request_timeout": -1}, "request_timeout: must be >="),
-                            ({"min_lr_ratio": 2}, "min_lr_ratio: expected a number in"),
+                            ({"lora_rank": 0}, "lora_rank: expected a positive integer, got 0"),
+                            ({"lr_schedule": "step"}, "lr_schedule: 'step' is not one of constant, linear, cosine"),
+                            ({"betas": [0.9]}, r"betas: expected \[beta1, beta2\]"),
+                            ({"request_timeout": -1}, "request_timeout: expected a positive number, got -1"),
+                            ({"min_lr_ratio": 2}, "min_lr_ratio: expected a number >= 0 and <= 1, got 2"),
+                            ({"lr": "1e-4"}, "lr: expected a number, got a string .* write 1.0e-5"),
                             ({"train_mlp": False, "train_attn": False, "train_unembed": False}, "at least one of"),
-                            ({"lorarank": 4}, "service.train_service.lorarank: not a key")]:
+                            ({"lorarank": 4}, "service.train_service.lorarank: unknown key; did you mean "
+                                              "'service.train_service.lora_rank'")]:
         with pytest.raises(ConfigError, match=message):
             TinkerTrainService(_config(standin, **change))
 
@@ -121,16 +123,22 @@ def test_checkpoint_resume_continues_with_the_same_optimizer_state(standin, make
         first.train_step(datums, "cross_entropy")
     folder = tmp_path / "global_step_2"
     folder.mkdir()
-    path = first.save_checkpoint(str(folder), step=2)
+    first.save_state(str(folder), extra_state={"note": [1, 2]})
     state = json.loads((folder / "tinker_state.json").read_text())
-    assert state == {"format": 1, "tinker_path": path, "base_model": MODEL, "lora_rank": 4, "optimizer_steps": 2,
-                     "model_id": first.training_client.model_id}
-    assert path.endswith("/weights/global_step_2")
+    path = state["tinker_path"]
+    assert state == {"format": 1, "tinker_path": path, "sampler_path": state["sampler_path"], "base_model": MODEL,
+                     "lora_rank": 4, "optimizer_steps": 2, "model_id": first.training_client.model_id,
+                     "extra_state": {"note": [1, 2]}}
+    assert path.startswith("tinker://") and path.endswith("/weights/optim_step_2")
+    assert state["sampler_path"].endswith("/sampler_weights/optim_step_2")
+    first.save_state(str(folder), extra_state={"note": [1, 2]})  # again at one step (save_on_stop): one snapshot
+    assert json.loads((folder / "tinker_state.json").read_text())["sampler_path"] == state["sampler_path"]
+    assert standin.count("POST /api/v1/save_weights_for_sampler") == 1
     uninterrupted = first.train_step(datums, "cross_entropy")
     probe = first.forward(datums).outputs
 
     resumed = make_service(config, total_steps=4)
-    resumed.load_checkpoint(str(folder))
+    assert resumed.load_state(str(folder)) == {"note": [1, 2]}
     assert resumed.optimizer_steps == 2 and resumed.training_client.model_id != first.training_client.model_id
     continued = resumed.train_step(datums, "cross_entropy")
     assert continued.metrics["loss_sum"] == uninterrupted.metrics["loss_sum"]
@@ -139,9 +147,11 @@ def test_checkpoint_resume_continues_with_the_same_optimizer_state(standin, make
         np.testing.assert_array_equal(a["logprobs"], b["logprobs"])
 
     with pytest.raises(ConfigError, match="trained from 'tiny'"):
-        make_service(_config(standin, base_model="other")).load_checkpoint(str(folder))
+        make_service(_config(standin, base_model="other")).load_state(str(folder))
+    with pytest.raises(ConfigError, match="lora_rank: 8, but the checkpoint .* was trained with rank 4"):
+        make_service(_config(standin, lora_rank=8)).load_state(str(folder))
     with pytest.raises(DataError, match="no tinker_state.json"):
-        resumed.load_checkpoint(str(tmp_path))
+        resumed.load_state(str(tmp_path))
 
 
 def test_repeatable_calls_are_retried_and_training_calls_are_reported(make_standin, make_service, tokenizer):
@@ -248,9 +258,9 @@ def test_the_api_key_never_reaches_logs_checkpoints_or_errors(make_standin, monk
         datums = _datums(tokenizer)
         service.train_step(datums, "cross_entropy")
         (out / "global_step_1").mkdir()
-        service.save_checkpoint(str(out / "global_step_1"), step=1)
+        service.save_state(str(out / "global_step_1"))
         resumed = TinkerTrainService(config)
-        resumed.load_checkpoint(str(out / "global_step_1"))
+        resumed.load_state(str(out / "global_step_1"))
         resumed.close()
         client = TinkerInferenceClient({"backend": "tinker", "tokenizer_path": tiny_folder, "base_url": standin.url})
         client.set_sampling_client(service.sampling_client(), 1)

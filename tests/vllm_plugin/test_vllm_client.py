@@ -59,6 +59,21 @@ def test_an_answer_without_token_ids_is_an_error_not_a_retokenisation(fake_vllm)
         client.close()
 
 
+def test_chat_with_tools_goes_through_the_same_checks(fake_vllm):
+    """chat() with tools is held like complete() and refuses an answer without token data."""
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    client = attach(fake_vllm)
+    try:
+        result = client.chat([{"role": "user", "content": "What is 1 + 2?"}], SamplingParams(max_tokens=8), tools)
+        assert result.text == "3" and result.tool_calls is None and result.response_token_ids == list(b"3")
+        assert fake_vllm.last_request("/v1/chat/completions").body["tools"] == tools
+        fake_vllm.plain_openai = True
+        with pytest.raises(InferenceError, match=r"without prompt token ids"):
+            client.chat([{"role": "user", "content": "What is 1 + 1?"}], SamplingParams(), tools)
+    finally:
+        client.close()
+
+
 def test_health_check_uses_vllms_health_route(fake_vllm):
     client = attach(fake_vllm)
     try:

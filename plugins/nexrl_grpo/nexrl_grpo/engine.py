@@ -40,7 +40,8 @@ from typing import Any
 
 import torch
 
-from nexrl_core import CompletionResult, InferenceClient, InferenceError, SamplingParams
+from nexrl_core import (CompletionResult, InferenceClient, InferenceError, SamplingParams, as_text_messages,
+                        parse_tool_calls)
 
 from .decoding import make_session_factory
 from .modeling import model_from_config, position_ids_from_mask
@@ -89,6 +90,7 @@ class HFInferenceEngine(InferenceClient):
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.eos_token_ids = self._eos_ids(model, tokenizer)
         self._seed_rng = random.Random(config.get("seed", None))
+        self._tool_support: tuple[bool, bool] | None = None
         self._new_session = make_session_factory(self.model, config.get("fast_path", "auto"),
                                                  rows_hint=min(self.max_batch_size, 16))
 
@@ -116,11 +118,28 @@ class HFInferenceEngine(InferenceClient):
     # ------------------------------------------------------------------ client API
 
     def complete(self, prompt: str | list[dict[str, Any]], params: SamplingParams) -> CompletionResult:
+        return self._submit(params, lambda: self.encode_prompt(prompt))
+
+    def chat(self, messages: list[dict[str, Any]], params: SamplingParams,
+             tools: list[dict[str, Any]] | None = None) -> CompletionResult:
+        """A chat reply offered ``tools``: through the chat template's ``tools=`` when the template
+        uses them, else described in the system message; the reply's calls are read from its text
+        (``<tool_call>`` blocks, :func:`nexrl_core.parse_tool_calls`). ``text`` stays as the model
+        wrote it, so the reply put back into the history renders to the tokens it was sampled as."""
+        if not tools and not any(m.get("tool_calls") for m in messages):
+            return self.complete(messages, params)  # the single-turn path, unchanged
+        result = self._submit(params, lambda: self.encode_chat(messages, tools))
+        if tools:
+            result.tool_calls = parse_tool_calls(result.text)[1] or None
+        return result
+
+    def _submit(self, params: SamplingParams, encode: Any) -> CompletionResult:
+        """Queue one request (its prompt ids from ``encode()``) and wait for its result."""
         params.check()
         with self._submit_lock:
             self._arriving += 1  # the scheduler waits for callers that are still tokenizing
         try:
-            prompt_ids = self.encode_prompt(prompt)
+            prompt_ids = encode()
             room = self.max_positions - len(prompt_ids)
             if room < 1:
                 raise ValueError(f"prompt has {len(prompt_ids)} tokens; the model's context is {self.max_positions}")
@@ -157,6 +176,38 @@ class HFInferenceEngine(InferenceClient):
                 text = "\n".join(str(m.get("content", "")) for m in prompt)
             # The template already holds every special token it wants.
             return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+
+    def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
+        """Token ids of a chat prompt with tools and tool calls (see :meth:`chat`)."""
+        takes_tools, renders_calls = self.template_tool_support()
+        native = takes_tools and self.use_chat_template
+        prepared = as_text_messages(messages, None if native else tools, renders_calls and self.use_chat_template)
+        with self._tokenizer_lock:
+            if not self.use_chat_template:
+                text = "\n".join(str(m.get("content", "")) for m in prepared)
+            else:
+                text = self.tokenizer.apply_chat_template(prepared, tools=tools if native else None,
+                                                          add_generation_prompt=True, tokenize=False)
+            return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+
+    def template_tool_support(self) -> tuple[bool, bool]:
+        """Whether the chat template renders ``tools`` and assistant ``tool_calls`` (probed once)."""
+        if self._tool_support is None:
+            probe = "nexrl_probe_function"
+            tool = {"type": "function", "function": {"name": probe, "description": "probe",
+                                                     "parameters": {"type": "object", "properties": {}}}}
+            user = [{"role": "user", "content": "hi"}]
+            call = {"role": "assistant", "content": "",
+                    "tool_calls": [{"id": "c0", "type": "function", "function": {"name": probe, "arguments": {}}}]}
+            with self._tokenizer_lock:
+                self._tool_support = (self._renders(user, [tool], probe), self._renders(user + [call], None, probe))
+        return self._tool_support
+
+    def _renders(self, messages: list[dict[str, Any]], tools: Any, marker: str) -> bool:
+        try:
+            return marker in self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False)
+        except Exception:  # noqa: BLE001 - a template that rejects the probe has no such support
+            return False
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         """Copy ``state_dict`` (all or some of the model's tensors) into the engine's model.

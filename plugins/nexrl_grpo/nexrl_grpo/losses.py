@@ -152,8 +152,7 @@ def dual_clip(
     *,
     clip_ratio_low: float = 0.2,
     clip_ratio_high: float = 0.2,
-    clip_ratio_c: Annotated[float, Option(help="dual-clip bound: a negative-advantage token's loss is at "
-                                               "most -A * clip_ratio_c", gt=1.0)] = 3.0,
+    clip_ratio_c: Annotated[float, Option(gt=1.0)] = 3.0,
     loss_agg_mode: LossAggMode = "seq-mean-token-mean",
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Dual-clip PPO (Ye et al. 2020, "Mastering Complex Control in MOBA Games with Deep
@@ -169,7 +168,11 @@ def dual_clip(
     Metrics: those of :func:`ppo_clip` and ``pg_clipfrac_lower`` (share of valid tokens where
     the dual bound is active).
 
-    :param clip_ratio_c: the dual bound, > 1.
+    :param clip_ratio_low: lower clip range (the ratio is kept above ``1 - clip_ratio_low``).
+    :param clip_ratio_high: upper clip range (the ratio is kept below ``1 + clip_ratio_high``).
+    :param clip_ratio_c: dual-clip bound: a negative-advantage token's loss is at most
+        ``-A * clip_ratio_c``.
+    :param loss_agg_mode: how per-token losses reduce to the batch loss (:func:`agg_loss`).
     """
     log_ratio = (log_prob - old_log_prob).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     pg_losses, clipped = _clipped_surrogate(log_ratio.exp(), advantages, clip_ratio_low, clip_ratio_high)
@@ -214,6 +217,10 @@ def gspo(
     over rows. The clip ranges are the paper's (a sequence ratio moves far less than a token's).
 
     Metrics: ``pg_clipfrac`` (share of valid tokens whose row is clipped) and ``ppo_kl``.
+
+    :param clip_ratio_low: lower clip range of the sequence ratio (the paper's 3e-4).
+    :param clip_ratio_high: upper clip range of the sequence ratio (the paper's 4e-4).
+    :param loss_agg_mode: how per-token losses reduce to the batch loss (:func:`agg_loss`).
     """
     seq_log_ratio = _sequence_log_ratio(log_prob, old_log_prob, response_mask, mean=True)
     log_ratio = (seq_log_ratio.detach() + log_prob - log_prob.detach()).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
@@ -244,6 +251,8 @@ def topr(
 
     Metrics: ``topr_negative_weight_mean`` (mean truncated ratio over valid tokens with a
     negative advantage; 1 when there is none) and ``ppo_kl``.
+
+    :param loss_agg_mode: how per-token losses reduce to the batch loss (:func:`agg_loss`).
     """
     seq_log_ratio = _sequence_log_ratio(log_prob, old_log_prob, response_mask, mean=False).detach()
     truncated = seq_log_ratio.clamp(max=0.0).exp()  # min(rho, 1), without overflowing exp()

@@ -1,9 +1,11 @@
-"""Entry point of nexrl-grpo: registers its trainers, inference backend, weight sync and policy losses."""
+"""Entry point of nexrl-grpo: registers its trainers, train service, inference backend, weight sync and policy
+losses."""
 
 from nexrl_core import hookimpl
 
 from . import losses
 
+from .train_service import LocalTorchTrainService
 from .trainers import SelfHostedCrossEntropyTrainer, SelfHostedGrpoTrainer
 from .weights import HFInferenceBackend, InProcessWeightSync
 
@@ -11,6 +13,11 @@ from .weights import HFInferenceBackend, InProcessWeightSync
 @hookimpl
 def nexrl_trainers():
     return {"self_hosted_grpo": SelfHostedGrpoTrainer, "self_hosted_cross_entropy": SelfHostedCrossEntropyTrainer}
+
+
+@hookimpl
+def nexrl_train_services():
+    return {"local_torch": LocalTorchTrainService}
 
 
 @hookimpl

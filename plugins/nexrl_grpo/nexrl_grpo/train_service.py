@@ -28,19 +28,31 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from nexrl_core import algorithms
+from nexrl_core import Option, TrainService, algorithms
 
 from .modeling import (auto_flag, compute_response_logprobs, compute_response_logprobs_packed, model_from_config,
                        packing_problem, position_ids_from_mask)
+from .weights import AUTO_FLAG, MODEL_OPTIONS, _auto_flag, check_model_section, config_errors, resolve_model_path
 
 LossFn = Callable[[torch.Tensor, dict[str, Any]], tuple[torch.Tensor, dict[str, float]]]
 
 REQUIRED_KEYS = ("input_ids", "attention_mask", "responses", "response_mask")
 CHECKPOINT_FORMAT = 1
+# What save_checkpoint adds to the HF folder for a resume; an export leaves them out.
+TRAINING_STATE_FILES = ("optimizer.safetensors", "optimizer.json", "rng.safetensors", "rng.json", "extra_state.json")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# The dict of tensors above with a LossFn. A service taking it also offers ``tokenizer`` (and
+# ``model``, the torch module, which a KL reference is copied from).
+BATCH_FORMAT = "torch_tensors"
 
 
-class LocalTorchTrainService:
-    """One model and its AdamW optimizer in this process.
+def _betas(value: Any) -> str | None:
+    return None if len(value) == 2 and all(0 <= b < 1 for b in value) else \
+        f"expected [beta1, beta2], each in [0, 1), got {list(value)}"
+
+
+class LocalTorchTrainService(TrainService):
+    """One model and its AdamW optimizer in this process: the ``local_torch`` train service.
 
     Config keys: ``model_path`` (required unless ``model``/``tokenizer`` are passed), ``gguf_file``,
     ``dtype`` (float32), ``lr`` (1e-6), ``weight_decay`` (0.0), ``betas`` ([0.9, 0.999]), ``eps``
@@ -50,6 +62,40 @@ class LocalTorchTrainService:
     :func:`~nexrl_grpo.modeling.compute_response_logprobs_packed`; true: packed or an error;
     false: padded rows), ``max_tokens_per_pack`` (2048: tokens per packed sequence).
     """
+
+    OPTIONS = {
+        **MODEL_OPTIONS,
+        "lr": Option(1e-6, float, "AdamW learning rate", gt=0),
+        "weight_decay": Option(0.0, float, "AdamW weight decay", ge=0),
+        "betas": Option([0.9, 0.999], list[float], "AdamW betas", check=_betas),
+        "eps": Option(1e-8, float, "AdamW epsilon", gt=0),
+        "grad_clip": Option(1.0, float, "gradient-norm clip (<= 0 or null: none)"),
+        "seed": Option(None, int, "seed of torch, numpy and python RNGs (default: the recipe's seed)"),
+        "micro_batch_size": Option(None, int, "rows per forward pass (null: the whole batch)", ge=1),
+        "temperature": Option(removed="each row is scored at the temperature its trajectory was sampled with "
+                                      "(rollout_worker.sampling.temperature): delete this key"),
+        "packing": Option(None, AUTO_FLAG, "packed sequences without padding: auto | true | false",
+                          check=_auto_flag),
+        "max_tokens_per_pack": Option(2048, int, "tokens per packed sequence", ge=1),
+    }
+    BATCH_FORMAT = BATCH_FORMAT
+    check_config = staticmethod(check_model_section)
+
+    @classmethod
+    def from_config(cls, config: Any, *, seed: int, total_steps: int,
+                    path: str = "service.train_service") -> LocalTorchTrainService:
+        """From the recipe's section: model paths resolved (GGUF converted once), ``seed`` defaulting
+        to the recipe's, ``num_threads`` applied to torch."""
+        cfg = dict(config)
+        cfg.pop("backend", None)
+        cfg["model_path"] = resolve_model_path(cfg.get("model_path"), cfg.get("gguf_file"))
+        cfg.pop("gguf_file", None)
+        if cfg.get("seed") is None:
+            cfg["seed"] = int(seed)
+        if cfg.get("num_threads"):
+            torch.set_num_threads(int(cfg["num_threads"]))
+        with config_errors(path):
+            return cls(cfg)
 
     def __init__(self, config: Any = None, *, model: torch.nn.Module | None = None, tokenizer: Any = None):
         config = config if config is not None else {}
@@ -145,6 +191,11 @@ class LocalTorchTrainService:
         self.optimizer.zero_grad(set_to_none=True)
         return {"grad_norm": grad_norm, "lr": float(self.optimizer.param_groups[0]["lr"])}
 
+    def sampling_client(self) -> dict[str, torch.Tensor]:
+        """The current weights as tensors by name (live, see :meth:`export_weights`): what an
+        in-process weight sync loads into the engine rollouts sample from."""
+        return self.export_weights()
+
     def export_weights(self, copy: bool = False) -> dict[str, torch.Tensor]:
         """The model's tensors by name, detached.
 
@@ -187,6 +238,13 @@ class LocalTorchTrainService:
         self._load_optimizer(folder)
         self._load_rng(folder)
         return json.loads((folder / "extra_state.json").read_text())
+
+    # The train-service interface's names for the two above.
+    def save_state(self, folder: str, extra_state: dict[str, Any] | None = None) -> None:
+        self.save_checkpoint(folder, extra_state)
+
+    def load_state(self, folder: str) -> dict[str, Any]:
+        return self.load_checkpoint(folder)
 
     # ------------------------------------------------------------------ internals
 
@@ -317,3 +375,29 @@ def _rows(value: Any, start: int, stop: int, rows: int) -> Any:
 
 def _write_json(path: Path, data: Any) -> None:
     path.write_text(json.dumps(data, indent=1, sort_keys=True))
+
+
+def export_model_folder(checkpoint: str | os.PathLike, out: str | os.PathLike, dtype: str | None = None) -> None:
+    """Copy the HF model folder inside a :meth:`LocalTorchTrainService.save_checkpoint` folder to
+    the existing folder ``out``: model, config and tokenizer files, not the training state
+    (:data:`TRAINING_STATE_FILES`) nor the core's ``nexrl_*`` files. ``dtype`` casts the
+    floating-point weights and records the new dtype in ``config.json``."""
+    src, dst = Path(checkpoint), Path(out)
+    if not (src / "config.json").is_file():
+        raise FileNotFoundError(f"{src}: no config.json: not a checkpoint of a self-hosted trainer")
+    target = _DTYPES[dtype] if dtype is not None else None
+    for path in sorted(src.iterdir()):
+        if not path.is_file() or path.name in TRAINING_STATE_FILES or path.name.startswith("nexrl_"):
+            continue
+        if target is not None and path.suffix == ".safetensors":
+            tensors = load_file(str(path))
+            save_file({k: v.to(target) if v.is_floating_point() else v for k, v in tensors.items()},
+                      str(dst / path.name), metadata={"format": "pt"})
+        else:
+            shutil.copy2(path, dst / path.name)
+    if dtype is not None:
+        config = json.loads((dst / "config.json").read_text())
+        keys = [k for k in ("dtype", "torch_dtype") if k in config] or ["dtype"]
+        for key in keys:
+            config[key] = dtype
+        _write_json(dst / "config.json", config)

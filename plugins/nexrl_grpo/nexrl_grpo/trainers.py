@@ -12,38 +12,14 @@ from typing import Any
 import numpy as np
 import torch
 from loguru import logger
-from omegaconf import OmegaConf
 
-from nexrl_core import Batch, BaseTrainer, Capabilities, ConfigError, Option, SamplingParams, Trajectory, algorithms
+from nexrl_core import (Batch, BaseTrainer, Capabilities, ConfigError, DataError, Option, SamplingParams, Trajectory,
+                        algorithms, trajectory_segments)
 
 from .critic import CRITIC_ALGORITHM_OPTIONS, CriticService, ValueModel
 from .losses import LossContext, agg_loss, kl_loss, masked_mean, value_loss
 from .modeling import compute_response_logprobs, position_ids_from_mask
-from .train_service import LocalTorchTrainService
-from .weights import AUTO_FLAG, MODEL_OPTIONS, _auto_flag, check_model_section, config_errors, resolve_model_path
-
-
-def _betas(value: Any) -> str | None:
-    return None if len(value) == 2 and all(0 <= b < 1 for b in value) else \
-        f"expected [beta1, beta2], each in [0, 1), got {list(value)}"
-
-
-TRAIN_SERVICE_OPTIONS = {
-    # The core checks the value against the train services it knows.
-    "backend": Option("local_torch", str, "the train service: local_torch (torch in this process)"),
-    **MODEL_OPTIONS,
-    "lr": Option(1e-6, float, "AdamW learning rate", gt=0),
-    "weight_decay": Option(0.0, float, "AdamW weight decay", ge=0),
-    "betas": Option([0.9, 0.999], list[float], "AdamW betas", check=_betas),
-    "eps": Option(1e-8, float, "AdamW epsilon", gt=0),
-    "grad_clip": Option(1.0, float, "gradient-norm clip (<= 0 or null: none)"),
-    "seed": Option(None, int, "seed of torch, numpy and python RNGs (default: the recipe's seed)"),
-    "micro_batch_size": Option(None, int, "rows per forward pass (null: the whole batch)", ge=1),
-    "temperature": Option(removed="each row is scored at the temperature its trajectory was sampled with "
-                                  "(rollout_worker.sampling.temperature): delete this key"),
-    "packing": Option(None, AUTO_FLAG, "packed sequences without padding: auto | true | false", check=_auto_flag),
-    "max_tokens_per_pack": Option(2048, int, "tokens per packed sequence", ge=1),
-}
+from .train_service import BATCH_FORMAT, LocalTorchTrainService, export_model_folder
 
 
 CRITIC_FOLDER = "critic"  # inside a checkpoint folder, next to the policy's files
@@ -55,21 +31,61 @@ def _prompt_groups(prompts: list[list[int]]) -> torch.Tensor:
     return torch.tensor([ids.setdefault(tuple(p), len(ids)) for p in prompts], dtype=torch.long)
 
 
+class TrajectoryView:
+    """Rows (token sequences) <-> trajectories. A trajectory's rows are laid end to end, padding
+    included (``[T, k * R]`` for at most ``k`` rows of width ``R`` per trajectory), so per-token
+    arrays can be handed to the algorithm one trajectory per row and split back afterwards. With
+    one row per trajectory (every single-turn batch) both directions are the identity."""
+
+    def __init__(self, row_trajectory: list[int], width: int):
+        self.index = np.asarray(row_trajectory, dtype=np.int64)
+        self.width = width
+        self.count = int(self.index.max()) + 1 if len(self.index) else 0
+        self.slot = np.zeros(len(self.index), dtype=np.int64)  # position of a row within its trajectory
+        seen: dict[int, int] = {}
+        for row, traj in enumerate(row_trajectory):
+            self.slot[row] = seen.get(traj, 0)
+            seen[traj] = self.slot[row] + 1
+        self.slots = int(self.slot.max()) + 1 if len(self.slot) else 1
+        self.identity = self.slots == 1 and np.array_equal(self.index, np.arange(len(self.index)))
+
+    def gather(self, rows: np.ndarray) -> np.ndarray:
+        if self.identity:
+            return rows
+        out = np.zeros((self.count, self.slots * self.width), dtype=rows.dtype)
+        for row, (traj, slot) in enumerate(zip(self.index, self.slot)):
+            out[traj, slot * self.width:(slot + 1) * self.width] = rows[row]
+        return out
+
+    def scatter(self, trajectories: np.ndarray) -> np.ndarray:
+        if self.identity:
+            return trajectories
+        return np.stack([trajectories[traj, slot * self.width:(slot + 1) * self.width]
+                         for traj, slot in zip(self.index, self.slot)])
+
+    def first(self, per_row: Any) -> Any:
+        """A per-row value that is the same on every row of a trajectory, once per trajectory."""
+        if self.identity:
+            return per_row
+        picked = [per_row[int(np.nonzero(self.index == t)[0][0])] for t in range(self.count)]
+        return np.asarray(picked) if isinstance(per_row, np.ndarray) else picked
+
+
 class SelfHostedTrainer(BaseTrainer):
     """Turns trajectories into verl-layout tensors; subclasses add the algorithm in ``_prepare_batch``."""
 
-    TRAIN_SERVICE_OPTIONS = TRAIN_SERVICE_OPTIONS
+    # Padded tensors and a torch loss: any train service taking those (local_torch by default).
+    TRAIN_SERVICE_BATCH_FORMAT = BATCH_FORMAT
+    TRAIN_SERVICE_DEFAULT = "local_torch"
     ALGORITHM_OPTIONS: dict[str, Option] = {}
     # New weights exist as tensors in this process: a weight-sync backend must bring them to inference.
     CAPABILITIES = Capabilities(
         provides={"trainer:state_dict"},
         requires={"weight_sync:state_dict": "it trains new weights in this process, and without a backend that "
                                             "moves them, rollouts keep sampling the initial model"})
-    check_train_service = staticmethod(check_model_section)
 
     def __init__(self, config: Any):
         super().__init__(config)
-        self._service_config = config.service.train_service
         self._algorithm = config.get("algorithm", {}) or {}
         self.train_service: LocalTorchTrainService | None = None
         self.pad_token_id = 0
@@ -78,19 +94,12 @@ class SelfHostedTrainer(BaseTrainer):
     def initialize_workers(self) -> None:
         if self.train_service is not None:
             return
-        cfg = OmegaConf.to_container(self._service_config, resolve=True)
-        cfg["model_path"] = resolve_model_path(cfg.get("model_path"), cfg.get("gguf_file"))
-        cfg.pop("gguf_file", None)
-        if cfg.get("seed") is None:
-            cfg["seed"] = int(self._full_config.seed)
-        if cfg.get("num_threads"):
-            torch.set_num_threads(int(cfg["num_threads"]))
         t0 = time.perf_counter()
-        with config_errors("service.train_service"):
-            self.train_service = LocalTorchTrainService(cfg)
+        self.train_service = self.create_train_service()
         tok = self.train_service.tokenizer
         self.pad_token_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-        logger.info(f"train service ready ({cfg['model_path']}, {time.perf_counter() - t0:.1f}s)")
+        logger.info(f"train service ready ({self.train_service.config.get('model_path')}, "
+                    f"{time.perf_counter() - t0:.1f}s)")
 
     # -- trajectories -> tensors -------------------------------------------------------
     def _token_ids(self, traj: Trajectory) -> tuple[list[int], list[int]]:
@@ -100,6 +109,20 @@ class SelfHostedTrainer(BaseTrainer):
                 f"trajectory {traj.get('uid')}#{traj.get('sample_index')} has no token ids: self-hosted training "
                 f"needs the inference backend to return prompt and response token ids (vLLM: return_token_ids)")
         return list(prompt_ids), list(response_ids)
+
+    def _segments(self, traj: Trajectory) -> list[dict[str, Any]]:
+        """The token sequences ``traj`` trains on (:func:`nexrl_core.trajectory_segments`): one for a
+        single-turn sample, several for an agent rollout whose turns did not merge into one, each
+        with its per-token ``loss_mask`` (None: every response token is trained)."""
+        try:
+            segments = trajectory_segments(traj)
+        except ValueError as exc:
+            raise DataError(str(exc)) from None
+        for seg in segments:  # a single sequence is the trajectory's own keys (SFT may tokenize its text)
+            source = {**seg, "uid": traj.get("uid"), "sample_index": traj.get("sample_index")} \
+                if traj.get("segments") else traj
+            seg["prompt_token_ids"], seg["response_token_ids"] = self._token_ids(source)
+        return segments
 
     def _row_temperature(self, traj: Trajectory) -> float:
         """The temperature this row's log-probs are taken at: the one it was sampled with
@@ -113,29 +136,38 @@ class SelfHostedTrainer(BaseTrainer):
         return SamplingParams(temperature=float(sampling["temperature"])).logprob_temperature
 
     def _process_trajectories(self, trajectories: list[Trajectory]) -> Batch:
-        """Left-padded prompts | right-padded responses, with masks, positions, loss mask and the
-        temperature of each row."""
-        pairs = [self._token_ids(t) for t in trajectories]
-        max_p = max(len(p) for p, _ in pairs)
-        max_r = max(max(len(r) for _, r in pairs), 1)
-        n = len(pairs)
+        """Left-padded prompts | right-padded responses, with masks, positions and the temperature
+        of each row. A row is one token sequence: a trajectory with several (``segments``) gives
+        several rows (``metadata["row_trajectory"]`` maps each row to its trajectory).
+
+        ``response_mask`` is 1 on the response tokens that are trained: every one, unless the
+        trajectory's ``loss_mask`` says otherwise (an agent's tool outputs and the chat template's
+        glue between turns are in the sequence, so the model sees them, but get no gradient).
+        Every loss, advantage and token count downstream reads ``response_mask``."""
+        rows = [(i, seg) for i, traj in enumerate(trajectories) for seg in self._segments(traj)]
+        max_p = max(len(seg["prompt_token_ids"]) for _, seg in rows)
+        max_r = max(max(len(seg["response_token_ids"]) for _, seg in rows), 1)
+        n = len(rows)
         input_ids = torch.full((n, max_p + max_r), self.pad_token_id, dtype=torch.long)
         attention_mask = torch.zeros((n, max_p + max_r), dtype=torch.long)
         response_mask = torch.zeros((n, max_r), dtype=torch.float32)
         rollout_logprobs = torch.zeros((n, max_r), dtype=torch.float32)
         have_logprobs = True
-        for i, ((p, r), traj) in enumerate(zip(pairs, trajectories)):
-            input_ids[i, max_p - len(p):max_p] = torch.tensor(p, dtype=torch.long)
-            attention_mask[i, max_p - len(p):max_p] = 1
+        for row, (_, seg) in enumerate(rows):
+            p, r = seg["prompt_token_ids"], seg["response_token_ids"]
+            input_ids[row, max_p - len(p):max_p] = torch.tensor(p, dtype=torch.long)
+            attention_mask[row, max_p - len(p):max_p] = 1
             if r:
-                input_ids[i, max_p:max_p + len(r)] = torch.tensor(r, dtype=torch.long)
-                attention_mask[i, max_p:max_p + len(r)] = 1
-                response_mask[i, :len(r)] = 1.0
-            lp = traj.get("response_logprobs")
+                input_ids[row, max_p:max_p + len(r)] = torch.tensor(r, dtype=torch.long)
+                attention_mask[row, max_p:max_p + len(r)] = 1
+                mask = seg["loss_mask"]
+                response_mask[row, :len(r)] = 1.0 if mask is None else torch.tensor(mask, dtype=torch.float32)
+            lp = seg["response_logprobs"]
             if lp is not None and len(lp) == len(r):
-                rollout_logprobs[i, :len(r)] = torch.tensor(lp, dtype=torch.float32)
+                rollout_logprobs[row, :len(r)] = torch.tensor(lp, dtype=torch.float32)
             else:
                 have_logprobs = False
+        row_trajectory = [i for i, _ in rows]
         values = {
             "input_ids": input_ids,
             "attention_mask": attention_mask,
@@ -143,17 +175,20 @@ class SelfHostedTrainer(BaseTrainer):
             "responses": input_ids[:, max_p:],
             "response_mask": response_mask,
             "prompts": input_ids[:, :max_p],
-            "loss_mask": response_mask,
-            "rewards": torch.tensor([float(t.get("reward", 0.0)) for t in trajectories], dtype=torch.float32),
-            "prompt_groups": _prompt_groups([p for p, _ in pairs]),
-            "temperature": torch.tensor([self._row_temperature(t) for t in trajectories], dtype=torch.float32),
+            "rewards": torch.tensor([float(trajectories[i].get("reward", 0.0)) for i in row_trajectory],
+                                    dtype=torch.float32),
+            "prompt_groups": _prompt_groups([seg["prompt_token_ids"] for _, seg in rows]),
+            "temperature": torch.tensor([self._row_temperature(trajectories[i]) for i in row_trajectory],
+                                        dtype=torch.float32),
         }
         if have_logprobs:
             values["rollout_log_probs"] = rollout_logprobs
         max_tokens = [int(t["sampling"]["max_tokens"]) for t in trajectories
                       if isinstance(t.get("sampling"), Mapping) and t["sampling"].get("max_tokens")]
-        meta = {"batch_size": n, "uids": [t.get("uid") for t in trajectories], "prompt_length": max_p,
-                "response_length": max_r, "model_tag": self._model_tag,
+        meta = {"batch_size": n, "uids": [trajectories[i].get("uid") for i in row_trajectory],
+                "row_trajectory": row_trajectory, "num_trajectories": len(trajectories),
+                "response_tokens": sum(len(seg["response_token_ids"]) for _, seg in rows),
+                "prompt_length": max_p, "response_length": max_r, "model_tag": self._model_tag,
                 "max_tokens": max(max_tokens) if max_tokens else None}
         return Batch(values, meta)
 
@@ -173,10 +208,15 @@ class SelfHostedTrainer(BaseTrainer):
         tensors = {k: v for k, v in batch.values.items() if isinstance(v, torch.Tensor)}
         metrics.update(self._update(batch, tensors))
         t2 = time.perf_counter()
-        lengths = batch.values["response_mask"].sum(-1)
+        meta = batch.metadata
+        trained = float(batch.values["response_mask"].sum())
         metrics.update({
-            "train/response_length_mean": float(lengths.mean()),
-            "train/prompt_length": float(batch.metadata["prompt_length"]),
+            # Counted in trained tokens: what the model generated, not the tool outputs between turns.
+            "train/response_length_mean": trained / meta["num_trajectories"],
+            "train/trained_tokens": trained,
+            "train/untrained_response_tokens_mean": (meta["response_tokens"] - trained) / meta["num_trajectories"],
+            "train/sequences_per_trajectory": meta["batch_size"] / meta["num_trajectories"],
+            "train/prompt_length": float(meta["prompt_length"]),
             "timing/prepare_s": t1 - t0,
             "timing/update_s": t2 - t1,
         })
@@ -200,6 +240,10 @@ class SelfHostedTrainer(BaseTrainer):
     def load_algorithm_state(self, state: dict[str, Any]) -> None:
         pass
 
+    @classmethod
+    def export_checkpoint(cls, checkpoint: str, out: str, dtype: str | None = None) -> None:
+        export_model_folder(checkpoint, out, dtype)
+
     def save_model_state(self, folder: str) -> None:
         self.train_service.save_checkpoint(folder, extra_state={"algorithm": self.algorithm_state()})
 
@@ -213,7 +257,7 @@ class SelfHostedGrpoTrainer(SelfHostedTrainer):
     """Policy-gradient RL: advantages from the core's estimator registry (``algorithm.type``), a
     policy loss from the loss registry (``algorithm.policy_loss``), optional KL to the initial
     model in the reward and/or as a loss term, optional rollout correction. An estimator that
-    requires values (``gae``) gets a critic, trained alongside the policy (:mod:`.critic`); the
+    requires values (``gae``) gets a critic, trained alongside the policy (:mod:`nexrl_grpo.critic`); the
     first ``critic_warmup`` steps train only the critic.
 
     Old log-probs are the trainer's own: with one update per batch (``ppo_epochs`` 1, no KL in
@@ -267,7 +311,7 @@ class SelfHostedGrpoTrainer(SelfHostedTrainer):
             self._ref_model = copy.deepcopy(self.train_service.model).eval().requires_grad_(False)
         if self.selection.requires("values") and self.critic is None:
             critic = options["critic"]
-            service = OmegaConf.to_container(self._service_config, resolve=True)
+            service = getattr(self.train_service, "config", None) or {}  # the policy's settings, as built
             # Its own optimizer settings; Adam's betas/eps and the micro-batch size default to the policy's.
             config = {"lr": critic["lr"], "weight_decay": critic["weight_decay"], "grad_clip": critic["grad_clip"],
                       "betas": service.get("betas", [0.9, 0.999]), "eps": service.get("eps", 1e-8),
@@ -283,7 +327,13 @@ class SelfHostedGrpoTrainer(SelfHostedTrainer):
 
     def _prepare_batch(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
         """ROLL's order: sample-level mask -> reward post-processing -> token-level rewards (with
-        the KL penalty) -> advantages (with the critic's values when the estimator needs them)."""
+        the KL penalty) -> advantages (with the critic's values when the estimator needs them).
+
+        Computed per trajectory: a trajectory of several rows (segments) is one sample of its
+        group, its outcome reward sits once on its last trained token, token-level recursions
+        (GAE, discounted returns) run over its trained tokens end to end, and each of its rows
+        gets its part of the result. Untrained tokens (``response_mask`` 0) get no reward, value
+        target or advantage."""
         v, options, metrics = batch.values, self.selection.options, {}
         mask = v["response_mask"]
         tensors = {k: x for k, x in v.items() if isinstance(x, torch.Tensor)}
@@ -294,21 +344,24 @@ class SelfHostedGrpoTrainer(SelfHostedTrainer):
             v["ref_log_probs"] = self._ref_log_probs(batch)
         if self.critic is not None:
             v["old_values"] = self.critic.forward(tensors)
-        mask_np = mask.numpy()
-        token_rewards = algorithms.scores_to_token_level(v["rewards"].numpy(), mask_np)
-        v["token_level_scores"] = torch.from_numpy(token_rewards)
+        view = TrajectoryView(batch.metadata["row_trajectory"], mask.shape[1])
+        mask_np = view.gather(mask.numpy())
+        scores = view.first(v["rewards"].numpy())
+        uids = view.first(batch.metadata["uids"])
+        token_rewards = algorithms.scores_to_token_level(scores, mask_np)
+        v["token_level_scores"] = torch.from_numpy(view.scatter(token_rewards))
         if options["use_kl_in_reward"]:
             token_rewards, kl_metrics = algorithms.apply_kl_penalty(
-                token_rewards, v["old_log_probs"].numpy(), v["ref_log_probs"].numpy(), mask_np, self._kl_ctrl,
-                str(options["kl_penalty"]))
+                token_rewards, view.gather(v["old_log_probs"].numpy()), view.gather(v["ref_log_probs"].numpy()),
+                mask_np, self._kl_ctrl, str(options["kl_penalty"]))
             metrics.update({f"train/{k}": float(x) for k, x in kl_metrics.items()})
-        v["token_level_rewards"] = torch.from_numpy(token_rewards)
+        v["token_level_rewards"] = torch.from_numpy(view.scatter(token_rewards))
         estimate = self.selection.bound("type")
-        values = v["old_values"].numpy() if "old_values" in v else None
-        adv, returns = estimate(algorithms.AdvantageInputs(token_rewards, mask_np, batch.metadata["uids"], values))
-        v["advantages"] = torch.from_numpy(np.asarray(adv, dtype=np.float32))
-        v["returns"] = torch.from_numpy(np.asarray(returns, dtype=np.float32))
-        _, group_std, _ = algorithms.group_stats(v["rewards"].numpy(), batch.metadata["uids"])
+        values = view.gather(v["old_values"].numpy()) if "old_values" in v else None
+        adv, returns = estimate(algorithms.AdvantageInputs(token_rewards, mask_np, uids, values))
+        v["advantages"] = torch.from_numpy(view.scatter(np.asarray(adv, dtype=np.float32)))
+        v["returns"] = torch.from_numpy(view.scatter(np.asarray(returns, dtype=np.float32)))
+        _, group_std, _ = algorithms.group_stats(scores, uids)
         metrics.update({
             "train/advantages_abs_mean": float(masked_mean(v["advantages"].abs(), mask)),
             "train/group_reward_std_mean": float(group_std.mean()),

@@ -7,7 +7,7 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from nexrl_core import Capabilities, ConfigError, Option, WeightSyncBackend, execute
+from nexrl_core import Capabilities, ConfigError, Option, WeightSyncBackend, deferred, execute
 
 from .engine import HFInferenceEngine
 from .modeling import ensure_safetensors_model, smollm2_gguf_path
@@ -58,8 +58,9 @@ def check_model_section(section: Any, key: str) -> list[str]:
 
 
 MODEL_OPTIONS = {
-    "model_path": Option(None, str, f"HF model folder, a global_step_<N> checkpoint, or '{SMOLLM2}'"),
-    "gguf_file": Option(None, str, "GGUF file (in model_path, or absolute), converted once to safetensors"),
+    "model_path": Option(None, str, f"HF model folder, a global_step_<N> checkpoint, or '{SMOLLM2}'", path=True),
+    "gguf_file": Option(None, str, "GGUF file (in model_path, or absolute), converted once to safetensors",
+                        path=True),
     "dtype": Option("float32", str, "torch floating-point dtype of the weights"),
     "num_threads": Option(None, int, "torch CPU threads", ge=1),
 }
@@ -111,7 +112,11 @@ class HFInferenceBackend(HFInferenceEngine):
 
 
 class InProcessWeightSync(WeightSyncBackend):
-    """Copies the trainer's tensors into the engine's model; the engine serves them from its next batch."""
+    """Copies the trainer's tensors into the engine's model; the engine serves them from its next batch.
+
+    The tensors go as a deferred argument: straight from the trainer to the engine, in process
+    when they share one (local mode, a Ray actor hosting both), else through the launch mode's
+    transport (Ray's object store), never through the weight-sync controller's process."""
 
     CAPABILITIES = Capabilities(
         provides={"weight_sync:state_dict"},
@@ -119,4 +124,4 @@ class InProcessWeightSync(WeightSyncBackend):
                   "inference:load_weights": "it loads them into an inference engine in this process"})
 
     def sync(self, trainer: Any, inference_client: Any, version: int) -> None:
-        execute(inference_client.load_weights, execute(trainer.export_weights), version)
+        execute(inference_client.load_weights, deferred(trainer.export_weights), version)

@@ -59,6 +59,16 @@ class CodeSandboxEvaluator(Evaluator):
     the head of stdout and the tail of stderr).
     """
 
+    # sample data for the conformance check (nexrl plugins check) and the docs
+    EXAMPLES = [
+        {"data": {"prompt": "Read n, print n squared.", "test_cases": [{"input": "3\n", "output": "9\n"},
+                                                                      {"input": "-2\n", "output": "4\n"}]},
+         "response": "```python\nn = int(input())\nprint(n * n)\n```", "reward": 1.0},
+        {"data": {"prompt": "Read n, print n squared.", "test_cases": [{"input": "3\n", "output": "9\n"},
+                                                                      {"input": "-2\n", "output": "4\n"}]},
+         "response": "```python\nprint(9)\n```", "reward": 0.5},
+    ]
+
     def __init__(self,
                  test_cases_key: str = "test_cases",
                  reward_mode: str = "fraction",
@@ -72,6 +82,21 @@ class CodeSandboxEvaluator(Evaluator):
                  max_file_mb: int = 16,
                  isolation: str = "auto",
                  python: str | None = None):
+        """The test cases, the scoring and the sandbox's limits (see docs/rewards.md).
+
+        :param test_cases_key: data field that holds the test cases [{input, output}, ...]
+        :param reward_mode: fraction: the share of cases passed; all_or_nothing: 1 only when all pass
+        :param compare: how stdout is compared: trailing_whitespace, exact or whitespace (the tokens)
+        :param timeout_s: wall-clock limit per case, in seconds
+        :param cpu_time_s: CPU-time limit per case and process, in seconds
+        :param memory_mb: address-space limit per process, in MB
+        :param max_processes: processes and threads the code may run at once
+        :param max_open_files: open file descriptors per process
+        :param max_output_kb: stdout beyond this many KB ends the case (output_limit)
+        :param max_file_mb: the largest file, and the size of the writable working folder, in MB
+        :param isolation: auto (namespaces when the kernel allows them, else rlimits), namespaces or rlimits
+        :param python: interpreter that runs the code (default: the one running nexrl)
+        """
         self.test_cases_key = test_cases_key
         self.reward_mode = choice(reward_mode, "reward_mode", REWARD_MODES)
         self.compare = choice(compare, "compare", COMPARE_MODES)

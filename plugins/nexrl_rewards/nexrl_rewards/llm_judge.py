@@ -175,6 +175,24 @@ class LLMJudgeEvaluator(Evaluator):
                  max_tokens: int = 256,
                  temperature: float = 0.0,
                  retry_temperature: float = 0.7):
+        """The judge and how its reply becomes a score (see docs/rewards.md).
+
+        :param service: required: the judge's inference backend mapping (backend: openai, hf, mock or any plugin's,
+            and its keys); one client per distinct mapping is shared by the process's rollout workers
+        :param prompt_template: text with {question}, {reference} and {response} (required)
+        :param question_key: data field that fills {question}
+        :param reference_key: data field that fills {reference}
+        :param system_prompt: a system message before the prompt (chat only)
+        :param use_chat: send chat messages (false: the text as a completion prompt)
+        :param score_range: the scale of a numeric score, mapped to [0, 1]
+        :param verdicts: words or phrases and their scores in [0, 1] (replaces the default table)
+        :param json_key: the key read from a JSON object in the reply
+        :param pass_threshold: the score from which the accuracy metric is 1
+        :param max_retries: more attempts after a reply that is not a score, or a backend error
+        :param max_tokens: the judge's token limit
+        :param temperature: the judge's sampling temperature on the first attempt
+        :param retry_temperature: the temperature of the attempts after a reply that was not a score
+        """
         if not isinstance(service, Mapping):  # required: the judge has no sensible default
             raise ConfigError(f"{_KEY}.service: expected a mapping like {{backend: openai, url: ...}}, "
                               f"got {'nothing' if service is None else type(service).__name__}")

@@ -33,6 +33,15 @@ class MathRuleEvaluator(Evaluator):
     ``parsed_answer``, ``parsed_ground_truth`` and ``detail``.
     """
 
+    # sample data for the conformance check (nexrl plugins check) and the docs
+    EXAMPLES = [
+        {"data": {"prompt": "Simplify 2/4.", "answer": "\\frac{1}{2}"}, "response": "It is \\boxed{0.5}.",
+         "reward": 1.0},
+        {"data": {"prompt": "Simplify 2/4.", "answer": "\\frac{1}{2}"}, "response": "The answer is 1/3",
+         "reward": 0.0},
+        {"data": {"prompt": "What is 6 * 7?", "answer": "42"}, "response": "6 * 7 = 42", "reward": 1.0},
+    ]
+
     def __init__(self,
                  answer_key: str = "answer",
                  extract_order: Sequence[str] = ("boxed", "final_answer", "last_number"),
@@ -41,6 +50,17 @@ class MathRuleEvaluator(Evaluator):
                  timeout_s: float = 5.0,
                  verify_workers: int = 2,
                  verify_memory_mb: int = 2048):
+        """How the answer is found and compared (see docs/rewards.md).
+
+        :param answer_key: data field that holds the ground truth
+        :param extract_order: extractors tried in order, the first that finds an answer wins: boxed, final_answer,
+            last_number
+        :param format_reward: added to the reward when the reply matches format_pattern
+        :param format_pattern: regular expression searched in the reply
+        :param timeout_s: seconds math-verify may spend on one sample
+        :param verify_workers: math-verify worker processes (shared by the evaluators of the process)
+        :param verify_memory_mb: address-space limit of each math-verify worker, in MB
+        """
         order = [extract_order] if isinstance(extract_order, str) else list(extract_order)
         unknown = [name for name in order if name not in EXTRACTORS]
         if unknown or not order:

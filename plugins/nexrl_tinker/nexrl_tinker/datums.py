@@ -15,10 +15,11 @@ Per-token inputs are ``N`` long, zero on prompt positions:
   response tokens, ``advantages`` = the response tokens' advantages x ``loss_mask`` (a masked
   token has no advantage, hence no gradient).
 
-Trajectory keys read by :func:`trajectory_to_datum`: ``prompt_token_ids``, ``response_token_ids``,
+Trajectory keys read by :func:`trajectory_to_datums`: ``prompt_token_ids``, ``response_token_ids``,
 ``response_logprobs`` (RL losses), ``advantages`` (RL losses: one number for the whole response
 or one per response token), ``weights`` (cross-entropy, optional, one per response token),
-``loss_mask`` (optional, one 0/1 per response token).
+``loss_mask`` (optional, one 0/1 per response token), and ``segments`` (an agent rollout of
+several token sequences: one datum each, see :func:`nexrl_core.trajectory_segments`).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from typing import Any
 import numpy as np
 from tinker import types
 
-from nexrl_core import DataError
+from nexrl_core import DataError, trajectory_segments
 
 RL_LOSSES = ("importance_sampling", "ppo")
 LOSSES = ("cross_entropy",) + RL_LOSSES
@@ -73,17 +74,40 @@ def build_datum(prompt_ids: Sequence[int], response_ids: Sequence[int], loss_fn:
     return types.Datum(model_input=types.ModelInput.from_ints(full[:-1]), loss_fn_inputs=inputs)
 
 
-def trajectory_to_datum(trajectory: dict[str, Any], loss_fn: str) -> types.Datum:
-    """:func:`build_datum` from a nexrl trajectory's keys (listed in the module doc)."""
+def trajectory_to_datums(trajectory: dict[str, Any], loss_fn: str) -> list[types.Datum]:
+    """One datum per token sequence of ``trajectory`` (:func:`nexrl_core.trajectory_segments`):
+    one for a single-turn sample, several for an agent rollout whose turns did not merge into one
+    sequence. Each sequence brings its own ``loss_mask`` and log-probs; ``advantages`` and
+    ``weights`` are the trajectory's (per-token lists only for a single sequence)."""
     name = f"trajectory {trajectory.get('uid')}#{trajectory.get('sample_index', 0)}"
-    for key in ("prompt_token_ids", "response_token_ids"):
-        if trajectory.get(key) is None:
-            raise DataError(f"{name}: no {key}: Tinker training needs the inference backend to return prompt and "
-                            f"response token ids")
-    return build_datum(trajectory["prompt_token_ids"], trajectory["response_token_ids"], loss_fn,
-                       sampling_logprobs=trajectory.get("response_logprobs"),
-                       advantages=trajectory.get("advantages"), weights=trajectory.get("weights"),
-                       loss_mask=trajectory.get("loss_mask"), name=name)
+    try:
+        segments = trajectory_segments(trajectory)
+    except ValueError as exc:
+        raise DataError(str(exc)) from None
+    advantages, weights = trajectory.get("advantages"), trajectory.get("weights")
+    if len(segments) > 1 and ((advantages is not None and not _is_scalar(advantages)) or weights is not None):
+        raise DataError(f"{name}: per-token advantages or weights need a single token sequence, but it has "
+                        f"{len(segments)} (segments): give one advantage for the whole trajectory")
+    datums = []
+    for i, seg in enumerate(segments):
+        where = f"{name} segment {i}" if len(segments) > 1 else name
+        for key in ("prompt_token_ids", "response_token_ids"):
+            if seg.get(key) is None:
+                raise DataError(f"{where}: no {key}: Tinker training needs the inference backend to return "
+                                f"prompt and response token ids")
+        datums.append(build_datum(seg["prompt_token_ids"], seg["response_token_ids"], loss_fn,
+                                  sampling_logprobs=seg.get("response_logprobs"), advantages=advantages,
+                                  weights=weights, loss_mask=seg.get("loss_mask"), name=where))
+    return datums
+
+
+def trajectory_to_datum(trajectory: dict[str, Any], loss_fn: str) -> types.Datum:
+    """The datum of a single-sequence trajectory (:func:`trajectory_to_datums` for any)."""
+    datums = trajectory_to_datums(trajectory, loss_fn)
+    if len(datums) > 1:
+        raise DataError(f"trajectory {trajectory.get('uid')}#{trajectory.get('sample_index', 0)} has {len(datums)} "
+                        f"token sequences (segments): use trajectory_to_datums")
+    return datums[0]
 
 
 def response_values(datum: types.Datum, values: Any, response_length: int) -> np.ndarray:

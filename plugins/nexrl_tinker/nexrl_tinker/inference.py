@@ -1,13 +1,14 @@
 """The ``tinker`` inference backend: rollouts sample through a Tinker sampling client.
 
-Recipe keys (``service.inference_service``, :data:`INFERENCE_KEYS`):
+Recipe keys (``service.inference_service``, :attr:`TinkerInferenceClient.OPTIONS`):
 
 - ``tokenizer_path`` (or ``model_path`` when it is a local folder): the model's tokenizer, read
   from disk (nothing is downloaded); prompts are tokenized here, chat prompts through the
   tokenizer's chat template (``chat_template: false`` joins the message contents instead);
 - ``base_model``: the Tinker model name, sampled from until the first weight sync (with the
   ``tinker`` weight-sync backend the trainer's sampler takes over at once); or ``model_path``:
-  a ``tinker://`` sampler checkpoint to sample from;
+  a ``tinker://`` sampler checkpoint to sample from, or a nexrl ``global_step_<N>`` checkpoint of
+  a Tinker run (the sampler snapshot it recorded: ``nexrl eval RECIPE checkpoint=...``);
 - ``api_key`` / ``base_url`` / ``request_timeout`` / ``max_retries`` / ``retry_backoff``: see
   :mod:`nexrl_tinker.remote`.
 
@@ -24,13 +25,14 @@ import os
 import threading
 from typing import Any
 
-from nexrl_core import CompletionResult, ConfigError, InferenceClient, InferenceError, SamplingParams
+from nexrl_core import (Capabilities, CompletionResult, ConfigError, DataError, InferenceClient, InferenceError, Option,
+                        SamplingParams)
 
-from .remote import CONNECTION_KEYS, RemoteCalls, TinkerRequestError, plain_section, resolve_connection
+from .remote import CONNECTION_OPTIONS, RemoteCalls, TinkerRequestError, plain_section, resolve_connection
+from .tokens import encode_prompt, load_tokenizer
 
-INFERENCE_KEYS: dict[str, Any] = {"backend": "tinker", "model_tag": "default", "base_model": None,
-                                  "model_path": None, "tokenizer_path": None, "chat_template": True,
-                                  **CONNECTION_KEYS}
+# What the tinker weight sync hands over and the tinker inference backend samples from.
+SAMPLER_CAPABILITY = "inference:tinker_sampler"
 
 
 def _config_errors(check: Any) -> list[ConfigError]:
@@ -41,27 +43,58 @@ def _config_errors(check: Any) -> list[ConfigError]:
     return []
 
 
+def _model_paths(cfg: dict[str, Any], section: str) -> tuple[str | None, str | None]:
+    """(the ``tinker://`` path to sample from, or None; the local tokenizer folder) of the section:
+    ``model_path`` may be a ``tinker://`` sampler path, a nexrl checkpoint of a Tinker run (its
+    recorded sampler snapshot, what ``nexrl eval checkpoint=...`` passes) or a local model folder
+    (its tokenizer)."""
+    from .service import STATE_FILE, checkpoint_sampler_path
+
+    model_path = cfg.get("model_path")
+    if model_path and str(model_path).startswith("tinker://"):
+        return str(model_path), cfg.get("tokenizer_path")
+    if model_path and os.path.isfile(os.path.join(str(model_path), STATE_FILE)):
+        try:
+            return checkpoint_sampler_path(str(model_path)), cfg.get("tokenizer_path")
+        except DataError as exc:
+            raise ConfigError(f"{section}.model_path: {exc}") from None
+    return None, cfg.get("tokenizer_path") or model_path
+
+
+def _tokenizer_problem(tokenizer_path: str | None, section: str) -> str | None:
+    if not tokenizer_path:
+        return f"{section}.tokenizer_path: required (a local folder holding the model's tokenizer)"
+    if not os.path.isdir(str(tokenizer_path)):
+        return f"{section}.tokenizer_path: '{tokenizer_path}' is not a folder"
+    return None
+
+
 class TinkerInferenceClient(InferenceClient):
-    CONFIG_KEYS = INFERENCE_KEYS
+    """Rollouts through a Tinker sampling client: prompt tokens, response tokens and their log-probs,
+    and the weight version; the tinker weight sync hands it the trainer's sampler after every step."""
+
+    OPTIONS = {
+        "base_model": Option(None, str, "Tinker model sampled until the first weight sync (the tinker weight sync "
+                                        "hands over the trainer's sampler at the start)"),
+        "model_path": Option(None, str, "what to sample: a tinker:// sampler path, a nexrl checkpoint of a Tinker "
+                                        "run (nexrl eval checkpoint=...), or a local model folder (its tokenizer)"),
+        "tokenizer_path": Option(None, str, "local folder holding the model's tokenizer (prompts are tokenized here)"),
+        "chat_template": Option(True, bool, "render chat prompts with the tokenizer's chat template (false: join "
+                                            "the message contents)"),
+        **CONNECTION_OPTIONS,
+    }
+    CAPABILITIES = Capabilities(provides={SAMPLER_CAPABILITY})
 
     def __init__(self, config: Any, section: str = "service.inference_service"):
         super().__init__(config)
         cfg = plain_section(config, section)
         self.connection = resolve_connection(cfg, section)
-        model_path = cfg.get("model_path")
-        self.remote_path = str(model_path) if model_path and str(model_path).startswith("tinker://") else None
+        self.remote_path, tokenizer_path = _model_paths(cfg, section)
         self.base_model = cfg.get("base_model")
-        tokenizer_path = cfg.get("tokenizer_path") or (model_path if not self.remote_path else None)
-        if not tokenizer_path:
-            raise ConfigError(f"{section}.tokenizer_path: required (a local folder holding the model's tokenizer)")
-        if not os.path.isdir(str(tokenizer_path)):
-            raise ConfigError(f"{section}.tokenizer_path: '{tokenizer_path}' is not a folder")
-        from transformers import AutoTokenizer
-
-        try:
-            self.tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_path))
-        except (OSError, ValueError) as exc:
-            raise ConfigError(f"{section}.tokenizer_path: no tokenizer in '{tokenizer_path}' ({exc})") from None
+        problem = _tokenizer_problem(tokenizer_path, section)
+        if problem:
+            raise ConfigError(problem)
+        self.tokenizer = load_tokenizer(str(tokenizer_path), f"{section}.tokenizer_path")
         self.use_chat_template = bool(cfg.get("chat_template", True))
         self._calls = RemoteCalls(self.connection)
         self._lock = threading.Lock()
@@ -78,14 +111,12 @@ class TinkerInferenceClient(InferenceClient):
         except ConfigError as exc:
             return [str(exc)]
         problems = [str(exc) for exc in _config_errors(lambda: resolve_connection(cfg, path))]
-        model_path = cfg.get("model_path")
-        remote = bool(model_path) and str(model_path).startswith("tinker://")
-        tokenizer_path = cfg.get("tokenizer_path") or (None if remote else model_path)
-        if not tokenizer_path:
-            problems.append(f"{path}.tokenizer_path: required (a local folder holding the model's tokenizer)")
-        elif not os.path.isdir(str(tokenizer_path)):
-            problems.append(f"{path}.tokenizer_path: '{tokenizer_path}' is not a folder")
-        return problems
+        try:
+            _, tokenizer_path = _model_paths(cfg, path)
+        except ConfigError as exc:
+            return problems + [str(exc)]
+        problem = _tokenizer_problem(tokenizer_path, path)
+        return problems + ([problem] if problem else [])
 
     # ------------------------------------------------------------------ weights
 
@@ -119,14 +150,7 @@ class TinkerInferenceClient(InferenceClient):
 
     def encode_prompt(self, prompt: str | list[dict[str, Any]]) -> list[int]:
         with self._tokenizer_lock:
-            if isinstance(prompt, str):
-                return list(self.tokenizer(prompt).input_ids)
-            if self.use_chat_template:
-                text = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
-            else:
-                text = "\n".join(str(m.get("content", "")) for m in prompt)
-            # The template already holds every special token it wants.
-            return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+            return encode_prompt(self.tokenizer, prompt, self.use_chat_template)
 
     def complete(self, prompt: str | list[dict[str, Any]], params: SamplingParams) -> CompletionResult:
         from tinker import types  # imported on use: `nexrl plugins` / `validate` stay light

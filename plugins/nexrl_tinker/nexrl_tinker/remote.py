@@ -29,15 +29,28 @@ from typing import Any, TypeVar
 
 from loguru import logger
 
-from nexrl_core import ConfigError, NexRLError
+from nexrl_core import ConfigError, NexRLError, Option, demote_library_log
 
 T = TypeVar("T")
 
 ENV_API_KEY = "TINKER_API_KEY"
 ENV_BASE_URL = "TINKER_BASE_URL"
 ENV_CREDENTIAL_CMD = "TINKER_CREDENTIAL_CMD"
-CONNECTION_KEYS = {"api_key": None, "base_url": None, "request_timeout": 600.0, "max_retries": 3,
-                   "retry_backoff": 1.0}
+# Keys of every section that reaches the service (service.train_service, service.inference_service).
+CONNECTION_OPTIONS = {
+    "api_key": Option(None, str, f"the Tinker API key (null: ${ENV_API_KEY}, or the SDK's "
+                                 f"${ENV_CREDENTIAL_CMD} / stored key); prefer ${{oc.env:{ENV_API_KEY}}} to a literal"),
+    "base_url": Option(None, str, f"where the service is (null: ${ENV_BASE_URL}, else the hosted service)"),
+    "request_timeout": Option(600.0, float, "seconds one remote call may take before it is reported", gt=0),
+    "max_retries": Option(3, int, "extra attempts of calls that are safe to repeat", ge=0),
+    "retry_backoff": Option(1.0, float, "seconds before the first extra attempt, doubled after each", ge=0),
+}
+
+
+# The SDK logs a WARNING each time the service answers a poll "try again" (a result not ready yet:
+# normal while a request waits in the queue); a request that never finishes is reported at its
+# deadline instead.
+demote_library_log("tinker.lib.api_future_impl", "because of try_again")
 
 
 class TinkerRequestError(NexRLError):
@@ -95,7 +108,7 @@ def resolve_connection(section: Mapping[str, Any] | None, path: str) -> TinkerCo
     section = plain_section(section, path)
 
     def number(key: str, cast: type, minimum: float) -> Any:
-        value = section.get(key, CONNECTION_KEYS[key])
+        value = section.get(key, CONNECTION_OPTIONS[key].default)
         try:
             value = cast(value)
         except (TypeError, ValueError):

@@ -1,17 +1,18 @@
-"""The Tinker train service: one LoRA training run on the Tinker API, driven by a trainer.
+"""The Tinker train service (``service.train_service.backend: tinker``): one LoRA training run on
+the Tinker API, the core's :class:`nexrl_core.TrainService` over ``tinker.types.Datum`` batches.
 
-It is built from the recipe's ``service.train_service`` mapping (keys: :data:`TRAIN_SERVICE_KEYS`)
-and offers what a trainer drives, the way ``SelfHostedTrainer`` drives the local torch service:
+Built from the recipe's ``service.train_service`` mapping (keys: :attr:`TinkerTrainService.OPTIONS`),
+it offers what a remote-API trainer drives:
 
 - :meth:`TinkerTrainService.forward` (logprobs, no gradients), :meth:`~TinkerTrainService.forward_backward`
   and :meth:`~TinkerTrainService.optim_step` (each returns a :class:`Pending` at once; requests of
   one run execute in submission order on the service), and :meth:`~TinkerTrainService.train_step`,
   which submits a forward/backward and the optimizer step back to back and waits for both;
-- :meth:`~TinkerTrainService.save_checkpoint` / :meth:`~TinkerTrainService.load_checkpoint`:
-  the weights and Adam state are saved remotely (``save_state``, a ``tinker://`` path) and the
-  nexrl checkpoint folder records that path (``tinker_state.json``, no secrets); loading creates
-  a new training client from that state *with its optimizer state*, and the learning-rate schedule
-  resumes at the saved optimizer step;
+- :meth:`~TinkerTrainService.save_state` / :meth:`~TinkerTrainService.load_state`: the weights and
+  Adam state are saved remotely (Tinker's ``save_state``, a ``tinker://`` path) and the nexrl
+  checkpoint folder records that path and the optimizer step count (``tinker_state.json``, no
+  secrets); loading creates a new training client from that state *with its optimizer state*,
+  and the learning-rate schedule resumes at the saved step;
 - :meth:`~TinkerTrainService.sampling_client`: a ``tinker.SamplingClient`` of the current weights
   (``save_weights_and_get_sampling_client``), what the ``tinker`` weight-sync backend hands the
   inference client after every step.
@@ -29,36 +30,26 @@ import math
 import os
 import threading
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
 from loguru import logger
 from tinker import types
 
-from nexrl_core import ConfigError, DataError
+from nexrl_core import REQUIRED, ConfigError, DataError, Option, StepResult, TrainService, check_options
 
-from .remote import CONNECTION_KEYS, RemoteCalls, TinkerRequestError, plain_section, resolve_connection
+from .remote import CONNECTION_OPTIONS, RemoteCalls, TinkerRequestError, plain_section, resolve_connection
 
-TRAIN_SERVICE_KEYS: dict[str, Any] = {
-    "backend": "tinker", "base_model": None, "lora_rank": 32, "lora_seed": None,
-    "train_mlp": True, "train_attn": True, "train_unembed": True,
-    "lr": 1e-4, "lr_schedule": "constant", "lr_warmup_steps": 0, "lr_decay_steps": None, "min_lr_ratio": 0.0,
-    "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0, "grad_clip": 1.0,
-    **CONNECTION_KEYS,
-}
 LR_SCHEDULES = ("constant", "linear", "cosine")
 STATE_FILE = "tinker_state.json"
 STATE_FORMAT = 1
+BATCH_FORMAT = "tinker_datums"  # a list of tinker.types.Datum and a loss name (nexrl_tinker.datums)
+TRAIN_PARTS = ("train_mlp", "train_attn", "train_unembed")
 
 
-@dataclass
-class StepResult:
-    """A forward or forward/backward result: metrics and, per datum, its output arrays
-    (``logprobs`` of every target token; ``elementwise_loss`` for cross-entropy)."""
-
-    metrics: dict[str, float]
-    outputs: list[dict[str, np.ndarray]] = field(default_factory=list)
+def _betas(value: Any) -> str | None:
+    return None if len(value) == 2 and all(0 <= b < 1 for b in value) else \
+        f"expected [beta1, beta2], each in [0, 1), got {list(value)}"
 
 
 class Pending:
@@ -96,51 +87,75 @@ class LearningRateSchedule:
         return floor + (self.lr - floor) * shape
 
 
-class TinkerTrainService:
-    """See the module doc. ``seed`` (the recipe's) seeds the LoRA initialisation unless
-    ``lora_seed`` is set; ``total_steps`` (the run's optimizer steps) ends a decaying schedule
-    unless ``lr_decay_steps`` is set."""
+class TinkerTrainService(TrainService):
+    """One LoRA training run on the Tinker API (the `remote_api_*` trainers' default): forward_backward
+    and optim_step on the service, its weights and Adam state saved and resumed there.
+
+    ``seed`` (the recipe's) seeds the LoRA initialisation unless ``lora_seed`` is set;
+    ``total_steps`` (the run's optimizer steps) ends a decaying schedule unless ``lr_decay_steps``
+    is set. See the module doc."""
+
+    OPTIONS = {
+        "base_model": Option(REQUIRED, str, "the Tinker name of the model to train (e.g. Qwen/Qwen3-8B), or a "
+                                            "stand-in's model name"),
+        "lora_rank": Option(32, int, "LoRA rank of the training run (Tinker trains LoRA adapters)", ge=1),
+        "lora_seed": Option(None, int, "seed of the LoRA initialisation (null: the recipe's seed)"),
+        "train_mlp": Option(True, bool, "LoRA adapters on the MLP layers"),
+        "train_attn": Option(True, bool, "LoRA adapters on the attention layers"),
+        "train_unembed": Option(True, bool, "a LoRA adapter on the unembedding"),
+        "lr": Option(1e-4, float, "peak AdamW learning rate (LoRA wants 20-100x a full fine-tune's)", ge=0),
+        "lr_schedule": Option("constant", str, "constant, or a linear / cosine decay to min_lr_ratio * lr",
+                              choices=LR_SCHEDULES),
+        "lr_warmup_steps": Option(0, int, "linear warm-up over this many optimizer steps", ge=0),
+        "lr_decay_steps": Option(None, int, "optimizer step where the decay ends (null: the run's last)", ge=1),
+        "min_lr_ratio": Option(0.0, float, "floor of the decay, as a fraction of lr", ge=0, le=1),
+        "betas": Option([0.9, 0.999], list[float], "AdamW betas", check=_betas),
+        "eps": Option(1e-8, float, "AdamW epsilon", gt=0),
+        "weight_decay": Option(0.0, float, "AdamW weight decay", ge=0),
+        "grad_clip": Option(1.0, (float, None), "clip on the global gradient norm (0 or null: none)", ge=0),
+        **CONNECTION_OPTIONS,
+    }
+    BATCH_FORMAT = BATCH_FORMAT
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any], *, seed: int, total_steps: int,
+                    path: str = "service.train_service") -> TinkerTrainService:
+        return cls(config, seed=seed, total_steps=total_steps, section=path)
 
     def __init__(self, config: Mapping[str, Any], *, seed: int | None = None, total_steps: int | None = None,
                  section: str = "service.train_service"):
         cfg = plain_section(config, section)
         self.section = section
-        unknown = sorted(set(cfg) - set(TRAIN_SERVICE_KEYS))
-        if unknown:
-            raise ConfigError(f"{section}.{unknown[0]}: not a key of the tinker train service "
-                              f"(known: {', '.join(sorted(TRAIN_SERVICE_KEYS))})")
+        problems = check_options(cfg, {"backend": Option("tinker", str), **self.OPTIONS}, section,
+                                 owner="train service 'tinker'") or self._cross_key_problems(cfg, section)
+        if problems:
+            raise ConfigError("; ".join(problems))
         self.connection = resolve_connection(cfg, section)
-        self.base_model = cfg.get("base_model")
-        if not self.base_model or not isinstance(self.base_model, str):
-            raise ConfigError(f"{section}.base_model: required (the Tinker name of the model to train, "
-                              f"e.g. Qwen/Qwen3-8B)")
-        self.lora_rank = self._int(cfg, "lora_rank", 1)
-        lora_seed = cfg.get("lora_seed", seed)
+        opt = {key: cfg.get(key, option.default_value()) for key, option in self.OPTIONS.items()}
+        self.base_model = str(opt["base_model"])
+        self.lora_rank = int(opt["lora_rank"])
+        lora_seed = opt["lora_seed"] if opt["lora_seed"] is not None else seed
         self.lora_seed = None if lora_seed is None else int(lora_seed)
-        self.train_parts = {k: bool(cfg.get(k, True)) for k in ("train_mlp", "train_attn", "train_unembed")}
-        if not any(self.train_parts.values()):
-            raise ConfigError(f"{section}: at least one of train_mlp, train_attn, train_unembed must be true")
-        schedule = str(cfg.get("lr_schedule", "constant"))
-        if schedule not in LR_SCHEDULES:
-            raise ConfigError(f"{section}.lr_schedule: '{schedule}' is not one of {', '.join(LR_SCHEDULES)}")
-        decay = cfg.get("lr_decay_steps")
-        self.schedule = LearningRateSchedule(
-            self._float(cfg, "lr", 0.0), schedule, self._int(cfg, "lr_warmup_steps", 0),
-            self._int(cfg, "lr_decay_steps", 1) if decay is not None else total_steps,
-            self._float(cfg, "min_lr_ratio", 0.0, 1.0))
-        betas = cfg.get("betas", TRAIN_SERVICE_KEYS["betas"])
-        if not isinstance(betas, (list, tuple)) or len(betas) != 2 or not all(0 <= float(b) < 1 for b in betas):
-            raise ConfigError(f"{section}.betas: expected two numbers in [0, 1), got {betas!r}")
-        grad_clip = cfg.get("grad_clip", 1.0)
-        self.adam = {"beta1": float(betas[0]), "beta2": float(betas[1]), "eps": self._float(cfg, "eps", 0.0),
-                     "weight_decay": self._float(cfg, "weight_decay", 0.0),
-                     "grad_clip_norm": 0.0 if grad_clip is None else self._float(cfg, "grad_clip", 0.0)}
+        self.train_parts = {k: bool(opt[k]) for k in TRAIN_PARTS}
+        decay = opt["lr_decay_steps"] if opt["lr_decay_steps"] is not None else total_steps
+        self.schedule = LearningRateSchedule(float(opt["lr"]), str(opt["lr_schedule"]), int(opt["lr_warmup_steps"]),
+                                             decay, float(opt["min_lr_ratio"]))
+        betas = opt["betas"]
+        self.adam = {"beta1": float(betas[0]), "beta2": float(betas[1]), "eps": float(opt["eps"]),
+                     "weight_decay": float(opt["weight_decay"]), "grad_clip_norm": float(opt["grad_clip"] or 0.0)}
         self.optimizer_steps = 0
         self._calls = RemoteCalls(self.connection)
         self._lock = threading.Lock()
         self._create_lock = threading.Lock()  # one training run, however many threads ask at once
         self._service: Any = None
         self._training: Any = None
+        self._sampler_paths: dict[tuple[str, int], str] = {}
+
+    @staticmethod
+    def _cross_key_problems(cfg: Mapping[str, Any], section: str) -> list[str]:
+        if not any(cfg.get(k, True) for k in TRAIN_PARTS):
+            return [f"{section}: at least one of {', '.join(TRAIN_PARTS)} must be true (nothing would be trained)"]
+        return []
 
     @classmethod
     def check_config(cls, section: Mapping[str, Any], path: str = "service.train_service") -> list[str]:
@@ -151,22 +166,6 @@ class TinkerTrainService:
         except ConfigError as exc:
             return [str(exc)]
         return []
-
-    def _int(self, cfg: dict, key: str, minimum: int) -> int:
-        value = cfg.get(key, TRAIN_SERVICE_KEYS[key])
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise ConfigError(f"{self.section}.{key}: expected an integer >= {minimum}, got {value!r}")
-        return value
-
-    def _float(self, cfg: dict, key: str, minimum: float, maximum: float = math.inf) -> float:
-        value = cfg.get(key, TRAIN_SERVICE_KEYS[key])
-        try:
-            number = float(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{self.section}.{key}: expected a number, got {value!r}") from None
-        if not (minimum <= number <= maximum) or not math.isfinite(number):
-            raise ConfigError(f"{self.section}.{key}: expected a number in [{minimum}, {maximum}], got {value!r}")
-        return number
 
     # ------------------------------------------------------------------ clients
 
@@ -263,14 +262,14 @@ class TinkerTrainService:
 
     # ------------------------------------------------------------------ checkpoints
 
-    def save_state(self, name: str) -> str:
-        """Save weights + optimizer state remotely as ``name``; returns its ``tinker://`` path."""
+    def save_remote_state(self, name: str) -> str:
+        """Save weights + optimizer state on the service as ``name``; returns its ``tinker://`` path."""
         training = self.training_client
         response = self._calls.call(f"save_state '{name}' of {training.model_id}",
                                     lambda: training.save_state(name, overwrite=True), repeatable=True)
         return response.path
 
-    def load_state(self, path: str) -> None:
+    def load_remote_state(self, path: str) -> None:
         """Continue from a saved state, weights and optimizer state both (a new training client)."""
         service = self.service_client
         training = self._calls.call(f"create_training_client_from_state_with_optimizer {path}",
@@ -280,23 +279,36 @@ class TinkerTrainService:
             self._training = training
         logger.info(f"Tinker training run {training.model_id} continues from {path}")
 
-    def save_checkpoint(self, folder: str, step: int) -> str:
-        """Save the remote state as ``global_step_<step>`` and record it in ``folder/tinker_state.json``."""
-        path = self.save_state(f"global_step_{step}")
-        state = {"format": STATE_FORMAT, "tinker_path": path, "base_model": self.base_model,
-                 "lora_rank": self.lora_rank, "optimizer_steps": self.optimizer_steps,
-                 "model_id": self.training_client.model_id}
+    def save_sampler_weights(self, name: str) -> str:
+        """Save the current weights for sampling as ``name``; returns their ``tinker://`` path."""
+        training = self.training_client
+        response = self._calls.call(f"save_weights_for_sampler '{name}' of {training.model_id}",
+                                    lambda: training.save_weights_for_sampler(name), repeatable=True)
+        return response.path
+
+    def save_state(self, folder: str, extra_state: dict[str, Any] | None = None) -> None:
+        """Save the remote state and a sampler snapshot (named after the optimizer step), and record
+        them, with ``extra_state``, in ``folder/tinker_state.json``. The snapshot lets ``nexrl eval
+        checkpoint=<folder>`` sample these weights."""
+        name = f"optim_step_{self.optimizer_steps}"
+        path = self.save_remote_state(name)
+        key = (self.training_client.model_id, self.optimizer_steps)
+        if key not in self._sampler_paths:  # saved twice at one step (save_on_stop): one snapshot
+            self._sampler_paths[key] = self.save_sampler_weights(name)
+        state = {"format": STATE_FORMAT, "tinker_path": path, "sampler_path": self._sampler_paths[key],
+                 "base_model": self.base_model, "lora_rank": self.lora_rank, "optimizer_steps": self.optimizer_steps,
+                 "model_id": self.training_client.model_id, "extra_state": extra_state or {}}
         with open(os.path.join(folder, STATE_FILE), "w", encoding="utf-8") as f:
             json.dump(state, f, indent=1, sort_keys=True)
-        return path
 
-    def load_checkpoint(self, folder: str) -> dict[str, Any]:
-        """Restore what :meth:`save_checkpoint` recorded in ``folder``; returns that record."""
+    def load_state(self, folder: str) -> dict[str, Any]:
+        """Restore what :meth:`save_state` recorded in ``folder``; returns its ``extra_state``."""
         path = os.path.join(folder, STATE_FILE)
         try:
             with open(path, encoding="utf-8") as f:
                 state = json.load(f)
             tinker_path, steps = str(state["tinker_path"]), int(state["optimizer_steps"])
+            extra = dict(state.get("extra_state") or {})
         except FileNotFoundError:
             raise DataError(f"{folder}: no {STATE_FILE}; not a checkpoint of a Tinker train service") from None
         except (ValueError, KeyError, TypeError) as exc:
@@ -304,9 +316,12 @@ class TinkerTrainService:
         if state.get("base_model") != self.base_model:
             raise ConfigError(f"{self.section}.base_model: '{self.base_model}', but the checkpoint {folder} was "
                               f"trained from '{state.get('base_model')}'")
-        self.load_state(tinker_path)
+        if state.get("lora_rank") != self.lora_rank:
+            raise ConfigError(f"{self.section}.lora_rank: {self.lora_rank}, but the checkpoint {folder} was "
+                              f"trained with rank {state.get('lora_rank')}")
+        self.load_remote_state(tinker_path)
         self.optimizer_steps = steps
-        return state
+        return extra
 
     def close(self, status: str = "success") -> None:
         """Finish the session (its runs stay saved remotely)."""
@@ -317,6 +332,19 @@ class TinkerTrainService:
                 self._calls.call("close session", lambda: service.close(status), repeatable=False)
             except TinkerRequestError as exc:
                 logger.warning(str(exc))
+
+
+def checkpoint_sampler_path(folder: str) -> str:
+    """The ``tinker://`` sampler path a nexrl checkpoint of a Tinker run recorded; DataError if the
+    folder holds no such record."""
+    path = os.path.join(folder, STATE_FILE)
+    try:
+        with open(path, encoding="utf-8") as f:
+            return str(json.load(f)["sampler_path"])
+    except FileNotFoundError:
+        raise DataError(f"{folder}: no {STATE_FILE}; not a checkpoint of a Tinker train service") from None
+    except (ValueError, KeyError, TypeError) as exc:
+        raise DataError(f"{path}: no sampler_path to sample from ({type(exc).__name__}: {exc})") from None
 
 
 def _metrics(raw: Mapping[str, float]) -> dict[str, float]:

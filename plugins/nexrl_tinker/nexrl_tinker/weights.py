@@ -12,10 +12,21 @@ from __future__ import annotations
 
 from typing import Any
 
-from nexrl_core import ConfigError, WeightSyncBackend, execute
+from nexrl_core import Capabilities, ConfigError, WeightSyncBackend, execute
+
+from .inference import SAMPLER_CAPABILITY
+
+# A trainer whose export_weights() is a sampling client of its weights on the service.
+TRAINER_CAPABILITY = "trainer:tinker_sampler"
+SYNC_CAPABILITY = "weight_sync:tinker_sampler"
 
 
 class TinkerWeightSync(WeightSyncBackend):
+    CAPABILITIES = Capabilities(
+        provides={SYNC_CAPABILITY},
+        requires={TRAINER_CAPABILITY: "it hands the inference backend the sampling client a Tinker trainer exports",
+                  SAMPLER_CAPABILITY: "it gives the inference backend a Tinker sampling client to sample from"})
+
     def sync(self, trainer: Any, inference_client: Any, version: int) -> None:
         sampler = execute(trainer.export_weights)
         if not callable(getattr(sampler, "sample", None)):

@@ -19,7 +19,7 @@ format, the retries and the answer checks); this class adds what is vLLM's own:
   after the update and carries the new version.
 
 Config (``service.inference_service`` with ``backend: vllm``): ``url`` to attach, or
-``model_path`` to serve; the other keys are in :data:`VLLMClient.CONFIG_KEYS` and docs/vllm.md.
+``model_path`` to serve; the other keys are in :data:`VLLMClient.OPTIONS` and docs/vllm.md.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from typing import Any
 from loguru import logger
 from omegaconf import DictConfig, OmegaConf
 
-from nexrl_core import (Capabilities, CompletionResult, ConfigError, InferenceError, OpenAICompatibleClient,
+from nexrl_core import (Capabilities, CompletionResult, ConfigError, InferenceError, OpenAICompatibleClient, Option,
                         SamplingParams)
 
 from .control import PAUSE_MODES, SyncPhaseError, VLLMControl
@@ -52,10 +52,29 @@ INSTALL_HINT = ("starting `vllm serve` needs the vllm package: pip install 'nexr
 # The core client's keys this backend passes through, and its own.
 _CLIENT_KEYS = {"url": None, "api_key": None, "model": None, "timeout": 60.0, "max_retries": 3,
                 "retry_backoff": 0.5, "max_retry_time": 120.0}
-_SERVE_KEYS = {"model_path": None, "command": None, "host": "127.0.0.1", "port": None, "tensor_parallel_size": 1,
-               "gpu_memory_utilization": 0.9, "dtype": "auto", "max_model_len": None,
-               "logprobs_mode": "processed_logprobs", "weight_transfer": None, "dev_endpoints": None,
-               "extra_args": [], "env": {}, "startup_timeout": 900.0, "shutdown_grace": 15.0, "log_file": None}
+# Typed by their defaults; parse_serve_options checks ranges and choices (validate and run alike).
+_SERVE_OPTIONS = {
+    "model_path": Option(None, help="start `vllm serve MODEL_PATH` (excludes url)"),
+    "command": Option(None, help="the executable and subcommand, a string or a list (default: vllm serve)"),
+    "host": Option("127.0.0.1", help="where a managed server listens"),
+    "port": Option(None, help="its port (default: a free one)"),
+    "tensor_parallel_size": Option(1, help="vLLM's --tensor-parallel-size"),
+    "gpu_memory_utilization": Option(0.9, help="vLLM's --gpu-memory-utilization, in (0, 1]"),
+    "dtype": Option("auto", help="vLLM's --dtype"),
+    "max_model_len": Option(None, help="vLLM's --max-model-len (default: vLLM's)"),
+    "logprobs_mode": Option("processed_logprobs", help="--logprobs-mode: log-probs of the distribution sampled "
+                                                       "from (processed_logprobs) or of the raw logits"),
+    "weight_transfer": Option(None, help="nccl: start with vLLM's NCCL weight-transfer engine (for weight.backend: "
+                                         "vllm_nccl)"),
+    "dev_endpoints": Option(None, help="vLLM's development routes (pause, reload, weight transfer); null: on only "
+                                       "when host is a loopback address"),
+    "extra_args": Option([], help="more `vllm serve` arguments"),
+    "env": Option({}, help="environment variables of the server process"),
+    "startup_timeout": Option(900.0, help="seconds for the server to answer /health and /v1/models"),
+    "shutdown_grace": Option(15.0, help="seconds between SIGTERM and SIGKILL at shutdown"),
+    "log_file": Option(None, help="the server's output (default: <run_dir>/vllm_server.log)"),
+}
+_SERVE_KEYS = {key: opt.default for key, opt in _SERVE_OPTIONS.items()}
 
 
 def _value(config: Any, key: str, default: Any = None) -> Any:
@@ -181,7 +200,7 @@ class VLLMClient(OpenAICompatibleClient):
     CAPABILITIES = Capabilities(provides={"inference:vllm"})
     """The ``vllm`` inference backend. See the module docstring."""
 
-    CONFIG_KEYS = {**_CLIENT_KEYS, **_SERVE_KEYS}
+    OPTIONS = _SERVE_OPTIONS  # next to the OpenAI client's own (url, api_key, model, timeout, retries)
     # Compatibility declaration: the weight transports this service can receive (weight-sync
     # backends declare WEIGHT_TRANSPORT; `vllm_disk` and `vllm_nccl` say "vllm").
     ACCEPTS_WEIGHT_TRANSPORTS = ("vllm",)
@@ -233,7 +252,15 @@ class VLLMClient(OpenAICompatibleClient):
     def complete(self, prompt: str | list[dict[str, Any]], params: SamplingParams) -> CompletionResult:
         with self._gate:
             self._raise_if_unusable()
-        result = super().complete(prompt, params)
+        return self._with_token_data(super().complete(prompt, params))
+
+    def chat(self, messages: list[dict[str, Any]], params: SamplingParams,
+             tools: list[dict[str, Any]] | None = None) -> CompletionResult:
+        with self._gate:
+            self._raise_if_unusable()
+        return self._with_token_data(super().chat(messages, params, tools))
+
+    def _with_token_data(self, result: CompletionResult) -> CompletionResult:
         missing = [name for name, value in (("prompt token ids", result.prompt_token_ids),
                                             ("response token ids", result.response_token_ids),
                                             ("log-probs", result.response_logprobs)) if value is None]

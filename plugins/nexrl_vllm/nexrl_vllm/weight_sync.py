@@ -47,7 +47,7 @@ from urllib.parse import urlparse
 
 from loguru import logger
 
-from nexrl_core import Capabilities, ConfigError, WeightSyncBackend
+from nexrl_core import Capabilities, ConfigError, Option, WeightSyncBackend
 
 from .client import VLLMClient, _run_dir, _value, require_vllm_client
 from .control import PAUSE_MODES, SyncPhaseError, VLLMControl
@@ -79,7 +79,12 @@ class _VLLMWeightSync(WeightSyncBackend):
     NAME = ""
     # Compatibility declaration: the transport this backend speaks (see VLLMClient.ACCEPTS_WEIGHT_TRANSPORTS).
     WEIGHT_TRANSPORT = "vllm"
-    CONFIG_KEYS: dict[str, Any] = {"pause_mode": "abort", "control_timeout": 60.0, "transfer_timeout": 600.0}
+    OPTIONS = {
+        "pause_mode": Option("abort", help="requests in flight at the pause: abort (retried with the new weights), "
+                                           "wait (finish first) or keep (finished with the new weights)"),
+        "control_timeout": Option(60.0, help="seconds for each control call (pause, resume, reset, start, finish)"),
+        "transfer_timeout": Option(600.0, help="seconds for the weights to move (reload, or broadcast and update)"),
+    }
 
     @classmethod
     def check_config(cls, section: Any, key: str = "weight") -> list[str]:
@@ -88,7 +93,7 @@ class _VLLMWeightSync(WeightSyncBackend):
         if mode not in PAUSE_MODES:
             problems.append(f"{key}.pause_mode: '{mode}' is not one of {', '.join(PAUSE_MODES)}")
         for name in ("control_timeout", "transfer_timeout"):
-            _option(section, name, key, problems, cls.CONFIG_KEYS[name], float, 0.001)
+            _option(section, name, key, problems, _VLLMWeightSync.OPTIONS[name].default, float, 0.001)
         return problems
 
     def __init__(self, config: Any):
@@ -130,7 +135,11 @@ class VLLMDiskWeightSync(_VLLMWeightSync):
     """``vllm_disk``: safetensors on a shared folder, reloaded by the server."""
 
     NAME = "vllm_disk"
-    CONFIG_KEYS = {**_VLLMWeightSync.CONFIG_KEYS, "sync_dir": None, "keep_versions": 1}
+    OPTIONS = {
+        "sync_dir": Option(None, help="folder the server can read, for the weight files (default: "
+                                      "<run_dir>/weight_sync)"),
+        "keep_versions": Option(1, help="weight folders kept on disk"),
+    }
 
     @classmethod
     def check_config(cls, section: Any, key: str = "weight") -> list[str]:
@@ -186,8 +195,12 @@ class VLLMNcclWeightSync(_VLLMWeightSync):
     """``vllm_nccl``: vLLM's weight-transfer engine, tensors broadcast over NCCL from the trainer."""
 
     NAME = "vllm_nccl"
-    CONFIG_KEYS = {**_VLLMWeightSync.CONFIG_KEYS, "nccl_master_address": None, "nccl_master_port": None,
-                   "nccl_packed": True}
+    OPTIONS = {
+        "nccl_master_address": Option(None, help="where vLLM's workers reach the trainer (default: this host's "
+                                                 "address towards the server)"),
+        "nccl_master_port": Option(None, help="rendezvous port (default: a free one)"),
+        "nccl_packed": Option(True, help="batch the tensors into packed buffers"),
+    }
     # The tensor path (a GPU piece); tests put a CPU stand-in here to drive the HTTP phases.
     transport_factory: Callable[[], TensorTransport] = NcclTransport
 

@@ -1,0 +1,141 @@
+"""``rollout_worker.evaluator.type: python``: a reward from a plain Python function in a file,
+for the quick experiment before publishing an evaluator package (``nexrl new evaluator``).
+
+.. code-block:: yaml
+
+    rollout_worker:
+      evaluator:
+        type: python
+        path: my_reward.py        # next to the recipe, or relative to the current folder
+        function: score           # score(response, data, **kwargs)
+        kwargs: {target_len: 40}  # optional keyword arguments of every call
+
+The function gets the reply text and the data item (the row of the data file) and returns a
+number (or a bool), a dict with ``reward`` and other numbers (metrics), or an
+``EvaluationRunResult``. It runs in every rollout worker thread at once: keep it free of shared
+mutable state.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import inspect
+import os
+import sys
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from ..errors import ConfigError
+from ..evaluation import BaseEvaluationTarget, EvaluationRunResult, Evaluator
+from ..options import REQUIRED, Option
+from ..runtime.logs import failure_location
+
+KEY = "rollout_worker.evaluator"
+
+_modules: dict[tuple[str, float], Any] = {}  # (absolute path, mtime) -> module: one import per process
+_lock = threading.Lock()
+
+
+class PythonFunctionEvaluator(Evaluator):
+    """The reward a Python function in a file returns (``path``, ``function``, ``kwargs``)."""
+
+    OPTIONS = {
+        "path": Option(REQUIRED, str, "Python file that defines the reward function", path=True),
+        "function": Option("score", str, "the function: function(response, data, **kwargs) -> a number, a bool, "
+                                         "a dict with 'reward' and metrics, or an EvaluationRunResult"),
+        "kwargs": Option({}, dict, "keyword arguments passed to the function on every call"),
+    }
+
+    @classmethod
+    def check_config(cls, section: Mapping[str, Any], key: str) -> list[str]:
+        try:
+            load_function(str(section["path"]), str(section.get("function", "score")),
+                          dict(section.get("kwargs") or {}), key)
+        except ConfigError as exc:
+            return [str(exc)]
+        return []
+
+    def __init__(self, path: str, function: str = "score", kwargs: dict[str, Any] | None = None):
+        self._kwargs = dict(kwargs or {})
+        self._function = load_function(str(path), str(function), self._kwargs, KEY)
+        self._name = f"{function}() of {path}"
+        self.source_path = os.path.abspath(str(path))  # failures point at the user's file, not at nexrl's
+
+    def evaluate(self, data: dict[str, Any], evaluation_target: BaseEvaluationTarget) -> EvaluationRunResult:
+        return as_result(self._function(evaluation_target.final_answer, data, **self._kwargs), self._name)
+
+
+def load_function(path: str, name: str, kwargs: dict[str, Any], key: str = KEY) -> Callable[..., Any]:
+    """The function ``name`` of the file ``path``, checked to accept ``(response, data, **kwargs)``;
+    every problem is a ConfigError naming the key or ``file:line``."""
+    if not os.path.isfile(path):
+        where = "a folder" if os.path.isdir(path) else "not found"
+        raise ConfigError(f"{key}.path: '{path}' is {where} (a Python file that defines {name}())")
+    module = _import(os.path.abspath(path), key)
+    function = getattr(module, name, None)
+    if function is None:
+        found = sorted(n for n, v in vars(module).items() if inspect.isfunction(v) and v.__module__ == module.__name__)
+        raise ConfigError(f"{key}.function: {path} defines no '{name}' (functions in it: {', '.join(found) or 'none'})")
+    if not callable(function):
+        raise ConfigError(f"{key}.function: '{name}' in {path} is a {type(function).__name__}, not a function")
+    try:
+        inspect.signature(function).bind("response", {}, **kwargs)
+    except TypeError as exc:
+        raise ConfigError(f"{key}.function: {name}{inspect.signature(function)} in {path} cannot be called as "
+                          f"{name}(response, data{''.join(f', {k}=...' for k in kwargs)}): {exc}") from None
+    except ValueError:  # no signature to inspect (a builtin): call it and see
+        pass
+    return function
+
+
+def _import(path: str, key: str) -> Any:
+    stamp = (path, os.path.getmtime(path))
+    with _lock:
+        if stamp in _modules:
+            return _modules[stamp]
+        name = f"nexrl_python_reward_{hashlib.sha1(path.encode()).hexdigest()[:12]}"
+        spec = importlib.util.spec_from_file_location(name, path)
+        if spec is None or spec.loader is None:
+            raise ConfigError(f"{key}.path: '{path}' cannot be imported as Python")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # found again by name (pickling a function, a second worker)
+        try:
+            spec.loader.exec_module(module)
+        except SyntaxError as exc:
+            sys.modules.pop(name, None)
+            raise ConfigError(f"{exc.filename or path}:{exc.lineno}: {exc.msg} (the file of {key}.path)") from None
+        except Exception as exc:
+            sys.modules.pop(name, None)
+            where = failure_location(exc, os.path.dirname(path))
+            raise ConfigError(f"{key}.path: importing {path} raised {type(exc).__name__}: {exc}"
+                              f"{f' ({where})' if where else ''}") from None
+        _modules[stamp] = module
+        return module
+
+
+def as_result(value: Any, name: str) -> EvaluationRunResult:
+    """The function's answer as an EvaluationRunResult."""
+    if isinstance(value, EvaluationRunResult):
+        return value
+    if isinstance(value, (bool, int, float)):
+        return EvaluationRunResult(reward=float(value))
+    if isinstance(value, Mapping):
+        if "reward" not in value:
+            raise TypeError(f"{name} returned a dict without 'reward' (keys: {', '.join(map(str, value)) or 'none'})")
+        metrics, extra = {}, {}
+        for k, v in value.items():
+            if k in ("reward", "ground_truth"):
+                continue
+            if isinstance(v, (bool, int, float)):
+                metrics[str(k)] = float(v)  # a NaN fails the sample (bad_metric), as any evaluator's
+            else:
+                extra[str(k)] = v
+        reward = value["reward"]
+        if not isinstance(reward, (bool, int, float)):
+            raise TypeError(f"{name} returned reward {reward!r}, not a number")
+        return EvaluationRunResult(reward=float(reward), ground_truth=str(value.get("ground_truth", "")),
+                                   metrics=metrics, extra_info=extra)
+    raise TypeError(f"{name} returned {type(value).__name__}; expected a number, a bool, a dict with 'reward' "
+                    f"or an EvaluationRunResult")

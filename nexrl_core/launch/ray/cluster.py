@@ -1,0 +1,85 @@
+"""The Ray cluster of a run: attach to one (``ray.address`` / ``RAY_ADDRESS``, or a connection
+this process already has), or start a local one that the run stops again."""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from loguru import logger
+
+from ...errors import NexRLError
+from .settings import RaySettings
+
+# Environment every actor gets from the driver (besides ray.env_vars): what decides which
+# plugins load and how libraries behave.
+_PASSED_PREFIXES = ("NEXRL_", "HF_", "TRANSFORMERS_", "TOKENIZERS_", "WANDB_")
+_PASSED_NAMES = ("MKL_NUM_THREADS", "PYTHONHASHSEED", "CUBLAS_WORKSPACE_CONFIG")
+
+
+@dataclass
+class Cluster:
+    """``started``: this run started the cluster (and stops it); ``connected``: this run
+    connected to it (and disconnects)."""
+
+    started: bool
+    connected: bool
+    address: str
+
+    def close(self) -> None:
+        if self.connected and ray.is_initialized():
+            ray.shutdown()  # a cluster this run started stops with it (its processes exit)
+
+
+def connect(settings: RaySettings) -> Cluster:
+    if ray.is_initialized():  # a connection this process made (a test's cluster, a user's script)
+        return Cluster(started=False, connected=False, address=_gcs_address())
+    common: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True, "configure_logging": False}
+    try:
+        if settings.address:
+            ray.init(address=settings.address, **common)
+            logger.info(f"ray: attached to the cluster at {settings.address}")
+            return Cluster(started=False, connected=True, address=_gcs_address())
+        # Workers at the driver's priority (Ray's default niceness of 15 starves them on a shared machine).
+        ray.init(num_cpus=settings.num_cpus, num_gpus=settings.num_gpus,
+                 object_store_memory=settings.object_store_memory,
+                 _system_config={"worker_niceness": os.nice(0)}, **common)
+    except (ConnectionError, RuntimeError, ValueError) as exc:
+        where = f"the cluster at {settings.address}" if settings.address else "a local cluster"
+        raise NexRLError(f"ray: cannot connect to {where}: {exc}") from None
+    logger.info(f"ray: started a local cluster ({ray.cluster_resources().get('CPU', 0):g} CPUs) for this run")
+    return Cluster(started=True, connected=True, address=_gcs_address())
+
+
+def _gcs_address() -> str:
+    try:
+        return str(ray.get_runtime_context().gcs_address)
+    except Exception:
+        return "?"
+
+
+def driver_path() -> list[str]:
+    """The driver's import path beyond its Python installation (the project, plugins laid out
+    next to it, test folders): an actor puts it in front of its own, so entry points and classes
+    resolve there as here."""
+    prefixes = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
+    path = [os.path.abspath(p) for p in sys.path if p and os.path.exists(p)
+            and not any(os.path.realpath(p).startswith(pre + os.sep) for pre in prefixes)]
+    return list(dict.fromkeys(path))
+
+
+def actor_env(settings: RaySettings, num_cpus: float | None) -> dict[str, str]:
+    """Environment of an actor process (set when it starts building its modules): the driver's
+    NEXRL_/HF_/... variables, a torch thread count like a local run's, and ``ray.env_vars``."""
+    env = {k: v for k, v in os.environ.items() if k.startswith(_PASSED_PREFIXES) or k in _PASSED_NAMES}
+    env.pop("NEXRL_LOAD_PLUGINS", None)  # set in the actor from the driver's value (even when unset)
+    # Ray pins an actor without num_cpus to one OpenMP thread; a local run's torch uses the machine.
+    if num_cpus is not None and num_cpus >= 1:
+        env["OMP_NUM_THREADS"] = str(int(num_cpus))
+    else:
+        env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS") or str(os.cpu_count() or 1)
+    env.update(settings.env_vars)
+    return env

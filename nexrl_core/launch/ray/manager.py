@@ -1,0 +1,241 @@
+"""RayResourceManager: the seed's resource manager; every module of a run in a Ray actor.
+
+Placement (``ray.colocation``, role -> group): the roles of one group share one actor (one per
+instance); a role without a group gets an actor of its own; the rollout workers
+(``rollout_worker.num_workers``) are spread over ``rollout_worker.num_actors`` actors. An actor
+reserves the sum of its roles' ``ray.resources``. The default for one machine: the control
+plane (tracker, data loaders, pool, validator, weight-sync controller) in one actor, the trainer
+with the inference engine in another (their weight sync stays in process), the workers in a
+third.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+import ray.exceptions
+from loguru import logger
+
+from ...errors import NexRLError
+from ...types import NexRLRole
+from ..base import ResourceManager
+from .actors import HostPayload, HostSetup, RayActorWrapper, Slot, host_class, public_methods
+from .cluster import Cluster, actor_env, connect, driver_path
+from .settings import UNBOUNDED_METHODS, RaySettings
+
+#: calls an actor serves at once beyond one per rollout worker (controller, trainer, monitor...)
+_BASE_CONCURRENCY = 32
+#: seconds shutdown waits for killed actors to be gone (ray.kill only asks the cluster to kill)
+_KILL_WAIT_S = 10.0
+
+
+@dataclass
+class ActorPlan:
+    name: str
+    group: str
+    slots: list[Slot] = field(default_factory=list)
+    num_cpus: float = 0.0
+    num_gpus: float = 0.0
+    memory: float = 0.0
+    custom: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class ActorInfo:
+    """One actor of the run (for reports and tests)."""
+
+    name: str
+    group: str
+    roles: list[tuple[str, int]]
+    handle: Any
+    pid: int | None = None
+    node_id: str | None = None
+
+
+class RayResourceManager(ResourceManager):
+    # Questions and waits cross processes here: ask less often (each is a call, and 16 workers
+    # polling 20 times a second took a quarter of a core from a training step on two cores). A
+    # worker held back still starts the moment a weight push lets it; it sees a validation start
+    # up to idle_wait_s later.
+    poll_interval_s = 0.2
+    idle_wait_s = 1.0
+
+    def __init__(self, config: Any = None, plugin_manager: Any = None) -> None:
+        super().__init__(config, plugin_manager)
+        self._settings = RaySettings.from_config(config if config is not None else {})
+        self._cluster: Cluster | None = None
+        self._actors: list[ActorInfo] = []
+        self._handles: dict[NexRLRole, list[RayActorWrapper]] = {}
+        self._run_id = secrets.token_hex(3)
+
+    # -- registration ------------------------------------------------------------------------
+    def register_role(self, role: NexRLRole, cls: type, config: Any, count: int = 1,
+                      colocation_group: str | None = None, kwargs: dict[str, Any] | None = None) -> None:
+        """As the base; a role registered without a group takes the one ``ray.colocation`` gives it."""
+        if colocation_group is None:
+            colocation_group = self._settings.colocation.get(role.value)
+        super().register_role(role, cls, config, count, colocation_group, kwargs)
+
+    # -- creation ------------------------------------------------------------------------------
+    def _plan(self) -> list[ActorPlan]:
+        plans: dict[tuple[str, int], ActorPlan] = {}
+        order: list[ActorPlan] = []
+
+        def actor(group: str, instance: int, name: str) -> ActorPlan:
+            key = (group, instance)
+            if key not in plans:
+                plans[key] = ActorPlan(name=f"nexrl-{name}-{self._run_id}", group=group)
+                order.append(plans[key])
+            return plans[key]
+
+        for spec in self.roles():
+            role = spec.role.value
+            for index in range(spec.count):
+                if spec.role is NexRLRole.ROLLOUT_WORKER:
+                    n_actors = min(self._settings.num_worker_actors, spec.count)
+                    j = index * n_actors // spec.count
+                    group = spec.colocation_group or "rollout_worker"
+                    plan = actor(f"{group}#workers", j, f"{group}-{j}")
+                elif spec.colocation_group is not None:
+                    suffix = f"-{index}" if spec.count > 1 else ""
+                    plan = actor(spec.colocation_group, index, f"{spec.colocation_group}{suffix}")
+                else:
+                    suffix = f"-{index}" if spec.count > 1 else ""
+                    plan = actor(f"{role}#own", index, f"{role}{suffix}")
+                plan.slots.append(Slot(role, index, spec.cls, spec.config, dict(spec.kwargs)))
+        for plan in order:
+            for role in dict.fromkeys(s.role for s in plan.slots):
+                res = self._settings.resources.get(role, {})
+                plan.num_cpus += float(res.get("num_cpus", 0) or 0)
+                plan.num_gpus += float(res.get("num_gpus", 0) or 0)
+                plan.memory += float(res.get("memory", 0) or 0)
+                for key, amount in (res.get("resources") or {}).items():
+                    plan.custom[key] = plan.custom.get(key, 0.0) + float(amount)
+        return order
+
+    def _setup(self, plan: ActorPlan) -> HostSetup:
+        cfg = self._config if self._config is not None else {}
+        logger_cfg = cfg.get("logger") or {}
+        return HostSetup(sys_path=driver_path(), env=actor_env(self._settings, plan.num_cpus or None),
+                         load_plugins=os.environ.get("NEXRL_LOAD_PLUGINS"),
+                         run_dir=str(cfg.get("run_dir")) if cfg.get("run_dir") else None,
+                         log_level=str(logger_cfg.get("level", "INFO")),
+                         seed=int(cfg["seed"]) if cfg.get("seed") is not None else None, niceness=os.nice(0))
+
+    def _in_process_plugins(self) -> list[tuple[str, Any, str, str]]:
+        if self._pm is None:
+            return []
+        return [(r.name, r.module, r.distribution, r.version) for r in self._pm.records.values()
+                if r.source == "in_process"]
+
+    def _concurrency(self) -> int:
+        if self._settings.max_concurrency:
+            return int(self._settings.max_concurrency)
+        workers = sum(s.count for s in self.roles() if s.role is NexRLRole.ROLLOUT_WORKER)
+        return workers + _BASE_CONCURRENCY
+
+    def _create(self) -> None:
+        self._cluster = connect(self._settings)
+        try:
+            self._start_actors()
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _start_actors(self) -> None:
+        concurrency, in_process = self._concurrency(), self._in_process_plugins()
+        pending = []
+        for plan in self._plan():
+            roles: dict[str, list[str]] = {}
+            for slot in plan.slots:
+                roles.setdefault(slot.role, public_methods(slot.cls))
+            options: dict[str, Any] = {
+                "name": plan.name, "max_concurrency": concurrency, "num_cpus": plan.num_cpus,
+                "num_gpus": plan.num_gpus, "max_restarts": 0,
+            }
+            if plan.memory:
+                options["memory"] = plan.memory
+            if plan.custom:
+                options["resources"] = plan.custom
+            if any(s.role == NexRLRole.ACTIVITY_TRACKER.value for s in plan.slots):
+                # The run's records are written on the machine that runs `nexrl run`.
+                options["scheduling_strategy"] = ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(
+                    node_id=ray.get_runtime_context().get_node_id(), soft=False)
+            actor = ray.remote(host_class(plan.group, roles)).options(**options).remote(plan.name)
+            info = ActorInfo(plan.name, plan.group, [(s.role, s.index) for s in plan.slots], actor)
+            self._actors.append(info)
+            payload = ray.cloudpickle.dumps(HostPayload(plan.slots, in_process))
+            pending.append((info, plan, roles, actor.build.remote(self._setup(plan), payload)))
+            logger.debug(f"ray: actor {plan.name} hosts {', '.join(f'{r}[{i}]' for r, i in info.roles)} "
+                         f"(cpus {plan.num_cpus:g}, gpus {plan.num_gpus:g})")
+        timeout, unbounded = self._settings.call_timeout, UNBOUNDED_METHODS
+        for info, plan, roles, ref in pending:
+            try:
+                built = ray.get(ref)  # model loads take as long as they take; a failure raises here
+            except ray.exceptions.RayTaskError as exc:
+                cause = exc.cause if isinstance(exc.cause, BaseException) else exc
+                if isinstance(cause, NexRLError):
+                    raise cause from None
+                raise NexRLError(f"ray: actor {info.name} could not build "
+                                 f"{', '.join(r for r, _ in info.roles)}: {type(cause).__name__}: {cause}") from None
+            except ray.exceptions.RayActorError as exc:
+                raise NexRLError(f"ray: actor {info.name} ({', '.join(r for r, _ in info.roles)}) died while "
+                                 f"starting: {str(exc).strip().splitlines()[0] if str(exc).strip() else exc}") from None
+            info.pid, info.node_id = built["pid"], built["node_id"]
+            for slot in plan.slots:
+                handle = RayActorWrapper(info.handle, info.name, slot.role, slot.index, roles[slot.role],
+                                         timeout, unbounded)
+                self._handles.setdefault(NexRLRole(slot.role), []).append(handle)
+        for handles in self._handles.values():
+            handles.sort(key=lambda h: h._index)
+
+    # -- access --------------------------------------------------------------------------------
+    def get_actor_wrapper(self, role: NexRLRole) -> list[Any]:
+        return list(self._handles.get(role, []))
+
+    def actors(self) -> list[ActorInfo]:
+        """The run's actors: name, group, hosted (role, index) pairs, process id."""
+        return list(self._actors)
+
+    def actor_of(self, role: NexRLRole, index: int = 0) -> ActorInfo:
+        for info in self._actors:
+            if (role.value, index) in info.roles:
+                return info
+        raise NexRLError(f"no actor hosts {role.value}[{index}]")
+
+    # -- end -----------------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Kill the run's actors and wait until they are gone; stop the cluster if this run
+        started it (disconnect if it attached)."""
+        for info in self._actors:
+            try:
+                ray.kill(info.handle, no_restart=True)
+            except Exception as exc:  # already gone
+                logger.debug(f"ray: killing {info.name}: {exc}")
+        self._wait_gone(_KILL_WAIT_S)
+        cluster, self._cluster = self._cluster, None
+        if cluster is not None:
+            cluster.close()
+
+    def _wait_gone(self, timeout: float) -> None:
+        """Until a call to each killed actor fails (the kill took effect), at most ``timeout`` s:
+        once the run is over, no module of it answers any more."""
+        deadline = time.monotonic() + timeout
+        for info in self._actors:
+            while ray.is_initialized():
+                try:
+                    ray.get(info.handle.ping.remote(), timeout=max(0.1, deadline - time.monotonic()))
+                except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                    break  # gone (a hung actor is not waited for beyond the deadline)
+                except Exception as exc:
+                    logger.debug(f"ray: waiting for {info.name} to go: {exc}")
+                    break
+                if time.monotonic() >= deadline:
+                    logger.warning(f"ray: actor {info.name} still answers {timeout:g}s after it was killed")
+                    return
+                time.sleep(0.05)

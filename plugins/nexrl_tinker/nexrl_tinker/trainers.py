@@ -1,0 +1,344 @@
+"""Remote-API trainers (the seed's ``RemoteApiTrainer`` family): trajectories -> datums -> a train
+service over ``tinker.types.Datum`` batches (``service.train_service.backend: tinker``).
+
+One step: :meth:`RemoteApiTrainer._prepare_trajectories` (the algorithm: advantages, ...) ->
+:meth:`~RemoteApiTrainer._convert_trajectories_to_datums` -> ``forward_backward`` and
+``optim_step`` submitted back to back and awaited together (:meth:`nexrl_core.TrainService.train_step`).
+After the step, :meth:`~RemoteApiTrainer.export_weights` is a sampling client of the new weights,
+which the ``tinker`` weight sync hands to the ``tinker`` inference backend.
+
+- ``remote_api_grpo`` (:class:`RemoteApiGrpoTrainer`): advantages from the core's estimator
+  registry (``algorithm.type``, as for ``self_hosted_grpo``), losses ``importance_sampling`` or
+  ``ppo`` (``algorithm.loss_fn``), computed by the service against the rollout's log-probs.
+- ``remote_api_cross_entropy`` (:class:`RemoteApiCrossEntropyTrainer`): supervised training on the
+  trajectories' responses (loss ``cross_entropy``).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from abc import abstractmethod
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+from loguru import logger
+
+from nexrl_core import (BaseTrainer, Capabilities, ConfigError, DataError, Option, SamplingParams, StepResult,
+                        Trajectory, algorithms)
+
+from .datums import RL_LOSSES, response_values, trajectory_to_datum
+from .service import BATCH_FORMAT
+from .tokens import encode_prompt, load_tokenizer
+from .weights import SYNC_CAPABILITY, TRAINER_CAPABILITY
+
+# The only temperature the service scores tokens at (its losses take no temperature).
+SERVICE_TEMPERATURE = 1.0
+
+
+def _name(trajectory: Trajectory) -> str:
+    return f"trajectory {trajectory.get('uid')}#{trajectory.get('sample_index', 0)}"
+
+
+def _response_mask(trajectory: Trajectory) -> np.ndarray:
+    """1 per response token that counts: the trajectory's ``loss_mask`` (if any), else all."""
+    response = trajectory.get("response_token_ids") or []
+    mask = trajectory.get("loss_mask")
+    if mask is None:
+        return np.ones(len(response), dtype=np.float32)
+    mask = np.asarray(mask, dtype=np.float32)
+    if mask.shape != (len(response),):
+        raise DataError(f"{_name(trajectory)}: loss_mask has {mask.size} values for {len(response)} response tokens")
+    return mask
+
+
+def _padded(rows: Sequence[np.ndarray]) -> np.ndarray:
+    """Rows of different lengths as one zero-padded ``[B, T]`` array (``T`` at least 1)."""
+    out = np.zeros((len(rows), max([len(r) for r in rows] + [1])), dtype=np.float64)
+    for i, row in enumerate(rows):
+        out[i, :len(row)] = row
+    return out
+
+
+def rng_state() -> dict[str, Any]:
+    """Python's and numpy's global RNG states as JSON."""
+    version, state, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    return {"python": {"version": version, "state": list(state), "gauss_next": gauss},
+            "numpy": {"kind": kind, "keys": [int(k) for k in keys], "pos": int(pos), "has_gauss": int(has_gauss),
+                      "cached_gaussian": float(cached)}}
+
+
+def set_rng_state(state: Mapping[str, Any]) -> None:
+    py, npy = state["python"], state["numpy"]
+    random.setstate((py["version"], tuple(py["state"]), py["gauss_next"]))
+    np.random.set_state((npy["kind"], np.asarray(npy["keys"], dtype=np.uint32), npy["pos"], npy["has_gauss"],
+                         npy["cached_gaussian"]))
+
+
+class RemoteApiTrainer(BaseTrainer):
+    """Base of the remote-API trainers: subclasses implement :meth:`_prepare_trajectories` and say
+    which loss the service computes (:meth:`loss`)."""
+
+    TRAIN_SERVICE_BATCH_FORMAT = BATCH_FORMAT
+    TRAIN_SERVICE_DEFAULT = "tinker"
+    # The weights live on the service: rollouts must sample them through the tinker weight sync.
+    CAPABILITIES = Capabilities(
+        provides={TRAINER_CAPABILITY},
+        requires={SYNC_CAPABILITY: "it trains on the Tinker service, and without the tinker weight sync rollouts "
+                                   "keep sampling the initial model"})
+    ALGORITHM_OPTIONS: dict[str, Option] = {}
+
+    def __init__(self, config: Any):
+        super().__init__(config)
+        self._algorithm = config.get("algorithm", {}) or {}
+        self.train_service: Any = None
+
+    def initialize_workers(self) -> None:
+        """Build the train service (nothing is contacted until the first call)."""
+        if self.train_service is None:
+            self.train_service = self.create_train_service()
+
+    # -- the algorithm ----------------------------------------------------------------------
+    @abstractmethod
+    def _prepare_trajectories(self, trajectories: list[Trajectory], metrics: dict[str, Any]) -> list[Trajectory]:
+        """Algorithm-specific preparation (advantages...): returns the trajectories to train on,
+        and adds its metrics (``train/...``) to ``metrics``."""
+
+    @abstractmethod
+    def loss(self) -> tuple[str, dict[str, float] | None]:
+        """The service's loss function for this step: its name and ``loss_fn_config``."""
+
+    def _convert_trajectories_to_datums(self, trajectories: list[Trajectory]) -> list[Any]:
+        """One ``tinker.types.Datum`` per trajectory for :meth:`loss` (:mod:`nexrl_tinker.datums`)."""
+        name, _ = self.loss()
+        return [trajectory_to_datum(t, name) for t in trajectories]
+
+    def _output_metrics(self, trajectories: list[Trajectory], datums: list[Any], result: StepResult
+                        ) -> dict[str, float]:
+        """Metrics from the service's per-datum outputs (the log-probs it computed)."""
+        return {}
+
+    # -- one step ----------------------------------------------------------------------------
+    def train(self, trajectories: list[Trajectory]) -> dict[str, float]:
+        t0 = time.perf_counter()
+        metrics: dict[str, float] = {}
+        trajectories = self._prepare_trajectories(trajectories, metrics)
+        datums = self._convert_trajectories_to_datums(trajectories)
+        name, config = self.loss()
+        t1 = time.perf_counter()
+        result = self.train_service.train_step(datums, name, config)  # submitted back to back, awaited together
+        t2 = time.perf_counter()
+        metrics.update({f"train/{k}": float(v) for k, v in result.metrics.items()})
+        metrics.update({f"train/{k}": v for k, v in self._output_metrics(trajectories, datums, result).items()})
+        lengths = [len(t.get("response_token_ids") or []) for t in trajectories]
+        metrics.update({
+            "train/response_length_mean": float(np.mean(lengths)) if lengths else 0.0,
+            "train/num_tokens": float(sum(d.model_input.length for d in datums)),
+            "timing/prepare_s": t1 - t0,
+            "timing/update_s": t2 - t1,
+        })
+        return metrics
+
+    # -- state --------------------------------------------------------------------------------
+    def export_weights(self) -> Any:
+        """A sampling client of the current weights (what the tinker weight sync hands over)."""
+        self.initialize_workers()
+        return self.train_service.sampling_client()
+
+    def algorithm_state(self) -> dict[str, Any]:
+        return {}
+
+    def load_algorithm_state(self, state: dict[str, Any]) -> None:
+        pass
+
+    def save_model_state(self, folder: str) -> None:
+        self.train_service.save_state(folder, extra_state={"algorithm": self.algorithm_state(), "rng": rng_state()})
+
+    def load_model_state(self, folder: str) -> None:
+        self.initialize_workers()
+        extra = self.train_service.load_state(folder)
+        self.load_algorithm_state(extra.get("algorithm", {}))
+        if "rng" in extra:
+            set_rng_state(extra["rng"])
+
+    def close(self) -> None:
+        if self.train_service is not None:
+            self.train_service.close()
+
+
+class RemoteApiGrpoTrainer(RemoteApiTrainer):
+    """GRPO-family RL through a remote API: advantages from the core's estimator registry
+    (``algorithm.type``, the same functions ``self_hosted_grpo`` uses), grouped by ``uid``; the
+    service's ``importance_sampling`` or ``ppo`` loss against the rollout's log-probs.
+
+    The service scores tokens at temperature 1 only, so every trajectory must have been sampled at
+    temperature 1 (or greedily, whose log-probs are those at temperature 1): the trainer reads the
+    sampling record each trajectory carries (``trajectory["sampling"]``) and refuses others.
+    """
+
+    ALGORITHM_OPTIONS = {
+        "type": Option("grpo", str, "advantage estimator, by registered name (nexrl_advantage_estimators)"),
+        "loss_fn": Option("importance_sampling", str, "the service's policy loss: importance_sampling "
+                                                      "(-ratio * A) or ppo (clipped ratio)", choices=RL_LOSSES),
+        "clip_ratio_low": Option(None, float, "ppo: the ratio is clipped below at 1 - clip_ratio_low (null: 0.2)",
+                                 ge=0, lt=1),
+        "clip_ratio_high": Option(None, float, "ppo: the ratio is clipped above at 1 + clip_ratio_high (null: 0.2)",
+                                  ge=0),
+    }
+    ALGORITHM_SELECTORS = {"type": "advantage_estimator"}
+    DEFAULT_CLIP_RATIO = 0.2
+
+    def __init__(self, config: Any):
+        super().__init__(config)
+        self._selection: algorithms.AlgorithmSelection | None = None
+
+    @classmethod
+    def algorithm_option_problems(cls, options: Mapping[str, Any]) -> list[str]:
+        if options.get("loss_fn") != "ppo":
+            return [f"algorithm.{key}: read only with algorithm.loss_fn: ppo (loss_fn is "
+                    f"{options.get('loss_fn')!r}); delete it" for key in ("clip_ratio_low", "clip_ratio_high")
+                    if options.get(key) is not None]
+        return []
+
+    @classmethod
+    def check_recipe(cls, recipe: Mapping[str, Any]) -> list[str]:
+        """Rollouts sampled at a temperature the service cannot score at would train on a wrong ratio."""
+        rollout = recipe.get("rollout_worker")
+        sampling = rollout.get("sampling") if isinstance(rollout, Mapping) else None
+        temperature = sampling.get("temperature") if isinstance(sampling, Mapping) else None
+        if isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and temperature not in (0, 1):
+            return [f"rollout_worker.sampling.temperature: {temperature}, but {cls._temperature_reason()}; sample at "
+                    f"temperature 1.0 (or 0, greedy)"]
+        return []
+
+    @staticmethod
+    def _temperature_reason() -> str:
+        return ("the Tinker service scores tokens at temperature 1 only, so the importance ratio of "
+                "algorithm.loss_fn would compare two different distributions")
+
+    @property
+    def selection(self) -> algorithms.AlgorithmSelection:
+        """The recipe's estimator and every ``algorithm.*`` value (resolved once)."""
+        if self._selection is None:
+            self._selection = algorithms.select_algorithms(type(self), self._algorithm, self.algorithm_registry)
+        return self._selection
+
+    def initialize_workers(self) -> None:
+        self.selection  # noqa: B018 - a bad algorithm section fails before the service is built
+        super().initialize_workers()
+
+    def loss(self) -> tuple[str, dict[str, float] | None]:
+        options = self.selection.options
+        name = str(options["loss_fn"])
+        if name != "ppo":
+            return name, None
+        low = options["clip_ratio_low"] if options["clip_ratio_low"] is not None else self.DEFAULT_CLIP_RATIO
+        high = options["clip_ratio_high"] if options["clip_ratio_high"] is not None else self.DEFAULT_CLIP_RATIO
+        return name, {"clip_low_threshold": 1.0 - float(low), "clip_high_threshold": 1.0 + float(high)}
+
+    def _check_sampling(self, trajectory: Trajectory) -> None:
+        sampling = trajectory.get("sampling")
+        if not isinstance(sampling, Mapping) or "temperature" not in sampling:
+            raise DataError(f"{_name(trajectory)} does not say how it was sampled: RL training needs the rollout "
+                            f"worker to record the SamplingParams it sent (trajectory['sampling'] = "
+                            f"params.as_record())")
+        temperature = SamplingParams(temperature=float(sampling["temperature"])).logprob_temperature
+        if temperature != SERVICE_TEMPERATURE:
+            raise DataError(f"{_name(trajectory)} was sampled at temperature {sampling['temperature']}, but "
+                            f"{self._temperature_reason()}; sample at temperature 1.0 "
+                            f"(rollout_worker.sampling.temperature)")
+
+    def _prepare_trajectories(self, trajectories: list[Trajectory], metrics: dict[str, Any]) -> list[Trajectory]:
+        for t in trajectories:
+            self._check_sampling(t)
+        masks = [_response_mask(t) for t in trajectories]
+        mask = _padded(masks)
+        rewards = np.asarray([float(t.get("reward", 0.0)) for t in trajectories], dtype=np.float64)
+        group_ids = [t.get("uid") for t in trajectories]
+        token_rewards = algorithms.scores_to_token_level(rewards, mask)
+        estimate = self.selection.bound("type")
+        advantages, _ = estimate(algorithms.AdvantageInputs(token_rewards, mask, group_ids))
+        advantages = np.asarray(advantages, dtype=np.float64)
+        # New dicts: the pool's trajectories are left as they were.
+        prepared = [{**t, "advantages": row[:len(m)].tolist()} for t, row, m in zip(trajectories, advantages, masks)]
+        _, group_std, _ = algorithms.group_stats(rewards, group_ids)
+        valid = mask > 0
+        metrics.update({
+            "train/advantages_abs_mean": float(np.abs(advantages)[valid].mean()) if valid.any() else 0.0,
+            "train/group_reward_std_mean": float(group_std.mean()) if len(group_std) else 0.0,
+            "train/rows_in_flat_groups": float((group_std == 0).mean()) if len(group_std) else 0.0,
+        })
+        return prepared
+
+    def _output_metrics(self, trajectories: list[Trajectory], datums: list[Any], result: StepResult
+                        ) -> dict[str, float]:
+        """The rollout-vs-service log-prob mismatch of the trained tokens (the service's log-probs
+        are those of the weights the step started from)."""
+        if len(result.outputs) != len(datums):
+            return {}
+        trainer, rollout, masks = [], [], []
+        for t, datum, out in zip(trajectories, datums, result.outputs):
+            r = len(t["response_token_ids"])
+            trainer.append(response_values(datum, out["logprobs"], r))
+            rollout.append(np.asarray(t["response_logprobs"], dtype=np.float64))
+            masks.append(_response_mask(t))
+        return algorithms.rollout_mismatch_metrics(_padded(trainer), _padded(rollout), _padded(masks))
+
+
+class RemoteApiCrossEntropyTrainer(RemoteApiTrainer):
+    """Supervised training through a remote API (loss ``cross_entropy``) on the trajectories'
+    responses, e.g. from the ``pig_latin`` rollout worker.
+
+    Trajectories without token ids (text data) are tokenized here, with the tokenizer in
+    ``trainer.tokenizer_path`` (else ``service.inference_service.tokenizer_path``): the prompt as
+    the ``tinker`` inference backend encodes it (chat template), the response followed by EOS.
+    """
+
+    OPTIONS = {
+        "tokenizer_path": Option(None, str, "local tokenizer folder for trajectories that carry text but no token "
+                                            "ids (null: service.inference_service.tokenizer_path)"),
+    }
+    # Its data need not come from the model being trained: it works with any weight sync.
+    CAPABILITIES = Capabilities(provides={TRAINER_CAPABILITY})
+
+    def __init__(self, config: Any):
+        super().__init__(config)
+        inference = config.get("service", {}).get("inference_service", {}) or {}
+        self._tokenizer_path = self._config.get("tokenizer_path") or inference.get("tokenizer_path")
+        self._chat_template = bool(inference.get("chat_template", True))
+        self._tokenizer: Any = None
+
+    def loss(self) -> tuple[str, dict[str, float] | None]:
+        return "cross_entropy", None
+
+    def _tokenized(self, trajectory: Trajectory) -> Trajectory:
+        if trajectory.get("prompt_token_ids") is not None and trajectory.get("response_token_ids") is not None:
+            return trajectory
+        if not self._tokenizer_path:
+            raise ConfigError(f"trainer.tokenizer_path: {_name(trajectory)} has text but no token ids; set "
+                              f"trainer.tokenizer_path (a local folder with the model's tokenizer) to tokenize it")
+        if self._tokenizer is None:
+            self._tokenizer = load_tokenizer(str(self._tokenizer_path), "trainer.tokenizer_path")
+            logger.info(f"tokenizing text trajectories with the tokenizer in {self._tokenizer_path}")
+        tok = self._tokenizer
+        if "prompt" not in trajectory or "response" not in trajectory:
+            raise DataError(f"{_name(trajectory)} has neither token ids nor prompt and response text")
+        prompt_ids = encode_prompt(tok, trajectory["prompt"], self._chat_template)
+        response_ids = list(tok(str(trajectory["response"]), add_special_tokens=False).input_ids) + [tok.eos_token_id]
+        return {**trajectory, "prompt_token_ids": prompt_ids, "response_token_ids": response_ids}
+
+    def _prepare_trajectories(self, trajectories: list[Trajectory], metrics: dict[str, Any]) -> list[Trajectory]:
+        return [self._tokenized(t) for t in trajectories]
+
+    def _output_metrics(self, trajectories: list[Trajectory], datums: list[Any], result: StepResult
+                        ) -> dict[str, float]:
+        """``nll``: the mean negative log-likelihood of the weighted response tokens (before the step)."""
+        total = count = 0.0
+        for datum, out in zip(datums, result.outputs):
+            weights = np.asarray(datum.loss_fn_inputs["weights"].to_numpy(), dtype=np.float64)
+            logprobs = np.asarray(out["logprobs"], dtype=np.float64)
+            total -= float((logprobs * weights).sum())
+            count += float(weights.sum())
+        return {"nll": total / count} if count else {}
