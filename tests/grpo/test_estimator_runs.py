@@ -61,7 +61,9 @@ RUNS = {
     "rloo+dual_clip": {"type": "rloo", "policy_loss": "dual_clip", "loss_agg_mode": "token-mean"},
     "reinforce_plus_plus+topr": {"type": "reinforce_plus_plus", "policy_loss": "topr",
                                  "loss_agg_mode": "seq-mean-token-sum"},
-    "gae": {"type": "gae", "lam": 1.0, "critic_warmup": 1, "critic": {"lr": 1e-2}},
+    # No warm-up here (test_critic_warmup_trains_only_the_critic_first covers it): with one step of
+    # six held back, the rise depended on the rollouts' timing on a loaded machine.
+    "gae": {"type": "gae", "lam": 1.0, "critic": {"lr": 1e-2}},
     "grpo+gspo+kl_loss": {"type": "grpo", "policy_loss": "gspo", "use_kl_loss": True, "kl_loss_coef": 0.01},
 }
 
@@ -78,8 +80,7 @@ def test_each_estimator_and_loss_raises_the_reward(tiny_model_dir, tmp_path, nam
     if algorithm.get("use_kl_loss"):
         assert all(r["train/kl_loss"] >= 0 for r in rows) and rows[-1]["train/kl_loss"] > 0
     if algorithm["type"] == "gae":
-        assert [r["critic/warmup"] for r in rows] == [1.0] + [0.0] * (STEPS - 1)
-        assert "train/loss" not in rows[0] and all("train/loss" in r for r in rows[1:])
+        assert [r["critic/warmup"] for r in rows] == [0.0] * STEPS and all("train/loss" in r for r in rows)
         assert all("critic/vf_loss" in r and "critic/grad_norm" in r for r in rows)
 
 
