@@ -223,6 +223,12 @@ def recipe_reference(pm: Any, distributions: Iterable[str] | None = None) -> str
                     table = options_table(component_options(reg.cls, attr, legacy), f"{where}.")
                     if table:
                         out += [f"`{where}` with this trainer:", ""] + table + [""]
+                for need, options in (getattr(reg.cls, "ALGORITHM_INPUTS", None) or {}).items():
+                    # Accepted only when a selected estimator or loss requires the input (e.g. a critic's values).
+                    table = options_table(options, "algorithm.")
+                    if table:
+                        out += [f"`algorithm` with this trainer when a selected function requires `{need}`:",
+                                ""] + table + [""]
     out += _algorithm_functions(pm, wanted)
     return "\n".join(out).rstrip() + "\n"
 

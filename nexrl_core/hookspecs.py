@@ -117,9 +117,11 @@ def nexrl_advantage_estimators() -> dict[str, Callable[..., Any]]:
 
     Its keyword-only parameters are the ``algorithm.*`` keys it reads; their defaults give the
     keys' defaults and types (``nexrl validate`` rejects keys no selected function reads), a
-    ``typing.Literal`` annotation lists accepted values. A ``loss_defaults`` dict attribute on
-    the function sets defaults for the policy loss's keys (used when the recipe leaves them
-    unset). Document the formula and a reference in its docstring.
+    ``typing.Literal`` annotation lists accepted values. A ``recommended_defaults`` dict attribute
+    on the function sets defaults for other ``algorithm.*`` keys (the loss's or the trainer's,
+    used when the recipe leaves them unset); a ``requires`` attribute names inputs the trainer
+    must compute (``("values",)``: a critic, which nexrl-grpo's trainer trains alongside the
+    policy). Document the formula and a reference in its docstring.
 
     :return: registered name -> estimator function. Two distributions registering one name is
         an error that names both.

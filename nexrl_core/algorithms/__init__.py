@@ -1,6 +1,7 @@
 """RL math shared by every trainer: pure functions on numpy arrays, registered by name. No torch.
 
-- :mod:`.advantages`: advantage estimators (``grpo``, ``dr_grpo``) and their group statistics;
+- :mod:`.advantages`: advantage estimators (``grpo``, ``dr_grpo``, ``rloo``, ``reinforce_plus_plus``,
+  ``gae``) and their statistics;
 - :mod:`.kl`: the k1/k2/k3 KL estimators (numpy or torch), KL controllers, the KL reward penalty;
 - :mod:`.rollout_correction`: rollout-vs-trainer log-prob mismatch metrics, truncated IS weights;
 - :mod:`.reward_processing`: sample-level masks and reward post-processing (normalisation by
@@ -14,7 +15,8 @@ calls the same functions on the arrays it has. Policy losses need autograd and l
 distribution that owns torch (``nexrl-grpo``), registered through the same registry.
 """
 
-from .advantages import AdvantageInputs, dr_grpo, group_stats, grpo, scores_to_token_level
+from .advantages import (AdvantageInputs, discounted_returns, dr_grpo, gae, group_stats, grpo, masked_whiten,
+                         reinforce_plus_plus, rloo, scores_to_token_level)
 from .kl import (KL_CTRL_DEFAULTS, KL_CTRL_OPTIONS, KL_KINDS, AdaptiveKLController, FixedKLController, apply_kl_penalty,
                  array_namespace, get_kl_controller, kl_penalty)
 from .metrics import aggregate_metrics, reduction
@@ -33,8 +35,9 @@ __all__ = [
     "flat_group_rows", "get_sample_level_mask", "process_rewards", "response_truncated", "reward_postprocess", "KL_CTRL_OPTIONS", "KL_KINDS", "ROLLOUT_CORRECTION_DEFAULTS",
     "ROLLOUT_CORRECTION_OPTIONS", "AdaptiveKLController",
     "AdvantageInputs", "AlgorithmFunction", "AlgorithmRegistry", "AlgorithmSelection", "FixedKLController",
-    "aggregate_metrics", "algorithm_keys", "apply_kl_penalty", "array_namespace", "check_cap", "dr_grpo",
-    "get_kl_controller", "group_stats", "grpo", "kl_penalty", "option_defaults", "reduction",
+    "aggregate_metrics", "algorithm_keys", "apply_kl_penalty", "array_namespace", "check_cap",
+    "discounted_returns", "dr_grpo", "gae", "get_kl_controller", "group_stats", "grpo", "kl_penalty",
+    "masked_whiten", "option_defaults", "reduction", "reinforce_plus_plus", "rloo",
     "rollout_mismatch_metrics", "scores_to_token_level", "select_algorithms", "truncated_is_weights",
     "unknown_name_error",
 ]

@@ -5,9 +5,17 @@ and returns ``(advantages[B, T], returns[B, T])``, zero on masked tokens, in the
 rewards (the arithmetic runs in float64). Its keyword-only parameters are the ``algorithm.*``
 recipe keys it reads (see :mod:`nexrl_core.algorithms.registry`).
 
-Group statistics use ONE estimator everywhere: the group mean and the unbiased (Bessel, ``n - 1``)
-standard deviation of :func:`group_stats`. A group of one sample has no spread to compare against
-and gets advantage 0.
+Statistics use ONE estimator everywhere: the mean and the unbiased (Bessel, ``n - 1``) standard
+deviation, per group (:func:`group_stats`) or over the batch's valid tokens (:func:`masked_whiten`).
+A group of one sample has no spread to compare against and gets advantage 0.
+
+Token-level recursions (discounted returns, GAE) run over each row's valid tokens only: a masked
+token inside a response (a tool's output in a multi-turn trajectory) neither earns nor discounts.
+
+An estimator may carry two attributes the registry reads (:mod:`nexrl_core.algorithms.registry`):
+``recommended_defaults`` (defaults it recommends for other ``algorithm.*`` keys, used when the
+recipe leaves them unset) and ``requires`` (fields of :class:`AdvantageInputs` beyond rewards,
+mask and groups that the trainer must fill, e.g. ``("values",)`` for a critic).
 """
 
 from __future__ import annotations
@@ -20,14 +28,15 @@ import numpy as np
 
 @dataclass(frozen=True)
 class AdvantageInputs:
-    """What an advantage estimator may read. Later estimators read more fields (critic values).
+    """What an advantage estimator may read.
 
     :ivar token_level_rewards: ``[B, T]`` reward of each response token (an outcome reward sits
         on the last valid token, see :func:`scores_to_token_level`; a KL penalty may be spread
         over all tokens).
     :ivar response_mask: ``[B, T]``, 1 on tokens that count.
     :ivar group_ids: ``B`` hashable ids; rows with the same id answer the same prompt.
-    :ivar values: ``[B, T]`` critic values, for value-based estimators (None otherwise).
+    :ivar values: ``[B, T]`` critic values ``V_t`` of the state before response token ``t``, for
+        estimators that declare ``requires = ("values",)`` (None otherwise).
     """
 
     token_level_rewards: np.ndarray
@@ -82,9 +91,14 @@ def _outcome_scores(data: AdvantageInputs) -> tuple[np.ndarray, np.ndarray]:
     return (np.asarray(data.token_level_rewards, dtype=np.float64) * mask).sum(axis=-1), mask
 
 
-def _broadcast(adv: np.ndarray, mask: np.ndarray, like: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _cast(values: np.ndarray, like: np.ndarray) -> np.ndarray:
+    """``values`` in the dtype of the rewards (float64 for integer rewards)."""
     dtype = np.asarray(like).dtype if np.issubdtype(np.asarray(like).dtype, np.floating) else np.float64
-    advantages = (adv[:, None] * mask).astype(dtype)
+    return np.asarray(values).astype(dtype)
+
+
+def _broadcast(adv: np.ndarray, mask: np.ndarray, like: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    advantages = _cast(adv[:, None] * mask, like)
     return advantages, advantages.copy()
 
 
@@ -128,4 +142,118 @@ def dr_grpo(data: AdvantageInputs) -> tuple[np.ndarray, np.ndarray]:
     return _broadcast(adv, mask, data.token_level_rewards)
 
 
-dr_grpo.loss_defaults = {"loss_agg_mode": "seq-mean-token-sum-norm"}  # type: ignore[attr-defined]
+dr_grpo.recommended_defaults = {"loss_agg_mode": "seq-mean-token-sum-norm"}  # type: ignore[attr-defined]
+
+
+def rloo(data: AdvantageInputs) -> tuple[np.ndarray, np.ndarray]:
+    """RLOO, REINFORCE with a leave-one-out baseline (Kool et al. 2019, "Buy 4 REINFORCE samples,
+    get a baseline for free!"; Ahmadian et al. 2024, "Back to Basics", arXiv:2402.14740).
+
+    Each row's baseline is the mean score of the *other* ``n - 1`` rows of its group, so it does
+    not depend on the row's own sample (the gradient stays unbiased)::
+
+        A_i = s_i - (sum_{j in G, j != i} s_j) / (n - 1)  =  n / (n - 1) * (s_i - mean_G(s))
+
+    broadcast over the row's valid tokens. Groups of one get 0.
+    """
+    scores, mask = _outcome_scores(data)
+    mean, _, count = group_stats(scores, data.group_ids)
+    others = (mean * count - scores) / np.maximum(count - 1, 1)
+    adv = np.where(count > 1, scores - others, 0.0)
+    return _broadcast(adv, mask, data.token_level_rewards)
+
+
+def masked_whiten(values: np.ndarray, mask: np.ndarray, epsilon: float = 1e-6) -> np.ndarray:
+    """``(x - mean) / (std + epsilon)`` over the valid entries of ``values`` (the whole batch),
+    unbiased std; 0 where ``mask`` is 0. Fewer than two valid entries have no spread: std 0 (and
+    all zeros when ``epsilon`` is 0 too)."""
+    values = np.asarray(values, dtype=np.float64)
+    mask = np.asarray(mask, dtype=np.float64)
+    n = mask.sum()
+    mean = (values * mask).sum() / max(n, 1.0)
+    var = ((values - mean) ** 2 * mask).sum() / (n - 1) if n > 1 else 0.0
+    scale = np.sqrt(var) + epsilon
+    return (values - mean) / scale * mask if scale > 0 else np.zeros_like(values)
+
+
+def discounted_returns(token_level_rewards: np.ndarray, response_mask: np.ndarray, gamma: float = 1.0) -> np.ndarray:
+    """``G_t = r_t + gamma * G_t'`` where ``t'`` is the row's next valid token (0 after the last),
+    on valid tokens; 0 on masked ones. float64 ``[B, T]``."""
+    rewards = np.asarray(token_level_rewards, dtype=np.float64)
+    valid = np.asarray(response_mask).astype(bool)
+    returns = np.zeros_like(rewards)
+    running = np.zeros(rewards.shape[0])
+    for t in range(rewards.shape[1] - 1, -1, -1):
+        running = np.where(valid[:, t], rewards[:, t] + gamma * running, running)
+        returns[:, t] = np.where(valid[:, t], running, 0.0)
+    return returns
+
+
+def reinforce_plus_plus(data: AdvantageInputs, *, gamma: float = 1.0, epsilon: float = 1e-6
+                        ) -> tuple[np.ndarray, np.ndarray]:
+    """REINFORCE++ (Hu 2025, arXiv:2501.03262): discounted token-level returns, normalised over the
+    whole batch, with no critic and no per-prompt baseline.
+
+    The token rewards carry the KL penalty on every token and the outcome on the last one,
+    ``r_t = -beta * KL_t + [t = last] * s`` (the trainer's ``use_kl_in_reward``, which this
+    estimator turns on by default). Then, over the valid tokens of every row of the batch::
+
+        G_t = sum_{k >= t} gamma^(k - t) r_k
+        A_t = (G_t - mean_batch(G)) / (std_batch(G) + epsilon)      std: unbiased
+
+    Returns ``(A, G)``.
+
+    :param gamma: discount per token.
+    :param epsilon: added to the batch std.
+    """
+    mask = np.asarray(data.response_mask, dtype=np.float64)
+    returns = discounted_returns(data.token_level_rewards, mask, gamma)
+    advantages = masked_whiten(returns, mask, epsilon)
+    return _cast(advantages, data.token_level_rewards), _cast(returns, data.token_level_rewards)
+
+
+reinforce_plus_plus.recommended_defaults = {"use_kl_in_reward": True}  # type: ignore[attr-defined]
+
+
+def gae(data: AdvantageInputs, *, gamma: float = 1.0, lam: float = 0.95, whiten_advantages: bool = True,
+        epsilon: float = 1e-6) -> tuple[np.ndarray, np.ndarray]:
+    """Generalised advantage estimation (Schulman et al. 2016, arXiv:1506.02438) with a learned
+    value function ``V`` (the critic), as PPO uses it for LLMs (Ouyang et al. 2022).
+
+    Over each row's valid tokens ``t`` (``t+1``: the next valid one; ``V`` and ``A`` are 0 after
+    the last)::
+
+        delta_t = r_t + gamma * V_{t+1} - V_t
+        A_t     = delta_t + gamma * lam * A_{t+1}
+        R_t     = A_t + V_t                      (the critic's regression target)
+
+    then ``whiten_advantages`` normalises ``A`` over the batch's valid tokens:
+    ``(A - mean) / (std + epsilon)``. Returns ``(A, R)``. Needs ``data.values``.
+
+    :param gamma: discount per token.
+    :param lam: GAE's lambda: 1 is the Monte-Carlo return minus ``V_t``, 0 the one-step TD error.
+    :param whiten_advantages: normalise the advantages over the batch.
+    :param epsilon: added to the std when whitening.
+    """
+    if data.values is None:
+        raise ValueError("gae needs the critic's values (AdvantageInputs.values)")
+    rewards = np.asarray(data.token_level_rewards, dtype=np.float64)
+    values = np.asarray(data.values, dtype=np.float64)
+    if values.shape != rewards.shape:
+        raise ValueError(f"values {values.shape} must have the rewards' shape {rewards.shape}")
+    valid = np.asarray(data.response_mask).astype(bool)
+    advantages = np.zeros_like(rewards)
+    next_value = np.zeros(rewards.shape[0])
+    running = np.zeros(rewards.shape[0])
+    for t in range(rewards.shape[1] - 1, -1, -1):
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        running = np.where(valid[:, t], delta + gamma * lam * running, running)
+        next_value = np.where(valid[:, t], values[:, t], next_value)
+        advantages[:, t] = np.where(valid[:, t], running, 0.0)
+    returns = (advantages + values) * valid
+    if whiten_advantages:
+        advantages = masked_whiten(advantages, valid, epsilon)
+    return _cast(advantages, data.token_level_rewards), _cast(returns, data.token_level_rewards)
+
+
+gae.requires = ("values",)  # type: ignore[attr-defined]

@@ -12,13 +12,19 @@ kind                     hook                            selected by (GRPO train
 
 A registered function declares the ``algorithm.*`` keys it reads as its **keyword-only
 parameters**; their defaults are the keys' defaults (and types), a ``typing.Literal`` annotation
-lists the accepted values. Positional parameters are the data the trainer passes. An estimator
-may also carry ``loss_defaults`` (a dict): defaults it recommends for the policy loss's keys,
-used when the recipe does not set them (Dr. GRPO's loss normaliser).
+lists the accepted values. Positional parameters are the data the trainer passes. A function
+may also carry
+
+- ``recommended_defaults`` (a dict): defaults it recommends for other ``algorithm.*`` keys (the
+  trainer's or the loss's), used when the recipe does not set them (Dr. GRPO's loss normaliser,
+  REINFORCE++'s KL penalty in the reward);
+- ``requires`` (names): inputs the trainer must compute for it (``"values"``: a critic's values).
 
 A trainer declares its own keys in ``ALGORITHM_OPTIONS`` (name -> :class:`~nexrl_core.Option`),
-which of them select a function in ``ALGORITHM_SELECTORS`` (key -> kind) and may check its
-values further in a classmethod ``algorithm_option_problems(options) -> list[str]``.
+which of them select a function in ``ALGORITHM_SELECTORS`` (key -> kind), the inputs it can
+compute in ``ALGORITHM_INPUTS`` (input -> the keys it then reads, e.g. the critic's: accepted
+only when a selected function requires that input) and may check its values further in a
+classmethod ``algorithm_option_problems(options) -> list[str]``.
 :func:`algorithm_keys` (``nexrl validate``) and :func:`select_algorithms` (the trainer) read the
 recipe the same way, with the core's option checker.
 """
@@ -72,22 +78,36 @@ class AlgorithmFunction:
     distribution: str
     options: dict[str, Any] = field(default_factory=dict)
     choices: dict[str, tuple[Any, ...]] = field(default_factory=dict)
-    loss_defaults: dict[str, Any] = field(default_factory=dict)
+    recommended_defaults: dict[str, Any] = field(default_factory=dict)
+    requires: tuple[str, ...] = ()
 
     @classmethod
     def create(cls, kind: str, name: str, fn: Callable[..., Any], distribution: str) -> AlgorithmFunction:
+        requires = getattr(fn, "requires", ()) or ()
         return cls(kind, name, fn, distribution, option_defaults(fn), option_choices(fn),
-                   dict(getattr(fn, "loss_defaults", {}) or {}))
+                   dict(getattr(fn, "recommended_defaults", {}) or {}),
+                   (requires,) if isinstance(requires, str) else tuple(requires))
 
     def declared(self) -> dict[str, Option]:
         """The keys ``fn`` reads as options: typed by annotation (a ``Literal`` lists the choices)
-        or by the default; the help is the parameter's ``:param name:`` line."""
+        or by the default; the help is the parameter's ``:param name:`` line.
+        ``Annotated[float, Option(gt=1)]`` adds bounds (and a help that replaces the docstring's)."""
         try:
-            hints = typing.get_type_hints(self.fn)
+            hints = typing.get_type_hints(self.fn, include_extras=True)
         except Exception:  # an annotation that does not resolve: typed by the defaults
             hints = {}
         helps = param_docs(inspect.getdoc(self.fn) or "")
-        return {name: Option(default, hints.get(name), helps.get(name, "")) for name, default in self.options.items()}
+        out = {}
+        for name, default in self.options.items():
+            hint = hints.get(name)
+            extra = None
+            if typing.get_origin(hint) is typing.Annotated:
+                hint, *metadata = typing.get_args(hint)
+                extra = next((m for m in metadata if isinstance(m, Option)), None)
+            help_text = (extra.help if extra else "") or helps.get(name, "")
+            out[name] = (replace(extra, default=default, type=extra.type or hint, help=help_text) if extra
+                         else Option(default, hint, help_text))
+        return out
 
     def bind(self, options: Mapping[str, Any]) -> Callable[..., Any]:
         """``fn`` with its declared options taken from ``options`` (keys it does not read are left out)."""
@@ -140,6 +160,10 @@ class AlgorithmSelection:
     def bound(self, selector: str) -> Callable[..., Any]:
         return self.functions[selector].bind(self.options)
 
+    def requires(self, input_name: str) -> bool:
+        """Whether a selected function needs the trainer to compute ``input_name`` (e.g. "values")."""
+        return any(input_name in fn.requires for fn in self.functions.values())
+
 
 def _plain(section: Any) -> dict[str, Any]:
     """The section as a plain dict ({} when it is not a mapping: the key check reports that)."""
@@ -170,12 +194,22 @@ def _resolve(trainer_cls: type, section: Mapping[str, Any], registry: AlgorithmR
         except ConfigError as exc:
             problems.append(str(exc))
     options = dict(own)
+    inputs = dict(getattr(trainer_cls, "ALGORITHM_INPUTS", {}) or {})
+    for key, fn in functions.items():
+        for needed in fn.requires:
+            if needed in inputs:
+                for name, opt in inputs[needed].items():
+                    options.setdefault(name, opt)
+            else:
+                problems.append(f"algorithm.{key}: {fn.kind.replace('_', ' ')} '{fn.name}' needs {needed}, which "
+                                f"trainer '{trainer_cls.__name__}' does not compute (it computes: "
+                                f"{', '.join(sorted(inputs)) or 'nothing beyond rewards'})")
     for fn in functions.values():
         for name, opt in fn.declared().items():
             options.setdefault(name, opt)
-    for fn in functions.values():  # an estimator's recommended loss settings beat the loss's defaults
-        for name, default in fn.loss_defaults.items():
-            if name in options and name not in own:
+    for fn in functions.values():  # a function's recommended settings beat the other keys' own defaults
+        for name, default in fn.recommended_defaults.items():
+            if name in options:
                 options[name] = replace(options[name], default=default)
     return functions, options, problems
 

@@ -8,4 +8,5 @@ from ..markers import hookimpl
 
 @hookimpl
 def nexrl_advantage_estimators():
-    return {"grpo": advantages.grpo, "dr_grpo": advantages.dr_grpo}
+    return {"grpo": advantages.grpo, "dr_grpo": advantages.dr_grpo, "rloo": advantages.rloo,
+            "reinforce_plus_plus": advantages.reinforce_plus_plus, "gae": advantages.gae}

@@ -325,7 +325,7 @@ def test_options_are_keyword_only_parameters_with_defaults():
     grpo = al.AlgorithmFunction.create("advantage_estimator", "grpo", al.grpo, "nexrl-core")
     assert grpo.options == {"epsilon": 1e-6, "norm_adv_by_std": True}
     dr = al.AlgorithmFunction.create("advantage_estimator", "dr_grpo", al.dr_grpo, "nexrl-core")
-    assert dr.options == {} and dr.loss_defaults == {"loss_agg_mode": "seq-mean-token-sum-norm"}
+    assert dr.options == {} and dr.recommended_defaults == {"loss_agg_mode": "seq-mean-token-sum-norm"}
     bound = grpo.bind({"epsilon": 0.5, "unrelated": 1})
     adv, _ = bound(inputs([[1.0], [0.0]], [[1], [1]], ["g", "g"]))
     assert adv[0, 0] == pytest.approx(0.5 / (math.sqrt(0.5) + 0.5))
@@ -442,12 +442,13 @@ def test_bad_function_registrations_are_reported_and_skipped():
 
     pm = PluginManager(load_entrypoints=False)
     pm.register(Bad(), name="bad", distribution="nexrl-bad")
-    assert set(pm.functions("advantage_estimator")) == {"grpo", "dr_grpo"}
+    assert set(pm.functions("advantage_estimator")) == {"grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "gae"}
     bad = "\n".join(pm.bad_registrations)
     assert "'a_class'" in bad and "'not_callable'" in bad and "not a function" in bad
     assert "'no_default'" in bad and "['scale'] have no default" in bad
     described = {p["name"]: p for p in pm.describe()}
-    assert described["core.algorithms"]["components"] == {"advantage_estimator": ["dr_grpo", "grpo"]}
+    assert described["core.algorithms"]["components"] == {
+        "advantage_estimator": ["dr_grpo", "gae", "grpo", "reinforce_plus_plus", "rloo"]}
 
 
 def test_algorithms_import_without_torch():

@@ -288,7 +288,7 @@ def test_plugins_json_lists_the_core_builtins():
     # a train service holds a model (torch, or a remote API's): both come from plugins.
     assert {h for p in core for h in p["hooks"]} == {hook for hook, _ in KINDS.values()} - {
         "nexrl_train_services"} | {"nexrl_advantage_estimators"}
-    assert listed["advantage_estimator"] == ["dr_grpo", "grpo"]
+    assert listed["advantage_estimator"] == ["dr_grpo", "gae", "grpo", "reinforce_plus_plus", "rloo"]
     assert data["failed"] == [] and data["bad_registrations"] == []
     assert "Traceback" not in proc.stderr
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 import yaml
 
 from nexrl_core import ConfigError, algorithms, hookimpl
@@ -39,7 +40,16 @@ def _nexrl(*args: str) -> subprocess.Popen:
     (["+algorithm.type=grpp"], "algorithm.type: unknown advantage estimator 'grpp'. Did you mean 'grpo'?"),
     (["+algorithm.type=dr_grpo", "+algorithm.epsilon=0.1"], "algorithm.epsilon: unknown key"),
     (["+algorithm.policy_loss=ppo_clp"], "algorithm.policy_loss: unknown policy loss 'ppo_clp'. Did you mean "
-                                         "'ppo_clip'? Available: 'ppo_clip' (nexrl-grpo)."),
+                                         "'ppo_clip'? Available: 'dual_clip' (nexrl-grpo), 'gspo' (nexrl-grpo), "
+                                         "'ppo_clip' (nexrl-grpo), 'topr' (nexrl-grpo)."),
+    (["+algorithm.policy_loss=dual_clip", "+algorithm.clip_ratio_c=0.5"],
+     "algorithm.clip_ratio_c: expected a number > 1"),
+    (["+algorithm.critic_warmup=2"], "algorithm.critic_warmup: unknown key"),  # grpo trains no critic
+    (["+algorithm.type=gae", "+algorithm.critic.lr=0"], "algorithm.critic.lr: expected a positive number, got 0"),
+    (["+algorithm.type=gae", "+algorithm.critic.value_clp=0.2"], "did you mean 'algorithm.critic.value_clip'?"),
+    (["+algorithm.kl_loss_type=k4"], "algorithm.kl_loss_type: 'k4' is not one of"),
+    (["+algorithm.adv_estimator=gae"], "algorithm.adv_estimator: no longer a recipe key: the advantage estimator "
+                                       "is algorithm.type"),
     (["algorithm.loss_agg_mode=token_mean"], "algorithm.loss_agg_mode: 'token_mean' is not one of"),
     (["+algorithm.do_old_log_prob_compute=true"], "algorithm.do_old_log_prob_compute: unknown key"),
     (["+algorithm.rollout_correction.cap=0.5"], "algorithm.rollout_correction.cap: expected a number >= 1, got 0.5"),
@@ -104,16 +114,29 @@ def _double_score(data: algorithms.AdvantageInputs, *, factor: float = 2.0):
     return adv, adv
 
 
+def _sign_reinforce(log_prob, old_log_prob, advantages, response_mask, context, *, weight: float = 1.0):
+    """A third party's loss: REINFORCE on the advantage's sign, ``-weight * sign(A) * logp``."""
+    import torch
+
+    per_token = -weight * torch.sign(advantages) * log_prob
+    loss = (per_token * response_mask).sum() / context.batch_num_tokens
+    return loss, {"sign_positive_share": float((advantages > 0).float().mean())}
+
+
 class DoublePlugin:
     @hookimpl
     def nexrl_advantage_estimators(self):
         return {"double_score": _double_score}
 
+    @hookimpl
+    def nexrl_policy_losses(self):
+        return {"sign_reinforce": _sign_reinforce}
 
-def test_a_plugin_estimator_is_used_by_a_real_run(tiny_model_dir, tmp_path):
+
+def test_a_plugin_estimator_and_loss_are_used_by_a_real_run(tiny_model_dir, tmp_path):
     cfg = recipe(tmp_path / "run", tiny_model_dir, 1.0)
     cfg["validate"] = {"validate_before_train": False}
-    cfg["algorithm"] = {"type": "double_score", "factor": 3.0}
+    cfg["algorithm"] = {"type": "double_score", "factor": 3.0, "policy_loss": "sign_reinforce", "weight": 0.5}
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     pm = grpo_plugin_manager()
@@ -123,9 +146,17 @@ def test_a_plugin_estimator_is_used_by_a_real_run(tiny_model_dir, tmp_path):
     seen = []
     prepare = trainer._prepare_batch
     trainer._prepare_batch = lambda batch: (lambda out: (seen.append(out[0]), out)[1])(prepare(batch))
+    seen_logp = []
+    make_loss_fn = trainer._loss_fn
+
+    def recording_loss_fn(batch):
+        loss_fn = make_loss_fn(batch)
+        return lambda log_probs, mb: (seen_logp.append(log_probs.detach().clone()), loss_fn(log_probs, mb))[1]
+    trainer._loss_fn = recording_loss_fn
     summary = controller.run()
     assert summary.stopped_by == "finished" and summary.errors == []
     assert trainer.selection.functions["type"].distribution == "nexrl-double (in-process)"
+    assert trainer.selection.functions["policy_loss"].distribution == "nexrl-double (in-process)"
     (batch,) = seen
     v = batch.values
     scores = v["rewards"].numpy()
@@ -133,4 +164,10 @@ def test_a_plugin_estimator_is_used_by_a_real_run(tiny_model_dir, tmp_path):
         valid = v["response_mask"][i].numpy() > 0
         assert np.allclose(v["advantages"][i].numpy()[valid], 3.0 * scores[i], atol=1e-6)
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert any("train/loss" in r for r in rows)
+    (row,) = [r for r in rows if "train/loss" in r]
+    # The plugin's loss ran: its metric is logged, and its value is -0.5 * token mean of sign(A) * logp.
+    assert row["train/sign_positive_share"] == pytest.approx(float((v["advantages"] > 0).float().mean()))
+    (logp,) = seen_logp
+    mask = v["response_mask"]
+    want = float(-0.5 * (torch.sign(v["advantages"]) * logp * mask).sum() / mask.sum())
+    assert row["train/loss"] == pytest.approx(want, rel=1e-5) and want != 0.0

@@ -171,3 +171,57 @@ def test_trajectory_view_round_trips_rows():
     single = TrajectoryView([0, 1, 2], width=2)  # single-turn batches: nothing is copied
     part = rows[:3]
     assert single.identity and single.gather(part) is part and single.scatter(part) is part
+
+
+def test_gae_runs_over_a_trajectorys_trained_tokens_only(tiny_model_dir):
+    """GAE with a critic on an agent trajectory of two sequences with masked tool tokens: the
+    recursion runs over the trajectory's trained tokens end to end (the value after a segment's
+    last trained token is the next segment's first), untrained tokens get no advantage, return or
+    value loss. Checked against the recursion written out here, with values from a plain forward
+    of each unpadded sequence."""
+    trainer = make_trainer(tiny_model_dir, type="gae", gamma=0.9, lam=0.8, whiten_advantages=False)
+    torch.manual_seed(3)
+    head = trainer.critic.model.value_head
+    torch.nn.init.normal_(head.weight, std=0.5)  # non-zero values (the head starts at zero)
+    first = {"prompt_token_ids": PROMPT, "response_token_ids": [60, 61, 62], "response_logprobs": None,
+             "loss_mask": [1, 0, 1]}
+    second = {"prompt_token_ids": [30, 31], "response_token_ids": [63, 64, 65, 66], "response_logprobs": None,
+              "loss_mask": [1, 0, 0, 1]}
+    split = trajectory("g", first["response_token_ids"], 1.0, first["loss_mask"], segments=[first, second])
+    other = trajectory("g", [70, 71, 72], 0.5, [1, 0, 1])
+    batch = trainer._prepare_batch(trainer._process_trajectories([split, other]))[0]
+    v = batch.values
+
+    def values_of(prompt, response):
+        with torch.no_grad():
+            hidden = trainer.critic.model.backbone(input_ids=torch.tensor([prompt + response])).last_hidden_state
+            return head(hidden[0, len(prompt) - 1:-1]).squeeze(-1).float()
+
+    def gae(values, score, gamma=0.9, lam=0.8):
+        adv, running, next_value = [0.0] * len(values), 0.0, 0.0
+        for k in reversed(range(len(values))):
+            reward = score if k == len(values) - 1 else 0.0
+            running = reward + gamma * next_value - values[k] + gamma * lam * running
+            adv[k], next_value = running, values[k]
+        return adv
+
+    rows = [(0, first), (1, second), (2, {**other, "prompt_token_ids": PROMPT})]
+    trained = {row: [t for t, m in enumerate(seg["loss_mask"]) if m] for row, seg in rows}
+    values = {row: values_of(seg["prompt_token_ids"], seg["response_token_ids"]) for row, seg in rows}
+    for row, _ in rows:
+        torch.testing.assert_close(v["old_values"][row, :len(values[row])], values[row], rtol=1e-4, atol=1e-5)
+    # trajectory 0: rows 0 and 1 end to end; trajectory 1: row 2
+    for traj_rows, score in (([0, 1], 1.0), ([2], 0.5)):
+        positions = [(row, t) for row in traj_rows for t in trained[row]]
+        vals = [float(values[row][t]) for row, t in positions]
+        for (row, t), a, value in zip(positions, gae(vals, score), vals):
+            assert float(v["advantages"][row, t]) == pytest.approx(a, abs=1e-5)
+            assert float(v["returns"][row, t]) == pytest.approx(a + value, abs=1e-5)
+    untrained = v["response_mask"] == 0
+    assert int(untrained.sum()) == 2 + 2 + 2  # per row: tool tokens and padding (width 4)
+    assert float(v["advantages"][untrained].abs().sum()) == 0.0 and float(v["returns"][untrained].abs().sum()) == 0.0
+    # the value loss is the mean over trained tokens only (step 1: V = V_old, so nothing is clipped)
+    metrics = trainer._update(batch, {k: x for k, x in v.items() if isinstance(x, torch.Tensor)})
+    mask = v["response_mask"].bool()
+    want = 0.5 * ((v["old_values"] - v["returns"])[mask] ** 2).mean()
+    assert metrics["critic/vf_loss"] == pytest.approx(float(want), rel=1e-4)

@@ -40,7 +40,8 @@ def ref_agg(values, mask, mode, max_len=None):
         n = sum(c for _, c in rows)
         return sum(s for s, _ in rows) / max(n, 1)
     nonempty = [(s, c) for s, c in rows if c > 0]
-    per_seq = [s / c for s, c in nonempty] if mode == "seq-mean-token-mean" else [s / max_len for s, _ in nonempty]
+    per_seq = {"seq-mean-token-mean": [s / c for s, c in nonempty], "seq-mean-token-sum": [s for s, _ in nonempty],
+               "seq-mean-token-sum-norm": [s / max_len for s, _ in nonempty]}[mode]
     return sum(per_seq) / max(len(per_seq), 1)
 
 
@@ -70,6 +71,7 @@ def test_agg_loss_modes_differ_as_expected_and_errors():
     assert losses.agg_loss(loss, mask, "seq-mean-token-mean").item() == pytest.approx((1 + 3) / 2)
     assert losses.agg_loss(loss, mask, "token-mean").item() == pytest.approx(10 / 4)
     assert losses.agg_loss(loss, mask, "seq-mean-token-sum-norm", 4).item() == pytest.approx((1 / 4 + 9 / 4) / 2)
+    assert losses.agg_loss(loss, mask, "seq-mean-token-sum").item() == pytest.approx((1 + 9) / 2)
     with pytest.raises(ValueError, match="seq-mean-token-mean"):
         losses.agg_loss(t64([[1.0]]), t64([[1.0]]), "sum")
     with pytest.raises(ValueError, match="max_response_length"):

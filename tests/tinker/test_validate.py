@@ -113,6 +113,11 @@ CASES = {
          "Tinker service, and without the tinker weight sync rollouts keep sampling the initial model), which "
          "neither inference backend 'tinker', weight-sync backend 'version_only' provides; it is provided by "
          "weight.backend: tinker (nexrl-tinker)"]),
+    "estimator_needing_a_critic": (
+        ["+service.train_service.api_key=tml-x", "+service.inference_service.api_key=tml-x",
+         "algorithm.type=gae"],
+        ["error: algorithm.type: advantage estimator 'gae' needs values, which trainer 'RemoteApiGrpoTrainer' does "
+         "not compute (it computes: nothing beyond rewards)"]),
     "train_service_typo": (
         ["+service.train_service.api_key=tml-x", "+service.inference_service.api_key=tml-x",
          "+service.train_service.lora_rnk=4", "service.train_service.lr=-1"],

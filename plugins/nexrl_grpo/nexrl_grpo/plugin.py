@@ -32,4 +32,4 @@ def nexrl_weight_sync_backends():
 
 @hookimpl
 def nexrl_policy_losses():
-    return {"ppo_clip": losses.ppo_clip}
+    return dict(losses.POLICY_LOSSES)

@@ -6,6 +6,7 @@ import copy
 import time
 from abc import abstractmethod
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -15,9 +16,13 @@ from loguru import logger
 from nexrl_core import (Batch, BaseTrainer, Capabilities, ConfigError, DataError, Option, SamplingParams, Trajectory,
                         algorithms, trajectory_segments)
 
-from .losses import LossContext, agg_loss, masked_mean
+from .critic import CRITIC_ALGORITHM_OPTIONS, CriticService, ValueModel
+from .losses import LossContext, agg_loss, kl_loss, masked_mean, value_loss
 from .modeling import compute_response_logprobs, position_ids_from_mask
 from .train_service import BATCH_FORMAT, LocalTorchTrainService, export_model_folder
+
+
+CRITIC_FOLDER = "critic"  # inside a checkpoint folder, next to the policy's files
 
 
 def _prompt_groups(prompts: list[list[int]]) -> torch.Tensor:
@@ -210,15 +215,11 @@ class SelfHostedTrainer(BaseTrainer):
         # A sample-level mask that left nothing to train on: no optimizer step (Adam's momentum
         # alone would still move the weights).
         skip = not bool(batch.values["response_mask"].any())
-        out: dict[str, float] = {"update_skipped": 1.0} if skip else {}
-        for _ in range(0 if skip else self._ppo_epochs):
-            out = self.train_service.forward_backward(tensors, self._loss_fn(batch))
-            out.update(self.train_service.optim_step())
+        metrics.update({"train/update_skipped": 1.0} if skip else self._update(batch, tensors))
         t2 = time.perf_counter()
         meta = batch.metadata
         trained = float(batch.values["response_mask"].sum())
         generated = float(lengths.sum())  # before a sample-level mask
-        metrics.update({f"train/{k}": float(v) for k, v in out.items()})
         metrics.update({
             # Counted in trained tokens: what the model generated, not the tool outputs between turns.
             "train/response_length_mean": generated / meta["num_trajectories"],
@@ -230,6 +231,14 @@ class SelfHostedTrainer(BaseTrainer):
             "timing/update_s": t2 - t1,
         })
         return metrics
+
+    def _update(self, batch: Batch, tensors: dict[str, torch.Tensor]) -> dict[str, float]:
+        """``ppo_epochs`` updates of the model on the batch; the last one's metrics, as ``train/*``."""
+        out: dict[str, float] = {}
+        for _ in range(self._ppo_epochs):
+            out = self.train_service.forward_backward(tensors, self._loss_fn(batch))
+            out.update(self.train_service.optim_step())
+        return {f"train/{k}": float(v) for k, v in out.items()}
 
     # -- state ------------------------------------------------------------------------------
     def export_weights(self) -> dict[str, Any]:
@@ -255,9 +264,11 @@ class SelfHostedTrainer(BaseTrainer):
 
 
 class SelfHostedGrpoTrainer(SelfHostedTrainer):
-    """GRPO-family RL: advantages from the core's estimator registry (``algorithm.type``), a policy
-    loss from the loss registry (``algorithm.policy_loss``), optional KL penalty in the reward,
-    optional rollout correction.
+    """Policy-gradient RL: advantages from the core's estimator registry (``algorithm.type``), a
+    policy loss from the loss registry (``algorithm.policy_loss``), optional KL to the initial
+    model in the reward and/or as a loss term, optional rollout correction. An estimator that
+    requires values (``gae``) gets a critic, trained alongside the policy (:mod:`nexrl_grpo.critic`); the
+    first ``critic_warmup`` steps train only the critic.
 
     Old log-probs are the trainer's own: with one update per batch (``ppo_epochs`` 1, no KL in
     the reward) they are the current log-probs detached (verl's on-policy shortcut: the ratio is
@@ -268,10 +279,15 @@ class SelfHostedGrpoTrainer(SelfHostedTrainer):
     ALGORITHM_OPTIONS = {
         "type": Option("grpo", str, "advantage estimator, by registered name (nexrl_advantage_estimators)"),
         "policy_loss": Option("ppo_clip", str, "policy loss, by registered name (nexrl_policy_losses)"),
+        "adv_estimator": Option(removed="the advantage estimator is algorithm.type (verl's and ROLL's "
+                                        "adv_estimator): rename the key"),
         "ppo_epochs": Option(1, int, "updates per batch (1: on-policy, the ratio is exactly 1)", ge=1),
         "use_kl_in_reward": Option(False, bool, "subtract beta * KL(policy || initial model) from the reward"),
         "kl_penalty": Option("kl", str, "KL estimator of the reward penalty", choices=tuple(algorithms.KL_KINDS)),
-        "kl_ctrl": Option(options=algorithms.KL_CTRL_OPTIONS, help="the KL coefficient's controller"),
+        "kl_ctrl": Option(options=algorithms.KL_CTRL_OPTIONS, help="the reward penalty's KL coefficient controller"),
+        "use_kl_loss": Option(False, bool, "add kl_loss_coef * KL(policy || initial model) to the loss"),
+        "kl_loss_coef": Option(0.001, float, "coefficient of the KL loss term", ge=0),
+        "kl_loss_type": Option("low_var_kl", str, "KL estimator of the loss term", choices=tuple(algorithms.KL_KINDS)),
         "max_response_length": Option(None, int, "loss normaliser of the *-norm aggregation modes "
                                                  "(null: rollout_worker.sampling.max_tokens)", ge=1),
         "rollout_correction": Option(options=algorithms.ROLLOUT_CORRECTION_OPTIONS,
@@ -281,6 +297,8 @@ class SelfHostedGrpoTrainer(SelfHostedTrainer):
                                          "before advantages; per domain with domains.<name>"),
     }
     ALGORITHM_SELECTORS = {"type": "advantage_estimator", "policy_loss": "policy_loss"}
+    # Values: a critic trained here; its keys are accepted only with an estimator that needs it.
+    ALGORITHM_INPUTS = {"values": CRITIC_ALGORITHM_OPTIONS}
 
     def __init__(self, config: Any):
         super().__init__(config)
@@ -288,6 +306,7 @@ class SelfHostedGrpoTrainer(SelfHostedTrainer):
         self._kl_ctrl: Any = None
         self._reward_processor: algorithms.RewardProcessor | None = None
         self._ref_model: torch.nn.Module | None = None
+        self.critic: CriticService | None = None
 
     @property
     def selection(self) -> algorithms.AlgorithmSelection:
@@ -303,8 +322,17 @@ class SelfHostedGrpoTrainer(SelfHostedTrainer):
     def initialize_workers(self) -> None:
         options = self.selection.options  # a bad algorithm section fails before the model loads
         super().initialize_workers()
-        if options["use_kl_in_reward"] and self._ref_model is None:
+        if (options["use_kl_in_reward"] or options["use_kl_loss"]) and self._ref_model is None:
             self._ref_model = copy.deepcopy(self.train_service.model).eval().requires_grad_(False)
+        if self.selection.requires("values") and self.critic is None:
+            critic = options["critic"]
+            service = getattr(self.train_service, "config", None) or {}  # the policy's settings, as built
+            # Its own optimizer settings; Adam's betas/eps and the micro-batch size default to the policy's.
+            config = {"lr": critic["lr"], "weight_decay": critic["weight_decay"], "grad_clip": critic["grad_clip"],
+                      "betas": service.get("betas", [0.9, 0.999]), "eps": service.get("eps", 1e-8),
+                      "micro_batch_size": critic["micro_batch_size"] or service.get("micro_batch_size")}
+            self.critic = CriticService(config, model=ValueModel.from_causal_lm(self.train_service.model),
+                                        tokenizer=self.train_service.tokenizer)
 
     def _ref_log_probs(self, batch: Batch) -> torch.Tensor:
         v = batch.values
@@ -313,15 +341,24 @@ class SelfHostedGrpoTrainer(SelfHostedTrainer):
                                              v["responses"].shape[1], v["temperature"])
 
     def _prepare_batch(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
-        """Rewards (with the KL penalty when asked) and advantages, computed per trajectory: a
-        trajectory of several rows (segments) is one sample of its group, its outcome reward sits
-        once on its last trained token, and each of its rows gets its part of the result."""
+        """ROLL's order: sample-level mask -> reward post-processing -> token-level rewards (with
+        the KL penalty) -> advantages (with the critic's values when the estimator needs them).
+
+        Computed per trajectory: a trajectory of several rows (segments) is one sample of its
+        group, its outcome reward sits once on its last trained token, token-level recursions
+        (GAE, discounted returns) run over its trained tokens end to end, and each of its rows
+        gets its part of the result. Untrained tokens (``response_mask`` 0) get no reward, value
+        target or advantage."""
         v, options, metrics = batch.values, self.selection.options, {}
         mask = v["response_mask"]
+        tensors = {k: x for k, x in v.items() if isinstance(x, torch.Tensor)}
         if self._ppo_epochs > 1 or options["use_kl_in_reward"]:
             # Needed before the first update: one no-grad forward, the same computation as training's.
-            tensors = {k: x for k, x in v.items() if isinstance(x, torch.Tensor)}
             v["old_log_probs"] = self.train_service.forward(tensors)
+        if options["use_kl_in_reward"] or options["use_kl_loss"]:
+            v["ref_log_probs"] = self._ref_log_probs(batch)
+        if self.critic is not None:
+            v["old_values"] = self.critic.forward(tensors)
         view = TrajectoryView(batch.metadata["row_trajectory"], mask.shape[1])
         mask_np = view.gather(mask.numpy())
         uids = view.first(batch.metadata["uids"])
@@ -335,14 +372,14 @@ class SelfHostedGrpoTrainer(SelfHostedTrainer):
         token_rewards = algorithms.scores_to_token_level(scores, mask_np)
         v["token_level_scores"] = torch.from_numpy(view.scatter(token_rewards))
         if options["use_kl_in_reward"]:
-            v["ref_log_probs"] = self._ref_log_probs(batch)
             token_rewards, kl_metrics = algorithms.apply_kl_penalty(
                 token_rewards, view.gather(v["old_log_probs"].numpy()), view.gather(v["ref_log_probs"].numpy()),
                 mask_np, self._kl_ctrl, str(options["kl_penalty"]))
             metrics.update({f"train/{k}": float(x) for k, x in kl_metrics.items()})
         v["token_level_rewards"] = torch.from_numpy(view.scatter(token_rewards))
         estimate = self.selection.bound("type")
-        adv, returns = estimate(algorithms.AdvantageInputs(token_rewards, mask_np, uids))
+        values = view.gather(v["old_values"].numpy()) if "old_values" in v else None
+        adv, returns = estimate(algorithms.AdvantageInputs(token_rewards, mask_np, uids, values))
         v["advantages"] = torch.from_numpy(view.scatter(np.asarray(adv, dtype=np.float32)))
         v["returns"] = torch.from_numpy(view.scatter(np.asarray(returns, dtype=np.float32)))
         # Masked samples leave the loss only (every row of theirs): they still counted in their
@@ -362,7 +399,11 @@ class SelfHostedGrpoTrainer(SelfHostedTrainer):
         policy_loss = self.selection.bound("policy_loss")
         correction = options["rollout_correction"]
         correct, cap = bool(correction["enabled"]), float(correction["cap"])
-        max_response_length = options["max_response_length"] or batch.metadata["max_tokens"]
+        max_response_length = self._max_response_length(batch)
+        kl_coef = float(options["kl_loss_coef"]) if options["use_kl_loss"] else 0.0
+        kl_kind = str(options["kl_loss_type"])
+        # The KL term reduces like the policy loss when the loss has a mode (a plugin's may not).
+        kl_agg_mode = str(options.get("loss_agg_mode", "token-mean"))
         if correct and "rollout_log_probs" not in batch.values:
             raise ConfigError("algorithm.rollout_correction.enabled: the rollout returned no log-probs to correct "
                               "with (the inference backend must return per-token log-probs)")
@@ -384,7 +425,42 @@ class SelfHostedGrpoTrainer(SelfHostedTrainer):
                                   max_response_length=max_response_length, token_weights=weights)
             loss, loss_metrics = policy_loss(log_probs, old, mb["advantages"], mb["response_mask"], context)
             metrics.update(loss_metrics)
+            if kl_coef:
+                share, metrics["kl_loss"] = kl_loss(log_probs, mb["ref_log_probs"], mb["response_mask"], context,
+                                                    kl_kind, kl_agg_mode)
+                loss = loss + kl_coef * share
             return loss, metrics
+        return loss_fn
+
+    def _max_response_length(self, batch: Batch) -> int | None:
+        return self.selection.options["max_response_length"] or batch.metadata["max_tokens"]
+
+    def _update(self, batch: Batch, tensors: dict[str, torch.Tensor]) -> dict[str, float]:
+        """The critic's updates first (its values made the advantages), then the policy's, unless
+        this step is one of the first ``critic_warmup``."""
+        if self.critic is None:
+            return super()._update(batch, tensors)
+        out: dict[str, float] = {}
+        for _ in range(self._ppo_epochs):
+            out = self.critic.forward_backward(tensors, self._value_loss_fn(batch))
+            out.update(self.critic.optim_step())
+        metrics = {f"critic/{k}": float(x) for k, x in out.items()}
+        mask = batch.values["response_mask"]
+        metrics["critic/returns_mean"] = float(masked_mean(batch.values["returns"], mask))
+        metrics["critic/values_mean"] = float(masked_mean(batch.values["old_values"], mask))
+        warming_up = self.global_step < int(self.selection.options["critic_warmup"])
+        metrics["critic/warmup"] = float(warming_up)
+        return metrics if warming_up else {**metrics, **super()._update(batch, tensors)}
+
+    def _value_loss_fn(self, batch: Batch):
+        critic = self.selection.options["critic"]
+        value_clip = None if critic["value_clip"] is None else float(critic["value_clip"])
+        mode, max_response_length = str(critic["loss_agg_mode"]), self._max_response_length(batch)
+
+        def loss_fn(values: torch.Tensor, mb: dict[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
+            context = LossContext(batch_num_seqs=mb["batch_num_seqs"], batch_num_tokens=mb["batch_num_tokens"],
+                                  max_response_length=max_response_length)
+            return value_loss(values, mb["old_values"], mb["returns"], mb["response_mask"], context, value_clip, mode)
         return loss_fn
 
     def algorithm_state(self) -> dict[str, Any]:
@@ -396,6 +472,21 @@ class SelfHostedGrpoTrainer(SelfHostedTrainer):
         if "kl_coef" in state:
             self._kl_ctrl.value = float(state["kl_coef"])
         self._reward_processor.load_state_dict(state.get("reward_running", {}))
+
+    def save_model_state(self, folder: str) -> None:
+        super().save_model_state(folder)
+        if self.critic is not None:
+            self.critic.save_checkpoint(Path(folder) / CRITIC_FOLDER)
+
+    def load_model_state(self, folder: str) -> None:
+        super().load_model_state(folder)
+        if self.critic is not None:
+            critic_folder = Path(folder) / CRITIC_FOLDER
+            if not critic_folder.is_dir():
+                raise ConfigError(f"{folder}: the checkpoint has no critic ({CRITIC_FOLDER}/), but algorithm.type "
+                                  f"'{self.selection.functions['type'].name}' trains one: resume it with the "
+                                  f"estimator it was written with")
+            self.critic.load_checkpoint(critic_folder)
 
 
 class SelfHostedCrossEntropyTrainer(SelfHostedTrainer):
