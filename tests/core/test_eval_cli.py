@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.support.metrics import read_metrics
+
 pytestmark = pytest.mark.timeout(180)
 
 REPO = Path(__file__).resolve().parents[2]
@@ -81,8 +83,8 @@ def nexrl(*args, env_extra=None):
 
 
 def val_rows(run_dir: Path) -> dict[int, dict]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: {k: v for k, v in r.items() if k not in ("step", "time")} for r in rows if "val/num_samples" in r}
+    return {r["step"]: {k: v for k, v in r.items() if k != "step"} for r in read_metrics(run_dir)
+            if "val/num_samples" in r}
 
 
 def test_eval_prints_one_json_summary_and_writes_samples(tmp_path):

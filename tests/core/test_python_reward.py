@@ -101,16 +101,17 @@ def test_what_the_function_may_return():
         as_result({"reward": "high"}, "f")
 
 
-BAD = {  # evaluator mapping (paths relative to tmp_path) -> the one error line
+BAD = {  # evaluator mapping (paths relative to the recipe in tmp_path; an existing one is resolved) -> the one error line
     "missing": ({"path": "nope.py"}, "rollout_worker.evaluator.path: 'nope.py' is not found (a Python file that "
                                      "defines score())"),
-    "folder": ({"path": "."}, "rollout_worker.evaluator.path: '.' is a folder (a Python file that defines score())"),
+    "folder": ({"path": "."}, "rollout_worker.evaluator.path: '{tmp}' is a folder (a Python file that "
+                                        "defines score())"),
     "no_function": ({"path": "my_reward.py", "function": "scroe"},
-                    "rollout_worker.evaluator.function: my_reward.py defines no 'scroe' (functions in it: flaky, "
+                    "rollout_worker.evaluator.function: {tmp}/my_reward.py defines no 'scroe' (functions in it: flaky, "
                     "score)"),
     "kwargs": ({"path": "my_reward.py", "function": "flaky", "kwargs": {"bonus": 1}},
-               "rollout_worker.evaluator.function: flaky(response, data) in my_reward.py cannot be called as "
-               "flaky(response, data, bonus=...): got an unexpected keyword argument 'bonus'"),
+               "rollout_worker.evaluator.function: flaky(response, data) in {tmp}/my_reward.py cannot be called "
+               "as flaky(response, data, bonus=...): got an unexpected keyword argument 'bonus'"),
     "syntax": ({"path": "broken.py"}, "{tmp}/broken.py:3: invalid syntax (the file of rollout_worker.evaluator.path)"),
     "import_raises": ({"path": "raises.py"}, "rollout_worker.evaluator.path: importing {tmp}/raises.py raised "
                                              "ModuleNotFoundError: No module named 'not_installed_anywhere' "

@@ -22,6 +22,7 @@ from nexrl_core.config import load_recipe
 from nexrl_core.controller import NexRLController
 from nexrl_core.types import NexRLRole
 from tests.support.letters import grpo_plugin_manager
+from tests.support.metrics import without_clock
 
 STEPS = 4
 PROMPTS = ["the quick", "what is", "count: one", "hello world"]
@@ -73,8 +74,7 @@ def run(root: Path, model_dir: str, launch_mode: str, **ray) -> dict:
     return {"rows": rows, "weights": weights, "summary": summary, "placement": placement, **seen}
 
 
-def _comparable(rows: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if not k.startswith("timing/")} for r in rows]
+_comparable = without_clock
 
 
 @pytest.fixture(scope="module")

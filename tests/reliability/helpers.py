@@ -11,6 +11,8 @@ from pathlib import Path
 
 import yaml
 
+from tests.support.metrics import read_metrics
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 _SCRIPT = Path(sys.executable).parent / "nexrl"  # the console script of this environment
 NEXRL = [str(_SCRIPT)] if _SCRIPT.exists() else \
@@ -101,10 +103,7 @@ def run_to_end(start_run, recipe: str, *overrides: str, timeout: float = 240.0) 
 
 
 def metrics_rows(run_dir: Path, drop_timing: bool = True) -> list[dict]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    if drop_timing:
-        rows = [{k: v for k, v in row.items() if not k.startswith("timing/") and k != "time"} for row in rows]
-    return rows
+    return read_metrics(run_dir, clock=not drop_timing)
 
 
 def error_rows(run_dir: Path) -> list[dict]:

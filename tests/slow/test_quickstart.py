@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.metrics import read_metrics
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 STEPS = 2
 
@@ -118,9 +120,8 @@ def test_quickstart_in_ray_mode_matches_local_mode(tmp_path):
         proc = subprocess.run(_nexrl_cmd() + ["run", "recipes/quickstart.yaml", *overrides], cwd=REPO_ROOT, env=env,
                               capture_output=True, text=True, timeout=420)
         assert proc.returncode == 0, f"{mode}: nexrl run exited {proc.returncode}\n{proc.stderr[-6000:]}"
-        rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
         out[mode] = {
-            "rows": [{k: v for k, v in r.items() if not k.startswith("timing/")} for r in rows],
+            "rows": read_metrics(run_dir),
             "weights": load_file(str(run_dir / "checkpoints" / "global_step_1" / "model.safetensors")),
         }
     local, ray_run = out["local"], out["ray"]

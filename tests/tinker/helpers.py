@@ -65,8 +65,6 @@ def tinker_plugin_manager():
 
 
 def metrics_rows(run_dir) -> list[dict]:
-    import json
-    from pathlib import Path
+    from tests.support.metrics import read_metrics
 
-    path = Path(run_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return read_metrics(run_dir)
