@@ -52,7 +52,7 @@ def main() -> None:
     rows = problems(random.Random(2024))
     out = Path(__file__).parent / "data"
     out.mkdir(exist_ok=True)
-    for name, part in (("train.jsonl", rows[:320]), ("val.jsonl", rows[320:384])):
+    for name, part in (("train.jsonl", rows[:320]), ("val.jsonl", rows[320:352])):
         with open(out / name, "w", encoding="utf-8") as f:
             f.writelines(json.dumps(row) + "\n" for row in part)
 
