@@ -236,6 +236,8 @@ def test_binding_by_file_path_and_lazy_binding_errors(tmp_path):
     ("name: a\ntools: [{name: t, yaml_path: t.yaml}]\n", "name: T\ndescription: d\n",
      "tools[0] (t): binding: required"),
     ("name: a\ntools: [{name: t, yaml_path: missing.yaml, binding: m:f}]\n", None, "missing.yaml not found"),
+    ("name: a\ntools: [{name: t, yaml_path: t.yaml, binding: m:f, as_skill: true}]\n", "name: T\ndescription: d\n",
+     "tools[0]: as_skill: not supported by nexrl's built-in agent runner; run this agent with NexAU itself"),
     ("name: a\ntools: [{name: t, yaml_path: t.yaml, binding: m:f}]\n", "name: T\ndescription: d\nbuiltin: x\n",
      "t.yaml: builtin: not supported"),
     ("name: a\ntools: [{name: t, yaml_path: t.yaml, binding: m:f}]\n", "name: T\ndescription: [d\n",

@@ -114,13 +114,7 @@ def load_agent_spec(path: str, workspace: str | None = None) -> AgentSpec:
         raise ConfigError(f"{where}: an agent file is a mapping of keys, got {type(raw).__name__}")
     if raw.get("type", "agent") != "agent":
         raise ConfigError(f"{where}: type: expected 'agent', got {raw.get('type')!r}")
-    nexau_only = sorted(set(raw) & _NEXAU_ONLY_AGENT_KEYS)
-    if nexau_only:
-        raise ConfigError(f"{where}: {', '.join(nexau_only)}: not supported by nexrl's built-in agent runner; "
-                          f"run this agent with NexAU itself (rollout_worker.agent_runner: nexau)")
-    unknown = sorted(set(raw) - _AGENT_KEYS)
-    if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)} (known: {', '.join(sorted(_AGENT_KEYS))})")
+    _check_keys(raw, where, _AGENT_KEYS, _NEXAU_ONLY_AGENT_KEYS)
     base = os.path.dirname(os.path.abspath(path))
     name = raw.get("name")
     if not isinstance(name, str) or not name:
@@ -184,11 +178,12 @@ def load_agent_spec(path: str, workspace: str | None = None) -> AgentSpec:
                      workspace=os.path.abspath(workspace) if workspace else base)
 
 
-def _check_tool_keys(mapping: dict[str, Any], where: str, known: frozenset[str] | set[str]) -> None:
-    nexau_only = sorted(set(mapping) & _NEXAU_ONLY_TOOL_KEYS)
+def _check_keys(mapping: dict[str, Any], where: str, known: set[str], nexau_only_keys: set[str]) -> None:
+    """NexAU's keys the built-in runner does not implement, then keys neither knows."""
+    nexau_only = sorted(set(mapping) & nexau_only_keys)
     if nexau_only:
-        raise ConfigError(f"{where}: {', '.join(nexau_only)}: not supported by nexrl's built-in agent runner "
-                          f"(rollout_worker.agent_runner: nexau runs NexAU itself)")
+        raise ConfigError(f"{where}: {', '.join(nexau_only)}: not supported by nexrl's built-in agent runner; "
+                          f"run this agent with NexAU itself (rollout_worker.agent_runner: nexau)")
     unknown = sorted(set(mapping) - known)
     if unknown:
         raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})")
@@ -198,7 +193,7 @@ def _load_tool(entry: Any, index: int, base: str, agent_file: str) -> ToolSpec:
     where = f"{agent_file}: tools[{index}]"
     if not isinstance(entry, dict):
         raise ConfigError(f"{where}: expected a mapping with name and yaml_path, got {entry!r}")
-    _check_tool_keys(entry, where, _TOOL_ENTRY_KEYS)
+    _check_keys(entry, where, _TOOL_ENTRY_KEYS, _NEXAU_ONLY_TOOL_KEYS)
     name = entry.get("name")
     if not isinstance(name, str) or not name:
         raise ConfigError(f"{where}: name: required (a non-empty string)")
@@ -212,7 +207,7 @@ def _load_tool(entry: Any, index: int, base: str, agent_file: str) -> ToolSpec:
     tool = _read_yaml(tool_path)
     if not isinstance(tool, dict):
         raise ConfigError(f"{tool_path}: a tool file is a mapping of keys, got {type(tool).__name__}")
-    _check_tool_keys(tool, tool_path, _TOOL_FILE_KEYS)
+    _check_keys(tool, tool_path, _TOOL_FILE_KEYS, _NEXAU_ONLY_TOOL_KEYS)
     if tool.get("type", "tool") != "tool":
         raise ConfigError(f"{tool_path}: type: expected 'tool', got {tool.get('type')!r}")
     description = tool.get("description")
