@@ -1,5 +1,5 @@
 """``metrics.png`` of a run directory: training reward (and each domain's), validation scores and
-loss by step.
+the update (gradient norm of an RL run, loss of a supervised one) by step.
 
 Written at the end of ``nexrl run`` and on demand by ``nexrl plot RUN_DIR``. Needs matplotlib
 (the ``plot`` extra: ``pip install 'nexrl-core[plot]'``); everything else here is plain Python.
@@ -19,6 +19,8 @@ from .run_log import METRICS_FILE
 PLOT_FILE = "metrics.png"
 TRAIN_REWARD = "train/reward_mean"
 LOSS_KEYS = ("train/loss", "train/pg_loss")
+GRAD_NORM = "train/grad_norm"
+ADVANTAGES = "train/advantages_abs_mean"  # logged by policy-gradient trainers
 _SMOOTH = 10  # steps of the training reward's running mean
 
 
@@ -75,6 +77,15 @@ def domain_reward_keys(found: dict[str, list[tuple[int, float]]]) -> list[str]:
     return sorted(k for k in found if k.startswith("train/") and k.endswith("/reward_mean") and k.count("/") == 2)
 
 
+def update_key(found: dict[str, list[tuple[int, float]]]) -> str | None:
+    """What the third panel draws. A policy-gradient surrogate's value is about 0 by construction
+    (advantages are centred, the ratio starts at 1), so it says nothing about progress: RL runs
+    show the gradient norm; supervised runs show their loss."""
+    if ADVANTAGES in found and GRAD_NORM in found:
+        return GRAD_NORM
+    return next((k for k in LOSS_KEYS if k in found), None)
+
+
 def _title(run_dir: str) -> str:
     """``experiment_name`` from the run's config.yaml, else the folder's name."""
     folder = os.path.basename(os.path.normpath(os.path.abspath(run_dir)))
@@ -111,9 +122,9 @@ def plot_run(run_dir: str, out: str | None = None, title: str | None = None) -> 
         raise ConfigError(f"{os.path.join(run_dir, METRICS_FILE)}: no metrics recorded yet")
     out = out or os.path.join(run_dir, PLOT_FILE)
     val_keys = validation_keys(found)
-    loss_key = next((k for k in LOSS_KEYS if k in found), None)
+    third = update_key(found)
     panels = [p for p, present in (("reward", TRAIN_REWARD in found), ("val", bool(val_keys)),
-                                   ("loss", loss_key is not None)) if present]
+                                   ("update", third is not None)) if present]
     if not panels:
         raise ConfigError(f"{os.path.join(run_dir, METRICS_FILE)}: neither {TRAIN_REWARD} nor validation metrics "
                           f"recorded yet")
@@ -135,9 +146,9 @@ def plot_run(run_dir: str, out: str | None = None, title: str | None = None) -> 
                 ax.plot(steps, values, marker="o", markersize=4, linewidth=1.5, label=key)
             ax.set_ylabel("validation")
         else:
-            steps, values = zip(*found[loss_key])
-            ax.plot(steps, values, color="tab:red", linewidth=1.2, label=loss_key)
-            ax.set_ylabel("loss")
+            steps, values = zip(*found[third])
+            ax.plot(steps, values, color="tab:red", linewidth=1.2, label=third)
+            ax.set_ylabel("gradient norm" if third == GRAD_NORM else "loss")
         ax.grid(True, alpha=0.3)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.legend(loc="best", fontsize=8)

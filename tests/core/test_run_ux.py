@@ -481,6 +481,16 @@ def test_the_plot_draws_each_domains_training_reward(tmp_path):
     assert os.path.getsize(out) > 0
 
 
+def test_the_plots_third_panel_is_the_gradient_norm_of_an_rl_run_and_the_loss_of_a_supervised_one():
+    from nexrl_core.plot import series, update_key
+
+    rl = series([{"step": 1, "train/loss": 1e-9, "train/grad_norm": 2.5, "train/advantages_abs_mean": 0.7}])
+    assert update_key(rl) == "train/grad_norm"  # the surrogate's value is ~0 on-policy: not a progress signal
+    sft = series([{"step": 1, "train/loss": 1.7, "train/grad_norm": 2.5}])
+    assert update_key(sft) == "train/loss"
+    assert update_key(series([{"step": 1, "train/reward_mean": 0.5}])) is None
+
+
 def test_a_train_service_path_is_next_to_the_recipe(tmp_path):
     from nexrl_core.config import resolve_recipe_paths
 
