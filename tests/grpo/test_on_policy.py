@@ -210,3 +210,22 @@ def test_rollout_correction_needs_rollout_logprobs(tiny_model_dir, engine):
     batch = [{**t, "response_logprobs": None} for t in rollouts(engine, 1.0)]
     with pytest.raises(ConfigError, match="rollout_correction.enabled: the rollout returned no log-probs"):
         trainer.train(batch)
+
+
+def test_a_bf16_engine_shows_in_the_mismatch_metrics_and_the_correction_weighs_it(tiny_model_dir, engine):
+    """Rollouts from a bf16 engine scored by a float32 trainer: the training-inference mismatch GPU
+    users meet with vLLM. The metrics show it (a float32 engine reads < 1e-3, see above) and the
+    truncated-IS correction gives each token its weight, near 1."""
+    model, tokenizer = load_causal_lm(tiny_model_dir, dtype="bfloat16")
+    half = HFInferenceEngine({"batch_wait_ms": 20}, model=model, tokenizer=tokenizer)
+    try:
+        batch = rollouts(half, 1.0)
+    finally:
+        half.close()
+    trainer = make_trainer(tiny_model_dir, rollout_correction={"enabled": True, "cap": 2.0})
+    metrics = trainer.train(batch)
+    assert 1e-3 < metrics["train/rollout_logprob_diff_mean"] < 0.1, metrics
+    assert metrics["train/rollout_logprob_diff_max"] > 1e-2 and metrics["train/rollout_kl_k3"] > 1e-6, metrics
+    assert metrics["train/rollout_is_weight_mean"] != 1.0
+    assert metrics["train/rollout_is_weight_mean"] == pytest.approx(1.0, abs=0.05)
+    assert abs(metrics["train/ppo_kl"]) < 1e-6  # the PPO ratio stays the trainer's own

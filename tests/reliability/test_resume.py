@@ -138,6 +138,36 @@ def test_sigkill_with_eight_rollout_workers_then_auto_resume_is_bit_exact(refere
     assert_same_as_reference(run_dir, reference8)
 
 
+BF16 = ("+service.train_service.dtype=bfloat16", "+service.inference_service.dtype=bfloat16")
+
+
+def test_bf16_run_resumes_bit_exact_and_its_checkpoint_loads_with_transformers(
+        reference, tiny_model_dir, plugin_env, recipe, start_run, tmp_path, tmp_path_factory):
+    """Mixed-precision training (float32 masters) with a bf16 engine: killed after step 2's
+    checkpoint and resumed, it ends with the uninterrupted bf16 run's exact checkpoint, which
+    transformers loads as a float32 model; and it is not the float32 run."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    bf16_reference = _reference_run(tiny_model_dir, plugin_env, tmp_path_factory.mktemp("reference_bf16"), *BF16)
+    final = bf16_reference / "checkpoints" / f"global_step_{STEPS}"
+    weights = load_file(str(final / "model.safetensors"))
+    float32_weights = load_file(str(reference / "checkpoints" / f"global_step_{STEPS}" / "model.safetensors"))
+    assert any(not torch.equal(weights[k], float32_weights[k]) for k in weights)
+    model = AutoModelForCausalLM.from_pretrained(str(final), local_files_only=True)
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in weights.items())
+
+    ckpt = tmp_path / "run" / "checkpoints"
+    first = start_run(recipe, *BF16)
+    first.wait_for(_complete(ckpt, 2))
+    first.kill()
+    resumed = run_to_end(start_run, recipe, *BF16, "resume.mode=auto")
+    assert "resumed from" in resumed.output()
+    assert_same_as_reference(tmp_path / "run", bf16_reference)
+
+
 def _rows_if_any(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
     if not path.exists():

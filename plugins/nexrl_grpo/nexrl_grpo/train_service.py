@@ -41,6 +41,10 @@ CHECKPOINT_FORMAT = 1
 # What save_checkpoint adds to the HF folder for a resume; an export leaves them out.
 TRAINING_STATE_FILES = ("optimizer.safetensors", "optimizer.json", "rng.safetensors", "rng.json", "extra_state.json")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Compute precisions of training. bfloat16 is mixed precision: the model's matmuls and attention run
+# under bf16 autocast while the weights, their gradients and Adam's state stay float32, and the
+# log-softmax and loss are float32 (float16 would need loss scaling: not offered).
+TRAIN_DTYPES = ("float32", "bfloat16")
 # The dict of tensors above with a LossFn. A service taking it also offers ``tokenizer`` (and
 # ``model``, the torch module, which a KL reference is copied from).
 BATCH_FORMAT = "torch_tensors"
@@ -55,7 +59,7 @@ class LocalTorchTrainService(TrainService):
     """One model and its AdamW optimizer in this process: the ``local_torch`` train service.
 
     Config keys: ``model_path`` (required unless ``model``/``tokenizer`` are passed), ``gguf_file``,
-    ``dtype`` (float32), ``lr`` (1e-6), ``weight_decay`` (0.0), ``betas`` ([0.9, 0.999]), ``eps``
+    ``dtype`` (float32; bfloat16: mixed precision, see :data:`TRAIN_DTYPES`), ``lr`` (1e-6), ``weight_decay`` (0.0), ``betas`` ([0.9, 0.999]), ``eps``
     (1e-8), ``grad_clip`` (1.0; <= 0 or null: no clipping), ``seed`` (seeds torch, numpy and
     python RNGs), ``micro_batch_size`` (rows per forward; null: the whole batch), ``packing`` (auto: forward
     and backward run on packed sequences with no padding when the batch and model allow it, see
@@ -65,6 +69,8 @@ class LocalTorchTrainService(TrainService):
 
     OPTIONS = {
         **MODEL_OPTIONS,
+        "dtype": Option("float32", str, "compute precision; bfloat16 = bf16 autocast with float32 master weights, "
+                                        "optimizer state, log-softmax and loss", choices=TRAIN_DTYPES),
         "lr": Option(1e-6, float, "AdamW learning rate", gt=0),
         "weight_decay": Option(0.0, float, "AdamW weight decay", ge=0),
         "betas": Option([0.9, 0.999], list[float], "AdamW betas", check=_betas),
@@ -105,7 +111,15 @@ class LocalTorchTrainService(TrainService):
             torch.manual_seed(int(seed))
             np.random.seed(int(seed) % 2**32)
             random.seed(int(seed))
-        model, tokenizer = model_from_config("LocalTorchTrainService", config, model, tokenizer)
+        self.dtype = str(config.get("dtype", None) or "float32")
+        if self.dtype not in TRAIN_DTYPES:
+            raise ValueError(f"dtype: {self.dtype!r} is not one of {', '.join(TRAIN_DTYPES)} "
+                             f"(bfloat16 trains with float32 master weights)")
+        # The weights are the float32 masters whatever the compute precision.
+        model, tokenizer = model_from_config("LocalTorchTrainService", {**dict(config), "dtype": "float32"},
+                                             model, tokenizer)
+        if any(p.is_floating_point() and p.dtype != torch.float32 for p in model.parameters()):
+            model = model.float()
         self.model = model
         self.tokenizer = tokenizer
         micro = config.get("micro_batch_size", None)
@@ -139,7 +153,7 @@ class LocalTorchTrainService(TrainService):
         """Logprobs ``[B, R]`` of the response tokens under the current weights (no grad)."""
         self._check(batch)
         self.model.eval()
-        with torch.no_grad():
+        with torch.no_grad(), self._autocast():
             parts = [self._logprobs(mb) for mb in self._micro_batches(batch)]
         return torch.cat(parts, dim=0)
 
@@ -170,7 +184,9 @@ class LocalTorchTrainService(TrainService):
         parts: list[tuple[float, dict[str, float]]] = []
         for mb in self._micro_batches(batch):
             mb.update(shared)
-            loss, mb_metrics = loss_fn(self._logprobs(mb), mb)
+            with self._autocast():
+                log_probs = self._logprobs(mb)
+            loss, mb_metrics = loss_fn(log_probs, mb)
             loss.backward()
             total_loss += float(loss.detach())
             weight = float(mb["response_mask"].sum()) / num_tokens if num_tokens else mb["input_ids"].shape[0] / num_rows
@@ -253,6 +269,12 @@ class LocalTorchTrainService(TrainService):
         missing = [k for k in REQUIRED_KEYS if k not in batch]
         if missing:
             raise ValueError(f"batch is missing {missing}; a batch needs {list(REQUIRED_KEYS)} (+ position_ids)")
+
+    def _autocast(self) -> torch.autocast:
+        """bf16 autocast around the model's forward (its backward follows it); the log-probs it
+        yields are float32 (:func:`~nexrl_grpo.modeling.token_logprobs` upcasts the logits)."""
+        device = next(self.model.parameters()).device
+        return torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.dtype == "bfloat16")
 
     def _micro_batches(self, batch: dict[str, Any]):
         rows = batch["input_ids"].shape[0]

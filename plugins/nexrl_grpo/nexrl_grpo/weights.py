@@ -61,7 +61,8 @@ MODEL_OPTIONS = {
     "model_path": Option(None, str, f"HF model folder, a global_step_<N> checkpoint, or '{SMOLLM2}'", path=True),
     "gguf_file": Option(None, str, "GGUF file (in model_path, or absolute), converted once to safetensors",
                         path=True),
-    "dtype": Option("float32", str, "torch floating-point dtype of the weights"),
+    "dtype": Option("float32", str, "dtype of the weights and the compute (the sampler is float32/float64 "
+                                    "whatever it is)", choices=("float32", "bfloat16", "float16")),
     "num_threads": Option(None, int, "torch CPU threads", ge=1),
 }
 AUTO_FLAG = (bool, str, None)  # auto | true | false
