@@ -343,9 +343,13 @@ class FastLlamaSession:
         width = q.shape[2]
         keys, values = self.keys[layer], self.values[layer]
         if width == 1:
-            parts = [F.scaled_dot_product_attention(q[a:b], keys[a:b, :, s:end], values[a:b, :, s:end],
-                                                    scale=scaling, enable_gqa=True) for a, b, s in runs]
-            return parts[0] if len(parts) == 1 else torch.cat(parts)
+            # The query heads of one KV head attend as that head's group of queries: no per-call copy
+            # of the keys and values for every query head (what enable_gqa does).
+            rows, heads, _, head_dim = q.shape
+            grouped = q.reshape(rows, keys.shape[1], heads // keys.shape[1], head_dim)
+            parts = [F.scaled_dot_product_attention(grouped[a:b], keys[a:b, :, s:end], values[a:b, :, s:end],
+                                                    scale=scaling) for a, b, s in runs]
+            return (parts[0] if len(parts) == 1 else torch.cat(parts)).reshape(rows, heads, 1, head_dim)
         out = q.new_zeros(q.shape)
         for a, b, s in runs:
             if s < end:  # a row of padding only has no query to answer
