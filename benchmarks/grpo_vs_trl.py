@@ -1,26 +1,35 @@
 """nexrl vs TRL's GRPOTrainer at the same GRPO configuration, alternating in one process.
 
-Same model (SmolLM2-135M-Instruct, fp32, from the cached safetensors folder), same prompts (the
+TRL runs in both of its precisions (``bf16=True``: bf16 autocast over fp32 weights; and fp32), nexrl
+in each ``--nexrl-dtype`` (float32; bfloat16 = mixed precision in the trainer and bf16 decoding in the
+engine, or the recipe's setting). Same model (SmolLM2-135M-Instruct, loaded in fp32 from the cached
+safetensors folder), same prompts (the
 generated ``arithmetic`` task, in the same order), same sampling (temperature 1.0, top_p 1,
 ``--max-new-tokens``), same batch (``--prompts`` x ``--samples`` completions per optimizer step),
 same loss (PPO-clip 0.2, per-sequence token mean, group-std-normalised advantages, beta=0: no KL,
 no reference model), same optimizer (AdamW, constant ``--lr``, grad clip 1.0), same reward
-(``nexrl_core.builtins.evaluators.NumericAnswerEvaluator``), CPU fp32, no checkpoints, no evaluation.
+(``nexrl_core.builtins.evaluators.NumericAnswerEvaluator``), CPU, no checkpoints, no evaluation.
 
 nexrl runs through ``NexRLController`` with ``recipes/quickstart.yaml`` plus overrides (the path
 ``nexrl run`` takes); TRL runs ``GRPOTrainer.train()``. Each runs in its own thread and is paused
 between blocks at a step boundary, so only one system computes at a time:
 
-    warm-up (both) -> [TRL k steps, nexrl k steps] x blocks   (the first system alternates)
+    warm-up (each) -> [TRL-bf16 k steps, TRL-fp32 k steps, nexrl k steps] x blocks   (the order rotates)
 
 A block's time runs from releasing the system to the end of its k-th optimizer step (nexrl: also
 until its rollout workers are idle, so no leftover work spills into TRL's block; the weight push
 of each step belongs to the block). Background load hits both systems alike because the blocks
-interleave. Prints seconds/step per system, the ratio (nexrl steps/s / TRL steps/s) and the mean
-reward per step of both.
+interleave. Prints seconds/step per system, the ratio (nexrl steps/s / TRL steps/s) against each
+TRL precision and the mean reward per step of each.
+
+Then the decode roofline: one decode step of nexrl's fast path (``--roofline-rows`` rows, the
+engine's dtype) against the matmul time of the same weights at the same rows and dtype (every
+projection and the LM head, through ``F.linear`` and through oneDNN with prepacked weights; the
+faster counts): the ratio says how close decoding runs to what the matmuls alone cost on this CPU.
 
     pip install -c constraints-cpu.txt -r benchmarks/requirements.txt
     python benchmarks/grpo_vs_trl.py                      # defaults: ~10-15 min on 2 CPU cores
+    python benchmarks/grpo_vs_trl.py --nexrl-dtype bfloat16 --trl-precisions bf16
     python benchmarks/grpo_vs_trl.py --blocks 2 --steps-per-block 1   # quick check
 """
 
@@ -158,15 +167,14 @@ class GatedSystem:
 
 
 class TrlSystem(GatedSystem):
-    name = "TRL"
-
     def __init__(self, args: argparse.Namespace, model_path: str, rows: list[dict[str, Any]], order: list[int],
-                 total_steps: int, out_dir: str):
+                 total_steps: int, out_dir: str, precision: str):
         import torch
         from datasets import Dataset
         from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
         from trl import GRPOConfig, GRPOTrainer
 
+        self.name = f"TRL-{precision}"
         self.gate = Gate(self.name)
         self.rewards: list[float] = []
         self.gen_intervals: list[tuple[float, float]] = []
@@ -174,7 +182,7 @@ class TrlSystem(GatedSystem):
                                       "answer": rows[i]["answer"]} for i in order])
         config = GRPOConfig(
             output_dir=out_dir,
-            use_cpu=True, bf16=False, fp16=False,
+            use_cpu=True, bf16=precision == "bf16", fp16=False,  # bf16: autocast, fp32 master weights
             per_device_train_batch_size=args.prompts * args.samples,  # completions per step
             gradient_accumulation_steps=1,
             num_generations=args.samples,
@@ -208,7 +216,7 @@ class TrlSystem(GatedSystem):
         # Time generation (+ reward) separately, for the breakdown.
         self.trainer._generate_and_score_completions = timed(self.trainer._generate_and_score_completions,
                                                              self.gen_intervals)
-        self.thread = threading.Thread(target=self._run, name="trl", daemon=True)
+        self.thread = threading.Thread(target=self._run, name=self.name, daemon=True)
 
     def work(self) -> None:
         self.trainer.train()
@@ -222,13 +230,11 @@ class TrlSystem(GatedSystem):
 
 
 class NexrlSystem(GatedSystem):
-    name = "nexrl"
-
-    def __init__(self, args: argparse.Namespace, total_steps: int, run_dir: str):
+    def __init__(self, args: argparse.Namespace, total_steps: int, run_dir: str, dtype: str):
         from nexrl_core.config import load_recipe
         from nexrl_core.controller import NexRLController
+        from omegaconf import OmegaConf
 
-        self.gate = Gate(self.name)
         overrides = [
             f"run_dir={run_dir}", f"seed={args.seed}",
             f"trainer.total_train_steps={total_steps}", "trainer.save_freq=0",
@@ -240,8 +246,21 @@ class NexrlSystem(GatedSystem):
             *([f"weight.rollout_limit={args.rollout_limit}"] if args.rollout_limit != "recipe" else []),
             "algorithm.clip_ratio_low=0.2", "algorithm.clip_ratio_high=0.2",
             "algorithm.loss_agg_mode=seq-mean-token-mean",
-        ] + list(args.nexrl_override)
-        self.config = load_recipe(QUICKSTART, overrides)
+        ]
+        if dtype != "recipe":
+            base = load_recipe(QUICKSTART)
+            for key in ("service.train_service.dtype", "service.inference_service.dtype"):
+                present = OmegaConf.select(base, key, default=None) is not None
+                overrides.append(f"{'' if present else '+'}{key}={dtype}")
+        self.config = load_recipe(QUICKSTART, overrides + list(args.nexrl_override))
+        service = self.config.service
+        # What the two sides compute in (auto resolved on this CPU), and the system's name from it.
+        from nexrl_grpo.modeling import auto_dtype
+
+        self.dtypes = (auto_dtype(service.train_service.get("dtype")), auto_dtype(service.inference_service.get("dtype")))
+        short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+        self.name = "nexrl-" + "/".join(dict.fromkeys(short.get(d, d) for d in self.dtypes))
+        self.gate = Gate(self.name)
         self.controller = NexRLController(self.config)
         self.run_dir = run_dir
         self.gen_intervals: list[tuple[float, float]] = []
@@ -258,7 +277,7 @@ class NexrlSystem(GatedSystem):
 
         ws.train_worker_notify_weight_update = update
         self.summary: Any = None
-        self.thread = threading.Thread(target=self._run, name="nexrl", daemon=True)
+        self.thread = threading.Thread(target=self._run, name=self.name, daemon=True)
 
     def work(self) -> None:
         self.summary = self.controller.run()
@@ -301,6 +320,50 @@ def overlap(intervals: list[tuple[float, float]], windows: list[tuple[float, flo
     return sum(max(0.0, min(b, wb) - max(a, wa)) for a, b in intervals for wa, wb in windows)
 
 
+def decode_roofline(model_path: str, dtype: str, rows: int, prompt_len: int, steps: int) -> dict[str, float]:
+    """Median seconds of one fast-path decode step at ``rows`` rows against the median of the bare
+    ``F.linear`` time of the same weights (every projection and the LM head, ``rows`` rows, same dtype)."""
+    import torch
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM
+
+    from nexrl_grpo.decoding import FastLlama, _Linear
+
+    torch_dtype = getattr(torch, dtype)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype, local_files_only=True).eval()
+    gen = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        session = FastLlama(model, rows_hint=rows).session()
+        ids = torch.randint(100, model.config.vocab_size - 1, (rows, prompt_len), generator=gen)
+        positions = torch.arange(prompt_len).expand(rows, prompt_len)
+        session.prefill(ids, torch.ones_like(ids), positions)
+        token = torch.randint(100, model.config.vocab_size - 1, (rows,), generator=gen)
+        step_times = []
+        for i in range(steps):
+            t0 = time.perf_counter()
+            session.step(token, torch.full((rows,), prompt_len + i))
+            step_times.append(time.perf_counter() - t0)
+        weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+        inputs = {w.shape[1]: torch.randn(rows, w.shape[1], generator=gen).to(torch_dtype) for w in weights}
+        # The matmuls alone, two ways: torch's F.linear, and oneDNN with the weight prepacked (what the
+        # fast path calls); the faster one is the reference.
+        packed = [_Linear(w, None, rows) for w in weights]
+        matmul_times: dict[str, list[float]] = {"F.linear": [], "prepacked": []}
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            for w in weights:
+                F.linear(inputs[w.shape[1]], w)
+            t1 = time.perf_counter()
+            for w, linear in zip(weights, packed):
+                linear(inputs[w.shape[1]])
+            matmul_times["F.linear"].append(t1 - t0)
+            matmul_times["prepacked"].append(time.perf_counter() - t1)
+    weight_bytes = sum(w.numel() * w.element_size() for w in weights)
+    matmul = {way: statistics.median(t[1:]) for way, t in matmul_times.items()}
+    return {"step_s": statistics.median(step_times[steps // 4:]), "matmul_s": min(matmul.values()),
+            "matmul_by_way_s": matmul, "weight_bytes": weight_bytes, "context": prompt_len + steps}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--warmup", type=int, default=1, help="untimed steps per system before the blocks")
@@ -317,10 +380,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     p.add_argument("--workers", type=int, default=0,
                    help="nexrl rollout_worker.num_workers (0: prompts x samples, one step's completions)")
+    p.add_argument("--nexrl-dtype", nargs="+", default=["float32", "bfloat16"],
+                   choices=("recipe", "float32", "bfloat16", "auto"),
+                   help="one nexrl system per value: the train service's and the engine's dtype "
+                        "(recipe: leave the quickstart's)")
+    p.add_argument("--trl-precisions", nargs="+", default=["bf16", "fp32"], choices=("bf16", "fp32"),
+                   help="TRL systems to run (bf16: GRPOConfig(bf16=True); fp32: bf16=False)")
     p.add_argument("--nexrl-override", nargs="*", default=[], help="extra nexrl recipe overrides key=value")
     p.add_argument("--trl-gradient-checkpointing", action="store_true",
                    help="run TRL with gradient checkpointing (GRPOConfig's default; off by default here because "
                         "nexrl keeps activations, so both do the same compute)")
+    p.add_argument("--roofline-rows", type=int, default=0,
+                   help="rows of the decode roofline (0: prompts x samples; -1: skip it)")
     p.add_argument("--json", help="also write the results to this JSON file")
     args = p.parse_args(argv)
 
@@ -345,71 +416,103 @@ def main(argv: list[str] | None = None) -> int:
     steps_per_system = args.warmup + args.blocks * args.steps_per_block
     started = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     print(f"grpo_vs_trl  {started}  torch {torch.__version__} ({torch.get_num_threads()} threads), "
-          f"transformers {transformers.__version__}, trl {trl.__version__}")
-    print(f"model {model_path} (fp32); {args.prompts} prompts x {args.samples} samples/step, <= {args.max_new_tokens} "
+          f"transformers {transformers.__version__}, trl {trl.__version__}; CPU {cpu_name()}")
+    print(f"model {model_path}; {args.prompts} prompts x {args.samples} samples/step, <= {args.max_new_tokens} "
           f"new tokens, temperature 1.0, beta 0, lr {args.lr}; warm-up {args.warmup}, {args.blocks} blocks x "
           f"{args.steps_per_block} steps per system; nexrl weight.rollout_limit={args.rollout_limit}; "
           f"load avg {loadavg()}", flush=True)
 
     with tempfile.TemporaryDirectory(prefix="nexrl-vs-trl-") as tmp:
-        nexrl = NexrlSystem(args, steps_per_system, os.path.join(tmp, "nexrl"))
+        nexrls = [NexrlSystem(args, steps_per_system, os.path.join(tmp, f"nexrl-{i}"), dtype)
+                  for i, dtype in enumerate(args.nexrl_dtype)]
+        for nx in nexrls:
+            print(f"{nx.name}: train service {nx.dtypes[0]}, engine {nx.dtypes[1]}", flush=True)
         rows, _ = arithmetic_rows(args.seed)
         # TRL sees the prompts in the order nexrl's data loader hands them out (epoch 0).
-        order = list(nexrl.controller.dataloader._order)
+        order = list(nexrls[0].controller.dataloader._order)
         need = steps_per_system * args.prompts
         order = (order * (need // len(order) + 1))[:need]
-        trl_sys = TrlSystem(args, model_path, rows, order, steps_per_system, os.path.join(tmp, "trl"))
-        systems = [trl_sys, nexrl]
-        times: dict[str, list[float]] = {"TRL": [], "nexrl": []}
-        windows: dict[str, list[tuple[float, float]]] = {"TRL": [], "nexrl": []}
+        trls = [TrlSystem(args, model_path, rows, order, steps_per_system, os.path.join(tmp, f"trl-{precision}"),
+                          precision) for precision in args.trl_precisions]
+        systems: list[Any] = [*trls, *nexrls]
+        times: dict[str, list[float]] = {s.name: [] for s in systems}
+        windows: dict[str, list[tuple[float, float]]] = {s.name: [] for s in systems}
         try:
             for s in systems:  # warm-up: model load, first generation, allocator warm-up
                 t0, t1 = run_block(s, args.warmup) if args.warmup else (0.0, 0.0)
                 print(f"warm-up {s.name}: {args.warmup} step(s) in {t1 - t0:.1f}s", flush=True)
             for b in range(args.blocks):
-                pair = systems if b % 2 == 0 else systems[::-1]
-                for s in pair:
+                shift = b % len(systems)
+                for s in systems[shift:] + systems[:shift]:
                     t0, t1 = run_block(s, args.steps_per_block)
                     t = t1 - t0
                     times[s.name].append(t)
                     windows[s.name].append((t0, t1))
-                    print(f"block {b + 1} {s.name:<5}: {args.steps_per_block} steps in {t:7.1f}s "
+                    print(f"block {b + 1} {s.name:<15}: {args.steps_per_block} steps in {t:7.1f}s "
                           f"= {t / args.steps_per_block:6.2f} s/step   (load avg {loadavg()})", flush=True)
         finally:
             for s in systems:
                 s.close()
-        trl_rewards, nexrl_rewards = trl_sys.rewards, nexrl.rewards
-        stats = nexrl.controller.trajectory_pool.counters()
-        engine = nexrl.controller.inference_client
+        rewards = {s.name: s.rewards for s in systems}
+        engines = {nx.name: (nx.controller.inference_client, nx.controller.trajectory_pool.counters()) for nx in nexrls}
 
     n = args.blocks * args.steps_per_block
-    trl_sps, nexrl_sps = n / sum(times["TRL"]), n / sum(times["nexrl"])
-    ratio = nexrl_sps / trl_sps
-    per_block = [t / nx for t, nx in zip(times["TRL"], times["nexrl"])]
+    sps = {name: n / sum(t) for name, t in times.items()}
     print()
-    print(f"TRL   : {1 / trl_sps:6.2f} s/step  ({trl_sps:.4f} steps/s)   blocks {[f'{t:.1f}' for t in times['TRL']]}")
-    print(f"nexrl : {1 / nexrl_sps:6.2f} s/step  ({nexrl_sps:.4f} steps/s)   blocks {[f'{t:.1f}' for t in times['nexrl']]}")
-    print(f"ratio (nexrl steps/s / TRL steps/s): {ratio:.2f}x   per block pair: "
-          f"{', '.join(f'{r:.2f}' for r in per_block)} (median {statistics.median(per_block):.2f})   target >= 2.5")
-    gen = {name: overlap(sys_.gen_intervals, windows[name]) / n for name, sys_ in (("TRL", trl_sys), ("nexrl", nexrl))}
-    for name in ("TRL", "nexrl"):
+    for name, t in times.items():
+        print(f"{name:<15}: {1 / sps[name]:6.2f} s/step  ({sps[name]:.4f} steps/s)   blocks {[f'{x:.1f}' for x in t]}")
+    ratios: dict[str, float] = {}
+    targets = {"TRL-bf16": 2.5, "TRL-fp32": 5.0}
+    for nx in nexrls:
+        for trl_sys in trls:
+            key = f"{nx.name} / {trl_sys.name}"
+            ratios[key] = sps[nx.name] / sps[trl_sys.name]
+            per_block = [t / x for t, x in zip(times[trl_sys.name], times[nx.name])]
+            print(f"ratio {key} (steps/s): {ratios[key]:.2f}x   per block: "
+                  f"{', '.join(f'{r:.2f}' for r in per_block)} (median {statistics.median(per_block):.2f})   "
+                  f"target >= {targets[trl_sys.name]}")
+    gen = {s.name: overlap(s.gen_intervals, windows[s.name]) / n for s in systems}
+    for name in times:
         step = sum(times[name]) / n
-        print(f"  {name:<5} per step: generation {gen[name]:6.2f}s, the rest (logprobs, loss, backward, optimizer, "
+        print(f"  {name:<15} per step: generation {gen[name]:6.2f}s, the rest (logprobs, loss, backward, optimizer, "
               f"weight push, framework) {step - gen[name]:6.2f}s")
-    print(f"  (TRL generation = _generate_and_score_completions; nexrl = the engine's batched decode.) nexrl engine: "
-          f"{engine.num_batches} batches / {engine.num_requests} requests for {len(nexrl_rewards)} steps x "
-          f"{args.prompts * args.samples} trained; pool counters {stats}")
-    steps = min(len(trl_rewards), len(nexrl_rewards))
-    print("mean reward per step (step: TRL / nexrl):")
-    print("  " + "  ".join(f"{i + 1}: {trl_rewards[i]:.3f}/{nexrl_rewards[i]:.3f}" for i in range(steps)))
-    print(f"  mean over steps: TRL {statistics.mean(trl_rewards[:steps]):.3f}, "
-          f"nexrl {statistics.mean(nexrl_rewards[:steps]):.3f}   load avg {loadavg()}")
+    print("  (TRL generation = _generate_and_score_completions; nexrl = the engine's batched decode.)")
+    for name, (engine, stats) in engines.items():
+        print(f"  {name} engine: {engine.num_batches} batches / {engine.num_requests} requests for "
+              f"{len(rewards[name])} steps x {args.prompts * args.samples} trained; pool counters {stats}")
+    steps = min(len(r) for r in rewards.values())
+    names = list(rewards)
+    print(f"mean reward per step (step: {' / '.join(names)}):")
+    print("  " + "  ".join(f"{i + 1}: " + "/".join(f"{rewards[k][i]:.3f}" for k in names) for i in range(steps)))
+    print("  mean over steps: " + ", ".join(f"{k} {statistics.mean(rewards[k][:steps]):.3f}" for k in names)
+          + f"   load avg {loadavg()}")
+    rooflines = {}
+    if args.roofline_rows >= 0:
+        rows_ = args.roofline_rows or args.prompts * args.samples
+        for dtype in sorted({nx.dtypes[1] for nx in nexrls}, reverse=True):
+            roofline = rooflines[dtype] = decode_roofline(model_path, dtype, rows_, prompt_len=40,
+                                                          steps=args.max_new_tokens)
+            ways = ", ".join(f"{way} {t * 1e3:.1f} ms" for way, t in roofline["matmul_by_way_s"].items())
+            print(f"decode roofline ({dtype}, {rows_} rows, context up to {roofline['context']}): fast-path step "
+                  f"{roofline['step_s'] * 1e3:.1f} ms; the matmuls of the same weights alone "
+                  f"({roofline['weight_bytes'] / 1e6:.0f} MB; {ways}): {roofline['step_s'] / roofline['matmul_s']:.2f}x "
+                  f"the faster   target <= 1.5")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"date": started, "args": vars(args), "times": times, "ratio": ratio,
-                       "generation_s_per_step": gen, "trl_rewards": trl_rewards, "nexrl_rewards": nexrl_rewards},
-                      f, indent=1)
+            json.dump({"date": started, "args": vars(args), "cpu": cpu_name(), "times": times, "ratios": ratios,
+                       "generation_s_per_step": gen, "rewards": rewards, "decode_roofline": rooflines}, f, indent=1)
     return 0
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = f.read()
+    except OSError:
+        return "unknown"
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
+    native_bf16 = "avx512_bf16" in info or "amx_bf16" in info
+    return f"{name} ({'native' if native_bf16 else 'no native'} bf16)"
 
 
 if __name__ == "__main__":

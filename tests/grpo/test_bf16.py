@@ -94,3 +94,28 @@ def test_float16_training_and_unknown_precisions_are_refused(tiny_model_dir):
     for dtype in ("float16", "fp8"):
         with pytest.raises(ValueError, match="dtype: .* is not one of float32, bfloat16"):
             LocalTorchTrainService({"model_path": tiny_model_dir, "dtype": dtype})
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_auto_precision_is_bf16_only_where_the_cpu_computes_it_natively(tiny_model_dir, monkeypatch, native):
+    """``dtype: auto`` on both sides follows the CPU (emulated bf16 runs slower than float32); the
+    choice is said in the log. The CPU's flags are the one thing a test cannot switch: patched."""
+    from loguru import logger
+
+    import nexrl_grpo.modeling as modeling
+
+    monkeypatch.setattr(modeling, "native_bf16", lambda: native)
+    expected = "bfloat16" if native else "float32"
+    lines: list[str] = []
+    sink = logger.add(lines.append, level="INFO", format="{message}")
+    try:
+        service = LocalTorchTrainService({"model_path": tiny_model_dir, "dtype": "auto"})
+        engine = HFInferenceEngine({"model_path": tiny_model_dir, "dtype": "auto"})
+        engine.close()
+    finally:
+        logger.remove(sink)
+    assert service.dtype == expected
+    assert {p.dtype for p in service.model.parameters()} == {torch.float32}  # master weights either way
+    assert next(engine.model.parameters()).dtype == getattr(torch, expected)
+    said = [line for line in lines if "dtype auto -> " in line]
+    assert len(said) == 2 and all(f"auto -> {expected} (" in line for line in said), lines

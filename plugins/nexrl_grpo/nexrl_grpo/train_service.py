@@ -30,8 +30,8 @@ from safetensors.torch import load_file, save_file
 
 from nexrl_core import Option, TrainService, algorithms
 
-from .modeling import (auto_flag, compute_response_logprobs, compute_response_logprobs_packed, model_from_config,
-                       packing_problem, position_ids_from_mask)
+from .modeling import (auto_dtype, auto_flag, compute_response_logprobs, compute_response_logprobs_packed,
+                       log_auto_dtype, model_from_config, packing_problem, position_ids_from_mask)
 from .weights import AUTO_FLAG, MODEL_OPTIONS, _auto_flag, check_model_section, config_errors, resolve_model_path
 
 LossFn = Callable[[torch.Tensor, dict[str, Any]], tuple[torch.Tensor, dict[str, float]]]
@@ -70,7 +70,9 @@ class LocalTorchTrainService(TrainService):
     OPTIONS = {
         **MODEL_OPTIONS,
         "dtype": Option("float32", str, "compute precision; bfloat16 = bf16 autocast with float32 master weights, "
-                                        "optimizer state, log-softmax and loss", choices=TRAIN_DTYPES),
+                                        "optimizer state, log-softmax and loss; auto: bfloat16 where the CPU "
+                                        "computes it natively (AVX512-BF16, AMX), else float32",
+                        choices=(*TRAIN_DTYPES, "auto")),
         "lr": Option(1e-6, float, "AdamW learning rate", gt=0),
         "weight_decay": Option(0.0, float, "AdamW weight decay", ge=0),
         "betas": Option([0.9, 0.999], list[float], "AdamW betas", check=_betas),
@@ -111,7 +113,8 @@ class LocalTorchTrainService(TrainService):
             torch.manual_seed(int(seed))
             np.random.seed(int(seed) % 2**32)
             random.seed(int(seed))
-        self.dtype = str(config.get("dtype", None) or "float32")
+        self.dtype = auto_dtype(config.get("dtype", None))
+        log_auto_dtype("train service", config.get("dtype", None), self.dtype)
         if self.dtype not in TRAIN_DTYPES:
             raise ValueError(f"dtype: {self.dtype!r} is not one of {', '.join(TRAIN_DTYPES)} "
                              f"(bfloat16 trains with float32 master weights)")

@@ -62,7 +62,8 @@ MODEL_OPTIONS = {
     "gguf_file": Option(None, str, "GGUF file (in model_path, or absolute), converted once to safetensors",
                         path=True),
     "dtype": Option("float32", str, "dtype of the weights and the compute (the sampler is float32/float64 "
-                                    "whatever it is)", choices=("float32", "bfloat16", "float16")),
+                                    "whatever it is); auto: bfloat16 where the CPU computes it natively "
+                                    "(AVX512-BF16, AMX), else float32", choices=("float32", "bfloat16", "float16", "auto")),
     "num_threads": Option(None, int, "torch CPU threads", ge=1),
 }
 AUTO_FLAG = (bool, str, None)  # auto | true | false
