@@ -18,7 +18,7 @@ import pytest
 import yaml
 from loguru import logger
 
-from nexrl_core import hookimpl
+from nexrl_core import Option, hookimpl
 from nexrl_core.config import load_recipe
 from nexrl_core.controller import NexRLController, RunFailed
 from nexrl_core.errors import ErrorSeverity
@@ -39,7 +39,7 @@ ROWS = [{"prompt": f"What is {a} + {b}?", "answer": str(a + b)} for a, b in [(1,
 class HangingTrainer(MockTrainer):
     """From step ``hang_at_step`` on, its health_check never answers (the thread keeps training)."""
 
-    CONFIG_KEYS = {"step_time_s": 0.0, "hang_at_step": 0}
+    OPTIONS = {"hang_at_step": Option(0, int, "step from which health_check never answers (0: never)", ge=0)}
 
     def __init__(self, config):
         super().__init__(config)
@@ -60,7 +60,8 @@ class HangingTrainer(MockTrainer):
 class ReportingTrainer(MockTrainer):
     """Reports one error of ``report_severity`` while training step ``report_at_step``."""
 
-    CONFIG_KEYS = {"step_time_s": 0.0, "report_at_step": 2, "report_severity": "error"}
+    OPTIONS = {"report_at_step": Option(2, int, "step whose training reports the error", ge=1),
+               "report_severity": Option("error", str, "severity of the reported error")}
 
     def train(self, trajectories):
         if self.global_step + 1 == int(self._config.report_at_step):
@@ -72,7 +73,7 @@ class ReportingTrainer(MockTrainer):
 class DyingWorker(SimpleRolloutWorker):
     """Its thread dies (an exception escapes the worker loop) after ``die_after`` tasks."""
 
-    CONFIG_KEYS = {**SimpleRolloutWorker.CONFIG_KEYS, "die_after": 3}
+    OPTIONS = {"die_after": Option(3, int, "tasks before the worker thread dies", ge=0)}
 
     def _run_task(self, task, validating):
         if self.completed >= int(self._config.die_after):
