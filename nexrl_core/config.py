@@ -278,7 +278,10 @@ def check_config(cfg: Any, plugin_manager: Any, eval_only: bool = False) -> list
     problems += _domain_checks(values, checker.found)
     trainer_cls = checker.found.get("trainer")
     if trainer_cls is not None:
-        problems += check_algorithm(values.get("algorithm"), trainer_cls, plugin_manager)
+        trainer = values.get("trainer")
+        trainer_type = trainer.get("type") if isinstance(trainer, Mapping) else None
+        problems += check_algorithm(values.get("algorithm"), trainer_cls, plugin_manager,
+                                    str(trainer_type) if trainer_type else None)
         problems += _check_train_service(values, trainer_cls, plugin_manager)
         problems += _recipe_check(trainer_cls, values)
     if not eval_only:
@@ -510,7 +513,7 @@ def _domain_checks(values: Mapping[str, Any], found: Mapping[str, type]) -> list
     return problems
 
 
-def check_algorithm(section: Any, trainer_cls: type, plugin_manager: Any) -> list[str]:
+def check_algorithm(section: Any, trainer_cls: type, plugin_manager: Any, trainer_name: str | None = None) -> list[str]:
     """``algorithm``: the trainer's own keys plus those of the estimator and loss the recipe selects
     by name (:func:`nexrl_core.algorithms.algorithm_keys`, which the trainer's selection also uses)."""
     from .algorithms.registry import algorithm_keys
@@ -519,9 +522,9 @@ def check_algorithm(section: Any, trainer_cls: type, plugin_manager: Any) -> lis
     section = section if section is not None else {}
     if not isinstance(section, Mapping):
         return [f"algorithm: expected a mapping, got {type_name(section)}"]
-    declared, problems = algorithm_keys(trainer_cls, section, plugin_manager)
+    declared, problems = algorithm_keys(trainer_cls, section, plugin_manager, trainer_name)
     key_problems = check_options(section, declared, "algorithm",
-                                 owner=f"trainer '{getattr(trainer_cls, '__name__', trainer_cls)}'")
+                                 owner=f"trainer '{trainer_name or getattr(trainer_cls, '__name__', trainer_cls)}'")
     return key_problems + [p for p in problems if p not in key_problems]
 
 

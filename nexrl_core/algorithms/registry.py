@@ -181,8 +181,8 @@ def _trainer_problems(trainer_cls: type, options: Mapping[str, Any]) -> list[str
     return list(check(dict(options))) if check is not None else []
 
 
-def _resolve(trainer_cls: type, section: Mapping[str, Any], registry: AlgorithmRegistry
-             ) -> tuple[dict[str, AlgorithmFunction], dict[str, Option], list[str]]:
+def _resolve(trainer_cls: type, section: Mapping[str, Any], registry: AlgorithmRegistry,
+             trainer_name: str | None = None) -> tuple[dict[str, AlgorithmFunction], dict[str, Option], list[str]]:
     own = component_options(trainer_cls, "ALGORITHM_OPTIONS", "ALGORITHM_KEYS") or {}
     selectors = dict(getattr(trainer_cls, "ALGORITHM_SELECTORS", {}) or {})
     functions: dict[str, AlgorithmFunction] = {}
@@ -202,7 +202,7 @@ def _resolve(trainer_cls: type, section: Mapping[str, Any], registry: AlgorithmR
                     options.setdefault(name, opt)
             else:
                 problems.append(f"algorithm.{key}: {fn.kind.replace('_', ' ')} '{fn.name}' needs {needed}, which "
-                                f"trainer '{trainer_cls.__name__}' does not compute (it computes: "
+                                f"trainer '{trainer_name or trainer_cls.__name__}' does not compute (it computes: "
                                 f"{', '.join(sorted(inputs)) or 'nothing beyond rewards'})")
     for fn in functions.values():
         for name, opt in fn.declared().items():
@@ -223,14 +223,16 @@ def _values(options: Mapping[str, Option], section: Mapping[str, Any]) -> dict[s
     return out
 
 
-def algorithm_keys(trainer_cls: type, algorithm: Any, plugin_manager: Any) -> tuple[dict[str, Option], list[str]]:
+def algorithm_keys(trainer_cls: type, algorithm: Any, plugin_manager: Any,
+                   trainer_name: str | None = None) -> tuple[dict[str, Option], list[str]]:
     """For ``nexrl validate``: (every ``algorithm.*`` option that ``trainer_cls`` and the functions
     the recipe selects read, problems). Problems name an unknown function (with a "did you mean")
     or come from the trainer's own value checks; the caller checks keys and values against the
-    returned options (:func:`nexrl_core.check_options`)."""
+    returned options (:func:`nexrl_core.check_options`). ``trainer_name`` is the recipe's
+    ``trainer.type``, which problems name (else the class)."""
     registry = AlgorithmRegistry.from_plugin_manager(plugin_manager)
     section = _plain(algorithm)
-    _, options, problems = _resolve(trainer_cls, section, registry)
+    _, options, problems = _resolve(trainer_cls, section, registry, trainer_name)
     if problems:  # a function that is not found cannot say which keys it reads: no guesses about them
         options.update({name: Option(None, Any) for name in section if name not in options})
     elif not check_options(section, options, "algorithm"):

@@ -116,7 +116,7 @@ CASES = {
     "estimator_needing_a_critic": (
         ["+service.train_service.api_key=tml-x", "+service.inference_service.api_key=tml-x",
          "algorithm.type=gae"],
-        ["error: algorithm.type: advantage estimator 'gae' needs values, which trainer 'RemoteApiGrpoTrainer' does "
+        ["error: algorithm.type: advantage estimator 'gae' needs values, which trainer 'remote_api_grpo' does "
          "not compute (it computes: nothing beyond rewards)"]),
     "train_service_typo": (
         ["+service.train_service.api_key=tml-x", "+service.inference_service.api_key=tml-x",
