@@ -119,3 +119,30 @@ def test_auto_precision_is_bf16_only_where_the_cpu_computes_it_natively(tiny_mod
     assert next(engine.model.parameters()).dtype == getattr(torch, expected)
     said = [line for line in lines if "dtype auto -> " in line]
     assert len(said) == 2 and all(f"auto -> {expected} (" in line for line in said), lines
+
+
+def test_the_critic_trains_in_the_policys_resolved_precision(tiny_model_dir, monkeypatch):
+    """``dtype: auto`` resolves once, on the policy (one line in the log); the critic (gae) takes the
+    resolved value."""
+    from loguru import logger
+    from omegaconf import OmegaConf
+
+    import nexrl_grpo.modeling as modeling
+    from nexrl_grpo.trainers import SelfHostedGrpoTrainer
+
+    monkeypatch.setattr(modeling, "native_bf16", lambda: True)
+    trainer = SelfHostedGrpoTrainer(OmegaConf.create({
+        "seed": 0, "trainer": {"total_train_steps": 1}, "trajectory_pool": {"batch_size": 4},
+        "rollout_worker": {}, "algorithm": {"type": "gae"},
+        "service": {"train_service": {"model_path": tiny_model_dir, "dtype": "auto", "num_threads": 1},
+                    "inference_service": {}}}))
+    lines: list[str] = []
+    sink = logger.add(lines.append, level="INFO", format="{message}")
+    try:
+        trainer.initialize_workers()
+    finally:
+        logger.remove(sink)
+    assert [line for line in lines if "dtype auto -> " in line] == [
+        "train service dtype auto -> bfloat16 (this CPU computes bf16 natively)\n"], lines
+    assert trainer.train_service.dtype == "bfloat16"
+    assert trainer.critic is not None and trainer.critic.dtype == "bfloat16"

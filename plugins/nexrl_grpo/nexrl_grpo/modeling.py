@@ -93,7 +93,8 @@ def load_causal_lm(model_path: str, gguf_file: str | None = None, dtype: str | t
         kwargs["gguf_file"] = gguf_file
     tokenizer = AutoTokenizer.from_pretrained(model_path, **kwargs)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=resolve_dtype(dtype), **kwargs)
-    log_auto_dtype(f"model {os.path.basename(str(model_path).rstrip('/'))}", dtype, str(model.dtype).removeprefix("torch."))
+    log_auto_dtype(f"model {os.path.basename(str(model_path).rstrip('/'))}", dtype,
+                   str(model.dtype).removeprefix("torch."))
     if gguf_file:
         # The weights are dequantized in memory; keeping the GGUF marker would make a later
         # save_pretrained() write a config that tries to load GGUF again.

@@ -330,7 +330,7 @@ class SelfHostedGrpoTrainer(SelfHostedTrainer):
             # Its own optimizer settings; Adam's betas/eps and the micro-batch size default to the policy's.
             config = {"lr": critic["lr"], "weight_decay": critic["weight_decay"], "grad_clip": critic["grad_clip"],
                       "betas": service.get("betas", [0.9, 0.999]), "eps": service.get("eps", 1e-8),
-                      "dtype": service.get("dtype", "float32"),
+                      "dtype": getattr(self.train_service, "dtype", service.get("dtype", "float32")),  # auto resolved
                       "micro_batch_size": critic["micro_batch_size"] or service.get("micro_batch_size")}
             self.critic = CriticService(config, model=ValueModel.from_causal_lm(self.train_service.model),
                                         tokenizer=self.train_service.tokenizer)
