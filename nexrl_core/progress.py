@@ -67,6 +67,11 @@ def _rate(value: float | None, unit: str) -> str:
     return f"{value:,.0f} {unit}" if value >= 100 else f"{value:.3g} {unit}"
 
 
+# A training step's parts, as the trainer measures them: waiting for the batch (its generation, in sync
+# mode), the update, the last weight sync.
+STEP_SPLIT = ("timing/wait_batch_s", "timing/train_s", "timing/weight_sync_s")
+
+
 class StepStats:
     """What the display shows, folded from metrics rows (pure bookkeeping, no output)."""
 
@@ -89,6 +94,8 @@ class StepStats:
         self.staleness_max: float | None = None
         self.failed_total = 0
         self.failed_last = 0
+        self.split: tuple[float, float, float] | None = None  # generate (waiting for the batch), train, weight sync
+        self.memory: tuple[float, float] | None = None  # device GiB: allocated, peak of the step
 
     def add(self, metrics: dict[str, Any], step: int) -> str | None:
         """Fold one row in; returns its kind: 'train', 'val' or None (neither)."""
@@ -108,8 +115,7 @@ class StepStats:
         if self.last_row_time is not None:
             interval = now - self.last_row_time
         else:  # the first step seen: what the trainer measured of it
-            interval = sum(float(m.get(k, 0.0) or 0.0) for k in ("timing/wait_batch_s", "timing/weight_sync_s",
-                                                                   "timing/train_s"))
+            interval = sum(float(m.get(k, 0.0) or 0.0) for k in STEP_SPLIT)
         self.last_row_time = now
         self.step = step
         if interval > 0:
@@ -127,6 +133,10 @@ class StepStats:
             self.staleness_max = float(m.get("train/staleness_max", self.staleness_mean))
         self.failed_last = int(m.get("train/num_failed", 0) or 0)
         self.failed_total += self.failed_last
+        if "timing/train_s" in m:
+            self.split = tuple(float(m.get(k, 0.0) or 0.0) for k in STEP_SPLIT)  # type: ignore[assignment]
+        if "train/memory_peak_gib" in m:
+            self.memory = (float(m.get("train/memory_allocated_gib", 0.0)), float(m["train/memory_peak_gib"]))
 
     @property
     def mean_step_time(self) -> float | None:
@@ -157,6 +167,10 @@ class StepStats:
                ("staleness", "-" if self.staleness_mean is None else
                 f"{self.staleness_mean:.2f} (max {self.staleness_max:.0f})"),
                ("failed", f"{self.failed_total}" + (f" (+{self.failed_last})" if self.failed_last else ""))]
+        if self.split is not None:
+            out.append(("split", "gen {:.2f} s / train {:.2f} s / sync {:.2f} s".format(*self.split)))
+        if self.memory is not None:
+            out.append(("gpu memory", "{:.1f} GiB (peak {:.1f})".format(*self.memory)))
         return out
 
 

@@ -216,15 +216,20 @@ class BaseTrainer(ThreadedModule):
         rewards = [float(t.get("reward", 0.0)) for t in usable]
         version = execute(self._weight_sync_controller.get_train_model_version, self._model_tag)
         staleness = [version - int(t.get("model_version", version)) for t in usable]
+        sync_s = float(execute(self._weight_sync_controller.get_sync_stats)["last_sync_s"])
+        tokens = _response_tokens(usable)
+        step_s = wait_s + train_s + sync_s
+        if tokens and step_s > 0:  # over the whole step (the last sync stands for this one's)
+            tokens["timing/response_tokens_per_s"] = tokens["train/num_response_tokens"] / step_s
         out = {
             "train/reward_mean": sum(rewards) / len(rewards) if rewards else 0.0,
             "train/num_trajectories": float(len(usable)),
             "train/num_failed": float(len(trajectories) - len(usable)),
-            **_response_tokens(usable),
+            **tokens,
             "train/staleness_max": float(max(staleness, default=0)),
             "train/staleness_mean": sum(staleness) / len(staleness) if staleness else 0.0,
             "timing/wait_batch_s": wait_s,  # rollouts of this batch, in sync mode
-            "timing/weight_sync_s": float(execute(self._weight_sync_controller.get_sync_stats)["last_sync_s"]),
+            "timing/weight_sync_s": sync_s,
             "timing/train_s": train_s,
         }
         for name, value in execute(self._trajectory_pool.counters).items():

@@ -106,7 +106,7 @@ def test_plain_progress_header_footer_and_the_run_directory(tmp_path):
     assert [line.split(" ")[1] for line in steps] == [f"{i}/5" for i in range(1, 6)]
     for line in steps:
         for part in ("| step time ", "| eta ", " samples/s", " tok/s", "| reward ", "| val ", "| staleness ",
-                     "| failed 0"):
+                     "| failed 0", "| split gen "):
             assert part in line, (part, line)
     assert "step 5/5 (100%)" in steps[-1] and "val 1.000 @4" in steps[-1]
     assert re.search(r"validation @ step 2: val/reward=1 .*\(2 samples, 0 failed\)", err)
@@ -139,6 +139,9 @@ def test_plain_progress_header_footer_and_the_run_directory(tmp_path):
     metrics = rows(run_dir / "metrics.jsonl")
     stamps = [r["time"] for r in metrics]
     assert stamps == sorted(stamps) and started - 1 <= stamps[0] and stamps[-1] <= info["end"]
+    for r in (r for r in metrics if "train/num_trajectories" in r):  # the step's split and throughput
+        step_s = r["timing/wait_batch_s"] + r["timing/train_s"] + r["timing/weight_sync_s"]
+        assert r["timing/response_tokens_per_s"] == pytest.approx(r["train/num_response_tokens"] / step_s)
     # samples.jsonl: 3 generations of every 2nd step, with prompt, response and reward
     samples = rows(run_dir / "samples.jsonl")
     assert [s["step"] for s in samples] == [2, 2, 2, 4, 4, 4]

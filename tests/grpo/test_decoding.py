@@ -8,7 +8,7 @@ import torch
 from nexrl_core.inference import SamplingParams
 from nexrl_core.run_log import LOG_FILE, setup_logging
 from nexrl_grpo.decoding import FastLlama, FastLlamaSession, HFSession, fast_path_problem, make_session_factory
-from nexrl_grpo.engine import HFInferenceEngine, _sample
+from nexrl_grpo.engine import HFInferenceEngine, _counter_draw, _generator_draw, _sample
 
 
 def tiny(kind: str, vocab: int = 97, seed: int = 0, **extra):
@@ -183,11 +183,17 @@ def test_engine_outputs_agree_between_paths(tiny_model_and_tokenizer):
         assert fast.response_logprobs == pytest.approx(ref.response_logprobs, abs=1e-5)
 
 
-def test_sampler_follows_the_distribution_and_never_picks_excluded_tokens():
+@pytest.mark.parametrize("source", ["generator", "counter"])
+def test_sampler_follows_the_distribution_and_never_picks_excluded_tokens(source):
+    """Both sources of uniforms: a generator per row (CPU) and the seed-and-token-index hash (GPU)."""
     torch.manual_seed(0)
     probs = torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05, 0.0])
     logits = torch.log(probs).expand(4, -1).clone()
     generators = [torch.Generator().manual_seed(100 + i) for i in range(4)]
+    seeds = torch.tensor([100, 101, 2**62 + 5, 3])
+
+    def draw(step, gens=generators, row_seeds=seeds):
+        return _generator_draw(gens) if source == "generator" else _counter_draw(row_seeds, step)
     temps = torch.ones(4)
     greedy = torch.zeros(4, dtype=torch.bool)
     top_p = torch.tensor([1.0, 1.0, 0.8, 0.75])
@@ -197,8 +203,8 @@ def test_sampler_follows_the_distribution_and_never_picks_excluded_tokens():
     # (top_p on the raw probabilities would have kept three).
     draws = 4000
     counts = torch.zeros(4, 6)
-    for _ in range(draws):
-        tokens, logprobs = _sample(logits, temps, greedy, top_p, top_k, generators)
+    for step in range(draws):
+        tokens, logprobs = _sample(logits, temps, greedy, top_p, top_k, draw(step))
         counts[torch.arange(4), tokens] += 1
         torch.testing.assert_close(logprobs, torch.log(probs)[tokens])  # full-vocabulary logprobs
     freq = counts / draws
@@ -213,7 +219,8 @@ def test_sampler_follows_the_distribution_and_never_picks_excluded_tokens():
     # A row's stream is its own: re-seeding one generator replays that row whatever the others do.
     g1 = [torch.Generator().manual_seed(7), torch.Generator().manual_seed(8)]
     g2 = [torch.Generator().manual_seed(7), torch.Generator().manual_seed(9)]
+    s1, s2 = torch.tensor([7, 8]), torch.tensor([7, 9])
     two = logits[:2]
-    seq1 = [_sample(two, temps[:2], greedy[:2], top_p[:2], top_k[:2], g1)[0][0].item() for _ in range(50)]
-    seq2 = [_sample(two, temps[:2], greedy[:2], top_p[:2], top_k[:2], g2)[0][0].item() for _ in range(50)]
+    seq1 = [_sample(two, temps[:2], greedy[:2], top_p[:2], top_k[:2], draw(i, g1, s1))[0][0].item() for i in range(50)]
+    seq2 = [_sample(two, temps[:2], greedy[:2], top_p[:2], top_k[:2], draw(i, g2, s2))[0][0].item() for i in range(50)]
     assert seq1 == seq2

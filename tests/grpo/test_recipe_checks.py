@@ -10,6 +10,7 @@ that never received its weights, while staleness read 0).
 from __future__ import annotations
 
 import pytest
+import torch
 import yaml
 
 from nexrl_core.cli import main
@@ -88,7 +89,21 @@ CASES = {
     "engine_typo": (["+service.inference_service.max_batch=8"],
                     "error: service.inference_service.max_batch: unknown key; did you mean "
                     "'service.inference_service.max_batch_size'?"),
+    "device_name": (["+service.train_service.device=gpu"],
+                    "error: service.train_service.device: 'gpu' is not one of auto, cpu, cuda, cuda:N"),
+    "kv_share": (["+service.inference_service.gpu_memory_utilization=1.5"],
+                 "error: service.inference_service.gpu_memory_utilization:"),
 }
+if not torch.cuda.is_available():  # what a recipe written for a GPU box gets on a machine without one
+    CASES.update({
+        "cuda_without_cuda": (["+service.train_service.device=cuda"],
+                              "error: service.train_service.device: 'cuda' asked for, but no CUDA device is visible"),
+        "engine_cuda_without_cuda": (["+service.inference_service.device=cuda:1"],
+                                     "error: service.inference_service.device: 'cuda:1' asked for, but no CUDA "
+                                     "device is visible"),
+        "kl_reference_on_cuda": (["+algorithm.use_kl_loss=true", "+algorithm.ref_device=cuda"],
+                                 "error: algorithm.ref_device: 'cuda' asked for, but no CUDA device is visible"),
+    })
 
 
 def test_the_base_recipe_validates(cli, recipe, tmp_path):

@@ -383,7 +383,8 @@ class LoopbackTransport:
     connects, tensors go as raw little-endian bytes in ``update_info`` order (a CPU stand-in for
     vLLM's NCCL broadcast, used to drive the HTTP phases of ``vllm_nccl`` in tests)."""
 
-    def __init__(self) -> None:
+    def __init__(self, device=None) -> None:
+        self.device = device  # where the trainer's tensors were (None: the host, as in every CPU test)
         self.workers: list[socket.socket] = []
         self.sent: list[list[str]] = []
         self.stall_send = False  # a broadcast that never completes (as a hung NCCL call)

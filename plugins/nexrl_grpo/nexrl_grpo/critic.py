@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 from nexrl_core import Option
 
 from .losses import LOSS_AGG_MODES
-from .modeling import position_ids_from_mask
+from .modeling import DEVICE_HELP, device_problem, position_ids_from_mask
 from .train_service import LocalTorchTrainService
 
 CRITIC_OPTIONS = {
@@ -34,6 +34,8 @@ CRITIC_OPTIONS = {
     "loss_agg_mode": Option("token-mean", str, "how the value loss's tokens reduce", choices=LOSS_AGG_MODES),
     "micro_batch_size": Option(None, int, "rows per critic forward (null: service.train_service."
                                           "micro_batch_size)", ge=1),
+    "device": Option(None, (str, None), f"where the value model lives (null: the policy's device; {DEVICE_HELP})",
+                     check=device_problem),
 }
 
 # algorithm.* keys the GRPO trainer reads when the estimator needs values (ALGORITHM_INPUTS).
@@ -100,11 +102,10 @@ class CriticService(LocalTorchTrainService):
 
     def _logprobs(self, mb: dict[str, Any]) -> torch.Tensor:
         """The critic's per-token output, where the policy's log-probs come from: its values."""
-        device = next(self.model.parameters()).device
-        attention_mask = mb["attention_mask"].to(device)
+        attention_mask = mb["attention_mask"]
         position_ids = mb.get("position_ids")
-        position_ids = position_ids_from_mask(attention_mask) if position_ids is None else position_ids.to(device)
-        return self.model(mb["input_ids"].to(device), attention_mask, position_ids, mb["responses"].shape[1])
+        position_ids = position_ids_from_mask(attention_mask) if position_ids is None else position_ids
+        return self.model(mb["input_ids"], attention_mask, position_ids, mb["responses"].shape[1])
 
     @staticmethod
     def _save_rng(folder: Path) -> None:

@@ -59,7 +59,8 @@ class HFSession:
         self.cache = DynamicCache(config=model.config)
         self.attention_mask: torch.Tensor | None = None
 
-    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                capacity: int | None = None) -> torch.Tensor:
         self.attention_mask = attention_mask
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          past_key_values=self.cache, use_cache=True, logits_to_keep=1)
@@ -109,9 +110,19 @@ class _Linear:
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, rows_hint: int):
         weight = weight.detach().contiguous()
+        self.rows_hint = rows_hint
         self.bias = None if bias is None else bias.detach().contiguous()
         self.packed = weight.device.type == "cpu" and _onednn_available() and weight.dtype in (torch.float32, torch.bfloat16)
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, rows_hint) if self.packed else weight
+
+    def refresh(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        """New values, at the same addresses where the layout allows it (what a captured CUDA graph reads)."""
+        if self.packed or self.weight.shape != weight.shape or (self.bias is None) != (bias is None):
+            self.__init__(weight, bias, self.rows_hint)
+            return
+        for own, new in ((self.weight, weight), (self.bias, bias)):
+            if own is not None and own.data_ptr() != new.data_ptr():
+                own.copy_(new)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed:
@@ -148,6 +159,15 @@ class _Layer:
         self.act = mlp.act_fn
         self.norm_in = (layer.input_layernorm.weight.detach(), layer.input_layernorm.variance_epsilon)
         self.norm_post = (layer.post_attention_layernorm.weight.detach(), layer.post_attention_layernorm.variance_epsilon)
+
+    def refresh(self, layer: torch.nn.Module) -> None:
+        """The layer's current weights into the fused matrices, in place (norms alias the model's own)."""
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv, gate_up = (attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj)
+        self.qkv.refresh(torch.cat([lin.weight for lin in qkv]), _cat_bias(*qkv))
+        self.o.refresh(attn.o_proj.weight, attn.o_proj.bias)
+        self.gate_up.refresh(torch.cat([lin.weight for lin in gate_up]), _cat_bias(*gate_up))
+        self.down.refresh(mlp.down_proj.weight, mlp.down_proj.bias)
 
 
 class FastLlama:
@@ -192,7 +212,20 @@ class FastLlama:
             if not self._checked:
                 self._self_check()
                 self._checked = True
-        return FastLlamaSession(self) if self.enabled else HFSession(self.model)
+        return self._fast_session() if self.enabled else HFSession(self.model)
+
+    __call__ = session
+
+    def _fast_session(self) -> "FastLlamaSession":
+        return FastLlamaSession(self)
+
+    @staticmethod
+    def footprint(rows: int, capacity: int) -> int:
+        """KV-cache tokens a batch of ``rows`` rows and ``capacity`` columns holds."""
+        return rows * capacity
+
+    def release(self) -> None:
+        """Nothing to free between batches: a session's buffers go with it."""
 
     @torch.inference_mode()
     def _self_check(self) -> None:
@@ -214,7 +247,7 @@ class FastLlama:
             return torch.stack(out)
 
         both = slice(0, 2)
-        fast, ref = decode(FastLlamaSession(self), both), decode(HFSession(self.model), both)
+        fast, ref = decode(self._fast_session(), both), decode(HFSession(self.model), both)
         valid = mask[:, -1].bool()  # every row's last prompt token is real
         worst = float((fast[:, valid] - ref[:, valid]).abs().max())
         scale = max(float(ref[:, valid].abs().max()), 1.0)
@@ -224,10 +257,11 @@ class FastLlama:
             logger.warning(f"fast decoding path disagrees with the model's own forward (max |diff| {worst:.3g} at "
                            f"logit scale {scale:.3g}); using the transformers forward")
             return
-        self.batch_invariant = torch.equal(decode(FastLlamaSession(self), slice(1, 2))[:, 0], fast[:, 1])
+        self.batch_invariant = torch.equal(decode(self._fast_session(), slice(1, 2))[:, 0], fast[:, 1])
         if not self.batch_invariant:
-            logger.warning("fast decoding path: a row's logits depend on the other rows of its batch on this machine "
-                           "(no oneDNN?); runs with several rollout workers are not bit-reproducible")
+            logger.warning(f"fast decoding path: a row's logits depend on the other rows of its batch on this machine "
+                           f"({'GPU kernels pick their algorithm by shape' if ids.is_cuda else 'no oneDNN?'}); runs "
+                           f"with several rollout workers are not bit-reproducible")
 
 
 class FastLlamaSession:
@@ -249,10 +283,12 @@ class FastLlamaSession:
         self.live: torch.Tensor | None = None  # buffer rows the caller's rows map to (None: all, in order)
         self.length = 0
 
-    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        """``attention_mask`` must be left padding (each row's real tokens at its end)."""
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                capacity: int | None = None) -> torch.Tensor:
+        """``attention_mask`` must be left padding (each row's real tokens at its end); ``capacity``:
+        the columns the batch will need (prompt and new tokens; the buffer grows past it if need be)."""
         rows, width = input_ids.shape
-        self._allocate(rows, width + 64, input_ids.device)
+        self._allocate(rows, max(capacity or width + 64, width + 1), input_ids.device)
         self.starts = (width - attention_mask.sum(-1)).tolist()
         return self._forward(input_ids, position_ids)
 
@@ -359,6 +395,271 @@ class FastLlamaSession:
         return out
 
 
+# --------------------------------------------------------------------------- the static path (GPU)
+
+CAPACITY_STEP = 64  # columns of a static batch are a multiple of this (fewer shapes, fewer graphs)
+
+
+def static_rows(rows: int) -> int:
+    """Rows a static batch is padded to: a power of two, so few decode-step shapes (and CUDA graphs) exist."""
+    return 1 << max(0, rows - 1).bit_length()
+
+
+def static_capacity(capacity: int) -> int:
+    return -(-capacity // CAPACITY_STEP) * CAPACITY_STEP
+
+
+def kv_token_bytes(model: torch.nn.Module) -> int:
+    """Bytes of keys and values one token takes over every layer, in the model's dtype."""
+    config = model.config
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    dtype = next(model.parameters()).dtype
+    return 2 * config.num_hidden_layers * kv_heads * head_dim * dtype.itemsize
+
+
+def kv_budget_tokens(device_bytes: int, fraction: float, weight_bytes: int, workspace_bytes: int,
+                     token_bytes: int) -> int:
+    """Tokens of KV cache the engine may hold: its share of the device (``fraction``, as vLLM's
+    ``gpu_memory_utilization``) less its weights and the decode step's workspace."""
+    return max(0, int((fraction * device_bytes - weight_bytes - workspace_bytes) // token_bytes))
+
+
+class StaticLlama(FastLlama):
+    """The fast path with a static KV cache: one pool of ``kv_tokens`` tokens allocated once (zeroed:
+    masked columns must hold finite numbers), batches laid out in it as ``[rows, 2, layers, kv_heads,
+    capacity, head_dim]`` with rows and capacity rounded up (:func:`static_rows`,
+    :func:`static_capacity`), and a decode step of fixed shape that, with ``graphs``, is captured
+    once per layout as a CUDA graph and replayed.
+
+    Weight updates are copied into the fused matrices in place, so captured graphs stay valid. With
+    ``release`` the pool is freed after each batch (:meth:`release`, the engine calls it when idle:
+    the trainer steps in that memory) and allocated again for the next one; graphs captured against
+    an earlier pool address are dropped when the address changes.
+
+    On the CPU the same code runs eagerly (its twin in the tests); the CPU's own fast path is
+    :class:`FastLlamaSession`, which attends over exactly each row's keys (batch-invariant) instead
+    of a mask over the whole capacity.
+    """
+
+    def __init__(self, model: torch.nn.Module, rows_hint: int = 16, *, kv_tokens: int, graphs: bool = False,
+                 release: bool = True):
+        super().__init__(model, rows_hint)
+        if kv_tokens < 1:
+            raise ValueError("kv_tokens must be >= 1")
+        self.kv_tokens = kv_tokens
+        self.graphs = graphs and next(model.parameters()).is_cuda
+        self.release_between_batches = release
+        self.pool: torch.Tensor | None = None
+        self._steps: dict[tuple[int, int, int], _DecodeStep] = {}
+        self._graph_memory: Any = None
+
+    def _pack_if_stale(self) -> None:
+        if self._packed_versions is None and not hasattr(self, "layers"):
+            super()._pack_if_stale()
+            return
+        versions = self._versions()
+        if versions is not None and versions == self._packed_versions:
+            return
+        for fast, layer in zip(self.layers, self.model.model.layers):
+            fast.refresh(layer)
+        head = self.model.lm_head
+        self.lm_head.refresh(head.weight.detach(), None if head.bias is None else head.bias.detach())
+        self._packed_versions = versions
+
+    def _fast_session(self) -> "StaticSession":
+        return StaticSession(self)
+
+    @staticmethod
+    def footprint(rows: int, capacity: int) -> int:
+        return static_rows(rows) * static_capacity(capacity)
+
+    def release(self) -> None:
+        if self.release_between_batches:
+            self.pool = None
+
+    def view(self, rows: int, capacity: int) -> torch.Tensor:
+        """The pool's first ``rows`` row blocks of ``capacity`` columns: ``[rows, 2, layers, kv_heads,
+        capacity, head_dim]``. A row's block sits at the same place whatever the row count."""
+        layer = self.layers[0]
+        block = (2, len(self.layers), self.num_kv_heads, capacity, layer.head_dim)
+        need = rows * capacity
+        if need > self.kv_tokens:
+            raise ValueError(f"a batch of {rows} rows x {capacity} columns needs {need} tokens of KV cache; the "
+                             f"budget holds {self.kv_tokens}")
+        if self.pool is None:
+            per_token = 2 * len(self.layers) * self.num_kv_heads * layer.head_dim
+            self.pool = torch.zeros(self.kv_tokens * per_token, dtype=layer.norm_in[0].dtype,
+                                    device=layer.norm_in[0].device)
+        return self.pool[:need * block[0] * block[1] * block[2] * block[4]].view(rows, *block)
+
+    def decode_step(self, rows: int, capacity: int) -> "_DecodeStep":
+        """The decode step of this layout over the current pool (captured once per pool address)."""
+        address = self.pool.data_ptr()
+        key = (rows, capacity, address)
+        step = self._steps.get(key)
+        if step is None:
+            if any(k[2] != address for k in self._steps):  # graphs of a freed pool must never replay
+                self._steps = {k: v for k, v in self._steps.items() if k[2] == address}
+            if self.graphs and self._graph_memory is None:
+                self._graph_memory = torch.cuda.graph_pool_handle()
+            step = self._steps[key] = _DecodeStep(self, self.view(rows, capacity), self._graph_memory
+                                                  if self.graphs else None)
+        return step
+
+
+class _DecodeStep:
+    """One decode step over a fixed layout: static input buffers (tokens, positions, each row's first
+    key column, the column being written), the step's maths over them, and on a GPU that maths
+    captured as a CUDA graph on first use and replayed after."""
+
+    def __init__(self, owner: StaticLlama, kv: torch.Tensor, graph_memory: Any):
+        self.o = owner
+        rows, capacity, device = kv.shape[0], kv.shape[4], kv.device
+        self.keys, self.values = kv[:, 0].transpose(0, 1), kv[:, 1].transpose(0, 1)  # [layers, rows, heads, C, D]
+        self.tokens = torch.zeros(rows, dtype=torch.long, device=device)
+        self.positions = torch.zeros(rows, dtype=torch.long, device=device)
+        self.starts = torch.zeros(rows, dtype=torch.long, device=device)
+        self.column = torch.zeros(1, dtype=torch.long, device=device)
+        self.columns = torch.arange(capacity, device=device)
+        self.graph_memory = graph_memory
+        self.graph: Any = None
+        self.logits: torch.Tensor | None = None
+
+    def __call__(self) -> torch.Tensor:
+        """Logits ``[rows, vocab]`` of the step over the buffers' current contents."""
+        if self.graph_memory is None:
+            return self._compute()
+        if self.graph is None:
+            # Warm-up on a side stream, then capture. Both write the same keys and values the replay
+            # below writes again: the step is idempotent over its buffers.
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self._compute()
+            torch.cuda.current_stream().wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph, pool=self.graph_memory):
+                self.logits = self._compute()
+        self.graph.replay()
+        return self.logits
+
+    def _compute(self) -> torch.Tensor:
+        o, rows = self.o, self.tokens.shape[0]
+        x = o.embed(self.tokens[:, None])
+        cos, sin = o.rotary(x, self.positions[:, None])
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        # Each row sees its own columns up to the one written now: never an empty row (no NaN).
+        visible = (self.columns >= self.starts[:, None]) & (self.columns <= self.column)
+        mask = visible[:, None, None, :]
+        for i, layer in enumerate(o.layers):
+            h = _rms_norm(x, *layer.norm_in)
+            q, k, v = layer.qkv(h).split((layer.q_size, layer.kv_size, layer.kv_size), dim=-1)
+            q = _rotate(q.view(rows, 1, -1, layer.head_dim).transpose(1, 2), cos, sin)
+            k = _rotate(k.view(rows, 1, -1, layer.head_dim).transpose(1, 2), cos, sin)
+            self.keys[i].index_copy_(2, self.column, k)
+            self.values[i].index_copy_(2, self.column, v.view(rows, 1, -1, layer.head_dim).transpose(1, 2))
+            # A KV head's query heads attend as one group of queries (no copy of keys per query head).
+            grouped = q.reshape(rows, self.keys.shape[2], -1, layer.head_dim)
+            attn = F.scaled_dot_product_attention(grouped, self.keys[i], self.values[i], attn_mask=mask,
+                                                  scale=layer.scaling)
+            x = x + layer.o(attn.reshape(rows, 1, -1))
+            h = _rms_norm(x, *layer.norm_post)
+            gate, up = layer.gate_up(h).split((layer.intermediate, layer.intermediate), dim=-1)
+            x = x + layer.down(layer.act(gate) * up)
+        return o.lm_head(_rms_norm(x[:, -1], *o.final_norm))
+
+
+class StaticSession(FastLlamaSession):
+    """One batch in a :class:`StaticLlama` pool. The prefill is :class:`FastLlamaSession`'s (each run
+    of rows over exactly its keys) into the pool's layout; each decode step is the owner's fixed-shape
+    :class:`_DecodeStep` for this layout. Finished rows keep their place (they decode a dummy token)
+    until at most half the padded rows are live; then the live rows move to the front and the
+    layout shrinks. Row moves copy whole row blocks in an order that never overwrites a block
+    before it is read, so no second copy of the cache is ever held."""
+
+    def __init__(self, owner: StaticLlama):
+        super().__init__(owner)
+        self.rows = 0
+        self.capacity = 0
+
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                capacity: int | None = None) -> torch.Tensor:
+        rows, width = input_ids.shape
+        self.capacity = static_capacity(max(capacity or width + CAPACITY_STEP, width + 1))
+        self._layout(static_rows(rows))
+        self.starts = (width - attention_mask.sum(-1)).tolist() + [0] * (self.rows - rows)
+        self.live = None if rows == self.rows else torch.arange(rows, device=input_ids.device)
+        return self._forward(input_ids, position_ids)
+
+    def _layout(self, rows: int) -> None:
+        self._uploaded: _DecodeStep | None = None
+        self.rows = rows
+        kv = self.o.view(rows, self.capacity)
+        self.blocks = kv
+        self.keys, self.values = kv[:, 0].transpose(0, 1), kv[:, 1].transpose(0, 1)
+
+    def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                 out_rows: torch.Tensor | None = None) -> torch.Tensor:
+        # The prefill's rows are the first of the padded layout: run them alone.
+        real = input_ids.shape[0]
+        keys, values, starts = self.keys, self.values, self.starts
+        self.keys, self.values, self.starts = keys[:, :real], values[:, :real], starts[:real]
+        try:
+            return super()._forward(input_ids, position_ids, out_rows)
+        finally:
+            self.keys, self.values, self.starts = keys, values, starts
+
+    def select(self, rows: torch.Tensor) -> None:
+        live = rows if self.live is None else self.live[rows]
+        n = len(live)
+        target = static_rows(n)
+        distinct = len(torch.unique(live)) == n
+        if distinct and target == self.rows:
+            self.live = live
+            return
+        if not distinct or target < self.rows or n > self.rows:
+            self._move(live.tolist(), target)
+
+    def _move(self, sources: list[int], rows: int) -> None:
+        """Row ``j`` of the new layout (``rows`` padded rows) takes buffer row ``sources[j]``."""
+        grows = rows > self.rows
+        if grows:
+            self._layout(rows)  # the old rows keep their blocks: a row's place does not depend on the row count
+        order = range(len(sources) - 1, -1, -1) if all(s <= j for j, s in enumerate(sources)) else \
+            range(len(sources)) if all(s >= j for j, s in enumerate(sources)) else None
+        if order is None:  # neither a compaction nor an expansion: one gather (not made by the engine)
+            moved = self.blocks[torch.tensor(sources, device=self.blocks.device)].clone()
+            self.blocks[:len(sources)] = moved
+        else:
+            for j in order:
+                if sources[j] != j:
+                    self.blocks[j].copy_(self.blocks[sources[j]])
+        self.starts = [self.starts[s] for s in sources] + [0] * (rows - len(sources))
+        if not grows:
+            self._layout(rows)
+        self.live = None if len(sources) == rows else torch.arange(len(sources), device=self.blocks.device)
+
+    def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if self.length == self.capacity:
+            raise ValueError(f"static batch full: {self.capacity} columns (pass the capacity the batch needs)")
+        step = self.o.decode_step(self.rows, self.capacity)
+        if self.live is None:
+            step.tokens.copy_(tokens)
+            step.positions.copy_(positions)
+        else:  # finished rows still in the layout decode a dummy token
+            step.tokens.index_copy_(0, self.live, tokens)
+            step.positions.index_copy_(0, self.live, positions)
+        if self._uploaded is not step:  # first keys per row: new only when the layout changes
+            step.starts.copy_(torch.tensor(self.starts, device=step.starts.device))
+            self._uploaded = step
+        step.column.fill_(self.length)
+        logits = step()
+        self.length += 1
+        return logits if self.live is None else logits[self.live]
+
+
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """The model's RMSNorm: in float32 for a low-precision ``x`` (then cast back and scaled by the
     weight), as transformers' Llama does."""
@@ -372,17 +673,44 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
-def make_session_factory(model: torch.nn.Module, mode: Any, rows_hint: int):
-    """``() -> session`` for the engine: ``mode`` is ``auto`` (fast path when the model allows it),
-    ``true`` (fast path or a ValueError saying why not) or ``false`` (HF forward)."""
-    mode = auto_flag(mode, "fast_path")
+class HFDecoder:
+    """Sessions through the model's own forward (the same interface as :class:`FastLlama`)."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+
+    def __call__(self) -> HFSession:
+        return HFSession(self.model)
+
+    footprint = staticmethod(FastLlama.footprint)
+
+    def release(self) -> None:
+        pass
+
+
+def make_session_factory(model: torch.nn.Module, mode: Any, rows_hint: int, *, kv_tokens: int | None = None,
+                         graphs: Any = "auto", release: bool = True):
+    """The engine's decoder: called, it gives a session for one batch; ``footprint(rows, capacity)``
+    is the KV-cache tokens such a batch holds; ``release()`` frees what it keeps between batches.
+
+    ``mode`` is ``auto`` (fast path when the model allows it), ``true`` (fast path or a ValueError
+    saying why not) or ``false`` (HF forward). On a GPU the fast path is :class:`StaticLlama` (a
+    static cache of ``kv_tokens`` tokens; decode steps as CUDA graphs unless ``graphs`` is false);
+    on the CPU it is :class:`FastLlama`."""
+    mode, graphs = auto_flag(mode, "fast_path"), auto_flag(graphs, "cuda_graphs")
+    on_cuda = next(model.parameters()).is_cuda
+    if graphs == "true" and (mode == "false" or not on_cuda):
+        raise ValueError("cuda_graphs: true needs the fast decoding path (fast_path: auto or true) on a CUDA device")
     if mode != "false":
         problem = fast_path_problem(model)
         if problem is None:
-            fast = FastLlama(model, rows_hint)
-            return fast.session
+            if on_cuda:
+                if kv_tokens is None:
+                    raise ValueError("the static decoding path needs a KV-cache budget (kv_tokens)")
+                return StaticLlama(model, rows_hint, kv_tokens=kv_tokens, graphs=graphs != "false", release=release)
+            return FastLlama(model, rows_hint)
         if mode == "true":
             raise ValueError(f"fast_path: true, but the fast decoding path cannot run this model: {problem}")
         logger.info(f"fast decoding path off: {problem} (the transformers forward is not batch-invariant: with "
                     f"several rollout workers, runs are bit-reproducible only with max_batch_size: 1)")
-    return lambda: HFSession(model)
+    return HFDecoder(model)

@@ -36,6 +36,7 @@ import random
 import threading
 import time
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -43,8 +44,8 @@ import torch
 from nexrl_core import (CompletionResult, InferenceClient, InferenceError, SamplingParams, as_text_messages,
                         parse_tool_calls)
 
-from .decoding import make_session_factory
-from .modeling import model_from_config, position_ids_from_mask
+from .decoding import kv_budget_tokens, kv_token_bytes, make_session_factory
+from .modeling import log_auto_device, model_from_config, position_ids_from_mask, resolve_device
 
 _STOP = object()
 
@@ -53,7 +54,8 @@ _STOP = object()
 class _Request:
     prompt_ids: list[int]
     params: SamplingParams
-    generator: torch.Generator | None
+    seed: int | None  # None: greedy
+    generator: torch.Generator | None  # on the CPU: the request's own stream of uniforms
     max_new_tokens: int
     event: threading.Event = field(default_factory=threading.Event)
     result: CompletionResult | None = None
@@ -70,14 +72,24 @@ class HFInferenceEngine(InferenceClient):
     ``apply_chat_template(add_generation_prompt=True)``; false: message contents are joined with
     newlines), ``seed`` (for requests without their own seed), ``fast_path`` (auto: Llama-family
     models decode through :mod:`nexrl_grpo.decoding`'s fast loop, other models through their own
-    forward; true: fast loop or an error; false: always the model's forward).
+    forward; true: fast loop or an error; false: always the model's forward), ``device`` (auto),
+    ``max_kv_tokens`` (null: unbounded on the CPU; on a GPU, ``gpu_memory_utilization`` (0.3) of
+    the device less the weights and workspace), ``release_kv_cache`` (true: a GPU's KV cache is freed
+    whenever the engine is idle), ``cuda_graphs`` (auto).
     ``model``/``tokenizer`` keyword arguments share an already-built pair.
+
+    Sampling draws each row's uniforms from its request's seed, never from a shared stream: on the
+    CPU from a ``torch.Generator`` per request, on a GPU from a counter-based hash of (seed, token
+    index) computed for the whole batch at once (a generator per row would cost a kernel launch per
+    row and token).
     """
 
     def __init__(self, config: Any = None, *, model: torch.nn.Module | None = None, tokenizer: Any = None):
         config = config if config is not None else {}
         super().__init__(config)
-        model, tokenizer = model_from_config("HFInferenceEngine", config, model, tokenizer)
+        self.device = resolve_device(config.get("device"))
+        log_auto_device("inference engine", config.get("device"), self.device)
+        model, tokenizer = model_from_config("HFInferenceEngine", config, model, tokenizer, self.device)
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.max_batch_size = int(config.get("max_batch_size", 64))
@@ -91,8 +103,13 @@ class HFInferenceEngine(InferenceClient):
         self.eos_token_ids = self._eos_ids(model, tokenizer)
         self._seed_rng = random.Random(config.get("seed", None))
         self._tool_support: tuple[bool, bool] | None = None
-        self._new_session = make_session_factory(self.model, config.get("fast_path", "auto"),
-                                                 rows_hint=min(self.max_batch_size, 16))
+        # Where each row's uniforms come from (see the class doc); a test may switch a CPU engine over.
+        self.counter_rng = self.device.type != "cpu"
+        self.kv_tokens = self._kv_budget(config)
+        self.decoder = make_session_factory(self.model, config.get("fast_path", "auto"),
+                                            rows_hint=min(self.max_batch_size, 16), kv_tokens=self.kv_tokens,
+                                            graphs=config.get("cuda_graphs"),
+                                            release=bool(config.get("release_kv_cache", True)))
 
         self._queue: queue.Queue = queue.Queue()
         self._model_lock = threading.Lock()  # generation batches and weight loads take turns
@@ -104,6 +121,30 @@ class HFInferenceEngine(InferenceClient):
         self.num_requests = 0
         self._thread = threading.Thread(target=self._loop, name="hf-inference-engine", daemon=True)
         self._thread.start()
+
+    def _kv_budget(self, config: Any) -> int | None:
+        """Tokens of KV cache a batch may hold: ``max_kv_tokens``, else on a GPU its
+        ``gpu_memory_utilization`` share less the weights and the decode workspace (the logits and
+        the sampler's float64 CDF of ``max_batch_size`` rows); unbounded on the CPU."""
+        if config.get("max_kv_tokens"):
+            return int(config["max_kv_tokens"])
+        if self.device.type != "cuda":
+            return None
+        fraction = float(config.get("gpu_memory_utilization", 0.3))
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        workspace = self.max_batch_size * self.model.config.vocab_size * 32
+        tokens = kv_budget_tokens(total, fraction, weights, workspace, kv_token_bytes(self.model))
+        gib = float(1 << 30)
+        if tokens < 1:
+            raise ValueError(f"gpu_memory_utilization: {fraction} of {total / gib:.1f} GiB leaves room for {tokens} "
+                             f"tokens of KV cache after the engine's weights ({weights / gib:.2f} GiB) and decode "
+                             f"workspace ({workspace / gib:.2f} GiB): raise it, or lower max_batch_size")
+        from loguru import logger
+
+        logger.info(f"inference engine: KV cache of {tokens} tokens ({tokens * kv_token_bytes(self.model) / gib:.2f} "
+                    f"GiB, gpu_memory_utilization {fraction} of {total / gib:.1f} GiB on {self.device})")
+        return tokens
 
     @staticmethod
     def _eos_ids(model, tokenizer) -> set[int]:
@@ -143,11 +184,12 @@ class HFInferenceEngine(InferenceClient):
             room = self.max_positions - len(prompt_ids)
             if room < 1:
                 raise ValueError(f"prompt has {len(prompt_ids)} tokens; the model's context is {self.max_positions}")
-            generator = None
+            seed = generator = None
             if params.temperature > 0:
                 seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
-                generator = torch.Generator(device=self.model.device).manual_seed(seed)
-            request = _Request(prompt_ids, params, generator, min(params.max_tokens, room))
+                if not self.counter_rng:
+                    generator = torch.Generator().manual_seed(seed)
+            request = _Request(prompt_ids, params, seed, generator, min(params.max_tokens, room))
         except BaseException:
             with self._submit_lock:
                 self._arriving -= 1
@@ -250,6 +292,9 @@ class HFInferenceEngine(InferenceClient):
                     self._fail(batch, InferenceError("HFInferenceEngine is closed"))
                     break
                 self._run_batch(batch)
+                if self._queue.empty() and not self._arriving:
+                    with self._model_lock:
+                        self.decoder.release()  # idle: the trainer may use that memory
         finally:
             # However the loop ended, nobody may stay blocked on a request that will never run.
             with self._submit_lock:
@@ -302,7 +347,7 @@ class HFInferenceEngine(InferenceClient):
         try:
             with self._model_lock:
                 version = self.model_version()
-                outputs = self._generate(batch)
+                outputs = [out for chunk in self._chunks(batch) for out in self._generate(chunk)]
             for request, (text, reason, ids, logprobs) in zip(batch, outputs):
                 request.result = CompletionResult(
                     text=text,
@@ -313,6 +358,12 @@ class HFInferenceEngine(InferenceClient):
                     model_version=version,
                 )
         except Exception as exc:  # delivered to every caller of the batch, the engine keeps serving
+            if isinstance(exc, torch.OutOfMemoryError):
+                self.decoder.release()
+                exc = MemoryError(f"out of memory on {self.device} decoding {len(batch)} requests: lower "
+                                  f"service.inference_service.max_batch_size ({self.max_batch_size}) or "
+                                  f"gpu_memory_utilization / max_kv_tokens, or the trainer's "
+                                  f"service.train_service.micro_batch_size")
             error = InferenceError(f"generation failed: {type(exc).__name__}: {exc}")
             error.__cause__ = exc
             for request in batch:
@@ -321,9 +372,29 @@ class HFInferenceEngine(InferenceClient):
             for request in batch:
                 request.event.set()
 
+    def _chunks(self, batch: list[_Request]) -> list[list[_Request]]:
+        """The batch cut, in order, into runs whose KV cache fits ``kv_tokens`` (one chunk when unbounded)."""
+        if self.kv_tokens is None:
+            return [batch]
+        chunks: list[list[_Request]] = []
+        for request in batch:
+            chunk = chunks[-1] if chunks else None
+            if chunk is not None:
+                width = max(len(chunk[0].prompt_ids), len(request.prompt_ids))
+                new = max(max(r.max_new_tokens for r in chunk), request.max_new_tokens)
+                if self.decoder.footprint(len(chunk) + 1, width + new) <= self.kv_tokens:
+                    chunk.append(request)
+                    continue
+            if self.decoder.footprint(1, len(request.prompt_ids) + request.max_new_tokens) > self.kv_tokens:
+                raise MemoryError(f"one request needs {len(request.prompt_ids) + request.max_new_tokens} tokens of KV "
+                                  f"cache; the engine holds {self.kv_tokens}: raise service.inference_service."
+                                  f"gpu_memory_utilization or max_kv_tokens, or lower the sampling max_tokens")
+            chunks.append([request])
+        return chunks
+
     @torch.inference_mode()
     def _generate(self, batch: list[_Request]) -> list[tuple[str, str, list[int], list[float]]]:
-        device = self.model.device
+        device = self.device
         n = len(batch)
         # Identical prompts (a GRPO group's samples) are prefilled once and share their KV cache.
         distinct: dict[tuple[int, ...], int] = {}
@@ -349,15 +420,19 @@ class HFInferenceEngine(InferenceClient):
         finish: list[str] = ["length"] * n
         active = list(range(n))  # batch index of each row still being decoded
 
-        session = self._new_session()
-        logits = session.prefill(input_ids, attention_mask, position_ids)
+        session = self.decoder()
+        logits = session.prefill(input_ids, attention_mask, position_ids,
+                                 capacity=width + max(r.max_new_tokens for r in batch))
         next_pos = position_ids[:, -1] + 1
         if len(prompts) < n:
             idx = torch.tensor(row_prompt, device=device)
             session.select(idx)
             logits, next_pos = logits[idx], next_pos[idx]
+        seeds = torch.tensor([r.seed or 0 for r in batch], dtype=torch.long, device=device)
         while True:
-            tokens, logprobs = _sample(logits, scale, greedy, top_p, top_k, [batch[i].generator for i in active])
+            draw = _counter_draw(seeds, len(tokens_out[active[0]])) if self.counter_rng else \
+                _generator_draw([batch[i].generator for i in active])
+            tokens, logprobs = _sample(logits, scale, greedy, top_p, top_k, draw)
             keep = []
             for row, (b, tok, lp) in enumerate(zip(active, tokens.tolist(), logprobs.tolist())):
                 tokens_out[b].append(tok)
@@ -373,7 +448,7 @@ class HFInferenceEngine(InferenceClient):
                 idx = torch.tensor(keep, device=device)
                 session.select(idx)
                 tokens, next_pos = tokens[idx], next_pos[idx]
-                scale, greedy, top_p, top_k = scale[idx], greedy[idx], top_p[idx], top_k[idx]
+                scale, greedy, top_p, top_k, seeds = scale[idx], greedy[idx], top_p[idx], top_k[idx], seeds[idx]
                 active = [active[row] for row in keep]
             logits = session.step(tokens, next_pos)
             next_pos = next_pos + 1
@@ -400,21 +475,61 @@ class HFInferenceEngine(InferenceClient):
         return text, reason, ids, logprobs
 
 
+Draw = Callable[[torch.Tensor], torch.Tensor]  # sampled row indices -> one float64 uniform in [0, 1) each
+
+
+def _generator_draw(generators: list[torch.Generator | None]) -> Draw:
+    """Uniforms from each row's own ``torch.Generator`` (the CPU's source)."""
+    return lambda rows: torch.cat([torch.rand(1, generator=generators[i], dtype=torch.float64)
+                                   for i in rows.tolist()])
+
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """``x * c mod 2**32`` for 32-bit ``x`` and ``c`` in int64, no product reaching 2**63."""
+    return ((x & 0xFFFF) * c + ((((x >> 16) * c) & 0xFFFF) << 16)) & _MASK32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash with full avalanche (xorshift-multiply rounds)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def counter_uniform(seeds: torch.Tensor, counter: int) -> torch.Tensor:
+    """A float64 uniform in [0, 1) for each 63-bit seed at position ``counter``: a pure function of
+    the two, computed on the seeds' device for every row at once (53 bits from two hashes)."""
+    low, high = seeds & _MASK32, (seeds >> 32) & _MASK32
+    key = _mix32(low ^ _mix32(high ^ _mix32(torch.full_like(seeds, counter & _MASK32))))
+    first, second = _mix32(key ^ 0x68E31DA4), _mix32(key ^ 0xB5297A4D)
+    return ((first >> 6) * (1 << 27) + (second >> 5)).double() / float(1 << 53)
+
+
+def _counter_draw(seeds: torch.Tensor, counter: int) -> Draw:
+    """Uniforms of token ``counter`` from each row's seed (a GPU's source: one computation for the batch)."""
+    return lambda rows: counter_uniform(seeds[rows], counter)
+
+
 def _sample(
     logits: torch.Tensor,
     scale: torch.Tensor,
     greedy: torch.Tensor,
     top_p: torch.Tensor,
     top_k: torch.Tensor,
-    generators: list[torch.Generator | None],
+    draw: Draw,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Next token of every row and its logprob under ``logits / scale`` (full vocabulary).
 
     Sampled rows keep their ``top_k`` most likely tokens (0: all), then the smallest prefix of
     those, by probability, whose renormalised mass reaches ``top_p``, and invert the CDF of what
-    is left at one uniform draw from the row's own generator, so a row's sample never depends on
-    the other rows of the batch. The CDF is summed in float64: a token of probability 0 can
-    never be picked.
+    is left at one uniform ``draw`` of the row's own (from its seed), so a row's sample never
+    depends on the other rows of the batch. The CDF is summed in float64: a token of probability
+    0 can never be picked.
     """
     logprobs = torch.log_softmax(logits.float() / scale.unsqueeze(-1), dim=-1)
     tokens = logprobs.argmax(dim=-1)
@@ -435,8 +550,7 @@ def _sample(
             drop_sorted = outside_k | ((cumulative - kept) >= p[truncated].unsqueeze(-1) * cumulative[:, -1:])
             probs[truncated] = sub.masked_fill(torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted), 0.0)
         cdf = probs.double().cumsum(-1)
-        uniform = torch.cat([torch.rand(1, generator=generators[i], dtype=torch.float64, device=cdf.device)
-                             for i in sampled.tolist()])
+        uniform = draw(sampled).to(cdf.device)
         picked = torch.searchsorted(cdf, (uniform * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
         tokens[sampled] = picked.clamp(max=probs.shape[-1] - 1)
     return tokens, logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)

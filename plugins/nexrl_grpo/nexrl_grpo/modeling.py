@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -30,27 +31,75 @@ def native_bf16() -> bool:
     return bool(caps.get("avx512_bf16") or caps.get("amx_bf16"))
 
 
-def auto_dtype(dtype: str | None) -> str:
-    """``dtype`` with ``auto`` resolved: bfloat16 where the CPU computes it natively, else float32."""
+DEVICE_HELP = "auto (a CUDA device when one is visible, else the CPU) | cpu | cuda | cuda:N"
+
+
+def device_problem(value: Any) -> str | None:
+    """Why ``value`` names no device this machine has (None when it does). Cheap: loads nothing,
+    so ``nexrl validate`` refuses a CUDA recipe on a machine without CUDA before any model loads."""
+    text = "auto" if value is None else str(value).strip().lower()
+    if text in ("auto", "cpu"):
+        return None
+    match = re.fullmatch(r"cuda(?::(\d+))?", text)
+    if match is None:
+        return f"{value!r} is not one of auto, cpu, cuda, cuda:N"
+    if not torch.cuda.is_available():
+        build = "a CPU-only torch build" if torch.version.cuda is None else f"torch built for CUDA {torch.version.cuda}"
+        return f"{value!r} asked for, but no CUDA device is visible ({build}); use auto or cpu"
+    count = torch.cuda.device_count()
+    if int(match.group(1) or 0) >= count:
+        return f"{value!r} asked for, but {count} CUDA device(s) are visible (cuda:0 .. cuda:{count - 1})"
+    return None
+
+
+def resolve_device(value: Any) -> torch.device:
+    """The ``torch.device`` of a recipe's ``device`` (None is auto)."""
+    problem = device_problem(value)
+    if problem:
+        raise ValueError(f"device: {problem}")
+    text = "auto" if value is None else str(value).strip().lower()
+    if text == "cpu" or (text == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    return torch.device(text) if ":" in text else torch.device("cuda", torch.cuda.current_device())
+
+
+def log_auto_device(owner: str, requested: Any, resolved: torch.device) -> None:
+    """Say what ``device: auto`` became here (run.log)."""
+    if requested is None or str(requested).strip().lower() == "auto":
+        from loguru import logger
+
+        why = (f"{torch.cuda.get_device_name(resolved)} visible" if resolved.type == "cuda"
+               else "no CUDA device visible")
+        logger.info(f"{owner} device auto -> {resolved} ({why})")
+
+
+def auto_dtype(dtype: str | None, device: torch.device | None = None) -> str:
+    """``dtype`` with ``auto`` resolved for ``device`` (None: the CPU): bfloat16 on a GPU that
+    computes it and on a CPU that computes it natively, else float32."""
     text = str(dtype or "float32")
     if text != "auto":
         return text
+    if device is not None and device.type == "cuda":
+        return "bfloat16" if torch.cuda.is_bf16_supported() else "float32"
     return "bfloat16" if native_bf16() else "float32"
 
 
-def log_auto_dtype(owner: str, requested: Any, resolved: str) -> None:
+def log_auto_dtype(owner: str, requested: Any, resolved: str, device: torch.device | None = None) -> None:
     """Say what ``dtype: auto`` became on this machine (run.log), so a run's numerics can be read back."""
     if str(requested) == "auto":
         from loguru import logger
 
-        why = "this CPU computes bf16 natively" if native_bf16() else "no native bf16 on this CPU (emulated: slower)"
+        if device is not None and device.type == "cuda":
+            why = f"{device} {'computes bf16' if resolved == 'bfloat16' else 'has no bf16'}"
+        else:
+            why = "this CPU computes bf16 natively" if native_bf16() else "no native bf16 on this CPU (emulated: slower)"
         logger.info(f"{owner} dtype auto -> {resolved} ({why})")
 
 
-def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device | None = None) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
-    dtype = auto_dtype(dtype)
+    dtype = auto_dtype(dtype, device)
     resolved = getattr(torch, str(dtype), None)
     if not isinstance(resolved, torch.dtype) or not resolved.is_floating_point:
         raise ValueError(f"dtype: {dtype!r} is not a torch floating-point dtype (e.g. 'float32', 'bfloat16')")
@@ -78,13 +127,15 @@ def transformers_logs_to_root() -> None:
     hf_logging.enable_propagation()
 
 
-def load_causal_lm(model_path: str, gguf_file: str | None = None, dtype: str | torch.dtype = "float32"):
-    """Load ``(model, tokenizer)`` from a local HF folder, or from a GGUF file (dequantized).
+def load_causal_lm(model_path: str, gguf_file: str | None = None, dtype: str | torch.dtype = "float32",
+                   device: torch.device | str = "cpu"):
+    """Load ``(model, tokenizer)`` from a local HF folder, or from a GGUF file (dequantized), onto ``device``.
 
     ``gguf_file`` is either a file name inside ``model_path`` or an absolute path. Nothing is
     fetched from a hub (``local_files_only=True``). The tokenizer always has a pad token (EOS is
     used when the model defines none).
     """
+    device = torch.device(device)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     transformers_logs_to_root()
@@ -92,9 +143,9 @@ def load_causal_lm(model_path: str, gguf_file: str | None = None, dtype: str | t
     if gguf_file:
         kwargs["gguf_file"] = gguf_file
     tokenizer = AutoTokenizer.from_pretrained(model_path, **kwargs)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=resolve_dtype(dtype), **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=resolve_dtype(dtype, device), **kwargs)
     log_auto_dtype(f"model {os.path.basename(str(model_path).rstrip('/'))}", dtype,
-                   str(model.dtype).removeprefix("torch."))
+                   str(model.dtype).removeprefix("torch."), device)
     if gguf_file:
         # The weights are dequantized in memory; keeping the GGUF marker would make a later
         # save_pretrained() write a config that tries to load GGUF again.
@@ -104,20 +155,22 @@ def load_causal_lm(model_path: str, gguf_file: str | None = None, dtype: str | t
         model.is_quantized = False
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model.eval()
+    model.to(device).eval()
     return model, tokenizer
 
 
-def model_from_config(owner: str, config: Any, model: Any = None, tokenizer: Any = None):
-    """``(model, tokenizer)``: the pair passed in, or loaded from ``config['model_path']``."""
+def model_from_config(owner: str, config: Any, model: Any = None, tokenizer: Any = None,
+                      device: torch.device | str = "cpu"):
+    """``(model, tokenizer)`` on ``device``: the pair passed in (moved there), or loaded from
+    ``config['model_path']``."""
     if (model is None) != (tokenizer is None):
         raise ValueError(f"{owner}: pass model= and tokenizer= together")
     if model is not None:
-        return model, tokenizer
+        return model.to(device), tokenizer
     model_path = config.get("model_path", None)
     if not model_path:
         raise ValueError(f"{owner}: config key 'model_path' is required (or pass model= and tokenizer=)")
-    return load_causal_lm(model_path, config.get("gguf_file", None), config.get("dtype", "float32"))
+    return load_causal_lm(model_path, config.get("gguf_file", None), config.get("dtype", "float32"), device)
 
 
 def smollm2_gguf_path() -> str:

@@ -14,6 +14,7 @@ tensors are safetensors files, everything else is JSON.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -28,10 +29,11 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from nexrl_core import Option, TrainService, algorithms
+from nexrl_core import NexRLError, Option, TrainService, algorithms
 
 from .modeling import (auto_dtype, auto_flag, compute_response_logprobs, compute_response_logprobs_packed,
-                       log_auto_dtype, model_from_config, packing_problem, position_ids_from_mask)
+                       log_auto_device, log_auto_dtype, model_from_config, packing_problem, position_ids_from_mask,
+                       resolve_device)
 from .weights import AUTO_FLAG, MODEL_OPTIONS, _auto_flag, check_model_section, config_errors, resolve_model_path
 
 LossFn = Callable[[torch.Tensor, dict[str, Any]], tuple[torch.Tensor, dict[str, float]]]
@@ -70,9 +72,9 @@ class LocalTorchTrainService(TrainService):
     OPTIONS = {
         **MODEL_OPTIONS,
         "dtype": Option("float32", str, "compute precision; bfloat16 = bf16 autocast with float32 master weights, "
-                                        "optimizer state, log-softmax and loss; auto: bfloat16 where the CPU "
-                                        "computes it natively (AVX512-BF16, AMX), else float32",
-                        choices=(*TRAIN_DTYPES, "auto")),
+                                        "optimizer state, log-softmax and loss; auto: bfloat16 on a GPU that "
+                                        "computes it and on a CPU that computes it natively (AVX512-BF16, AMX), "
+                                        "else float32", choices=(*TRAIN_DTYPES, "auto")),
         "lr": Option(1e-6, float, "AdamW learning rate", gt=0),
         "weight_decay": Option(0.0, float, "AdamW weight decay", ge=0),
         "betas": Option([0.9, 0.999], list[float], "AdamW betas", check=_betas),
@@ -85,6 +87,9 @@ class LocalTorchTrainService(TrainService):
         "packing": Option(None, AUTO_FLAG, "packed sequences without padding: auto | true | false",
                           check=_auto_flag),
         "max_tokens_per_pack": Option(2048, int, "tokens per packed sequence", ge=1),
+        "offload_optimizer": Option(False, bool, "keep AdamW's state in host memory between steps (moved to the "
+                                                 "device for the step only): less device memory, a copy each way "
+                                                 "per step"),
     }
     BATCH_FORMAT = BATCH_FORMAT
     check_config = staticmethod(check_model_section)
@@ -113,14 +118,16 @@ class LocalTorchTrainService(TrainService):
             torch.manual_seed(int(seed))
             np.random.seed(int(seed) % 2**32)
             random.seed(int(seed))
-        self.dtype = auto_dtype(config.get("dtype", None))
-        log_auto_dtype("train service", config.get("dtype", None), self.dtype)
+        self.device = resolve_device(config.get("device"))
+        log_auto_device("train service", config.get("device"), self.device)
+        self.dtype = auto_dtype(config.get("dtype", None), self.device)
+        log_auto_dtype("train service", config.get("dtype", None), self.dtype, self.device)
         if self.dtype not in TRAIN_DTYPES:
             raise ValueError(f"dtype: {self.dtype!r} is not one of {', '.join(TRAIN_DTYPES)} "
                              f"(bfloat16 trains with float32 master weights)")
         # The weights are the float32 masters whatever the compute precision.
         model, tokenizer = model_from_config("LocalTorchTrainService", {**dict(config), "dtype": "float32"},
-                                             model, tokenizer)
+                                             model, tokenizer, self.device)
         if any(p.is_floating_point() and p.dtype != torch.float32 for p in model.parameters()):
             model = model.float()
         self.model = model
@@ -135,6 +142,7 @@ class LocalTorchTrainService(TrainService):
             raise ValueError(f"max_tokens_per_pack must be >= 1, got {self.max_tokens_per_pack}")
         grad_clip = config.get("grad_clip", 1.0)
         self.grad_clip = float(grad_clip) if grad_clip is not None and float(grad_clip) > 0 else None
+        self.offload_optimizer = bool(config.get("offload_optimizer"))
 
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self._param_names = [n for n, _ in named]
@@ -153,12 +161,13 @@ class LocalTorchTrainService(TrainService):
     # ------------------------------------------------------------------ compute
 
     def forward(self, batch: dict[str, Any]) -> torch.Tensor:
-        """Logprobs ``[B, R]`` of the response tokens under the current weights (no grad)."""
+        """Logprobs ``[B, R]`` of the response tokens under the current weights (no grad), on the
+        CPU with the batch's other per-row tensors."""
         self._check(batch)
         self.model.eval()
-        with torch.no_grad(), self._autocast():
+        with self._out_of_memory("forward"), torch.no_grad(), self._autocast():
             parts = [self._logprobs(mb) for mb in self._micro_batches(batch)]
-        return torch.cat(parts, dim=0)
+        return torch.cat(parts, dim=0).cpu()
 
     def forward_backward(self, batch: dict[str, Any], loss_fn: LossFn) -> dict[str, float]:
         """Accumulate gradients of ``loss_fn`` over the batch, one micro-batch at a time.
@@ -185,16 +194,18 @@ class LocalTorchTrainService(TrainService):
         self.model.train()
         total_loss = 0.0
         parts: list[tuple[float, dict[str, float]]] = []
-        for mb in self._micro_batches(batch):
-            mb.update(shared)
-            with self._autocast():
-                log_probs = self._logprobs(mb)
-            loss, mb_metrics = loss_fn(log_probs, mb)
-            loss.backward()
-            total_loss += float(loss.detach())
-            weight = float(mb["response_mask"].sum()) / num_tokens if num_tokens else mb["input_ids"].shape[0] / num_rows
-            parts.append((weight, mb_metrics))
-        return {"loss": total_loss, **algorithms.aggregate_metrics(parts)}
+        with self._out_of_memory("forward_backward"):
+            for mb in self._micro_batches(batch):
+                mb.update(shared)
+                with self._autocast():
+                    log_probs = self._logprobs(mb)
+                loss, mb_metrics = loss_fn(log_probs, mb)
+                loss.backward()
+                total_loss += float(loss.detach())
+                weight = float(mb["response_mask"].sum()) / num_tokens if num_tokens else \
+                    mb["input_ids"].shape[0] / num_rows
+                parts.append((weight, mb_metrics))
+        return {"loss": total_loss, **algorithms.aggregate_metrics(parts), **self.memory_metrics()}
 
     def optim_step(self) -> dict[str, float]:
         """Clip the gradient norm, take an AdamW step, zero the gradients.
@@ -203,12 +214,58 @@ class LocalTorchTrainService(TrainService):
         """
         grads = [p for p in self._params if p.grad is not None]
         on_cpu = all(g.device.type == "cpu" for g in grads)  # foreach kernels are slower than a loop on CPU
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(grads, self.grad_clip if self.grad_clip else math.inf,
-                                                         foreach=False if on_cpu else None))
-        if math.isfinite(grad_norm):
-            self.optimizer.step()
+        with self._out_of_memory("optim_step"):
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(grads, self.grad_clip if self.grad_clip else math.inf,
+                                                             foreach=False if on_cpu else None))
+            if math.isfinite(grad_norm):
+                self._move_optimizer_state(self.device)
+                self.optimizer.step()
+                if self.offload_optimizer:
+                    self._move_optimizer_state(torch.device("cpu"))
         self.optimizer.zero_grad(set_to_none=True)
         return {"grad_norm": grad_norm, "lr": float(self.optimizer.param_groups[0]["lr"])}
+
+    def memory_metrics(self) -> dict[str, float]:
+        """Device memory of this service's GPU (GiB): allocated now and the peak since the last call
+        (none on the CPU)."""
+        if self.device.type != "cuda":
+            return {}
+        gib = float(1 << 30)
+        out = {"memory_allocated_gib": torch.cuda.memory_allocated(self.device) / gib,
+               "memory_peak_gib": torch.cuda.max_memory_allocated(self.device) / gib}
+        torch.cuda.reset_peak_memory_stats(self.device)
+        return out
+
+    def _move_optimizer_state(self, device: torch.device) -> None:
+        """AdamW's state tensors to ``device`` (``offload_optimizer``: the host between steps)."""
+        if not self.offload_optimizer:
+            return
+        for state in self.optimizer.state.values():
+            for key, value in state.items():
+                # The step counter is a scalar: it stays where AdamW put it.
+                if torch.is_tensor(value) and key != "step" and value.device != device:
+                    state[key] = value.to(device, non_blocking=device.type == "cpu")
+
+    @contextlib.contextmanager
+    def _out_of_memory(self, phase: str):
+        """Out of device memory is an error that names the keys to lower, not a CUDA traceback."""
+        try:
+            yield
+        except torch.OutOfMemoryError:
+            micro = self.micro_batch_size or "null (the whole batch)"
+            hints = [f"micro_batch_size (now {micro})"]
+            if self.packing != "false":
+                hints.append(f"max_tokens_per_pack (now {self.max_tokens_per_pack})")
+            if not self.offload_optimizer:
+                hints.append("or set offload_optimizer: true")
+            used = ""
+            if self.device.type == "cuda":
+                free, total = torch.cuda.mem_get_info(self.device)
+                used = f" ({(total - free) / (1 << 30):.1f} of {total / (1 << 30):.1f} GiB in use)"
+            self.optimizer.zero_grad(set_to_none=True)
+            raise NexRLError(f"service.train_service: out of memory on {self.device} in {phase}{used}: lower "
+                             f"{', '.join(hints)}; on a GPU shared with the engine, also "
+                             f"service.inference_service.gpu_memory_utilization") from None
 
     def sampling_client(self) -> dict[str, torch.Tensor]:
         """The current weights as tensors by name (live, see :meth:`export_weights`): what an
@@ -276,24 +333,24 @@ class LocalTorchTrainService(TrainService):
     def _autocast(self) -> torch.autocast:
         """bf16 autocast around the model's forward (its backward follows it); the log-probs it
         yields are float32 (:func:`~nexrl_grpo.modeling.token_logprobs` upcasts the logits)."""
-        device = next(self.model.parameters()).device
-        return torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.dtype == "bfloat16")
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.dtype == "bfloat16")
 
     def _micro_batches(self, batch: dict[str, Any]):
+        """The batch's rows ``micro_batch_size`` at a time, their tensors on this service's device
+        (``prompt_groups`` stays on the host: packing reads it there)."""
         rows = batch["input_ids"].shape[0]
         size = self.micro_batch_size or rows
         for start in range(0, rows, size):
-            yield {k: _rows(v, start, start + size, rows) for k, v in batch.items()}
+            yield {k: v.to(self.device, non_blocking=True) if torch.is_tensor(v) and k != "prompt_groups" else v
+                   for k, v in ((k, _rows(v, start, start + size, rows)) for k, v in batch.items())}
 
     def _logprobs(self, mb: dict[str, Any]) -> torch.Tensor:
-        device = next(self.model.parameters()).device
-        input_ids = mb["input_ids"].to(device)
-        attention_mask = mb["attention_mask"].to(device)
+        input_ids, attention_mask = mb["input_ids"], mb["attention_mask"]
         position_ids = mb.get("position_ids")
-        position_ids = position_ids_from_mask(attention_mask) if position_ids is None else position_ids.to(device)
+        position_ids = position_ids_from_mask(attention_mask) if position_ids is None else position_ids
         response_length = mb["responses"].shape[1]
         temperature = mb.get("temperature")
-        temperature = 1.0 if temperature is None else temperature.to(device)
+        temperature = 1.0 if temperature is None else temperature
         if self.packing != "false":
             problem = packing_problem(self.model, attention_mask, response_length)
             if problem is None:

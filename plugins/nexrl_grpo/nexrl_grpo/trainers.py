@@ -18,7 +18,7 @@ from nexrl_core import (Batch, BaseTrainer, Capabilities, ConfigError, DataError
 
 from .critic import CRITIC_ALGORITHM_OPTIONS, CriticService, ValueModel
 from .losses import LossContext, agg_loss, kl_loss, masked_mean, value_loss
-from .modeling import compute_response_logprobs, position_ids_from_mask
+from .modeling import DEVICE_HELP, compute_response_logprobs, device_problem, position_ids_from_mask, resolve_device
 from .train_service import BATCH_FORMAT, LocalTorchTrainService, export_model_folder
 
 
@@ -288,6 +288,8 @@ class SelfHostedGrpoTrainer(SelfHostedTrainer):
         "use_kl_loss": Option(False, bool, "add kl_loss_coef * KL(policy || initial model) to the loss"),
         "kl_loss_coef": Option(0.001, float, "coefficient of the KL loss term", ge=0),
         "kl_loss_type": Option("low_var_kl", str, "KL estimator of the loss term", choices=tuple(algorithms.KL_KINDS)),
+        "ref_device": Option(None, (str, None), f"device of the frozen KL reference model (null: the policy's; "
+                                                f"{DEVICE_HELP})", check=device_problem),
         "max_response_length": Option(None, int, "loss normaliser of the *-norm aggregation modes "
                                                  "(null: rollout_worker.sampling.max_tokens)", ge=1),
         "rollout_correction": Option(options=algorithms.ROLLOUT_CORRECTION_OPTIONS,
@@ -323,7 +325,8 @@ class SelfHostedGrpoTrainer(SelfHostedTrainer):
         options = self.selection.options  # a bad algorithm section fails before the model loads
         super().initialize_workers()
         if (options["use_kl_in_reward"] or options["use_kl_loss"]) and self._ref_model is None:
-            self._ref_model = copy.deepcopy(self.train_service.model).eval().requires_grad_(False)
+            device = resolve_device(options["ref_device"]) if options["ref_device"] else self.train_service.device
+            self._ref_model = copy.deepcopy(self.train_service.model).to(device).eval().requires_grad_(False)
         if self.selection.requires("values") and self.critic is None:
             critic = options["critic"]
             service = getattr(self.train_service, "config", None) or {}  # the policy's settings, as built
@@ -331,15 +334,17 @@ class SelfHostedGrpoTrainer(SelfHostedTrainer):
             config = {"lr": critic["lr"], "weight_decay": critic["weight_decay"], "grad_clip": critic["grad_clip"],
                       "betas": service.get("betas", [0.9, 0.999]), "eps": service.get("eps", 1e-8),
                       "dtype": getattr(self.train_service, "dtype", service.get("dtype", "float32")),  # auto resolved
+                      "device": critic["device"] or str(self.train_service.device),
                       "micro_batch_size": critic["micro_batch_size"] or service.get("micro_batch_size")}
             self.critic = CriticService(config, model=ValueModel.from_causal_lm(self.train_service.model),
                                         tokenizer=self.train_service.tokenizer)
 
     def _ref_log_probs(self, batch: Batch) -> torch.Tensor:
-        v = batch.values
+        device = next(self._ref_model.parameters()).device
+        v = {k: batch.values[k].to(device) for k in ("input_ids", "attention_mask", "position_ids", "temperature")}
         with torch.no_grad():
             return compute_response_logprobs(self._ref_model, v["input_ids"], v["attention_mask"], v["position_ids"],
-                                             v["responses"].shape[1], v["temperature"])
+                                             batch.values["responses"].shape[1], v["temperature"]).cpu()
 
     def _prepare_batch(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
         """ROLL's order: sample-level mask -> reward post-processing -> token-level rewards (with

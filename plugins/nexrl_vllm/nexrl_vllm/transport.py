@@ -60,6 +60,8 @@ class NcclTransport(TensorTransport):
 
     def send(self, named_tensors: Sequence[tuple[str, Any]], packed: bool) -> None:
         device = self.device
+        # Each sync broadcasts from a new thread, whose current CUDA device is cuda:0 until it says otherwise.
+        self._torch.cuda.set_device(device)
         on_device = ((name, t.to(device, non_blocking=True)) for name, t in named_tensors)
         self._engine.trainer_send_weights(iterator=on_device, trainer_args=self._args(group=self.group, packed=packed))
         self._torch.cuda.synchronize(device)

@@ -202,7 +202,8 @@ class VLLMNcclWeightSync(_VLLMWeightSync):
         "nccl_packed": Option(True, help="batch the tensors into packed buffers"),
     }
     # The tensor path (a GPU piece); tests put a CPU stand-in here to drive the HTTP phases.
-    transport_factory: Callable[[], TensorTransport] = NcclTransport
+    # Called with the device of the trainer's tensors (None when they live on the host).
+    transport_factory: Callable[[Any], TensorTransport] = NcclTransport
 
     @classmethod
     def check_config(cls, section: Any, key: str = "weight") -> list[str]:
@@ -223,18 +224,20 @@ class VLLMNcclWeightSync(_VLLMWeightSync):
         self._init_lock = threading.Lock()
 
     def _prepare(self, trainer: Any, client: VLLMClient, version: int) -> list[tuple[str, Any]]:
+        tensors = unique_tensors(trainer.export_weights())
         with self._init_lock:
             if self.transport is None:
-                self._init_transfer(client)
-        return unique_tensors(trainer.export_weights())
+                device = next((t.device for _, t in tensors if getattr(t, "is_cuda", False)), None)
+                self._init_transfer(client, device)
+        return tensors
 
-    def _init_transfer(self, client: VLLMClient) -> None:
+    def _init_transfer(self, client: VLLMClient, device: Any) -> None:
         control = client.control
         world = control.world_size() + 1  # the server's workers and this trainer
         host = urlparse(client.root_url).hostname or "127.0.0.1"
         address = str(self.master_address or ("127.0.0.1" if is_loopback(host) else _address_towards(host)))
         port = int(self.master_port or free_port(address))
-        transport = type(self).transport_factory()
+        transport = type(self).transport_factory(device)  # the trainer's GPU, where its tensors already are
         init_info = {"master_address": address, "master_port": port, "rank_offset": 1, "world_size": world}
         # The server's workers connect to the trainer's rendezvous: both sides must run at once.
         _together("init_weight_transfer_engine", self.transfer_timeout,
