@@ -182,7 +182,7 @@ class TrlSystem(GatedSystem):
                                       "answer": rows[i]["answer"]} for i in order])
         config = GRPOConfig(
             output_dir=out_dir,
-            use_cpu=True, bf16=precision == "bf16", fp16=False,  # bf16: autocast, fp32 master weights
+            use_cpu=args.device == "cpu", bf16=precision == "bf16", fp16=False,  # bf16: autocast, fp32 masters
             per_device_train_batch_size=args.prompts * args.samples,  # completions per step
             gradient_accumulation_steps=1,
             num_generations=args.samples,
@@ -221,6 +221,13 @@ class TrlSystem(GatedSystem):
     def work(self) -> None:
         self.trainer.train()
 
+    @property
+    def response_tokens(self) -> list[float]:
+        """Generated tokens of each step (TRL logs the mean completion length)."""
+        batch = self.trainer.args.per_device_train_batch_size
+        return [row["completions/mean_length"] * batch for row in self.trainer.state.log_history
+                if "completions/mean_length" in row]
+
     def close(self) -> None:
         self.gate.release_all()
         self.thread.join(timeout=600)
@@ -246,6 +253,8 @@ class NexrlSystem(GatedSystem):
             *([f"weight.rollout_limit={args.rollout_limit}"] if args.rollout_limit != "recipe" else []),
             "algorithm.clip_ratio_low=0.2", "algorithm.clip_ratio_high=0.2",
             "algorithm.loss_agg_mode=seq-mean-token-mean",
+            f"+service.train_service.device={args.device}", f"+service.inference_service.device={args.device}",
+            f"service.train_service.model_path={args.model}", f"service.inference_service.model_path={args.model}",
         ]
         if dtype != "recipe":
             base = load_recipe(QUICKSTART)
@@ -288,14 +297,22 @@ class NexrlSystem(GatedSystem):
         while not tracker.is_rollout_worker_quiescent():
             time.sleep(0.005)
 
-    @property
-    def rewards(self) -> list[float]:
+    def _series(self, key: str) -> list[float]:
         path = os.path.join(self.run_dir, "metrics.jsonl")
         if not os.path.exists(path):
             return []
         with open(path) as f:
             rows = [json.loads(line) for line in f if line.strip()]
-        return [r["train/reward_mean"] for r in sorted(rows, key=lambda r: r["step"]) if "train/reward_mean" in r]
+        return [r[key] for r in sorted(rows, key=lambda r: r["step"]) if key in r]
+
+    @property
+    def rewards(self) -> list[float]:
+        return self._series("train/reward_mean")
+
+    @property
+    def response_tokens(self) -> list[float]:
+        """Generated tokens of each step."""
+        return self._series("train/num_response_tokens")
 
     def close(self) -> None:
         self.gate.release_all()
@@ -377,6 +394,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="nexrl weight.rollout_limit: batch (start no more rollouts than a step trains on), "
                         "null (rollouts run until the batch is ready), or 'recipe' (leave the recipe's)")
     p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--device", default="cpu", help="where both systems train and generate: cpu, or cuda "
+                                                   "(benchmarks/gpu_check.py)")
+    p.add_argument("--model", help="an HF model folder (default: the quickstart's SmolLM2-135M-Instruct)")
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     p.add_argument("--workers", type=int, default=0,
                    help="nexrl rollout_worker.num_workers (0: prompts x samples, one step's completions)")
@@ -408,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
     import trl
     from nexrl_grpo.weights import resolve_model_path
 
-    model_path = resolve_model_path("smollm2-135m-instruct")
+    model_path = args.model = args.model or resolve_model_path("smollm2-135m-instruct")
     if args.lr is None:
         from nexrl_core.config import load_recipe
 
@@ -416,7 +436,8 @@ def main(argv: list[str] | None = None) -> int:
     steps_per_system = args.warmup + args.blocks * args.steps_per_block
     started = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     print(f"grpo_vs_trl  {started}  torch {torch.__version__} ({torch.get_num_threads()} threads), "
-          f"transformers {transformers.__version__}, trl {trl.__version__}; CPU {cpu_name()}")
+          f"transformers {transformers.__version__}, trl {trl.__version__}; CPU {cpu_name()}"
+          + (f"; GPU {torch.cuda.get_device_name(torch.device(args.device))}" if args.device != "cpu" else ""))
     print(f"model {model_path}; {args.prompts} prompts x {args.samples} samples/step, <= {args.max_new_tokens} "
           f"new tokens, temperature 1.0, beta 0, lr {args.lr}; warm-up {args.warmup}, {args.blocks} blocks x "
           f"{args.steps_per_block} steps per system; nexrl weight.rollout_limit={args.rollout_limit}; "
@@ -437,6 +458,7 @@ def main(argv: list[str] | None = None) -> int:
         systems: list[Any] = [*trls, *nexrls]
         times: dict[str, list[float]] = {s.name: [] for s in systems}
         windows: dict[str, list[tuple[float, float]]] = {s.name: [] for s in systems}
+        peak_gib: dict[str, float] = {s.name: 0.0 for s in systems}  # device memory, on a GPU
         try:
             for s in systems:  # warm-up: model load, first generation, allocator warm-up
                 t0, t1 = run_block(s, args.warmup) if args.warmup else (0.0, 0.0)
@@ -444,7 +466,11 @@ def main(argv: list[str] | None = None) -> int:
             for b in range(args.blocks):
                 shift = b % len(systems)
                 for s in systems[shift:] + systems[:shift]:
+                    if args.device != "cpu":
+                        torch.cuda.reset_peak_memory_stats()
                     t0, t1 = run_block(s, args.steps_per_block)
+                    if args.device != "cpu":
+                        peak_gib[s.name] = max(peak_gib[s.name], torch.cuda.max_memory_allocated() / (1 << 30))
                     t = t1 - t0
                     times[s.name].append(t)
                     windows[s.name].append((t0, t1))
@@ -454,6 +480,7 @@ def main(argv: list[str] | None = None) -> int:
             for s in systems:
                 s.close()
         rewards = {s.name: s.rewards for s in systems}
+        tokens = {s.name: s.response_tokens for s in systems}
         engines = {nx.name: (nx.controller.inference_client, nx.controller.trajectory_pool.counters()) for nx in nexrls}
 
     n = args.blocks * args.steps_per_block
@@ -472,6 +499,10 @@ def main(argv: list[str] | None = None) -> int:
                   f"{', '.join(f'{r:.2f}' for r in per_block)} (median {statistics.median(per_block):.2f})   "
                   f"target >= {targets[trl_sys.name]}")
     gen = {s.name: overlap(s.gen_intervals, windows[s.name]) / n for s in systems}
+    tokens_per_s = {name: statistics.mean(t) * sps[name] for name, t in tokens.items() if t}
+    print("response tokens/s: " + ", ".join(f"{name} {v:.0f}" for name, v in tokens_per_s.items())
+          + ("; peak device memory: " + ", ".join(f"{name} {v:.1f} GiB" for name, v in peak_gib.items())
+             if args.device != "cpu" else ""))
     for name in times:
         step = sum(times[name]) / n
         print(f"  {name:<15} per step: generation {gen[name]:6.2f}s, the rest (logprobs, loss, backward, optimizer, "
@@ -500,7 +531,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"date": started, "args": vars(args), "cpu": cpu_name(), "times": times, "ratios": ratios,
-                       "generation_s_per_step": gen, "rewards": rewards, "decode_roofline": rooflines}, f, indent=1)
+                       "generation_s_per_step": gen, "rewards": rewards, "decode_roofline": rooflines,
+                       "response_tokens_per_s": tokens_per_s, "peak_memory_gib": peak_gib}, f, indent=1)
     return 0
 
 

