@@ -15,6 +15,8 @@ tensors are safetensors files, everything else is JSON.
 from __future__ import annotations
 
 import contextlib
+import copy
+import functools
 import json
 import math
 import os
@@ -34,6 +36,8 @@ from nexrl_core import NexRLError, Option, TrainService, algorithms
 from .modeling import (auto_dtype, auto_flag, compute_response_logprobs, compute_response_logprobs_packed,
                        log_auto_device, log_auto_dtype, model_from_config, packing_problem, position_ids_from_mask,
                        resolve_device)
+from . import sharded
+from .distributed import PARALLEL_MODES, RankGroup, full_tensor, shard_rows, start_ranks, wrap
 from .weights import AUTO_FLAG, MODEL_OPTIONS, _auto_flag, check_model_section, config_errors, resolve_model_path
 
 LossFn = Callable[[torch.Tensor, dict[str, Any]], tuple[torch.Tensor, dict[str, float]]]
@@ -41,7 +45,9 @@ LossFn = Callable[[torch.Tensor, dict[str, Any]], tuple[torch.Tensor, dict[str, 
 REQUIRED_KEYS = ("input_ids", "attention_mask", "responses", "response_mask")
 CHECKPOINT_FORMAT = 1
 # What save_checkpoint adds to the HF folder for a resume; an export leaves them out.
-TRAINING_STATE_FILES = ("optimizer.safetensors", "optimizer.json", "rng.safetensors", "rng.json", "extra_state.json")
+TRAINING_STATE_FILES = ("optimizer.safetensors", "optimizer.json", "rng.safetensors", "rng.json", "extra_state.json",
+                        "distributed.json")
+DISTRIBUTED_FILE = "distributed.json"  # the world size and parallel mode that wrote a checkpoint
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Compute precisions of training. bfloat16 is mixed precision: the model's matmuls and attention run
 # under bf16 autocast while the weights, their gradients and Adam's state stay float32, and the
@@ -50,6 +56,18 @@ TRAIN_DTYPES = ("float32", "bfloat16")
 # The dict of tensors above with a LossFn. A service taking it also offers ``tokenizer`` (and
 # ``model``, the torch module, which a KL reference is copied from).
 BATCH_FORMAT = "torch_tensors"
+
+
+def _every_rank(method: Callable[..., Any]) -> Callable[..., Any]:
+    """On rank 0 of several, broadcast the call first: every rank runs the method, so the collectives
+    inside it match (see :mod:`nexrl_grpo.distributed`). In one process: the method itself."""
+    @functools.wraps(method)
+    def call(self: LocalTorchTrainService, *args: Any, **kwargs: Any) -> Any:
+        if self.ranks is not None and self.ranks.leader:
+            self.ranks.broadcast_call(method.__name__, args, kwargs)
+            return self.ranks.run(lambda: method(self, *args, **kwargs))
+        return method(self, *args, **kwargs)
+    return call
 
 
 def _betas(value: Any) -> str | None:
@@ -87,12 +105,24 @@ class LocalTorchTrainService(TrainService):
         "packing": Option(None, AUTO_FLAG, "packed sequences without padding: auto | true | false",
                           check=_auto_flag),
         "max_tokens_per_pack": Option(2048, int, "tokens per packed sequence", ge=1),
+        "world_size": Option(1, int, "data-parallel ranks training this model, one process each (the first is the "
+                                     "trainer's; on a GPU box rank r takes cuda:r); see parallel", ge=1),
+        "parallel": Option("fsdp", str, "how ranks share the model: fsdp (FSDP2: parameters, gradients and "
+                                        "optimizer state sharded) | ddp (replicated: for models too small to "
+                                        "shard)", choices=PARALLEL_MODES),
         "offload_optimizer": Option(False, bool, "keep AdamW's state in host memory between steps (moved to the "
                                                  "device for the step only): less device memory, a copy each way "
                                                  "per step"),
     }
     BATCH_FORMAT = BATCH_FORMAT
-    check_config = staticmethod(check_model_section)
+
+    @staticmethod
+    def check_config(section: Any, key: str) -> list[str]:
+        problems = check_model_section(section, key)
+        if int(section.get("world_size") or 1) > 1 and auto_flag(section.get("packing"), "packing") == "true":
+            problems.append(f"{key}.packing: true cannot run with world_size > 1 (every rank must make the same "
+                            f"number of forward passes): use auto or false")
+        return problems
 
     @classmethod
     def from_config(cls, config: Any, *, seed: int, total_steps: int,
@@ -110,16 +140,27 @@ class LocalTorchTrainService(TrainService):
         with config_errors(path):
             return cls(cfg)
 
-    def __init__(self, config: Any = None, *, model: torch.nn.Module | None = None, tokenizer: Any = None):
+    def __init__(self, config: Any = None, *, model: torch.nn.Module | None = None, tokenizer: Any = None,
+                 rank_group: RankGroup | None = None):
         config = config if config is not None else {}
         self.config = config
+        world_size = int(config.get("world_size") or 1)
+        if world_size > 1 and rank_group is None:
+            if model is not None:
+                raise ValueError("world_size: every rank loads the model from model_path (pass no model=)")
+            rank_group = start_ranks(dict(config), world_size, str(config.get("parallel") or "fsdp"))
+        self.ranks = rank_group
         seed = config.get("seed", None)
         if seed is not None:
             torch.manual_seed(int(seed))
             np.random.seed(int(seed) % 2**32)
             random.seed(int(seed))
         self.device = resolve_device(config.get("device"))
-        log_auto_device("train service", config.get("device"), self.device)
+        if self.ranks is not None and self.device.type == "cuda":
+            self.device = torch.device("cuda", self.ranks.rank)  # rank r on the box's GPU r
+            torch.cuda.set_device(self.device)
+        if self.ranks is None or self.ranks.leader:
+            log_auto_device("train service", config.get("device"), self.device)
         self.dtype = auto_dtype(config.get("dtype", None), self.device)
         log_auto_dtype("train service", config.get("dtype", None), self.dtype, self.device)
         if self.dtype not in TRAIN_DTYPES:
@@ -131,12 +172,20 @@ class LocalTorchTrainService(TrainService):
         if any(p.is_floating_point() and p.dtype != torch.float32 for p in model.parameters()):
             model = model.float()
         self.model = model
+        # What a forward pass calls: the model, or DDP's wrapper around it (FSDP2 shards it in place).
+        self._forward_model = model if self.ranks is None else wrap(model, self.ranks, self.device)
         self.tokenizer = tokenizer
         micro = config.get("micro_batch_size", None)
         self.micro_batch_size = int(micro) if micro else None
         if self.micro_batch_size is not None and self.micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1, got {micro}")
         self.packing = auto_flag(config.get("packing", "auto"), "packing")
+        if self.ranks is not None:
+            # A packed forward makes as many model calls as its rows need packs; ranks must make the same number.
+            if self.packing == "true":
+                raise ValueError("packing: true cannot run with world_size > 1 (every rank must make the same "
+                                 "number of forward passes): use auto or false")
+            self.packing = "false"
         self.max_tokens_per_pack = int(config.get("max_tokens_per_pack", 2048))
         if self.max_tokens_per_pack < 1:
             raise ValueError(f"max_tokens_per_pack must be >= 1, got {self.max_tokens_per_pack}")
@@ -155,20 +204,66 @@ class LocalTorchTrainService(TrainService):
             eps=float(config.get("eps", 1e-8)),
             weight_decay=float(config.get("weight_decay", 0.0)),
             # One fused kernel over all parameters; the default on CPU is a per-tensor Python loop.
-            fused=all(p.device.type in ("cpu", "cuda") for p in self._params) or None,
+            fused=(self.ranks is None and all(p.device.type in ("cpu", "cuda") for p in self._params)) or None,
         )
+
+    # ------------------------------------------------------------------ ranks
+
+    def serve(self) -> None:
+        """A follower rank's life: run each call rank 0 broadcasts until it says ``close``."""
+        while True:
+            name, args, kwargs = self.ranks.receive_call()
+            if name == "close":
+                break
+            getattr(type(self), name).__wrapped__(self, *args, **kwargs)
+        self.ranks.close()
+
+    def close(self) -> None:
+        """Stop the follower ranks (a no-op in one process)."""
+        if self.ranks is not None and self.ranks.leader:
+            try:
+                self.ranks.broadcast_call("close", (), {})
+            except Exception:  # noqa: BLE001 - a rank already gone: the others are stopped below
+                pass
+            self.ranks.close()
+            self.ranks = None
+
+    def _shard(self, batch: dict[str, Any]) -> tuple[dict[str, Any], list[list[int]]]:
+        """This rank's rows of ``batch`` (:func:`~nexrl_grpo.distributed.shard_rows`) and every rank's row indices."""
+        rows = batch["input_ids"].shape[0]
+        groups = batch.get("prompt_groups")
+        groups = groups.tolist() if groups is not None else list(range(rows))
+        shards = shard_rows(groups, batch["attention_mask"].sum(-1).tolist(), self.ranks.world_size)
+        index = shards[self.ranks.rank]
+        return {k: _take(v, index, rows) for k, v in batch.items()}, shards
+
+    def _pass_count(self, shards: list[list[int]]) -> int:
+        """Forward passes every rank makes: the most micro-batches any rank's rows need (at least one)."""
+        return max(1, max(-(-len(rows) // (self.micro_batch_size or max(len(rows), 1))) for rows in shards))
 
     # ------------------------------------------------------------------ compute
 
+    @_every_rank
     def forward(self, batch: dict[str, Any]) -> torch.Tensor:
         """Logprobs ``[B, R]`` of the response tokens under the current weights (no grad), on the
         CPU with the batch's other per-row tensors."""
         self._check(batch)
         self.model.eval()
+        mine, shards, passes = batch, None, None
+        if self.ranks is not None:
+            mine, shards = self._shard(batch)
+            passes = self._pass_count(shards)
         with self._out_of_memory("forward"), torch.no_grad(), self._autocast():
-            parts = [self._logprobs(mb) for mb in self._micro_batches(batch)]
-        return torch.cat(parts, dim=0).cpu()
+            parts = [self._logprobs(mb) for mb in self._micro_batches(mine, passes, empty_from=batch)]
+        mine_out = torch.cat(parts, dim=0).cpu()[:len(mine["input_ids"])]
+        if self.ranks is None:
+            return mine_out
+        full = torch.zeros((batch["input_ids"].shape[0], mine_out.shape[1]), dtype=mine_out.dtype)
+        for rows, out in zip(shards, self.ranks.gather(mine_out)):
+            full[rows] = out
+        return full
 
+    @_every_rank
     def forward_backward(self, batch: dict[str, Any], loss_fn: LossFn) -> dict[str, float]:
         """Accumulate gradients of ``loss_fn`` over the batch, one micro-batch at a time.
 
@@ -191,22 +286,35 @@ class LocalTorchTrainService(TrainService):
         num_tokens = float(mask.sum())
         num_rows = batch["input_ids"].shape[0]
         shared = {"batch_num_seqs": int((mask.sum(-1) > 0).sum()), "batch_num_tokens": num_tokens}
-        self.model.train()
+        mine, passes, scale = batch, None, 1.0
+        if self.ranks is not None:
+            mine, shards = self._shard(batch)
+            passes = self._pass_count(shards)
+            scale = float(self.ranks.world_size)  # FSDP and DDP average gradients over ranks: undo it (a sum)
+        self._forward_model.train()
         total_loss = 0.0
         parts: list[tuple[float, dict[str, float]]] = []
         with self._out_of_memory("forward_backward"):
-            for mb in self._micro_batches(batch):
-                mb.update(shared)
+            for mb in self._micro_batches(mine, passes, empty_from=batch):
                 with self._autocast():
                     log_probs = self._logprobs(mb)
+                if mb.get("_empty"):  # this rank has no rows left: a pass for the collectives only
+                    (log_probs.sum() * 0.0).backward()
+                    continue
+                mb.update(shared)
                 loss, mb_metrics = loss_fn(log_probs, mb)
-                loss.backward()
+                (loss * scale if scale != 1.0 else loss).backward()
                 total_loss += float(loss.detach())
                 weight = float(mb["response_mask"].sum()) / num_tokens if num_tokens else \
                     mb["input_ids"].shape[0] / num_rows
                 parts.append((weight, mb_metrics))
+        if self.ranks is not None:
+            gathered = self.ranks.gather((total_loss, parts))
+            total_loss = sum(loss for loss, _ in gathered)
+            parts = [part for _, rank_parts in gathered for part in rank_parts]
         return {"loss": total_loss, **algorithms.aggregate_metrics(parts), **self.memory_metrics()}
 
+    @_every_rank
     def optim_step(self) -> dict[str, float]:
         """Clip the gradient norm, take an AdamW step, zero the gradients.
 
@@ -224,6 +332,17 @@ class LocalTorchTrainService(TrainService):
                     self._move_optimizer_state(torch.device("cpu"))
         self.optimizer.zero_grad(set_to_none=True)
         return {"grad_norm": grad_norm, "lr": float(self.optimizer.param_groups[0]["lr"])}
+
+    def frozen_copy(self, device: torch.device) -> torch.nn.Module:
+        """A frozen copy of the model as it is now, on ``device`` (the KL reference). Sharded across
+        ranks, the weights are read again from ``model_path`` (the copy is taken before training)."""
+        if self.ranks is not None and self.ranks.parallel == "fsdp":
+            from .modeling import load_causal_lm
+
+            model, _ = load_causal_lm(self.config["model_path"], dtype="float32", device=device)
+        else:
+            model = copy.deepcopy(self.model).to(device)
+        return model.eval().requires_grad_(False)
 
     def memory_metrics(self) -> dict[str, float]:
         """Device memory of this service's GPU (GiB): allocated now and the peak since the last call
@@ -272,6 +391,7 @@ class LocalTorchTrainService(TrainService):
         in-process weight sync loads into the engine rollouts sample from."""
         return self.export_weights()
 
+    @_every_rank
     def export_weights(self, copy: bool = False) -> dict[str, torch.Tensor]:
         """The model's tensors by name, detached.
 
@@ -279,10 +399,14 @@ class LocalTorchTrainService(TrainService):
         the in-process engine copies them) before the next ``optim_step``.
         """
         state = self.model.state_dict()
+        if self.ranks is not None and self.ranks.parallel == "fsdp":
+            # Each parameter gathered from its shards (a collective every rank makes, in this order).
+            return {k: full_tensor(v.detach()) for k, v in state.items()}
         return {k: v.detach().clone() if copy else v.detach() for k, v in state.items()}
 
     # ------------------------------------------------------------------ checkpoints
 
+    @_every_rank
     def save_checkpoint(self, folder: str | os.PathLike, extra_state: dict[str, Any] | None = None) -> None:
         """Write model, tokenizer, optimizer, RNG states and ``extra_state`` (JSON) to ``folder``.
 
@@ -290,28 +414,56 @@ class LocalTorchTrainService(TrainService):
         leaves a half-written checkpoint; an existing folder of that name is replaced.
         """
         target = Path(folder)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+        leader = self.ranks is None or self.ranks.leader
+        tmp = None
+        if leader:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+        if self.ranks is not None:
+            tmp = Path(self.ranks.broadcast(str(tmp) if tmp else None))
         try:
-            self.model.save_pretrained(tmp)
-            self.tokenizer.save_pretrained(tmp)
-            self._save_optimizer(tmp)
-            self._save_rng(tmp)
-            _write_json(tmp / "extra_state.json", extra_state or {})
-            tmp.chmod(0o755)
-            if target.exists():
-                shutil.rmtree(target)
-            os.rename(tmp, target)
+            if self.ranks is not None and self.ranks.parallel == "fsdp":
+                sharded.save(self, tmp)  # every rank writes its shards (collectives)
+            elif leader:
+                self.model.save_pretrained(tmp)
+                self._save_optimizer(tmp)
+            if leader:
+                self.tokenizer.save_pretrained(tmp)
+                self._save_rng(tmp)
+                _write_json(tmp / "extra_state.json", extra_state or {})
+                _write_json(tmp / DISTRIBUTED_FILE, {"world_size": self.ranks.world_size if self.ranks else 1,
+                                                     "parallel": self.ranks.parallel if self.ranks else None})
+                tmp.chmod(0o755)
+                if target.exists():
+                    shutil.rmtree(target)
+                os.rename(tmp, target)
         finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+            if leader:
+                shutil.rmtree(tmp, ignore_errors=True)
+        if self.ranks is not None:
+            self.ranks.gather(None)  # nobody reads the folder before it is in place
 
+    @_every_rank
     def load_checkpoint(self, folder: str | os.PathLike) -> dict[str, Any]:
         """Restore everything :meth:`save_checkpoint` wrote; returns its ``extra_state``."""
         folder = Path(folder)
         if not folder.is_dir():
             raise FileNotFoundError(f"checkpoint folder {folder} does not exist")
-        self._load_model(folder)
-        self._load_optimizer(folder)
+        saved = json.loads((folder / DISTRIBUTED_FILE).read_text()) if (folder / DISTRIBUTED_FILE).is_file() else {}
+        world = self.ranks.world_size if self.ranks else 1
+        if int(saved.get("world_size", 1)) != world and (self.ranks is None or self.ranks.leader):
+            from loguru import logger
+
+            logger.warning(f"{folder}: written by {saved.get('world_size', 1)} rank(s), resumed on {world}: the "
+                           f"batch splits differently, so the run will not repeat the original bit for bit")
+        if self.ranks is not None and self.ranks.parallel == "fsdp":
+            sharded.load_model(self, folder)
+        else:
+            self._load_model(folder)
+        if (folder / sharded.OPTIMIZER_FOLDER).is_dir() or (self.ranks is not None and self.ranks.parallel == "fsdp"):
+            sharded.load_optimizer(self, folder)
+        else:
+            self._load_optimizer(folder)
         self._load_rng(folder)
         return json.loads((folder / "extra_state.json").read_text())
 
@@ -335,14 +487,24 @@ class LocalTorchTrainService(TrainService):
         yields are float32 (:func:`~nexrl_grpo.modeling.token_logprobs` upcasts the logits)."""
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.dtype == "bfloat16")
 
-    def _micro_batches(self, batch: dict[str, Any]):
+    def _micro_batches(self, batch: dict[str, Any], passes: int | None = None, empty_from: Any = None):
         """The batch's rows ``micro_batch_size`` at a time, their tensors on this service's device
-        (``prompt_groups`` stays on the host: packing reads it there)."""
+        (``prompt_groups`` stays on the host: packing reads it there). With ``passes``, exactly that
+        many: the missing ones are one row of ``empty_from`` marked ``_empty`` (a rank with fewer
+        rows still joins every pass's collectives)."""
         rows = batch["input_ids"].shape[0]
-        size = self.micro_batch_size or rows
+        size = self.micro_batch_size or max(rows, 1)
+        made = 0
         for start in range(0, rows, size):
-            yield {k: v.to(self.device, non_blocking=True) if torch.is_tensor(v) and k != "prompt_groups" else v
-                   for k, v in ((k, _rows(v, start, start + size, rows)) for k, v in batch.items())}
+            made += 1
+            yield self._on_device({k: _rows(v, start, start + size, rows) for k, v in batch.items()})
+        full_rows = empty_from["input_ids"].shape[0] if empty_from is not None else 0
+        for _ in range(made, passes or 0):
+            yield {**self._on_device({k: _rows(v, 0, 1, full_rows) for k, v in empty_from.items()}), "_empty": True}
+
+    def _on_device(self, mb: dict[str, Any]) -> dict[str, Any]:
+        return {k: v.to(self.device, non_blocking=True) if torch.is_tensor(v) and k != "prompt_groups" else v
+                for k, v in mb.items()}
 
     def _logprobs(self, mb: dict[str, Any]) -> torch.Tensor:
         input_ids, attention_mask = mb["input_ids"], mb["attention_mask"]
@@ -355,11 +517,11 @@ class LocalTorchTrainService(TrainService):
             problem = packing_problem(self.model, attention_mask, response_length)
             if problem is None:
                 return compute_response_logprobs_packed(
-                    self.model, input_ids, attention_mask, position_ids, response_length, mb.get("prompt_groups"),
+                    self._forward_model, input_ids, attention_mask, position_ids, response_length, mb.get("prompt_groups"),
                     temperature, self.max_tokens_per_pack)
             if self.packing == "true":
                 raise ValueError(f"packing: true, but this batch cannot be packed: {problem}")
-        return compute_response_logprobs(self.model, input_ids, attention_mask, position_ids, response_length,
+        return compute_response_logprobs(self._forward_model, input_ids, attention_mask, position_ids, response_length,
                                          temperature)
 
     def _save_optimizer(self, folder: Path) -> None:
@@ -397,11 +559,7 @@ class LocalTorchTrainService(TrainService):
         self.optimizer.load_state_dict({"state": state, "param_groups": groups})
 
     def _load_model(self, folder: Path) -> None:
-        index = folder / "model.safetensors.index.json"
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
-        loaded: dict[str, torch.Tensor] = {}
-        for name in files:
-            loaded.update(load_file(str(folder / name)))
+        loaded = sharded.model_tensors(folder)
         own = self.model.state_dict()
         unknown = sorted(set(loaded) - set(own))
         # Tied weights are saved once; a missing name is fine when it shares storage with a loaded one.
@@ -444,6 +602,15 @@ class LocalTorchTrainService(TrainService):
         np.random.set_state((np_meta["kind"], keys, np_meta["pos"], np_meta["has_gauss"], np_meta["cached_gaussian"]))
         py = meta["python"]
         random.setstate((py["version"], tuple(py["state"]), py["gauss_next"]))
+
+
+def _take(value: Any, index: list[int], rows: int) -> Any:
+    """The entries ``index`` of a per-row value; everything else unchanged."""
+    if torch.is_tensor(value) and value.dim() > 0 and value.shape[0] == rows:
+        return value[torch.tensor(index, dtype=torch.long)]
+    if isinstance(value, (list, tuple)) and len(value) == rows:
+        return [value[i] for i in index]
+    return value
 
 
 def _rows(value: Any, start: int, stop: int, rows: int) -> Any:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import time
 from abc import abstractmethod
 from collections.abc import Mapping
@@ -244,6 +243,10 @@ class SelfHostedTrainer(BaseTrainer):
     def export_weights(self) -> dict[str, Any]:
         return self.train_service.export_weights()
 
+    def close(self) -> None:
+        if self.train_service is not None:
+            self.train_service.close()  # the other ranks of a data-parallel service leave
+
     def algorithm_state(self) -> dict[str, Any]:
         return {}
 
@@ -326,8 +329,11 @@ class SelfHostedGrpoTrainer(SelfHostedTrainer):
         super().initialize_workers()
         if (options["use_kl_in_reward"] or options["use_kl_loss"]) and self._ref_model is None:
             device = resolve_device(options["ref_device"]) if options["ref_device"] else self.train_service.device
-            self._ref_model = copy.deepcopy(self.train_service.model).to(device).eval().requires_grad_(False)
+            self._ref_model = self.train_service.frozen_copy(device)
         if self.selection.requires("values") and self.critic is None:
+            if getattr(self.train_service, "ranks", None) is not None:
+                raise ConfigError(f"algorithm.type '{self.selection.functions['type'].name}' trains a critic in the "
+                                  f"trainer's process: service.train_service.world_size must be 1 with it")
             critic = options["critic"]
             service = getattr(self.train_service, "config", None) or {}  # the policy's settings, as built
             # Its own optimizer settings; Adam's betas/eps and the micro-batch size default to the policy's.

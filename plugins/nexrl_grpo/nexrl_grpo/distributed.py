@@ -1,0 +1,231 @@
+"""Data-parallel training: one train service as ``world_size`` ranks over torch.distributed.
+
+Rank 0 lives in the trainer's process and drives; ranks 1..N-1 are processes it spawns, each a
+:class:`~nexrl_grpo.train_service.LocalTorchTrainService` of its own that serves rank 0's calls.
+A call (forward, forward_backward, optim_step, weight export, checkpoints) reaches every rank
+through torch.distributed itself: rank 0 broadcasts the method's name and arguments (cloudpickled:
+a loss function is a closure) on a gloo group, then every rank runs the method, and the
+collectives inside it (FSDP2's all-gathers and reduce-scatters, DDP's all-reduce, the gathering
+of results) match across ranks.
+
+Each rank trains on its share of the batch's rows (:func:`shard_rows`: whole prompt groups,
+balanced by tokens) and every rank runs the same number of forward and backward passes (a rank
+with fewer rows runs empty ones), since each pass is a collective. Gradients are summed across
+ranks (the loss of each rank is its share of the whole batch's loss, times the world size that
+FSDP and DDP average over), so N ranks reach the weights one process reaches on the same batch,
+to float tolerance.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+PARALLEL_MODES = ("fsdp", "ddp")
+# Long enough for a step's slowest collective; a rank that died is seen sooner (its sockets close).
+COLLECTIVE_TIMEOUT = timedelta(minutes=30)
+
+
+def shard_rows(prompt_groups: list[int], row_tokens: list[int], world_size: int) -> list[list[int]]:
+    """Rows of each rank: whole prompt groups (a group's prompt is computed once per rank that has
+    it), largest first to the rank with the fewest tokens so far; each rank's rows in batch order."""
+    groups: dict[int, list[int]] = {}
+    for row, group in enumerate(prompt_groups):
+        groups.setdefault(group, []).append(row)
+    load = [0] * world_size
+    shards: list[list[int]] = [[] for _ in range(world_size)]
+    for rows in sorted(groups.values(), key=lambda rows: (-sum(row_tokens[r] for r in rows), rows[0])):
+        rank = min(range(world_size), key=lambda r: (load[r], r))
+        shards[rank].extend(rows)
+        load[rank] += sum(row_tokens[r] for r in rows)
+    return [sorted(rows) for rows in shards]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class RankGroup:
+    """This process's place among the ranks of one train service."""
+
+    rank: int
+    world_size: int
+    parallel: str
+    objects: Any = None  # the gloo group calls and results travel on
+    followers: list[Any] = field(default_factory=list)  # rank 0: the processes of ranks 1..N-1
+    reports: list[Any] = field(default_factory=list)  # rank 0: each follower's pipe for its last words
+
+    @property
+    def leader(self) -> bool:
+        return self.rank == 0
+
+    # -- calls ----------------------------------------------------------------------------------
+    def broadcast_call(self, name: str, args: tuple, kwargs: dict) -> None:
+        import cloudpickle
+
+        self._guard(lambda: dist.broadcast_object_list([cloudpickle.dumps((name, args, kwargs))], src=0,
+                                                       group=self.objects))
+
+    def receive_call(self) -> tuple[str, tuple, dict]:
+        import cloudpickle
+
+        box: list[Any] = [None]
+        dist.broadcast_object_list(box, src=0, group=self.objects)
+        return cloudpickle.loads(box[0])
+
+    def gather(self, value: Any) -> list[Any]:
+        """``value`` of every rank, in rank order, on every rank."""
+        out: list[Any] = [None] * self.world_size
+        self._guard(lambda: dist.all_gather_object(out, value, group=self.objects))
+        return out
+
+    def broadcast(self, value: Any) -> Any:
+        """Rank 0's ``value`` on every rank."""
+        box = [value]
+        self._guard(lambda: dist.broadcast_object_list(box, src=0, group=self.objects))
+        return box[0]
+
+    def run(self, call: Any) -> Any:
+        """``call()`` on rank 0, with a follower's death turned into one message naming it."""
+        return self._guard(call)
+
+    def _guard(self, call: Any) -> Any:
+        if not self.leader:
+            return call()
+        try:
+            return call()
+        except Exception as exc:
+            dead = self.dead_followers()
+            if dead:
+                from nexrl_core import NexRLError
+
+                raise NexRLError(f"service.train_service: {dead}") from None
+            if isinstance(exc, RuntimeError) and "gloo" in str(exc).lower():
+                raise RuntimeError(f"service.train_service: a collective failed across ranks ({exc})") from None
+            raise
+
+    def dead_followers(self, wait_s: float = 5.0) -> str | None:
+        """What ended the followers that are gone ("rank 1 (host, pid 42) exited with ...: cause")."""
+        import time
+
+        deadline = time.monotonic() + wait_s  # a peer's socket closes a moment before its process ends
+        while True:
+            gone = [(rank, proc) for rank, proc in enumerate(self.followers, start=1) if not proc.is_alive()]
+            if gone or time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
+        if not gone:
+            return None
+        parts = []
+        for rank, proc in gone:
+            cause = _last_words(self.reports[rank - 1]) or f"exit code {proc.exitcode}" + (
+                f" (signal {-proc.exitcode})" if proc.exitcode is not None and proc.exitcode < 0 else "")
+            parts.append(f"rank {rank} ({socket.gethostname()}, pid {proc.pid}) stopped: {cause}")
+        return "; ".join(parts)
+
+    def close(self) -> None:
+        """Followers leave their loop (the caller broadcast ``close``), then the group ends."""
+        for proc in self.followers:
+            proc.join(timeout=60)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=10)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _last_words(report: Any) -> str | None:
+    """What a follower sent before it ended (None: nothing, e.g. it was killed)."""
+    try:
+        return report.recv() if report.poll() else None
+    except (EOFError, OSError):
+        return None
+
+
+def start_ranks(config: dict[str, Any], world_size: int, parallel: str) -> RankGroup:
+    """Rank 0 of a new group: spawn ranks 1..N-1 (each builds its own service from ``config``), then
+    meet them at the rendezvous."""
+    import multiprocessing
+
+    if dist.is_initialized():
+        raise ValueError("world_size: this process already belongs to a torch.distributed group (one "
+                         "distributed train service per process)")
+    port = free_port()
+    context = multiprocessing.get_context("spawn")
+    group = RankGroup(0, world_size, parallel)
+    for rank in range(1, world_size):
+        receive, send = context.Pipe(duplex=False)
+        proc = context.Process(target=_follower_main, args=(rank, world_size, port, config, send),
+                               name=f"nexrl-train-rank-{rank}", daemon=True)
+        proc.start()
+        send.close()
+        group.followers.append(proc)
+        group.reports.append(receive)
+    try:
+        _join(group, port)
+    except Exception:
+        for proc in group.followers:
+            proc.kill()
+        raise
+    return group
+
+
+def _join(group: RankGroup, port: int) -> None:
+    backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= group.world_size else "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=group.rank,
+                            world_size=group.world_size, timeout=COLLECTIVE_TIMEOUT)
+    group.objects = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT) if backend != "gloo" \
+        else dist.group.WORLD
+
+
+def _follower_main(rank: int, world_size: int, port: int, config: dict[str, Any], report: Any) -> None:
+    """A follower rank: build the service, serve rank 0's calls until ``close``. Its last words
+    (an exception) go to rank 0 through ``report`` before it exits."""
+    try:
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        from .train_service import LocalTorchTrainService
+
+        group = RankGroup(rank, world_size, str(config.get("parallel") or "fsdp"))
+        _join(group, port)
+        service = LocalTorchTrainService(config, rank_group=group)
+        service.serve()
+    except BaseException as exc:  # noqa: BLE001 - reported to rank 0, then this process ends
+        try:
+            report.send(f"{type(exc).__name__}: {exc}" + ("" if isinstance(exc, (KeyboardInterrupt, SystemExit))
+                                                          else f"\n{traceback.format_exc(limit=8)}"))
+        finally:
+            os._exit(1)
+
+
+def wrap(model: torch.nn.Module, group: RankGroup, device: torch.device) -> torch.nn.Module:
+    """What forward passes call: FSDP2 shards ``model`` in place (each decoder layer, then the root:
+    parameters, gradients and optimizer state sharded) and it is returned; DDP (replicated) returns
+    its wrapper, whose backward all-reduces."""
+    if group.parallel == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type, (group.world_size,))
+    layers = getattr(getattr(model, "model", None), "layers", None) or []
+    for layer in layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def full_tensor(value: torch.Tensor) -> torch.Tensor:
+    """A parameter's whole tensor (an FSDP2 shard is gathered: a collective)."""
+    return value.full_tensor() if hasattr(value, "full_tensor") else value

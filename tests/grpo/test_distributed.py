@@ -1,0 +1,201 @@
+"""Data-parallel training with real torch.distributed process groups (gloo on the CPU): 2 ranks
+reach the weights 1 rank reaches on the same global batch, FSDP2 and DDP; sharded checkpoints
+resume exactly on the same world size and with a warning on another; a rank that dies is named."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+
+from nexrl_core import NexRLError
+from nexrl_grpo.distributed import shard_rows
+from nexrl_grpo.losses import agg_loss, masked_mean
+from nexrl_grpo.train_service import LocalTorchTrainService
+
+
+def make_batch(rows: int = 5, prompt: int = 4, response: int = 3, seed: int = 0) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(2, 90, (rows, prompt + response), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0  # a left-padded prompt
+    response_mask = torch.ones(rows, response)
+    response_mask[1, 2:] = 0  # a shorter response
+    mask[1, prompt + 2:] = 0
+    return {"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp(min=0),
+            "responses": ids[:, prompt:], "response_mask": response_mask,
+            "advantages": torch.randn(rows, response, generator=gen),
+            "prompt_groups": torch.tensor([0, 0, 1, 2, 2][:rows])}
+
+
+def loss_fn(log_probs, mb):
+    """A policy-gradient surrogate reduced over the whole batch's tokens (each micro-batch's share),
+    and a token mean as a metric (combined across micro-batches and ranks by token share)."""
+    loss = agg_loss(-log_probs * mb["advantages"], mb["response_mask"], "token-mean",
+                    batch_num_tokens=mb["batch_num_tokens"])
+    return loss, {"nll": float(masked_mean(-log_probs.detach(), mb["response_mask"]))}
+
+
+def service(model_dir, **extra):
+    return LocalTorchTrainService({"model_path": model_dir, "lr": 1e-2, "seed": 3, "device": "cpu",
+                                   "packing": False, **extra})
+
+
+def step(svc, batch):
+    metrics = svc.forward_backward(batch, loss_fn)
+    metrics.update(svc.optim_step())
+    return metrics
+
+
+def weights(svc) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in svc.export_weights().items()}
+
+
+def test_rows_go_to_ranks_by_whole_groups_balanced_by_tokens():
+    assert shard_rows([0, 0, 1, 2, 2], [10, 10, 30, 5, 5], 2) == [[2], [0, 1, 3, 4]]
+    assert shard_rows([0, 1], [3, 3], 3) == [[0], [1], []]  # a rank may get nothing
+    shards = shard_rows(list(range(10)), list(range(1, 11)), 3)
+    assert sorted(r for s in shards for r in s) == list(range(10))
+    loads = [sum(r + 1 for r in s) for s in shards]
+    assert max(loads) - min(loads) <= 2
+
+
+@pytest.mark.parametrize("parallel", ["fsdp", "ddp"])
+def test_two_ranks_reach_the_weights_of_one(tiny_model_dir, parallel):
+    """Two optimizer steps on the same global batches, with micro-batches (rank 1 has fewer rows and
+    runs an empty pass for the collectives): weights, loss and gradient norm agree to float tolerance."""
+    batches = [make_batch(seed=s) for s in (0, 1)]
+    one = service(tiny_model_dir, micro_batch_size=2)
+    want = [step(one, b) for b in batches]
+    two = service(tiny_model_dir, micro_batch_size=2, world_size=2, parallel=parallel)
+    try:
+        got = [step(two, b) for b in batches]
+        logprobs = two.forward(batches[0])
+        exported = weights(two)
+    finally:
+        two.close()
+    reference = weights(one)
+    assert set(exported) == set(reference)
+    for name, tensor in reference.items():
+        torch.testing.assert_close(exported[name], tensor, atol=1e-5, rtol=1e-4, msg=name)
+    for g, w in zip(got, want):
+        assert g["loss"] == pytest.approx(w["loss"], rel=1e-5)
+        assert g["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-4)
+        assert g["nll"] == pytest.approx(w["nll"], rel=1e-5)
+    torch.testing.assert_close(logprobs, one.forward(batches[0]), atol=1e-5, rtol=1e-4)
+
+
+def test_sharded_checkpoint_resumes_exactly_and_on_another_world_size(tiny_model_dir, tmp_path, reset_loguru):
+    from nexrl_core.run_log import LOG_FILE, setup_logging
+
+    setup_logging(str(tmp_path), level="INFO")
+    first, second = make_batch(seed=0), make_batch(seed=1)
+    folder = tmp_path / "global_step_1"
+    straight = service(tiny_model_dir, world_size=2)
+    try:
+        step(straight, first)
+        straight.save_checkpoint(folder, {"algorithm": {"kl_coef": 0.5}})
+        step(straight, second)
+        want = weights(straight)
+    finally:
+        straight.close()
+    assert (folder / "model.safetensors").is_file() and (folder / "optimizer").is_dir()
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(folder)  # the checkpoint is an HF folder
+
+    resumed = service(tiny_model_dir, world_size=2)
+    try:
+        assert resumed.load_checkpoint(folder) == {"algorithm": {"kl_coef": 0.5}}
+        step(resumed, second)
+        got = weights(resumed)
+    finally:
+        resumed.close()
+    assert all(torch.equal(got[k], want[k]) for k in want)  # same world size: the same bits
+
+    alone = service(tiny_model_dir)
+    alone.load_checkpoint(folder)
+    step(alone, second)
+    for name, tensor in weights(alone).items():
+        torch.testing.assert_close(tensor, want[name], atol=1e-5, rtol=1e-4)
+    assert "written by 2 rank(s), resumed on 1" in (tmp_path / LOG_FILE).read_text()
+
+
+def test_a_one_process_checkpoint_spreads_over_the_shards(tiny_model_dir, tmp_path):
+    first, second = make_batch(seed=0), make_batch(seed=1)
+    one = service(tiny_model_dir)
+    step(one, first)
+    one.save_checkpoint(tmp_path / "ckpt")
+    step(one, second)
+    two = service(tiny_model_dir, world_size=2)
+    try:
+        two.load_checkpoint(tmp_path / "ckpt")
+        step(two, second)
+        got = weights(two)
+    finally:
+        two.close()
+    for name, tensor in weights(one).items():
+        torch.testing.assert_close(got[name], tensor, atol=1e-5, rtol=1e-4)
+
+
+def test_a_rank_that_dies_is_named(tiny_model_dir):
+    two = service(tiny_model_dir, world_size=2)
+    try:
+        step(two, make_batch())
+        follower = two.ranks.followers[0]
+        os.kill(follower.pid, signal.SIGKILL)
+        follower.join(timeout=30)
+        with pytest.raises(NexRLError) as caught:
+            step(two, make_batch(seed=1))
+        message = str(caught.value)
+        assert message.startswith("service.train_service: rank 1 (")
+        assert f"pid {follower.pid}) stopped: exit code -9 (signal 9)" in message
+    finally:
+        two.close()  # the other ranks are stopped even with one gone
+    assert not any(p.is_alive() for p in [follower])
+
+
+def test_a_grpo_run_on_two_ranks(tmp_path, tiny_model_dir, monkeypatch, capfd, reset_loguru):
+    """`nexrl run` with service.train_service.world_size=2: the same first step as one rank (same
+    rollouts, same loss), a checkpoint that loads in transformers, no rank left behind."""
+    import json
+
+    import yaml
+
+    import nexrl_core.plugins as plugins
+    from nexrl_core.cli import main
+    from tests.support.letters import grpo_plugin_manager
+
+    monkeypatch.setattr(plugins, "_DEFAULT", grpo_plugin_manager())
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump({
+        "seed": 5,
+        "data": {"type": "inline", "rows": [{"prompt": "the quick"}, {"prompt": "hello world"}]},
+        "rollout_worker": {"num_workers": 4, "sampling": {"max_tokens": 4},
+                           "evaluator": {"type": "letter_share", "letter": "e"}},
+        "trajectory_pool": {"batch_size": 4, "group_size": 2},
+        "trainer": {"type": "self_hosted_grpo", "total_train_steps": 2, "save_freq": 2},
+        "weight": {"backend": "in_process"},
+        "service": {"train_service": {"model_path": tiny_model_dir, "lr": 1.0e-3, "device": "cpu"},
+                    "inference_service": {"backend": "hf", "model_path": tiny_model_dir}},
+        "logger": {"backend": [], "level": "WARNING", "progress": "off"},
+    }))
+    rows = {}
+    for world in (1, 2):
+        run_dir = tmp_path / f"run{world}"
+        code = main(["run", str(recipe), f"run_dir={run_dir}", f"+service.train_service.world_size={world}"])
+        assert code == 0, capfd.readouterr().err[-3000:]
+        with open(run_dir / "metrics.jsonl") as f:
+            rows[world] = [r for r in map(json.loads, f) if "train/loss" in r]
+    first = [rows[w][0] for w in (1, 2)]
+    assert first[0]["train/reward_mean"] == first[1]["train/reward_mean"]
+    assert first[1]["train/loss"] == pytest.approx(first[0]["train/loss"], rel=1e-4, abs=1e-6)
+    assert first[1]["train/grad_norm"] == pytest.approx(first[0]["train/grad_norm"], rel=1e-4)
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(tmp_path / "run2" / "checkpoints" / "global_step_2")
+    import multiprocessing
+
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("nexrl-train-rank")]
