@@ -27,9 +27,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .migration_table import (DERIVED, IMPORT_RULES, KEY_RULES, VALUE_RULES, WEIGHT_BACKENDS, Context, KeyRule,
-                              _get)
+                              get_key, rule_for)
 
-_REJECTED = re.compile(r"^(?P<key>[^\s:]+): (?P<why>unknown key.*|no longer a recipe key: .*)$")
+_REJECTED = re.compile(r"^(?P<key>[^\s:]+): (?P<why>unknown key.*|no longer a recipe key: .*"
+                       r"|expected a mapping, got null.*)$")
 _REFERENCE = re.compile(r"\$\{([A-Za-z_][\w.]*)\}")  # ${a.b}: a key; ${oc.env:X} (a resolver) is left alone
 
 
@@ -85,7 +86,7 @@ class _Context(Context):
 
 def _has(values: Any, dotted: str) -> bool:
     *parents, leaf = dotted.split(".")
-    node = _get(values, ".".join(parents)) if parents else values
+    node = get_key(values, ".".join(parents)) if parents else values
     return isinstance(node, Mapping) and leaf in node
 
 
@@ -165,7 +166,7 @@ def migrate_recipe(seed: Mapping[str, Any], pm: Any) -> Migration:
         if rule.convert is None:
             targets = {str(rule.nexrl): value}
         for key in targets:  # nexrl's key referring to the seed's (weight.validate_freq: ${validate.eval...})
-            if _get(recipe, key) == "${" + rule.seed + "}" or (key in rule.replaces and _has(recipe, key)):
+            if get_key(recipe, key) == "${" + rule.seed + "}" or (key in rule.replaces and _has(recipe, key)):
                 _pop(recipe, key)
         clashes = [c for key, item in targets.items() if (c := _clash(recipe, key, item)) is not None]
         if clashes:
@@ -184,13 +185,13 @@ def migrate_recipe(seed: Mapping[str, Any], pm: Any) -> Migration:
         if rule.convert is None and rule.nexrl is not None and _has(recipe, rule.seed):
             move(rule, {})
     for vrule in VALUE_RULES:
-        if _has(recipe, vrule.key) and _get(recipe, vrule.key) == vrule.seed:
+        if _has(recipe, vrule.key) and get_key(recipe, vrule.key) == vrule.seed:
             _put(recipe, vrule.key, vrule.nexrl)
             out.changes.append(Change("value", f"{vrule.key}: {vrule.seed}", str(vrule.nexrl), vrule.why))
     for rule in KEY_RULES:  # values that need converting
         if rule.convert is None or not _has(recipe, rule.seed):
             continue
-        result = rule.convert(_get(recipe, rule.seed), original, ctx)
+        result = rule.convert(get_key(recipe, rule.seed), original, ctx)
         if isinstance(result, str):
             dropped[rule.seed] = _pop(recipe, rule.seed)
             out.changes.append(Change("dropped", rule.seed, why=result))
@@ -211,21 +212,21 @@ def migrate_recipe(seed: Mapping[str, Any], pm: Any) -> Migration:
 def _derive(recipe: dict[str, Any], original: Mapping[str, Any], out: Migration, ctx: _Context) -> None:
     """The nexrl keys the seed's recipe leaves to the rest of it (migration_table.DERIVED)."""
     why = dict(DERIVED)
-    backend = _get(recipe, "service.inference_service.backend")
+    backend = get_key(recipe, "service.inference_service.backend")
     weight = WEIGHT_BACKENDS.get(str(backend))
-    if _get(recipe, "weight.backend") is None and weight and weight in ctx.pm.components("weight_sync_backend"):
+    if get_key(recipe, "weight.backend") is None and weight and weight in ctx.pm.components("weight_sync_backend"):
         _put(recipe, "weight.backend", weight)
         out.changes.append(Change("set", "weight.backend", weight, f"inference backend {backend}"))
-    model = _get(recipe, "service.inference_service.model_path")
-    trainer = ctx.pm.components("trainer").get(str(_get(recipe, "trainer.type")))
-    service = _get(recipe, "service.train_service.backend") or getattr(trainer and trainer.cls,
+    model = get_key(recipe, "service.inference_service.model_path")
+    trainer = ctx.pm.components("trainer").get(str(get_key(recipe, "trainer.type")))
+    service = get_key(recipe, "service.train_service.backend") or getattr(trainer and trainer.cls,
                                                                       "TRAIN_SERVICE_DEFAULT", None)
-    if model and trainer is not None and _get(recipe, "service.train_service.model_path") is None \
+    if model and trainer is not None and get_key(recipe, "service.train_service.model_path") is None \
             and service and ctx.declares("train_service", str(service), "model_path"):
         _put(recipe, "service.train_service.model_path", model)
         out.changes.append(Change("set", "service.train_service.model_path", str(model),
                                   why["service.train_service.model_path"].split(" when ")[0]))
-    if _get(original, "rollout_worker.type") == "single_turn_math" and _get(recipe, "rollout_worker.evaluator") is None:
+    if get_key(original, "rollout_worker.type") == "single_turn_math" and get_key(recipe, "rollout_worker.evaluator") is None:
         name = "math_rule" if "math_rule" in ctx.pm.components("evaluator") else "numeric_answer"
         _put(recipe, "rollout_worker.evaluator", {"type": name})
         out.changes.append(Change("set", "rollout_worker.evaluator.type", name, "rollout_worker.type single_turn_math"))
@@ -264,7 +265,6 @@ def _drop_rejected(recipe: dict[str, Any], out: Migration, pm: Any, moved: Mappi
     with the table's reason, else the check's words (a key moved here is listed under its seed
     name, and no longer as carried over). Returns the keys taken out and their values."""
     from .config import check_config
-    from .migration_table import _BY_SEED
 
     taken: dict[str, Any] = {}
     for _ in range(8):  # a key taken out can change what its section's component accepts
@@ -277,21 +277,23 @@ def _drop_rejected(recipe: dict[str, Any], out: Migration, pm: Any, moved: Mappi
             origin = next((seed for seed, nexrl in moved.items() if nexrl == key), None)
             if origin is not None:
                 out.changes = [c for c in out.changes if not (c.kind == "moved" and c.seed == origin)]
-            for leaf, why in _reasons(key, taken[key], check_why, _BY_SEED):
+            for leaf, why in _reasons(key, taken[key], check_why):
                 out.changes.append(Change("dropped", f"{origin} (as {leaf})" if origin else leaf, why=why))
     return taken
 
 
-def _reasons(key: str, value: Any, check_why: str, rules: Mapping[str, KeyRule]) -> list[tuple[str, str]]:
+def _reasons(key: str, value: Any, check_why: str) -> list[tuple[str, str]]:
     """One line per rejected key: the table's reason for it, else per inner key the table knows,
     else the check's words."""
-    rule = rules.get(key)
+    rule = rule_for(key)
     if rule is not None and rule.nexrl is None:
         inner = [leaf[len(key) + 1:] for leaf in _leaves(value, key) if leaf != key]
         return [(f"{key} ({', '.join(inner[:6])}{', ...' if len(inner) > 6 else ''})" if inner else key, rule.why)]
-    if isinstance(value, dict) and any(r.startswith(key + ".") for r in rules):
-        return [pair for k, v in value.items() for pair in _reasons(f"{key}.{k}", v, "unknown key", rules)]
+    if isinstance(value, dict) and any(r.seed.startswith(key + ".") for r in KEY_RULES):
+        return [pair for k, v in value.items() for pair in _reasons(f"{key}.{k}", v, "unknown key")]
     why = check_why.split(" (nexrl migrate")[0]
+    if why.startswith("expected a mapping, got null"):
+        return [(key, "null: nexrl's defaults apply")]
     if why.startswith("unknown key"):
         why = "unknown key in nexrl" + why[len("unknown key"):].split("; a NexRL")[0].split("; a ROLL")[0]
     return [(key, why)]

@@ -70,7 +70,8 @@ class MetricRule:
 
 # -- conversions ----------------------------------------------------------------------------------
 
-def _get(values: Any, dotted: str) -> Any:
+def get_key(values: Any, dotted: str) -> Any:
+    """The value at a dotted key (None when absent)."""
     for part in dotted.split("."):
         if not isinstance(values, Mapping) or part not in values:
             return None
@@ -88,7 +89,7 @@ def _evaluator_module(value: Any, recipe: Mapping[str, Any], ctx: Context) -> di
 
 
 def _custom_worker(value: Any, recipe: Mapping[str, Any], ctx: Context) -> dict[str, Any] | str:
-    cls = _get(recipe, "rollout_worker.custom_rollout_worker_class_name")
+    cls = get_key(recipe, "rollout_worker.custom_rollout_worker_class_name")
     if not cls:
         return "custom_rollout_worker_class_name is missing"
     if not ctx.declares("rollout_worker", "python", "path", "class"):
@@ -98,15 +99,15 @@ def _custom_worker(value: Any, recipe: Mapping[str, Any], ctx: Context) -> dict[
 
 
 def _worker_class_name(value: Any, recipe: Mapping[str, Any], ctx: Context) -> dict[str, Any] | str:
-    if not _get(recipe, "rollout_worker.custom_rollout_worker_module_path"):
+    if not get_key(recipe, "rollout_worker.custom_rollout_worker_module_path"):
         return "custom_rollout_worker_module_path is missing"
-    done = _custom_worker(_get(recipe, "rollout_worker.custom_rollout_worker_module_path"), recipe, ctx)
+    done = _custom_worker(get_key(recipe, "rollout_worker.custom_rollout_worker_module_path"), recipe, ctx)
     return done if isinstance(done, str) else {}  # carried with custom_rollout_worker_module_path
 
 
 def _sync_dir(value: Any, recipe: Mapping[str, Any], ctx: Context) -> dict[str, Any] | str:
-    backend = _get(ctx.current, "weight.backend") or \
-        WEIGHT_BACKENDS.get(str(_get(ctx.current, "service.inference_service.backend")))
+    backend = get_key(ctx.current, "weight.backend") or \
+        WEIGHT_BACKENDS.get(str(get_key(ctx.current, "service.inference_service.backend")))
     if backend == "vllm_disk":
         return {"weight.sync_dir": value}
     return (f"only weight.backend vllm_disk passes weights through files (this recipe's weight.backend: "
@@ -124,14 +125,14 @@ def _target_kl(value: Any, recipe: Mapping[str, Any], ctx: Context) -> dict[str,
 
 
 def _rollout_batch_size(value: Any, recipe: Mapping[str, Any], ctx: Context) -> dict[str, Any] | str:
-    group = _get(recipe, "num_return_sequences_in_group") or 1
+    group = get_key(recipe, "num_return_sequences_in_group") or 1
     if not isinstance(value, int) or not isinstance(group, int):
         return f"expected integers, got rollout_batch_size {value!r}, num_return_sequences_in_group {group!r}"
     return {"trajectory_pool.batch_size": value * group}
 
 
 def _reward_norm(value: Any, recipe: Mapping[str, Any], ctx: Context) -> dict[str, Any] | str:
-    mean, std = _get(recipe, "norm_mean_type"), _get(recipe, "norm_std_type")
+    mean, std = get_key(recipe, "norm_mean_type"), get_key(recipe, "norm_std_type")
     if mean is not None and std is not None and mean != std:
         return f"norm_mean_type {mean!r} and norm_std_type {std!r} differ; nexrl normalises both over one set"
     kind = mean if mean is not None else std
@@ -179,7 +180,7 @@ def _move_up(loader: str) -> Convert:
     def convert(value: Any, recipe: Mapping[str, Any], ctx: Context) -> dict[str, Any] | str:
         if not isinstance(value, Mapping):
             return f"expected a mapping, got {value!r}"
-        kind = _get(ctx.current, f"{loader}.type") or "file"
+        kind = get_key(ctx.current, f"{loader}.type") or "file"
         up = {k: v for k, v in value.items() if ctx.declares("dataloader", str(kind), str(k))}
         rest = {k: v for k, v in value.items() if k not in up}
         return {**{f"{loader}.{k}": v for k, v in up.items()}, **({f"{loader}.data_config": rest} if rest else {})}
@@ -334,7 +335,7 @@ KEY_RULES: tuple[KeyRule, ...] = (
     KeyRule("norm_mean_type", "algorithm.reward_processing.norm, norm_mean",
             "with norm_std_type: one kind (batch, group or running) for both", source="ROLL", convert=_reward_norm),
     KeyRule("norm_std_type", "algorithm.reward_processing.norm, norm_std", "read with norm_mean_type",
-            source="ROLL", convert=lambda value, recipe, ctx: {} if _get(recipe, "norm_mean_type") is not None
+            source="ROLL", convert=lambda value, recipe, ctx: {} if get_key(recipe, "norm_mean_type") is not None
             else _reward_norm(value, recipe, ctx)),
     KeyRule("max_len_mask", "algorithm.reward_processing.overlong", "true becomes mask", source="ROLL",
             convert=_flag("algorithm.reward_processing.overlong", "mask")),
@@ -470,6 +471,11 @@ METRIC_RULES: tuple[MetricRule, ...] = (
 # -- lookups --------------------------------------------------------------------------------------
 
 _BY_SEED = {rule.seed: rule for rule in KEY_RULES}
+
+
+def rule_for(key: str) -> KeyRule | None:
+    """The key rule of a seed key, as a recipe holds it (dotted)."""
+    return _BY_SEED.get(key)
 
 
 def seed_key_hint(key: str) -> str | None:

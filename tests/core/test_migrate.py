@@ -183,11 +183,15 @@ def test_nexrls_own_key_wins_over_the_seeds_and_the_clash_is_listed(core_pm):
 
 
 def test_keys_nexrl_does_not_know_are_listed_with_the_checks_words(core_pm):
-    _, _, dropped = _migrate({"data": {"type": "file", "path": "a.jsonl", "keep_batch_order": True},
-                              "multi_model": "false", "environment": {"setup_script": ""}}, core_pm)
+    recipe, _, dropped = _migrate({"data": {"type": "file", "path": "a.jsonl", "keep_batch_order": True},
+                                   "multi_model": "false", "environment": {"setup_script": ""}, "service": None,
+                                   "trainer": {"type": "mock", "algorithm": None}}, core_pm)
     assert dropped == {"data.keep_batch_order": "unknown key in nexrl (data loader 'file' accepts: path, "
                                                 "dataset_paths, prompt_key)",
-                       "multi_model": "one policy per run", "environment": "unknown key in nexrl"}
+                       "multi_model": "one policy per run", "environment": "unknown key in nexrl",
+                       "service": "null: nexrl's defaults apply",
+                       "trainer.algorithm (as algorithm)": "null: nexrl's defaults apply"}
+    assert recipe == {"data": {"type": "file", "path": "a.jsonl"}, "trainer": {"type": "mock"}}
 
 
 def test_every_plain_move_and_every_unchanged_key_is_a_key_nexrl_documents():
