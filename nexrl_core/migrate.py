@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .migration_table import (DERIVED, IMPORT_RULES, KEY_RULES, VALUE_RULES, WEIGHT_BACKENDS, Context, KeyRule,
+from .migration_table import (IMPORT_RULES, KEY_RULES, VALUE_RULES, WEIGHT_BACKENDS, Context, KeyRule,
                               get_key, rule_for)
 
 _REJECTED = re.compile(r"^(?P<key>[^\s:]+): (?P<why>unknown key.*|no longer a recipe key: .*"
@@ -211,7 +211,6 @@ def migrate_recipe(seed: Mapping[str, Any], pm: Any) -> Migration:
 
 def _derive(recipe: dict[str, Any], original: Mapping[str, Any], out: Migration, ctx: _Context) -> None:
     """The nexrl keys the seed's recipe leaves to the rest of it (migration_table.DERIVED)."""
-    why = dict(DERIVED)
     backend = get_key(recipe, "service.inference_service.backend")
     weight = WEIGHT_BACKENDS.get(str(backend))
     if get_key(recipe, "weight.backend") is None and weight and weight in ctx.pm.components("weight_sync_backend"):
@@ -219,14 +218,15 @@ def _derive(recipe: dict[str, Any], original: Mapping[str, Any], out: Migration,
         out.changes.append(Change("set", "weight.backend", weight, f"inference backend {backend}"))
     model = get_key(recipe, "service.inference_service.model_path")
     trainer = ctx.pm.components("trainer").get(str(get_key(recipe, "trainer.type")))
-    service = get_key(recipe, "service.train_service.backend") or getattr(trainer and trainer.cls,
-                                                                      "TRAIN_SERVICE_DEFAULT", None)
-    if model and trainer is not None and get_key(recipe, "service.train_service.model_path") is None \
-            and service and ctx.declares("train_service", str(service), "model_path"):
+    service = get_key(recipe, "service.train_service.backend") or \
+        (getattr(trainer.cls, "TRAIN_SERVICE_DEFAULT", None) if trainer is not None else None)
+    if model and service and get_key(recipe, "service.train_service.model_path") is None \
+            and ctx.declares("train_service", str(service), "model_path"):
         _put(recipe, "service.train_service.model_path", model)
         out.changes.append(Change("set", "service.train_service.model_path", str(model),
-                                  why["service.train_service.model_path"].split(" when ")[0]))
-    if get_key(original, "rollout_worker.type") == "single_turn_math" and get_key(recipe, "rollout_worker.evaluator") is None:
+                                  "service.inference_service.model_path"))
+    single_turn_math = get_key(original, "rollout_worker.type") == "single_turn_math"
+    if single_turn_math and get_key(recipe, "rollout_worker.evaluator") is None:
         name = "math_rule" if "math_rule" in ctx.pm.components("evaluator") else "numeric_answer"
         _put(recipe, "rollout_worker.evaluator", {"type": name})
         out.changes.append(Change("set", "rollout_worker.evaluator.type", name, "rollout_worker.type single_turn_math"))
@@ -341,7 +341,7 @@ def migrate_file(path: str, out_path: str, pm: Any) -> Migration:
 
 def _place_paths(recipe: dict[str, Any], roots: list[str], out_dir: str, pm: Any) -> list[str]:
     """In place: each relative path found under one of ``roots`` becomes relative to ``out_dir``.
-    Returns every existing file or folder the recipe names (absolute)."""
+    Returns the Python files the recipe names and the NexAU workspace folder (absolute)."""
     from .config import resolve_recipe_paths
 
     resolved = copy.deepcopy(recipe)
@@ -360,12 +360,13 @@ def _place_paths(recipe: dict[str, Any], roots: list[str], out_dir: str, pm: Any
         if isinstance(node, str) and isinstance(done, str) and done != node and os.path.isabs(done):
             found.append(done)
             return os.path.relpath(done, out_dir)
-        if isinstance(node, str) and "${" not in node and os.path.exists(node):
+        if isinstance(node, str) and node.endswith(".py") and os.path.isfile(node):
             found.append(os.path.abspath(node))
         return node
 
     recipe.update(walk(recipe, resolved))
-    return found
+    workspace = get_key(resolved, "rollout_worker.nexau_agent_workspace")
+    return [p for p in found if p.endswith(".py")] + ([workspace] if isinstance(workspace, str) else [])
 
 
 def _nexau_paths(resolved: dict[str, Any], roots: list[str]) -> None:
@@ -382,7 +383,8 @@ def _nexau_paths(resolved: dict[str, Any], roots: list[str]) -> None:
                     break
 
 
-def _python_files(paths: list[str]) -> list[str]:
+def _python_files(paths: list[str], limit: int = 500) -> list[str]:
+    """The Python files among ``paths`` and in the folders among them (the NexAU workspace)."""
     files: list[str] = []
     for path in dict.fromkeys(paths):
         if os.path.isfile(path) and path.endswith(".py"):
@@ -390,7 +392,9 @@ def _python_files(paths: list[str]) -> list[str]:
         elif os.path.isdir(path):
             for folder, _, names in os.walk(path):
                 files += [os.path.join(folder, n) for n in sorted(names) if n.endswith(".py")]
-    return list(dict.fromkeys(files))[:500]
+                if len(files) >= limit:
+                    break
+    return list(dict.fromkeys(files))[:limit]
 
 
 _IMPORTS = {rule.seed.rsplit(".", 1)[1]: rule for rule in IMPORT_RULES}

@@ -134,6 +134,16 @@ def test_a_custom_worker_goes_to_a_python_worker_where_one_is_installed(core_pm)
     assert dropped == {}
 
 
+def test_single_turn_math_is_the_simple_worker_with_a_math_evaluator(core_pm):
+    recipe, changes, _ = _migrate({"rollout_worker": {"type": "single_turn_math", "num_workers": 2}}, core_pm)
+    # nexrl-rewards (math_rule) is not installed here: the core's numeric_answer
+    assert recipe == {"rollout_worker": {"type": "simple", "num_workers": 2, "evaluator": {"type": "numeric_answer"}}}
+    assert changes["rollout_worker.type: single_turn_math"].nexrl == "simple"
+    recipe, _, _ = _migrate({"rollout_worker": {"type": "single_turn_math", "evaluator": {"type": "exact_match"}}},
+                            core_pm)
+    assert recipe["rollout_worker"]["evaluator"] == {"type": "exact_match"}  # the recipe's own wins
+
+
 def test_roll_pipeline_keys(core_pm):
     recipe, changes, dropped = _migrate({
         "exp_name": "rlvr", "seed": 7, "max_steps": 20, "save_steps": 5, "eval_steps": 10, "output_dir": "out",
@@ -306,6 +316,21 @@ def test_paths_named_relative_to_nexrl_path_are_found(seed_dir, cli, tmp_path, m
     evaluator = yaml.safe_load((seed_dir / "new.yaml").read_text())["rollout_worker"]["evaluator"]
     assert evaluator["path"] == "ws/evaluator.py"
     assert "ws/evaluator.py:2: from nexrl.rollout_worker import Evaluator" in err
+
+
+def test_the_nexau_workspace_is_placed_and_its_imports_listed(seed_dir, cli, tmp_path):
+    (seed_dir / "ws" / "my_worker.py").write_text("from nexrl.rollout_worker import BaseNexAURolloutWorker\n")
+    (seed_dir / "ws" / "agent.yaml").write_text("name: a\n")
+    seed = dict(SEED, rollout_worker={"type": "nexau", "nexau_agent_workspace": "ws",
+                                      "nexau_agent_config_path": "ws/agent.yaml",
+                                      "evaluator_module_path": "ws/evaluator.py:MyEval"})
+    (seed_dir / "seed.yaml").write_text(yaml.safe_dump(seed))
+    code, stdout, err = cli("migrate", str(seed_dir / "seed.yaml"), "-o", str(tmp_path / "new.yaml"))
+    worker = yaml.safe_load((tmp_path / "new.yaml").read_text())["rollout_worker"]
+    assert worker["nexau_agent_workspace"] == "recipe/ws" and worker["nexau_agent_config_path"] == "recipe/ws/agent.yaml"
+    assert ("  recipe/ws/my_worker.py:1: from nexrl.rollout_worker import BaseNexAURolloutWorker -> from nexrl_nexau "
+            "import BaseNexAURolloutWorker\n") in err
+    assert err.count("recipe/ws/evaluator.py:2: from nexrl.rollout_worker import Evaluator ->") == 1  # listed once
 
 
 def test_without_out_the_recipe_goes_to_stdout(seed_dir, cli):
