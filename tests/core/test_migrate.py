@@ -327,7 +327,8 @@ def test_the_nexau_workspace_is_placed_and_its_imports_listed(seed_dir, cli, tmp
     (seed_dir / "seed.yaml").write_text(yaml.safe_dump(seed))
     code, stdout, err = cli("migrate", str(seed_dir / "seed.yaml"), "-o", str(tmp_path / "new.yaml"))
     worker = yaml.safe_load((tmp_path / "new.yaml").read_text())["rollout_worker"]
-    assert worker["nexau_agent_workspace"] == "recipe/ws" and worker["nexau_agent_config_path"] == "recipe/ws/agent.yaml"
+    assert worker["nexau_agent_workspace"] == "recipe/ws"
+    assert worker["nexau_agent_config_path"] == "recipe/ws/agent.yaml"
     assert ("  recipe/ws/my_worker.py:1: from nexrl.rollout_worker import BaseNexAURolloutWorker -> from nexrl_nexau "
             "import BaseNexAURolloutWorker\n") in err
     assert err.count("recipe/ws/evaluator.py:2: from nexrl.rollout_worker import Evaluator ->") == 1  # listed once
