@@ -1,4 +1,4 @@
-"""The `nexrl` command: run, validate, config, eval, plot, export, plugins.
+"""The `nexrl` command: run, validate, config, eval, plot, export, plugins, new, migrate.
 
 Exit codes: 0 success; 2 bad input (a recipe, override, data file or plugin problem: nothing
 ran), the same lines from ``validate`` and ``run``; 1 a run or evaluation that failed (a server
@@ -104,6 +104,15 @@ def build_parser() -> argparse.ArgumentParser:
     p_check.add_argument("name", help="distribution (nexrl-rewards), entry-point name (rewards) or evaluator name")
     p_check.add_argument("options", nargs="*", help="key=value constructor options of the one evaluator NAME")
     p_check.add_argument("--json", action="store_true", dest="check_json")
+    p_migrate = sub.add_parser(
+        "migrate", help="rewrite a NexRL (or ROLL) recipe as a nexrl recipe",
+        description="rewrite a NexRL (or ROLL) recipe as a nexrl recipe: list what was carried over and each key "
+                    "that was not (with the reason), the NexRL imports to change in the Python files it names, "
+                    "and check the result as nexrl validate does (exit 2 when it does not pass). The table it "
+                    "follows: docs/migrating.md")
+    p_migrate.add_argument("recipe", help="the NexRL or ROLL recipe YAML")
+    p_migrate.add_argument("-o", "--out", help="the nexrl recipe to write (default: print it)")
+    p_migrate.add_argument("--force", action="store_true", help="replace OUT if it exists")
     p_new = sub.add_parser("new", help="scaffold a plugin package: nexrl new evaluator NAME")
     p_new.add_argument("kind", choices=["evaluator"], help="what the plugin provides")
     p_new.add_argument("name", help="its registered name, e.g. length_penalty (package nexrl-evaluator-NAME)")
@@ -141,12 +150,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str]) -> int:
     args = parse_args(argv)
-    if args.command not in ("plugins", "config", "new"):
+    if args.command not in ("plugins", "config", "new", "migrate"):
         from .run_log import setup_logging
 
         setup_logging(None, "INFO")  # plugin-loading warnings in the same short format as the run's
     commands = {"run": _run, "validate": _validate, "config": _config, "eval": _eval, "plot": _plot,
-                "export": _export, "plugins": _plugins, "new": _new}
+                "export": _export, "plugins": _plugins, "new": _new, "migrate": _migrate}
     try:
         return commands[args.command](args)
     except NexRLError as exc:
@@ -321,6 +330,43 @@ def _new(args: Any) -> int:
     n = names(args.name)
     print(f"created {root}/ ({n['dist']}: evaluator '{n['name']}', class {n['cls']} in {n['package']}/plugin.py)\n"
           f"next:\n  cd {root}\n  pip install -e '.[test]'\n  pytest\n  nexrl run recipe.yaml")
+    return 0
+
+
+def _migrate(args: Any) -> int:
+    from .config import load_recipe
+    from .migrate import migrate_file, report, to_yaml
+    from .plugins import get_plugin_manager
+    from .preflight import validate_recipe
+
+    out = args.out
+    if out is not None:
+        if os.path.abspath(out) == os.path.abspath(args.recipe):
+            raise ConfigError(f"-o: '{out}' is the recipe being migrated; write the nexrl recipe to a new file")
+        if os.path.exists(out) and not args.force:
+            raise ConfigError(f"-o: '{out}' exists (--force replaces it)")
+    pm = get_plugin_manager()
+    placed = out if out is not None else os.path.join(os.getcwd(), "migrated.yaml")
+    migration = migrate_file(args.recipe, placed, pm)
+    text = to_yaml(migration.recipe, os.path.basename(args.recipe))
+    if out is None:
+        sys.stdout.write(text)
+    else:
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        with open(out, "w", encoding="utf-8") as f:
+            f.write(text)
+    for line in [f"{args.recipe} -> {out or 'stdout'}", *report(migration)]:
+        print(line, file=sys.stderr)
+    try:
+        problems = validate_recipe(load_recipe(placed, [], raw=migration.recipe), pm)
+    except NexRLError as exc:
+        problems = list(getattr(exc, "problems", None) or [str(exc)])
+    name = out or "the result"
+    if problems:
+        print(f"nexrl validate {name}: {len(problems)} problem{'s' if len(problems) > 1 else ''}:", file=sys.stderr)
+        _print_problems(problems)
+        return 2
+    print(f"nexrl validate {name}: ok", file=sys.stderr)
     return 0
 
 

@@ -21,7 +21,7 @@ from omegaconf.errors import OmegaConfBaseException
 from .compose import Composer, GroupOverride, deep_merge, read_yaml_file
 from .errors import ConfigError, NexRLError
 from .options import (Option, check_value, component_capabilities, component_options, option_defaults,
-                      options_from_signature, type_name, unknown_key)
+                      options_from_signature, removed_key, type_name, unknown_key)
 from .schema import CORE_OPTIONS, core_defaults
 
 # kind -> words for messages
@@ -42,11 +42,13 @@ class RecipeProblems(ConfigError):
 
 # -- loading ---------------------------------------------------------------------------------
 
-def load_recipe(path: str, overrides: list[str] | None = None) -> DictConfig:
-    """Core defaults <- recipe (with its defaults list) <- overrides; interpolations resolved."""
-    if not os.path.exists(path):
-        raise ConfigError(f"{path}: recipe file not found")
-    raw = read_yaml_file(path)
+def load_recipe(path: str, overrides: list[str] | None = None, raw: Any = None) -> DictConfig:
+    """Core defaults <- recipe (with its defaults list) <- overrides; interpolations resolved.
+    ``raw``: the recipe's content, not yet written to ``path`` (which still places it)."""
+    if raw is None:
+        if not os.path.exists(path):
+            raise ConfigError(f"{path}: recipe file not found")
+        raw = read_yaml_file(path)
     if raw is None or raw == {}:
         raise ConfigError(f"{path}: the recipe is empty (recipes/quickstart.yaml is a complete example)")
     if not isinstance(raw, dict):
@@ -319,7 +321,7 @@ class _Checker:
                 problems.append(unknown_key(key, path, [k for k, o in options.items() if o.removed is None], owner,
                                             listed))
             elif opt.removed is not None:
-                problems.append(f"{full}: no longer a recipe key: {opt.removed}")
+                problems.append(removed_key(full, opt))
             else:
                 problems += self.value(value, opt, full)
         for key, opt in options.items():

@@ -1,8 +1,9 @@
 """Reference pages generated from the code, so they cannot drift from it: the hook reference
-(from the hook specs' docstrings) and the recipe reference (every key with its type, default and
-meaning, from :mod:`nexrl_core.schema` and each component's declared options).
+(from the hook specs' docstrings), the recipe reference (every key with its type, default and
+meaning, from :mod:`nexrl_core.schema` and each component's declared options) and the migration
+page (from :mod:`nexrl_core.migration_table`).
 
-``scripts/gen_docs.py`` writes the repository's ``docs/hooks.md`` and ``docs/recipe.md`` with
+``scripts/gen_docs.py`` writes the repository's ``docs/hooks.md``, ``docs/recipe.md`` and ``docs/migrating.md`` with
 these functions; a plugin author can render the options of their own components the same way
 (:func:`options_table`).
 """
@@ -263,3 +264,59 @@ def _algorithm_functions(pm: Any, wanted: set[str] | None) -> list[str]:
 def _base_of(cls: type) -> type:
     return cls.__mro__[1] if len(cls.__mro__) > 1 else object
 
+
+
+# -- migration -----------------------------------------------------------------------------------------
+
+def migration_reference() -> str:
+    """Markdown: the NexRL / ROLL -> nexrl table that ``nexrl migrate`` follows and ``nexrl validate``
+    quotes (:mod:`nexrl_core.migration_table`)."""
+    from . import migration_table as t
+
+    def code(text: Any) -> str:
+        return "—" if text is None else f"`{_yaml(text) if not isinstance(text, str) else text}`"
+
+    def keys(source: str) -> list[str]:
+        rows = [f"| {source} key | nexrl key | note |", "|---|---|---|"]
+        return rows + [f"| `{r.seed}` | {code(r.nexrl)} | {_cell(r.why)} |" for r in t.KEY_RULES if r.source == source]
+
+    out = ["# Migrating from NexRL (and ROLL)", "",
+           "Generated from `nexrl_core/migration_table.py` by `python scripts/gen_docs.py`; "
+           "`tests/docs/test_reference_docs.py` fails when this page is out of date. The same table drives "
+           "`nexrl migrate` and the hints of `nexrl validate`, so the three agree.", "",
+           "## Running it", "", "```bash", "nexrl migrate recipe/my_task/my_task.yaml -o my_task.nexrl.yaml",
+           "```", "",
+           "The recipe's defaults list is composed first (as `nexrl run` composes one). Then, in this order: "
+           "keys move to nexrl's ([Keys](#keys)), values become nexrl's ([Values](#values)), keys whose value "
+           "needs converting are converted, what the rest of the recipe decides is set "
+           "([Set from the rest of the recipe](#set-from-the-rest-of-the-recipe)), `${...}` references follow "
+           "the keys they name (one to a key that is not carried over becomes its value), and every key nexrl "
+           "still rejects is taken out. Relative paths that name files next to the old recipe (or under "
+           "`$NEXRL_PATH`, where NexRL looked) are rewritten for the new file's folder.", "",
+           "On stderr it lists what was carried over, what was set, each key not carried over with the reason, "
+           "and each import of NexRL in the Python files the recipe names with nexrl's "
+           "([Imports and classes](#imports-and-classes)); it changes no Python file. Last it checks the result "
+           "as `nexrl validate` does: exit 0 when it passes, 2 with the problems when it does not (the file is "
+           "written either way). Without `-o` the recipe goes to stdout; `--force` replaces an existing `-o` "
+           "file.", "",
+           "`nexrl validate` and `nexrl run` name nexrl's key when a recipe still holds a key of this table:", "",
+           "```"]
+    out += [f"error: {key}: {t.seed_key_hint(key)}" for key in ("dataloader", "adv_estimator")]
+    out += ["```", "", "## Keys", "",
+            "A key with no nexrl key is taken out only where nexrl rejects it (a loader that generates rows "
+            "takes `validate.data.seed`).", "", "### NexRL", ""] + keys("NexRL")
+    out += ["", "### ROLL", "", "Top-level keys of ROLL's RLVR pipeline config.", ""] + keys("ROLL")
+    out += ["", "### Unchanged", "", "These keys mean the same in nexrl: "
+            + ", ".join(f"`{k}`" for k in t.SAME_KEYS) + ".", "",
+            "### Set from the rest of the recipe", "", "| nexrl key | set to |", "|---|---|"]
+    out += [f"| `{key}` | {_cell(text)} |" for key, text in t.DERIVED]
+    out += ["", "## Values", "", "| key | NexRL value | nexrl value | note |", "|---|---|---|---|"]
+    out += [f"| `{r.key}` | {code(r.seed)} | {code(r.nexrl)} | {_cell(r.why)} |" for r in t.VALUE_RULES]
+    out += ["", "## Imports and classes", "",
+            "`nexrl migrate` lists each of these it finds in the Python files a recipe names (an evaluator's, "
+            "a worker's, the NexAU workspace's).", "", "| NexRL | nexrl | note |", "|---|---|---|"]
+    out += [f"| `{r.seed}` | {code(r.nexrl)} | {_cell(r.why)} |" for r in t.IMPORT_RULES]
+    out += ["", "## Metric names", "", "| NexRL / ROLL | nexrl | note |", "|---|---|---|"]
+    out += [f"| `{r.seed}`{' (ROLL)' if r.source == 'ROLL' else ''} | {code(r.nexrl)} | {_cell(r.why)} |"
+            for r in t.METRIC_RULES]
+    return "\n".join(out).rstrip() + "\n"

@@ -262,7 +262,7 @@ def check_options(values: Any, options: Mapping[str, Option] | None, path: str, 
             known = [k for k, o in options.items() if o.removed is None]
             problems.append(unknown_key(key, path, known + list(allow), owner, known if owner else None))
         elif opt.removed is not None:
-            problems.append(f"{full}: no longer a recipe key: {opt.removed}")
+            problems.append(removed_key(full, opt))
         else:
             problems += check_value(value, opt, full)
     for key, opt in options.items():
@@ -270,6 +270,13 @@ def check_options(values: Any, options: Mapping[str, Option] | None, path: str, 
             full = f"{path}.{key}" if path else key
             problems.append(f"{full}: required{f' ({opt.help})' if opt.help else ''}")
     return problems
+
+
+def removed_key(full: str, opt: Option) -> str:
+    """The message of a key nexrl no longer reads (pointing at ``nexrl migrate`` for a seed key)."""
+    from .migration_table import seed_key_suffix
+
+    return f"{full}: no longer a recipe key: {opt.removed}{seed_key_suffix(full)}"
 
 
 def check_value(value: Any, opt: Option, path: str) -> list[str]:
@@ -316,7 +323,12 @@ def _closest(value: Any, choices: tuple[Any, ...]) -> str:
 def unknown_key(key: str, path: str, known: list[str], owner: str = "", listed: list[str] | None = None) -> str:
     """``path.key: unknown key; did you mean ...?`` and, for a component with few options of its
     own (``listed``), which ones it accepts."""
+    from .migration_table import seed_key_hint
+
     full = f"{path}.{key}" if path else key
+    hint = seed_key_hint(full)  # a NexRL or ROLL key: name nexrl's
+    if hint is not None:
+        return f"{full}: {hint}"
     hit = get_close_matches(key, sorted(set(known)), n=1)
     text = f"{full}: unknown key"
     if hit:

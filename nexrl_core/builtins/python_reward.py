@@ -14,6 +14,11 @@ The function gets the reply text and the data item (the row of the data file) an
 number (or a bool), a dict with ``reward`` and other numbers (metrics), or an
 ``EvaluationRunResult``. It runs in every rollout worker thread at once: keep it free of shared
 mutable state.
+
+``class: MyEvaluator`` (instead of ``function``) names an :class:`~nexrl_core.Evaluator` subclass
+in the file, built once with ``kwargs`` as its constructor's keywords; its ``evaluate(data,
+evaluation_target)`` scores each sample (what NexRL's ``evaluator_module_path: file.py:Class``
+names, see ``nexrl migrate``).
 """
 
 from __future__ import annotations
@@ -39,31 +44,50 @@ _lock = threading.Lock()
 
 
 class PythonFunctionEvaluator(Evaluator):
-    """The reward a Python function in a file returns (``path``, ``function``, ``kwargs``)."""
+    """The reward a Python function in a file returns (``path``, ``function``, ``kwargs``), or an
+    Evaluator class of that file (``class``)."""
 
     OPTIONS = {
         "path": Option(REQUIRED, str, "Python file that defines the reward function", path=True),
         "function": Option("score", str, "the function: function(response, data, **kwargs) -> a number, a bool, "
                                          "a dict with 'reward' and metrics, or an EvaluationRunResult"),
-        "kwargs": Option({}, dict, "keyword arguments passed to the function on every call"),
+        "class": Option(None, str, "instead of function: an Evaluator subclass in the file, built with kwargs as "
+                                   "its constructor's keywords; its evaluate(data, evaluation_target) scores"),
+        "kwargs": Option({}, dict, "keyword arguments passed to the function on every call (to the class's "
+                                   "constructor with class)"),
     }
 
     @classmethod
     def check_config(cls, section: Mapping[str, Any], key: str) -> list[str]:
+        kwargs = dict(section.get("kwargs") or {})
         try:
-            load_function(str(section["path"]), str(section.get("function", "score")),
-                          dict(section.get("kwargs") or {}), key)
+            if section.get("class") is None:
+                load_function(str(section["path"]), str(section.get("function", "score")), kwargs, key)
+            elif "function" in section:
+                raise ConfigError(f"{key}: give function or class, not both")
+            else:
+                load_class(str(section["path"]), str(section["class"]), kwargs, key)
         except ConfigError as exc:
             return [str(exc)]
         return []
 
-    def __init__(self, path: str, function: str = "score", kwargs: dict[str, Any] | None = None):
+    def __init__(self, path: str, function: str = "score", kwargs: dict[str, Any] | None = None, **named: Any):
+        # `class` is a Python keyword: it arrives in **named
+        if set(named) - {"class"}:
+            raise TypeError(f"unexpected keyword argument {sorted(set(named) - {'class'})[0]!r}")
         self._kwargs = dict(kwargs or {})
-        self._function = load_function(str(path), str(function), self._kwargs, KEY)
-        self._name = f"{function}() of {path}"
         self.source_path = os.path.abspath(str(path))  # failures point at the user's file, not at nexrl's
+        self._evaluator: Evaluator | None = None
+        if named.get("class") is None:
+            self._function = load_function(str(path), str(function), self._kwargs, KEY)
+            self._name = f"{function}() of {path}"
+        else:
+            self._evaluator = load_class(str(path), str(named["class"]), self._kwargs, KEY)(**self._kwargs)
+            self._name = f"{named['class']}.evaluate() of {path}"
 
     def evaluate(self, data: dict[str, Any], evaluation_target: BaseEvaluationTarget) -> EvaluationRunResult:
+        if self._evaluator is not None:
+            return as_result(self._evaluator.evaluate(data, evaluation_target), self._name)
         return as_result(self._function(evaluation_target.final_answer, data, **self._kwargs), self._name)
 
 
@@ -88,6 +112,34 @@ def load_function(path: str, name: str, kwargs: dict[str, Any], key: str = KEY) 
     except ValueError:  # no signature to inspect (a builtin): call it and see
         pass
     return function
+
+
+def load_class(path: str, name: str, kwargs: dict[str, Any], key: str = KEY) -> type:
+    """The class ``name`` of the file ``path``, checked to have an ``evaluate`` method and to take
+    ``kwargs`` as its constructor's keywords."""
+    if not os.path.isfile(path):
+        where = "a folder" if os.path.isdir(path) else "not found"
+        raise ConfigError(f"{key}.path: '{path}' is {where} (a Python file that defines class {name})")
+    module = _import(os.path.abspath(path), key)
+    found = getattr(module, name, None)
+    if not inspect.isclass(found):
+        classes = sorted(n for n, v in vars(module).items() if inspect.isclass(v) and v.__module__ == module.__name__)
+        what = "defines no" if found is None else f"has a {type(found).__name__}, not a class, named"
+        raise ConfigError(f"{key}.class: {path} {what} '{name}' (classes in it: {', '.join(classes) or 'none'})")
+    if not callable(getattr(found, "evaluate", None)):
+        raise ConfigError(f"{key}.class: {name} in {path} has no evaluate(data, evaluation_target) method "
+                          f"(subclass nexrl_core.Evaluator)")
+    if inspect.isabstract(found):
+        raise ConfigError(f"{key}.class: {name} in {path} leaves abstract methods unimplemented: "
+                          f"{', '.join(sorted(found.__abstractmethods__))}")
+    try:
+        inspect.signature(found).bind(**kwargs)
+    except TypeError as exc:
+        raise ConfigError(f"{key}.kwargs: {name}{inspect.signature(found)} in {path} cannot be built as "
+                          f"{name}({', '.join(f'{k}=...' for k in kwargs)}): {exc}") from None
+    except ValueError:  # no signature to inspect
+        pass
+    return found
 
 
 def _import(path: str, key: str) -> Any:

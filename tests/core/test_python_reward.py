@@ -1,5 +1,6 @@
 """``rollout_worker.evaluator.type: python``: a reward from a plain function in a file (issue 18,
-item 8). The function's answers become the trajectories' rewards and metrics in a real run;
+item 8), or from an Evaluator class in a file (``class``: what NexRL's evaluator_module_path
+migrates to, issue 30). The function's answers become the trajectories' rewards and metrics in a real run;
 every problem with the file or the function is one line from ``validate`` and ``run`` alike;
 an exception inside it points at the user's file and line."""
 
@@ -33,6 +34,32 @@ REWARD = textwrap.dedent('''
         if int(data["answer"]) % 2:
             raise ValueError("odd answers are not supported yet")
         return True
+
+
+    from nexrl_core import Evaluator, EvaluationRunResult
+
+
+    class SumEvaluator(Evaluator):
+        """The seed's evaluator shape: evaluate(data, evaluation_target)."""
+
+        def __init__(self, scale=1.0):
+            self.scale = scale
+
+        def evaluate(self, data, evaluation_target):
+            correct = evaluation_target.final_answer.strip() == str(data["answer"])
+            return EvaluationRunResult(reward=self.scale * correct, ground_truth=str(data["answer"]),
+                                       metrics={"exact": float(correct)})
+
+
+    class Half(Evaluator):
+        pass
+
+
+    class NoEvaluate:
+        pass
+
+
+    LIMIT = 3
 ''')
 
 
@@ -69,6 +96,18 @@ def test_the_function_scores_every_sample_of_a_real_run(tmp_path, reward_file, r
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     means = [r["train/reward_mean"] for r in rows if "train/reward_mean" in r]
     assert means == [pytest.approx(sum(t["reward"] for t in b) / len(b)) for b in controller.trainer.batches]
+
+
+def test_an_evaluator_class_scores_every_sample_of_a_real_run(tmp_path, reward_file, run_local):
+    evaluator = {"type": "python", "path": str(reward_file), "class": "SumEvaluator", "kwargs": {"scale": 2.0}}
+    controller, summary = run_local(_recipe(tmp_path, evaluator, steps=3))
+    assert summary.stopped_by == "finished" and summary.global_step == 3
+    trajectories = [t for batch in controller.trainer.batches for t in batch]
+    for t in trajectories:
+        correct = t["response"].strip() == str(t["task"]["answer"])
+        assert t["reward"] == 2.0 * correct  # kwargs reached the constructor
+        assert t["score"] == {"reward": t["reward"], "exact": float(correct)}
+    assert {t["reward"] for t in trajectories} == {0.0, 2.0}
 
 
 def test_an_exception_in_the_function_fails_the_sample_and_points_at_its_line(tmp_path, reward_file, run_local):
@@ -118,8 +157,25 @@ BAD = {  # evaluator mapping (paths relative to the recipe in tmp_path; an exist
                                              "(raises.py:1 in <module>)"),
     "typo": ({"path": "my_reward.py", "fucntion": "score"},
              "rollout_worker.evaluator.fucntion: unknown key; did you mean 'rollout_worker.evaluator.function'? "
-             "(evaluator 'python' accepts: path, function, kwargs)"),
+             "(evaluator 'python' accepts: path, function, class, kwargs)"),
     "no_path": ({}, "rollout_worker.evaluator.path: required (Python file that defines the reward function)"),
+    "no_class": ({"path": "my_reward.py", "class": "SumEvaluatr"},
+                 "rollout_worker.evaluator.class: {tmp}/my_reward.py defines no 'SumEvaluatr' (classes in it: "
+                 "Half, NoEvaluate, SumEvaluator)"),
+    "not_a_class": ({"path": "my_reward.py", "class": "LIMIT"},
+                    "rollout_worker.evaluator.class: {tmp}/my_reward.py has a int, not a class, named 'LIMIT' "
+                    "(classes in it: Half, NoEvaluate, SumEvaluator)"),
+    "no_evaluate": ({"path": "my_reward.py", "class": "NoEvaluate"},
+                    "rollout_worker.evaluator.class: NoEvaluate in {tmp}/my_reward.py has no evaluate(data, "
+                    "evaluation_target) method (subclass nexrl_core.Evaluator)"),
+    "abstract": ({"path": "my_reward.py", "class": "Half"},
+                 "rollout_worker.evaluator.class: Half in {tmp}/my_reward.py leaves abstract methods "
+                 "unimplemented: evaluate"),
+    "class_kwargs": ({"path": "my_reward.py", "class": "SumEvaluator", "kwargs": {"bonus": 1}},
+                     "rollout_worker.evaluator.kwargs: SumEvaluator(scale=1.0) in {tmp}/my_reward.py cannot be "
+                     "built as SumEvaluator(bonus=...): got an unexpected keyword argument 'bonus'"),
+    "function_and_class": ({"path": "my_reward.py", "function": "score", "class": "SumEvaluator"},
+                           "rollout_worker.evaluator: give function or class, not both"),
 }
 
 

@@ -1,6 +1,7 @@
 """The generated reference pages match the code (issue 18, item 9): docs/hooks.md (the hook
-specs' docstrings) and docs/recipe.md (every recipe key: the core's schema and the options of
-every component and algorithm function of nexrl-core and the plugins under plugins/). Every key
+specs' docstrings), docs/recipe.md (every recipe key: the core's schema and the options of
+every component and algorithm function of nexrl-core and the plugins under plugins/) and
+docs/migrating.md (issue 30: the NexRL -> nexrl table nexrl migrate follows). Every key
 has a meaning; the core's defaults hold every core key; a declared core key is read by the core."""
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def pages():
     return {path.name: text for path, text in _gen_docs().pages().items()}
 
 
-@pytest.mark.parametrize("name", ["hooks.md", "recipe.md"])
+@pytest.mark.parametrize("name", ["hooks.md", "recipe.md", "migrating.md"])
 def test_the_generated_pages_are_current(pages, name):
     current = (ROOT / "docs" / name).read_text(encoding="utf-8")
     if current != pages[name]:
