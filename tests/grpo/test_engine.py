@@ -323,3 +323,34 @@ def test_group_samples_share_one_prefill_and_match_separate_generation(make_engi
         assert got.response_token_ids == want.response_token_ids
         assert got.response_logprobs == pytest.approx(want.response_logprobs, abs=1e-5)
     assert len({tuple(r.response_token_ids) for r in results[:4]}) > 1  # the seeds really differ
+
+
+def test_replicas_share_the_requests_and_each_takes_the_weights(tiny_model_dir):
+    """`replicas: 2` of the hf backend: requests go to the least busy engine, a weight load reaches
+    both, and each result carries the version of the engine that made it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from nexrl_grpo.weights import HFInferenceBackend
+
+    backend = HFInferenceBackend({"model_path": tiny_model_dir, "replicas": 2, "batch_wait_ms": 20})
+    try:
+        assert len(backend.replicas) == 2 and backend.replicas[1] is not backend
+        params = [SamplingParams(max_tokens=6, temperature=1.0, seed=i) for i in range(8)]
+        with ThreadPoolExecutor(8) as pool:
+            first = list(pool.map(lambda p: backend.complete("the quick brown fox", p), params))
+        assert all(engine.num_requests > 0 for engine in backend.replicas)
+        assert {r.model_version for r in first} == {0}
+        state = {k: v + 0.01 for k, v in backend.replicas[0].model.state_dict().items()}
+        backend.load_weights(state, 3)
+        assert backend.model_version() == 3
+        for engine in backend.replicas:
+            torch.testing.assert_close(engine.model.state_dict()["lm_head.weight"], state["lm_head.weight"])
+        with ThreadPoolExecutor(8) as pool:
+            second = list(pool.map(lambda p: backend.complete("the quick brown fox", p), params))
+        assert {r.model_version for r in second} == {3}
+        # The same seeded request gives the same tokens whichever replica serves it.
+        alone = backend.replicas[1].complete("the quick brown fox", params[0])
+        assert alone.response_token_ids == second[0].response_token_ids
+    finally:
+        backend.close()
+    assert not backend.health_check()

@@ -346,7 +346,7 @@ class HFInferenceEngine(InferenceClient):
         self.num_requests += len(batch)
         try:
             with self._model_lock:
-                version = self.model_version()
+                version = InferenceClient.model_version(self)  # this engine's own, replicated or not
                 outputs = [out for chunk in self._chunks(batch) for out in self._generate(chunk)]
             for request, (text, reason, ids, logprobs) in zip(batch, outputs):
                 request.result = CompletionResult(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -105,6 +106,9 @@ class HFInferenceBackend(HFInferenceEngine):
                                                "steps in that memory); false keeps it allocated"),
         "cuda_graphs": Option(None, AUTO_FLAG, "on a GPU: replay each decode step as a CUDA graph: auto (on a CUDA "
                                                "device) | true | false", check=_auto_flag),
+        "replicas": Option(1, int, "engines serving the rollouts, each with its own copy of the model (on a GPU box "
+                                   "replica i takes the i-th GPU from device on); a request goes to the least busy",
+                           ge=1),
     }
     CAPABILITIES = Capabilities(provides={"inference:load_weights"})
     check_config = staticmethod(check_model_section)
@@ -115,12 +119,70 @@ class HFInferenceBackend(HFInferenceEngine):
         cfg = OmegaConf.to_container(config, resolve=True) if not isinstance(config, dict) else dict(config)
         cfg["model_path"] = resolve_model_path(cfg.get("model_path"), cfg.get("gguf_file"))
         cfg.pop("gguf_file", None)
+        replicas = int(cfg.pop("replicas", 1) or 1)
         if cfg.get("num_threads"):
             import torch
 
             torch.set_num_threads(int(cfg["num_threads"]))
         with config_errors("service.inference_service"):
             super().__init__(cfg)
+            # Replica 0 is this engine; the others are engines of their own on the next devices.
+            self.replicas: list[HFInferenceEngine] = [self] + [
+                HFInferenceEngine({**cfg, "device": str(replica_device(self.device, i))}) for i in range(1, replicas)]
+        self._busy = [0] * replicas
+        self._busy_lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def _replica(self) -> Iterator[HFInferenceEngine]:
+        """The replica with the fewest requests in flight, for the length of one request."""
+        with self._busy_lock:
+            index = min(range(len(self.replicas)), key=lambda i: (self._busy[i], i))
+            self._busy[index] += 1
+        try:
+            yield self.replicas[index]
+        finally:
+            with self._busy_lock:
+                self._busy[index] -= 1
+
+    def complete(self, prompt: Any, params: Any) -> Any:
+        if len(self.replicas) == 1:
+            return super().complete(prompt, params)
+        with self._replica() as engine:
+            return HFInferenceEngine.complete(engine, prompt, params)
+
+    def chat(self, messages: Any, params: Any, tools: Any = None) -> Any:
+        if len(self.replicas) == 1:
+            return super().chat(messages, params, tools)
+        with self._replica() as engine:
+            return HFInferenceEngine.chat(engine, messages, params, tools)
+
+    def load_weights(self, state_dict: Any, version: int) -> None:
+        """Every replica in turn; each serves the new version from its next batch (a result carries
+        the version of the replica that made it)."""
+        for engine in self.replicas:
+            HFInferenceEngine.load_weights(engine, state_dict, version)
+
+    def model_version(self) -> int:
+        """The oldest version any replica serves."""
+        if len(getattr(self, "replicas", ())) <= 1:
+            return super().model_version()
+        return min(HFInferenceEngine.model_version(engine) for engine in self.replicas)
+
+    def health_check(self) -> bool:
+        return all(HFInferenceEngine.health_check(engine) for engine in self.replicas)
+
+    def close(self) -> None:
+        for engine in self.replicas:
+            HFInferenceEngine.close(engine)
+
+
+def replica_device(base: Any, index: int) -> Any:
+    """Replica ``index``'s device: the ``index``-th GPU counted from ``base`` (round the box), or the CPU."""
+    import torch
+
+    if base.type != "cuda":
+        return base
+    return torch.device("cuda", (base.index + index) % torch.cuda.device_count())
 
 
 class InProcessWeightSync(WeightSyncBackend):
