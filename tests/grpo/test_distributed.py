@@ -146,7 +146,6 @@ def test_a_rank_that_dies_is_named(tiny_model_dir):
         step(two, make_batch())
         follower = two.ranks.followers[0]
         os.kill(follower.pid, signal.SIGKILL)
-        follower.join(timeout=30)
         with pytest.raises(NexRLError) as caught:
             step(two, make_batch(seed=1))
         message = str(caught.value)
@@ -154,7 +153,7 @@ def test_a_rank_that_dies_is_named(tiny_model_dir):
         assert f"pid {follower.pid}) stopped: exit code -9 (signal 9)" in message
     finally:
         two.close()  # the other ranks are stopped even with one gone
-    assert not any(p.is_alive() for p in [follower])
+    assert not follower.is_alive()
 
 
 def test_a_grpo_run_on_two_ranks(tmp_path, tiny_model_dir, monkeypatch, capfd, reset_loguru):

@@ -12,6 +12,7 @@ as well.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -110,3 +111,28 @@ def test_ray_run_matches_the_local_run(local_run, ray_cluster, tiny_model_dir, t
     assert ray_run["weights"].keys() == local_run["weights"].keys()
     for name, tensor in local_run["weights"].items():
         assert torch.equal(ray_run["weights"][name], tensor), name
+
+
+def test_two_trainer_ranks_in_ray_mode(local_run, ray_cluster, tiny_model_dir, tmp_path, monkeypatch):
+    """`service.train_service.world_size: 2` in launch_mode ray: rank 1 is a Ray actor the trainer's
+    actor starts in a placement group; the first step matches the one-process local run (later steps
+    may sample other tokens once float sums differ: the weights' equivalence is test_distributed's)."""
+    monkeypatch.setenv("NEXRL_LOAD_PLUGINS", "nexrl-grpo")
+    original = recipe
+
+    def two_ranks(*args, **kwargs):
+        out = original(*args, **kwargs)
+        out["service"]["train_service"]["world_size"] = 2
+        return out
+
+    monkeypatch.setattr(sys.modules[__name__], "recipe", two_ranks)
+    ray_run = run(tmp_path, tiny_model_dir, "ray", colocation={"trainer": None})
+    log = next(tmp_path.glob("ray_*/run.log")).read_text()
+    assert "train service: 2 ranks (fsdp); rank 0 here" in log and "rank 1: Ray actor nexrl-train-rank-1 on " in log
+    local_rows, ray_rows = _comparable(local_run["rows"]), _comparable(ray_run["rows"])
+    first_local = next(r for r in local_rows if "train/loss" in r)
+    first_ray = next(r for r in ray_rows if "train/loss" in r)
+    assert first_ray["train/reward_mean"] == first_local["train/reward_mean"]
+    assert first_ray["train/grad_norm"] == pytest.approx(first_local["train/grad_norm"], rel=1e-4)
+    assert first_ray["train/loss"] == pytest.approx(first_local["train/loss"], rel=1e-4, abs=1e-6)
+    assert ray_run["weights"].keys() == local_run["weights"].keys()

@@ -12,6 +12,7 @@ import ray
 from loguru import logger
 
 from ...errors import NexRLError
+from ..processes import IN_RAY_ACTOR
 from .settings import RaySettings
 
 # Environment every actor gets from the driver (besides ray.env_vars): what decides which
@@ -81,5 +82,6 @@ def actor_env(settings: RaySettings, num_cpus: float | None) -> dict[str, str]:
         env["OMP_NUM_THREADS"] = str(int(num_cpus))
     else:
         env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS") or str(os.cpu_count() or 1)
+    env[IN_RAY_ACTOR] = "1"  # processes a module starts there are actors too (launch/processes.py)
     env.update(settings.env_vars)
     return env

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 import socket
-import traceback
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -48,9 +47,9 @@ def shard_rows(prompt_groups: list[int], row_tokens: list[int], world_size: int)
     return [sorted(rows) for rows in shards]
 
 
-def free_port() -> int:
+def free_port(host: str) -> int:
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind((host, 0))
         return int(sock.getsockname()[1])
 
 
@@ -62,8 +61,7 @@ class RankGroup:
     world_size: int
     parallel: str
     objects: Any = None  # the gloo group calls and results travel on
-    followers: list[Any] = field(default_factory=list)  # rank 0: the processes of ranks 1..N-1
-    reports: list[Any] = field(default_factory=list)  # rank 0: each follower's pipe for its last words
+    followers: list[Any] = field(default_factory=list)  # rank 0: ranks 1..N-1 (nexrl_core.launch StartedProcess)
 
     @property
     def leader(self) -> bool:
@@ -115,7 +113,7 @@ class RankGroup:
             raise
 
     def dead_followers(self, wait_s: float = 5.0) -> str | None:
-        """What ended the followers that are gone ("rank 1 (host, pid 42) exited with ...: cause")."""
+        """What ended the followers that are gone ("rank 1 (host, pid 42) stopped: cause")."""
         import time
 
         deadline = time.monotonic() + wait_s  # a peer's socket closes a moment before its process ends
@@ -124,87 +122,62 @@ class RankGroup:
             if gone or time.monotonic() >= deadline:
                 break
             time.sleep(0.05)
-        if not gone:
-            return None
-        parts = []
-        for rank, proc in gone:
-            cause = _last_words(self.reports[rank - 1]) or f"exit code {proc.exitcode}" + (
-                f" (signal {-proc.exitcode})" if proc.exitcode is not None and proc.exitcode < 0 else "")
-            parts.append(f"rank {rank} ({socket.gethostname()}, pid {proc.pid}) stopped: {cause}")
-        return "; ".join(parts)
+        return "; ".join(f"rank {rank} ({proc.host}, pid {proc.pid}) stopped: {proc.exit_cause()}"
+                         for rank, proc in gone) or None
 
     def close(self) -> None:
         """Followers leave their loop (the caller broadcast ``close``), then the group ends."""
         for proc in self.followers:
-            proc.join(timeout=60)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(timeout=10)
+            proc.stop()
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def _last_words(report: Any) -> str | None:
-    """What a follower sent before it ended (None: nothing, e.g. it was killed)."""
-    try:
-        return report.recv() if report.poll() else None
-    except (EOFError, OSError):
-        return None
-
-
 def start_ranks(config: dict[str, Any], world_size: int, parallel: str) -> RankGroup:
-    """Rank 0 of a new group: spawn ranks 1..N-1 (each builds its own service from ``config``), then
-    meet them at the rendezvous."""
-    import multiprocessing
+    """Rank 0 of a new group: start ranks 1..N-1 where the launch mode places processes (each
+    builds its own service from ``config``), then meet them at the rendezvous."""
+    from nexrl_core.launch.processes import rendezvous_host, start_processes
 
     if dist.is_initialized():
         raise ValueError("world_size: this process already belongs to a torch.distributed group (one "
                          "distributed train service per process)")
-    port = free_port()
-    context = multiprocessing.get_context("spawn")
+    host = rendezvous_host()
+    port = free_port(host)
     group = RankGroup(0, world_size, parallel)
-    for rank in range(1, world_size):
-        receive, send = context.Pipe(duplex=False)
-        proc = context.Process(target=_follower_main, args=(rank, world_size, port, config, send),
-                               name=f"nexrl-train-rank-{rank}", daemon=True)
-        proc.start()
-        send.close()
-        group.followers.append(proc)
-        group.reports.append(receive)
+    gpus = 1 if torch.cuda.is_available() else 0
+    ranks = range(1, world_size)
+    group.followers = start_processes(_follower_main, [(rank, world_size, host, port, config) for rank in ranks],
+                                      [f"nexrl-train-rank-{rank}" for rank in ranks], num_gpus=gpus)
     try:
-        _join(group, port)
+        _join(group, host, port)
     except Exception:
         for proc in group.followers:
-            proc.kill()
+            proc.stop(timeout=0)
         raise
+    from loguru import logger
+
+    logger.info(f"train service: {world_size} ranks ({parallel}); rank 0 here (pid {os.getpid()}), " + ", ".join(
+        f"rank {rank}: {proc.kind} {proc.name} on {proc.host} (pid {proc.pid})"
+        for rank, proc in enumerate(group.followers, start=1)))
     return group
 
 
-def _join(group: RankGroup, port: int) -> None:
-    backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= group.world_size else "gloo"
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=group.rank,
+def _join(group: RankGroup, host: str, port: int) -> None:
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=group.rank,
                             world_size=group.world_size, timeout=COLLECTIVE_TIMEOUT)
     group.objects = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT) if backend != "gloo" \
         else dist.group.WORLD
 
 
-def _follower_main(rank: int, world_size: int, port: int, config: dict[str, Any], report: Any) -> None:
-    """A follower rank: build the service, serve rank 0's calls until ``close``. Its last words
-    (an exception) go to rank 0 through ``report`` before it exits."""
-    try:
-        os.environ.setdefault("OMP_NUM_THREADS", "1")
-        from .train_service import LocalTorchTrainService
+def _follower_main(rank: int, world_size: int, host: str, port: int, config: dict[str, Any]) -> None:
+    """A follower rank: build the service, serve rank 0's calls until ``close``."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from .train_service import LocalTorchTrainService
 
-        group = RankGroup(rank, world_size, str(config.get("parallel") or "fsdp"))
-        _join(group, port)
-        service = LocalTorchTrainService(config, rank_group=group)
-        service.serve()
-    except BaseException as exc:  # noqa: BLE001 - reported to rank 0, then this process ends
-        try:
-            report.send(f"{type(exc).__name__}: {exc}" + ("" if isinstance(exc, (KeyboardInterrupt, SystemExit))
-                                                          else f"\n{traceback.format_exc(limit=8)}"))
-        finally:
-            os._exit(1)
+    group = RankGroup(rank, world_size, str(config.get("parallel") or "fsdp"))
+    _join(group, host, port)
+    LocalTorchTrainService(config, rank_group=group).serve()
 
 
 def wrap(model: torch.nn.Module, group: RankGroup, device: torch.device) -> torch.nn.Module:

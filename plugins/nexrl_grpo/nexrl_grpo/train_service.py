@@ -157,7 +157,8 @@ class LocalTorchTrainService(TrainService):
             random.seed(int(seed))
         self.device = resolve_device(config.get("device"))
         if self.ranks is not None and self.device.type == "cuda":
-            self.device = torch.device("cuda", self.ranks.rank)  # rank r on the box's GPU r
+            # Rank r on the box's GPU r; a rank Ray placed sees only its own GPU.
+            self.device = torch.device("cuda", self.ranks.rank % torch.cuda.device_count())
             torch.cuda.set_device(self.device)
         if self.ranks is None or self.ranks.leader:
             log_auto_device("train service", config.get("device"), self.device)
