@@ -10,6 +10,7 @@ from .runtime.execute import (Deferred, ModuleUnavailable, RpcTimeout, deferred,
                               execute_with_timeout)
 from .runtime.logs import demote_library_log
 from .inference import CompletionResult, InferenceClient, InferenceError, SamplingParams
+from .launch.processes import StartedProcess, rendezvous_host, start_processes
 from .markers import hookimpl
 from .options import REQUIRED, Capabilities, Option, check_options, component_options
 from .plugins import PluginManager, get_plugin_manager
@@ -43,7 +44,7 @@ __all__ = [
     "execute_with_timeout", "get_plugin_manager", "hookimpl", "OpenAICompatibleClient", "trajectory_segments",
     "as_text_messages", "parse_tool_calls", "render_tool_calls", "tools_system_prompt",
     "algorithms", "check_options", "component_options", "demote_library_log", "execute", "execute_async", "execute_with_timeout",
-    "get_plugin_manager", "hookimpl", "OpenAICompatibleClient",
+    "get_plugin_manager", "hookimpl", "OpenAICompatibleClient", "StartedProcess", "rendezvous_host", "start_processes",
 ]
 
 

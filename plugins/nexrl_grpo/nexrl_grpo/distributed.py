@@ -136,7 +136,7 @@ class RankGroup:
 def start_ranks(config: dict[str, Any], world_size: int, parallel: str) -> RankGroup:
     """Rank 0 of a new group: start ranks 1..N-1 where the launch mode places processes (each
     builds its own service from ``config``), then meet them at the rendezvous."""
-    from nexrl_core.launch.processes import rendezvous_host, start_processes
+    from nexrl_core import rendezvous_host, start_processes
 
     if dist.is_initialized():
         raise ValueError("world_size: this process already belongs to a torch.distributed group (one "
