@@ -198,3 +198,34 @@ def test_a_grpo_run_on_two_ranks(tmp_path, tiny_model_dir, monkeypatch, capfd, r
     import multiprocessing
 
     assert not [p for p in multiprocessing.active_children() if p.name.startswith("nexrl-train-rank")]
+
+
+def test_the_engine_loads_sharded_weights_one_at_a_time(tiny_model_dir):
+    """An FSDP2 service's export gathers each weight as the engine copies it (never a second whole
+    model), in one pass that the other ranks follow; pickled, it gathers everything first."""
+    import pickle
+
+    from nexrl_grpo.distributed import GatheredWeights
+    from nexrl_grpo.engine import HFInferenceEngine
+
+    one = service(tiny_model_dir)
+    step(one, make_batch())
+    engine = HFInferenceEngine({"model_path": tiny_model_dir})
+    two = service(tiny_model_dir, world_size=2)
+    try:
+        step(two, make_batch())
+        exported = two.export_weights()
+        assert isinstance(exported, GatheredWeights)
+        assert exported.shapes == {k: tuple(v.shape) for k, v in one.export_weights().items()}
+        engine.load_weights(exported, 1)
+        with pytest.raises(RuntimeError, match="already iterated"):
+            exported.drain()
+        sent = pickle.loads(pickle.dumps(two.export_weights()))  # what Ray's object store would carry
+    finally:
+        two.close()
+        engine.close()
+    served = engine.model.state_dict()
+    for name, tensor in one.export_weights().items():
+        torch.testing.assert_close(served[name], tensor, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(sent[name], tensor, atol=1e-5, rtol=1e-4)
+    assert engine.model_version() == 1

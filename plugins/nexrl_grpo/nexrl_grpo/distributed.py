@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -202,3 +203,40 @@ def wrap(model: torch.nn.Module, group: RankGroup, device: torch.device) -> torc
 def full_tensor(value: torch.Tensor) -> torch.Tensor:
     """A parameter's whole tensor (an FSDP2 shard is gathered: a collective)."""
     return value.full_tensor() if hasattr(value, "full_tensor") else value
+
+
+class GatheredWeights(Mapping):
+    """An FSDP2 model's weights by name, each gathered from its shards as iteration reaches it, so a
+    consumer that copies them one by one (the engine's ``load_weights``) never holds a second whole
+    model. ``shapes`` tells each weight's shape without gathering. Iterate it once, to the end, on
+    every rank (each gather is a collective, in state-dict order); pickled (sent to another
+    process) it gathers everything first."""
+
+    def __init__(self, state: dict[str, torch.Tensor]):
+        self._state = state
+        self.shapes = {name: tuple(value.shape) for name, value in state.items()}
+        self._consumed = False
+
+    def __len__(self) -> int:
+        return len(self._state)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._state)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        raise TypeError("GatheredWeights: iterate items() in order (each weight is gathered once, on every rank)")
+
+    def items(self) -> Iterator[tuple[str, torch.Tensor]]:  # type: ignore[override]
+        if self._consumed:
+            raise RuntimeError("GatheredWeights: already iterated (each weight is gathered once)")
+        self._consumed = True
+        for name, value in self._state.items():
+            yield name, full_tensor(value.detach())
+
+    def drain(self) -> None:
+        """A follower's side of a consumer's iteration: the same gathers, results dropped."""
+        for _ in self.items():
+            pass
+
+    def __reduce__(self) -> tuple:
+        return dict, (list(self.items()),)

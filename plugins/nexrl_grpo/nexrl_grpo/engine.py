@@ -36,7 +36,7 @@ import random
 import threading
 import time
 from dataclasses import dataclass, field
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -251,23 +251,28 @@ class HFInferenceEngine(InferenceClient):
         except Exception:  # noqa: BLE001 - a template that rejects the probe has no such support
             return False
 
-    def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+    def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
         """Copy ``state_dict`` (all or some of the model's tensors) into the engine's model.
 
         Waits for the running batch to finish; batches started afterwards use the new weights
-        and report ``version``.
+        and report ``version``. The tensors are read once, in order (a sharded trainer's are
+        gathered one by one as they are read).
         """
+        self.check_weights(state_dict)
+        with self._model_lock:
+            copy_weights(state_dict, [self])
+            self.set_model_version(version)
+
+    def check_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Names and shapes of ``state_dict`` against the model's (read without touching the tensors)."""
         own = self.model.state_dict()
-        unknown = sorted(set(state_dict) - set(own))
+        shapes = getattr(state_dict, "shapes", None) or {k: tuple(v.shape) for k, v in state_dict.items()}
+        unknown = sorted(set(shapes) - set(own))
         if unknown:
             raise ValueError(f"load_weights: unknown parameter names {unknown[:5]}{' ...' if len(unknown) > 5 else ''}")
-        for name, tensor in state_dict.items():
-            if tuple(tensor.shape) != tuple(own[name].shape):
-                raise ValueError(f"load_weights: {name} has shape {tuple(tensor.shape)}, expected {tuple(own[name].shape)}")
-        with self._model_lock, torch.no_grad():
-            for name, tensor in state_dict.items():
-                own[name].copy_(tensor)
-            self.set_model_version(version)
+        for name, shape in shapes.items():
+            if tuple(shape) != tuple(own[name].shape):
+                raise ValueError(f"load_weights: {name} has shape {tuple(shape)}, expected {tuple(own[name].shape)}")
 
     def health_check(self) -> bool:
         return self._open and self._thread.is_alive()
@@ -473,6 +478,15 @@ class HFInferenceEngine(InferenceClient):
                 keep -= 1
             ids, logprobs = ids[:keep], logprobs[:keep]
         return text, reason, ids, logprobs
+
+
+def copy_weights(state_dict: Mapping[str, torch.Tensor], engines: list[HFInferenceEngine]) -> None:
+    """One pass over ``state_dict``, each tensor into every engine's model (the callers hold their locks)."""
+    owns = [engine.model.state_dict() for engine in engines]
+    with torch.no_grad():
+        for name, tensor in state_dict.items():
+            for own in owns:
+                own[name].copy_(tensor)
 
 
 Draw = Callable[[torch.Tensor], torch.Tensor]  # sampled row indices -> one float64 uniform in [0, 1) each

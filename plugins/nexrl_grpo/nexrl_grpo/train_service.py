@@ -37,7 +37,7 @@ from .modeling import (auto_dtype, auto_flag, compute_response_logprobs, compute
                        log_auto_device, log_auto_dtype, model_from_config, packing_problem, position_ids_from_mask,
                        resolve_device)
 from . import sharded
-from .distributed import PARALLEL_MODES, RankGroup, full_tensor, shard_rows, start_ranks, wrap
+from .distributed import PARALLEL_MODES, GatheredWeights, RankGroup, shard_rows, start_ranks, wrap
 from .weights import AUTO_FLAG, MODEL_OPTIONS, _auto_flag, check_model_section, config_errors, resolve_model_path
 
 LossFn = Callable[[torch.Tensor, dict[str, Any]], tuple[torch.Tensor, dict[str, float]]]
@@ -216,7 +216,9 @@ class LocalTorchTrainService(TrainService):
             name, args, kwargs = self.ranks.receive_call()
             if name == "close":
                 break
-            getattr(type(self), name).__wrapped__(self, *args, **kwargs)
+            result = getattr(type(self), name).__wrapped__(self, *args, **kwargs)
+            if isinstance(result, GatheredWeights):
+                result.drain()  # rank 0's consumer gathers them in this order
         self.ranks.close()
 
     def close(self) -> None:
@@ -401,8 +403,7 @@ class LocalTorchTrainService(TrainService):
         """
         state = self.model.state_dict()
         if self.ranks is not None and self.ranks.parallel == "fsdp":
-            # Each parameter gathered from its shards (a collective every rank makes, in this order).
-            return {k: full_tensor(v.detach()) for k, v in state.items()}
+            return GatheredWeights(state)  # gathered weight by weight as the consumer copies them
         return {k: v.detach().clone() if copy else v.detach() for k, v in state.items()}
 
     # ------------------------------------------------------------------ checkpoints

