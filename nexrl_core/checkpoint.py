@@ -18,6 +18,8 @@ from typing import Any
 
 from loguru import logger
 
+from .redaction import scrub_values
+
 CHECKPOINT_RE = re.compile(r"^global_step_(\d+)$")
 CORE_STATE_FILE = "nexrl_state.json"
 TMP_CHECKPOINT_PREFIX = ".tmp_global_step_"
@@ -57,7 +59,7 @@ def write_checkpoint(root: str, step: int, write_model_state: Callable[[str], No
         os.makedirs(tmp)
         write_model_state(tmp)
         with open(os.path.join(tmp, CORE_STATE_FILE), "w", encoding="utf-8") as f:
-            json.dump(core_state(), f)
+            json.dump(scrub_values(core_state()), f)  # a task row may quote a secret
             f.flush()
             os.fsync(f.fileno())
         _fsync_tree(tmp)

@@ -146,6 +146,13 @@ def main(argv: list[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return _SIGPIPE_EXIT
+    except Exception:  # a bug: its traceback, as Python prints it, less the secrets it may quote
+        import traceback
+
+        from .redaction import scrub
+
+        sys.stderr.write(scrub(traceback.format_exc()))
+        return 1
 
 
 def _main(argv: list[str]) -> int:
@@ -167,8 +174,10 @@ def _main(argv: list[str]) -> int:
 
 
 def _print_problems(problems: list[str]) -> None:
+    from .redaction import scrub
+
     for problem in problems:
-        print(f"error: {problem}", file=sys.stderr)
+        print(scrub(f"error: {problem}"), file=sys.stderr)
 
 
 def _load(args: Any) -> Any:
@@ -207,11 +216,10 @@ def _config(args: Any) -> int:
     from .run_info import redacted_yaml
 
     cfg = _load(args)
-    if not args.no_check:
-        problems = check_config(cfg, get_plugin_manager())
-        if problems:
-            _print_problems(problems + ["(nexrl config --no-check prints the recipe anyway)"])
-            return 2
+    problems = check_config(cfg, get_plugin_manager())  # --no-check too: it learns which options are secret
+    if problems and not args.no_check:
+        _print_problems(problems + ["(nexrl config --no-check prints the recipe anyway)"])
+        return 2
     sys.stdout.write(redacted_yaml(cfg))
     return 0
 
@@ -236,7 +244,7 @@ def _export(args: Any) -> int:
 
 def _eval(args: Any) -> int:
     from .controller import NexRLController
-    from .failure_monitor import most_common_error
+    from .redaction import scrub_values
     from .run_log import setup_logging
     from .runtime.execute import execute
 
@@ -248,6 +256,9 @@ def _eval(args: Any) -> int:
     cfg = _load(argparse.Namespace(recipe=args.recipe, overrides=overrides))
     setup_logging(None, "WARNING")
     out = args.out
+    samples_out = args.samples_out or (os.path.join(out, "samples.jsonl") if out else None)
+    if args.samples_out:  # before any model is loaded: a file that cannot be written is known now
+        _check_samples_out(args.samples_out)
     if out is not None:
         _prepare_eval_out(out, str(cfg.run_dir))
         setup_logging(out, "WARNING", fresh=True, log_file="eval.log")
@@ -265,21 +276,50 @@ def _eval(args: Any) -> int:
               "error", "model_version")
     samples = [{k: traj.get(k) for k in fields}
                for traj in controller.evaluation_samples]
-    samples_out = args.samples_out or (os.path.join(out, "samples.jsonl") if out else None)
     if samples_out:
+        os.makedirs(os.path.dirname(os.path.abspath(samples_out)), exist_ok=True)
         with open(samples_out, "w", encoding="utf-8") as f:
             for row in samples:
-                f.write(json.dumps(row, default=str) + "\n")
+                f.write(json.dumps(scrub_values(json.loads(json.dumps(row, default=str)))) + "\n")
     if out:
         with open(os.path.join(out, "metrics.json"), "w", encoding="utf-8") as f:
             json.dump(metrics, f, sort_keys=True, indent=1)
     print(json.dumps(metrics, sort_keys=True))
     failures = [(str(t.get("error_cause") or "failed"), str(t.get("error") or ""))
                 for t in controller.evaluation_samples if t.get("failed")]
-    if not samples or len(failures) == len(samples):
-        raise _Failed(f"no sample could be scored: {len(failures)} of {len(samples)} failed"
-                      f"{'; most common error: ' + most_common_error(failures) if failures else ''}")
+    problem = _eval_problem(cfg, len(samples), int(metrics.get("val/num_missing", 0)), failures)
+    if problem:
+        raise _Failed(problem)
     return 0
+
+
+def _eval_problem(cfg: Any, total: int, missing: int, failures: list[tuple[str, str]]) -> str | None:
+    """Why an evaluation does not count (exit 1): samples are missing, or more of them failed than
+    a training run accepts (``runtime_monitor.failed_samples``, the same threshold)."""
+    from .failure_monitor import most_common_error
+
+    common = f"; most common error: {most_common_error(failures)}" if failures else ""
+    if missing:
+        return (f"{missing} of {total + missing} expected samples are missing (validate.data rows x "
+                f"validate.n_samples): a rollout worker lost them; the metrics cover only the others")
+    if not total or len(failures) == total:
+        return f"no sample could be scored: {len(failures)} of {total} failed{common}"
+    section = cfg.runtime_monitor.failed_samples
+    if section.enabled and len(failures) > float(section.max_fraction) * total:
+        return (f"{len(failures)} of {total} samples failed (more than runtime_monitor.failed_samples.max_fraction="
+                f"{float(section.max_fraction):g}){common}")
+    return None
+
+
+def _check_samples_out(path: str) -> None:
+    from .preflight import writable_dir_problem
+
+    if os.path.isdir(path):
+        raise ConfigError(f"--samples-out: '{path}' is a folder; give a file name "
+                          f"(e.g. {os.path.join(path, 'samples.jsonl')})")
+    problem = writable_dir_problem(os.path.dirname(os.path.abspath(path)), "--samples-out")
+    if problem:
+        raise ConfigError(problem)
 
 
 def _prepare_eval_out(out: str, run_dir: str) -> None:

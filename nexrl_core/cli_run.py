@@ -22,9 +22,21 @@ def override_key(text: str) -> str:
 
 def run_command_line(recipe: str, overrides: list[str], drop: tuple[str, ...] = (), add: tuple[str, ...] = ()) -> str:
     """A ``nexrl run`` command line: the recipe and the overrides given, less those whose key is in
-    ``drop``, plus ``add`` (shell-quoted, ready to paste)."""
+    ``drop``, plus ``add`` (shell-quoted, ready to paste; a secret shows as ``***``)."""
+    from .redaction import redact_command
+
     kept = [o for o in overrides if override_key(o) not in drop]
-    return shlex.join(["nexrl", "run", recipe, *kept, *add])
+    return shlex.join(["nexrl", "run", recipe, *redact_command(kept), *add])
+
+
+def _secret_note(overrides: list[str]) -> list[tuple[str, str]]:
+    """A footer line when a command it shows hides a secret given on the command line."""
+    from .redaction import redact_command
+
+    if redact_command(overrides) == list(overrides):
+        return []
+    return [("secrets", "shown as ***: give them again, or set them from the environment "
+                        "('key=${oc.env:VARIABLE}') so no command line holds them")]
 
 
 def resume_command(recipe: str, overrides: list[str]) -> str:
@@ -45,6 +57,7 @@ def _model(cfg: Any) -> str:
 
 
 def header_lines(cfg: Any, recipe: str, overrides: list[str], pm: Any, resume_from: str | None) -> list[tuple[str, str]]:
+    from .redaction import redact_command
     from .run_info import versions
 
     run_dir = str(cfg.run_dir)
@@ -59,7 +72,7 @@ def header_lines(cfg: Any, recipe: str, overrides: list[str], pm: Any, resume_fr
     if int(cfg.trainer.save_freq or 0):
         schedule.append(f"checkpoint every {cfg.trainer.save_freq}")
     lines = [
-        ("recipe", " ".join([recipe, *overrides])),
+        ("recipe", " ".join([recipe, *redact_command(overrides)])),
         ("run_dir", f"{run_dir}  (config.yaml, run.json, metrics.jsonl, samples.jsonl, errors.jsonl, run.log)"),
         ("model", _model(cfg)),
         ("components", f"trainer {cfg.trainer.type} · inference {cfg.service.inference_service.backend} · "
@@ -123,6 +136,8 @@ def footer(cfg: Any, recipe: str, overrides: list[str], outcome: _Outcome, elaps
         lines.append(("resume", resume_command(recipe, overrides) if latest else
                       "no checkpoint to resume from: a rerun starts at step 0 (set trainer.save_freq, or "
                       "trainer.save_on_stop=true to save when stopped)"))
+    if outcome.code != 2 and (latest or outcome.status != "finished"):
+        lines += _secret_note(overrides)
     return title, lines
 
 

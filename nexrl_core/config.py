@@ -22,6 +22,7 @@ from .compose import Composer, GroupOverride, deep_merge, read_yaml_file
 from .errors import ConfigError, NexRLError
 from .options import (Option, check_value, component_capabilities, component_options, option_defaults,
                       options_from_signature, removed_key, type_name, unknown_key)
+from .redaction import add_config_secrets, add_secret, is_secret_key
 from .schema import CORE_OPTIONS, core_defaults
 
 # kind -> words for messages
@@ -44,7 +45,13 @@ class RecipeProblems(ConfigError):
 
 def load_recipe(path: str, overrides: list[str] | None = None, raw: Any = None) -> DictConfig:
     """Core defaults <- recipe (with its defaults list) <- overrides; interpolations resolved.
-    ``raw``: the recipe's content, not yet written to ``path`` (which still places it)."""
+    ``raw``: the recipe's content, not yet written to ``path`` (which still places it). The values
+    of keys named like secrets are remembered (:mod:`nexrl_core.redaction`) first, so no message,
+    file or console line shows them, even one about a bad override."""
+    for text in overrides or []:
+        key, sep, value = text.partition("=")
+        if sep and is_secret_key(key.rsplit(".", 1)[-1]):
+            add_secret(value.strip().strip("'\""))
     if raw is None:
         if not os.path.exists(path):
             raise ConfigError(f"{path}: recipe file not found")
@@ -71,6 +78,7 @@ def load_recipe(path: str, overrides: list[str] | None = None, raw: Any = None) 
     except OmegaConfBaseException as exc:
         raise ConfigError(f"{getattr(exc, 'full_key', '') or path}: cannot resolve interpolation "
                           f"({str(exc.msg).splitlines()[0]})") from None
+    add_config_secrets(OmegaConf.to_container(resolved))
     return resolved
 
 
@@ -235,11 +243,30 @@ def _has_key(cfg: DictConfig, dotted: str) -> bool:
 
 
 def _delete(cfg: DictConfig, key: str, text: str) -> None:
+    """``~key``. A key nexrl itself declares is read by every run: deleting one that may be null
+    sets it to null (its "off"); deleting one that may not is an error, not a crash later."""
     parent_key, _, leaf = key.rpartition(".")
     parent = OmegaConf.select(cfg, parent_key) if parent_key else cfg
     if not isinstance(parent, DictConfig) or leaf not in parent:
         raise ConfigError(f"override '{text}': key '{key}' does not exist")
-    del parent[leaf]
+    opt = _option_at(key)
+    if opt is None or opt.removed is not None:
+        del parent[leaf]
+    elif opt.spec().accepts(None):
+        parent[leaf] = None
+    else:
+        default = opt.default_value()
+        if opt.options is not None:
+            example = f"{key}.<key>=<value>"
+        elif default is None:
+            example = f"{key}=<value>"
+        else:
+            import yaml
+
+            example = f"{key}={yaml.safe_dump(default, default_flow_style=True, width=1000).strip()}".removesuffix(
+                "\n...").strip()
+        raise ConfigError(f"override '{text}': {key} is needed by every run ({opt.help or 'a core key'}), so it "
+                          f"cannot be deleted; set it instead, e.g. {example}")
 
 
 def _suggest(cfg: DictConfig, key: str) -> str:

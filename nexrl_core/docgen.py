@@ -142,6 +142,8 @@ def _meaning(opt: Option) -> str:
               if bound is not None]
     if bounds:
         parts.append(" and ".join(bounds))
+    if opt.secret:
+        parts.append("secret: `***` in every file and on the console")
     return "; ".join(parts)
 
 

@@ -37,6 +37,8 @@ from dataclasses import dataclass
 from difflib import get_close_matches
 from typing import Any
 
+from .redaction import add_secret, is_secret_key
+
 __all__ = ["REQUIRED", "Capabilities", "Option", "check_options", "component_capabilities", "component_options",
            "describe_type", "option_defaults", "options_from_signature"]
 
@@ -77,6 +79,9 @@ class Option:
     :param path: a file or folder the run reads (a string or a list of them): a relative path
         written in a recipe file is looked up next to that recipe first (one given as an
         override stays relative to the current folder).
+    :param secret: the value is a credential: it never reaches a file, a log line or the console
+        (``***`` there; see :mod:`nexrl_core.redaction`). Keys named like one (``api_key``,
+        ``password``, ``*_token``...) are secret whether declared so or not.
     """
 
     default: Any = _UNSET
@@ -94,6 +99,7 @@ class Option:
     component: str | None = None
     selector: str = "type"
     path: bool = False
+    secret: bool = False
 
     @property
     def required(self) -> bool:
@@ -280,7 +286,13 @@ def removed_key(full: str, opt: Option) -> str:
 
 
 def check_value(value: Any, opt: Option, path: str) -> list[str]:
-    """Problems of one value against its option (type, finiteness, range, choices, nested keys)."""
+    """Problems of one value against its option (type, finiteness, range, choices, nested keys).
+
+    A secret's value (``Option(secret=True)``, or a key named like one) is remembered here, as
+    every recipe is checked before a run writes anything, and never quoted in a message."""
+    secret = opt.secret or is_secret_key(path.rsplit(".", 1)[-1])
+    if secret:
+        add_secret(value)
     if value is None:
         if opt.required:
             return []  # reported once, as "required", by check_options
@@ -289,12 +301,15 @@ def check_value(value: Any, opt: Option, path: str) -> list[str]:
         return [f"{path}: a value is required here (the recipe has '???')"]
     spec = opt.spec()
     if not spec.accepts(value):
-        return [f"{path}: expected {spec.describe()}, got {type_name(value)}{_show(value)}{_yaml_hint(value, spec)}"]
+        shown = "" if secret else f"{_show(value)}{_yaml_hint(value, spec)}"
+        return [f"{path}: expected {spec.describe()}, got {type_name(value)}{shown}"]
     bad_number = _non_finite(value)
     if bad_number is not None:
         return [f"{path}: expected a finite number, got {bad_number}"]
     for choices in (opt.choices, spec.literal_choices()):
         if choices is not None and value not in choices:
+            if secret:
+                return [f"{path}: the value is not one of {', '.join(str(c) for c in choices)}"]
             return [f"{path}: {value!r} is not one of {', '.join(str(c) for c in choices)}{_closest(value, choices)}"]
     if _is_number(value) and not _in_range(float(value), opt):
         return [f"{path}: expected {_range_words(opt, value)}, got {value!r}"]

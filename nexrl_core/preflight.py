@@ -12,7 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from .checkpoint import CORE_STATE_FILE, find_latest_checkpoint, is_checkpoint, read_core_state
 from .errors import ConfigError, NexRLError
-from .run_log import _inside, earlier_run
+from .run_log import _inside, earlier_run, writable_dir_problem
 
 DATA_SECTIONS = ("data", "validate.data")
 
@@ -73,7 +73,7 @@ def records_config(cfg: DictConfig, out: str | None) -> DictConfig:
 def check_files(cfg: DictConfig, pm: Any, eval_only: bool = False) -> list[str]:
     """Problems a recipe with sound keys can still have: the run directory, the resume
     checkpoint, every data file (the loaders are built and dropped), the evaluator's options."""
-    problems = [] if eval_only else run_dir_problems(cfg) + resume_problems(cfg)
+    problems = [] if eval_only else run_dir_problems(cfg) + resume_problems(cfg, pm)
     for which in DATA_SECTIONS:
         if eval_only and which == "data":
             continue
@@ -89,23 +89,6 @@ def check_files(cfg: DictConfig, pm: Any, eval_only: bool = False) -> list[str]:
 
 
 # -- run directory -------------------------------------------------------------------------------
-
-def writable_dir_problem(path: str, key: str) -> str | None:
-    """Why ``path`` cannot be (made into) a writable folder, or None."""
-    if os.path.exists(path) and not os.path.isdir(path):
-        return f"{key}: '{path}' is a file, not a folder"
-    probe = os.path.abspath(path)
-    while not os.path.exists(probe):
-        parent = os.path.dirname(probe)
-        if parent == probe:
-            break
-        probe = parent
-    if not os.path.isdir(probe):
-        return f"{key}: cannot create '{path}': '{probe}' is a file"
-    if not os.access(probe, os.W_OK | os.X_OK):
-        return f"{key}: cannot write to '{probe}' (permission denied)"
-    return None
-
 
 def run_dir_problems(cfg: DictConfig) -> list[str]:
     run_dir = str(cfg.run_dir)
@@ -143,13 +126,35 @@ def resume_checkpoint(cfg: DictConfig) -> str | None:
     return find_latest_checkpoint(str(root)) if root else None
 
 
-def resume_problems(cfg: DictConfig) -> list[str]:
+def resume_problems(cfg: DictConfig, pm: Any = None) -> list[str]:
+    """Why the checkpoint ``resume`` picks cannot be resumed exactly (empty: it can, or there is none)."""
     try:
         path = resume_checkpoint(cfg)
-        if path is not None:
-            read_core_state(path)
+        if path is None:
+            return []
+        state = read_core_state(path)
     except NexRLError as exc:
         return [str(exc)]
+    trainer = str(cfg.trainer.type)
+    key = "resume.resume_path" if cfg.resume.mode == "from_path" else "resume.mode"
+    saved_by = state.get("trainer")
+    if saved_by is not None and str(saved_by) != trainer:
+        return [f"{key}: the checkpoint {path} was written by trainer '{saved_by}', and this recipe's trainer.type is "
+                f"'{trainer}': its state would not be restored"]
+    registered = pm.components("trainer").get(trainer) if pm is not None else None
+    cls = getattr(registered, "cls", None)
+    if cls is None or getattr(cls, "NO_MODEL_STATE", False):
+        return []
+    from .trainer import BaseTrainer
+
+    fresh = ("so a resumed run would go on from fresh weights, not the checkpoint's; start a fresh run "
+             "(resume.mode=disable with another run_dir, or overwrite_run_dir=true)")
+    if not [name for name in os.listdir(path) if name != CORE_STATE_FILE]:
+        return [f"{key}: the checkpoint {path} holds no model state (trainer '{trainer}' saved no weights: its "
+                f"save_model_state wrote nothing), {fresh}"]
+    if getattr(cls.load_model_state, "__func__", cls.load_model_state) is BaseTrainer.load_model_state:
+        return [f"{key}: trainer '{trainer}' cannot restore the weights of the checkpoint {path} (it does not "
+                f"implement load_model_state), {fresh}"]
     return []
 
 
@@ -169,6 +174,6 @@ def require_runnable(cfg: DictConfig, pm: Any, eval_only: bool = False) -> None:
     from .config import RecipeProblems, require_valid
 
     require_valid(cfg, pm, eval_only=eval_only)
-    problems = [] if eval_only else run_dir_problems(cfg) + resume_problems(cfg)
+    problems = [] if eval_only else run_dir_problems(cfg) + resume_problems(cfg, pm)
     if problems:
         raise RecipeProblems(problems)

@@ -17,6 +17,8 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any, TextIO
 
+from .redaction import scrub
+
 MODES = ("rich", "plain", "off")
 VAL_KEY = "val/reward"  # every validation reports it (docs/evaluation.md)
 _RECENT = 20  # step intervals the speed and ETA are averaged over
@@ -204,9 +206,10 @@ class RunProgress:
                 pass
 
     def print_block(self, title: str, lines: Sequence[tuple[str, str]]) -> None:
-        """A titled block of ``label  value`` lines (the header and the footer)."""
+        """A titled block of ``label  value`` lines (the header and the footer), secrets scrubbed."""
         if self.mode == "off":
             return
+        title, lines = scrub(title), [(label, scrub(value)) for label, value in lines]
         if self.mode == "rich":
             from rich.table import Table
             from rich.text import Text
@@ -223,7 +226,8 @@ class RunProgress:
         self._write("\n".join([title] + [f"  {label.ljust(width)}  {value}" for label, value in lines]))
 
     def notice(self, text: str, style: str = "bold yellow") -> None:
-        """A message that must be seen at once (the SIGINT acknowledgement)."""
+        """A message that must be seen at once (the SIGINT acknowledgement), secrets scrubbed."""
+        text = scrub(text)
         if self.mode == "rich":
             from rich.text import Text
 

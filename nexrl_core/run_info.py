@@ -1,8 +1,7 @@
 """What a run directory records about the run itself: ``config.yaml`` (the resolved recipe,
 secrets redacted) and ``run.json`` (command line, host, versions, start/end times, exit status).
 
-Redaction is the one home of "what is a secret": :func:`redact` is used for ``config.yaml``,
-``nexrl config`` and the config handed to experiment trackers (wandb).
+What is a secret is decided in :mod:`nexrl_core.redaction`; both files are redacted with it.
 """
 
 from __future__ import annotations
@@ -12,56 +11,19 @@ import importlib.metadata as md
 import json
 import os
 import platform
-import re
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
 from typing import Any
+
+from .redaction import redact, redact_command
 
 CONFIG_FILE = "config.yaml"
 RUN_FILE = "run.json"
-REDACTED = "***"
-
-# A key names a secret when it says so (api_key, secret, password, hf_token...). "token" only as the
-# last word, so max_tokens / prompt_token_ids stay readable.
-_SECRET_KEY = re.compile(r"api[_-]?key|secret|passw(or)?d|credential|authorization|private[_-]?key|"
-                         r"access[_-]?key|(^|[_\-.])(auth|bearer|access)?[_-]?token$", re.IGNORECASE)
-_NOT_SECRET = re.compile(r"(pad|eos|bos|unk|sep|cls|mask|start|end|stop)_token$", re.IGNORECASE)  # tokenizer's
-_MIN_SECRET_LEN = 4  # shorter environment values would redact innocent substrings
-
 # Libraries whose versions explain a run's numbers (read from metadata: nothing is imported).
 _LIBRARIES = ("torch", "transformers", "vllm", "ray", "tinker", "numpy", "safetensors", "omegaconf", "hydra-core",
               "pluggy", "wandb", "tensorboard", "tensorboardX", "rich", "matplotlib")
-
-
-def is_secret_key(key: Any) -> bool:
-    key = str(key)
-    return bool(_SECRET_KEY.search(key)) and not _NOT_SECRET.search(key)
-
-
-def _environment_secrets() -> list[str]:
-    """Values of environment variables named like secrets (an ``${oc.env:OPENAI_API_KEY}`` in a
-    recipe resolves to one of these, whatever key it lands under)."""
-    values = {v for k, v in os.environ.items() if is_secret_key(k) and len(v) >= _MIN_SECRET_LEN}
-    return sorted(values, key=len, reverse=True)
-
-
-def redact(value: Any, _secrets: list[str] | None = None) -> Any:
-    """A copy of ``value`` (plain dicts/lists) with secrets replaced by ``***``: the value of every
-    key named like a secret, and every occurrence of a secret environment variable's value."""
-    secrets = _environment_secrets() if _secrets is None else _secrets
-    if isinstance(value, Mapping):
-        return {k: (REDACTED if is_secret_key(k) and v not in (None, "") else redact(v, secrets))
-                for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [redact(v, secrets) for v in value]
-    if isinstance(value, str):
-        for secret in secrets:
-            if secret in value:
-                value = value.replace(secret, REDACTED)
-    return value
 
 
 def plain_config(config: Any) -> Any:
@@ -128,8 +90,8 @@ class RunRecord:
         self.start = time.time()
         recipe_dir = os.path.dirname(os.path.abspath(recipe))
         self.data: dict[str, Any] = {
-            "command": redact(list(argv if argv is not None else sys.argv)),
-            "recipe": recipe, "overrides": redact(list(overrides)), "cwd": os.getcwd(),
+            "command": redact_command(list(argv if argv is not None else sys.argv)),
+            "recipe": recipe, "overrides": redact_command(list(overrides)), "cwd": os.getcwd(),
             "host": socket.gethostname(), "user": _user(), "pid": os.getpid(),
             "platform": platform.platform(), "start_time": _iso(self.start), "start": self.start,
             "end_time": None, "end": None, "duration_s": None, "exit_status": "running", "exit_code": None,
@@ -168,7 +130,7 @@ class RunRecord:
     def _write(self) -> None:
         tmp = self.path + ".tmp"
         with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(self.data, f, indent=1, default=str)
+            json.dump(redact(self.data), f, indent=1, default=str)  # an error message may quote a secret
             f.write("\n")
         os.replace(tmp, self.path)
 

@@ -6,6 +6,7 @@ import json
 import math
 import os
 import sys
+import tempfile
 import threading
 import time
 from collections import deque
@@ -13,6 +14,7 @@ from typing import Any
 
 from loguru import logger
 
+from .redaction import ScrubbedStream, scrub, scrub_values
 from .runtime.logs import FailureLog, failure_location, failure_signature, format_traceback
 
 
@@ -31,6 +33,11 @@ def _jsonable(value: Any) -> Any:
     if hasattr(value, "item"):
         return value.item()
     return value
+
+
+def _plain_json(value: Any) -> Any:
+    """``value`` as JSON sees it (what ``default=str`` would write), so its strings can be scrubbed."""
+    return json.loads(json.dumps(value, default=str))
 
 
 class RunRecorder:
@@ -73,7 +80,7 @@ class RunRecorder:
         with self._lock:
             if self._metrics_path is not None:
                 with open(self._metrics_path, "a", encoding="utf-8") as f:
-                    f.write(json.dumps(row, sort_keys=True) + "\n")
+                    f.write(json.dumps(scrub_values(row), sort_keys=True) + "\n")
             self._rows.append(row)
             self._rows_written += 1
             failures = self._step_failures.pop(int(step), []) if "train/num_trajectories" in data else None
@@ -110,8 +117,8 @@ class RunRecorder:
         if self._samples_path is None or not samples:
             return
         stamp = time.time()
-        lines = "".join(json.dumps({"step": int(step), "time": stamp, **s}, default=str, ensure_ascii=False) + "\n"
-                        for s in samples)
+        lines = "".join(json.dumps(scrub_values(_plain_json({"step": int(step), "time": stamp, **s})),
+                                   ensure_ascii=False) + "\n" for s in samples)
         with self._lock:
             with open(self._samples_path, "a", encoding="utf-8") as f:
                 f.write(lines)
@@ -134,7 +141,7 @@ class RunRecorder:
                 self._step_failures.setdefault(int(step), []).append((cause, message))
             if self._errors_path is not None:
                 with open(self._errors_path, "a", encoding="utf-8") as f:
-                    f.write(json.dumps(row, default=str) + "\n")
+                    f.write(json.dumps(scrub_values(_plain_json(row))) + "\n")
 
     def truncate_after(self, step: int) -> None:
         """For a resume from ``step``: keep what that checkpoint already covers.
@@ -211,16 +218,44 @@ def setup_logging(run_dir: str | None, level: str = "INFO", fresh: bool = False,
     route_std_logging()
     logger.remove()
     shown = (lambda record: not record["extra"].get(STEP_LINE)) if hide_step_lines else None
+    # every sink scrubs secrets from the whole formatted line, tracebacks included
     if console is not None:
-        logger.add(console, level=level, format=CONSOLE_FORMAT, colorize=True, filter=shown)
+        logger.add(lambda message: console(scrub(message)), level=level, format=CONSOLE_FORMAT, colorize=True,
+                   filter=shown)
     else:
-        logger.add(sys.stderr, level=level, format=CONSOLE_FORMAT, filter=shown)
+        logger.add(ScrubbedStream(sys.stderr), level=level, format=CONSOLE_FORMAT, filter=shown)
     if run_dir:
         os.makedirs(run_dir, exist_ok=True)
-        logger.add(os.path.join(run_dir, log_file), level="DEBUG", enqueue=False, mode="w" if fresh else "a")
+        log = open(os.path.join(run_dir, log_file), "w" if fresh else "a", encoding="utf-8")  # closed by the sink
+        logger.add(ScrubbedStream(log, owned=True), level="DEBUG", enqueue=False, colorize=False)
 
 
 # -- run directories ---------------------------------------------------------------------------------
+
+def writable_dir_problem(path: str, key: str) -> str | None:
+    """Why ``path`` cannot be (made into) a folder a run writes to, or None. Tried for real: a
+    folder is made and removed again in the deepest folder of ``path`` that exists (nothing else
+    is created), since permissions do not tell (root ignores them; a read-only or virtual file
+    system such as /proc refuses anyway)."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        return f"{key}: '{path}' is a file, not a folder"
+    target = probe = os.path.abspath(path)
+    while not os.path.exists(probe):
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            break
+        probe = parent
+    if not os.path.isdir(probe):
+        return f"{key}: cannot create '{path}': '{probe}' is a file"
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".nexrl-write-check-", dir=probe))
+    except OSError as exc:
+        reason = (exc.strerror or type(exc).__name__).lower()
+        if probe == target:
+            return f"{key}: cannot write to '{path}' ({reason})"
+        return f"{key}: cannot create '{path}': '{probe}' does not take new folders ({reason})"
+    return None
+
 
 def earlier_run(run_dir: str, checkpoint_path: str | None = None) -> str:
     """What an earlier run left in ``run_dir`` (and its checkpoint folder), in words; '' when nothing."""

@@ -151,10 +151,12 @@ def train_service_class(trainer_cls: type, section: Mapping[str, Any] | None, pl
     fitting = _fitting(trainer_cls, plugin_manager)
     if isinstance(name, str) and name in fitting:
         return fitting[name].cls
+    other = plugin_manager.components("train_service").get(name) if isinstance(name, str) else None
+    if other is None and isinstance(name, str):  # not registered at all: said as for any component
+        plugin_manager.resolve("train_service", name, f"{path}.backend")
     trainer_words = f"trainer '{trainer_name or trainer_cls.__name__}'"
     choices = ", ".join(fitting) or "none (install the plugin that provides one)"
     text = f"{path}.backend: {name!r} is not one of {choices}"
-    other = plugin_manager.components("train_service").get(name) if isinstance(name, str) else None
     if other is not None:
         raise ConfigError(f"{text}: {trainer_words} builds {_format(trainer_cls)} batches, and train service "
                           f"'{name}' ({other.distribution}) takes {getattr(other.cls, 'BATCH_FORMAT', '?')} batches")

@@ -43,6 +43,10 @@ class BaseTrainer(ThreadedModule):
     """
 
     CONFIG_KEYS: dict[str, Any] = {}
+    #: True for a trainer that keeps nothing between steps (the mock trainer): a checkpoint without
+    #: files of its own resumes it exactly. Otherwise such a checkpoint is refused, never resumed
+    #: from fresh weights.
+    NO_MODEL_STATE = False
     ALGORITHM_SELECTORS: dict[str, str] = {}
     TRAIN_SERVICE_BATCH_FORMAT: str | None = None
     TRAIN_SERVICE_DEFAULT: str | None = None

@@ -79,6 +79,7 @@ class MockTrainer(BaseTrainer):
     # Exports an (empty) state dict, so it stands in for a self-hosted trainer with any in-process
     # weight sync; its weights never change, so it needs none.
     CAPABILITIES = Capabilities(provides={"trainer:state_dict"})
+    NO_MODEL_STATE = True  # nothing to save: its checkpoints resume exactly
 
     OPTIONS = {"step_time_s": Option(0.0, float, "seconds each training step takes", ge=0)}
     CONFIG_KEYS = option_defaults(OPTIONS)  # deprecated view, for plugins that extend it

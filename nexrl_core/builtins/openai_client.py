@@ -99,7 +99,7 @@ class OpenAICompatibleClient(InferenceClient):
     OPTIONS = {
         "url": Option(None, str, "the server's OpenAI base URL, e.g. http://127.0.0.1:8000/v1"),
         "base_url": Option(None, str, "another name for url"),
-        "api_key": Option(None, str, "bearer token (default: env OPENAI_API_KEY)"),
+        "api_key": Option(None, str, "bearer token (default: env OPENAI_API_KEY)", secret=True),
         "model": Option(None, str, "served model name (default: the first of GET {url}/models)"),
         "timeout": Option(60.0, float, "seconds per HTTP request", gt=0),
         "max_retries": Option(3, int, "retries after the first attempt", ge=0),

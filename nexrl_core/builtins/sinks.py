@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import sys
 from typing import Any
 
 from loguru import logger
@@ -64,7 +65,7 @@ class WandbSink:
             import wandb
         except ImportError:
             raise ConfigError(self.MISSING) from None
-        from ..run_info import redact
+        from ..redaction import redact, redact_command
 
         own = (config.get("logger", {}) or {}).get("wandb", {}) or {}
         mode = own.get("mode") or os.environ.get("WANDB_MODE") or ("online" if _wandb_key_configured() else "offline")
@@ -82,7 +83,12 @@ class WandbSink:
         if mode == "offline" and not own.get("mode") and not os.environ.get("WANDB_MODE"):
             logger.info(f"wandb: no API key configured, logging offline to {run_dir or '.'}/wandb "
                         f"(upload later with `wandb sync`)")
-        self._run = wandb.init(**{k: v for k, v in kwargs.items() if v is not None})
+        # wandb records sys.argv in the run's metadata: it gets the command line as run.json has it
+        argv, sys.argv = sys.argv, redact_command(sys.argv)
+        try:
+            self._run = wandb.init(**{k: v for k, v in kwargs.items() if v is not None})
+        finally:
+            sys.argv = argv
         self._run.define_metric(self.STEP_METRIC)
         self._run.define_metric("*", step_metric=self.STEP_METRIC)
         if self._id_file is not None:
@@ -140,7 +146,12 @@ class TensorBoardSink:
 
     @classmethod
     def check_config(cls, section: dict[str, Any], path: str) -> list[str]:
-        return [] if _installed("tensorboardX") else [cls.MISSING]
+        from ..run_log import writable_dir_problem
+
+        if not _installed("tensorboardX"):
+            return [cls.MISSING]
+        problem = writable_dir_problem(str(section["log_dir"]), f"{path}.log_dir") if section.get("log_dir") else None
+        return [problem] if problem else []
 
     def __init__(self, config: Any, run_dir: str | None):
         try:

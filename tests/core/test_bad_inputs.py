@@ -126,6 +126,11 @@ CASES: dict[str, Case] = {
     "group_override_unknown_option": case("error: override '+weight=fast': config group 'weight' has no option "
                                           "'fast' (available: batch_async, fully_async, sync)", recipe=GOOD,
                                           overrides=("+weight=fast",)),
+    "delete_a_needed_key": case("error: override '~trainer.total_train_steps': trainer.total_train_steps is needed by "
+                                "every run", "set it instead, e.g. trainer.total_train_steps=1", recipe=GOOD,
+                                overrides=("~trainer.total_train_steps",)),
+    "delete_a_needed_section": case("error: override '~trajectory_pool': trajectory_pool is needed by every run",
+                                    recipe=GOOD, overrides=("~trajectory_pool",)),
     "override_missing_key": case("error: override 'trainer.save_frequency=2': key 'trainer.save_frequency' does not "
                                  "exist (did you mean 'trainer.save_freq'?)", recipe=GOOD,
                                  overrides=("trainer.save_frequency=2",)),
@@ -134,6 +139,14 @@ CASES: dict[str, Case] = {
                             "Available: 'mock' (nexrl-core)"),
     "unknown_evaluator": case("error: rollout_worker.evaluator.type: unknown evaluator 'exact_matchh'. Did you mean "
                               "'exact_match'?", "'numeric_answer' (nexrl-core)"),
+    "unknown_backend_with_its_keys": case("error: service.inference_service.backend: unknown inference backend "
+                                          "'vlm'.", recipe=GOOD,
+                                          overrides=("service.inference_service.backend=vlm",
+                                                     "+service.inference_service.gpu_memory_utilization=0.5",
+                                                     "+service.inference_service.tensor_parallel_size=2")),
+    "unknown_weight_backend_with_its_keys": case("error: weight.backend: unknown weight sync backend 'nccl'",
+                                                 recipe=GOOD, overrides=("weight.backend=nccl",
+                                                                         "+weight.bucket_size_mb=64")),
     "missing_plugin_named_in_filter": case("error: trainer.type: unknown trainer 'self_hosted_grpo'.",
                                            "NEXRL_LOAD_PLUGINS=nexrl-grop restricts plugin loading; it names "
                                            "'nexrl-grop', which no installed plugin has", recipe=GOOD,
@@ -163,10 +176,22 @@ CASES: dict[str, Case] = {
     "run_dir_is_file": case("error: run_dir: 'data/train.jsonl' is a file, not a folder", own_run_dir=True),
     "run_dir_under_a_file": case("error: run_dir: cannot create 'data/train.jsonl/run': ", "data/train.jsonl' is a "
                                  "file", own_run_dir=True),
+    # output paths that cannot be written: one line naming the key, before anything is built
+    "run_dir_under_proc": case("error: run_dir: cannot create '/proc/nexrl-test/run': '/proc' does not take new "
+                               "folders", recipe=GOOD, overrides=("run_dir=/proc/nexrl-test/run",), own_run_dir=True),
+    "run_dir_under_sys": case("error: run_dir: cannot create '/sys/nexrl-test': '/sys' does not take new folders",
+                              recipe=GOOD, overrides=("run_dir=/sys/nexrl-test",), own_run_dir=True),
+    "checkpoint_path_under_proc": case("error: trainer.checkpoint_path: cannot create '/proc/nexrl-test/ckpt': "
+                                       "'/proc' does not take new folders", recipe=GOOD,
+                                       overrides=("trainer.checkpoint_path=/proc/nexrl-test/ckpt",)),
     "resume_from_bad_path": case("error: resume.resume_path: 'data' is not a complete checkpoint folder"),
     "truncated_resume_state": case("error: checkpoints/truncated/global_step_3/nexrl_state.json:1: not valid JSON",
                                    "the checkpoint is damaged (truncated?)"),
 }
+# cases whose input has one defect that must give exactly one line (no follow-on complaints)
+ONE_LINE = ("run_dir_under_proc", "run_dir_under_sys", "checkpoint_path_under_proc", "delete_a_needed_key",
+            "delete_a_needed_section", "unknown_backend_with_its_keys", "unknown_weight_backend_with_its_keys",
+            "unknown_trainer", "run_dir_under_a_file")
 # recipes exercised by the plugin tests below
 PLUGIN_RECIPES = {"good", "uses_bad_class", "evaluator_wrong_result_type", "evaluator_raises_on_some",
                   "evaluator_nan_reward", "evaluator_option_wrong_type", "evaluator_always_raises"}
@@ -225,6 +250,21 @@ def test_validate_and_run_give_the_same_message(name, cli, tmp_path, monkeypatch
     # run stops at the first failing step; every line it prints, validate prints too
     assert set(_errors(results["run"][2])) <= set(_errors(results["validate"][2]))
     assert not (tmp_path / "run" / "metrics.jsonl").exists()  # refused before training
+
+
+@pytest.mark.parametrize("name", ONE_LINE)
+def test_one_defect_is_one_line_and_nothing_is_created(name, cli, tmp_path):
+    """An unwritable output path, a deleted key a run needs, an unknown backend with the keys it
+    would have taken: one `error:` line, and `nexrl run` stops before it creates anything (no run
+    directory, no run.log: no component, no model was built)."""
+    c = CASES[name]
+    argv = [f"recipes/{c.recipe or name}.yaml", *c.overrides]
+    if not c.own_run_dir:
+        argv.append(f"run_dir={tmp_path / 'run'}")
+    for command in ("validate", "run"):
+        code, out, err = cli(command, *argv)
+        assert code == 2 and len(_errors(err)) == 1 and err.strip() == _errors(err)[0], f"{command}: {err}"
+        assert not (tmp_path / "run").exists()
 
 
 # ----------------------------------------------------------------------------- plugins

@@ -55,12 +55,14 @@ def cli(core_pm, capfd, reset_loguru):
 
 def test_overrides_set_add_and_delete(recipe):
     path = recipe()
-    cfg = load_recipe(path, ["trainer.total_train_steps=7", "+trainer.step_time_s=0.5", "~trainer.save_freq",
-                             "logger.backend=[console]", "rollout_worker.evaluator.type=numeric_answer",
+    cfg = load_recipe(path, ["trainer.total_train_steps=7", "+trainer.step_time_s=0.5", "~data.rows",
+                             "~trainer.checkpoint_path", "logger.backend=[console]",
+                             "rollout_worker.evaluator.type=numeric_answer",
                              "+rollout_worker.evaluator.format_reward=0.1", "trajectory_pool.key_list=[uid,data_source]"])
     assert cfg.trainer.total_train_steps == 7
     assert cfg.trainer.step_time_s == 0.5
-    assert "save_freq" not in cfg.trainer
+    assert "rows" not in cfg.data  # a component's key: gone
+    assert cfg.trainer.checkpoint_path is None  # a core key that may be null: null (no checkpoints)
     assert list(cfg.logger.backend) == ["console"]
     assert cfg.rollout_worker.evaluator.type == "numeric_answer"
     assert cfg.rollout_worker.evaluator.format_reward == 0.1

@@ -227,6 +227,23 @@ def test_a_third_party_plugin_is_found_inside_every_actor(build, tmp_path, write
         build({**recipe, "run_dir": str(tmp_path / "run-filtered")}, pm)
 
 
+def test_an_actors_log_lines_hide_the_drivers_secrets(build, core_pm, tmp_path):
+    """docs/reliability.md §Secrets: a fresh actor process knows nothing of the recipe's secrets until
+    the driver hands them over; the evaluator in the worker actor logs its declared-secret option."""
+    from tests.support import leaky
+
+    secret = "ray-passphrase-6d2e1f"
+    core_pm.register(leaky, name="leaky", distribution="nexrl-leaky (in-process)")
+    recipe = _recipe(tmp_path, rollout_worker={"num_workers": 2, "evaluator": {"type": "leaky", "passphrase": secret}},
+                     trainer={"total_train_steps": 1, "save_freq": 0}, weight={"validate_freq": 0},
+                     validate={"validate_before_train": False, "data": None})
+    summary = build(recipe, core_pm).run()
+    assert summary.stopped_by == "finished"
+    log = (tmp_path / "run" / "run.log").read_text()
+    assert "leaky evaluator: again, for run.log: ***" in log  # written by the worker actor
+    assert secret not in log
+
+
 def test_an_exception_in_an_actors_thread_stops_the_run_as_in_local_mode(build, core_pm, tmp_path):
     core_pm.register(FailingPlugin(), name="failing", distribution="nexrl-failing (in-process)")
     controller = build(_recipe(tmp_path, trainer={"type": "failing_mock", "fail_at": 2, "save_freq": 0}), core_pm)

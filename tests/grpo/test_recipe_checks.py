@@ -80,8 +80,9 @@ CASES = {
                       "error: service.train_service.model_path: required (an HF model folder"),
     "inference_model_path": (["service.inference_service.model_path=/no/such/model"],
                              "error: service.inference_service.model_path: '/no/such/model' is not a model folder"),
-    "unknown_train_service": (["+service.train_service.backend=tinker"],
-                              "error: service.train_service.backend: 'tinker' is not one of local_torch"),
+    "unknown_train_service": (["+service.train_service.backend=tinker"],  # nexrl-tinker not loaded here
+                              "error: service.train_service.backend: unknown train service 'tinker'. Available: "
+                              "'local_torch' (nexrl-grpo)"),
     "bad_packing": (["+service.train_service.packing=maybe"],
                     "error: service.train_service.packing: 'maybe' is not one of auto, true, false"),
     "bad_betas": (["+service.train_service.betas=[0.9,1.5]"],

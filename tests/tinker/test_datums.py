@@ -107,7 +107,10 @@ def test_an_agent_rollout_of_two_sequences_gives_two_datums_with_their_masks():
     assert _inputs(two)["advantages"] == [0, 0.5, 0.5] and _inputs(two)["logprobs"] == [0, -2.0, -3.0]
     with pytest.raises(DataError, match="trajectory a#0 has 2 token sequences"):
         trajectory_to_datum(traj, "ppo")
-    with pytest.raises(DataError, match="per-token advantages or weights need a single token sequence"):
+    # per-token advantages run over both sequences' response tokens, end to end, each masked
+    one, two = trajectory_to_datums({**traj, "advantages": [1, 2, 3, 4, 5, 6]}, "ppo")
+    assert _inputs(one)["advantages"] == [0, 0, 1, 0, 0, 4] and _inputs(two)["advantages"] == [0, 5, 6]
+    with pytest.raises(DataError, match=r"advantages has 4 values for the 6 response tokens of its 2 token sequences"):
         trajectory_to_datums({**traj, "advantages": [1, 2, 3, 4]}, "ppo")
     with pytest.raises(DataError, match="trajectory a#0 segment 1: loss_mask has 1 entries for 2 response tokens"):
         trajectory_to_datums({**traj, "segments": [first, {**second, "loss_mask": [1]}]}, "ppo")

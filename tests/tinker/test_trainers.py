@@ -262,6 +262,50 @@ def test_on_policy_rows_give_the_service_a_ratio_of_one(loss_fn, standin, tiny_f
         trainer.close()
 
 
+def test_an_agent_rollout_of_several_sequences_trains_one_datum_per_sequence(standin, tiny_folder, tokenizer):
+    """docs/agents.md: a trajectory whose turns did not merge into one sequence (``segments``) is one
+    sample of its group; each sequence is a datum with its own loss mask. Through the stand-in, with
+    on-policy log-probs: the service's ratio is 1 on every datum, so the loss is -sum of the masked
+    advantages, and a datum placed one token off (or given another sequence's log-probs) would show."""
+    trainer = _trainer(tiny_folder, standin.url)
+    trainer.initialize_workers()
+    try:
+        ids = lambda text: tokenizer(text).input_ids  # noqa: E731
+        first = {"prompt_token_ids": ids("what is two"), "response_token_ids": ids(" plus three"),
+                 "loss_mask": None}
+        tool = ids(" tool says five then")
+        second = {"prompt_token_ids": ids("sub agent:"), "response_token_ids": tool,
+                  "loss_mask": [1, 1] + [0] * (len(tool) - 3) + [1]}  # the tool's words are not trained
+        agent = _trajectory("a", 0, 1.0, first["response_token_ids"], prompt_token_ids=first["prompt_token_ids"],
+                            segments=[first, second])
+        plain = _trajectory("a", 1, 0.0, ids(" four"), prompt_token_ids=ids("what is two"))
+        rows = [agent, plain]
+        seqs = [first, second, plain]
+        probe = [d for s in seqs for d in trainer._convert_trajectories_to_datums(
+            [{**_trajectory("p", 0, 0.0, s["response_token_ids"], prompt_token_ids=s["prompt_token_ids"]),
+              "advantages": 0.0}])]
+        logprobs = [out["logprobs"] for out in trainer.train_service.forward(probe).outputs]
+        for s, lp in zip(seqs, logprobs):  # each sequence's own sampling log-probs, from the service
+            s["response_logprobs"] = lp[-len(s["response_token_ids"]):].tolist()
+        agent["response_logprobs"] = first["response_logprobs"]
+
+        prepared = trainer._prepare_trajectories(rows, {})
+        datums = trainer._convert_trajectories_to_datums(prepared)
+        assert len(datums) == 3  # the agent rollout's two sequences, then the plain sample
+        adv = 0.5 / (np.std([1.0, 0.0], ddof=1) + 1e-6)
+        second_adv = datums[1].loss_fn_inputs["advantages"].to_numpy()[-len(tool):]
+        assert second_adv.tolist() == pytest.approx([adv if m else 0.0 for m in second["loss_mask"]])
+        result = trainer.train(rows)
+        trained = len(first["response_token_ids"]) + sum(second["loss_mask"])
+        expected = -(adv * trained - adv * len(plain["response_token_ids"]))
+        assert result["train/loss_sum"] == pytest.approx(expected, abs=1e-4)
+        assert result["train/rollout_logprob_diff_max"] < 1e-5
+        assert result["train/sequences_per_trajectory"] == 1.5
+        assert result["train/response_length_mean"] == (trained + len(plain["response_token_ids"])) / 2
+    finally:
+        trainer.close()
+
+
 def test_rows_must_say_they_were_sampled_at_the_temperature_the_service_scores(tiny_folder):
     trainer = _trainer(tiny_folder)
     unrecorded = _trajectory("a", 0, 1.0, [11])

@@ -72,6 +72,7 @@ class HostSetup:
     log_level: str
     seed: int | None = None
     niceness: int | None = None  # the driver's
+    secrets: list[str] = field(default_factory=list)  # what the driver hides: an actor's lines hide them too
 
 
 @dataclass
@@ -207,8 +208,11 @@ def _process_plugin_manager(setup: HostSetup, in_process: list[tuple[str, Any, s
 def _setup_logging(setup: HostSetup) -> None:
     """As the driver's: the console at the recipe's level (Ray forwards it to the driver's
     console), every line appended to run.log."""
+    from ...redaction import add_secret
     from ...run_log import setup_logging
 
+    for secret in setup.secrets:
+        add_secret(secret)
     setup_logging(setup.run_dir, setup.log_level)
 
 

@@ -22,6 +22,7 @@ import ray.exceptions
 from loguru import logger
 
 from ...errors import NexRLError
+from ...redaction import known_secrets
 from ...types import NexRLRole
 from ..base import ResourceManager
 from .actors import HostPayload, HostSetup, RayActorWrapper, Slot, host_class, public_methods
@@ -125,7 +126,8 @@ class RayResourceManager(ResourceManager):
                          load_plugins=os.environ.get("NEXRL_LOAD_PLUGINS"),
                          run_dir=str(cfg.get("run_dir")) if cfg.get("run_dir") else None,
                          log_level=str(logger_cfg.get("level", "INFO")),
-                         seed=int(cfg["seed"]) if cfg.get("seed") is not None else None, niceness=os.nice(0))
+                         seed=int(cfg["seed"]) if cfg.get("seed") is not None else None, niceness=os.nice(0),
+                         secrets=known_secrets())
 
     def _in_process_plugins(self) -> list[tuple[str, Any, str, str]]:
         if self._pm is None:

@@ -19,7 +19,8 @@ Trajectory keys read by :func:`trajectory_to_datums`: ``prompt_token_ids``, ``re
 ``response_logprobs`` (RL losses), ``advantages`` (RL losses: one number for the whole response
 or one per response token), ``weights`` (cross-entropy, optional, one per response token),
 ``loss_mask`` (optional, one 0/1 per response token), and ``segments`` (an agent rollout of
-several token sequences: one datum each, see :func:`nexrl_core.trajectory_segments`).
+several token sequences: one datum each, see :func:`nexrl_core.trajectory_segments`; per-token
+``advantages`` and ``weights`` then run over the response tokens of every sequence, end to end).
 """
 
 from __future__ import annotations
@@ -77,28 +78,43 @@ def build_datum(prompt_ids: Sequence[int], response_ids: Sequence[int], loss_fn:
 def trajectory_to_datums(trajectory: dict[str, Any], loss_fn: str) -> list[types.Datum]:
     """One datum per token sequence of ``trajectory`` (:func:`nexrl_core.trajectory_segments`):
     one for a single-turn sample, several for an agent rollout whose turns did not merge into one
-    sequence. Each sequence brings its own ``loss_mask`` and log-probs; ``advantages`` and
-    ``weights`` are the trajectory's (per-token lists only for a single sequence)."""
+    sequence. Each sequence brings its own ``loss_mask`` and log-probs. ``advantages`` (one number,
+    or one per response token) and ``weights`` (one per response token) are the trajectory's: a
+    per-token list covers the response tokens of every sequence, end to end."""
     name = f"trajectory {trajectory.get('uid')}#{trajectory.get('sample_index', 0)}"
     try:
         segments = trajectory_segments(trajectory)
     except ValueError as exc:
         raise DataError(str(exc)) from None
-    advantages, weights = trajectory.get("advantages"), trajectory.get("weights")
-    if len(segments) > 1 and ((advantages is not None and not _is_scalar(advantages)) or weights is not None):
-        raise DataError(f"{name}: per-token advantages or weights need a single token sequence, but it has "
-                        f"{len(segments)} (segments): give one advantage for the whole trajectory")
-    datums = []
     for i, seg in enumerate(segments):
-        where = f"{name} segment {i}" if len(segments) > 1 else name
         for key in ("prompt_token_ids", "response_token_ids"):
             if seg.get(key) is None:
+                where = f"{name} segment {i}" if len(segments) > 1 else name
                 raise DataError(f"{where}: no {key}: Tinker training needs the inference backend to return "
                                 f"prompt and response token ids")
-        datums.append(build_datum(seg["prompt_token_ids"], seg["response_token_ids"], loss_fn,
-                                  sampling_logprobs=seg.get("response_logprobs"), advantages=advantages,
-                                  weights=weights, loss_mask=seg.get("loss_mask"), name=where))
-    return datums
+    lengths = [len(seg["response_token_ids"]) for seg in segments]
+    advantages = _split(trajectory.get("advantages"), lengths, name, "advantages")
+    weights = _split(trajectory.get("weights"), lengths, name, "weights")
+    return [build_datum(seg["prompt_token_ids"], seg["response_token_ids"], loss_fn,
+                        sampling_logprobs=seg.get("response_logprobs"), advantages=adv, weights=w,
+                        loss_mask=seg.get("loss_mask"), name=f"{name} segment {i}" if len(segments) > 1 else name)
+            for i, (seg, adv, w) in enumerate(zip(segments, advantages, weights))]
+
+
+def _split(values: Any, lengths: list[int], name: str, key: str) -> list[Any]:
+    """A trajectory's per-token ``values`` cut into one piece per sequence (a number, or None, goes to
+    every sequence whole)."""
+    if values is None or _is_scalar(values) or len(lengths) == 1:
+        return [values] * len(lengths)
+    try:
+        flat = list(values)
+    except TypeError:
+        raise DataError(f"{name}: {key} must be a number or a list of numbers") from None
+    if len(flat) != sum(lengths):
+        raise DataError(f"{name}: {key} has {len(flat)} values for the {sum(lengths)} response tokens of its "
+                        f"{len(lengths)} token sequences (segments)")
+    bounds = np.cumsum([0] + lengths)
+    return [flat[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
 
 
 def trajectory_to_datum(trajectory: dict[str, Any], loss_fn: str) -> types.Datum:

@@ -39,7 +39,8 @@ ENV_CREDENTIAL_CMD = "TINKER_CREDENTIAL_CMD"
 # Keys of every section that reaches the service (service.train_service, service.inference_service).
 CONNECTION_OPTIONS = {
     "api_key": Option(None, str, f"the Tinker API key (null: ${ENV_API_KEY}, or the SDK's "
-                                 f"${ENV_CREDENTIAL_CMD} / stored key); prefer ${{oc.env:{ENV_API_KEY}}} to a literal"),
+                                 f"${ENV_CREDENTIAL_CMD} / stored key); prefer ${{oc.env:{ENV_API_KEY}}} to a literal",
+                      secret=True),
     "base_url": Option(None, str, f"where the service is (null: ${ENV_BASE_URL}, else the hosted service)"),
     "request_timeout": Option(600.0, float, "seconds one remote call may take before it is reported", gt=0),
     "max_retries": Option(3, int, "extra attempts of calls that are safe to repeat", ge=0),

@@ -26,9 +26,9 @@ import numpy as np
 from loguru import logger
 
 from nexrl_core import (BaseTrainer, Capabilities, ConfigError, DataError, Option, SamplingParams, StepResult,
-                        Trajectory, algorithms)
+                        Trajectory, algorithms, trajectory_segments)
 
-from .datums import RL_LOSSES, response_values, trajectory_to_datum
+from .datums import RL_LOSSES, response_values, trajectory_to_datums
 from .service import BATCH_FORMAT
 from .tokens import encode_prompt, load_tokenizer
 from .weights import SYNC_CAPABILITY, TRAINER_CAPABILITY
@@ -41,16 +41,26 @@ def _name(trajectory: Trajectory) -> str:
     return f"trajectory {trajectory.get('uid')}#{trajectory.get('sample_index', 0)}"
 
 
+def _segments(trajectory: Trajectory) -> list[dict[str, Any]]:
+    """The token sequences ``trajectory`` trains on (one, or an agent rollout's ``segments``)."""
+    try:
+        return trajectory_segments(trajectory)
+    except ValueError as exc:
+        raise DataError(str(exc)) from None
+
+
+def _segment_mask(segment: dict[str, Any]) -> np.ndarray:
+    """1 per response token of one sequence that is trained: its ``loss_mask``, else all."""
+    mask = segment["loss_mask"]
+    n = len(segment["response_token_ids"] or [])
+    return np.ones(n, dtype=np.float32) if mask is None else np.asarray(mask, dtype=np.float32)
+
+
 def _response_mask(trajectory: Trajectory) -> np.ndarray:
-    """1 per response token that counts: the trajectory's ``loss_mask`` (if any), else all."""
-    response = trajectory.get("response_token_ids") or []
-    mask = trajectory.get("loss_mask")
-    if mask is None:
-        return np.ones(len(response), dtype=np.float32)
-    mask = np.asarray(mask, dtype=np.float32)
-    if mask.shape != (len(response),):
-        raise DataError(f"{_name(trajectory)}: loss_mask has {mask.size} values for {len(response)} response tokens")
-    return mask
+    """1 per response token that is trained, over every sequence of the trajectory end to end (what
+    the per-token advantages of :func:`nexrl_tinker.datums.trajectory_to_datums` run over)."""
+    masks = [_segment_mask(seg) for seg in _segments(trajectory)]
+    return np.concatenate(masks) if masks else np.zeros(0, dtype=np.float32)
 
 
 def _padded(rows: Sequence[np.ndarray]) -> np.ndarray:
@@ -111,9 +121,10 @@ class RemoteApiTrainer(BaseTrainer):
         """The service's loss function for this step: its name and ``loss_fn_config``."""
 
     def _convert_trajectories_to_datums(self, trajectories: list[Trajectory]) -> list[Any]:
-        """One ``tinker.types.Datum`` per trajectory for :meth:`loss` (:mod:`nexrl_tinker.datums`)."""
+        """One ``tinker.types.Datum`` per token sequence for :meth:`loss` (:mod:`nexrl_tinker.datums`):
+        one per trajectory, several for an agent rollout of several sequences (``segments``)."""
         name, _ = self.loss()
-        return [trajectory_to_datum(t, name) for t in trajectories]
+        return [d for t in trajectories for d in trajectory_to_datums(t, name)]
 
     def _output_metrics(self, trajectories: list[Trajectory], datums: list[Any], result: StepResult
                         ) -> dict[str, float]:
@@ -134,9 +145,10 @@ class RemoteApiTrainer(BaseTrainer):
         t2 = time.perf_counter()
         metrics.update({f"train/{k}": float(v) for k, v in result.metrics.items()})
         metrics.update({f"train/{k}": v for k, v in self._output_metrics(trajectories, datums, result).items()})
-        lengths = [len(t.get("response_token_ids") or []) for t in trajectories]
+        trained = [float(_response_mask(t).sum()) for t in trajectories]
         metrics.update({
-            "train/response_length_mean": float(np.mean(lengths)) if lengths else 0.0,
+            "train/response_length_mean": float(np.mean(trained)) if trained else 0.0,  # trained tokens
+            "train/sequences_per_trajectory": len(datums) / len(trajectories),
             "train/num_tokens": float(sum(d.model_input.length for d in datums)),
             "timing/prepare_s": t1 - t0,
             "timing/update_s": t2 - t1,
@@ -300,14 +312,15 @@ class RemoteApiGrpoTrainer(RemoteApiTrainer):
                         ) -> dict[str, float]:
         """The rollout-vs-service log-prob mismatch of the trained tokens (the service's log-probs
         are those of the weights the step started from)."""
-        if len(result.outputs) != len(datums):
+        segments = [seg for t in trajectories for seg in _segments(t)]  # one per datum, in order
+        if len(result.outputs) != len(datums) or len(segments) != len(datums):
             return {}
         trainer, rollout, masks = [], [], []
-        for t, datum, out in zip(trajectories, datums, result.outputs):
-            r = len(t["response_token_ids"])
+        for seg, datum, out in zip(segments, datums, result.outputs):
+            r = len(seg["response_token_ids"])
             trainer.append(response_values(datum, out["logprobs"], r))
-            rollout.append(np.asarray(t["response_logprobs"], dtype=np.float64))
-            masks.append(_response_mask(t))
+            rollout.append(np.asarray(seg["response_logprobs"], dtype=np.float64))
+            masks.append(_segment_mask(seg))
         return algorithms.rollout_mismatch_metrics(_padded(trainer), _padded(rollout), _padded(masks))
 
 
