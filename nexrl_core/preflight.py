@@ -137,12 +137,14 @@ def resume_problems(cfg: DictConfig, pm: Any = None) -> list[str]:
         return [str(exc)]
     trainer = str(cfg.trainer.type)
     key = "resume.resume_path" if cfg.resume.mode == "from_path" else "resume.mode"
+    trainers = pm.components("trainer") if pm is not None else {}
+    cls = getattr(trainers.get(trainer), "cls", None)
     saved_by = state.get("trainer")
-    if saved_by is not None and str(saved_by) != trainer:
+    saved_cls = getattr(trainers.get(str(saved_by)), "cls", None)
+    if cls is not None and saved_cls is not None and not (issubclass(cls, saved_cls) or issubclass(saved_cls, cls)):
+        # a subclass saves and loads its base's state: those resume each other
         return [f"{key}: the checkpoint {path} was written by trainer '{saved_by}', and this recipe's trainer.type is "
                 f"'{trainer}': its state would not be restored"]
-    registered = pm.components("trainer").get(trainer) if pm is not None else None
-    cls = getattr(registered, "cls", None)
     if cls is None or getattr(cls, "NO_MODEL_STATE", False):
         return []
     from .trainer import BaseTrainer
