@@ -93,9 +93,8 @@ def footer(cfg: Any, recipe: str, overrides: list[str], outcome: _Outcome, elaps
         title = f"finished: {step}/{total} steps in {elapsed}"
     elif outcome.status in ("signal", "interrupted"):
         title = f"stopped at step {step}/{total} after {elapsed}"
-    else:
-        first_line = (outcome.error or "").strip().splitlines()[:1]
-        title = f"failed at step {step}/{total} after {elapsed}: {first_line[0][:300] if first_line else 'unknown error'}"
+    else:  # the error itself follows (the `error:` line, or a bug's traceback): said once
+        title = f"failed at step {step}/{total} after {elapsed}"
     root = cfg.trainer.get("checkpoint_path")
     latest = find_latest_checkpoint(str(root)) if root else None
     lines: list[tuple[str, str]] = []

@@ -197,6 +197,9 @@ def _keep_error_row(step: int):
 #: shows the progress display instead leaves them out
 STEP_LINE = "nexrl_step_line"
 CONSOLE_FORMAT = "<green>{time:HH:mm:ss}</green> <level>{level: <7}</level> {message}"
+#: keywords of every loguru sink nexrl adds: a traceback never shows local variables (they may hold
+#: secrets and prompts) nor the frames above the one that caught it
+SINK_SAFETY = {"diagnose": False, "backtrace": False}
 
 
 def setup_logging(run_dir: str | None, level: str = "INFO", fresh: bool = False, log_file: str = LOG_FILE,
@@ -212,12 +215,13 @@ def setup_logging(run_dir: str | None, level: str = "INFO", fresh: bool = False,
     logger.remove()
     shown = (lambda record: not record["extra"].get(STEP_LINE)) if hide_step_lines else None
     if console is not None:
-        logger.add(console, level=level, format=CONSOLE_FORMAT, colorize=True, filter=shown)
+        logger.add(console, level=level, format=CONSOLE_FORMAT, colorize=True, filter=shown, **SINK_SAFETY)
     else:
-        logger.add(sys.stderr, level=level, format=CONSOLE_FORMAT, filter=shown)
+        logger.add(sys.stderr, level=level, format=CONSOLE_FORMAT, filter=shown, **SINK_SAFETY)
     if run_dir:
         os.makedirs(run_dir, exist_ok=True)
-        logger.add(os.path.join(run_dir, log_file), level="DEBUG", enqueue=False, mode="w" if fresh else "a")
+        logger.add(os.path.join(run_dir, log_file), level="DEBUG", enqueue=False, mode="w" if fresh else "a",
+                   **SINK_SAFETY)
 
 
 # -- run directories ---------------------------------------------------------------------------------
