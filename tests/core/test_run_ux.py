@@ -117,6 +117,7 @@ def test_plain_progress_header_footer_and_the_run_directory(tmp_path):
     run_dir = tmp_path / "run"
     assert f"checkpoints  {run_dir / 'checkpoints' / 'global_step_5'}" in footer
     assert f"plot         {run_dir / 'metrics.png'}" in footer
+    assert f"samples      nexrl show {run_dir}" in footer
     assert "nexrl export" not in footer  # the mock trainer's checkpoints hold no model (a GRPO run's do)
     assert f"train on     nexrl run {recipe} resume.mode=auto trainer.total_train_steps=10" in footer
     # the JSON summary stays alone on stdout
@@ -252,7 +253,10 @@ def test_resume_keeps_the_earlier_attempt_in_run_json(tmp_path):
     info = json.loads((tmp_path / "run" / "run.json").read_text())
     assert info["global_step"] == 6 and info["resume_mode"] == "auto"
     assert [p["start"] for p in info["previous"]] == [first["start"]]
-    assert [s["step"] for s in rows(tmp_path / "run" / "samples.jsonl")] == [2, 2, 2, 4, 4, 4, 6, 6, 6]
+    # samples of steps 1, 2 and 4 (the first run's first, 2nd and last), then 5 and 6 (the resumed run's first
+    # and last)
+    assert [s["step"] for s in rows(tmp_path / "run" / "samples.jsonl")] == [1] * 3 + [2] * 3 + [4] * 3 + \
+        [5] * 3 + [6] * 3
 
 
 def test_secrets_never_reach_config_yaml(tmp_path):
