@@ -104,7 +104,7 @@ def _field(name: str, text: str) -> str:
     """``  name     text``, with the text's further lines indented under its first."""
     pad = " " * (2 + _LABEL)
     body = text.replace("\r\n", "\n").split("\n") or [""]
-    return "\n".join([f"  {name:<{_LABEL}}{body[0]}", *(pad + line for line in body[1:])])
+    return "\n".join(line.rstrip() for line in [f"  {name:<{_LABEL}}{body[0]}", *(pad + x for x in body[1:])])
 
 
 def _is_number(value: Any) -> bool:
