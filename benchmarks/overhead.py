@@ -97,7 +97,7 @@ def _quiet_logs() -> None:
     from loguru import logger
 
     logger.remove()
-    logger.add(sys.stderr, level="WARNING")
+    logger.add(sys.stderr, level="WARNING", diagnose=False, backtrace=False)
 
 
 # ----------------------------------------------------------------------------- part 1: flow

@@ -22,7 +22,7 @@ from .train_service import StepResult, TrainService
 from .trainer import BaseTrainer
 from .trajectory_pool import (GroupedTrajectoryStore, HierarchicalTrajectoryStore, SimpleTrajectoryStore,
                               TrajectoryPool, TrajectoryPoolInstance)
-from .types import Batch, ModelTag, NexRLRole, Trajectory, trajectory_segments
+from .types import Batch, ModelTag, NexRLRole, Trajectory, trajectory_reward, trajectory_segments
 from .validator import Validator
 from .weight_sync import WeightSyncBackend, WeightSyncController
 
@@ -41,7 +41,8 @@ __all__ = [
     "SamplingParams", "StepResult", "TrainService", "SimpleRolloutWorker", "SimpleTrajectoryStore", "ThreadedModule", "Trajectory",
     "TrajectoryPool", "TrajectoryPoolInstance", "Validator", "WeightSyncBackend", "WeightSyncController",
     "algorithms", "check_options", "component_options", "deferred", "execute", "execute_async",
-    "execute_with_timeout", "get_plugin_manager", "hookimpl", "OpenAICompatibleClient", "trajectory_segments",
+    "execute_with_timeout", "get_plugin_manager", "hookimpl", "OpenAICompatibleClient", "trajectory_reward",
+    "trajectory_segments",
     "as_text_messages", "parse_tool_calls", "render_tool_calls", "tools_system_prompt",
     "algorithms", "check_options", "component_options", "demote_library_log", "execute", "execute_async", "execute_with_timeout",
     "get_plugin_manager", "hookimpl", "OpenAICompatibleClient", "StartedProcess", "rendezvous_host", "start_processes",

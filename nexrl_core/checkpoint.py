@@ -62,6 +62,7 @@ def write_checkpoint(root: str, step: int, write_model_state: Callable[[str], No
             json.dump(scrub_values(core_state()), f)  # a task row may quote a secret
             f.flush()
             os.fsync(f.fileno())
+        make_readable(tmp)
         _fsync_tree(tmp)
         if os.path.exists(final):  # move the old folder aside first: never a half-deleted global_step_<N>
             os.replace(final, old)
@@ -127,6 +128,32 @@ def find_latest_checkpoint(root: str) -> str | None:
             if best is None or int(m.group(1)) > best[0]:
                 best = (int(m.group(1)), path)
     return best[1] if best else None
+
+
+def make_readable(folder: str) -> None:
+    """Give a finished checkpoint or export the permissions of any folder and file the user makes
+    (0755 / 0644 under the usual umask 022): safetensors writes each file through a private temporary
+    file (0600) and ``mkdtemp`` makes private folders (0700), so a model would otherwise be unreadable
+    to the user's other accounts and services."""
+    umask = _umask()
+    for root, _, files in os.walk(folder):
+        os.chmod(root, 0o777 & ~umask)
+        for name in files:
+            path = os.path.join(root, name)
+            if not os.path.islink(path):
+                os.chmod(path, 0o666 & ~umask)
+
+
+def _umask() -> int:
+    # read, not set: os.umask() would change it for every thread for a moment
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0o022
 
 
 def _fsync_tree(path: str) -> None:

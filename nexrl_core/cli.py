@@ -1,4 +1,4 @@
-"""The `nexrl` command: run, validate, config, eval, plot, export, plugins, new, migrate.
+"""The `nexrl` command: run, validate, config, eval, plot, show, export, plugins, new, migrate.
 
 Exit codes: 0 success; 2 bad input (a recipe, override, data file or plugin problem: nothing
 ran), the same lines from ``validate`` and ``run``; 1 a run or evaluation that failed (a server
@@ -70,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     def recipe_command(name: str, help_text: str, overrides_help: str = "key=value overrides") -> Any:
         p = sub.add_parser(name, help=help_text, description=help_text, epilog=OVERRIDE_HELP, formatter_class=fmt)
         p.add_argument("recipe", help="the recipe YAML file")
-        p.add_argument("overrides", nargs="*", metavar="key=value", help=overrides_help)
+        p.add_argument("overrides", nargs="*", default=[], metavar="key=value", help=overrides_help)
         return p
 
     recipe_command("run", "train with a recipe")
@@ -88,22 +88,31 @@ def build_parser() -> argparse.ArgumentParser:
                                         "(needs matplotlib: pip install 'nexrl-core[plot]')")
     p_plot.add_argument("run_dir", help="a run directory (run_dir in the recipe)")
     p_plot.add_argument("--out", "-o", help="the PNG to write (default RUN_DIR/metrics.png)")
+    p_show = sub.add_parser("show", help="print a run's latest samples: prompt, reply, reward, advantage",
+                            description="print the samples a run recorded (RUN_DIR/samples.jsonl: the first and last "
+                                        "training step and every logger.samples_every steps), or those of a "
+                                        "`nexrl eval --out` folder: by default the newest step's")
+    p_show.add_argument("run_dir", help="a run directory (run_dir in the recipe), an eval --out folder, or a "
+                                        "samples.jsonl file")
+    p_show.add_argument("--last", "-n", type=int, metavar="N", help="the N newest samples instead")
     p_export = sub.add_parser("export", help="write a checkpoint's model (no optimizer state) to a new folder",
                               description="write the model of a global_step_<N> checkpoint to OUT for inference "
                                           "(transformers' from_pretrained), without optimizer or RNG state")
-    p_export.add_argument("checkpoint", help="a global_step_<N> folder")
+    p_export.add_argument("checkpoint", help="a global_step_<N> folder, or the folder holding them "
+                                             "(trainer.checkpoint_path): its newest")
     p_export.add_argument("out", help="the folder to create")
     p_export.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                           help="cast floating-point weights (default: as trained)")
     p_export.add_argument("--force", action="store_true", help="replace OUT if it exists")
     p_plugins = sub.add_parser("plugins", help="list installed plugins; 'plugins check NAME' checks one")
-    p_plugins.add_argument("--json", action="store_true")
+    p_plugins.add_argument("--json", action="store_true", help="print the list as JSON (with failed plugins and "
+                                                                "bad registrations)")
     plugin_commands = p_plugins.add_subparsers(dest="plugins_command")
     p_check = plugin_commands.add_parser(
         "check", help="conformance check of a plugin's evaluators (and its components' option declarations)")
     p_check.add_argument("name", help="distribution (nexrl-rewards), entry-point name (rewards) or evaluator name")
     p_check.add_argument("options", nargs="*", help="key=value constructor options of the one evaluator NAME")
-    p_check.add_argument("--json", action="store_true", dest="check_json")
+    p_check.add_argument("--json", action="store_true", dest="check_json", help="print the reports as JSON")
     p_migrate = sub.add_parser(
         "migrate", help="rewrite a NexRL (or ROLL) recipe as a nexrl recipe",
         description="rewrite a NexRL (or ROLL) recipe as a nexrl recipe: list what was carried over and each key "
@@ -122,12 +131,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 _INTERMIXED = ("run", "validate", "config", "eval", "plot", "export")
+_RECIPE_COMMANDS = ("run", "validate", "config", "eval")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     """Options may come before, between or after a command's overrides."""
     parser = build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    if argv and argv[0] in _RECIPE_COMMANDS and len(argv) == 1:
+        sub.choices[argv[0]].error(f"a recipe is required: nexrl {argv[0]} RECIPE.yaml [key=value ...] "
+                                   f"(e.g. recipes/quickstart.yaml)")
     if argv and argv[0] in _INTERMIXED:  # commands with key=value overrides
         args = sub.choices[argv[0]].parse_intermixed_args(argv[1:])
         args.command = argv[0]
@@ -157,12 +170,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str]) -> int:
     args = parse_args(argv)
-    if args.command not in ("plugins", "config", "new", "migrate"):
+    if args.command not in ("plugins", "config", "new", "migrate", "show"):
         from .run_log import setup_logging
 
         setup_logging(None, "INFO")  # plugin-loading warnings in the same short format as the run's
     commands = {"run": _run, "validate": _validate, "config": _config, "eval": _eval, "plot": _plot,
-                "export": _export, "plugins": _plugins, "new": _new, "migrate": _migrate}
+                "show": _show, "export": _export, "plugins": _plugins, "new": _new, "migrate": _migrate}
     try:
         return commands[args.command](args)
     except NexRLError as exc:
@@ -202,10 +215,14 @@ def _validate(args: Any) -> int:
         _print_problems(problems)
         return 2
     from .launch import unused_launch_keys_note
+    from .preflight import run_dir_plan
 
     note = unused_launch_keys_note(cfg)
     if note:
         print(f"warning: {note}", file=sys.stderr)  # as `nexrl run` logs it
+    plan = run_dir_plan(cfg)
+    if plan:
+        print(f"note: {plan}", file=sys.stderr)
     print(f"{args.recipe}: ok")
     return 0
 
@@ -230,6 +247,15 @@ def _plot(args: Any) -> int:
     if not os.path.isdir(args.run_dir):
         raise ConfigError(f"{args.run_dir}: no such run directory")
     print(plot_run(args.run_dir, args.out))
+    return 0
+
+
+def _show(args: Any) -> int:
+    from .show import show
+
+    if args.last is not None and args.last < 1:
+        raise ConfigError(f"--last: {args.last}: give a number of samples >= 1")
+    print(show(args.run_dir, args.last))
     return 0
 
 
@@ -274,7 +300,7 @@ def _eval(args: Any) -> int:
     metrics = controller.run_evaluation()
     fields = ("uid", "sample_index", "data_source", "domain", "prompt", "response", "reward", "score", "failed",
               "error", "model_version")
-    samples = [{k: traj.get(k) for k in fields}
+    samples = [{**{k: traj.get(k) for k in fields}, "failed": bool(traj.get("failed"))}
                for traj in controller.evaluation_samples]
     if samples_out:
         os.makedirs(os.path.dirname(os.path.abspath(samples_out)), exist_ok=True)

@@ -106,9 +106,8 @@ def footer(cfg: Any, recipe: str, overrides: list[str], outcome: _Outcome, elaps
         title = f"finished: {step}/{total} steps in {elapsed}"
     elif outcome.status in ("signal", "interrupted"):
         title = f"stopped at step {step}/{total} after {elapsed}"
-    else:
-        first_line = (outcome.error or "").strip().splitlines()[:1]
-        title = f"failed at step {step}/{total} after {elapsed}: {first_line[0][:300] if first_line else 'unknown error'}"
+    else:  # the error itself follows (the `error:` line, or a bug's traceback): said once
+        title = f"failed at step {step}/{total} after {elapsed}"
     root = cfg.trainer.get("checkpoint_path")
     latest = find_latest_checkpoint(str(root)) if root else None
     lines: list[tuple[str, str]] = []
@@ -127,6 +126,8 @@ def footer(cfg: Any, recipe: str, overrides: list[str], outcome: _Outcome, elaps
     lines.append(("log", os.path.join(run_dir, "run.log")))
     plot_path, plot_problem = plot
     lines.append(("plot", plot_path or plot_problem or "not written"))
+    if os.path.isfile(os.path.join(run_dir, SAMPLES_FILE)):
+        lines.append(("samples", shlex.join(["nexrl", "show", run_dir])))
     if latest and exportable:
         lines.append(("export", shlex.join(["nexrl", "export", latest, os.path.join(run_dir, "model")])))
     if outcome.status == "finished":

@@ -25,6 +25,7 @@ from .preflight import dataloader_config, records_config, require_runnable, resu
 from .run_log import prepare_run_dir
 from .runtime.activity import ActivityTracker, ActivityTrackerProxy
 from .runtime.execute import execute
+from .runtime.logs import format_traceback
 from .trajectory_pool import TrajectoryPool
 from .types import NexRLRole, Trajectory
 from .validator import Validator
@@ -200,6 +201,7 @@ class NexRLController:
     def run(self) -> RunSummary:
         stopped_by, error = "finished", None
         try:
+            execute(self.activity_tracker.set_run_stopping_severities, self._run_stopping_severities())
             execute(self.trainer.initialize_workers)
             start_step = self._load_initial_checkpoint()
             cfg = self._config
@@ -272,6 +274,9 @@ class NexRLController:
             trainer = execute(self.trainer.get_status)
             if self._check_finish(trainer):
                 failed = execute(tracker.failed_samples_verdict)  # the last step may have just failed
+                if not failed and rm.exception_handling.enabled and not self._check_module_exceptions():
+                    # an error the policy stops on, reported since the last check: never a quiet finish
+                    failed = self._policy_message(str(rm.exception_handling.policy))
                 return ("error", failed) if failed else ("finished", None)
             if trainer["last_error"] is not None:
                 return "error", f"the trainer stopped at step {trainer['global_step'] + 1}: {trainer['last_error']}"
@@ -307,8 +312,16 @@ class NexRLController:
                     listener.log(row, step)
                 except Exception as exc:
                     self._failed_listeners.add(i)
-                    logger.opt(exception=exc).warning(f"{type(listener).__name__}.log failed and is skipped for the "
-                                                      f"rest of the run: {type(exc).__name__}: {exc}")
+                    logger.warning(f"{type(listener).__name__}.log failed and is skipped for the rest of the run: "
+                                   f"{type(exc).__name__}: {exc}")
+                    logger.debug(f"traceback of the error above:\n{format_traceback(exc)}")
+
+    def _run_stopping_severities(self) -> list[str]:
+        """The severities :meth:`_check_module_exceptions` stops the run on."""
+        handling = self._config.runtime_monitor.exception_handling
+        if not handling.enabled or handling.policy == "continue":
+            return []
+        return ["critical"] if handling.policy == "stop_on_critical" else ["error", "critical"]
 
     def _policy_message(self, policy: str) -> str:
         """Name the error that made ``policy`` stop the run (not merely the latest one)."""
@@ -318,7 +331,11 @@ class NexRLController:
             status = execute(self.activity_tracker.get_error_health_status)
             return f"stopping on {status['status']} (policy {policy}): {status['message']}"
         e = errors[-1]
-        return f"stopping on {e.severity.value} (policy {policy}): {e.module_name}/{e.work_context}: {e.message}"
+        # a failed sample's message already names its module
+        what = e.message if e.message.startswith(f"{e.module_name}:") else \
+            f"{e.module_name}/{e.work_context}: {e.message}"
+        more = f" ({len(errors) - 1} more in run.log)" if len(errors) > 1 else ""
+        return f"stopping on {e.severity.value} (policy {policy}): {what}{more}"
 
     def _dead_message(self, dead: list[str]) -> str:
         try:

@@ -11,6 +11,12 @@ from dataclasses import dataclass, field
 from math import comb
 from typing import Any
 
+from .types import trajectory_reward
+
+
+#: a sample's data source when its row has no ``data_source`` field
+DEFAULT_DATA_SOURCE = "default"
+
 
 class DuplicateSampleError(ValueError):
     """The same (uid, sample_index) arrived twice: a sample must count exactly once."""
@@ -31,7 +37,7 @@ class SampleRecord:
         return SampleRecord(
             uid=str(traj.get("uid")),
             sample_index=int(traj.get("sample_index") or 0),
-            data_source=str(traj.get("data_source") or "default"),
+            data_source=str(traj.get("data_source") or DEFAULT_DATA_SOURCE),
             scores={} if traj.get("failed") else {k: float(v) for k, v in (traj.get("score") or {}).items()},
             failed=bool(traj.get("failed")),
             error=traj.get("error"),
@@ -84,11 +90,14 @@ def summarize(state: EvalState, *, expected_samples: int | None = None, n_sample
 
 def _subsets(records: list[SampleRecord]) -> dict[str, list[SampleRecord]]:
     """The samples of each data source and of each domain, by name (a domain's name wins over a
-    data source of the same name)."""
+    data source of the same name). None when the only one is ``default`` (rows without a
+    ``data_source``): its metrics would repeat the overall ones under a name no data set has."""
     domains = {r.domain for r in records if r.domain is not None}
     out = {source: [r for r in records if r.data_source == source]
            for source in sorted({r.data_source for r in records}) if source not in domains}
     out.update({domain: [r for r in records if r.domain == domain] for domain in sorted(domains)})
+    if set(out) == {DEFAULT_DATA_SOURCE}:
+        return {}
     return dict(sorted(out.items()))
 
 
@@ -138,7 +147,7 @@ def training_domain_metrics(trajectories: list[dict[str, Any]],
     for domain in domains:
         mine = [t for t in used if t.get("domain") == domain]
         p = f"train/{domain}/"
-        out[f"{p}reward_mean"] = _mean([float(t.get("reward", 0.0)) for t in mine])
+        out[f"{p}reward_mean"] = _mean([trajectory_reward(t) for t in mine])
         out[f"{p}num_trajectories"] = float(len(mine))
         out[f"{p}num_failed"] = float(sum(1 for t in trajectories if t.get("failed") and t.get("domain") == domain))
         out[f"{p}num_groups"] = float(len({t.get("uid") for t in trajectories if t.get("domain") == domain}))
@@ -155,5 +164,5 @@ def training_domain_metrics(trajectories: list[dict[str, Any]],
 
 
 def _sampled_metrics(used: list[dict[str, Any]], dropped: list[dict[str, Any]], prefix: str) -> dict[str, float]:
-    rewards = [float(t.get("reward", 0.0)) for t in used] + [float(r) for g in dropped for r in g["rewards"]]
+    rewards = [trajectory_reward(t) for t in used] + [float(r) for g in dropped for r in g["rewards"]]
     return {f"{prefix}dropped_groups": float(len(dropped)), f"{prefix}sampled_reward_mean": _mean(rewards)}

@@ -15,7 +15,9 @@ import tempfile
 import time
 from typing import Any
 
-from .checkpoint import CORE_STATE_FILE, is_checkpoint, read_core_state
+from loguru import logger
+
+from .checkpoint import CORE_STATE_FILE, find_latest_checkpoint, is_checkpoint, make_readable, read_core_state
 from .errors import ConfigError, DataError
 
 EXPORT_FILE = "nexrl_export.json"
@@ -24,7 +26,8 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 def export_checkpoint(checkpoint: str, out: str, plugin_manager: Any, dtype: str | None = None,
                       force: bool = False) -> str:
-    """Export ``checkpoint`` to the new folder ``out``; returns ``out``.
+    """Export ``checkpoint`` (a ``global_step_<N>`` folder, or the folder holding them: its newest)
+    to the new folder ``out``; returns ``out``.
 
     ``dtype``: cast floating-point weights; ``force``: replace an ``out`` that an earlier export
     wrote (any other existing folder is refused: nothing the user made is deleted).
@@ -32,8 +35,14 @@ def export_checkpoint(checkpoint: str, out: str, plugin_manager: Any, dtype: str
     if not os.path.isdir(checkpoint):
         raise ConfigError(f"{checkpoint}: no such checkpoint folder")
     if not is_checkpoint(checkpoint):
-        raise ConfigError(f"{checkpoint}: not a complete checkpoint (no {CORE_STATE_FILE}); give a "
-                          f"global_step_<N> folder of trainer.checkpoint_path")
+        latest = find_latest_checkpoint(checkpoint)  # the folder that holds them (trainer.checkpoint_path)
+        if latest is None:
+            inside = find_latest_checkpoint(os.path.join(checkpoint, "checkpoints"))
+            raise ConfigError(f"{checkpoint}: not a complete checkpoint (no {CORE_STATE_FILE}) nor a folder holding "
+                              f"one; give a global_step_<N> folder of trainer.checkpoint_path, or that folder"
+                              + (f" (here: {os.path.dirname(inside)})" if inside else ""))
+        logger.info(f"exporting {latest}, the newest checkpoint in {checkpoint}")
+        checkpoint = latest
     if dtype is not None and dtype not in DTYPES:
         raise ConfigError(f"--dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
     state = read_core_state(checkpoint)
@@ -55,7 +64,7 @@ def export_checkpoint(checkpoint: str, out: str, plugin_manager: Any, dtype: str
             json.dump({"checkpoint": os.path.abspath(checkpoint), "global_step": state.get("global_step"),
                        "trainer": name, "dtype": dtype, "exported_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")},
                       f, indent=1)
-        os.chmod(tmp, 0o755)
+        make_readable(tmp)
         if os.path.exists(out):
             shutil.rmtree(out)
         os.replace(tmp, out)

@@ -104,8 +104,58 @@ def run_dir_problems(cfg: DictConfig) -> list[str]:
     if found:
         problems.append(f"run_dir: '{run_dir}' holds an earlier run ({found}) and resume.mode is 'disable'. "
                         f"Choose: resume.mode=auto to continue it, another run_dir, or overwrite_run_dir=true "
-                        f"to move the earlier run aside (to '{run_dir}.old-<time>')")
+                        f"to move the earlier run aside (to '{run_dir}.old-<time>')"
+                        + _finished_note(cfg, str(ckpt) if ckpt else None))
     return problems
+
+
+def _finished_note(cfg: DictConfig, checkpoint_path: str | None) -> str:
+    """``. It finished ...`` when the newest checkpoint is at trainer.total_train_steps, else ''."""
+    latest = find_latest_checkpoint(checkpoint_path) if checkpoint_path else None
+    try:
+        step = int(read_core_state(latest)["global_step"]) if latest else None
+    except NexRLError:
+        return ""
+    total = int(cfg.trainer.total_train_steps)
+    if step is None or step < total:
+        return ""
+    return (f". It finished (step {step} of trainer.total_train_steps={total}): resume.mode=auto trains on only "
+            f"with more steps, e.g. trainer.total_train_steps={2 * total}")
+
+
+def run_dir_plan(cfg: DictConfig) -> str | None:
+    """What ``nexrl run`` will do with an earlier run in ``run_dir`` (resume, train nothing more, or
+    start anew over it) and how to choose otherwise, in words; None for a fresh run_dir. For a
+    recipe whose keys and files are sound (``nexrl validate`` prints it as a note; a run_dir that
+    ``nexrl run`` refuses is a problem of :func:`run_dir_problems` instead)."""
+    run_dir = str(cfg.run_dir)
+    ckpt = cfg.trainer.get("checkpoint_path")
+    found = earlier_run(run_dir, str(ckpt) if ckpt else None)
+    mode = cfg.resume.mode
+    if mode == "disable":
+        if found and cfg.get("overwrite_run_dir"):
+            return (f"run_dir '{run_dir}' holds an earlier run ({found}): nexrl run moves it aside to "
+                    f"'{run_dir}.old-<time>' (overwrite_run_dir) and starts at step 0; resume.mode=auto "
+                    f"continues it instead")
+        return None
+    try:
+        path = resume_checkpoint(cfg)
+        step = int(read_core_state(path)["global_step"]) if path else None
+    except NexRLError:
+        return None  # a problem, reported by resume_problems
+    total = int(cfg.trainer.total_train_steps)
+    anew = f"resume.mode=disable overwrite_run_dir=true starts anew (the earlier run is moved aside)"
+    if path is None:
+        if not found:
+            return None
+        return (f"run_dir '{run_dir}' holds an earlier run ({found}) but no checkpoint: nexrl run starts at "
+                f"step 0 and replaces its records (resume.mode={mode})")
+    if step is not None and step >= total:
+        return (f"run_dir '{run_dir}' holds a finished run ({path}, step {step} of trainer.total_train_steps="
+                f"{total}): nexrl run resumes from it (resume.mode={mode}) and trains no further step; "
+                f"trainer.total_train_steps={2 * total} trains on, {anew}, or give another run_dir")
+    return (f"nexrl run resumes from {path} at step {step} of {total} (resume.mode={mode}); {anew}, or give "
+            f"another run_dir")
 
 
 # -- resume state --------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from typing import Any
 from loguru import logger
 
 from .errors import ConfigError, ErrorSeverity
+from .eval_core import DEFAULT_DATA_SOURCE
 from .evaluation import BaseEvaluationTarget, EvaluationRunResult, Evaluator
 from .inference import InferenceError
 from .plugins import active_plugin_manager
@@ -27,10 +28,12 @@ class ItemFailure(Exception):
     """A task that cannot produce a usable trajectory; ``cause`` goes to errors.jsonl, with
     ``response`` (the reply that could not be used, when there is one)."""
 
-    def __init__(self, cause: str, message: str, response: str | None = None):
+    def __init__(self, cause: str, message: str, response: str | None = None,
+                 severity: ErrorSeverity = ErrorSeverity.WARNING):
         super().__init__(message)
         self.cause = cause
         self.response = response
+        self.severity = severity  # ERROR: a plugin bug, which the default error policy stops the run on
 
 
 class BaseRolloutWorker(ThreadedModule):
@@ -55,6 +58,7 @@ class BaseRolloutWorker(ThreadedModule):
         self._llm_client: Any = None
         self._evaluator: Evaluator | None = build_evaluator(config.get("evaluator"))
         self._evaluator_label = evaluator_label(config.get("evaluator"))
+        self._worker_label = worker_label(config.get("type"), type(self))
         # A task's `domain` picks its evaluator (multi-domain data); others use the default one.
         domain_sections = config.get("domain_evaluators") or {}
         self._domain_evaluators: dict[str, Evaluator | None] = build_domain_evaluators(domain_sections)
@@ -190,12 +194,15 @@ class BaseRolloutWorker(ThreadedModule):
                 raise ItemFailure("no_trajectory", f"{type(self).__name__}.step returned {result!r} "
                                                    f"without submitting a trajectory")
         except ItemFailure as exc:
-            result = self._put_failed(task, exc.cause, str(exc), validating, exc.response, exc.__cause__)
+            result = self._put_failed(task, exc.cause, str(exc), validating, exc.response, exc.__cause__,
+                                      exc.severity)
         except InferenceError as exc:
             result = self._put_failed(task, "rollout_failure", str(exc), validating)
-        except Exception as exc:  # a bug in a plugin: record it, keep the item accounted for
-            self._activity_tracker.report_exception(self._module_name, "step", exc)
-            result = self._put_failed(task, "worker_exception", f"{type(exc).__name__}: {exc}", validating, error=exc)
+        except Exception as exc:  # a bug in a plugin: record it (an ERROR), keep the item accounted for
+            where = failure_location(exc, _code_folder(self))
+            result = self._put_failed(task, "worker_exception", f"{self._worker_label} raised {type(exc).__name__}: "
+                                      f"{exc}{f' ({where})' if where else ''}", validating, error=exc,
+                                      severity=ErrorSeverity.ERROR)
         if result == "re-rollout":
             self._put_rollout_task(task, validating)
             return False
@@ -214,6 +221,8 @@ class BaseRolloutWorker(ThreadedModule):
         """Process one task; submit with :meth:`_put_trajectory`; return its result."""
 
     def _put_trajectory(self, trajectory: Trajectory) -> str:
+        if not trajectory.get("failed"):
+            self._check_trajectory(trajectory)
         self._puts_this_task += 1
         trajectory.setdefault("model_tag", self._model_tag)
         target = self._validator if self._is_validation_task(trajectory) else self._trajectory_pool
@@ -221,6 +230,16 @@ class BaseRolloutWorker(ThreadedModule):
             self._held.append((self._task_number, target, trajectory))
             return "success"
         return execute(target.put_trajectory, trajectory)
+
+    def _check_trajectory(self, trajectory: Trajectory) -> None:
+        """The contract every trajectory a worker hands on keeps: a finite number ``reward`` (a
+        trajectory that could not be scored is a failed one instead). Never a silent 0."""
+        reward = trajectory.get("reward")
+        if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
+            what = "without a 'reward'" if reward is None else f"with reward {reward!r}"
+            raise ItemFailure("bad_trajectory", f"{self._worker_label} handed on a trajectory {what}: every trajectory "
+                                                f"needs a finite number 'reward' (one that could not be scored is "
+                                                f"a failed one: raise ItemFailure)", severity=ErrorSeverity.ERROR)
 
     def _put_rollout_task(self, task: dict[str, Any], validating: bool = False) -> bool:
         loader = self._validate_dataloader if validating else self._dataloader
@@ -285,7 +304,7 @@ class BaseRolloutWorker(ThreadedModule):
             "uid": task.get("uid"),
             "sample_index": task.get("sample_index"),
             "seq": task.get("seq"),
-            "data_source": task.get("data_source", "default"),
+            "data_source": task.get("data_source", DEFAULT_DATA_SOURCE),
             "domain": task.get("domain"),
             "model_tag": self._model_tag,
             "is_validation": self._task_is_validation,
@@ -293,7 +312,8 @@ class BaseRolloutWorker(ThreadedModule):
         }
 
     def _put_failed(self, task: dict[str, Any], cause: str, message: str, validating: bool,
-                    response: str | None = None, error: BaseException | None = None) -> str:
+                    response: str | None = None, error: BaseException | None = None,
+                    severity: ErrorSeverity = ErrorSeverity.WARNING) -> str:
         traj = self.base_trajectory(task)
         traj.update({"failed": True, "error": message, "error_cause": cause, "reward": 0.0,
                      "score": {}, "is_validation": validating, "model_version": self._task_version})
@@ -310,7 +330,7 @@ class BaseRolloutWorker(ThreadedModule):
                 self._activity_tracker.record_lost_item(task, cause, message, True, traj["model_version"],
                                                         failure_detail(traj))
             # the tracker shows each distinct error once on the console; every one goes to run.log
-            self._activity_tracker.report_error(self._module_name, cause, line, ErrorSeverity.WARNING, {
+            self._activity_tracker.report_error(self._module_name, cause, line, severity, {
                 "uid": task.get("uid"), "sample_index": task.get("sample_index"), "seq": task.get("seq"),
                 "validation": validating, "traceback": traj.get("error_traceback"),
                 "signature": failure_signature(cause, message, error, _code_folder(self.evaluator_for(task)))})
@@ -356,6 +376,14 @@ def evaluator_label(section: Any) -> str:
     name = section.get("type")
     registration = active_plugin_manager().components("evaluator").get(name)
     return f"evaluator '{name}'" + (f" ({registration.distribution})" if registration is not None else "")
+
+
+def worker_label(name: Any, cls: type) -> str:
+    """``rollout worker 'NAME' (distribution)``: how messages name the recipe's rollout worker."""
+    registration = active_plugin_manager().components("rollout_worker").get(name) if name else None
+    if registration is None:
+        return f"rollout worker {cls.__name__}"
+    return f"rollout worker '{name}' ({registration.distribution})"
 
 
 def failure_detail(trajectory: Trajectory) -> dict[str, Any]:

@@ -204,6 +204,9 @@ def _keep_error_row(step: int):
 #: shows the progress display instead leaves them out
 STEP_LINE = "nexrl_step_line"
 CONSOLE_FORMAT = "<green>{time:HH:mm:ss}</green> <level>{level: <7}</level> {message}"
+#: keywords of every loguru sink nexrl adds: a traceback never shows local variables (they may hold
+#: secrets and prompts) nor the frames above the one that caught it
+SINK_SAFETY = {"diagnose": False, "backtrace": False}
 
 
 def setup_logging(run_dir: str | None, level: str = "INFO", fresh: bool = False, log_file: str = LOG_FILE,
@@ -221,13 +224,13 @@ def setup_logging(run_dir: str | None, level: str = "INFO", fresh: bool = False,
     # every sink scrubs secrets from the whole formatted line, tracebacks included
     if console is not None:
         logger.add(lambda message: console(scrub(message)), level=level, format=CONSOLE_FORMAT, colorize=True,
-                   filter=shown)
+                   filter=shown, **SINK_SAFETY)
     else:
-        logger.add(ScrubbedStream(sys.stderr), level=level, format=CONSOLE_FORMAT, filter=shown)
+        logger.add(ScrubbedStream(sys.stderr), level=level, format=CONSOLE_FORMAT, filter=shown, **SINK_SAFETY)
     if run_dir:
         os.makedirs(run_dir, exist_ok=True)
         log = open(os.path.join(run_dir, log_file), "w" if fresh else "a", encoding="utf-8")  # closed by the sink
-        logger.add(ScrubbedStream(log, owned=True), level="DEBUG", enqueue=False, colorize=False)
+        logger.add(ScrubbedStream(log, owned=True), level="DEBUG", enqueue=False, colorize=False, **SINK_SAFETY)
 
 
 # -- run directories ---------------------------------------------------------------------------------

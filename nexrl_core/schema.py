@@ -168,8 +168,8 @@ LOGGER = {
     "progress": Option("auto", str, "nexrl run's progress display on stderr: rich (live, for a terminal), plain "
                                     "(one line per step), auto (rich on a terminal, else plain), off",
                        choices=PROGRESS_MODES, check=_progress_available),
-    "samples_every": Option(10, int, "every N training steps, write some of the step's generations to "
-                                     "samples.jsonl (0: never)", ge=0),
+    "samples_every": Option(10, int, "every N training steps, and at the first and the last, write some of "
+                                     "the step's generations to samples.jsonl (0: never)", ge=0),
     "samples_per_step": Option(4, int, "generations written per such step, spread over the batch", ge=1),
 }
 

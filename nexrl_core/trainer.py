@@ -19,12 +19,12 @@ from .rollout_worker import failure_detail
 from .runtime.execute import execute
 from .runtime.threaded import ThreadedModule
 from .train_service import SECTION, TrainService, train_service_class
-from .types import DEFAULT_MODEL_TAG, Trajectory
+from .types import DEFAULT_MODEL_TAG, Trajectory, trajectory_reward
 
 _BATCH_WAIT_S = 0.1
 # What samples.jsonl keeps of a trajectory (logger.samples_every).
-SAMPLE_FIELDS = ("uid", "sample_index", "data_source", "prompt", "response", "reward", "score", "model_version",
-                 "sampling", "finish_reason", "failed", "error")
+SAMPLE_FIELDS = ("uid", "sample_index", "data_source", "prompt", "response", "reward", "advantage", "score",
+                 "model_version", "sampling", "finish_reason", "failed", "error")
 
 
 class BaseTrainer(ThreadedModule):
@@ -51,6 +51,7 @@ class BaseTrainer(ThreadedModule):
     TRAIN_SERVICE_BATCH_FORMAT: str | None = None
     TRAIN_SERVICE_DEFAULT: str | None = None
     STOP_JOIN_TIMEOUT_S = 300.0  # a training step in flight finishes first
+    LOOP_ERROR_ENDS_RUN = True
 
     def __init__(self, config: Any):
         super().__init__()
@@ -67,6 +68,7 @@ class BaseTrainer(ThreadedModule):
         self.samples_every = int(logger_section.get("samples_every", 0) or 0)
         self.samples_per_step = int(logger_section.get("samples_per_step", 4) or 0)
         self.global_step = 0
+        self._first_step_done = False  # this run's first training step (a resumed run's too) was taken
         self._trajectory_pool: Any = None
         self._weight_sync_controller: Any = None
         self._dataloader: Any = None
@@ -176,7 +178,9 @@ class BaseTrainer(ThreadedModule):
                 self._train_step(batch.to_trajectories(), time.perf_counter() - t0,
                                  batch.metadata.get("dropped_groups"))
             except Exception as exc:
-                self._activity_tracker.report_exception(self._module_name, f"train step {self.global_step + 1}", exc)
+                # run.log gets the traceback; the console shows the message once, as the run's final error
+                self._activity_tracker.report_exception(self._module_name, f"train step {self.global_step + 1}", exc,
+                                                        console=False)
                 raise  # ends the loop; get_last_error() tells the controller
             t0 = time.perf_counter()
 
@@ -185,7 +189,7 @@ class BaseTrainer(ThreadedModule):
         execute(self._weight_sync_controller.train_worker_notify_step_start, self._module_name, self._model_tag)
         usable = [t for t in trajectories if not t.get("failed")]
         t0 = time.perf_counter()
-        with self._activity_tracker.track(self._module_name, "train"):
+        with self._activity_tracker.track(self._module_name, "train", auto_report_errors=False):  # _main_loop does
             metrics = self.train(usable) if usable else {}
         train_s = time.perf_counter() - t0
         self.global_step += 1
@@ -200,11 +204,19 @@ class BaseTrainer(ThreadedModule):
                                                         str(t.get("error", "")), False, self.global_step,
                                                         failure_detail(t))
         self._activity_tracker.experiment_logger_post("metrics", data=metrics, step=self.global_step)
-        if self.samples_every > 0 and self.global_step % self.samples_every == 0 and self.samples_per_step > 0:
+        if self._samples_due():
             self._activity_tracker.record_samples(self.global_step, self._pick_samples(trajectories))
+        self._first_step_done = True
         if self.save_freq > 0 and (self.global_step % self.save_freq == 0 or self.is_done()):
             self.save_checkpoint()
         execute(self._weight_sync_controller.train_worker_notify_weight_update, self._module_name, self._model_tag)
+
+    def _samples_due(self) -> bool:
+        """samples.jsonl gets this step's samples: every ``logger.samples_every`` steps, and the first
+        and the last step of the run (a short run shows what the model says too)."""
+        if self.samples_every <= 0 or self.samples_per_step <= 0:
+            return False
+        return self.global_step % self.samples_every == 0 or not self._first_step_done or self.is_done()
 
     def _pick_samples(self, trajectories: list[Trajectory]) -> list[dict[str, Any]]:
         """``samples_per_step`` trajectories spread over the batch (no random draw: the run's
@@ -217,7 +229,7 @@ class BaseTrainer(ThreadedModule):
 
     def _core_metrics(self, trajectories: list[Trajectory], usable: list[Trajectory], wait_s: float,
                       train_s: float) -> dict[str, float]:
-        rewards = [float(t.get("reward", 0.0)) for t in usable]
+        rewards = [trajectory_reward(t) for t in usable]
         version = execute(self._weight_sync_controller.get_train_model_version, self._model_tag)
         staleness = [version - int(t.get("model_version", version)) for t in usable]
         sync_s = float(execute(self._weight_sync_controller.get_sync_stats)["last_sync_s"])

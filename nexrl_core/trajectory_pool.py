@@ -27,7 +27,7 @@ from typing import Any, Callable
 from .errors import ConfigError
 from .runtime.execute import execute
 from .runtime.module import NexRLModule
-from .types import DEFAULT_MODEL_TAG, Batch, ModelTag, Trajectory
+from .types import DEFAULT_MODEL_TAG, Batch, ModelTag, Trajectory, trajectory_reward
 
 BATCH_READY_FUNCTIONS = ("batch_size", "loaded_batch_finished", "batch_size_or_loaded_batch_finished")
 
@@ -49,7 +49,7 @@ def is_flat_group(group: list[Trajectory]) -> bool:
     consumes it, so such a group is never dropped)."""
     if any(t.get("failed") for t in group):
         return False
-    return len({float(t.get("reward", 0.0)) for t in group}) == 1
+    return len({trajectory_reward(t) for t in group}) == 1
 
 
 def _seq(traj: Trajectory) -> int:
@@ -284,7 +284,7 @@ class TrajectoryPoolInstance:
                 dropped.append(group)
                 self.counters["dynamic_sampling_dropped_groups"] += 1
                 self._dropped_since_batch.append({"domain": group[0].get("domain"),
-                                                  "rewards": [float(t.get("reward", 0.0)) for t in group]})
+                                                  "rewards": [trajectory_reward(t) for t in group]})
         self._store.finished[finished_before:] = kept
         return dropped
 

@@ -92,6 +92,19 @@ def _leading_all_true(flags: list[bool]) -> int:
     return n
 
 
+def trajectory_reward(trajectory: Trajectory) -> float:
+    """The trajectory's ``reward``: 0.0 for a failed one, and a ValueError naming the trajectory
+    when a usable one has none (never a silent 0: rollout workers must set it)."""
+    reward = trajectory.get("reward")
+    if reward is None and trajectory.get("failed"):
+        return 0.0
+    if isinstance(reward, bool) or not isinstance(reward, (int, float)):
+        raise ValueError(f"trajectory {trajectory.get('uid')}#{trajectory.get('sample_index')} has "
+                         f"{'no reward' if reward is None else f'reward {reward!r}'}: a rollout worker must set a "
+                         f"number 'reward' on every trajectory it hands on")
+    return float(reward)
+
+
 SEGMENT_KEYS = ("prompt_token_ids", "response_token_ids", "response_logprobs", "loss_mask")
 
 

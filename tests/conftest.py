@@ -55,7 +55,8 @@ def reset_loguru():
     from loguru import logger
 
     logger.remove()
-    logger.add(lambda message: sys.stderr.write(message), level=os.environ.get("NEXRL_TEST_LOG_LEVEL", "WARNING"))
+    logger.add(lambda message: sys.stderr.write(message), level=os.environ.get("NEXRL_TEST_LOG_LEVEL", "WARNING"),
+               diagnose=False)
 
 
 FAST_MONITOR = {

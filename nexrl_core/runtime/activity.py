@@ -17,7 +17,7 @@ from loguru import logger
 
 from ..errors import ErrorInfo, ErrorReporter, ErrorSeverity
 from .execute import ModuleUnavailable, RpcTimeout, execute, execute_with_timeout
-from .logs import FailureLog
+from .logs import FailureLog, failure_signature, format_traceback
 
 
 class ActivityTracker:
@@ -41,6 +41,7 @@ class ActivityTracker:
         self._rollout_workers: set[str] = set()
         self._training_step = 0
         self._health_problems: dict[str, str] = {}
+        self._run_stopping: set[str] = set()  # severities the controller's error policy ends the run on
 
     # -- activity -------------------------------------------------------------
     def start(self, module: str, work: str) -> str:
@@ -123,22 +124,43 @@ class ActivityTracker:
         """Every error reported so far, oldest first."""
         return self._error_reporter.errors()
 
+    def set_run_stopping_severities(self, severities: list[str]) -> None:
+        """The severities (``error``, ``critical``) on which the controller's error policy ends the
+        run (``runtime_monitor.exception_handling``). Such an error is shown once, in the run's
+        final ``error:`` line; here it only goes to run.log, with its traceback."""
+        self._run_stopping = {str(s) for s in severities}
+
     def report_exception(self, module: str, work: str, exception: BaseException,
-                         severity: ErrorSeverity | None = None) -> str:
-        logger.opt(exception=exception).error(f"{module}/{work}: {exception!r}")
-        return self._error_reporter.report_exception(module, work, exception, severity or ErrorSeverity.ERROR)
+                         severity: ErrorSeverity | None = None, console: bool = True) -> str:
+        """Record an exception. The console gets one line per distinct error (no traceback, no local
+        variables: they may hold secrets and prompts); run.log gets every one with its traceback.
+        ``console=False``: the caller's error is shown elsewhere (a trainer's, in the run's final line)."""
+        severity = severity or ErrorSeverity.ERROR
+        self._log(severity, f"{module}/{work}: {type(exception).__name__}: {exception}",
+                  failure_signature(f"{module}/{work}", str(exception), exception), format_traceback(exception),
+                  console, "run.log")
+        return self._error_reporter.report_exception(module, work, exception, severity)
 
     def report_error(self, module: str, work: str, message: str,
                      severity: ErrorSeverity = ErrorSeverity.ERROR, details: dict | None = None) -> str:
         """Record an error; ``details["signature"]`` marks one that may repeat (a failed sample):
         the console shows each signature once, run.log every occurrence (and ``details["traceback"]``)."""
-        signature = (details or {}).get("signature")
-        if signature is None:
-            logger.log(severity.name, f"{module}/{work}: {message}")
-        else:
-            self._failure_log.log(signature, message, (details or {}).get("traceback"), severity.name,
-                                  records="run.log and errors.jsonl")
+        details = details or {}
+        signature = details.get("signature")
+        self._log(severity, message if signature is not None else f"{module}/{work}: {message}", signature,
+                  details.get("traceback"), True, "run.log and errors.jsonl")
         return self._error_reporter.report_error(module, work, message, severity, details)
+
+    def _log(self, severity: ErrorSeverity, message: str, signature: str | None, traceback_text: str | None,
+             console: bool, records: str) -> None:
+        if not console or severity.value in self._run_stopping:
+            logger.debug(message + (f"\n{traceback_text}" if traceback_text else ""))
+        elif signature is None:
+            logger.log(severity.name, message)
+            if traceback_text:
+                logger.debug(f"traceback of the error above:\n{traceback_text}")
+        else:
+            self._failure_log.log(signature, message, traceback_text, severity.name, records=records)
 
     def get_error_health_status(self) -> dict[str, Any]:
         return self._error_reporter.get_health_status()
@@ -248,8 +270,8 @@ class ActivityTrackerProxy:
         return execute(self._tracker.is_rollout_worker_quiescent)
 
     def report_exception(self, module: str, work: str, exception: BaseException,
-                         severity: ErrorSeverity | None = None) -> str:
-        return execute(self._tracker.report_exception, module, work, exception, severity)
+                         severity: ErrorSeverity | None = None, console: bool = True) -> str:
+        return execute(self._tracker.report_exception, module, work, exception, severity, console)
 
     def report_error(self, module: str, work: str, message: str,
                      severity: ErrorSeverity = ErrorSeverity.ERROR, details: dict | None = None) -> str:

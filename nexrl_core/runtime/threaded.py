@@ -24,6 +24,9 @@ class ThreadedModule(NexRLModule):
 
     #: seconds :meth:`stop` waits for the loop to end
     STOP_JOIN_TIMEOUT_S: float = 60.0
+    #: the controller ends the run with :meth:`get_last_error` as its error (a trainer's): the loop's
+    #: end then goes to run.log only, so the console shows the message once
+    LOOP_ERROR_ENDS_RUN: bool = False
 
     def __init__(self) -> None:
         super().__init__()
@@ -44,7 +47,8 @@ class ThreadedModule(NexRLModule):
             self._main_loop()
         except Exception as exc:
             self._loop_error = exc
-            logger.error(f"{self._module_name}: its loop stopped: {type(exc).__name__}: {exc}")
+            logger.log("DEBUG" if self.LOOP_ERROR_ENDS_RUN else "ERROR",
+                       f"{self._module_name}: its loop stopped: {type(exc).__name__}: {exc}")
 
     # -- lifecycle (public: called through execute) ---------------------------------------
     def run(self) -> None:

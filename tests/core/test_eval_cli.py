@@ -42,7 +42,8 @@ def documented_names(score_keys, sources, n, expected_known=True) -> set[str]:
         if not m:
             continue
         template, when = m.groups()
-        if ("n > 1" in when and n <= 1) or ("expected" in when and not expected_known):
+        if ("n > 1" in when and n <= 1) or ("expected" in when and not expected_known) or \
+                ("unless `default` is the only data source" in when and set(sources) == {"default"}):
             continue
         expanded = {template.replace("<n>", str(n))}
         if "<data_source>" in template:
@@ -107,6 +108,7 @@ def test_eval_prints_one_json_summary_and_writes_samples(tmp_path):
     assert len(records) == n_rows * N_SAMPLES  # one line per sample
     assert all(set(r) == SAMPLE_FIELDS for r in records)
     assert len({(r["uid"], r["sample_index"]) for r in records}) == len(records)
+    assert all(isinstance(r["failed"], bool) for r in records)  # true or false, never null
     failed = [r for r in records if r["failed"]]
     assert len(failed) == N_SAMPLES and all(r["error"] for r in failed)
     # docs/evaluation.md §Denominators: the summary is recomputable from the sample lines

@@ -14,6 +14,7 @@ import json
 import sys
 import textwrap
 
+import pytest
 import yaml
 
 from nexrl_core.cli import main
@@ -159,3 +160,87 @@ def test_a_failing_step_end_hook_or_sink_is_named_and_training_goes_on(tmp_path,
     assert log.count(hook_line) == 3
     assert log.count(sink_line) == 4  # validation row + 3 training rows
     assert "step 3/3" in err  # the console still reports every step (plain progress lines off a terminal)
+
+
+# -- one error, one message (issue 31, items 3 and 4) -----------------------------------------------
+
+WORKERS = textwrap.dedent('''
+    from nexrl_core import hookimpl
+    from nexrl_core.builtins.workers import SimpleRolloutWorker
+
+
+    class NoReward(SimpleRolloutWorker):
+        def _put_trajectory(self, trajectory):
+            if not trajectory.get("failed"):
+                trajectory.pop("reward")
+            return super()._put_trajectory(trajectory)
+
+
+    class Crashing(SimpleRolloutWorker):
+        def step(self, task):
+            secret_prompt = "SECRET-" + str(task["prompt"])
+            return {"len": len(secret_prompt)}["width"]
+
+
+    @hookimpl
+    def nexrl_rollout_workers():
+        return {"no_reward": NoReward, "crashing": Crashing}
+''')
+
+LOCAL_VARIABLES = ("│", "└", "SECRET-")  # what loguru's `diagnose` draws under each traceback line
+
+
+def _run_broken_worker(tmp_path, core_pm, capfd, worker, *overrides):
+    module = _load(tmp_path, f"broken_workers_{worker}", WORKERS)
+    core_pm.register(module, name="broken", distribution="nexrl-broken-workers")
+    recipe = _recipe(tmp_path, steps=3, validate={"validate_before_train": False})
+    code = main(["run", str(recipe), f"rollout_worker.type={worker}", "rollout_worker.evaluator.type=exact_match",
+                 *overrides])
+    return code, capfd.readouterr().err, (tmp_path / "run")
+
+
+BROKEN = {
+    "no_reward": ("rollout worker 'no_reward' (nexrl-broken-workers) handed on a trajectory without a 'reward': "
+                  "every trajectory needs a finite number 'reward'", "bad_trajectory"),
+    "crashing": ("rollout worker 'crashing' (nexrl-broken-workers) raised KeyError: 'width' ({}/"
+                 "broken_workers_crashing.py:16 in step)", "worker_exception"),
+}
+
+
+@pytest.mark.parametrize("worker", sorted(BROKEN))
+def test_a_broken_worker_stops_the_run_with_one_message_naming_it(tmp_path, core_pm, capfd, reset_loguru, worker):
+    # the default error policy (stop_on_error) ends the run on a worker's bug: said once, in its error line
+    code, err, run = _run_broken_worker(tmp_path, core_pm, capfd, worker)
+    message = BROKEN[worker][0].format(tmp_path)
+    assert code == 1, err
+    assert err.count(message) == 1, err
+    error_lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(error_lines) == 1 and message in error_lines[0]
+    assert error_lines[0].startswith("error: stopping on error (policy stop_on_error): rollout_worker_")
+    assert "Traceback" not in err and not any(mark in err for mark in LOCAL_VARIABLES), err
+    assert len(err.splitlines()) < 20, err
+    log = (run / "run.log").read_text()
+    assert message in log and not any(mark in log for mark in LOCAL_VARIABLES)
+    if worker == "crashing":
+        assert "Traceback (most recent call last)" in log and \
+            'return {"len": len(secret_prompt)}["width"]' in log
+
+
+@pytest.mark.parametrize("worker", sorted(BROKEN))
+def test_a_broken_worker_under_policy_continue_is_one_warning_and_errors_jsonl(tmp_path, core_pm, capfd,
+                                                                               reset_loguru, worker):
+    code, err, run = _run_broken_worker(tmp_path, core_pm, capfd, worker,
+                                        "runtime_monitor.exception_handling.policy=continue")
+    message, cause = BROKEN[worker][0].format(tmp_path), BROKEN[worker][1]
+    assert code == 0, err  # (runtime_monitor.failed_samples is off in this recipe)
+    assert err.count(message) == 1, err  # 18 failed samples, one line
+    assert not any(mark in err for mark in LOCAL_VARIABLES) and "Traceback" not in err
+    errors = [json.loads(line) for line in (run / "errors.jsonl").read_text().splitlines()]
+    assert len(errors) == 18 and {e["cause"] for e in errors} == {cause}
+    assert all(e["message"].startswith(message) for e in errors)
+    if worker == "crashing":
+        assert all("KeyError: 'width'" in e["error_traceback"] and "SECRET-" not in e["error_traceback"]
+                   for e in errors)
+    rewards = [r["train/reward_mean"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+               if "train/reward_mean" in r]
+    assert rewards == [0.0, 0.0, 0.0]  # nothing trained on: no trajectory passed with a made-up reward

@@ -90,3 +90,25 @@ def test_a_librarys_routine_warnings_can_be_demoted(tmp_path):
     for text in ((tmp_path / LOG_FILE).read_text(), done.stderr):
         assert "request 7" not in text  # demoted below the level library records are forwarded at
         assert "some.sdk: request 8 failed" in text and "other.sdk: Retrying request 9" in text
+
+
+def test_every_loguru_sink_leaves_local_variables_out():
+    """loguru's ``diagnose`` (on by default) prints every local variable under a traceback: secrets
+    and prompts. Each ``logger.add`` of nexrl's code passes ``diagnose=False`` (or
+    ``**SINK_SAFETY``, which does)."""
+    from nexrl_core.run_log import SINK_SAFETY
+
+    assert SINK_SAFETY["diagnose"] is False
+    sources = [*REPO.glob("nexrl_core/**/*.py"), *REPO.glob("plugins/*/nexrl_*/**/*.py"),
+               *REPO.glob("benchmarks/*.py")]
+    calls, unsafe = 0, []
+    for path in sources:
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "add" \
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id == "logger":
+                calls += 1
+                kinds = {(k.arg, getattr(k.value, "value", None)) for k in node.keywords}
+                spread = any(k.arg is None and getattr(k.value, "id", "") == "SINK_SAFETY" for k in node.keywords)
+                if ("diagnose", False) not in kinds and not spread:
+                    unsafe.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert calls >= 4 and not unsafe, unsafe

@@ -60,7 +60,29 @@ def test_a_fresh_run_into_a_used_run_dir_stops_and_offers_the_choices(nexrl, tmp
         assert line.startswith(f"error: run_dir: '{run_dir}' holds an earlier run (metrics.jsonl, 1 checkpoint "
                                f"folder in {run_dir}/checkpoints) and resume.mode is 'disable'. Choose: "
                                f"resume.mode=auto to continue it, another run_dir, or overwrite_run_dir=true")
+        assert line.endswith(". It finished (step 2 of trainer.total_train_steps=2): resume.mode=auto trains on "
+                             "only with more steps, e.g. trainer.total_train_steps=4")
     assert (run_dir / "metrics.jsonl").read_bytes() == metrics  # untouched
+    # validate says what `nexrl run` will do with it, for each choice
+    ckpt = run_dir / "checkpoints" / "global_step_2"
+    notes = {}
+    for choice in (["resume.mode=auto"], ["resume.mode=auto", "trainer.total_train_steps=3"],
+                   ["overwrite_run_dir=true"]):
+        code, out, err = nexrl("validate", f"run_dir={run_dir}", *choice)
+        assert code == 0 and out.strip().endswith(": ok"), err
+        [notes[" ".join(choice)]] = [x for x in err.splitlines() if x.startswith("note: ")]
+    assert notes["resume.mode=auto"] == (
+        f"note: run_dir '{run_dir}' holds a finished run ({ckpt}, step 2 of trainer.total_train_steps=2): nexrl "
+        f"run resumes from it (resume.mode=auto) and trains no further step; trainer.total_train_steps=4 trains "
+        f"on, resume.mode=disable overwrite_run_dir=true starts anew (the earlier run is moved aside), or give "
+        f"another run_dir")
+    assert notes["resume.mode=auto trainer.total_train_steps=3"].startswith(
+        f"note: nexrl run resumes from {ckpt} at step 2 of 3 (resume.mode=auto)")
+    assert notes["overwrite_run_dir=true"].startswith(
+        f"note: run_dir '{run_dir}' holds an earlier run (metrics.jsonl, 1 checkpoint folder in "
+        f"{run_dir}/checkpoints): nexrl run moves it aside to '{run_dir}.old-<time>'")
+    code, out, err = nexrl("validate", f"run_dir={tmp_path / 'fresh'}")
+    assert code == 0 and "note:" not in err  # a fresh run_dir: nothing to say
     # the earlier run's checkpoint is what resume.mode=auto picks up: nothing left to train
     code, out, err = nexrl("run", f"run_dir={run_dir}", "resume.mode=auto")
     assert code == 0, err

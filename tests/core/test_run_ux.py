@@ -117,6 +117,7 @@ def test_plain_progress_header_footer_and_the_run_directory(tmp_path):
     run_dir = tmp_path / "run"
     assert f"checkpoints  {run_dir / 'checkpoints' / 'global_step_5'}" in footer
     assert f"plot         {run_dir / 'metrics.png'}" in footer
+    assert f"samples      nexrl show {run_dir}" in footer
     assert "nexrl export" not in footer  # the mock trainer's checkpoints hold no model (a GRPO run's do)
     assert f"train on     nexrl run {recipe} resume.mode=auto trainer.total_train_steps=10" in footer
     # the JSON summary stays alone on stdout
@@ -142,13 +143,30 @@ def test_plain_progress_header_footer_and_the_run_directory(tmp_path):
     for r in (r for r in metrics if "train/num_trajectories" in r):  # the step's split and throughput
         step_s = r["timing/wait_batch_s"] + r["timing/train_s"] + r["timing/weight_sync_s"]
         assert r["timing/response_tokens_per_s"] == pytest.approx(r["train/num_response_tokens"] / step_s)
-    # samples.jsonl: 3 generations of every 2nd step, with prompt, response and reward
+    # samples.jsonl: 3 generations of every 2nd step, and of the first and the last, with prompt,
+    # response and reward
     samples = rows(run_dir / "samples.jsonl")
-    assert [s["step"] for s in samples] == [2, 2, 2, 4, 4, 4]
+    assert [s["step"] for s in samples] == [1, 1, 1, 2, 2, 2, 4, 4, 4, 5, 5, 5]
     for s in samples:
-        assert s["response"] == str(eval(s["prompt"][0]["content"]))  # the mock model sums
-        assert s["reward"] == 1.0 and "time" in s and s["model_version"] is not None
+        right = s["response"] == str(eval(s["prompt"][0]["content"]))  # the mock model learns to sum
+        assert s["reward"] == float(right) and (right or s["step"] == 1)
+        assert "time" in s and s["model_version"] is not None
         assert s["sampling"]["temperature"] == 1.0  # the sampling record that produced it
+    # nexrl show: the newest step's samples, readable; --last N the N newest
+    show = nexrl(tmp_path, "show", run_dir)
+    assert show.returncode == 0, show.stderr
+    blocks = show.stdout.strip().split("\n\n")
+    assert blocks[0] == f"{run_dir / 'samples.jsonl'}: 3 of 12 samples (step 5)"
+    for block, sample in zip(blocks[1:], samples[-3:]):
+        lines = block.splitlines()
+        assert lines[0] == f"step 5 · sample {sample['uid']}#{sample['sample_index']} · weights v4 · reward 1"
+        assert lines[1] == f"  prompt   [user] {sample['prompt'][0]['content']}"
+        assert lines[2] == f"  reply    {sample['response']}"
+    assert len(blocks) == 4
+    last = nexrl(tmp_path, "show", run_dir, "--last", "4")
+    assert last.stdout.startswith(f"{run_dir / 'samples.jsonl'}: 4 of 12 samples (steps 4-5)")
+    assert [b.split(" · ")[0] for b in last.stdout.strip().split("\n\n")[1:]] == ["step 4", "step 5", "step 5",
+                                                                                   "step 5"]
     # metrics.png: a real PNG
     png = (run_dir / "metrics.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
@@ -238,7 +256,10 @@ def test_resume_keeps_the_earlier_attempt_in_run_json(tmp_path):
     info = json.loads((tmp_path / "run" / "run.json").read_text())
     assert info["global_step"] == 6 and info["resume_mode"] == "auto"
     assert [p["start"] for p in info["previous"]] == [first["start"]]
-    assert [s["step"] for s in rows(tmp_path / "run" / "samples.jsonl")] == [2, 2, 2, 4, 4, 4, 6, 6, 6]
+    # samples of steps 1, 2 and 4 (the first run's first, 2nd and last), then 5 and 6 (the resumed run's first
+    # and last)
+    assert [s["step"] for s in rows(tmp_path / "run" / "samples.jsonl")] == [1] * 3 + [2] * 3 + [4] * 3 + \
+        [5] * 3 + [6] * 3
 
 
 def test_secrets_never_reach_config_yaml(tmp_path):
@@ -382,6 +403,24 @@ def test_help_shows_the_override_syntax(tmp_path):
         out = nexrl(tmp_path, *args)
         assert out.returncode == 0
         assert "+key.sub=value" in out.stdout and "~key.sub" in out.stdout and "before or after" in out.stdout
+
+
+def test_cli_manners_a_missing_recipe_and_option_help(tmp_path):
+    for command in ("run", "validate", "config", "eval"):
+        out = nexrl(tmp_path, command)
+        assert out.returncode == 2
+        assert f"error: a recipe is required: nexrl {command} RECIPE.yaml [key=value ...]" in out.stderr
+        assert "overrides" not in out.stderr and "key=value ..." in out.stderr
+    helped = nexrl(tmp_path, "plugins", "--help")
+    [json_line] = [line for line in helped.stdout.splitlines() if line.strip().startswith("--json")]
+    assert json_line.split("--json", 1)[1].strip().startswith("print the list as JSON")
+    checked = nexrl(tmp_path, "plugins", "check", "--help")
+    assert re.search(r"--json\s+print the reports as JSON", checked.stdout)
+    shown = nexrl(tmp_path, "show", tmp_path / "nowhere")
+    assert shown.returncode == 2 and shown.stderr.strip() == f"error: {tmp_path / 'nowhere'}: no such run directory"
+    (tmp_path / "empty").mkdir()
+    shown = nexrl(tmp_path, "show", tmp_path / "empty")
+    assert shown.returncode == 2 and "no samples.jsonl yet" in shown.stderr and "Traceback" not in shown.stderr
 
 
 def test_nexrl_config_prints_the_resolved_recipe(tmp_path):

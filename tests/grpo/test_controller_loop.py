@@ -76,6 +76,7 @@ class RunRecord:
         self.trainer_weights: dict[int, dict[str, torch.Tensor]] = {}  # version -> trainer tensors
         self.batch_versions: list[tuple[int, set[int]]] = []  # (step being trained, versions of its data)
         self.precomputed_old_logprobs: list[bool] = []
+        self.advantages: list[list[tuple]] = []  # per step: (uid, reward, recorded advantage) of each trajectory
         self.controller: NexRLController | None = None
         self.summary = None
         self.run_dir: Path | None = None
@@ -110,7 +111,9 @@ def grpo_run(tiny_model_dir, tmp_path_factory) -> RunRecord:
 
     def recording_train(trajectories):
         rec.batch_versions.append((trainer.global_step + 1, {int(t["model_version"]) for t in trajectories}))
-        return train(trajectories)
+        metrics = train(trajectories)
+        rec.advantages.append([(t["uid"], t["reward"], t.get("advantage")) for t in trajectories])
+        return metrics
 
     def recording_prepare(batch):
         batch, metrics = prepare(batch)
@@ -208,6 +211,45 @@ def test_checkpoints_load_with_transformers(grpo_run):
         loaded = dict(model.state_dict())
         assert _same_weights(loaded, grpo_run.trainer_weights[step]), f"{name} does not hold the step-{step} weights"
         assert json.loads((folder / "nexrl_state.json").read_text())["global_step"] == step
+        assert _modes(folder) == {"folder": 0o755, "files": {0o644}}  # like any file the user makes (umask 022)
+
+
+def _modes(folder: Path) -> dict:
+    """Permission bits of ``folder`` and of its files (expected values assume the usual umask 022)."""
+    from nexrl_core.checkpoint import _umask
+
+    assert _umask() == 0o022, "these expectations assume umask 022"
+    return {"folder": folder.stat().st_mode & 0o777, "files": {p.stat().st_mode & 0o777 for p in folder.iterdir()}}
+
+
+def test_samples_of_the_first_and_last_step_with_their_advantage(grpo_run, capsys):
+    # logger.samples_every is 10 and the run has 8 steps: the first and the last step are recorded
+    rows = [json.loads(line) for line in (grpo_run.run_dir / "samples.jsonl").read_text().splitlines()]
+    assert sorted({r["step"] for r in rows}) == [1, STEPS] and len(rows) == 2 * 4  # samples_per_step 4
+    for r in rows:
+        assert isinstance(r["advantage"], float) and r["response"] and r["prompt"]
+    # each trajectory carries its advantage: GRPO's is centred on its group and orders it as the rewards do
+    assert len(grpo_run.advantages) == STEPS
+    for step in grpo_run.advantages:
+        groups: dict[str, list[tuple[float, float]]] = {}
+        for uid, reward, advantage in step:
+            groups.setdefault(uid, []).append((reward, advantage))
+        for members in groups.values():
+            assert sum(a for _, a in members) == pytest.approx(0.0, abs=1e-4)
+            by_reward = sorted(members)
+            assert all(a1 <= a2 + 1e-6 for (_, a1), (_, a2) in zip(by_reward, by_reward[1:]))
+    assert any(a != 0.0 for _, _, a in grpo_run.advantages[0])
+    recorded = {(r["uid"], r["reward"], r["advantage"]) for r in rows if r["step"] == 1}
+    assert recorded <= set(grpo_run.advantages[0])
+
+    from nexrl_core.cli import main
+
+    assert main(["show", str(grpo_run.run_dir)]) == 0
+    out = capsys.readouterr().out
+    assert f"4 of 8 samples (step {STEPS})" in out.splitlines()[0]
+    for r in rows[4:]:
+        first_line = (r["response"].splitlines() or [""])[0]
+        assert f"advantage {r['advantage']:+.3f}" in out and f"  reply    {first_line}".rstrip() in out
 
 
 def _nexrl_cmd() -> list[str]:
@@ -287,4 +329,12 @@ def test_export_writes_a_from_pretrained_folder_without_optimizer_state(grpo_run
     assert "replaces only a folder an earlier `nexrl export` wrote" in capsys.readouterr().err
     assert (mine / "notes.txt").read_text() == "keep me"
     assert main(["export", str(grpo_run.run_dir), str(tmp_path / "x")]) == 2
-    assert "not a complete checkpoint" in capsys.readouterr().err
+    assert f"not a complete checkpoint (no nexrl_state.json) nor a folder holding one; give a global_step_<N> " \
+           f"folder of trainer.checkpoint_path, or that folder (here: {grpo_run.run_dir / 'checkpoints'})" \
+        in capsys.readouterr().err
+    assert _modes(out) == {"folder": 0o755, "files": {0o644}}
+    # the checkpoints folder itself: its newest checkpoint
+    newest = tmp_path / "newest"
+    assert main(["export", str(grpo_run.run_dir / "checkpoints"), str(newest)]) == 0
+    assert json.loads((newest / "nexrl_export.json").read_text())["global_step"] == STEPS
+    assert f"exporting {last}, the newest checkpoint in" in capsys.readouterr().err

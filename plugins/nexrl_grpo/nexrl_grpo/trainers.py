@@ -13,7 +13,7 @@ import torch
 from loguru import logger
 
 from nexrl_core import (Batch, BaseTrainer, Capabilities, ConfigError, DataError, Option, SamplingParams, Trajectory,
-                        algorithms, trajectory_segments)
+                        algorithms, trajectory_reward, trajectory_segments)
 
 from .critic import CRITIC_ALGORITHM_OPTIONS, CriticService, ValueModel
 from .losses import LossContext, agg_loss, kl_loss, masked_mean, value_loss
@@ -22,6 +22,21 @@ from .train_service import BATCH_FORMAT, LocalTorchTrainService, export_model_fo
 
 
 CRITIC_FOLDER = "critic"  # inside a checkpoint folder, next to the policy's files
+
+
+def _record_advantages(trajectories: list[Trajectory], advantages: torch.Tensor, mask: torch.Tensor,
+                       row_trajectory: list[int]) -> None:
+    """``trajectory["advantage"]``: the mean advantage over its response tokens (what samples.jsonl
+    and ``nexrl show`` report; one number per sample, as GRPO's is constant over the tokens)."""
+    sums, counts = [0.0] * len(trajectories), [0.0] * len(trajectories)
+    per_row = (advantages * mask).sum(-1).tolist()
+    tokens = mask.sum(-1).tolist()
+    for row, i in enumerate(row_trajectory):
+        sums[i] += per_row[row]
+        counts[i] += tokens[row]
+    for traj, total, count in zip(trajectories, sums, counts):
+        if count:
+            traj["advantage"] = total / count
 
 
 def _prompt_groups(prompts: list[list[int]]) -> torch.Tensor:
@@ -174,7 +189,7 @@ class SelfHostedTrainer(BaseTrainer):
             "responses": input_ids[:, max_p:],
             "response_mask": response_mask,
             "prompts": input_ids[:, :max_p],
-            "rewards": torch.tensor([float(trajectories[i].get("reward", 0.0)) for i in row_trajectory],
+            "rewards": torch.tensor([trajectory_reward(trajectories[i]) for i in row_trajectory],
                                     dtype=torch.float32),
             "prompt_groups": _prompt_groups([seg["prompt_token_ids"] for _, seg in rows]),
             "temperature": torch.tensor([self._row_temperature(trajectories[i]) for i in row_trajectory],
@@ -208,7 +223,11 @@ class SelfHostedTrainer(BaseTrainer):
         t0 = time.perf_counter()
         batch = self._process_trajectories(trajectories)
         lengths = batch.values["response_mask"].sum(-1)  # before a sample-level mask
+        response_mask = batch.values["response_mask"]
         batch, metrics = self._prepare_batch(batch)
+        if "advantages" in batch.values:
+            _record_advantages(trajectories, batch.values["advantages"], response_mask,
+                               batch.metadata["row_trajectory"])
         t1 = time.perf_counter()
         tensors = {k: v for k, v in batch.values.items() if isinstance(v, torch.Tensor)}
         # A sample-level mask that left nothing to train on: no optimizer step (Adam's momentum

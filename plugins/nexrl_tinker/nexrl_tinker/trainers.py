@@ -26,7 +26,7 @@ import numpy as np
 from loguru import logger
 
 from nexrl_core import (BaseTrainer, Capabilities, ConfigError, DataError, Option, SamplingParams, StepResult,
-                        Trajectory, algorithms, trajectory_segments)
+                        Trajectory, algorithms, trajectory_reward, trajectory_segments)
 
 from .datums import RL_LOSSES, response_values, trajectory_to_datums
 from .service import BATCH_FORMAT
@@ -283,7 +283,7 @@ class RemoteApiGrpoTrainer(RemoteApiTrainer):
             self._check_sampling(t)
         masks = [_response_mask(t) for t in trajectories]
         mask = _padded(masks)
-        rewards = np.asarray([float(t.get("reward", 0.0)) for t in trajectories], dtype=np.float64)
+        rewards = np.asarray([trajectory_reward(t) for t in trajectories], dtype=np.float64)
         group_ids = [t.get("uid") for t in trajectories]
         estimate = self.selection.bound("type")  # (also builds the reward processor)
         # The seed's order, as in self_hosted_grpo: sample-level mask -> reward post-processing (per

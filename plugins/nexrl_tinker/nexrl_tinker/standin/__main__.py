@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     from loguru import logger
 
     logger.remove()
-    logger.add(sys.stderr, level=args.log_level.upper())
+    logger.add(sys.stderr, level=args.log_level.upper(), diagnose=False, backtrace=False)  # no local variables
     from .faults import Fault
 
     try:
