@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     from loguru import logger
 
     logger.remove()
-    logger.add(sys.stderr, level="WARNING")
+    logger.add(sys.stderr, level="WARNING", diagnose=False, backtrace=False)
     os.makedirs(args.out, exist_ok=True)
     report: dict[str, Any] = {"machine": machine(), "device": args.device, "smoke": args.smoke}
     print(json.dumps(report["machine"]), flush=True)
