@@ -13,7 +13,10 @@ token limit, the heaviest case. Steps, each printed and written to ``OUT/gpu_che
 3. speed: ``grpo_vs_trl.py`` on the GPU at 4 x 4 x 48 (the quickstart) and 32 x 8 x 256 (prompts x
    samples x new tokens), nexrl bf16 alternated with TRL ``bf16=True``: s/step, the ratio, tokens/s
    and peak memory (targets: <= 0.5 s and <= 3.0 s a step, >= 3x TRL);
-4. the tiny-model tests of the GPU path (``tests/grpo``) on the GPU (``device: auto`` picks it).
+4. the FSDP2 wrapper's cost: one rank through the data-parallel code (``parallel: fsdp``,
+   ``world_size: 1``) against the plain service, forward/backward/AdamW at 32 x 8 x 256
+   (``scaling.py --systems 1 1:fsdp``; target <= 1.05x);
+5. the tiny-model tests of the GPU path (``tests/grpo``) on the GPU (``device: auto`` picks it).
 
 Here, on the CPU, before the call (``.whl`` and ``.gpu_assets`` are ignored by git and carried)::
 
@@ -44,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))  # grpo_vs_trl, scaling
 QUICKSTART = str(REPO / "recipes" / "quickstart.yaml")
 ASSET_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                "special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja")
@@ -145,7 +149,6 @@ def check_resume(model: str, tmp: str, device: str) -> dict[str, Any]:
 
 
 def check_speed(model: str, tmp: str, device: str, shape: str, smoke: bool) -> dict[str, Any]:
-    sys.path.insert(0, str(REPO / "benchmarks"))
     import grpo_vs_trl
 
     prompts, samples, tokens = SHAPES[shape] if not smoke else (2, 2, 8)
@@ -159,6 +162,22 @@ def check_speed(model: str, tmp: str, device: str, shape: str, smoke: bool) -> d
         raise RuntimeError(f"grpo_vs_trl exited non-zero at {shape}")
     with open(path) as f:
         return json.load(f)
+
+
+def check_fsdp_overhead(model: str, tmp: str, device: str, smoke: bool) -> dict[str, Any]:
+    import scaling
+
+    prompts, samples, tokens = SHAPES["large"] if not smoke else (2, 2, 8)
+    path = os.path.join(tmp, "fsdp_overhead.json")
+    argv = ["--systems", "1", "1:fsdp", "--device", device, "--model", model, "--rows", str(prompts * samples),
+            "--prompt", "40", "--response", str(tokens), "--steps", "1" if smoke else "3", "--blocks", "2",
+            "--json", path]
+    if scaling.main(argv) != 0:
+        raise RuntimeError("scaling.py exited non-zero")
+    with open(path) as f:
+        result = json.load(f)["results"]
+    result["wrapper_cost"] = result["1:fsdp"]["s_per_update"] / result["1"]["s_per_update"]
+    return result
 
 
 def run_tests(device: str) -> dict[str, Any]:
@@ -195,8 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="runs/gpu_check", help="where gpu_check.json goes")
     p.add_argument("--device", default="cuda", help="cuda (the check), or cpu with --smoke")
     p.add_argument("--smoke", action="store_true", help="toy sizes: check the script itself, not the GPU")
-    p.add_argument("--only", nargs="*", default=["on_policy", "resume", "speed", "tests"],
-                   choices=("on_policy", "resume", "speed", "tests"))
+    p.add_argument("--only", nargs="*", default=["on_policy", "resume", "speed", "fsdp", "tests"],
+                   choices=("on_policy", "resume", "speed", "fsdp", "tests"))
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     if args.prepare:
@@ -221,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
             "resume": lambda: check_resume(model, os.path.join(tmp, "resume"), args.device),
             "speed": lambda: {shape: check_speed(model, tmp, args.device, shape, args.smoke) for shape in
                               (SHAPES if not args.smoke else ["quickstart"])},
+            "fsdp": lambda: check_fsdp_overhead(model, tmp, args.device, args.smoke),
             "tests": lambda: run_tests(args.device),
         }
         for name in args.only:

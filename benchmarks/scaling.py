@@ -8,7 +8,11 @@ machine's cores (one torch thread per rank; one rank gets all of them), so a fig
 the data path and its collectives cost, not what more hardware buys.
 
     python benchmarks/scaling.py                       # SmolLM2-135M, 16 rows x (40 + 48) tokens, 1 and 2 ranks
-    python benchmarks/scaling.py --worlds 1 2 --parallel ddp --steps 3
+    python benchmarks/scaling.py --systems 1 2:ddp --steps 3
+    python benchmarks/scaling.py --systems 1 1:fsdp --device cuda   # the FSDP2 wrapper's cost on one GPU
+
+A system is ``N`` (N ranks; FSDP2 when N > 1) or ``N:fsdp`` / ``N:ddp``; ``1`` alone is the plain
+one-process service.
 """
 
 from __future__ import annotations
@@ -43,14 +47,15 @@ def loss_fn(log_probs, mb):
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--worlds", type=int, nargs="+", default=[1, 2])
-    p.add_argument("--parallel", default="fsdp", choices=("fsdp", "ddp"))
+    p.add_argument("--systems", nargs="+", default=["1", "2"], help="N or N:fsdp / N:ddp each")
+    p.add_argument("--device", default="cpu")
     p.add_argument("--rows", type=int, default=16)
     p.add_argument("--prompt", type=int, default=40)
     p.add_argument("--response", type=int, default=48)
     p.add_argument("--steps", type=int, default=2, help="updates per block")
     p.add_argument("--blocks", type=int, default=2)
     p.add_argument("--model", help="an HF folder (default: the quickstart's SmolLM2-135M-Instruct)")
+    p.add_argument("--json", help="also write the results to this JSON file")
     args = p.parse_args(argv)
     from loguru import logger
 
@@ -63,35 +68,48 @@ def main(argv: list[str] | None = None) -> int:
     data = batch(args.rows, args.prompt, args.response)
     tokens = int(data["attention_mask"].sum())
     cores = os.cpu_count() or 1
-    print(f"scaling: {model}; {args.rows} rows x ({args.prompt} + {args.response}) tokens; {args.parallel}; "
-          f"CPU {cpu_name()}, {cores} cores; load avg {loadavg()}", flush=True)
-    services = {}
-    for world in args.worlds:
-        torch.set_num_threads(max(1, cores // world))
-        services[world] = LocalTorchTrainService({"model_path": model, "world_size": world, "parallel": args.parallel,
-                                                  "lr": 1e-6, "seed": 0, "device": "cpu", "packing": False})
-        services[world].forward_backward(data, loss_fn)  # warm-up
-        services[world].optim_step()
-    times: dict[int, list[float]] = {w: [] for w in args.worlds}
+    gpu = f"; GPU {torch.cuda.get_device_name(0)}" if args.device != "cpu" else ""
+    print(f"scaling: {model}; {args.rows} rows x ({args.prompt} + {args.response}) tokens; CPU {cpu_name()}, "
+          f"{cores} cores{gpu}; load avg {loadavg()}", flush=True)
+    services, worlds = {}, {}
+    for system in args.systems:
+        world, _, parallel = system.partition(":")
+        worlds[system] = int(world)
+        torch.set_num_threads(max(1, cores // int(world)))
+        services[system] = LocalTorchTrainService({
+            "model_path": model, "world_size": int(world), "parallel": parallel or "auto", "lr": 1e-6, "seed": 0,
+            "device": args.device, "packing": False})
+        services[system].forward_backward(data, loss_fn)  # warm-up
+        services[system].optim_step()
+    times: dict[str, list[float]] = {system: [] for system in args.systems}
     try:
         for block in range(args.blocks):
-            order = args.worlds[block % len(args.worlds):] + args.worlds[:block % len(args.worlds)]
-            for world in order:
-                torch.set_num_threads(max(1, cores // world))
+            order = args.systems[block % len(args.systems):] + args.systems[:block % len(args.systems)]
+            for system in order:
+                torch.set_num_threads(max(1, cores // worlds[system]))
                 t0 = time.perf_counter()
                 for _ in range(args.steps):
-                    services[world].forward_backward(data, loss_fn)
-                    services[world].optim_step()
-                times[world].append((time.perf_counter() - t0) / args.steps)
-                print(f"block {block + 1} world {world}: {times[world][-1]:.2f} s/update", flush=True)
+                    services[system].forward_backward(data, loss_fn)
+                    services[system].optim_step()
+                if args.device != "cpu":
+                    torch.cuda.synchronize()
+                times[system].append((time.perf_counter() - t0) / args.steps)
+                print(f"block {block + 1} {system}: {times[system][-1]:.3f} s/update", flush=True)
     finally:
         for svc in services.values():
             svc.close()
-    base = statistics.median(times[args.worlds[0]])
-    for world, t in times.items():
+    base = statistics.median(times[args.systems[0]])
+    result = {}
+    for system, t in times.items():
         s = statistics.median(t)
-        print(f"world_size {world}: {s:.2f} s/update, {tokens / s:.0f} trained tokens/s, "
-              f"{base / s:.2f}x world {args.worlds[0]}   (load avg {loadavg()})")
+        result[system] = {"s_per_update": s, "tokens_per_s": tokens / s, "speedup": base / s}
+        print(f"{system:>7}: {s:.3f} s/update, {tokens / s:.0f} trained tokens/s, {base / s:.2f}x {args.systems[0]}"
+              f"   (load avg {loadavg()})")
+    if args.json:
+        import json
+
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "cpu": cpu_name(), "results": result, "times": times}, f, indent=1)
     return 0
 
 

@@ -157,8 +157,10 @@ def test_a_rank_that_dies_is_named(tiny_model_dir):
 
 
 def test_a_grpo_run_on_two_ranks(tmp_path, tiny_model_dir, monkeypatch, capfd, reset_loguru):
-    """`nexrl run` with service.train_service.world_size=2: the same first step as one rank (same
-    rollouts, same loss), a checkpoint that loads in transformers, no rank left behind."""
+    """`nexrl run` with service.train_service.world_size=2 and two engine replicas behind the rollout
+    workers: the same first step as one rank and one engine (same rollouts, same loss), weights
+    pushed from the shards into both replicas, a checkpoint that loads in transformers, no rank
+    left behind."""
     import json
 
     import yaml
@@ -184,7 +186,8 @@ def test_a_grpo_run_on_two_ranks(tmp_path, tiny_model_dir, monkeypatch, capfd, r
     rows = {}
     for world in (1, 2):
         run_dir = tmp_path / f"run{world}"
-        code = main(["run", str(recipe), f"run_dir={run_dir}", f"+service.train_service.world_size={world}"])
+        code = main(["run", str(recipe), f"run_dir={run_dir}", f"+service.train_service.world_size={world}",
+                     f"+service.inference_service.replicas={world}"])
         assert code == 0, capfd.readouterr().err[-3000:]
         with open(run_dir / "metrics.jsonl") as f:
             rows[world] = [r for r in map(json.loads, f) if "train/loss" in r]
@@ -229,3 +232,20 @@ def test_the_engine_loads_sharded_weights_one_at_a_time(tiny_model_dir):
         torch.testing.assert_close(served[name], tensor, atol=1e-5, rtol=1e-4)
         torch.testing.assert_close(sent[name], tensor, atol=1e-5, rtol=1e-4)
     assert engine.model_version() == 1
+
+
+def test_one_rank_through_the_fsdp_code_matches_the_plain_service(tiny_model_dir):
+    """`parallel: fsdp` with world_size 1: the same code as N ranks (a one-process group, the model
+    sharded over one rank, packing kept), the plain service's weights (what gpu_check times on a GPU)."""
+    batch = make_batch()
+    plain = service(tiny_model_dir, packing=None)
+    step(plain, batch)
+    one = service(tiny_model_dir, packing=None, parallel="fsdp")
+    try:
+        assert one.ranks is not None and one.ranks.world_size == 1 and one.packing == "auto"
+        step(one, batch)
+        got = weights(one)
+    finally:
+        one.close()
+    for name, tensor in weights(plain).items():
+        torch.testing.assert_close(got[name], tensor, atol=1e-6, rtol=1e-5)

@@ -176,7 +176,7 @@ def _follower_main(rank: int, world_size: int, host: str, port: int, config: dic
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from .train_service import LocalTorchTrainService
 
-    group = RankGroup(rank, world_size, str(config.get("parallel") or "fsdp"))
+    group = RankGroup(rank, world_size, str(config["parallel"]))
     _join(group, host, port)
     LocalTorchTrainService(config, rank_group=group).serve()
 

@@ -107,9 +107,11 @@ class LocalTorchTrainService(TrainService):
         "max_tokens_per_pack": Option(2048, int, "tokens per packed sequence", ge=1),
         "world_size": Option(1, int, "data-parallel ranks training this model, one process each (the first is the "
                                      "trainer's; on a GPU box rank r takes cuda:r); see parallel", ge=1),
-        "parallel": Option("fsdp", str, "how ranks share the model: fsdp (FSDP2: parameters, gradients and "
+        "parallel": Option("auto", str, "how ranks share the model: fsdp (FSDP2: parameters, gradients and "
                                         "optimizer state sharded) | ddp (replicated: for models too small to "
-                                        "shard)", choices=PARALLEL_MODES),
+                                        "shard) | auto (fsdp with several ranks, none with one); fsdp or ddp with "
+                                        "world_size 1 runs one rank through the same code",
+                           choices=("auto", *PARALLEL_MODES)),
         "offload_optimizer": Option(False, bool, "keep AdamW's state in host memory between steps (moved to the "
                                                  "device for the step only): less device memory, a copy each way "
                                                  "per step"),
@@ -145,10 +147,13 @@ class LocalTorchTrainService(TrainService):
         config = config if config is not None else {}
         self.config = config
         world_size = int(config.get("world_size") or 1)
-        if world_size > 1 and rank_group is None:
+        parallel = str(config.get("parallel") or "auto")
+        if parallel == "auto" and world_size > 1:
+            parallel = "fsdp"
+        if parallel != "auto" and rank_group is None:
             if model is not None:
                 raise ValueError("world_size: every rank loads the model from model_path (pass no model=)")
-            rank_group = start_ranks(dict(config), world_size, str(config.get("parallel") or "fsdp"))
+            rank_group = start_ranks({**dict(config), "parallel": parallel}, world_size, parallel)
         self.ranks = rank_group
         seed = config.get("seed", None)
         if seed is not None:
@@ -181,7 +186,7 @@ class LocalTorchTrainService(TrainService):
         if self.micro_batch_size is not None and self.micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1, got {micro}")
         self.packing = auto_flag(config.get("packing", "auto"), "packing")
-        if self.ranks is not None:
+        if self.ranks is not None and self.ranks.world_size > 1:
             # A packed forward makes as many model calls as its rows need packs; ranks must make the same number.
             if self.packing == "true":
                 raise ValueError("packing: true cannot run with world_size > 1 (every rank must make the same "
