@@ -46,7 +46,7 @@ MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_NOATIME, MS_NODIRATIME, MS_BIND = 32, 1024, 2048, 4096
 MS_REC, MS_PRIVATE, MS_RELATIME = 16384, 1 << 18, 1 << 21
 MNT_DETACH = 2
-PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 4, 36, 38
+PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_SECCOMP, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 4, 22, 36, 38
 SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "riscv64": 41, "ppc64le": 203, "s390x": 217}
 # statvfs f_flag bits -> the mount flags a bind remount must keep (the kernel locks them in a user namespace)
 _KEPT_FLAGS = ((os.ST_NOSUID, MS_NOSUID), (os.ST_NODEV, MS_NODEV), (os.ST_NOEXEC, MS_NOEXEC),
@@ -62,6 +62,93 @@ _libc = ctypes.CDLL(None, use_errno=True)
 
 class SetupError(Exception):
     pass
+
+
+# ----------------------------------------------------------------------------- seccomp
+# A classic-BPF filter, written here so the launcher needs nothing beyond the standard library.
+# It sees the syscall number, the architecture and the raw arguments (not what pointers point to).
+
+SECCOMP_MODE_FILTER = 2
+RET_KILL_PROCESS, RET_ALLOW = 0x80000000, 0x7FFF0000
+RET_ERRNO = 0x00050000
+EPERM, EAFNOSUPPORT, AF_UNIX = 1, 97, 1
+# arch -> (AUDIT_ARCH_*, syscalls refused with EPERM, the socket/socketpair numbers)
+# Refused: ptrace and what reads or steals from another process without it (process_vm_*,
+# pidfd_getfd), and io_uring, whose socket operations would bypass the socket rule.
+_SECCOMP_ARCH = {
+    "x86_64": (0xC000003E, {"ptrace": 101, "process_vm_readv": 310, "process_vm_writev": 311, "pidfd_getfd": 438,
+                            "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427}, (41, 53)),
+    "aarch64": (0xC00000B7, {"ptrace": 117, "process_vm_readv": 270, "process_vm_writev": 271, "pidfd_getfd": 438,
+                             "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427}, (198, 199)),
+}
+_X32_SYSCALL_BIT = 0x40000000
+
+
+class _SockFilter(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_ushort), ("jt", ctypes.c_ubyte), ("jf", ctypes.c_ubyte), ("k", ctypes.c_uint)]
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(_SockFilter))]
+
+
+def seccomp_program(machine: str) -> list[tuple[int, int, int, int]]:
+    """The filter as (code, jt, jf, k) instructions: another architecture's or ABI's syscalls kill
+    the process; the listed calls fail with EPERM; socket()/socketpair() of any family but
+    AF_UNIX fail with EAFNOSUPPORT; everything else is allowed."""
+    load, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, BPF_JMP|JGE|K, BPF_RET|K
+    arch, refused, (sock, sockpair) = _SECCOMP_ARCH[machine]
+    prog = [(load, 0, 0, 4), (jeq, 1, 0, arch), (ret, 0, 0, RET_KILL_PROCESS), (load, 0, 0, 0)]  # arch; nr
+    if machine == "x86_64":  # the x32 ABI numbers the same calls differently
+        prog += [(jge, 0, 1, _X32_SYSCALL_BIT), (ret, 0, 0, RET_KILL_PROCESS)]
+    for nr in refused.values():
+        prog += [(jeq, 0, 1, nr), (ret, 0, 0, RET_ERRNO | EPERM)]
+    prog += [(jeq, 1, 0, sock), (jeq, 0, 4, sockpair),
+             (load, 0, 0, 16),  # args[0], its low 32 bits (little-endian): the family
+             (jeq, 0, 1, AF_UNIX), (ret, 0, 0, RET_ALLOW), (ret, 0, 0, RET_ERRNO | EAFNOSUPPORT),
+             (ret, 0, 0, RET_ALLOW)]
+    return prog
+
+
+def install_seccomp() -> None:
+    """Filter this process and everything it starts (no_new_privs must be set first)."""
+    machine = os.uname().machine
+    if machine not in _SECCOMP_ARCH:
+        raise SetupError(f"seccomp: no filter for {machine}")
+    prog = seccomp_program(machine)
+    array = (_SockFilter * len(prog))(*[_SockFilter(*ins) for ins in prog])
+    fprog = _SockFprog(len(prog), array)
+    _check(_libc.prctl(PR_SET_SECCOMP, ctypes.c_ulong(SECCOMP_MODE_FILTER), ctypes.byref(fprog), 0, 0),
+           "seccomp")
+
+
+def seccomp_problem() -> str | None:
+    """None when the filter installs here and refuses what it should (tried in a child), else why not."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read_end)
+        why = ""
+        try:
+            _prctl(PR_SET_NO_NEW_PRIVS, 1)
+            install_seccomp()
+            for family in (2, 10):  # AF_INET, AF_INET6
+                if _libc.syscall(_SECCOMP_ARCH[os.uname().machine][2][0], family, 1, 0) != -1 \
+                        or ctypes.get_errno() != EAFNOSUPPORT:
+                    why = f"the filter let a socket of family {family} through"
+            if _libc.ptrace(0, 0, None, None) != -1 or ctypes.get_errno() != EPERM:  # PTRACE_TRACEME
+                why = "the filter let ptrace through"
+        except BaseException as exc:  # noqa: BLE001
+            why = str(exc) or type(exc).__name__
+        os.write(write_end, why.encode()[:500])
+        os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as f:
+        why = f.read().decode(errors="replace")
+    _, status = os.waitpid(pid, 0)
+    if not why and status != 0:
+        why = f"the probe ended with status {status}"
+    return why or None
 
 
 class _Stop(BaseException):
@@ -141,6 +228,8 @@ def _exec_runner(req: dict, stdin_r: int, stdout_w: int, stderr_w: int, report_w
         _prctl(PR_SET_NO_NEW_PRIVS, 1)
         _limit_self(req["limits"], nproc)
         os.chdir(workdir)
+        if req.get("seccomp"):
+            install_seccomp()  # kept through execve: python and everything it starts are filtered
         python = req["python"]
         os.execve(python, [python, "-I", "-S", "-B", script], {})
     except BaseException as exc:  # noqa: BLE001 - report why the runner could not start, then die
@@ -549,6 +638,9 @@ def run_plain(req: dict) -> int:
 def main() -> int:
     signal.signal(signal.SIGTERM, _on_sigterm)
     req = json.loads(sys.stdin.buffer.read())
+    if req["mode"] == "probe_seccomp":
+        emit({"event": "seccomp", "problem": seccomp_problem()})
+        return 0
     try:
         for procs in req.get("cgroup_procs", []):  # first: everything started from here is inside
             try:

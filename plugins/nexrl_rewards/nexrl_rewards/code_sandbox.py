@@ -12,10 +12,10 @@ import json
 import re
 from typing import Any
 
-from nexrl_core import BaseEvaluationTarget, EvaluationRunResult, Evaluator
+from nexrl_core import BaseEvaluationTarget, ConfigError, EvaluationRunResult, Evaluator
 
-from .options import choice, number
-from .sandbox import ISOLATION_MODES, CaseRun, Limits, Sandbox
+from .options import KEY, choice, number
+from .sandbox import ISOLATION_MODES, CaseRun, Limits, NamespacesRefused, Sandbox
 
 REWARD_MODES = ("fraction", "all_or_nothing")
 COMPARE_MODES = ("trailing_whitespace", "exact", "whitespace")
@@ -53,7 +53,7 @@ class CodeSandboxEvaluator(Evaluator):
     (``all_or_nothing``, which stops at the first failing case). Metrics (every sample reports
     all): ``accuracy`` (all passed), ``pass_rate``, ``num_cases``. ``extra_info``: ``reason``
     (None, ``no_code`` or the first failing case's status), ``detail``, ``code_source``,
-    ``isolation``, ``passed``, ``total`` and ``cases`` (per case: ``status`` — ``passed``,
+    ``isolation``, ``seccomp``, ``passed``, ``total`` and ``cases`` (per case: ``status`` — ``passed``,
     ``wrong_answer``, ``timeout``, ``cpu_limit``, ``memory_limit``, ``output_limit``,
     ``syntax_error``, ``runtime_error``, ``crashed`` or ``not_run`` — exit code, signal, times,
     the head of stdout and the tail of stderr).
@@ -94,7 +94,7 @@ class CodeSandboxEvaluator(Evaluator):
         :param max_open_files: open file descriptors per process
         :param max_output_kb: stdout beyond this many KB ends the case (output_limit)
         :param max_file_mb: the largest file, and the size of the writable working folder, in MB
-        :param isolation: auto (namespaces when the kernel allows them, else rlimits), namespaces or rlimits
+        :param isolation: auto (= namespaces; refuses where the kernel denies them) or rlimits (weaker, by name only)
         :param python: interpreter that runs the code (default: the one running nexrl)
         """
         self.test_cases_key = test_cases_key
@@ -111,11 +111,15 @@ class CodeSandboxEvaluator(Evaluator):
             max_file_mb=number(max_file_mb, "max_file_mb", integer=True, low=1))
         self.sandbox = Sandbox(python=python, isolation=choice(isolation, "isolation", ISOLATION_MODES),
                                limits=limits)
+        try:  # decided here, so that `nexrl validate` refuses what `nexrl run` would
+            self.sandbox.mode
+        except NamespacesRefused as exc:
+            raise ConfigError(f"{KEY}.isolation: {exc}") from None
 
     def evaluate(self, data: dict[str, Any], evaluation_target: BaseEvaluationTarget) -> EvaluationRunResult:
         cases = self._test_cases(data)
         code, source = extract_code(evaluation_target.final_answer)
-        info: dict[str, Any] = {"reason": None, "detail": "", "code_source": source, "isolation": None,
+        info: dict[str, Any] = {"reason": None, "detail": "", "code_source": source, "isolation": None, "seccomp": None,
                                 "passed": 0, "total": len(cases), "cases": []}
         if not code.strip():
             info.update(reason="no_code", detail="the reply holds no code")
@@ -129,6 +133,7 @@ class CodeSandboxEvaluator(Evaluator):
 
         runs = self.sandbox.run(code, [case["input"] for case in cases], keep_going)
         info["isolation"] = self.sandbox.mode
+        info["seccomp"] = self.sandbox.seccomp
         for run, passed in zip(runs, verdicts):
             status = "passed" if passed else ("wrong_answer" if run.status == "ok" else run.status)
             info["cases"].append({"index": run.index, "status": status, "exit_code": run.exit_code,

@@ -2,8 +2,10 @@
 
 Each :meth:`Sandbox.run` starts one launcher process (``_sandbox_launcher.py``, which documents the
 process tree and isolation) and reads its per-input results as they come. Isolation is chosen
-once per process (``isolation: auto``): Linux namespaces when the kernel allows them, else the
-rlimits fallback, announced by a one-time warning that says what it does not protect against.
+once per process: ``auto`` (and ``namespaces``) requires Linux namespaces and refuses where the
+kernel denies them, naming the opt-in to the weaker mode; ``rlimits`` is that opt-in, announced by
+a one-time warning that says what it does not protect against. Either way the runner gets the
+launcher's seccomp filter where the kernel accepts it (probed once per process).
 Thread-safe: every run has its own processes; the shared state (the chosen mode, the fallback's
 uid slots) is behind locks.
 """
@@ -38,9 +40,13 @@ _STOP_TIMEOUT_S = 10.0
 
 # What the rlimits fallback does not protect against (the warning and docs/rewards.md list these).
 FALLBACK_GAPS = (
-    "no network isolation: the code can open sockets, reach loopback services and the internet",
     "it can read every world-readable file and list every process with its command line (/proc)",
+    "it can import every package it can read (a virtualenv's site-packages included) by adding it to sys.path",
     "it can write to world-writable places (/tmp, /dev/shm) within the file-size limit, and such files stay",
+    "it can connect to unix-domain sockets it may write to and to abstract ones of the host's network namespace",
+)
+FALLBACK_GAPS_WITHOUT_SECCOMP = (
+    "no network isolation: the code can open sockets, reach loopback services and the internet",
 )
 FALLBACK_GAPS_WITHOUT_CGROUPS = (
     "memory is capped per process (RLIMIT_AS), not for the whole run",
@@ -57,6 +63,16 @@ _CGROUP_SLACK = 96 * 1024 * 1024
 
 class SandboxError(RuntimeError):
     """The sandbox itself failed (not the code under test): the evaluation must fail, not score 0."""
+
+
+class NamespacesRefused(SandboxError):
+    """``isolation: auto`` or ``namespaces`` where the kernel refuses Linux namespaces."""
+
+    def __init__(self, why: str):
+        self.why = why
+        super().__init__(f"Linux namespaces are not available here ({why}), so the code would run without "
+                         f"network, filesystem and process isolation; isolation: rlimits accepts that weaker "
+                         f"sandbox (docs/rewards.md says what it does not protect against)")
 
 
 @dataclass(frozen=True)
@@ -313,6 +329,30 @@ _UID_SLOTS = _UidSlots()
 _MODES: dict[tuple[str, str], str] = {}
 _MODES_LOCK = threading.Lock()
 _WARNED = False
+_SECCOMP: list[bool] = []  # probed once per process
+_SECCOMP_LOCK = threading.Lock()
+
+
+def seccomp_available() -> bool:
+    """Whether the launcher's seccomp filter installs here and refuses what it should (a child
+    of a launcher tries it); a one-time warning says why not."""
+    with _SECCOMP_LOCK:
+        if not _SECCOMP:
+            why = "seccomp needs Linux" if not sys.platform.startswith("linux") else _probe_seccomp()
+            if why:
+                logger.warning(f"code_sandbox: no seccomp filter ({why}): the sandboxed code may use ptrace "
+                               f"and open sockets of every family. See docs/rewards.md.")
+            _SECCOMP.append(why is None)
+        return _SECCOMP[0]
+
+
+def _probe_seccomp() -> str | None:
+    try:
+        done = subprocess.run([base_interpreter(), "-I", "-S", "-B", LAUNCHER], input=b'{"mode": "probe_seccomp"}',
+                              capture_output=True, env={}, timeout=_STARTUP_ALLOWANCE_S)
+        return json.loads(done.stdout)["problem"]
+    except (OSError, subprocess.SubprocessError, ValueError, KeyError) as exc:
+        return f"the probe failed: {exc}"
 
 
 class Sandbox:
@@ -338,25 +378,33 @@ class Sandbox:
             if key in _MODES:
                 return _MODES[key]
             if self.isolation == "rlimits":
-                mode, why = "rlimits", "isolation: rlimits was asked for"
+                mode = "rlimits"
             else:
                 why = self._probe_namespaces()
                 if why is None:
                     mode = "namespaces"
-                elif self.isolation == "namespaces":
-                    raise SandboxError(f"code_sandbox: isolation 'namespaces' is not available here: {why}")
                 else:
-                    mode = "rlimits"
+                    raise NamespacesRefused(why)
             if mode == "rlimits" and not _WARNED:
                 _WARNED = True
-                gaps = FALLBACK_GAPS + (() if RunCgroup.layout() else FALLBACK_GAPS_WITHOUT_CGROUPS) + \
-                    (() if os.geteuid() == 0 else FALLBACK_GAPS_NOT_ROOT)
-                logger.warning(f"code_sandbox: Linux namespaces are not used ({why}); falling back to rlimits, "
-                               f"an empty environment, a temporary directory"
-                               f"{' and a separate uid' if os.geteuid() == 0 else ''}. This does NOT protect "
+                gaps = self.fallback_gaps()
+                logger.warning(f"code_sandbox: isolation: rlimits: the code runs without Linux namespaces, under "
+                               f"rlimits, an empty environment, a temporary directory"
+                               f"{', a separate uid' if os.geteuid() == 0 else ''}"
+                               f"{' and a seccomp filter' if self.seccomp else ''}. This does NOT protect "
                                f"against: {'; '.join(gaps)}. See docs/rewards.md.")
             _MODES[key] = mode
             return mode
+
+    @property
+    def seccomp(self) -> bool:
+        return seccomp_available()
+
+    def fallback_gaps(self) -> tuple[str, ...]:
+        """What the rlimits mode does not protect against on this machine, as this user."""
+        return FALLBACK_GAPS + (() if self.seccomp else FALLBACK_GAPS_WITHOUT_SECCOMP) + \
+            (() if RunCgroup.layout() else FALLBACK_GAPS_WITHOUT_CGROUPS) + \
+            (() if os.geteuid() == 0 else FALLBACK_GAPS_NOT_ROOT)
 
     def _probe_namespaces(self) -> str | None:
         """None when a namespaced launcher starts here, else why not."""
@@ -391,6 +439,7 @@ class Sandbox:
         sandbox_id = fallback_uid if fallback_uid is not None else SANDBOX_ID
         request = {"mode": mode, "python": self.python, "binds": runtime_paths(self.python), "code": code,
                    "inputs": inputs, "limits": self.limits.as_request(), "uid": sandbox_id, "gid": sandbox_id,
+                   "seccomp": self.seccomp,
                    "cgroup_procs": cgroup.procs_files() if cgroup is not None else []}
         # The launcher runs on nexrl's own interpreter (it needs Python >= 3.10); only the code runs on
         # self.python.
