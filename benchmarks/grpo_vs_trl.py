@@ -102,7 +102,7 @@ class Gate:
 
 def arithmetic_rows(seed: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """The quickstart's training rows (same generator, same config)."""
-    from nexrl_core.config import load_recipe
+    from nexrl_core.config.recipe import load_recipe
     from nexrl_core.builtins.dataloaders import ArithmeticDataLoader
 
     cfg = load_recipe(QUICKSTART, [f"seed={seed}"])
@@ -238,7 +238,7 @@ class TrlSystem(GatedSystem):
 
 class NexrlSystem(GatedSystem):
     def __init__(self, args: argparse.Namespace, total_steps: int, run_dir: str, dtype: str):
-        from nexrl_core.config import load_recipe
+        from nexrl_core.config.recipe import load_recipe
         from nexrl_core.controller import NexRLController
         from omegaconf import OmegaConf
 
@@ -430,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
 
     model_path = args.model = args.model or resolve_model_path("smollm2-135m-instruct")
     if args.lr is None:
-        from nexrl_core.config import load_recipe
+        from nexrl_core.config.recipe import load_recipe
 
         args.lr = float(load_recipe(QUICKSTART).service.train_service.lr)
     steps_per_system = args.warmup + args.blocks * args.steps_per_block

@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     import transformers
 
     transformers.logging.set_verbosity_error()
-    from nexrl_core.config import load_recipe
+    from nexrl_core.config.recipe import load_recipe
     from nexrl_core.evaluation import BaseEvaluationTarget
     from nexrl_core.builtins.evaluators import NumericAnswerEvaluator
     from nexrl_core.inference import SamplingParams

@@ -12,7 +12,7 @@ from .runtime.logs import demote_library_log
 from .inference import CompletionResult, InferenceClient, InferenceError, SamplingParams
 from .launch.processes import StartedProcess, rendezvous_host, start_processes
 from .markers import hookimpl
-from .options import REQUIRED, Capabilities, Option, check_options, component_options
+from .config.options import REQUIRED, Capabilities, Option, check_options, component_options
 from .plugins import PluginManager, get_plugin_manager
 from .runtime.module import NexRLModule
 from .runtime.threaded import ThreadedModule
@@ -55,4 +55,10 @@ def __getattr__(name: str):
         from .builtins.openai_client import OpenAICompatibleClient
 
         return OpenAICompatibleClient
+    from ._moved import MOVED
+
+    if f"{__name__}.{name}" in MOVED:  # `nexrl_core.schema` after `import nexrl_core`: the deprecated alias
+        import importlib
+
+        return importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module 'nexrl_core' has no attribute {name!r}")

@@ -40,7 +40,7 @@ from difflib import get_close_matches
 from typing import Any
 
 from ..errors import ConfigError
-from ..options import Option, check_options, component_options, param_docs
+from ..config.options import Option, check_options, component_options, param_docs
 
 # kind -> hook that registers it
 ALGORITHM_KINDS: dict[str, str] = {

@@ -16,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from ..dataloader import BaseDataLoader
 from ..errors import ConfigError, DataError
 from ..markers import hookimpl
-from ..options import REQUIRED, Option, option_defaults
+from ..config.options import REQUIRED, Option, option_defaults
 
 _PATHS = (str, list[str])
 

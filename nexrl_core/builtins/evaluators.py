@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from ..evaluation import BaseEvaluationTarget, EvaluationRunResult, Evaluator
 from ..markers import hookimpl
-from ..options import Option
+from ..config.options import Option
 from .python_reward import PythonFunctionEvaluator
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")

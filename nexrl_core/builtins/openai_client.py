@@ -72,7 +72,7 @@ from loguru import logger
 
 from ..inference import CompletionResult, InferenceClient, InferenceError, SamplingParams, _get
 from ..markers import hookimpl
-from ..options import Option, option_defaults
+from ..config.options import Option, option_defaults
 from ..tool_calls import parse_tool_calls
 
 __all__ = ["OpenAICompatibleClient"]

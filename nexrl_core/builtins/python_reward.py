@@ -34,7 +34,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..evaluation import BaseEvaluationTarget, EvaluationRunResult, Evaluator
-from ..options import REQUIRED, Option
+from ..config.options import REQUIRED, Option
 from ..runtime.logs import failure_location
 
 KEY = "rollout_worker.evaluator"

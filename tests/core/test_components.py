@@ -15,7 +15,7 @@ from nexrl_core.runtime.activity import ActivityTracker, ActivityTrackerProxy
 from nexrl_core.builtins.dataloaders import FileDataLoader
 from nexrl_core.errors import ErrorReporter, ErrorSeverity
 from nexrl_core.builtins.mock import MockInferenceClient
-from nexrl_core.run_log import RunRecorder
+from nexrl_core.cli.run_log import RunRecorder
 from nexrl_core.trajectory_pool import (GroupedTrajectoryStore, HierarchicalTrajectoryStore, SimpleTrajectoryStore,
                                         TrajectoryPool)
 from nexrl_core.validator import Validator

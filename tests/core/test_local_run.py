@@ -95,7 +95,7 @@ def finished_run(request, tmp_path_factory, fast_monitor):
     import yaml
     from loguru import logger
 
-    from nexrl_core.config import load_recipe
+    from nexrl_core.config.recipe import load_recipe
     from nexrl_core.controller import NexRLController
     from nexrl_core.plugins import PluginManager
 

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from loguru import logger
 
 from nexrl_core import hookimpl
-from nexrl_core.config import load_recipe
+from nexrl_core.config.recipe import load_recipe
 from nexrl_core.controller import NexRLController
 from nexrl_core.evaluation import EvaluationRunResult, Evaluator
 from nexrl_core.inference import InferenceError

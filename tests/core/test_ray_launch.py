@@ -16,7 +16,7 @@ import yaml
 
 from nexrl_core import ModuleUnavailable, NexRLError, RunFailed, execute
 from nexrl_core.builtins.mock import mock_sum_threshold
-from nexrl_core.config import load_recipe
+from nexrl_core.config.recipe import load_recipe
 from nexrl_core.controller import NexRLController
 from nexrl_core.plugins import PluginManager
 from nexrl_core.types import NexRLRole

@@ -10,7 +10,7 @@ import torch
 
 from nexrl_core import NexRLError
 from nexrl_core.inference import SamplingParams
-from nexrl_core.run_log import LOG_FILE, setup_logging
+from nexrl_core.cli.run_log import LOG_FILE, setup_logging
 from nexrl_grpo.decoding import (FastLlama, HFDecoder, HFSession, StaticLlama, StaticSession, kv_budget_tokens, kv_token_bytes,
                                  make_session_factory, static_capacity, static_rows)
 from nexrl_grpo.engine import HFInferenceEngine, counter_uniform

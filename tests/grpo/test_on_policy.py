@@ -23,7 +23,7 @@ import yaml
 from omegaconf import OmegaConf
 
 from nexrl_core import ConfigError
-from nexrl_core.config import load_recipe
+from nexrl_core.config.recipe import load_recipe
 from nexrl_core.controller import NexRLController
 from nexrl_core.inference import SamplingParams
 from nexrl_grpo.engine import HFInferenceEngine

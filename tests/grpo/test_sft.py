@@ -13,7 +13,7 @@ import pytest
 import torch
 import yaml
 
-from nexrl_core.config import load_recipe
+from nexrl_core.config.recipe import load_recipe
 from nexrl_core.controller import NexRLController
 from nexrl_core.plugins import PluginManager
 from nexrl_core.builtins.workers import pig_latin

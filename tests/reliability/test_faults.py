@@ -19,7 +19,7 @@ import yaml
 from loguru import logger
 
 from nexrl_core import Option, hookimpl
-from nexrl_core.config import load_recipe
+from nexrl_core.config.recipe import load_recipe
 from nexrl_core.controller import NexRLController, RunFailed
 from nexrl_core.errors import ErrorSeverity
 from nexrl_core.builtins.evaluators import ExactMatchEvaluator

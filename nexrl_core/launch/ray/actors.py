@@ -209,7 +209,7 @@ def _setup_logging(setup: HostSetup) -> None:
     """As the driver's: the console at the recipe's level (Ray forwards it to the driver's
     console), every line appended to run.log."""
     from ...redaction import add_secret
-    from ...run_log import setup_logging
+    from ...cli.run_log import setup_logging
 
     for secret in setup.secrets:
         add_secret(secret)

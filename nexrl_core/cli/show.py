@@ -13,7 +13,7 @@ import math
 import os
 from typing import Any
 
-from .errors import ConfigError
+from ..errors import ConfigError
 from .run_log import SAMPLES_FILE
 
 _LABEL = 9  # width of the field names, so every text starts in one column

@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from .errors import ConfigError, NexRLError
+from ..errors import ConfigError, NexRLError
 from .run_log import METRICS_FILE
 
 PLOT_FILE = "metrics.png"

@@ -16,7 +16,7 @@ placeholder an override can fill; ``g@pkg: x`` places the option at ``pkg``.
 
 On the command line ``g=x`` changes the option of a group the defaults list names,
 ``+g=x`` appends a group, ``~g`` removes one. Everything is merged, in order, onto the
-core's defaults (:func:`nexrl_core.schema.core_defaults`); later layers win, mappings merge.
+core's defaults (:func:`nexrl_core.config.schema.core_defaults`); later layers win, mappings merge.
 """
 
 from __future__ import annotations
@@ -27,9 +27,10 @@ from typing import Any
 
 import yaml
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
-PACKAGE_CONF = os.path.join(os.path.dirname(os.path.abspath(__file__)), "conf")
+# nexrl_core/conf: the core's config groups (shipped as package data next to the config package)
+PACKAGE_CONF = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Reference pages generated from the code, so they cannot drift from it: the hook reference
 (from the hook specs' docstrings), the recipe reference (every key with its type, default and
-meaning, from :mod:`nexrl_core.schema` and each component's declared options) and the migration
-page (from :mod:`nexrl_core.migration_table`).
+meaning, from :mod:`nexrl_core.config.schema` and each component's declared options) and the migration
+page (from :mod:`nexrl_core.config.migration_table`).
 
 ``scripts/gen_docs.py`` writes the repository's ``docs/hooks.md``, ``docs/recipe.md`` and ``docs/migrating.md`` with
 these functions; a plugin author can render the options of their own components the same way
@@ -15,13 +15,13 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from .options import Option, describe_type, param_docs
+from ..config.options import Option, describe_type, param_docs
 
 # -- hooks -------------------------------------------------------------------------------------------
 
 def hook_specs() -> list[Any]:
     """Every hook spec of :mod:`nexrl_core.hookspecs`, in source order."""
-    from . import hookspecs
+    from .. import hookspecs
 
     specs = [f for _, f in inspect.getmembers(hookspecs, inspect.isfunction)
              if f.__module__ == hookspecs.__name__ and hasattr(f, "nexrl_spec")]
@@ -30,8 +30,8 @@ def hook_specs() -> list[Any]:
 
 def hook_reference() -> str:
     """Markdown: every hook with its signature, what it is for, its parameters and return value."""
-    from . import hookspecs
-    from .plugins import KINDS
+    from .. import hookspecs
+    from ..plugins import KINDS
 
     hook_kind = {hook: kind for kind, (hook, _) in KINDS.items()}
     out = ["# Hook reference", "",
@@ -182,16 +182,16 @@ TITLES = {"dataloader": "Data loaders", "rollout_worker": "Rollout workers", "ev
 
 
 def recipe_reference(pm: Any, distributions: Iterable[str] | None = None) -> str:
-    """Markdown: the core's keys (``nexrl_core.schema``), then the options of every component ``pm``
+    """Markdown: the core's keys (``nexrl_core.config.schema``), then the options of every component ``pm``
     knows (only those of ``distributions`` when given), by kind."""
-    from .config import declared_options
-    from .options import component_options
-    from .schema import CORE_OPTIONS
+    from ..config.recipe import declared_options
+    from ..config.options import component_options
+    from ..config.schema import CORE_OPTIONS
 
     wanted = set(distributions) if distributions is not None else None
     out = ["# Recipe reference", "",
            "Every key a recipe may hold, with its type, default and meaning. Generated from the declarations in the "
-           "code (`nexrl_core/schema.py` for the core's keys, each component's `OPTIONS`) by "
+           "code (`nexrl_core/config/schema.py` for the core's keys, each component's `OPTIONS`) by "
            "`python scripts/gen_docs.py`; `tests/docs/test_reference_docs.py` fails when this page is out of date. "
            "`nexrl validate` checks a recipe against the same declarations.", "",
            "A section that selects a component (`data`, `rollout_worker`, `rollout_worker.evaluator`, `trainer`, "
@@ -242,7 +242,7 @@ _ALGORITHM_TITLES = {"advantage_estimator": "Advantage estimators", "policy_loss
 def _algorithm_functions(pm: Any, wanted: set[str] | None) -> list[str]:
     """The registered RL functions (advantage estimators, policy losses) and the ``algorithm.*``
     keys each reads (its keyword-only parameters)."""
-    from .algorithms.registry import ALGORITHM_KINDS, AlgorithmRegistry
+    from ..algorithms.registry import ALGORITHM_KINDS, AlgorithmRegistry
 
     registry = AlgorithmRegistry.from_plugin_manager(pm)
     out = ["### Algorithm functions", "",
@@ -272,8 +272,8 @@ def _base_of(cls: type) -> type:
 
 def migration_reference() -> str:
     """Markdown: the NexRL / ROLL -> nexrl table that ``nexrl migrate`` follows and ``nexrl validate``
-    quotes (:mod:`nexrl_core.migration_table`)."""
-    from . import migration_table as t
+    quotes (:mod:`nexrl_core.config.migration_table`)."""
+    from ..config import migration_table as t
 
     def code(text: Any) -> str:
         return "—" if text is None else f"`{_yaml(text) if not isinstance(text, str) else text}`"
@@ -283,7 +283,7 @@ def migration_reference() -> str:
         return rows + [f"| `{r.seed}` | {code(r.nexrl)} | {_cell(r.why)} |" for r in t.KEY_RULES if r.source == source]
 
     out = ["# Migrating from NexRL (and ROLL)", "",
-           "Generated from `nexrl_core/migration_table.py` by `python scripts/gen_docs.py`; "
+           "Generated from `nexrl_core/config/migration_table.py` by `python scripts/gen_docs.py`; "
            "`tests/docs/test_reference_docs.py` fails when this page is out of date. The same table drives "
            "`nexrl migrate` and the hints of `nexrl validate`, so the three agree.", "",
            "## Running it", "", "```bash", "nexrl migrate recipe/my_task/my_task.yaml -o my_task.nexrl.yaml",

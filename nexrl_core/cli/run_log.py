@@ -14,8 +14,8 @@ from typing import Any
 
 from loguru import logger
 
-from .redaction import ScrubbedStream, scrub, scrub_values
-from .runtime.logs import FailureLog, failure_location, failure_signature, format_traceback
+from ..redaction import ScrubbedStream, scrub, scrub_values
+from ..runtime.logs import FailureLog, failure_location, failure_signature, format_traceback
 
 
 METRICS_FILE = "metrics.jsonl"
@@ -216,7 +216,7 @@ def setup_logging(run_dir: str | None, level: str = "INFO", fresh: bool = False,
 
     ``console``: a loguru sink that replaces stderr (the rich progress display prints log lines
     above itself); ``hide_step_lines``: leave the console sink's step lines out of the console."""
-    from .runtime.logs import route_std_logging
+    from ..runtime.logs import route_std_logging
 
     route_std_logging()
     logger.remove()
@@ -262,7 +262,7 @@ def writable_dir_problem(path: str, key: str) -> str | None:
 
 def earlier_run(run_dir: str, checkpoint_path: str | None = None) -> str:
     """What an earlier run left in ``run_dir`` (and its checkpoint folder), in words; '' when nothing."""
-    from .checkpoint import CHECKPOINT_RE, TMP_CHECKPOINT_RE
+    from ..checkpoint import CHECKPOINT_RE, TMP_CHECKPOINT_RE
 
     found = []
     for name in (METRICS_FILE, ERRORS_FILE):

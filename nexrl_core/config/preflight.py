@@ -10,9 +10,9 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from .checkpoint import CORE_STATE_FILE, find_latest_checkpoint, is_checkpoint, read_core_state
-from .errors import ConfigError, NexRLError
-from .run_log import _inside, earlier_run, writable_dir_problem
+from ..checkpoint import CORE_STATE_FILE, find_latest_checkpoint, is_checkpoint, read_core_state
+from ..errors import ConfigError, NexRLError
+from ..cli.run_log import _inside, earlier_run, writable_dir_problem
 
 DATA_SECTIONS = ("data", "validate.data")
 
@@ -39,7 +39,7 @@ def dataloader_config(cfg: DictConfig, which: str) -> DictConfig | None:
 def build_dataloader(cfg: DictConfig, pm: Any, which: str) -> Any:
     """The data loader of ``data`` or ``validate.data``, built as the run builds it; its
     constructor reads the data, so a bad file fails here with ``file:line``."""
-    from .plugins import use_plugin_manager
+    from ..plugins import use_plugin_manager
 
     data = dataloader_config(cfg, which)
     if data is None:
@@ -52,9 +52,9 @@ def build_dataloader(cfg: DictConfig, pm: Any, which: str) -> Any:
 def build_evaluator(cfg: DictConfig, pm: Any) -> Any:
     """The evaluator of ``rollout_worker.evaluator`` (and those of ``rollout_worker.domain_evaluators``,
     built and dropped), as each rollout worker builds them."""
-    from .plugins import use_plugin_manager
-    from .rollout_worker import build_domain_evaluators
-    from .rollout_worker import build_evaluator as build
+    from ..plugins import use_plugin_manager
+    from ..rollout_worker import build_domain_evaluators
+    from ..rollout_worker import build_evaluator as build
 
     with use_plugin_manager(pm):
         evaluator = build(cfg.rollout_worker.get("evaluator"))
@@ -197,7 +197,7 @@ def resume_problems(cfg: DictConfig, pm: Any = None) -> list[str]:
                 f"'{trainer}': its state would not be restored"]
     if cls is None or getattr(cls, "NO_MODEL_STATE", False):
         return []
-    from .trainer import BaseTrainer
+    from ..trainer import BaseTrainer
 
     fresh = ("so a resumed run would go on from fresh weights, not the checkpoint's; start a fresh run "
              "(resume.mode=disable with another run_dir, or overwrite_run_dir=true)")
@@ -212,7 +212,7 @@ def resume_problems(cfg: DictConfig, pm: Any = None) -> list[str]:
 
 def validate_recipe(cfg: DictConfig, pm: Any, eval_only: bool = False) -> list[str]:
     """Everything ``nexrl validate`` reports: key problems first; files once the keys are sound."""
-    from .config import check_config
+    from .recipe import check_config
 
     problems = check_config(cfg, pm, eval_only=eval_only)
     if problems:
@@ -223,7 +223,7 @@ def validate_recipe(cfg: DictConfig, pm: Any, eval_only: bool = False) -> list[s
 def require_runnable(cfg: DictConfig, pm: Any, eval_only: bool = False) -> None:
     """What the controller checks before it builds anything (data files come next, when the
     loaders are built): the same functions, in the same order, as :func:`validate_recipe`."""
-    from .config import RecipeProblems, require_valid
+    from .recipe import RecipeProblems, require_valid
 
     require_valid(cfg, pm, eval_only=eval_only)
     problems = [] if eval_only else run_dir_problems(cfg) + resume_problems(cfg, pm)

@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any, TextIO
 
-from .redaction import scrub
+from ..redaction import scrub
 
 MODES = ("rich", "plain", "off")
 VAL_KEY = "val/reward"  # every validation reports it (docs/evaluation.md)

@@ -14,7 +14,7 @@ function (:func:`check_options`): unknown keys (with a "did you mean"), wrong ty
 non-finite numbers, values out of range or not among the choices, missing required keys,
 nested mappings. Declarations are inherited along the class hierarchy (a subclass adds to
 its bases' options). The core's own sections are declared the same way
-(:mod:`nexrl_core.schema`), and the help texts feed the recipe reference.
+(:mod:`nexrl_core.config.schema`), and the help texts feed the recipe reference.
 
 An evaluator without ``OPTIONS`` is described by its ``__init__`` signature: each keyword
 parameter is an option, typed by its annotation (or its default's type) and required when
@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from difflib import get_close_matches
 from typing import Any
 
-from .redaction import add_secret, is_secret_key
+from ..redaction import add_secret, is_secret_key
 
 __all__ = ["REQUIRED", "Capabilities", "Option", "check_options", "component_capabilities", "component_options",
            "describe_type", "option_defaults", "options_from_signature"]

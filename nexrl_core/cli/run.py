@@ -10,7 +10,7 @@ import signal
 import sys
 from typing import Any
 
-from .errors import NexRLError, exit_code
+from ..errors import NexRLError, exit_code
 
 _RESUME_KEYS = ("resume.mode", "resume.resume_path", "overwrite_run_dir")
 
@@ -23,7 +23,7 @@ def override_key(text: str) -> str:
 def run_command_line(recipe: str, overrides: list[str], drop: tuple[str, ...] = (), add: tuple[str, ...] = ()) -> str:
     """A ``nexrl run`` command line: the recipe and the overrides given, less those whose key is in
     ``drop``, plus ``add`` (shell-quoted, ready to paste; a secret shows as ``***``)."""
-    from .redaction import redact_command
+    from ..redaction import redact_command
 
     kept = [o for o in overrides if override_key(o) not in drop]
     return shlex.join(["nexrl", "run", recipe, *redact_command(kept), *add])
@@ -31,7 +31,7 @@ def run_command_line(recipe: str, overrides: list[str], drop: tuple[str, ...] = 
 
 def _secret_note(overrides: list[str]) -> list[tuple[str, str]]:
     """A footer line when a command it shows hides a secret given on the command line."""
-    from .redaction import redact_command
+    from ..redaction import redact_command
 
     if redact_command(overrides) == list(overrides):
         return []
@@ -57,7 +57,7 @@ def _model(cfg: Any) -> str:
 
 
 def header_lines(cfg: Any, recipe: str, overrides: list[str], pm: Any, resume_from: str | None) -> list[tuple[str, str]]:
-    from .redaction import redact_command
+    from ..redaction import redact_command
     from .run_info import versions
 
     run_dir = str(cfg.run_dir)
@@ -96,7 +96,7 @@ class _Outcome:
 def footer(cfg: Any, recipe: str, overrides: list[str], outcome: _Outcome, elapsed: str,
            plot: tuple[str | None, str | None], exportable: bool = False) -> tuple[str, list[tuple[str, str]]]:
     """The footer's title and lines; ``exportable``: the trainer implements ``export_checkpoint``."""
-    from .checkpoint import find_latest_checkpoint
+    from ..checkpoint import find_latest_checkpoint
     from .run_log import ERRORS_FILE, METRICS_FILE, SAMPLES_FILE
 
     run_dir = str(cfg.run_dir)
@@ -149,7 +149,7 @@ def _count_lines(path: str) -> int:
 
 def stop_notice(cfg: Any, recipe: str, overrides: list[str], signame: str) -> str:
     """What a Ctrl-C (SIGINT) or SIGTERM is acknowledged with, at once."""
-    from .checkpoint import find_latest_checkpoint
+    from ..checkpoint import find_latest_checkpoint
 
     root = cfg.trainer.get("checkpoint_path")
     latest = find_latest_checkpoint(str(root)) if root else None
@@ -164,10 +164,10 @@ def stop_notice(cfg: Any, recipe: str, overrides: list[str], signame: str) -> st
 
 
 def run_command(args: Any) -> int:
-    from .config import load_recipe
-    from .controller import NexRLController, RunFailed
-    from .plugins import get_plugin_manager
-    from .preflight import require_runnable, resume_checkpoint
+    from ..config.recipe import load_recipe
+    from ..controller import NexRLController, RunFailed
+    from ..plugins import get_plugin_manager
+    from ..config.preflight import require_runnable, resume_checkpoint
     from .progress import RunProgress, choose_mode, format_duration
     from .run_info import RunRecord, write_config
     from .run_log import prepare_run_dir, setup_logging
@@ -250,7 +250,7 @@ def run_command(args: Any) -> int:
 
 
 def _exportable(pm: Any, trainer: str) -> bool:
-    from .trainer import BaseTrainer
+    from ..trainer import BaseTrainer
 
     cls = pm.components("trainer").get(trainer)
     own = getattr(getattr(cls, "cls", None), "export_checkpoint", None)
@@ -260,7 +260,7 @@ def _exportable(pm: Any, trainer: str) -> bool:
 def _checkpoint_global_step(path: str | None) -> int:
     if not path:
         return 0
-    from .checkpoint import read_core_state
+    from ..checkpoint import read_core_state
 
     return int(read_core_state(path)["global_step"])
 

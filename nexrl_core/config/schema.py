@@ -2,7 +2,7 @@
 recipe's core defaults (``core_defaults()`` is what a recipe is merged onto).
 
 A section marked ``component=`` selects a registered component with its ``selector`` key;
-the component's own declared options (:mod:`nexrl_core.options`) are allowed next to the
+the component's own declared options (:mod:`nexrl_core.config.options`) are allowed next to the
 core keys listed here.
 """
 
@@ -13,7 +13,7 @@ import typing
 from typing import Any
 
 from .options import Option, option_defaults
-from .types import NexRLRole
+from ..types import NexRLRole
 
 RESUME_MODES = ("disable", "auto", "from_path")
 ERROR_POLICIES = ("stop_on_error", "stop_on_critical", "continue")
@@ -21,26 +21,26 @@ LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "SUCCESS", "WARNING", "ERROR", "CRITICAL
 
 
 def _launch_mode(value: Any) -> str | None:
-    from .launch import launch_mode_problem
+    from ..launch import launch_mode_problem
 
     problem = launch_mode_problem(value)  # the same words `nexrl run` stops with
     return problem.split(": ", 1)[1] if problem else None
 
 
 def _sync_modes() -> tuple[str, ...]:
-    from .weight_sync import SYNC_MODES
+    from ..weight_sync import SYNC_MODES
 
     return SYNC_MODES
 
 
 def _batch_ready_functions() -> tuple[str, ...]:
-    from .trajectory_pool import BATCH_READY_FUNCTIONS
+    from ..trajectory_pool import BATCH_READY_FUNCTIONS
 
     return BATCH_READY_FUNCTIONS
 
 
 def _progress_available(value: Any) -> str | None:
-    from .progress import progress_problem
+    from ..cli.progress import progress_problem
 
     return progress_problem(value)
 
@@ -307,7 +307,7 @@ _NOT_RECIPE_KEYS = {"seed": "the seed is derived per request from rollout_worker
 
 def sampling_options() -> dict[str, Option]:
     """``rollout_worker.sampling``: exactly the fields of :class:`SamplingParams` a recipe sets."""
-    from .inference import SamplingParams
+    from ..inference import SamplingParams
 
     hints = typing.get_type_hints(SamplingParams)
     out = {}

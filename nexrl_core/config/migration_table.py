@@ -1,6 +1,6 @@
 """The NexRL (and ROLL) -> nexrl table: recipe keys, values, imports and metric names.
 
-One table, three readers: ``nexrl migrate`` rewrites a recipe with it (:mod:`nexrl_core.migrate`),
+One table, three readers: ``nexrl migrate`` rewrites a recipe with it (:mod:`nexrl_core.config.migrate`),
 ``nexrl validate`` / ``nexrl run`` name the nexrl key when a recipe still holds a seed key
 (:func:`seed_key_hint`), and ``docs/migrating.md`` is generated from it (``scripts/gen_docs.py``),
 so the three never disagree. Standard library only: the option checks import it.

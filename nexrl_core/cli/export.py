@@ -17,8 +17,8 @@ from typing import Any
 
 from loguru import logger
 
-from .checkpoint import CORE_STATE_FILE, find_latest_checkpoint, is_checkpoint, make_readable, read_core_state
-from .errors import ConfigError, DataError
+from ..checkpoint import CORE_STATE_FILE, find_latest_checkpoint, is_checkpoint, make_readable, read_core_state
+from ..errors import ConfigError, DataError
 
 EXPORT_FILE = "nexrl_export.json"
 DTYPES = ("float32", "bfloat16", "float16")

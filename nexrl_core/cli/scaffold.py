@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 from string import Template
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 _NAME = re.compile(r"^[a-z][a-z0-9]*(?:[-_][a-z0-9]+)*$")
 

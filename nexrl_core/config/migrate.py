@@ -1,6 +1,6 @@
 """``nexrl migrate OLD.yaml [-o NEW.yaml]``: a NexRL (or ROLL) recipe rewritten as a nexrl recipe.
 
-The rewrite follows :mod:`nexrl_core.migration_table` (also the source of docs/migrating.md):
+The rewrite follows :mod:`nexrl_core.config.migration_table` (also the source of docs/migrating.md):
 
 1. the recipe's defaults list is composed, as ``nexrl run`` composes it;
 2. keys move to nexrl's (``dataloader`` -> ``data``, ``max_steps`` -> ``trainer.total_train_steps``
@@ -73,7 +73,7 @@ class _Context(Context):
         self.current = current
 
     def declares(self, kind: str, name: str, *keys: str) -> bool:
-        from .config import declared_options
+        from .recipe import declared_options
 
         registered = self.pm.components(kind).get(name)
         if registered is None:
@@ -264,7 +264,7 @@ def _drop_rejected(recipe: dict[str, Any], out: Migration, pm: Any, moved: Mappi
     """Take out every key ``nexrl validate`` rejects as unknown (or no longer read), each listed
     with the table's reason, else the check's words (a key moved here is listed under its seed
     name, and no longer as carried over). Returns the keys taken out and their values."""
-    from .config import check_config
+    from .recipe import check_config
 
     taken: dict[str, Any] = {}
     for _ in range(8):  # a key taken out can change what its section's component accepts
@@ -314,7 +314,7 @@ def _order(recipe: dict[str, Any]) -> None:
 def compose_file(path: str) -> dict[str, Any]:
     """The recipe file with its defaults list merged in (as ``nexrl run`` composes it)."""
     from .compose import Composer, deep_merge, read_yaml_file
-    from .errors import ConfigError
+    from ..errors import ConfigError
 
     if not os.path.isfile(path):
         raise ConfigError(f"{path}: recipe file not found")
@@ -342,7 +342,7 @@ def migrate_file(path: str, out_path: str, pm: Any) -> Migration:
 def _place_paths(recipe: dict[str, Any], roots: list[str], out_dir: str, pm: Any) -> list[str]:
     """In place: each relative path found under one of ``roots`` becomes relative to ``out_dir``.
     Returns the Python files the recipe names and the NexAU workspace folder (absolute)."""
-    from .config import resolve_recipe_paths
+    from .recipe import resolve_recipe_paths
 
     resolved = copy.deepcopy(recipe)
     for root in roots:

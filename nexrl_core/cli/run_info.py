@@ -17,7 +17,7 @@ import sys
 import time
 from typing import Any
 
-from .redaction import redact, redact_command
+from ..redaction import redact, redact_command
 
 CONFIG_FILE = "config.yaml"
 RUN_FILE = "run.json"
