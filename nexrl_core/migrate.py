@@ -1,0 +1,5 @@
+"""Deprecated alias of :mod:`nexrl_core.config.migrate` (moved there; see docs/changelog.md)."""
+
+from ._moved import alias
+
+alias(__name__)
