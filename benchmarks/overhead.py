@@ -553,6 +553,7 @@ def part_pack(args: argparse.Namespace) -> None:
     import random
 
     import torch
+
     from nexrl_grpo.modeling import (
         compute_response_logprobs,
         compute_response_logprobs_packed,

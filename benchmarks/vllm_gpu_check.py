@@ -51,9 +51,9 @@ def preconditions() -> str | None:
 
 
 def start_server(model: str, backend: str, args: argparse.Namespace, out: Path):
-    from nexrl_vllm import ManagedVLLMServer, ServeOptions
-
     import shutil
+
+    from nexrl_vllm import ManagedVLLMServer, ServeOptions
 
     command = ["vllm", "serve"] if shutil.which("vllm") else [sys.executable, "-m", "vllm.entrypoints.cli.main",
                                                                "serve"]

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from difflib import get_close_matches
 from typing import Any
 
-from .errors import ConfigError
 from .config.options import Option
+from .errors import ConfigError
 
 SECTION = "service.train_service"
 

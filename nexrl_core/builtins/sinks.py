@@ -11,10 +11,10 @@ from typing import Any
 
 from loguru import logger
 
+from ..cli.run_log import STEP_LINE
+from ..config.options import Option
 from ..errors import ConfigError
 from ..markers import hookimpl
-from ..config.options import Option
-from ..cli.run_log import STEP_LINE
 
 
 class ConsoleSink:

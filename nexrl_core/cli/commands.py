@@ -206,16 +206,16 @@ def _run(args: Any) -> int:
 
 
 def _validate(args: Any) -> int:
-    from ..plugins import get_plugin_manager
     from ..config.preflight import validate_recipe
+    from ..plugins import get_plugin_manager
 
     cfg = _load(args)
     problems = validate_recipe(cfg, get_plugin_manager())
     if problems:
         _print_problems(problems)
         return 2
-    from ..launch import unused_launch_keys_note
     from ..config.preflight import run_dir_plan
+    from ..launch import unused_launch_keys_note
 
     note = unused_launch_keys_note(cfg)
     if note:
@@ -260,8 +260,8 @@ def _show(args: Any) -> int:
 
 
 def _export(args: Any) -> int:
-    from .export import export_checkpoint
     from ..plugins import get_plugin_manager
+    from .export import export_checkpoint
 
     out = export_checkpoint(args.checkpoint, args.out, get_plugin_manager(), dtype=args.dtype, force=args.force)
     print(out)
@@ -271,8 +271,8 @@ def _export(args: Any) -> int:
 def _eval(args: Any) -> int:
     from ..controller import NexRLController
     from ..redaction import scrub_values
-    from .run_log import setup_logging
     from ..runtime.execute import execute
+    from .run_log import setup_logging
 
     overrides = [o for o in args.overrides if not o.startswith("checkpoint=")]
     checkpoint = [o.split("=", 1)[1] for o in args.overrides if o.startswith("checkpoint=")]
@@ -389,7 +389,7 @@ def _plugins(args: Any) -> int:
 
 def _new(args: Any) -> int:
     from ..plugins import get_plugin_manager
-    from .scaffold import new_evaluator, names
+    from .scaffold import names, new_evaluator
 
     names(args.name)  # a bad NAME fails before the plugins load
     root = new_evaluator(args.name, args.dir, args.license, set(get_plugin_manager().components("evaluator")))
@@ -400,10 +400,10 @@ def _new(args: Any) -> int:
 
 
 def _migrate(args: Any) -> int:
-    from ..config.recipe import load_recipe
     from ..config.migrate import migrate_file, report, to_yaml
-    from ..plugins import get_plugin_manager
     from ..config.preflight import validate_recipe
+    from ..config.recipe import load_recipe
+    from ..plugins import get_plugin_manager
 
     out = args.out
     if out is not None:

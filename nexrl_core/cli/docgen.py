@@ -184,8 +184,8 @@ TITLES = {"dataloader": "Data loaders", "rollout_worker": "Rollout workers", "ev
 def recipe_reference(pm: Any, distributions: Iterable[str] | None = None) -> str:
     """Markdown: the core's keys (``nexrl_core.config.schema``), then the options of every component ``pm``
     knows (only those of ``distributions`` when given), by kind."""
-    from ..config.recipe import declared_options
     from ..config.options import component_options
+    from ..config.recipe import declared_options
     from ..config.schema import CORE_OPTIONS
 
     wanted = set(distributions) if distributions is not None else None

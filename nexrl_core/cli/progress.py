@@ -300,7 +300,7 @@ class RunProgress:
                         Text(f"elapsed {format_duration(s.elapsed)}", style="dim"),
                         Text(f"eta {format_duration(s.eta)}", style="cyan"))
             line = Text()
-            for i, (label, value) in enumerate(s.fields()):
+            for _i, (label, value) in enumerate(s.fields()):
                 if label == "eta":
                     continue
                 if line:

@@ -164,10 +164,10 @@ def stop_notice(cfg: Any, recipe: str, overrides: list[str], signame: str) -> st
 
 
 def run_command(args: Any) -> int:
+    from ..config.preflight import require_runnable, resume_checkpoint
     from ..config.recipe import load_recipe
     from ..controller import NexRLController, RunFailed
     from ..plugins import get_plugin_manager
-    from ..config.preflight import require_runnable, resume_checkpoint
     from .progress import RunProgress, choose_mode, format_duration
     from .run_info import RunRecord, write_config
     from .run_log import prepare_run_dir, setup_logging

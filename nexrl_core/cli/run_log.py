@@ -17,7 +17,6 @@ from loguru import logger
 from ..redaction import ScrubbedStream, scrub, scrub_values
 from ..runtime.logs import FailureLog, failure_location, failure_signature, format_traceback
 
-
 METRICS_FILE = "metrics.jsonl"
 ERRORS_FILE = "errors.jsonl"
 SAMPLES_FILE = "samples.jsonl"

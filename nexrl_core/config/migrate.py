@@ -26,8 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .migration_table import (IMPORT_RULES, KEY_RULES, VALUE_RULES, WEIGHT_BACKENDS, Context, KeyRule,
-                              get_key, rule_for)
+from .migration_table import IMPORT_RULES, KEY_RULES, VALUE_RULES, WEIGHT_BACKENDS, Context, KeyRule, get_key, rule_for
 
 _REJECTED = re.compile(r"^(?P<key>[^\s:]+): (?P<why>unknown key.*|no longer a recipe key: .*"
                        r"|expected a mapping, got null.*)$")
@@ -313,8 +312,8 @@ def _order(recipe: dict[str, Any]) -> None:
 
 def compose_file(path: str) -> dict[str, Any]:
     """The recipe file with its defaults list merged in (as ``nexrl run`` composes it)."""
-    from .compose import Composer, deep_merge, read_yaml_file
     from ..errors import ConfigError
+    from .compose import Composer, deep_merge, read_yaml_file
 
     if not os.path.isfile(path):
         raise ConfigError(f"{path}: recipe file not found")

@@ -11,8 +11,8 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from ..checkpoint import CORE_STATE_FILE, find_latest_checkpoint, is_checkpoint, read_core_state
-from ..errors import ConfigError, NexRLError
 from ..cli.run_log import _inside, earlier_run, writable_dir_problem
+from ..errors import ConfigError, NexRLError
 
 DATA_SECTIONS = ("data", "validate.data")
 
@@ -144,7 +144,7 @@ def run_dir_plan(cfg: DictConfig) -> str | None:
     except NexRLError:
         return None  # a problem, reported by resume_problems
     total = int(cfg.trainer.total_train_steps)
-    anew = f"resume.mode=disable overwrite_run_dir=true starts anew (the earlier run is moved aside)"
+    anew = "resume.mode=disable overwrite_run_dir=true starts anew (the earlier run is moved aside)"
     if path is None:
         if not found:
             return None

@@ -18,11 +18,20 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from .compose import Composer, GroupOverride, deep_merge, read_yaml_file
 from ..errors import ConfigError, NexRLError
-from .options import (Option, check_value, component_capabilities, component_options, option_defaults,
-                      options_from_signature, removed_key, type_name, unknown_key)
 from ..redaction import add_config_secrets, add_secret, is_secret_key
+from .compose import Composer, GroupOverride, deep_merge, read_yaml_file
+from .options import (
+    Option,
+    check_value,
+    component_capabilities,
+    component_options,
+    option_defaults,
+    options_from_signature,
+    removed_key,
+    type_name,
+    unknown_key,
+)
 from .schema import CORE_OPTIONS, core_defaults
 
 # kind -> words for messages
@@ -573,8 +582,8 @@ def _train_service_declared(section: Mapping[str, Any], trainer_cls: type, plugi
 def _check_train_service(values: Mapping[str, Any], trainer_cls: type, plugin_manager: Any) -> list[str]:
     """``service.train_service``: the keys of the train service it selects (a trainer that drives a
     registered one, see :mod:`nexrl_core.train_service`), or else the trainer's own declared keys."""
-    from .options import check_options
     from ..train_service import SECTION
+    from .options import check_options
 
     section = _get(values, SECTION, {})
     if section is None:
@@ -615,7 +624,7 @@ def check_capabilities(found: Mapping[str, type], values: Mapping[str, Any], pm:
     for _, cls, _, _ in chosen:
         provided |= component_capabilities(cls).provides
     problems = []
-    for role, cls, key, kind in chosen:
+    for role, cls, key, _kind in chosen:
         name = _get(values, key)
         for capability, why in component_capabilities(cls).requires.items():
             if capability in provided:
@@ -630,7 +639,7 @@ def _providers(capability: str, pm: Any) -> str:
     if pm is None:
         return ""
     hits = []
-    for _, role, key, kind in _ROLES:
+    for _, _role, key, kind in _ROLES:
         for name, reg in sorted(pm.components(kind).items()):
             if capability in component_capabilities(reg.cls).provides:
                 hits.append(f"{key}: {name} ({reg.distribution})")

@@ -12,8 +12,8 @@ import dataclasses
 import typing
 from typing import Any
 
-from .options import Option, option_defaults
 from ..types import NexRLRole
+from .options import Option, option_defaults
 
 RESUME_MODES = ("disable", "auto", "from_path")
 ERROR_POLICIES = ("stop_on_error", "stop_on_critical", "continue")

@@ -225,9 +225,9 @@ def _health_problem(ref: Any, timeout: float) -> str | None:
 def open_run_recorder(config: Any) -> Any:
     """The run's records for a recipe: files in ``run_dir`` and the ``logger.backend`` sinks
     (resolved through the plugin manager of the process the tracker is built in)."""
+    from ..cli.run_log import RunRecorder
     from ..failure_monitor import FailedSampleMonitor
     from ..plugins import active_plugin_manager
-    from ..cli.run_log import RunRecorder
 
     pm = active_plugin_manager()
     run_dir = str(config.run_dir) if config.get("run_dir") else None  # None: no files (nexrl eval without --out)

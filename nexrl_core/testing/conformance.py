@@ -25,8 +25,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..evaluation import BaseEvaluationTarget, EvaluationRunResult, Evaluator
 from ..config.options import Option, check_options, check_value
+from ..evaluation import BaseEvaluationTarget, EvaluationRunResult, Evaluator
 
 GENERIC_EXAMPLES: list[dict[str, Any]] = [
     {"data": {"prompt": "What is 2 + 3? Reply with only the number.", "answer": 5, "data_source": "check"},
@@ -352,8 +352,8 @@ def check_plugin(name: str, pm: Any = None, options: Mapping[str, Any] | None = 
     or one registered evaluator (``options`` are its constructor keywords). Raises
     :class:`~nexrl_core.PluginError` for a plugin that failed to load and
     :class:`~nexrl_core.ConfigError` for a name nothing has."""
-    from ..errors import ConfigError, PluginError
     from ..config.options import component_options
+    from ..errors import ConfigError, PluginError
     from ..plugins import KINDS, get_plugin_manager
 
     pm = pm or get_plugin_manager()

@@ -15,8 +15,8 @@ import sys
 
 import pytest
 
-from nexrl_core.builtins.mock import mock_sum_threshold
 from nexrl_core import execute
+from nexrl_core.builtins.mock import mock_sum_threshold
 from nexrl_core.checkpoint import CORE_STATE_FILE
 
 LEARN_STEPS = 4

@@ -11,8 +11,8 @@ import textwrap
 from pathlib import Path
 
 from nexrl_core.builtins.openai_client import OpenAICompatibleClient
-from nexrl_core.inference import SamplingParams
 from nexrl_core.cli.run_log import LOG_FILE, setup_logging
+from nexrl_core.inference import SamplingParams
 from tests.support.openai_server import FakeOpenAIServer
 
 REPO = Path(__file__).resolve().parents[2]

@@ -12,10 +12,15 @@ from typing import Literal, Optional
 import pytest
 import yaml
 
-from nexrl_core import REQUIRED, BaseTrainer, Capabilities, Evaluator, EvaluationRunResult, Option, hookimpl
+from nexrl_core import REQUIRED, BaseTrainer, Capabilities, EvaluationRunResult, Evaluator, Option, hookimpl
+from nexrl_core.config.options import (
+    check_options,
+    component_options,
+    describe_type,
+    option_defaults,
+    options_from_signature,
+)
 from nexrl_core.config.recipe import check_config, load_recipe
-from nexrl_core.config.options import (check_options, component_options, describe_type, option_defaults,
-                                options_from_signature)
 from nexrl_core.config.schema import CORE_OPTIONS, core_defaults, sampling_options
 
 OPTS = {

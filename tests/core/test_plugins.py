@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib
 import importlib.metadata as md
 import json
 import os
@@ -15,11 +16,9 @@ import uuid
 import pytest
 
 import nexrl_core
-import importlib
-
+from nexrl_core.algorithms import ALGORITHM_KINDS
 from nexrl_core.builtins import DEFAULT_PLUGINS
 from nexrl_core.errors import ConfigError, PluginError
-from nexrl_core.algorithms import ALGORITHM_KINDS
 from nexrl_core.plugins import CORE_DISTRIBUTION, KINDS, PluginManager
 
 TRAINER_PLUGIN = """
@@ -240,7 +239,7 @@ def test_resolve_unknown_name_lists_available_names_with_distribution(core_pm):
 
 
 def test_in_process_register_and_plugin_name_clash(core_pm):
-    from nexrl_core import Evaluator, EvaluationRunResult, hookimpl
+    from nexrl_core import EvaluationRunResult, Evaluator, hookimpl
 
     class Mine(Evaluator):
         def evaluate(self, data, evaluation_target):

@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from nexrl_core.config.recipe import load_recipe
 from nexrl_core.cli.run_info import plain_config
+from nexrl_core.config.recipe import load_recipe
 
 REPO = Path(__file__).resolve().parents[2]
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")

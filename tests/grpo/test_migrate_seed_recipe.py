@@ -184,8 +184,8 @@ def test_rolls_algorithm_keys(tiny_model_dir, tmp_path):
     assert r["trainer"] == {"type": "self_hosted_grpo", "total_train_steps": 2}
     assert r["service"]["train_service"] == {"model_path": tiny_model_dir, "grad_clip": 0.5}
     assert r["weight"] == {"backend": "in_process"}
-    from nexrl_core.config.recipe import load_recipe
     from nexrl_core.config.preflight import validate_recipe
+    from nexrl_core.config.recipe import load_recipe
 
     path = tmp_path / "migrated.yaml"
     assert validate_recipe(load_recipe(str(path), [], raw=r), pm) == []
