@@ -102,8 +102,8 @@ class Gate:
 
 def arithmetic_rows(seed: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """The quickstart's training rows (same generator, same config)."""
-    from nexrl_core.config import load_recipe
     from nexrl_core.builtins.dataloaders import ArithmeticDataLoader
+    from nexrl_core.config.recipe import load_recipe
 
     cfg = load_recipe(QUICKSTART, [f"seed={seed}"])
     data = cfg.data
@@ -112,8 +112,8 @@ def arithmetic_rows(seed: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
 
 
 def make_reward_fn(log: list[float]) -> Callable[..., list[float]]:
-    from nexrl_core.evaluation import BaseEvaluationTarget
     from nexrl_core.builtins.evaluators import NumericAnswerEvaluator
+    from nexrl_core.evaluation import BaseEvaluationTarget
 
     evaluator = NumericAnswerEvaluator()
 
@@ -238,9 +238,10 @@ class TrlSystem(GatedSystem):
 
 class NexrlSystem(GatedSystem):
     def __init__(self, args: argparse.Namespace, total_steps: int, run_dir: str, dtype: str):
-        from nexrl_core.config import load_recipe
-        from nexrl_core.controller import NexRLController
         from omegaconf import OmegaConf
+
+        from nexrl_core.config.recipe import load_recipe
+        from nexrl_core.controller import NexRLController
 
         overrides = [
             f"run_dir={run_dir}", f"seed={args.seed}",
@@ -426,11 +427,12 @@ def main(argv: list[str] | None = None) -> int:
 
     transformers.logging.set_verbosity_error()
     import trl
+
     from nexrl_grpo.weights import resolve_model_path
 
     model_path = args.model = args.model or resolve_model_path("smollm2-135m-instruct")
     if args.lr is None:
-        from nexrl_core.config import load_recipe
+        from nexrl_core.config.recipe import load_recipe
 
         args.lr = float(load_recipe(QUICKSTART).service.train_service.lr)
     steps_per_system = args.warmup + args.blocks * args.steps_per_block

@@ -106,7 +106,7 @@ def _quiet_logs() -> None:
 def run_flow(workers: int, batch: int, group: int, steps: int, sync_mode: str = "sync",
              staleness: int = 0, profile: str | None = None, limit: str = "null", launch_mode: str = "local",
              actors: int = 1, tasks_per_call: int = 1) -> dict[str, float]:
-    from nexrl_core.config import load_recipe
+    from nexrl_core.config.recipe import load_recipe
     from nexrl_core.controller import NexRLController
     from nexrl_core.runtime.execute import execute
 
@@ -301,7 +301,7 @@ def _watch_steps(run_dir: str, stop: threading.Event, marks: list[float]) -> Non
 
 
 def run_quickstart(tmp: str, mode: str, steps: int, extra: list[str]) -> dict[str, Any]:
-    from nexrl_core.config import load_recipe
+    from nexrl_core.config.recipe import load_recipe
     from nexrl_core.controller import NexRLController
 
     run_dir = os.path.join(tmp, f"{mode}-{time.monotonic_ns()}")
@@ -394,7 +394,7 @@ class Timers:
 def part_step(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from nexrl_core.config import load_recipe
+    from nexrl_core.config.recipe import load_recipe
     from nexrl_core.controller import NexRLController
 
     _quiet_logs()
@@ -553,6 +553,7 @@ def part_pack(args: argparse.Namespace) -> None:
     import random
 
     import torch
+
     from nexrl_grpo.modeling import (
         compute_response_logprobs,
         compute_response_logprobs_packed,

@@ -61,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
 
     logger.remove()
     from grpo_vs_trl import cpu_name, loadavg
+
     from nexrl_grpo.train_service import LocalTorchTrainService
     from nexrl_grpo.weights import resolve_model_path
 

@@ -51,9 +51,9 @@ def preconditions() -> str | None:
 
 
 def start_server(model: str, backend: str, args: argparse.Namespace, out: Path):
-    from nexrl_vllm import ManagedVLLMServer, ServeOptions
-
     import shutil
+
+    from nexrl_vllm import ManagedVLLMServer, ServeOptions
 
     command = ["vllm", "serve"] if shutil.which("vllm") else [sys.executable, "-m", "vllm.entrypoints.cli.main",
                                                                "serve"]
@@ -86,7 +86,7 @@ def train(model: str, url: str, backend: str, args: argparse.Namespace, out: Pat
     import yaml
 
     from nexrl_core import NexRLController
-    from nexrl_core.config import load_recipe
+    from nexrl_core.config.recipe import load_recipe
 
     path = out / f"{backend}.yaml"
     path.write_text(yaml.safe_dump(recipe(model, url, backend, args, out), sort_keys=False))

@@ -18,11 +18,11 @@ from omegaconf import DictConfig
 
 from .algorithms import AlgorithmRegistry
 from .checkpoint import find_latest_checkpoint
+from .cli.run_log import prepare_run_dir
+from .config.preflight import dataloader_config, records_config, require_runnable, resume_checkpoint
 from .errors import NexRLError
 from .launch import create_resource_manager
 from .plugins import PluginManager, get_plugin_manager
-from .preflight import dataloader_config, records_config, require_runnable, resume_checkpoint
-from .run_log import prepare_run_dir
 from .runtime.activity import ActivityTracker, ActivityTrackerProxy
 from .runtime.execute import execute
 from .runtime.logs import format_traceback

@@ -13,7 +13,6 @@ from typing import Any
 
 from .types import trajectory_reward
 
-
 #: a sample's data source when its row has no ``data_source`` field
 DEFAULT_DATA_SOURCE = "default"
 

@@ -80,8 +80,8 @@ class SamplingParams:
     def recipe_problems(cls, section: Any, key: str = "rollout_worker.sampling") -> list[str]:
         """Problems of a recipe's sampling mapping, one line each naming the key: an unknown key
         (with a "did you mean") or a bad value. Empty when :meth:`from_config` will accept it."""
-        from .options import check_options
-        from .schema import sampling_options
+        from .config.options import check_options
+        from .config.schema import sampling_options
 
         if section is None:
             return []

@@ -305,6 +305,6 @@ def active_plugin_manager() -> PluginManager:
 
 def peek_plugin_manager() -> PluginManager:
     """The manager in use (the launch's, else this process's default) without creating the cached
-    default: reading a recipe (:func:`nexrl_core.config.load_recipe`) must not fix which plugins
+    default: reading a recipe (:func:`nexrl_core.config.recipe.load_recipe`) must not fix which plugins
     this process loads before the command has chosen its manager."""
     return _ACTIVE.get() or _DEFAULT or PluginManager()

@@ -12,7 +12,7 @@ A secret is
 The first two are remembered as a recipe is loaded and checked (:func:`add_secret`), before a
 run writes anything; every file a run writes (``run.json``, ``config.yaml``, ``run.log``, the
 ``*.jsonl`` records, checkpoint state, a tracker's config) and every console line replaces
-them by ``***``. Torch-free and import-light: :mod:`nexrl_core.options` uses it.
+them by ``***``. Torch-free and import-light: :mod:`nexrl_core.config.options` uses it.
 """
 
 from __future__ import annotations

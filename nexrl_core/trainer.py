@@ -112,7 +112,7 @@ class BaseTrainer(ThreadedModule):
         """The train service ``service.train_service`` selects, built from that section."""
         if self._train_service_cls is None:
             raise NotImplementedError(f"{type(self).__name__} drives no train service (no TRAIN_SERVICE_BATCH_FORMAT)")
-        from .config import plain
+        from .config.recipe import plain
 
         section = dict(plain(self._full_config.get("service", {}).get("train_service")) or {})
         return self._train_service_cls.from_config(section, seed=int(self._full_config.get("seed", 0)),

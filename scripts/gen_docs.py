@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Write the generated reference pages: docs/hooks.md (from nexrl_core/hookspecs.py),
-docs/recipe.md (every recipe key: nexrl_core/schema.py and the options of the components of
+docs/recipe.md (every recipe key: nexrl_core/config/schema.py and the options of the components of
 nexrl-core and of every plugin distribution under plugins/) and docs/migrating.md (the NexRL ->
-nexrl table of nexrl_core/migration_table.py, which `nexrl migrate` follows).
+nexrl table of nexrl_core/config/migration_table.py, which `nexrl migrate` follows).
 
     python scripts/gen_docs.py          # rewrite the pages
     python scripts/gen_docs.py --check  # exit 1 when a page is out of date (what the test checks)
@@ -13,8 +13,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -31,7 +32,7 @@ def repo_plugins() -> list[tuple[str, str, str]]:
 
 def pages() -> dict[Path, str]:
     """What each generated page must hold."""
-    from nexrl_core.docgen import hook_reference, migration_reference, recipe_reference
+    from nexrl_core.cli.docgen import hook_reference, migration_reference, recipe_reference
     from nexrl_core.plugins import CORE_DISTRIBUTION, PluginManager
 
     pm = PluginManager(load_entrypoints=False)  # the repository's plugins, not whatever is installed

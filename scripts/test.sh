@@ -5,4 +5,6 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/scripts/setup_env.sh"
 cd "$ROOT"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+# Lint first (config: pyproject.toml [tool.ruff]): CI (.ci/run) fails on a finding before any test runs.
+"$VENV/bin/ruff" check --quiet "$ROOT"
 exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@"

@@ -81,7 +81,7 @@ def run_local(tmp_path, core_pm, reset_loguru):
     it exactly as ``nexrl run`` does and runs a real controller in local mode."""
     import yaml
 
-    from nexrl_core.config import load_recipe
+    from nexrl_core.config.recipe import load_recipe
     from nexrl_core.controller import NexRLController
 
     def run(recipe: dict, pm=None, overrides=(), name: str = "recipe.yaml"):

@@ -15,19 +15,62 @@ calls the same functions on the arrays it has. Policy losses need autograd and l
 distribution that owns torch (``nexrl-grpo``), registered through the same registry.
 """
 
-from .advantages import (AdvantageInputs, discounted_returns, dr_grpo, gae, group_stats, grpo, masked_whiten,
-                         reinforce_plus_plus, rloo, scores_to_token_level)
-from .kl import (KL_CTRL_DEFAULTS, KL_CTRL_OPTIONS, KL_KINDS, AdaptiveKLController, FixedKLController, apply_kl_penalty,
-                 array_namespace, get_kl_controller, kl_penalty)
+from .advantages import (
+    AdvantageInputs,
+    discounted_returns,
+    dr_grpo,
+    gae,
+    group_stats,
+    grpo,
+    masked_whiten,
+    reinforce_plus_plus,
+    rloo,
+    scores_to_token_level,
+)
+from .kl import (
+    KL_CTRL_DEFAULTS,
+    KL_CTRL_OPTIONS,
+    KL_KINDS,
+    AdaptiveKLController,
+    FixedKLController,
+    apply_kl_penalty,
+    array_namespace,
+    get_kl_controller,
+    kl_penalty,
+)
 from .metrics import aggregate_metrics, reduction
-from .registry import (ALGORITHM_KINDS, AlgorithmFunction, AlgorithmRegistry, AlgorithmSelection, algorithm_keys,
-                       option_defaults, select_algorithms, unknown_name_error)
-from .reward_processing import (NORM_MODES, OVERLONG_MODES, REWARD_OPTIONS, REWARD_PROCESSING_OPTIONS,
-                                ProcessedRewards, RewardProcessor, RunningMoments, domain_settings, flat_group_rows,
-                                get_sample_level_mask, process_rewards, response_truncated,
-                                reward_postprocess)
-from .rollout_correction import (ROLLOUT_CORRECTION_DEFAULTS, ROLLOUT_CORRECTION_OPTIONS, check_cap, rollout_mismatch_metrics,
-                                 truncated_is_weights)
+from .registry import (
+    ALGORITHM_KINDS,
+    AlgorithmFunction,
+    AlgorithmRegistry,
+    AlgorithmSelection,
+    algorithm_keys,
+    option_defaults,
+    select_algorithms,
+    unknown_name_error,
+)
+from .reward_processing import (
+    NORM_MODES,
+    OVERLONG_MODES,
+    REWARD_OPTIONS,
+    REWARD_PROCESSING_OPTIONS,
+    ProcessedRewards,
+    RewardProcessor,
+    RunningMoments,
+    domain_settings,
+    flat_group_rows,
+    get_sample_level_mask,
+    process_rewards,
+    response_truncated,
+    reward_postprocess,
+)
+from .rollout_correction import (
+    ROLLOUT_CORRECTION_DEFAULTS,
+    ROLLOUT_CORRECTION_OPTIONS,
+    check_cap,
+    rollout_mismatch_metrics,
+    truncated_is_weights,
+)
 
 __all__ = [
     "ALGORITHM_KINDS", "KL_CTRL_DEFAULTS", "NORM_MODES", "OVERLONG_MODES", "REWARD_OPTIONS",

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from ..options import Option, option_defaults
+from ..config.options import Option, option_defaults
 
 KL_KINDS = {"kl": "k1", "k1": "k1", "abs": "abs", "mse": "k2", "k2": "k2", "low_var_kl": "k3", "k3": "k3"}
 

@@ -39,8 +39,8 @@ from dataclasses import dataclass, field, replace
 from difflib import get_close_matches
 from typing import Any
 
+from ..config.options import Option, check_options, component_options, param_docs
 from ..errors import ConfigError
-from ..options import Option, check_options, component_options, param_docs
 
 # kind -> hook that registers it
 ALGORITHM_KINDS: dict[str, str] = {

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from ..options import Option, option_defaults
+from ..config.options import Option, option_defaults
 from .advantages import group_stats
 
 NORM_MODES = ("none", "group", "batch", "running")

@@ -12,7 +12,7 @@ import math
 
 import numpy as np
 
-from ..options import Option, option_defaults
+from ..config.options import Option, option_defaults
 from .kl import kl_penalty
 
 ROLLOUT_CORRECTION_OPTIONS = {

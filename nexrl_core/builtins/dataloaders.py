@@ -13,10 +13,10 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from ..config.options import REQUIRED, Option, option_defaults
 from ..dataloader import BaseDataLoader
 from ..errors import ConfigError, DataError
 from ..markers import hookimpl
-from ..options import REQUIRED, Option, option_defaults
 
 _PATHS = (str, list[str])
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
+from ..config.options import Option
 from ..evaluation import BaseEvaluationTarget, EvaluationRunResult, Evaluator
 from ..markers import hookimpl
-from ..options import Option
 from .python_reward import PythonFunctionEvaluator
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")

@@ -10,9 +10,9 @@ import re
 import time
 from typing import Any
 
-from ..markers import hookimpl
-from ..options import Capabilities, Option, option_defaults
+from ..config.options import Capabilities, Option, option_defaults
 from ..inference import CompletionResult, InferenceClient, SamplingParams
+from ..markers import hookimpl
 from ..trainer import BaseTrainer
 from ..types import Trajectory
 

@@ -70,9 +70,9 @@ from typing import Any, TypeVar
 import openai
 from loguru import logger
 
+from ..config.options import Option, option_defaults
 from ..inference import CompletionResult, InferenceClient, InferenceError, SamplingParams, _get
 from ..markers import hookimpl
-from ..options import Option, option_defaults
 from ..tool_calls import parse_tool_calls
 
 __all__ = ["OpenAICompatibleClient"]

@@ -32,9 +32,9 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from ..config.options import REQUIRED, Option
 from ..errors import ConfigError
 from ..evaluation import BaseEvaluationTarget, EvaluationRunResult, Evaluator
-from ..options import REQUIRED, Option
 from ..runtime.logs import failure_location
 
 KEY = "rollout_worker.evaluator"

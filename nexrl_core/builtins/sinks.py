@@ -11,10 +11,10 @@ from typing import Any
 
 from loguru import logger
 
+from ..cli.run_log import STEP_LINE
+from ..config.options import Option
 from ..errors import ConfigError
 from ..markers import hookimpl
-from ..options import Option
-from ..run_log import STEP_LINE
 
 
 class ConsoleSink:
@@ -146,7 +146,7 @@ class TensorBoardSink:
 
     @classmethod
     def check_config(cls, section: dict[str, Any], path: str) -> list[str]:
-        from ..run_log import writable_dir_problem
+        from ..cli.run_log import writable_dir_problem
 
         if not _installed("tensorboardX"):
             return [cls.MISSING]
@@ -197,7 +197,7 @@ def _installed(module: str) -> bool:
 
 
 def _plain(config: Any) -> Any:
-    from ..run_info import plain_config
+    from ..cli.run_info import plain_config
 
     try:
         return plain_config(config)

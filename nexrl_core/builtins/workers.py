@@ -8,11 +8,11 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from ..config.options import Option, option_defaults
+from ..config.schema import sampling_options
 from ..errors import ConfigError
 from ..inference import SamplingParams
 from ..markers import hookimpl
-from ..options import Option, option_defaults
-from ..schema import sampling_options
 from ..rollout_worker import BaseRolloutWorker, ItemFailure
 from ..runtime.execute import execute
 

@@ -38,8 +38,8 @@ def unused_launch_keys(config: Any) -> list[str]:
     """Keys of another launch mode that the recipe sets to other than their defaults (a Ray
     recipe run with ``launch_mode=local``): accepted, so one key switches the mode, but named,
     so nobody believes they took effect."""
-    from ..options import option_defaults
-    from ..schema import RAY, ROLLOUT_WORKER
+    from ..config.options import option_defaults
+    from ..config.schema import RAY, ROLLOUT_WORKER
 
     if config.get("launch_mode", "local") == "ray":
         return []

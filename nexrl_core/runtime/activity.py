@@ -184,13 +184,13 @@ class ActivityTracker:
 
     # -- the run's records (errors.jsonl, samples.jsonl, resume) ------------------------
     def record_samples(self, step: int, samples: list[dict[str, Any]]) -> None:
-        """Lines of samples.jsonl (see :meth:`nexrl_core.run_log.RunRecorder.record_samples`)."""
+        """Lines of samples.jsonl (see :meth:`nexrl_core.cli.run_log.RunRecorder.record_samples`)."""
         if self.experiment_logger is not None and hasattr(self.experiment_logger, "record_samples"):
             self.experiment_logger.record_samples(step, samples)
 
     def record_lost_item(self, task: dict[str, Any], cause: str, message: str, validating: bool = False,
                          step: int | None = None, detail: dict[str, Any] | None = None) -> None:
-        """One line of errors.jsonl (see :meth:`nexrl_core.run_log.RunRecorder.record_lost_item`)."""
+        """One line of errors.jsonl (see :meth:`nexrl_core.cli.run_log.RunRecorder.record_lost_item`)."""
         if self.experiment_logger is not None:
             self.experiment_logger.record_lost_item(task, cause, message, validating, step, detail)
 
@@ -225,9 +225,9 @@ def _health_problem(ref: Any, timeout: float) -> str | None:
 def open_run_recorder(config: Any) -> Any:
     """The run's records for a recipe: files in ``run_dir`` and the ``logger.backend`` sinks
     (resolved through the plugin manager of the process the tracker is built in)."""
+    from ..cli.run_log import RunRecorder
     from ..failure_monitor import FailedSampleMonitor
     from ..plugins import active_plugin_manager
-    from ..run_log import RunRecorder
 
     pm = active_plugin_manager()
     run_dir = str(config.run_dir) if config.get("run_dir") else None  # None: no files (nexrl eval without --out)

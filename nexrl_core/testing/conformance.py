@@ -25,8 +25,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..config.options import Option, check_options, check_value
 from ..evaluation import BaseEvaluationTarget, EvaluationRunResult, Evaluator
-from ..options import Option, check_options, check_value
 
 GENERIC_EXAMPLES: list[dict[str, Any]] = [
     {"data": {"prompt": "What is 2 + 3? Reply with only the number.", "answer": 5, "data_source": "check"},
@@ -105,7 +105,7 @@ def check_evaluator(evaluator: type[Evaluator] | str, options: Mapping[str, Any]
     lives per rollout worker thread) gives the sequential results. Noted: metric names that
     differ between samples, results that differ between two calls, the time per call.
     """
-    from ..config import component_check, declared_options
+    from ..config.recipe import component_check, declared_options
     from ..errors import ConfigError
 
     cls = _resolve(evaluator, pm)
@@ -352,8 +352,8 @@ def check_plugin(name: str, pm: Any = None, options: Mapping[str, Any] | None = 
     or one registered evaluator (``options`` are its constructor keywords). Raises
     :class:`~nexrl_core.PluginError` for a plugin that failed to load and
     :class:`~nexrl_core.ConfigError` for a name nothing has."""
+    from ..config.options import component_options
     from ..errors import ConfigError, PluginError
-    from ..options import component_options
     from ..plugins import KINDS, get_plugin_manager
 
     pm = pm or get_plugin_manager()

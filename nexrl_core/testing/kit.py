@@ -97,7 +97,7 @@ def run_recipe(recipe: Mapping[str, Any], run_dir: str, *plugins: Any, overrides
 
     The recipe is written to ``run_dir/../<name>.recipe.yaml``; outputs go to ``run_dir``.
     """
-    from ..config import load_recipe
+    from ..config.recipe import load_recipe
     from ..controller import NexRLController
 
     merged = _merge(dict(base or {}), {"run_dir": str(run_dir), **dict(recipe)})

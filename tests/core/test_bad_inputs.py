@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from nexrl_core.cli import main
-from nexrl_core.config import load_recipe
+from nexrl_core.config.recipe import load_recipe
 from nexrl_core.controller import NexRLController
 from nexrl_core.plugins import PluginManager
 

@@ -11,15 +11,19 @@ import time
 import pytest
 from omegaconf import OmegaConf
 
-from nexrl_core.runtime.activity import ActivityTracker, ActivityTrackerProxy
 from nexrl_core.builtins.dataloaders import FileDataLoader
-from nexrl_core.errors import ErrorReporter, ErrorSeverity
 from nexrl_core.builtins.mock import MockInferenceClient
-from nexrl_core.run_log import RunRecorder
-from nexrl_core.trajectory_pool import (GroupedTrajectoryStore, HierarchicalTrajectoryStore, SimpleTrajectoryStore,
-                                        TrajectoryPool)
-from nexrl_core.validator import Validator
 from nexrl_core.builtins.weight_sync import VersionOnlyWeightSync
+from nexrl_core.cli.run_log import RunRecorder
+from nexrl_core.errors import ErrorReporter, ErrorSeverity
+from nexrl_core.runtime.activity import ActivityTracker, ActivityTrackerProxy
+from nexrl_core.trajectory_pool import (
+    GroupedTrajectoryStore,
+    HierarchicalTrajectoryStore,
+    SimpleTrajectoryStore,
+    TrajectoryPool,
+)
+from nexrl_core.validator import Validator
 from nexrl_core.weight_sync import WeightSyncController
 
 ROWS = [{"prompt": f"question {i}", "answer": str(i), "data_source": "even" if i % 2 == 0 else "odd"}

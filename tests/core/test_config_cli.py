@@ -13,7 +13,7 @@ import textwrap
 import pytest
 
 from nexrl_core.cli import main
-from nexrl_core.config import check_config, load_recipe
+from nexrl_core.config.recipe import check_config, load_recipe
 from nexrl_core.errors import ConfigError
 
 GOOD = """\

@@ -13,7 +13,7 @@ import yaml
 
 import nexrl_core.launch
 from nexrl_core.builtins.mock import mock_sum_threshold
-from nexrl_core.config import load_recipe
+from nexrl_core.config.recipe import load_recipe
 from nexrl_core.controller import NexRLController
 from nexrl_core.errors import ErrorSeverity
 from nexrl_core.types import NexRLRole

@@ -15,8 +15,8 @@ import sys
 
 import pytest
 
-from nexrl_core.builtins.mock import mock_sum_threshold
 from nexrl_core import execute
+from nexrl_core.builtins.mock import mock_sum_threshold
 from nexrl_core.checkpoint import CORE_STATE_FILE
 
 LEARN_STEPS = 4
@@ -95,7 +95,7 @@ def finished_run(request, tmp_path_factory, fast_monitor):
     import yaml
     from loguru import logger
 
-    from nexrl_core.config import load_recipe
+    from nexrl_core.config.recipe import load_recipe
     from nexrl_core.controller import NexRLController
     from nexrl_core.plugins import PluginManager
 

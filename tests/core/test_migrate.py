@@ -1,5 +1,5 @@
 """``nexrl migrate`` (issue 30, items 1 and 6): a NexRL or ROLL recipe becomes a nexrl recipe by
-the table in nexrl_core/migration_table.py; every key it cannot carry over is listed with the
+the table in nexrl_core/config/migration_table.py; every key it cannot carry over is listed with the
 reason; the result is checked as ``nexrl validate`` checks it; ``nexrl validate`` names nexrl's
 key for a seed key and points at ``nexrl migrate``. Core components only (no torch): the
 algorithm keys and the developer guide's recipe are tested with nexrl-grpo in
@@ -14,8 +14,8 @@ import pytest
 import yaml
 
 from nexrl_core.cli import main
-from nexrl_core.migrate import import_lines, migrate_recipe
-from nexrl_core.migration_table import KEY_RULES, POINTER, SAME_KEYS, seed_key_hint
+from nexrl_core.config.migrate import import_lines, migrate_recipe
+from nexrl_core.config.migration_table import KEY_RULES, POINTER, SAME_KEYS, seed_key_hint
 
 REPO = Path(__file__).resolve().parents[2]
 MIGRATE = f"({POINTER})"

@@ -17,7 +17,7 @@ import pytest
 import yaml
 from loguru import logger
 
-from nexrl_core.config import load_recipe
+from nexrl_core.config.recipe import load_recipe
 from nexrl_core.controller import NexRLController
 from nexrl_core.plugins import PluginManager
 

@@ -240,8 +240,8 @@ def test_two_runs_with_dynamic_sampling_train_on_the_same_batches_in_the_same_or
 def test_bad_multi_domain_recipes_are_one_line_in_validate_and_run(change, expected, pm, tmp_path, run_local):
     import yaml
 
-    from nexrl_core.config import load_recipe
-    from nexrl_core.preflight import validate_recipe
+    from nexrl_core.config.preflight import validate_recipe
+    from nexrl_core.config.recipe import load_recipe
 
     def merge(a, b):
         return {**a, **{k: merge(a[k], v) if isinstance(v, dict) and isinstance(a.get(k), dict) else v

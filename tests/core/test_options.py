@@ -1,4 +1,4 @@
-"""nexrl_core.options: declared options (types, ranges, choices, nested mappings, required keys),
+"""nexrl_core.config.options: declared options (types, ranges, choices, nested mappings, required keys),
 options derived from an annotated constructor, the older CONFIG_KEYS form, capabilities, and the
 core schema every recipe key lives in."""
 
@@ -12,11 +12,16 @@ from typing import Literal, Optional
 import pytest
 import yaml
 
-from nexrl_core import REQUIRED, BaseTrainer, Capabilities, Evaluator, EvaluationRunResult, Option, hookimpl
-from nexrl_core.config import check_config, load_recipe
-from nexrl_core.options import (check_options, component_options, describe_type, option_defaults,
-                                options_from_signature)
-from nexrl_core.schema import CORE_OPTIONS, core_defaults, sampling_options
+from nexrl_core import REQUIRED, BaseTrainer, Capabilities, EvaluationRunResult, Evaluator, Option, hookimpl
+from nexrl_core.config.options import (
+    check_options,
+    component_options,
+    describe_type,
+    option_defaults,
+    options_from_signature,
+)
+from nexrl_core.config.recipe import check_config, load_recipe
+from nexrl_core.config.schema import CORE_OPTIONS, core_defaults, sampling_options
 
 OPTS = {
     "steps": Option(10, int, "steps", ge=1),

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib
 import importlib.metadata as md
 import json
 import os
@@ -15,11 +16,9 @@ import uuid
 import pytest
 
 import nexrl_core
-import importlib
-
+from nexrl_core.algorithms import ALGORITHM_KINDS
 from nexrl_core.builtins import DEFAULT_PLUGINS
 from nexrl_core.errors import ConfigError, PluginError
-from nexrl_core.algorithms import ALGORITHM_KINDS
 from nexrl_core.plugins import CORE_DISTRIBUTION, KINDS, PluginManager
 
 TRAINER_PLUGIN = """
@@ -240,7 +239,7 @@ def test_resolve_unknown_name_lists_available_names_with_distribution(core_pm):
 
 
 def test_in_process_register_and_plugin_name_clash(core_pm):
-    from nexrl_core import Evaluator, EvaluationRunResult, hookimpl
+    from nexrl_core import EvaluationRunResult, Evaluator, hookimpl
 
     class Mine(Evaluator):
         def evaluate(self, data, evaluation_target):
@@ -321,7 +320,7 @@ def nexrl_core_version() -> str:
 
 
 def test_importing_nexrl_core_does_not_import_heavy_packages():
-    code = ("import sys, nexrl_core, nexrl_core.cli, nexrl_core.config, nexrl_core.controller\n"
+    code = ("import sys, nexrl_core, nexrl_core.cli, nexrl_core.config.recipe, nexrl_core.controller\n"
             "from nexrl_core.plugins import PluginManager\n"
             "pm = PluginManager(); [pm.components(k) for k in ('trainer', 'evaluator', 'inference_backend')]\n"
             "print(sorted(m for m in ('torch', 'transformers', 'vllm', 'ray') if m in sys.modules))\n")
@@ -389,7 +388,7 @@ def test_third_party_evaluator_package_is_used_by_a_real_run(site, write_dist, m
 
 
 def test_unknown_evaluator_option_names_the_accepted_ones(site, write_dist, monkeypatch, tmp_path):
-    from nexrl_core.config import check_config, load_recipe
+    from nexrl_core.config.recipe import check_config, load_recipe
 
     mod = _mod()
     write_dist(site, "nexrl-echo-eval", {"echo_eval": mod}, {mod: EVALUATOR_PACKAGE})

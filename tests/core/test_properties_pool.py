@@ -33,8 +33,6 @@ from nexrl_core.builtins.mock import MockInferenceClient
 from nexrl_core.trajectory_pool import GroupedTrajectoryStore, TrajectoryPool
 from nexrl_core.weight_sync import WeightSyncController
 
-
-
 pytestmark = pytest.mark.timeout(120)  # a deadlock fails the test instead of hanging the suite
 
 @pytest.fixture(autouse=True, scope="module")

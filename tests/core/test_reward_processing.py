@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from nexrl_core import Option
 from nexrl_core import algorithms as al
-from nexrl_core.options import check_options
+from nexrl_core.config.options import check_options
 
 TOL = 1e-6
 prop = settings(max_examples=60, deadline=None)

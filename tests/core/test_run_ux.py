@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from nexrl_core.config import load_recipe
-from nexrl_core.run_info import plain_config
+from nexrl_core.cli.run_info import plain_config
+from nexrl_core.config.recipe import load_recipe
 
 REPO = Path(__file__).resolve().parents[2]
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
@@ -496,7 +496,7 @@ def test_relative_paths_in_a_recipe_are_next_to_the_recipe(tmp_path):
 
 
 def test_the_plots_validation_lines():
-    from nexrl_core.plot import series, validation_keys
+    from nexrl_core.cli.plot import series, validation_keys
 
     found = series([
         {"step": 0, "time": 1.0, "val/reward": 0.5, "val/accuracy": 0.5, "val/response_chars": 16.0,
@@ -511,7 +511,7 @@ def test_the_plots_validation_lines():
 
 def test_the_plot_draws_each_domains_training_reward(tmp_path):
     pytest.importorskip("matplotlib")
-    from nexrl_core.plot import domain_reward_keys, plot_run, series
+    from nexrl_core.cli.plot import domain_reward_keys, plot_run, series
 
     rows = [{"step": s, "train/reward_mean": 0.1 * s, "train/code/reward_mean": 0.05 * s,
              "train/arithmetic/reward_mean": 0.2 * s, "train/code/num_groups": 2.0, "val/code_reward": 0.1}
@@ -524,7 +524,7 @@ def test_the_plot_draws_each_domains_training_reward(tmp_path):
 
 
 def test_the_plots_third_panel_is_the_gradient_norm_of_an_rl_run_and_the_loss_of_a_supervised_one():
-    from nexrl_core.plot import series, update_key
+    from nexrl_core.cli.plot import series, update_key
 
     rl = series([{"step": 1, "train/loss": 1e-9, "train/grad_norm": 2.5, "train/advantages_abs_mean": 0.7}])
     assert update_key(rl) == "train/grad_norm"  # the surrogate's value is ~0 on-policy: not a progress signal
@@ -534,7 +534,7 @@ def test_the_plots_third_panel_is_the_gradient_norm_of_an_rl_run_and_the_loss_of
 
 
 def test_a_train_service_path_is_next_to_the_recipe(tmp_path):
-    from nexrl_core.config import resolve_recipe_paths
+    from nexrl_core.config.recipe import resolve_recipe_paths
 
     (tmp_path / "weights").mkdir()
     values = {"trainer": {"type": "self_hosted_grpo"},

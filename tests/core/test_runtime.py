@@ -18,8 +18,15 @@ from nexrl_core.launch.base import ResourceManager
 from nexrl_core.launch.local import LocalResourceManager
 from nexrl_core.plugins import PluginManager, active_plugin_manager, get_plugin_manager
 from nexrl_core.runtime.activity import ActivityTracker
-from nexrl_core.runtime.execute import (ModuleUnavailable, RemoteMethod, RpcTimeout, execute, execute_async,
-                                        execute_with_timeout, wait_result)
+from nexrl_core.runtime.execute import (
+    ModuleUnavailable,
+    RemoteMethod,
+    RpcTimeout,
+    execute,
+    execute_async,
+    execute_with_timeout,
+    wait_result,
+)
 from nexrl_core.types import NexRLRole
 
 # ----------------------------------------------------------------------------- execute

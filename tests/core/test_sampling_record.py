@@ -16,7 +16,7 @@ import yaml
 
 from nexrl_core import ConfigError
 from nexrl_core.builtins.mock import MockInferenceClient
-from nexrl_core.config import check_config, load_recipe
+from nexrl_core.config.recipe import check_config, load_recipe
 from nexrl_core.controller import NexRLController
 from nexrl_core.inference import SamplingParams
 

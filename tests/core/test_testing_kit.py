@@ -89,7 +89,7 @@ def test_the_pytest_fixtures(nexrl_plugins, nexrl_run, tmp_path):
 
 
 def test_run_recipe_refuses_a_bad_recipe_as_nexrl_run_does(tmp_path):
-    from nexrl_core.config import RecipeProblems
+    from nexrl_core.config.recipe import RecipeProblems
 
     with pytest.raises(RecipeProblems, match="rollout_worker.evaluator.type: unknown evaluator 'ends_with'"):
         run_recipe({"rollout_worker": {"evaluator": {"type": "ends_with"}}}, str(tmp_path / "run"))

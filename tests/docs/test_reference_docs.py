@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from nexrl_core.docgen import flatten_options, hook_specs, options_table
-from nexrl_core.options import REQUIRED, Option
-from nexrl_core.schema import CORE_OPTIONS, core_defaults
+from nexrl_core.cli.docgen import flatten_options, hook_specs, options_table
+from nexrl_core.config.options import REQUIRED, Option
+from nexrl_core.config.schema import CORE_OPTIONS, core_defaults
 
 ROOT = Path(__file__).resolve().parents[2]
 FIX = "regenerate them: python scripts/gen_docs.py"
@@ -67,7 +67,7 @@ def test_the_core_keys_are_all_in_the_reference_and_in_the_defaults(pages):
     defaults = core_defaults()
     for key, opt in flatten_options({k: v for k, v in CORE_OPTIONS.items() if k != "recipe_dir"}):
         assert key in documented, key
-        assert opt.help, f"{key}: no help text in nexrl_core/schema.py"
+        assert opt.help, f"{key}: no help text in nexrl_core/config/schema.py"
         if not opt.required and opt.options is None and "<name>" not in key:  # a leaf with a default: the
             # recipe is merged onto it (an entry the recipe names, <name>, has no default)
             node = defaults

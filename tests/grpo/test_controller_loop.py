@@ -34,7 +34,7 @@ import pytest
 import torch
 import yaml
 
-from nexrl_core.config import load_recipe
+from nexrl_core.config.recipe import load_recipe
 from nexrl_core.controller import NexRLController
 from tests.support.letters import grpo_plugin_manager
 

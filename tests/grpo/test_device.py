@@ -9,10 +9,20 @@ import pytest
 import torch
 
 from nexrl_core import NexRLError
+from nexrl_core.cli.run_log import LOG_FILE, setup_logging
 from nexrl_core.inference import SamplingParams
-from nexrl_core.run_log import LOG_FILE, setup_logging
-from nexrl_grpo.decoding import (FastLlama, HFDecoder, HFSession, StaticLlama, StaticSession, kv_budget_tokens, kv_token_bytes,
-                                 make_session_factory, static_capacity, static_rows)
+from nexrl_grpo.decoding import (
+    FastLlama,
+    HFDecoder,
+    HFSession,
+    StaticLlama,
+    StaticSession,
+    kv_budget_tokens,
+    kv_token_bytes,
+    make_session_factory,
+    static_capacity,
+    static_rows,
+)
 from nexrl_grpo.engine import HFInferenceEngine, counter_uniform
 from nexrl_grpo.modeling import auto_dtype, device_problem, resolve_device
 from nexrl_grpo.train_service import LocalTorchTrainService

@@ -1,8 +1,8 @@
 from __future__ import annotations
 
 import threading
-from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch

@@ -9,7 +9,6 @@ import pytest
 
 from nexrl_core import SamplingParams, as_text_messages
 from nexrl_grpo.engine import HFInferenceEngine
-
 from tests.support.tiny_lm import build_byte_tokenizer, build_model
 
 TOOLS = [{"type": "function", "function": {"name": "add", "description": "Adds two numbers.",

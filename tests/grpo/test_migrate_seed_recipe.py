@@ -15,8 +15,8 @@ import pytest
 import yaml
 
 from nexrl_core.cli import main
-from nexrl_core.migrate import migrate_recipe
-from nexrl_core.migration_table import IMPORT_RULES
+from nexrl_core.config.migrate import migrate_recipe
+from nexrl_core.config.migration_table import IMPORT_RULES
 from tests.support.letters import grpo_plugin_manager
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "nexrl_seed_recipe"
@@ -184,8 +184,8 @@ def test_rolls_algorithm_keys(tiny_model_dir, tmp_path):
     assert r["trainer"] == {"type": "self_hosted_grpo", "total_train_steps": 2}
     assert r["service"]["train_service"] == {"model_path": tiny_model_dir, "grad_clip": 0.5}
     assert r["weight"] == {"backend": "in_process"}
-    from nexrl_core.config import load_recipe
-    from nexrl_core.preflight import validate_recipe
+    from nexrl_core.config.preflight import validate_recipe
+    from nexrl_core.config.recipe import load_recipe
 
     path = tmp_path / "migrated.yaml"
     assert validate_recipe(load_recipe(str(path), [], raw=r), pm) == []

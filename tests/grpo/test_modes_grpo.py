@@ -22,7 +22,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from nexrl_core.config import load_recipe
+from nexrl_core.config.recipe import load_recipe
 from nexrl_core.controller import NexRLController
 from tests.support.letters import grpo_plugin_manager
 

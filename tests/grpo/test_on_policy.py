@@ -23,7 +23,7 @@ import yaml
 from omegaconf import OmegaConf
 
 from nexrl_core import ConfigError
-from nexrl_core.config import load_recipe
+from nexrl_core.config.recipe import load_recipe
 from nexrl_core.controller import NexRLController
 from nexrl_core.inference import SamplingParams
 from nexrl_grpo.engine import HFInferenceEngine
@@ -188,7 +188,8 @@ def test_rollout_correction_weights_each_token_and_caps(tiny_model_dir, engine):
         # Rollout log-probs lower than the trainer's by `shift`: every weight is exp(shift), capped.
         shifted = [{**t, "response_logprobs": [lp - shift for lp in t["response_logprobs"]]} for t in batch]
         step = trainer.train_service.optim_step
-        trainer.train_service.optim_step = lambda: (grads.__setitem__(name, _grads(trainer)), step())[1]
+        # called only by this iteration's train()
+        trainer.train_service.optim_step = lambda: (grads.__setitem__(name, _grads(trainer)), step())[1]  # noqa: B023
         metrics = trainer.train(shifted)
         if name == "off":
             assert "train/rollout_is_weight_mean" not in metrics

@@ -5,8 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nexrl_grpo.modeling import (compute_response_logprobs, compute_response_logprobs_packed, packing_problem,
-                                 position_ids_from_mask)
+from nexrl_grpo.modeling import (
+    compute_response_logprobs,
+    compute_response_logprobs_packed,
+    packing_problem,
+    position_ids_from_mask,
+)
 from nexrl_grpo.train_service import LocalTorchTrainService
 
 # (group, prompt tokens, response tokens): uneven prompts, uneven responses, an empty response,

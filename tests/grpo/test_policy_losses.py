@@ -164,7 +164,7 @@ def ref_topr(old, new, adv, mask, mode):
     for orow, nrow, arow, mrow in zip(old, new, adv, mask):
         rho = math.exp(sum(n - o for o, n, m in zip(orow, nrow, mrow) if m))
         lrow = []
-        for o, n, a, m in zip(orow, nrow, arow, mrow):
+        for _o, n, a, m in zip(orow, nrow, arow, mrow):
             w = 1.0 if a >= 0 else min(rho, 1.0)
             lrow.append(-a * w * n)
             if m and a < 0:

@@ -21,7 +21,7 @@ import yaml
 from safetensors.torch import load_file
 
 from nexrl_core import execute
-from nexrl_core.config import load_recipe
+from nexrl_core.config.recipe import load_recipe
 from nexrl_core.controller import NexRLController
 from nexrl_core.types import NexRLRole
 from tests.support.letters import grpo_plugin_manager

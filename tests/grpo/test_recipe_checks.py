@@ -119,7 +119,7 @@ def test_validate_and_run_refuse_with_the_same_line(name, cli, recipe, tmp_path)
     overrides, expected = CASES[name]
     results = {command: cli(command, recipe, f"run_dir={tmp_path / 'run'}", *overrides)
                for command in ("validate", "run")}
-    for command, (code, out, errors, err) in results.items():
+    for command, (code, _out, errors, err) in results.items():
         assert code == 2, f"{command}: {err}"
         assert any(line.startswith(expected) for line in errors), f"{command}: {expected!r} not in {errors}"
         assert "Traceback" not in err

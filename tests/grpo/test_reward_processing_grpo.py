@@ -12,8 +12,8 @@ import torch
 import yaml
 from omegaconf import OmegaConf
 
-from nexrl_core.config import RecipeProblems, load_recipe
-from nexrl_core.preflight import validate_recipe
+from nexrl_core.config.preflight import validate_recipe
+from nexrl_core.config.recipe import RecipeProblems, load_recipe
 from nexrl_grpo.trainers import SelfHostedGrpoTrainer
 from tests.support.letters import grpo_plugin_manager
 

@@ -13,10 +13,10 @@ import pytest
 import torch
 import yaml
 
-from nexrl_core.config import load_recipe
+from nexrl_core.builtins.workers import pig_latin
+from nexrl_core.config.recipe import load_recipe
 from nexrl_core.controller import NexRLController
 from nexrl_core.plugins import PluginManager
-from nexrl_core.builtins.workers import pig_latin
 
 SENTENCES = ["the quick brown fox", "hello world", "jumps over the lazy dog", "what is two plus three"]
 STEPS = 6

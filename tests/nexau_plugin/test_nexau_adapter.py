@@ -14,10 +14,9 @@ from nexrl_core import SamplingParams
 from nexrl_nexau import llm_calls
 from nexrl_nexau.gateway import ChatGateway
 from nexrl_nexau.nexau_adapter import observation_from_trace, stop_reason_from_trace
+from nexrl_nexau.worker import _nexau_importable
 
 from .scripted import ScriptedChat, decode, tool_call
-
-from nexrl_nexau.worker import _nexau_importable
 
 NEXAU = _nexau_importable()
 

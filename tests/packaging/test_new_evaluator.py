@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from nexrl_core.cli import main
-from nexrl_core.scaffold import names
+from nexrl_core.cli.scaffold import names
 from tests.support.venvs import make_venv, pip_install, venv_env
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

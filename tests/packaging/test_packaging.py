@@ -15,12 +15,12 @@ import shutil
 import subprocess
 import sys
 import tarfile
-import tomllib
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import tomllib
 import yaml
 from packaging.requirements import Requirement
 

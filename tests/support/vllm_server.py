@@ -402,7 +402,7 @@ class LoopbackTransport:
     def send(self, named_tensors: Any, packed: bool) -> None:
         if self.stall_send:
             time.sleep(3600)
-        for name, tensor in named_tensors:
+        for _name, tensor in named_tensors:
             data = tensor.detach().cpu().contiguous().numpy().tobytes()  # little-endian hosts
             for conn in self.workers:
                 conn.sendall(data)

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from tests.support.tiny_lm import build_model, build_tokenizer
-
 from tests.tinker.helpers import API_KEY, MODEL
 
 

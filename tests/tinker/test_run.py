@@ -84,8 +84,8 @@ def test_the_recipe_runs_end_to_end_against_the_standin_and_the_key_stays_secret
 def test_a_killed_run_resumes_with_the_same_optimizer_state_and_data(serve, run_env, tiny_folder, tmp_path):
     """Killed right after step 2's checkpoint, then `resume.mode=auto`: the same metrics as an
     uninterrupted run, and the same final remote weights and Adam state, tensor for tensor."""
-    from safetensors.torch import load_file
     import torch
+    from safetensors.torch import load_file
 
     server = serve()
     env = {**run_env, "TINKER_BASE_URL": server.url}

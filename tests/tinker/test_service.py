@@ -235,8 +235,8 @@ def test_a_missing_api_key_is_a_config_error(monkeypatch, tmp_path, tiny_folder)
 
 def test_the_api_key_never_reaches_logs_checkpoints_or_errors(make_standin, monkeypatch, tmp_path, tokenizer,
                                                               tiny_folder):
-    from nexrl_tinker.inference import TinkerInferenceClient
     from nexrl_core import SamplingParams
+    from nexrl_tinker.inference import TinkerInferenceClient
 
     canary = "tml-CANARY-7f3a9c2e51"
     standin = make_standin(api_key=canary)

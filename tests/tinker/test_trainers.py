@@ -22,7 +22,7 @@ from omegaconf import OmegaConf
 
 from nexrl_core import DataError, RunFailed, SamplingParams
 from nexrl_core.builtins.workers import pig_latin
-from nexrl_core.config import load_recipe
+from nexrl_core.config.recipe import load_recipe
 from nexrl_core.controller import NexRLController
 from nexrl_tinker.standin import BaseModel, Fault, StandinServer
 from tests.support.tiny_lm import build_model

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from nexrl_core.config import check_config, load_recipe
+from nexrl_core.config.recipe import check_config, load_recipe
 from nexrl_core.plugins import PluginManager
 
 

@@ -14,7 +14,7 @@ import yaml
 
 from nexrl_core import hookimpl
 from nexrl_core.builtins.mock import MockTrainer
-from nexrl_core.config import check_config, load_recipe
+from nexrl_core.config.recipe import check_config, load_recipe
 from tests.support.vllm_server import LOGITS, served_logprob
 
 pytestmark = pytest.mark.timeout(120)

@@ -208,8 +208,8 @@ def _process_plugin_manager(setup: HostSetup, in_process: list[tuple[str, Any, s
 def _setup_logging(setup: HostSetup) -> None:
     """As the driver's: the console at the recipe's level (Ray forwards it to the driver's
     console), every line appended to run.log."""
+    from ...cli.run_log import setup_logging
     from ...redaction import add_secret
-    from ...run_log import setup_logging
 
     for secret in setup.secrets:
         add_secret(secret)

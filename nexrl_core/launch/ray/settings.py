@@ -1,4 +1,4 @@
-"""The recipe's ``ray:`` section (declared, with its defaults, in :data:`nexrl_core.schema.RAY`,
+"""The recipe's ``ray:`` section (declared, with its defaults, in :data:`nexrl_core.config.schema.RAY`,
 and checked there like every core key), read without importing Ray: ``nexrl validate`` checks a
 Ray recipe on a machine without Ray, and says what to install."""
 
@@ -9,8 +9,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from ...options import option_defaults
-from ...schema import RAY
+from ...config.options import option_defaults
+from ...config.schema import RAY
 
 #: Calls that last as long as the work they do (model load, checkpoint, weight push, waits on
 #: other modules, stop): not bounded by ``ray.call_timeout``. A module that dies still fails

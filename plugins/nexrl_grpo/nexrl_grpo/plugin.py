@@ -4,7 +4,6 @@ losses."""
 from nexrl_core import hookimpl
 
 from . import losses
-
 from .train_service import LocalTorchTrainService
 from .trainers import SelfHostedCrossEntropyTrainer, SelfHostedGrpoTrainer
 from .weights import HFInferenceBackend, InProcessWeightSync

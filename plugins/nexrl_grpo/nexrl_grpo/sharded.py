@@ -66,8 +66,11 @@ def load_model(service: Any, folder: Path) -> None:
 def load_optimizer(service: Any, folder: Path) -> None:
     """The optimizer state of ``folder`` into this service's layout, whichever wrote it."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
-                                                         set_optimizer_state_dict)
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
 
     meta = json.loads((folder / "optimizer.json").read_text())
     if (folder / OPTIMIZER_FOLDER).is_dir():

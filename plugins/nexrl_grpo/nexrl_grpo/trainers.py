@@ -12,14 +12,24 @@ import numpy as np
 import torch
 from loguru import logger
 
-from nexrl_core import (Batch, BaseTrainer, Capabilities, ConfigError, DataError, Option, SamplingParams, Trajectory,
-                        algorithms, trajectory_reward, trajectory_segments)
+from nexrl_core import (
+    BaseTrainer,
+    Batch,
+    Capabilities,
+    ConfigError,
+    DataError,
+    Option,
+    SamplingParams,
+    Trajectory,
+    algorithms,
+    trajectory_reward,
+    trajectory_segments,
+)
 
 from .critic import CRITIC_ALGORITHM_OPTIONS, CriticService, ValueModel
 from .losses import LossContext, agg_loss, kl_loss, masked_mean, value_loss
 from .modeling import DEVICE_HELP, compute_response_logprobs, device_problem, position_ids_from_mask, resolve_device
 from .train_service import BATCH_FORMAT, LocalTorchTrainService, export_model_folder
-
 
 CRITIC_FOLDER = "critic"  # inside a checkpoint folder, next to the policy's files
 

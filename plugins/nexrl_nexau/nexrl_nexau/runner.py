@@ -25,10 +25,10 @@ from dataclasses import dataclass, field
 from datetime import date
 from typing import Any, Callable
 
+from . import xml_calls
 from .agent_config import AgentSpec
 from .tools import BoundTool, ToolExecutor
 from .tracer import Span, TraceRecorder
-from . import xml_calls
 
 STOP_REASONS = ("answered", "max_iterations", "truncated", "error")
 

@@ -143,7 +143,7 @@ def _is_json_type(value: Any, name: str) -> bool:
 
 
 def _json_type_name(value: Any) -> str:
-    for name, kinds in _JSON_TYPES.items():
+    for name, _kinds in _JSON_TYPES.items():
         if _is_json_type(value, name) and name != "number":
             return name
     return type(value).__name__

@@ -24,8 +24,16 @@ from typing import Any
 from loguru import logger
 from omegaconf import OmegaConf
 
-from nexrl_core import (REQUIRED, BaseEvaluationTarget, BaseRolloutWorker, ConfigError, ItemFailure, Option,
-                        SamplingParams, execute)
+from nexrl_core import (
+    REQUIRED,
+    BaseEvaluationTarget,
+    BaseRolloutWorker,
+    ConfigError,
+    ItemFailure,
+    Option,
+    SamplingParams,
+    execute,
+)
 
 from .agent_config import load_agent_spec
 from .runner import AgentRunner, AgentRunResult

@@ -17,8 +17,15 @@ import zlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from nexrl_core import (BaseEvaluationTarget, ConfigError, EvaluationRunResult, Evaluator, InferenceClient,
-                        SamplingParams, get_plugin_manager)
+from nexrl_core import (
+    BaseEvaluationTarget,
+    ConfigError,
+    EvaluationRunResult,
+    Evaluator,
+    InferenceClient,
+    SamplingParams,
+    get_plugin_manager,
+)
 
 from .options import KEY as _KEY
 from .options import number

@@ -68,7 +68,7 @@ class MathRuleEvaluator(Evaluator):
         try:
             self._format = re.compile(format_pattern)
         except (re.error, TypeError) as exc:
-            raise ConfigError(f"{KEY}.format_pattern: {format_pattern!r} is not a regular expression ({exc})")
+            raise ConfigError(f"{KEY}.format_pattern: {format_pattern!r} is not a regular expression ({exc})") from None
         self.answer_key = answer_key
         self.extract_order = order
         self.format_reward = number(format_reward, "format_reward")

@@ -25,8 +25,16 @@ import os
 import threading
 from typing import Any
 
-from nexrl_core import (Capabilities, CompletionResult, ConfigError, DataError, InferenceClient, InferenceError, Option,
-                        SamplingParams)
+from nexrl_core import (
+    Capabilities,
+    CompletionResult,
+    ConfigError,
+    DataError,
+    InferenceClient,
+    InferenceError,
+    Option,
+    SamplingParams,
+)
 
 from .remote import CONNECTION_OPTIONS, RemoteCalls, TinkerRequestError, plain_section, resolve_connection
 from .tokens import encode_prompt, load_tokenizer

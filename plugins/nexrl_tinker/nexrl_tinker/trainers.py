@@ -25,8 +25,19 @@ from typing import Any
 import numpy as np
 from loguru import logger
 
-from nexrl_core import (BaseTrainer, Capabilities, ConfigError, DataError, Option, SamplingParams, StepResult,
-                        Trajectory, algorithms, trajectory_reward, trajectory_segments)
+from nexrl_core import (
+    BaseTrainer,
+    Capabilities,
+    ConfigError,
+    DataError,
+    Option,
+    SamplingParams,
+    StepResult,
+    Trajectory,
+    algorithms,
+    trajectory_reward,
+    trajectory_segments,
+)
 
 from .datums import RL_LOSSES, response_values, trajectory_to_datums
 from .service import BATCH_FORMAT

@@ -2,7 +2,7 @@
 
 from .client import VLLMClient
 from .control import SyncPhaseError, VLLMControl
-from .server import ManagedVLLMServer, ServerStartError, ServeOptions
+from .server import ManagedVLLMServer, ServeOptions, ServerStartError
 from .transport import NcclTransport, TensorTransport
 from .weight_sync import VLLMDiskWeightSync, VLLMNcclWeightSync
 

@@ -36,8 +36,15 @@ from typing import Any
 from loguru import logger
 from omegaconf import DictConfig, OmegaConf
 
-from nexrl_core import (Capabilities, CompletionResult, ConfigError, InferenceError, OpenAICompatibleClient, Option,
-                        SamplingParams)
+from nexrl_core import (
+    Capabilities,
+    CompletionResult,
+    ConfigError,
+    InferenceError,
+    OpenAICompatibleClient,
+    Option,
+    SamplingParams,
+)
 
 from .control import PAUSE_MODES, SyncPhaseError, VLLMControl
 from .server import ManagedVLLMServer, ServeOptions, is_loopback, log_tail, parse_command

@@ -40,8 +40,10 @@ class NcclTransport(TensorTransport):
     def __init__(self, device: Any = None):
         try:
             import torch
-            from vllm.distributed.weight_transfer.nccl_engine import (NCCLTrainerSendWeightsArgs,
-                                                                       NCCLWeightTransferEngine)
+            from vllm.distributed.weight_transfer.nccl_engine import (
+                NCCLTrainerSendWeightsArgs,
+                NCCLWeightTransferEngine,
+            )
         except ImportError as exc:
             raise ConfigError(f"{NCCL_INSTALL_HINT} ({exc})") from None
         if not torch.cuda.is_available():

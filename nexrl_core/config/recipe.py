@@ -1,9 +1,9 @@
 """Recipe loading (core defaults <- composed recipe <- overrides) and strict checking.
 
-Every key of a recipe is declared somewhere (:mod:`nexrl_core.schema` for the core's keys, a
+Every key of a recipe is declared somewhere (:mod:`nexrl_core.config.schema` for the core's keys, a
 component's ``OPTIONS`` for its own) and every problem is one line naming the key, so
 ``nexrl validate`` can print them all and ``nexrl run`` refuses to start with the same lines:
-both call :func:`check_config` (and :mod:`nexrl_core.preflight` for data, run directory and
+both call :func:`check_config` (and :mod:`nexrl_core.config.preflight` for data, run directory and
 resume state).
 """
 
@@ -18,11 +18,20 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from ..errors import ConfigError, NexRLError
+from ..redaction import add_config_secrets, add_secret, is_secret_key
 from .compose import Composer, GroupOverride, deep_merge, read_yaml_file
-from .errors import ConfigError, NexRLError
-from .options import (Option, check_value, component_capabilities, component_options, option_defaults,
-                      options_from_signature, removed_key, type_name, unknown_key)
-from .redaction import add_config_secrets, add_secret, is_secret_key
+from .options import (
+    Option,
+    check_value,
+    component_capabilities,
+    component_options,
+    option_defaults,
+    options_from_signature,
+    removed_key,
+    type_name,
+    unknown_key,
+)
 from .schema import CORE_OPTIONS, core_defaults
 
 # kind -> words for messages
@@ -91,7 +100,7 @@ def resolve_recipe_paths(values: Any, recipe_dir: str, options: Mapping[str, Opt
     if not isinstance(values, dict):
         return
     if options is None:
-        from .plugins import peek_plugin_manager
+        from ..plugins import peek_plugin_manager
 
         options, pm = CORE_OPTIONS, pm or peek_plugin_manager()  # one manager for the whole walk
         train_service = _get(values, "service.train_service")
@@ -127,7 +136,7 @@ def _recipe_path(value: Any, recipe_dir: str) -> Any:
 
 def _selected_class(opt: Option, values: Any, pm: Any) -> type | None:
     """The registered class a component section selects (None when unknown: the checks say so)."""
-    from .plugins import peek_plugin_manager
+    from ..plugins import peek_plugin_manager
 
     if opt.options is None or opt.component is None:
         return None
@@ -295,7 +304,7 @@ def check_config(cfg: Any, plugin_manager: Any, eval_only: bool = False) -> list
 
     Covers the core's keys, every selected component's declared options, cross-key rules and
     whether the trainer, inference backend and weight-sync backend fit together. Files (data,
-    run directory, resume state) are checked by :func:`nexrl_core.preflight.check_files`.
+    run directory, resume state) are checked by :func:`nexrl_core.config.preflight.check_files`.
     """
     values = plain(cfg)
     checker = _Checker(plugin_manager)
@@ -545,7 +554,7 @@ def _domain_checks(values: Mapping[str, Any], found: Mapping[str, type]) -> list
 def check_algorithm(section: Any, trainer_cls: type, plugin_manager: Any, trainer_name: str | None = None) -> list[str]:
     """``algorithm``: the trainer's own keys plus those of the estimator and loss the recipe selects
     by name (:func:`nexrl_core.algorithms.algorithm_keys`, which the trainer's selection also uses)."""
-    from .algorithms.registry import algorithm_keys
+    from ..algorithms.registry import algorithm_keys
     from .options import check_options
 
     section = section if section is not None else {}
@@ -561,7 +570,7 @@ def _train_service_declared(section: Mapping[str, Any], trainer_cls: type, plugi
                             trainer_name: str | None = None) -> tuple[dict[str, Option], type | None]:
     """The keys ``service.train_service`` may hold with this trainer, and the registered train
     service the section selects (None for a trainer that drives none: its own declared keys)."""
-    from .train_service import train_service_class, train_service_options
+    from ..train_service import train_service_class, train_service_options
 
     own = component_options(trainer_cls, "TRAIN_SERVICE_OPTIONS", "TRAIN_SERVICE_KEYS") or {}
     if not getattr(trainer_cls, "TRAIN_SERVICE_BATCH_FORMAT", None):
@@ -573,8 +582,8 @@ def _train_service_declared(section: Mapping[str, Any], trainer_cls: type, plugi
 def _check_train_service(values: Mapping[str, Any], trainer_cls: type, plugin_manager: Any) -> list[str]:
     """``service.train_service``: the keys of the train service it selects (a trainer that drives a
     registered one, see :mod:`nexrl_core.train_service`), or else the trainer's own declared keys."""
+    from ..train_service import SECTION
     from .options import check_options
-    from .train_service import SECTION
 
     section = _get(values, SECTION, {})
     if section is None:
@@ -615,7 +624,7 @@ def check_capabilities(found: Mapping[str, type], values: Mapping[str, Any], pm:
     for _, cls, _, _ in chosen:
         provided |= component_capabilities(cls).provides
     problems = []
-    for role, cls, key, kind in chosen:
+    for role, cls, key, _kind in chosen:
         name = _get(values, key)
         for capability, why in component_capabilities(cls).requires.items():
             if capability in provided:
@@ -630,7 +639,7 @@ def _providers(capability: str, pm: Any) -> str:
     if pm is None:
         return ""
     hits = []
-    for _, role, key, kind in _ROLES:
+    for _, _role, key, kind in _ROLES:
         for name, reg in sorted(pm.components(kind).items()):
             if capability in component_capabilities(reg.cls).provides:
                 hits.append(f"{key}: {name} ({reg.distribution})")

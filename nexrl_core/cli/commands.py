@@ -13,7 +13,7 @@ import os
 import sys
 from typing import Any
 
-from .errors import ConfigError, NexRLError, exit_code
+from ..errors import ConfigError, NexRLError, exit_code
 
 EVAL_FILES = ("metrics.json", "samples.jsonl", "errors.jsonl", "eval.log")
 _SIGPIPE_EXIT = 141  # what a shell reports for a command killed by SIGPIPE
@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception:  # a bug: its traceback, as Python prints it, less the secrets it may quote
         import traceback
 
-        from .redaction import scrub
+        from ..redaction import scrub
 
         sys.stderr.write(scrub(traceback.format_exc()))
         return 1
@@ -187,35 +187,35 @@ def _main(argv: list[str]) -> int:
 
 
 def _print_problems(problems: list[str]) -> None:
-    from .redaction import scrub
+    from ..redaction import scrub
 
     for problem in problems:
         print(scrub(f"error: {problem}"), file=sys.stderr)
 
 
 def _load(args: Any) -> Any:
-    from .config import load_recipe
+    from ..config.recipe import load_recipe
 
     return load_recipe(args.recipe, list(args.overrides))
 
 
 def _run(args: Any) -> int:
-    from .cli_run import run_command
+    from .run import run_command
 
     return run_command(args)
 
 
 def _validate(args: Any) -> int:
-    from .plugins import get_plugin_manager
-    from .preflight import validate_recipe
+    from ..config.preflight import validate_recipe
+    from ..plugins import get_plugin_manager
 
     cfg = _load(args)
     problems = validate_recipe(cfg, get_plugin_manager())
     if problems:
         _print_problems(problems)
         return 2
-    from .launch import unused_launch_keys_note
-    from .preflight import run_dir_plan
+    from ..config.preflight import run_dir_plan
+    from ..launch import unused_launch_keys_note
 
     note = unused_launch_keys_note(cfg)
     if note:
@@ -228,8 +228,8 @@ def _validate(args: Any) -> int:
 
 
 def _config(args: Any) -> int:
-    from .config import check_config
-    from .plugins import get_plugin_manager
+    from ..config.recipe import check_config
+    from ..plugins import get_plugin_manager
     from .run_info import redacted_yaml
 
     cfg = _load(args)
@@ -260,8 +260,8 @@ def _show(args: Any) -> int:
 
 
 def _export(args: Any) -> int:
+    from ..plugins import get_plugin_manager
     from .export import export_checkpoint
-    from .plugins import get_plugin_manager
 
     out = export_checkpoint(args.checkpoint, args.out, get_plugin_manager(), dtype=args.dtype, force=args.force)
     print(out)
@@ -269,10 +269,10 @@ def _export(args: Any) -> int:
 
 
 def _eval(args: Any) -> int:
-    from .controller import NexRLController
-    from .redaction import scrub_values
+    from ..controller import NexRLController
+    from ..redaction import scrub_values
+    from ..runtime.execute import execute
     from .run_log import setup_logging
-    from .runtime.execute import execute
 
     overrides = [o for o in args.overrides if not o.startswith("checkpoint=")]
     checkpoint = [o.split("=", 1)[1] for o in args.overrides if o.startswith("checkpoint=")]
@@ -292,7 +292,7 @@ def _eval(args: Any) -> int:
     if checkpoint:
         # global_step_<N> holds weight version N: serve it as N, so samples carry the version that
         # produced them and seeded sampling matches the training-time validation of step N.
-        from .checkpoint import checkpoint_step
+        from ..checkpoint import checkpoint_step
 
         step = checkpoint_step(checkpoint[-1])
         if step is not None:
@@ -322,7 +322,7 @@ def _eval(args: Any) -> int:
 def _eval_problem(cfg: Any, total: int, missing: int, failures: list[tuple[str, str]]) -> str | None:
     """Why an evaluation does not count (exit 1): samples are missing, or more of them failed than
     a training run accepts (``runtime_monitor.failed_samples``, the same threshold)."""
-    from .failure_monitor import most_common_error
+    from ..failure_monitor import most_common_error
 
     common = f"; most common error: {most_common_error(failures)}" if failures else ""
     if missing:
@@ -338,7 +338,7 @@ def _eval_problem(cfg: Any, total: int, missing: int, failures: list[tuple[str, 
 
 
 def _check_samples_out(path: str) -> None:
-    from .preflight import writable_dir_problem
+    from ..config.preflight import writable_dir_problem
 
     if os.path.isdir(path):
         raise ConfigError(f"--samples-out: '{path}' is a folder; give a file name "
@@ -349,7 +349,7 @@ def _check_samples_out(path: str) -> None:
 
 
 def _prepare_eval_out(out: str, run_dir: str) -> None:
-    from .preflight import writable_dir_problem
+    from ..config.preflight import writable_dir_problem
 
     problem = writable_dir_problem(out, "--out")
     if problem:
@@ -365,7 +365,7 @@ def _prepare_eval_out(out: str, run_dir: str) -> None:
 
 
 def _plugins(args: Any) -> int:
-    from .plugins import get_plugin_manager
+    from ..plugins import get_plugin_manager
 
     if getattr(args, "plugins_command", None) == "check":
         return _plugins_check(args)
@@ -388,8 +388,8 @@ def _plugins(args: Any) -> int:
 
 
 def _new(args: Any) -> int:
-    from .plugins import get_plugin_manager
-    from .scaffold import new_evaluator, names
+    from ..plugins import get_plugin_manager
+    from .scaffold import names, new_evaluator
 
     names(args.name)  # a bad NAME fails before the plugins load
     root = new_evaluator(args.name, args.dir, args.license, set(get_plugin_manager().components("evaluator")))
@@ -400,10 +400,10 @@ def _new(args: Any) -> int:
 
 
 def _migrate(args: Any) -> int:
-    from .config import load_recipe
-    from .migrate import migrate_file, report, to_yaml
-    from .plugins import get_plugin_manager
-    from .preflight import validate_recipe
+    from ..config.migrate import migrate_file, report, to_yaml
+    from ..config.preflight import validate_recipe
+    from ..config.recipe import load_recipe
+    from ..plugins import get_plugin_manager
 
     out = args.out
     if out is not None:
@@ -437,7 +437,7 @@ def _migrate(args: Any) -> int:
 
 
 def _plugins_check(args: Any) -> int:
-    from .testing.conformance import check_plugin
+    from ..testing.conformance import check_plugin
 
     reports = check_plugin(args.name, options=_key_values(args.options))
     if args.check_json:

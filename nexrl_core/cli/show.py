@@ -1,0 +1,124 @@
+"""``nexrl show RUN_DIR``: what the model said, in the terminal.
+
+Reads ``RUN_DIR/samples.jsonl`` (written by ``nexrl run`` at the first and last step and every
+``logger.samples_every`` steps) or the ``samples.jsonl`` of a ``nexrl eval --out`` folder, and
+prints each sample readably: the prompt (each chat message with its role), the reply, the reward,
+the advantage where the trainer recorded one, and the evaluator's other scores.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any
+
+from ..errors import ConfigError
+from .run_log import SAMPLES_FILE
+
+_LABEL = 9  # width of the field names, so every text starts in one column
+
+
+def read_samples(path: str) -> list[dict[str, Any]]:
+    """The rows of a samples.jsonl file, in file order (a torn or foreign line is skipped)."""
+    rows = []
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(row, dict):
+                rows.append(row)
+    return rows
+
+
+def samples_path(where: str) -> str:
+    """``where``'s samples.jsonl (a run directory or an eval --out folder), or the file itself."""
+    if os.path.isfile(where):
+        return where
+    if not os.path.isdir(where):
+        raise ConfigError(f"{where}: no such run directory")
+    path = os.path.join(where, SAMPLES_FILE)
+    if not os.path.isfile(path):
+        raise ConfigError(f"{where}: no {SAMPLES_FILE} yet: `nexrl run` writes it at the first training step "
+                          f"(unless logger.samples_every is 0), `nexrl eval --out DIR` into DIR")
+    return path
+
+
+def pick(rows: list[dict[str, Any]], last: int | None) -> list[dict[str, Any]]:
+    """The ``last`` newest rows; by default the rows of the newest step (or weight version)."""
+    if not rows:
+        return []
+    if last is not None:
+        return rows[-last:] if last > 0 else []
+    key = "step" if "step" in rows[-1] else "model_version"
+    newest = rows[-1].get(key)
+    return [r for r in rows if r.get(key) == newest]
+
+
+def render(rows: list[dict[str, Any]], source: str, total: int) -> str:
+    """The text ``nexrl show`` prints for ``rows`` (of ``total`` in ``source``)."""
+    if not rows:
+        return f"{source}: no samples"
+    steps = sorted({r["step"] for r in rows if isinstance(r.get("step"), int)})
+    where = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]}" if steps else "evaluation"
+    blocks = [f"{source}: {len(rows)} of {total} samples ({where})"]
+    blocks += [_sample(r) for r in rows]
+    return "\n\n".join(blocks)
+
+
+def _sample(row: dict[str, Any]) -> str:
+    head = []
+    if isinstance(row.get("step"), int):
+        head.append(f"step {row['step']}")
+    head.append(f"sample {row.get('uid')}#{row.get('sample_index', 0)}")
+    if row.get("data_source") not in (None, "default"):
+        head.append(str(row["data_source"]))
+    if row.get("model_version") is not None:
+        head.append(f"weights v{row['model_version']}")
+    head.append(f"reward {_number(row.get('reward'))}")
+    if _is_number(row.get("advantage")):
+        head.append(f"advantage {row['advantage']:+.3f}")
+    lines = [" · ".join(head)]
+    if row.get("failed"):
+        lines.append(_field("failed", str(row.get("error") or "(no message)")))
+    lines.append(_field("prompt", _prompt_text(row.get("prompt"))))
+    reply = row.get("response")
+    note = " [cut off at max_tokens]" if row.get("finish_reason") == "length" else ""
+    lines.append(_field("reply", ("" if reply is None else str(reply)) + note))
+    scores = {k: v for k, v in (row.get("score") or {}).items() if k != "reward"}
+    if scores:
+        lines.append(_field("score", "  ".join(f"{k}={_number(v)}" for k, v in sorted(scores.items()))))
+    return "\n".join(lines)
+
+
+def _prompt_text(prompt: Any) -> str:
+    if isinstance(prompt, list):  # chat messages
+        return "\n".join(f"[{m.get('role', '?')}] {m.get('content', '')}" if isinstance(m, dict) else str(m)
+                         for m in prompt)
+    return "" if prompt is None else str(prompt)
+
+
+def _field(name: str, text: str) -> str:
+    """``  name     text``, with the text's further lines indented under its first."""
+    pad = " " * (2 + _LABEL)
+    body = text.replace("\r\n", "\n").split("\n") or [""]
+    return "\n".join(line.rstrip() for line in [f"  {name:<{_LABEL}}{body[0]}", *(pad + x for x in body[1:])])
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _number(value: Any) -> str:
+    if not _is_number(value):
+        return "-" if value is None else str(value)
+    return f"{value:g}" if float(value).is_integer() else f"{value:.3f}"
+
+
+def show(where: str, last: int | None = None) -> str:
+    """What ``nexrl show WHERE [--last N]`` prints."""
+    path = samples_path(where)
+    rows = read_samples(path)
+    return render(pick(rows, last), path, len(rows))

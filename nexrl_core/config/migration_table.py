@@ -1,0 +1,502 @@
+"""The NexRL (and ROLL) -> nexrl table: recipe keys, values, imports and metric names.
+
+One table, three readers: ``nexrl migrate`` rewrites a recipe with it (:mod:`nexrl_core.config.migrate`),
+``nexrl validate`` / ``nexrl run`` name the nexrl key when a recipe still holds a seed key
+(:func:`seed_key_hint`), and ``docs/migrating.md`` is generated from it (``scripts/gen_docs.py``),
+so the three never disagree. Standard library only: the option checks import it.
+
+A key rule moves a value from the seed's key to nexrl's (``convert`` turns one value into the
+keys it becomes, or returns the reason it cannot); a rule with no ``nexrl`` key says why nothing
+carries the key over, and applies only where nexrl rejects the key. ``<loader>`` stands for each
+data-loader section, ``data`` and ``validate.data``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+POINTER = "nexrl migrate RECIPE.yaml rewrites a NexRL or ROLL recipe"
+LOADERS = ("data", "validate.data")
+
+# convert(value, seed recipe, context) -> {nexrl key: value} | the reason it cannot be carried over
+Convert = Callable[[Any, Mapping[str, Any], "Context"], "dict[str, Any] | str"]
+
+
+class Context:
+    """What a conversion may ask: the recipe as rewritten so far (``current``) and what the
+    installation registers (the engine supplies it)."""
+
+    current: Mapping[str, Any] = {}
+
+    def declares(self, kind: str, name: str, *keys: str) -> bool:
+        """A component ``name`` of ``kind`` is registered and declares every one of ``keys``."""
+        return False
+
+
+@dataclass(frozen=True)
+class KeyRule:
+    seed: str                    # the seed's key, dotted
+    nexrl: str | None            # where it goes (a description for rules with convert); None: nowhere
+    why: str = ""                # what changes on the way, or why nothing carries it over
+    source: str = "NexRL"        # NexRL | ROLL
+    convert: Convert | None = field(default=None, compare=False)
+    replaces: tuple[str, ...] = ()  # nexrl keys the converted value replaces (others already set win)
+
+
+@dataclass(frozen=True)
+class ValueRule:
+    key: str                     # a nexrl key (after the key rules)
+    seed: Any                    # the seed's value
+    nexrl: Any                   # nexrl's
+    why: str = ""
+
+
+@dataclass(frozen=True)
+class ImportRule:
+    seed: str                    # the seed's import, module.Name
+    nexrl: str | None            # nexrl's, module.Name; None: none
+    why: str = ""
+
+
+@dataclass(frozen=True)
+class MetricRule:
+    seed: str
+    nexrl: str | None
+    why: str = ""
+    source: str = "NexRL"
+
+
+# -- conversions ----------------------------------------------------------------------------------
+
+def get_key(values: Any, dotted: str) -> Any:
+    """The value at a dotted key (None when absent)."""
+    for part in dotted.split("."):
+        if not isinstance(values, Mapping) or part not in values:
+            return None
+        values = values[part]
+    return values
+
+
+def _evaluator_module(value: Any, recipe: Mapping[str, Any], ctx: Context) -> dict[str, Any] | str:
+    path, sep, cls = str(value).rpartition(":")
+    if not sep or not path or not cls:
+        return f"expected 'path/to/file.py:ClassName', got {value!r}"
+    if not ctx.declares("evaluator", "python", "path", "class"):
+        return "no evaluator here loads a class from a file (the python evaluator with path and class)"
+    return {"rollout_worker.evaluator": {"type": "python", "path": path, "class": cls}}
+
+
+def _custom_worker(value: Any, recipe: Mapping[str, Any], ctx: Context) -> dict[str, Any] | str:
+    cls = get_key(recipe, "rollout_worker.custom_rollout_worker_class_name")
+    if not cls:
+        return "custom_rollout_worker_class_name is missing"
+    if not ctx.declares("rollout_worker", "python", "path", "class"):
+        return ("no rollout worker here loads a class from a file: publish the worker as a plugin package "
+                "(entry point nexrl, hook nexrl_rollout_workers) and select it with rollout_worker.type")
+    return {"rollout_worker.type": "python", "rollout_worker.path": value, "rollout_worker.class": cls}
+
+
+def _worker_class_name(value: Any, recipe: Mapping[str, Any], ctx: Context) -> dict[str, Any] | str:
+    if not get_key(recipe, "rollout_worker.custom_rollout_worker_module_path"):
+        return "custom_rollout_worker_module_path is missing"
+    done = _custom_worker(get_key(recipe, "rollout_worker.custom_rollout_worker_module_path"), recipe, ctx)
+    return done if isinstance(done, str) else {}  # carried with custom_rollout_worker_module_path
+
+
+def _sync_dir(value: Any, recipe: Mapping[str, Any], ctx: Context) -> dict[str, Any] | str:
+    backend = get_key(ctx.current, "weight.backend") or \
+        WEIGHT_BACKENDS.get(str(get_key(ctx.current, "service.inference_service.backend")))
+    if backend == "vllm_disk":
+        return {"weight.sync_dir": value}
+    return (f"only weight.backend vllm_disk passes weights through files (this recipe's weight.backend: "
+            f"{backend or 'version_only'})")
+
+
+def _both_clip_ratios(value: Any, recipe: Mapping[str, Any], ctx: Context) -> dict[str, Any] | str:
+    return {"algorithm.clip_ratio_low": value, "algorithm.clip_ratio_high": value}
+
+
+def _target_kl(value: Any, recipe: Mapping[str, Any], ctx: Context) -> dict[str, Any] | str:
+    if value is None:
+        return {}
+    return {"algorithm.kl_ctrl.type": "adaptive", "algorithm.kl_ctrl.target_kl": value}
+
+
+def _rollout_batch_size(value: Any, recipe: Mapping[str, Any], ctx: Context) -> dict[str, Any] | str:
+    group = get_key(recipe, "num_return_sequences_in_group") or 1
+    if not isinstance(value, int) or not isinstance(group, int):
+        return f"expected integers, got rollout_batch_size {value!r}, num_return_sequences_in_group {group!r}"
+    return {"trajectory_pool.batch_size": value * group}
+
+
+def _reward_norm(value: Any, recipe: Mapping[str, Any], ctx: Context) -> dict[str, Any] | str:
+    mean, std = get_key(recipe, "norm_mean_type"), get_key(recipe, "norm_std_type")
+    if mean is not None and std is not None and mean != std:
+        return f"norm_mean_type {mean!r} and norm_std_type {std!r} differ; nexrl normalises both over one set"
+    kind = mean if mean is not None else std
+    if kind is None:
+        return {}
+    return {"algorithm.reward_processing.norm": kind, "algorithm.reward_processing.norm_mean": mean is not None,
+            "algorithm.reward_processing.norm_std": std is not None}
+
+
+def _pretrain(value: Any, recipe: Mapping[str, Any], ctx: Context) -> dict[str, Any] | str:
+    return {"service.train_service.model_path": value, "service.inference_service.model_path": value}
+
+
+def _resume(value: Any, recipe: Mapping[str, Any], ctx: Context) -> dict[str, Any] | str:
+    if value is True:
+        return {"resume.mode": "auto"}
+    if value is False or value is None:
+        return {"resume.mode": "disable"}
+    return {"resume.mode": "from_path", "resume.resume_path": value}
+
+
+def _keep_checkpoints(value: Any, recipe: Mapping[str, Any], ctx: Context) -> dict[str, Any] | str:
+    if value in (0, 1):
+        return {"trainer.remove_previous_ckpt": value == 1}
+    return f"nexrl keeps every checkpoint or only the newest (trainer.remove_previous_ckpt), not {value!r}"
+
+
+def _track_with(value: Any, recipe: Mapping[str, Any], ctx: Context) -> dict[str, Any] | str:
+    names = {"stdout": "console", "wandb": "wandb", "tensorboard": "tensorboard"}
+    if value not in names:
+        return f"no metrics sink for {value!r} (console, wandb and tensorboard are built in)"
+    return {"logger.backend": [names[value]]}
+
+
+def _flag(target: str, when_true: Any) -> Convert:
+    def convert(value: Any, recipe: Mapping[str, Any], ctx: Context) -> dict[str, Any] | str:
+        return {target: when_true} if value is True else {}
+    return convert
+
+
+# -- keys -----------------------------------------------------------------------------------------
+
+def _move_up(loader: str) -> Convert:
+    """``<loader>.data_config``: the keys the chosen loader declares move up into its section."""
+    def convert(value: Any, recipe: Mapping[str, Any], ctx: Context) -> dict[str, Any] | str:
+        if not isinstance(value, Mapping):
+            return f"expected a mapping, got {value!r}"
+        kind = get_key(ctx.current, f"{loader}.type") or "file"
+        up = {k: v for k, v in value.items() if ctx.declares("dataloader", str(kind), str(k))}
+        rest = {k: v for k, v in value.items() if k not in up}
+        return {**{f"{loader}.{k}": v for k, v in up.items()}, **({f"{loader}.data_config": rest} if rest else {})}
+    return convert
+
+
+def _loader_rules(loader: str) -> tuple[KeyRule, ...]:
+    return (
+        KeyRule(f"{loader}.data_config.dataset_paths", f"{loader}.path"),
+        KeyRule(f"{loader}.data_files", f"{loader}.path", "NexRL's repository recipes name the files so"),
+        KeyRule(f"{loader}.data_config", loader, "its keys move up where the data loader declares them",
+                convert=_move_up(loader)),
+        KeyRule(f"{loader}.data_config.split_type", None,
+                "nexrl reads every row of the files: keep training and validation rows in their own files"),
+        KeyRule(f"{loader}.batch_size", None, "rows go to the rollout workers one at a time "
+                                              "(rollout_worker.tasks_per_call sets how many per call); a training "
+                                              "step is trajectory_pool.batch_size trajectories"),
+        KeyRule(f"{loader}.drop_last", None, "rows are handed out one at a time: there is no last partial batch"),
+        KeyRule(f"{loader}.tokenizer_path", None, "prompts are tokenized by the inference service, with its model's "
+                                                  "tokenizer"),
+        KeyRule(f"{loader}.max_prompt_length", None, "prompts are not cut"),
+        KeyRule(f"{loader}.filter_prompts", None, "prompts are not cut, so none is filtered for length"),
+    )
+
+
+KEY_RULES: tuple[KeyRule, ...] = (
+    # whole sections first: the rules after them name nexrl's sections
+    KeyRule("dataloader", "data"),
+    KeyRule("validate_dataloader", "validate.data"),
+    KeyRule("weight_sync_controller", "weight"),
+    KeyRule("trainer.algorithm", "algorithm", "NexRL's repository recipes nest it in trainer"),
+    KeyRule("validator", None, "nexrl has one validator; its metrics are nexrl_core.eval_core's (docs/evaluation.md)"),
+    # data loaders
+    *(rule for loader in LOADERS for rule in _loader_rules(loader)),
+    KeyRule("validate.data.shuffle", None, "a validation pass goes through the rows in order"),
+    KeyRule("validate.data.seed", None, "a validation pass goes through the rows in order; only loaders that "
+                                        "generate rows (arithmetic) take a seed"),
+    # rollout workers
+    KeyRule("rollout_worker.evaluator_module_path", "rollout_worker.evaluator: {type: python, path, class}",
+            "the evaluator class is loaded from the file as before; its imports change (see Imports)",
+            convert=_evaluator_module),
+    KeyRule("rollout_worker.custom_rollout_worker_module_path", "rollout_worker: {type: python, path, class}",
+            "where a python rollout worker is installed; it replaces the worker type", convert=_custom_worker,
+            replaces=("rollout_worker.type",)),
+    KeyRule("rollout_worker.custom_rollout_worker_class_name", "rollout_worker.class",
+            "with custom_rollout_worker_module_path", convert=_worker_class_name),
+    KeyRule("rollout_worker.temperature", "rollout_worker.sampling.temperature"),
+    KeyRule("rollout_worker.max_response_length", "rollout_worker.sampling.max_tokens"),
+    KeyRule("rollout_worker.max_prompt_length", None, "prompts are not cut"),
+    # trajectory pool, trainer, algorithm
+    KeyRule("trajectory_pool.type", None, "nexrl has one trajectory pool"),
+    KeyRule("trainer.sync_weight_path", "weight.sync_dir", "with weight.backend vllm_disk; the other backends "
+                                                           "move weights without files", convert=_sync_dir),
+    KeyRule("algorithm.adv_estimator", "algorithm.type", "verl's and ROLL's name for the advantage estimator"),
+    KeyRule("algorithm.critic.kl_ctrl", "algorithm.kl_ctrl",
+            "nexrl's algorithm.critic is the value model (gae)"),
+    KeyRule("algorithm.kl_ctrl.kl_reward_coef", None, "the reward penalty's coefficient is algorithm.kl_ctrl.kl_coef"),
+    KeyRule("algorithm.do_old_log_prob_compute", None,
+            "nexrl computes old log-probs whenever they can differ from the current ones (algorithm.ppo_epochs > 1, "
+            "or KL in the reward); with one update per batch the ratio is exactly 1"),
+    KeyRule("algorithm.batch_size", None, "a step trains on trajectory_pool.batch_size trajectories; "
+                                          "service.train_service.micro_batch_size splits the forward passes"),
+    KeyRule("algorithm.inference_service", None,
+            "the KL reference is the initial model, held by the trainer; a reference on its own inference service "
+            "is not available"),
+    # weight sync
+    KeyRule("weight.type", None, "the weight-sync backend is weight.backend (set from the inference backend)"),
+    KeyRule("weight.sync_method", None, "the weight-sync backend is weight.backend (set from the inference backend)"),
+    KeyRule("weight.sync_weight_path", "weight.sync_dir", "with weight.backend vllm_disk", convert=_sync_dir),
+    KeyRule("weight.checkpoint_manager", None, "checkpoints are the trainer's: trainer.checkpoint_path, "
+                                               "trainer.save_freq"),
+    # validation
+    KeyRule("validate.eval.validate_freq", "weight.validate_freq", "NexRL's repository recipes put it here"),
+    KeyRule("validate.eval", None, "nexrl has one validator; its metrics are nexrl_core.eval_core's "
+                                   "(docs/evaluation.md)"),
+    # services
+    KeyRule("service.inference_service.freeze_for_weight_sync", None,
+            "the weight-sync backend (weight.backend) decides how requests wait for a weight push (with the vllm "
+            "backends, weight.pause_mode)"),
+    KeyRule("service.inference_service.identifier", None, "one inference service per run: model_tag names it"),
+    KeyRule("service.inference_service.weight_type", None, "the weight-sync backend (weight.backend) chooses the "
+                                                           "format"),
+    KeyRule("service.train_service.url", None, "the train service runs in this process (local_torch) or is the "
+                                               "Tinker API; it has no URL"),
+    KeyRule("service.train_service.model_tag", None, "one policy per run"),
+    KeyRule("service.train_service.identifier", None, "one policy per run"),
+    KeyRule("service.train_service.actor.model.path", "service.train_service.model_path"),
+    KeyRule("service.train_service.actor.optim.lr", "service.train_service.lr"),
+    KeyRule("service.train_service.actor.grad_clip", "service.train_service.grad_clip"),
+    KeyRule("service.train_service.actor.ppo_micro_batch_size", "service.train_service.micro_batch_size"),
+    KeyRule("service.train_service.actor.ppo_epochs", "algorithm.ppo_epochs"),
+    KeyRule("service.train_service.actor.clip_ratio_low", "algorithm.clip_ratio_low"),
+    KeyRule("service.train_service.actor.clip_ratio_high", "algorithm.clip_ratio_high"),
+    KeyRule("service.train_service.actor.clip_ratio_c", "algorithm.clip_ratio_c", "with algorithm.policy_loss "
+                                                                                  "dual_clip"),
+    KeyRule("service.train_service.actor.loss_agg_mode", "algorithm.loss_agg_mode"),
+    KeyRule("service.train_service.actor.use_kl_loss", "algorithm.use_kl_loss"),
+    KeyRule("service.train_service.actor.kl_loss_type", "algorithm.kl_loss_type"),
+    KeyRule("service.train_service.actor.kl_loss_coef", "algorithm.kl_loss_coef"),
+    KeyRule("service.train_service.actor", None, "the rest of NexTrainer's actor settings (FSDP, sequence "
+                                                 "parallelism, offload) have no counterpart in local_torch"),
+    KeyRule("multi_model", None, "one policy per run"),
+    # ROLL's pipeline config (rlvr_config.py), top level
+    KeyRule("exp_name", "experiment_name", source="ROLL"),
+    KeyRule("max_steps", "trainer.total_train_steps", source="ROLL"),
+    KeyRule("save_steps", "trainer.save_freq", source="ROLL"),
+    KeyRule("eval_steps", "weight.validate_freq", source="ROLL"),
+    KeyRule("output_dir", "run_dir", "checkpoints go to run_dir/checkpoints", source="ROLL"),
+    KeyRule("rollout_batch_size", "trajectory_pool.batch_size",
+            "times num_return_sequences_in_group: nexrl counts trajectories, ROLL prompts", source="ROLL",
+            convert=_rollout_batch_size),
+    KeyRule("num_return_sequences_in_group", "trajectory_pool.group_size", source="ROLL"),
+    KeyRule("val_n_sample", "validate.n_samples", source="ROLL"),
+    KeyRule("val_greedy", "rollout_worker.validate_temperature", "true becomes 0", source="ROLL",
+            convert=_flag("rollout_worker.validate_temperature", 0)),
+    KeyRule("track_with", "logger.backend", "stdout becomes console", source="ROLL", convert=_track_with),
+    KeyRule("max_ckpt_to_keep", "trainer.remove_previous_ckpt", "1 keeps only the newest; 0 keeps all",
+            source="ROLL", convert=_keep_checkpoints),
+    KeyRule("resume_from_checkpoint", "resume.mode, resume.resume_path", "true: auto; a path: from_path",
+            source="ROLL", convert=_resume),
+    KeyRule("rpc_timeout", "ray.call_timeout", source="ROLL"),
+    KeyRule("pretrain", "service.train_service.model_path, service.inference_service.model_path", source="ROLL",
+            convert=_pretrain),
+    KeyRule("domain_interleave_probs", "data.domain_interleave_probs", "with data.type multi_domain",
+            source="ROLL"),
+    KeyRule("adv_estimator", "algorithm.type", source="ROLL"),
+    KeyRule("critic_warmup", "algorithm.critic_warmup", source="ROLL"),
+    KeyRule("ppo_epochs", "algorithm.ppo_epochs", source="ROLL"),
+    KeyRule("max_grad_norm", "service.train_service.grad_clip", source="ROLL"),
+    KeyRule("pg_clip", "algorithm.clip_ratio_low, algorithm.clip_ratio_high", source="ROLL",
+            convert=_both_clip_ratios),
+    KeyRule("pg_clip_low", "algorithm.clip_ratio_low", source="ROLL"),
+    KeyRule("pg_clip_high", "algorithm.clip_ratio_high", source="ROLL"),
+    KeyRule("dual_clip_loss", "algorithm.policy_loss", "true becomes dual_clip", source="ROLL",
+            convert=_flag("algorithm.policy_loss", "dual_clip")),
+    KeyRule("use_topr_loss", "algorithm.policy_loss", "true becomes topr", source="ROLL",
+            convert=_flag("algorithm.policy_loss", "topr")),
+    KeyRule("loss_agg_mode", "algorithm.loss_agg_mode", source="ROLL"),
+    KeyRule("kl_penalty", "algorithm.kl_penalty", source="ROLL"),
+    KeyRule("init_kl_coef", "algorithm.kl_ctrl.kl_coef", source="ROLL"),
+    KeyRule("target_kl", "algorithm.kl_ctrl.target_kl", "set: kl_ctrl.type becomes adaptive", source="ROLL",
+            convert=_target_kl),
+    KeyRule("kl_horizon", "algorithm.kl_ctrl.horizon", source="ROLL"),
+    KeyRule("add_token_level_kl", "algorithm.use_kl_in_reward", source="ROLL"),
+    KeyRule("use_kl_loss", "algorithm.use_kl_loss", source="ROLL"),
+    KeyRule("kl_loss_coef", "algorithm.kl_loss_coef", source="ROLL"),
+    KeyRule("lambd", "algorithm.lam", "with algorithm.type gae", source="ROLL"),
+    KeyRule("gamma", "algorithm.gamma", "with algorithm.type gae or reinforce_plus_plus", source="ROLL"),
+    KeyRule("whiten_advantages", "algorithm.whiten_advantages", "with algorithm.type gae", source="ROLL"),
+    KeyRule("value_clip", "algorithm.critic.value_clip", "with algorithm.type gae", source="ROLL"),
+    KeyRule("reward_clip", "algorithm.reward_processing.clip", source="ROLL"),
+    KeyRule("norm_mean_type", "algorithm.reward_processing.norm, norm_mean",
+            "with norm_std_type: one kind (batch, group or running) for both", source="ROLL", convert=_reward_norm),
+    KeyRule("norm_std_type", "algorithm.reward_processing.norm, norm_std", "read with norm_mean_type",
+            source="ROLL", convert=lambda value, recipe, ctx: {} if get_key(recipe, "norm_mean_type") is not None
+            else _reward_norm(value, recipe, ctx)),
+    KeyRule("max_len_mask", "algorithm.reward_processing.overlong", "true becomes mask", source="ROLL",
+            convert=_flag("algorithm.reward_processing.overlong", "mask")),
+    KeyRule("actor_infer.generating_args.max_new_tokens", "rollout_worker.sampling.max_tokens", source="ROLL"),
+    KeyRule("actor_infer.generating_args.temperature", "rollout_worker.sampling.temperature", source="ROLL"),
+    KeyRule("actor_infer.generating_args.top_p", "rollout_worker.sampling.top_p", source="ROLL"),
+    KeyRule("actor_infer.generating_args.top_k", "rollout_worker.sampling.top_k", source="ROLL"),
+    *(KeyRule(cluster, None, "ROLL's worker clusters: nexrl's are service.train_service and "
+                             "service.inference_service", source="ROLL")
+      for cluster in ("actor_train", "actor_infer", "reference", "critic", "reward", "rewards")),
+    KeyRule("validation", None, "the validation set is validate.data; its sampling is rollout_worker's "
+                                "(validate_temperature)", source="ROLL"),
+)
+
+# Keys nexrl reads under the same name (the docs list them; a test checks each is a nexrl key).
+SAME_KEYS = ("launch_mode", "project_name", "experiment_name", "seed", "data.type", "data.seed", "data.shuffle",
+             "data.prompt_key", "rollout_worker.type", "rollout_worker.num_workers",
+             "rollout_worker.nexau_agent_config_path", "rollout_worker.nexau_agent_workspace",
+             "rollout_worker.task_name", "trajectory_pool.batch_size", "trajectory_pool.group_size",
+             "trajectory_pool.key_list", "trajectory_pool.check_batch_ready_function", "trainer.type",
+             "trainer.total_train_steps", "trainer.checkpoint_path", "trainer.save_freq",
+             "trainer.remove_previous_ckpt", "algorithm.type", "algorithm.use_kl_in_reward", "algorithm.kl_penalty",
+             "algorithm.kl_ctrl.type", "algorithm.kl_ctrl.kl_coef", "weight.sync_mode", "weight.staleness_threshold",
+             "weight.validate_freq", "service.inference_service.backend", "service.inference_service.model_tag",
+             "service.inference_service.url", "service.inference_service.base_url", "service.inference_service.model",
+             "service.inference_service.api_key", "service.inference_service.max_retries",
+             "service.train_service.backend", "validate.validate_before_train", "validate.data", "resume.mode",
+             "resume.resume_path", "logger.backend", "runtime_monitor.exception_handling.enabled",
+             "runtime_monitor.exception_handling.check_interval", "runtime_monitor.exception_handling.policy",
+             "runtime_monitor.health_check.enabled", "runtime_monitor.health_check.check_interval",
+             "runtime_monitor.health_check.timeout")
+
+# -- values ---------------------------------------------------------------------------------------
+
+VALUE_RULES: tuple[ValueRule, ...] = (
+    *(ValueRule(f"{loader}.type", "torch", "file", "JSONL or Parquet files") for loader in LOADERS),
+    *(ValueRule(f"{loader}.type", "mock", "arithmetic", "generated a + b questions stand in for the mock rows")
+      for loader in LOADERS),
+    ValueRule("rollout_worker.type", "mock", "simple", "a real rollout (with the mock inference backend it needs "
+                                                      "no model)"),
+    ValueRule("rollout_worker.type", "single_turn_math", "simple",
+              "with a math evaluator (math_rule where nexrl-rewards is installed, else numeric_answer) when the "
+              "recipe names none"),
+    ValueRule("trajectory_pool.check_batch_ready_function", "batch_size_reached", "batch_size"),
+    ValueRule("service.train_service.backend", "nextrainer", "local_torch", "the policy trains in this process "
+                                                                            "(nexrl-grpo)"),
+    ValueRule("service.inference_service.backend", "sglang", "openai",
+              "SGLang's OpenAI-compatible server; weight pushes to SGLang are not available"),
+)
+
+# Where the seed's recipe leaves a nexrl key unset and the rest of the recipe decides it.
+WEIGHT_BACKENDS = {"hf": "in_process", "vllm": "vllm_disk", "tinker": "tinker"}
+DERIVED = (
+    ("weight.backend", "from service.inference_service.backend when the recipe names none: "
+                       + ", ".join(f"{k} -> {v}" for k, v in WEIGHT_BACKENDS.items())),
+    ("service.train_service.model_path", "service.inference_service.model_path when the train service is "
+                                         "local_torch and names none (NexRL serves the model it trains)"),
+    ("rollout_worker.evaluator", "math_rule (or numeric_answer) for rollout_worker.type single_turn_math"),
+)
+
+# -- imports and classes --------------------------------------------------------------------------
+
+IMPORT_RULES: tuple[ImportRule, ...] = (
+    ImportRule("nexrl.NexRLController", "nexrl_core.NexRLController", "or the nexrl run command"),
+    ImportRule("nexrl.BaseRolloutWorker", "nexrl_core.BaseRolloutWorker"),
+    ImportRule("nexrl.rollout_worker.SimpleRolloutWorker", "nexrl_core.SimpleRolloutWorker"),
+    ImportRule("nexrl.rollout_worker.PigLatinRolloutWorker", "nexrl_core.builtins.workers.PigLatinRolloutWorker"),
+    ImportRule("nexrl.rollout_worker.Evaluator", "nexrl_core.Evaluator"),
+    ImportRule("nexrl.rollout_worker.BaseEvaluationTarget", "nexrl_core.BaseEvaluationTarget"),
+    ImportRule("nexrl.rollout_worker.EvaluationRunResult", "nexrl_core.EvaluationRunResult"),
+    ImportRule("nexrl.rollout_worker.NexAUEvaluationTarget", "nexrl_nexau.NexAUEvaluationTarget"),
+    ImportRule("nexrl.rollout_worker.BaseNexAURolloutWorker", "nexrl_nexau.BaseNexAURolloutWorker"),
+    ImportRule("nexrl.rollout_worker.DefaultNexAURolloutWorker", "nexrl_nexau.DefaultNexAURolloutWorker"),
+    ImportRule("nexrl.rollout_worker.AgentRolloutWorker", None,
+               "rollout_worker.type nexau runs tool-using agents (nexrl-nexau)"),
+    ImportRule("nexrl.rollout_worker.MockRolloutWorker", None,
+               "SimpleRolloutWorker with the mock inference backend needs no model"),
+    ImportRule("nexrl.trainer.BaseTrainer", "nexrl_core.BaseTrainer"),
+    ImportRule("nexrl.trainer.SelfHostedTrainer", "nexrl_grpo.trainers.SelfHostedTrainer"),
+    ImportRule("nexrl.trainer.SelfHostedGrpoTrainer", "nexrl_grpo.trainers.SelfHostedGrpoTrainer"),
+    ImportRule("nexrl.trainer.RemoteApiTrainer", "nexrl_tinker.trainers.RemoteApiTrainer"),
+    ImportRule("nexrl.trainer.RemoteApiGrpoTrainer", "nexrl_tinker.trainers.RemoteApiGrpoTrainer"),
+    ImportRule("nexrl.trainer.RemoteApiCrossEntropyTrainer", "nexrl_tinker.trainers.RemoteApiCrossEntropyTrainer"),
+    ImportRule("nexrl.nexrl_types.Batch", "nexrl_core.Batch"),
+    ImportRule("nexrl.nexrl_types.Trajectory", "nexrl_core.Trajectory"),
+    ImportRule("nexrl.nexrl_types.ModelTag", "nexrl_core.ModelTag"),
+    ImportRule("nexrl.nexrl_types.NexRLRole", "nexrl_core.NexRLRole"),
+    ImportRule("nexrl.data_loader.BaseDataLoader", "nexrl_core.BaseDataLoader"),
+    ImportRule("nexrl.data_loader.TorchDataLoader", "nexrl_core.FileDataLoader", "data.type file"),
+    ImportRule("nexrl.data_loader.MockDataLoader", None, "data.type arithmetic generates rows without files"),
+    ImportRule("nexrl.trajectory_pool.TrajectoryPool", "nexrl_core.TrajectoryPool"),
+    ImportRule("nexrl.trajectory_pool.TrajectoryPoolInstance", "nexrl_core.TrajectoryPoolInstance"),
+    ImportRule("nexrl.trajectory_pool.SimpleTrajectoryStore", "nexrl_core.SimpleTrajectoryStore"),
+    ImportRule("nexrl.trajectory_pool.GroupedTrajectoryStore", "nexrl_core.GroupedTrajectoryStore"),
+    ImportRule("nexrl.trajectory_pool.HierarchicalTrajectoryStore", "nexrl_core.HierarchicalTrajectoryStore"),
+    ImportRule("nexrl.validator.Validator", "nexrl_core.Validator"),
+    ImportRule("nexrl.weight_sync.WeightSyncController", "nexrl_core.WeightSyncController"),
+    ImportRule("nexrl.activity_tracker.ActivityTracker", "nexrl_core.ActivityTracker"),
+    ImportRule("nexrl.activity_tracker.ActivityTrackerProxy", "nexrl_core.ActivityTrackerProxy"),
+    ImportRule("nexrl.error_reporter.ErrorReporter", "nexrl_core.ErrorReporter"),
+    ImportRule("nexrl.error_reporter.ErrorSeverity", "nexrl_core.ErrorSeverity"),
+    ImportRule("nexrl.error_reporter.ErrorInfo", "nexrl_core.errors.ErrorInfo"),
+    ImportRule("nexrl.nexrl_module.NexRLModule", "nexrl_core.NexRLModule"),
+    ImportRule("nexrl.llm_service_client.LLMServiceClient", "nexrl_core.InferenceClient",
+               "a worker's self._llm_client; complete() and chat() return a CompletionResult with token ids "
+               "and log-probs"),
+    ImportRule("nexrl.utils.execute", "nexrl_core.execute"),
+    ImportRule("nexrl.utils.execute_async", "nexrl_core.execute_async"),
+    ImportRule("nexrl.utils.logging_utils.set_logging_basic_config", None,
+               "nexrl run sets up logging (logger.level; run.log in run_dir)"),
+    ImportRule("nexrl.ray_resource_manager.RayResourceManager", None,
+               "launch_mode ray places the actors from the recipe's ray.colocation and ray.resources"),
+    ImportRule("nexrl.ray_resource_manager.RayActorWrapper", None,
+               "launch_mode ray places the actors from the recipe's ray.colocation and ray.resources"),
+)
+
+# -- metric names ---------------------------------------------------------------------------------
+
+METRIC_RULES: tuple[MetricRule, ...] = (
+    MetricRule("val/<score_key>", "val/<score_key>", "failed samples count 0 (docs/evaluation.md)"),
+    MetricRule("val/<data_source>_<score_key>", "val/<data_source>_<score_key>"),
+    MetricRule("val/num_samples", "val/num_samples"),
+    MetricRule("rollout/<score_key>", "rollout/<score_key>"),
+    MetricRule("rollout/reward_mean", "train/reward_mean"),
+    MetricRule("rollout/reward_std", None, "train/group_reward_std_mean is the mean of the groups' std"),
+    MetricRule("critic/grpo_std/mean", "train/group_reward_std_mean",
+               "the groups' unbiased (n - 1) std, where NexRL's is the population std"),
+    MetricRule("critic/advantage_mean", None, "train/advantages_abs_mean is the mean of |advantage|"),
+    MetricRule("val_correct/all/mean", "val/reward", "the same number when rewards are 0 or 1", source="ROLL"),
+    MetricRule("val_correct/<tag>/mean", "val/<data_source>_reward",
+               "a row's data_source (or its multi_domain domain) plays the tag's part", source="ROLL"),
+)
+
+
+# -- lookups --------------------------------------------------------------------------------------
+
+_BY_SEED = {rule.seed: rule for rule in KEY_RULES}
+
+
+def rule_for(key: str) -> KeyRule | None:
+    """The key rule of a seed key, as a recipe holds it (dotted)."""
+    return _BY_SEED.get(key)
+
+
+def seed_key_hint(key: str) -> str | None:
+    """What follows ``<key>: `` for a key nexrl does not know when the table does: the nexrl key it
+    became and the pointer to ``nexrl migrate`` (None: not a seed key)."""
+    inner = [r for r in KEY_RULES if r.seed.startswith(key + ".") and r.nexrl is not None]
+    if inner:
+        where = ", ".join(f"{r.seed[len(key) + 1:]} -> {r.nexrl}" for r in inner[:3])
+        return f"unknown key; a {inner[0].source} section: {where} ({POINTER})"
+    rule = _BY_SEED.get(key)
+    if rule is None:
+        return None
+    if rule.nexrl is None:
+        return f"unknown key; a {rule.source} key nexrl has no counterpart for: {rule.why} ({POINTER})"
+    return f"unknown key; {rule.source}'s name for {rule.nexrl} ({POINTER})"
+
+
+def seed_key_suffix(key: str) -> str:
+    """`` (nexrl migrate ...)`` after the message of a key nexrl no longer reads, when it is a seed
+    key (its message already names what replaces it)."""
+    known = key in _BY_SEED or any(r.seed.startswith(key + ".") for r in KEY_RULES)
+    return f" ({POINTER})" if known else ""

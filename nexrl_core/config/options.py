@@ -1,0 +1,581 @@
+"""Declared options: what a recipe mapping may hold, with type, default, range and help.
+
+A component declares the keys of its recipe section as a class attribute::
+
+    class MyLoader(BaseDataLoader):
+        OPTIONS = {
+            "path": Option(REQUIRED, str, "JSONL file to read"),
+            "max_rows": Option(None, int, "stop after this many rows", ge=1),
+            "split": Option("train", str, "which half", choices=("train", "validation")),
+        }
+
+``nexrl validate`` and ``nexrl run`` check a recipe against these declarations with the same
+function (:func:`check_options`): unknown keys (with a "did you mean"), wrong types,
+non-finite numbers, values out of range or not among the choices, missing required keys,
+nested mappings. Declarations are inherited along the class hierarchy (a subclass adds to
+its bases' options). The core's own sections are declared the same way
+(:mod:`nexrl_core.config.schema`), and the help texts feed the recipe reference.
+
+An evaluator without ``OPTIONS`` is described by its ``__init__`` signature: each keyword
+parameter is an option, typed by its annotation (or its default's type) and required when
+it has no default.
+
+``CONFIG_KEYS`` (key -> default, the older form) still works: each entry becomes an
+``Option`` typed by its default. It is deprecated in favour of ``OPTIONS``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import re
+import types
+import typing
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from difflib import get_close_matches
+from typing import Any
+
+from ..redaction import add_secret, is_secret_key
+
+__all__ = ["REQUIRED", "Capabilities", "Option", "check_options", "component_capabilities", "component_options",
+           "describe_type", "option_defaults", "options_from_signature"]
+
+
+class _Marker:
+    def __init__(self, name: str):
+        self._name = name
+
+    def __repr__(self) -> str:
+        return self._name
+
+
+REQUIRED: Any = _Marker("REQUIRED")  # default of an option the recipe must set
+_UNSET: Any = _Marker("UNSET")
+
+
+@dataclass(frozen=True)
+class Option:
+    """One recipe key.
+
+    :param default: the value when the recipe omits the key; :data:`REQUIRED` when it must
+        be set. A mapping option with ``options`` and no default defaults to its options'
+        defaults.
+    :param type: what the value may be: ``bool``, ``int``, ``float`` (an int is accepted),
+        ``str``, ``list``/``list[str]``, ``dict``, ``X | None``, ``Literal[...]``, ``Any``,
+        or a tuple of those (any of them). Inferred from ``default`` when left out.
+    :param help: one line for ``nexrl validate`` messages and the recipe reference.
+    :param choices: the allowed values.
+    :param ge, gt, le, lt: numeric bounds (>=, >, <=, <). Numbers must also be finite.
+    :param options: for a mapping: its keys' own options (checked recursively).
+    :param values: for a mapping whose keys the user names (domains, say): the option every
+        value is checked against.
+    :param check: extra rule ``fn(value) -> problem or None``, run when the type is right.
+    :param removed: the key is no longer read; the text says what to do instead.
+    :param component: core use: the mapping selects a registered component of this kind
+        (``"trainer"``, ``"dataloader"``...) by its ``selector`` key; the component's own
+        options are allowed next to ``options``.
+    :param path: a file or folder the run reads (a string or a list of them): a relative path
+        written in a recipe file is looked up next to that recipe first (one given as an
+        override stays relative to the current folder).
+    :param secret: the value is a credential: it never reaches a file, a log line or the console
+        (``***`` there; see :mod:`nexrl_core.redaction`). Keys named like one (``api_key``,
+        ``password``, ``*_token``...) are secret whether declared so or not.
+    """
+
+    default: Any = _UNSET
+    type: Any = None
+    help: str = ""
+    choices: tuple[Any, ...] | None = None
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
+    options: Mapping[str, Option] | None = None
+    values: Option | None = None
+    check: Callable[[Any], str | None] | None = None
+    removed: str | None = None
+    component: str | None = None
+    selector: str = "type"
+    path: bool = False
+    secret: bool = False
+
+    @property
+    def required(self) -> bool:
+        return self.default is REQUIRED
+
+    def default_value(self) -> Any:
+        """The default, with a mapping's default built from its options."""
+        if self.default is _UNSET:
+            return option_defaults(self.options) if self.options is not None else None
+        if self.default is REQUIRED:
+            return None
+        return self.default
+
+    def spec(self) -> _Spec:
+        if self.type is not None:
+            spec = _spec(self.type)
+        elif self.options is not None or self.values is not None:
+            spec = _Spec("dict")
+        else:
+            spec = _infer(self.default_value())
+        if self.default_value() is None and not self.required and not spec.accepts(None):
+            spec = _Spec("union", parts=(spec, _Spec("none")))
+        return spec
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a component brings to a run and what it needs from the others.
+
+    ``nexrl validate`` (and ``nexrl run``) check that the chosen trainer, inference backend
+    and weight-sync backend fit together: every capability one of them ``requires`` must be
+    ``provided`` by one of them. Capabilities are free-form strings; the core's are
+    ``"trainer:state_dict"`` (the trainer exports its weights as tensors in this process),
+    ``"weight_sync:state_dict"`` (something delivers those tensors to the inference
+    service) and ``"inference:load_weights"`` (the inference backend loads tensors in
+    process). A plugin names its own (``"weight_sync:vllm"``, ``"inference:tinker"``...).
+
+    :param provides: capabilities this component supplies.
+    :param requires: capability -> why it is needed (shown when it is missing).
+    """
+
+    provides: frozenset[str] = frozenset()
+    requires: Mapping[str, str] = None  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "provides", frozenset(self.provides))
+        object.__setattr__(self, "requires", dict(self.requires or {}))
+
+
+def component_capabilities(cls: type) -> Capabilities:
+    caps = getattr(cls, "CAPABILITIES", None)
+    return caps if isinstance(caps, Capabilities) else Capabilities()
+
+
+# -- where declarations come from --------------------------------------------------------------
+
+_warned_legacy: set[str] = set()
+
+
+def component_options(cls: type, attr: str = "OPTIONS", legacy: str = "CONFIG_KEYS") -> dict[str, Option] | None:
+    """The options ``cls`` declares (``OPTIONS``, or the older ``CONFIG_KEYS``), merged along
+    its class hierarchy. None when no class in the hierarchy declares any."""
+    merged: dict[str, Option] = {}
+    found = False
+    for klass in reversed(cls.__mro__):
+        own = klass.__dict__.get(attr)
+        old = klass.__dict__.get(legacy) if legacy else None
+        if old is not None:
+            found = True
+            if old and klass.__module__.split(".")[0] != "nexrl_core":
+                name = f"{klass.__module__}.{klass.__qualname__}"
+                if name not in _warned_legacy:
+                    _warned_legacy.add(name)
+                    warnings.warn(f"{name}.{legacy} is deprecated: declare {attr} = {{key: Option(...)}} "
+                                  f"(nexrl_core.Option) to give each key a type, range and help",
+                                  DeprecationWarning, stacklevel=2)
+            # A legacy key adds a loosely typed option; it never replaces a richer declaration.
+            merged.update({k: v if isinstance(v, Option) else Option(v) for k, v in dict(old).items()
+                           if k not in merged})
+        if own is not None:
+            found = True
+            merged.update(own)
+    return merged if found else None
+
+
+def options_from_signature(func: Callable[..., Any], skip: tuple[str, ...] = ("self",),
+                           doc: str | None = None) -> dict[str, Option] | None:
+    """Options described by a constructor's keyword parameters; None when it takes ``**kwargs``
+    (anything goes). Annotations give the types; a parameter without a default is required;
+    its ``:param name: text`` line (in ``func``'s docstring, else in ``doc``) is its help."""
+    sig = inspect.signature(func)
+    helps = {**param_docs(doc or ""), **param_docs(inspect.getdoc(func) or "")}
+    try:
+        hints = typing.get_type_hints(func)
+    except Exception:  # an annotation that does not evaluate: fall back to the defaults' types
+        hints = {}
+    out: dict[str, Option] = {}
+    for name, p in sig.parameters.items():
+        if name in skip or p.kind == p.VAR_POSITIONAL:
+            continue
+        if p.kind == p.VAR_KEYWORD:
+            return None
+        default = REQUIRED if p.default is p.empty else p.default
+        tp = hints.get(name)
+        if tp is None and isinstance(p.annotation, str):
+            tp = None  # unresolvable string annotation
+        elif tp is None and p.annotation is not p.empty:
+            tp = p.annotation
+        out[name] = Option(default, tp, helps.get(name, ""))
+    return out
+
+
+def param_docs(doc: str) -> dict[str, str]:
+    """``{name: text}`` of the ``:param name: text`` fields of a docstring (continuation lines joined)."""
+    out: dict[str, str] = {}
+    name = None
+    for line in doc.splitlines():
+        match = re.match(r"\s*:param (?:[\w\[\], |.]+ )?(\w+):\s*(.*)", line)
+        if match:
+            name = match.group(1)
+            out[name] = match.group(2).strip()
+        elif name is not None and line.strip() and not line.strip().startswith(":"):
+            if line.startswith((" ", "\t")):
+                out[name] += " " + line.strip()
+            else:
+                name = None
+        else:
+            name = None
+    return out
+
+
+def option_defaults(options: Mapping[str, Option] | None) -> dict[str, Any]:
+    """Recipe-shaped defaults of ``options`` (required and removed keys left out)."""
+    out: dict[str, Any] = {}
+    for key, opt in (options or {}).items():
+        if opt.removed is not None or opt.required:
+            continue
+        out[key] = opt.default_value()
+    return out
+
+
+# -- checking ----------------------------------------------------------------------------------
+
+def check_options(values: Any, options: Mapping[str, Option] | None, path: str, *,
+                  owner: str = "", allow: frozenset[str] | set[str] = frozenset()) -> list[str]:
+    """Every problem of the mapping ``values`` against ``options``, one line each.
+
+    :param values: plain data (dicts/lists/scalars: convert OmegaConf nodes first).
+    :param options: the declared keys; None accepts any key.
+    :param path: dotted recipe path of ``values`` (prefixes every message).
+    :param owner: named in an unknown-key message, e.g. ``"evaluator 'exact_match'"``.
+    :param allow: extra keys that are accepted unchecked (e.g. a selector checked elsewhere).
+    """
+    if not isinstance(values, Mapping):
+        return [f"{path}: expected a mapping, got {type_name(values)}{_show(values)}"]
+    if options is None:
+        return []
+    problems: list[str] = []
+    for key, value in values.items():
+        key = str(key)
+        if key in allow:
+            continue
+        opt = options.get(key)
+        full = f"{path}.{key}" if path else key
+        if opt is None:
+            known = [k for k, o in options.items() if o.removed is None]
+            problems.append(unknown_key(key, path, known + list(allow), owner, known if owner else None))
+        elif opt.removed is not None:
+            problems.append(removed_key(full, opt))
+        else:
+            problems += check_value(value, opt, full)
+    for key, opt in options.items():
+        if opt.required and opt.removed is None and values.get(key) is None:
+            full = f"{path}.{key}" if path else key
+            problems.append(f"{full}: required{f' ({opt.help})' if opt.help else ''}")
+    return problems
+
+
+def removed_key(full: str, opt: Option) -> str:
+    """The message of a key nexrl no longer reads (pointing at ``nexrl migrate`` for a seed key)."""
+    from .migration_table import seed_key_suffix
+
+    return f"{full}: no longer a recipe key: {opt.removed}{seed_key_suffix(full)}"
+
+
+def check_value(value: Any, opt: Option, path: str) -> list[str]:
+    """Problems of one value against its option (type, finiteness, range, choices, nested keys).
+
+    A secret's value (``Option(secret=True)``, or a key named like one) is remembered here, as
+    every recipe is checked before a run writes anything, and never quoted in a message."""
+    secret = opt.secret or is_secret_key(path.rsplit(".", 1)[-1])
+    if secret:
+        add_secret(value)
+    if value is None:
+        if opt.required:
+            return []  # reported once, as "required", by check_options
+        return [] if opt.spec().accepts(None) else [f"{path}: expected {opt.spec().describe()}, got null"]
+    if isinstance(value, str) and value == "???":
+        return [f"{path}: a value is required here (the recipe has '???')"]
+    spec = opt.spec()
+    if not spec.accepts(value):
+        shown = "" if secret else f"{_show(value)}{_yaml_hint(value, spec)}"
+        return [f"{path}: expected {spec.describe()}, got {type_name(value)}{shown}"]
+    bad_number = _non_finite(value)
+    if bad_number is not None:
+        return [f"{path}: expected a finite number, got {bad_number}"]
+    for choices in (opt.choices, spec.literal_choices()):
+        if choices is not None and value not in choices:
+            if secret:
+                return [f"{path}: the value is not one of {', '.join(str(c) for c in choices)}"]
+            return [f"{path}: {value!r} is not one of {', '.join(str(c) for c in choices)}{_closest(value, choices)}"]
+    if _is_number(value) and not _in_range(float(value), opt):
+        return [f"{path}: expected {_range_words(opt, value)}, got {value!r}"]
+    problems: list[str] = []
+    if opt.options is not None and isinstance(value, Mapping):
+        problems += check_options(value, opt.options, path)
+    if opt.values is not None and isinstance(value, Mapping):
+        for key, item in value.items():
+            problems += check_value(item, opt.values, f"{path}.{key}")
+    if not problems and opt.check is not None:
+        message = opt.check(value)
+        if message:
+            problems.append(f"{path}: {message}")
+    return problems
+
+
+def _closest(value: Any, choices: tuple[Any, ...]) -> str:
+    by_lower = {str(c).lower(): str(c) for c in choices}
+    hit = by_lower.get(str(value).lower())
+    if hit is None:
+        close = get_close_matches(str(value).lower(), list(by_lower), n=1)
+        hit = by_lower[close[0]] if close else None
+    return f"; did you mean {hit!r}?" if hit else ""
+
+
+def unknown_key(key: str, path: str, known: list[str], owner: str = "", listed: list[str] | None = None) -> str:
+    """``path.key: unknown key; did you mean ...?`` and, for a component with few options of its
+    own (``listed``), which ones it accepts."""
+    from .migration_table import seed_key_hint
+
+    full = f"{path}.{key}" if path else key
+    hint = seed_key_hint(full)  # a NexRL or ROLL key: name nexrl's
+    if hint is not None:
+        return f"{full}: {hint}"
+    hit = get_close_matches(key, sorted(set(known)), n=1)
+    text = f"{full}: unknown key"
+    if hit:
+        text += f"; did you mean '{(path + '.') if path else ''}{hit[0]}'?"
+    if owner and listed and len(listed) <= 10:
+        text += f" ({owner} accepts: {', '.join(listed) or 'no options'})"
+    return text
+
+
+# -- type specs -----------------------------------------------------------------------------------
+
+class _Spec:
+    """A normalised type: kind in any/none/bool/int/float/str/list/dict/union/literal."""
+
+    def __init__(self, kind: str, parts: tuple[_Spec, ...] = (), item: _Spec | None = None,
+                 values: tuple[Any, ...] = ()):
+        self.kind, self.parts, self.item, self.values = kind, parts, item, values
+
+    def accepts(self, value: Any) -> bool:
+        k = self.kind
+        if k == "any":
+            return True
+        if k == "none":
+            return value is None
+        if k == "bool":
+            return isinstance(value, bool)
+        if k == "int":
+            return isinstance(value, int) and not isinstance(value, bool)
+        if k == "float":
+            return _is_number(value)
+        if k == "str":
+            return isinstance(value, str)
+        if k == "list":
+            return isinstance(value, (list, tuple)) and (self.item is None or all(self.item.accepts(v) for v in value))
+        if k == "dict":
+            return isinstance(value, Mapping) and (self.item is None or all(self.item.accepts(v)
+                                                                           for v in value.values()))
+        if k == "union":
+            return any(p.accepts(value) for p in self.parts)
+        if k == "literal":
+            return any(value == v and type(value) is type(v) for v in self.values) or \
+                (all(isinstance(v, str) for v in self.values) and isinstance(value, str))
+        return True
+
+    def literal_choices(self) -> tuple[Any, ...] | None:
+        if self.kind == "literal":
+            return self.values
+        if self.kind == "union":
+            lits = [p for p in self.parts if p.kind == "literal"]
+            if lits and not any(p.kind not in ("literal", "none") and p.accepts_str() for p in self.parts):
+                return tuple(v for p in lits for v in p.values) + ((None,) if self.accepts(None) else ())
+        return None
+
+    def accepts_str(self) -> bool:
+        return self.kind in ("str", "any")
+
+    def describe(self) -> str:
+        k = self.kind
+        words = {"any": "any value", "none": "null", "bool": "a boolean", "int": "an integer", "float": "a number",
+                 "str": "a string"}
+        if k in words:
+            return words[k]
+        if k == "list":
+            return "a list" if self.item is None or self.item.kind == "any" else \
+                f"a list of {_plural(self.item.describe())}"
+        if k == "dict":
+            return "a mapping"
+        if k == "literal":
+            return "one of " + ", ".join(repr(v) for v in self.values)
+        if k == "union":
+            parts = [p.describe() for p in self.parts if p.kind != "none"]
+            text = " or ".join(parts)
+            return f"{text} or null" if any(p.kind == "none" for p in self.parts) else text
+        return k
+
+
+def _plural(words: str) -> str:
+    for article in ("an ", "a "):
+        if words.startswith(article):
+            words = words[len(article):]
+    return words if words.endswith("s") else words + "s"
+
+
+def _spec(tp: Any) -> _Spec:
+    if isinstance(tp, _Spec):
+        return tp
+    if tp is None or tp is type(None):
+        return _Spec("none")
+    if tp is Any or tp is inspect.Parameter.empty or tp is object:
+        return _Spec("any")
+    if isinstance(tp, tuple):
+        return _Spec("union", parts=tuple(_spec(t) for t in tp))
+    if isinstance(tp, str):
+        return _spec(_STR_TYPES.get(tp, Any))
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin is typing.Union or (hasattr(types, "UnionType") and isinstance(tp, types.UnionType)):
+        return _Spec("union", parts=tuple(_spec(a) for a in args))
+    if origin is typing.Literal:
+        return _Spec("literal", values=tuple(args))
+    if origin in (list, tuple, set, frozenset) or (origin is not None and _is_sequence(origin)):
+        item = _spec(args[0]) if args and args[0] is not Ellipsis else None
+        return _Spec("list", item=item)
+    if origin is dict or (origin is not None and _is_mapping(origin)):
+        return _Spec("dict", item=_spec(args[1]) if len(args) == 2 else None)
+    if tp is bool:
+        return _Spec("bool")
+    if tp is int:
+        return _Spec("int")
+    if tp is float:
+        return _Spec("float")
+    if tp is str:
+        return _Spec("str")
+    if tp in (list, tuple, set, frozenset):
+        return _Spec("list")
+    if tp is dict:
+        return _Spec("dict")
+    if isinstance(tp, type):
+        if _is_mapping(tp):
+            return _Spec("dict")
+        if tp.__name__ in ("Path", "PurePath", "PosixPath", "WindowsPath"):
+            return _Spec("str")
+    return _Spec("any")
+
+
+_STR_TYPES = {"bool": bool, "int": int, "float": float, "str": str, "list": list, "dict": dict}
+
+
+def _is_sequence(origin: Any) -> bool:
+    from collections.abc import Sequence
+    try:
+        return issubclass(origin, Sequence) and not issubclass(origin, str)
+    except TypeError:
+        return False
+
+
+def _is_mapping(origin: Any) -> bool:
+    try:
+        return issubclass(origin, Mapping)
+    except TypeError:
+        return False
+
+
+def _infer(default: Any) -> _Spec:
+    if isinstance(default, bool):
+        return _Spec("bool")
+    if isinstance(default, int):
+        return _Spec("int")
+    if isinstance(default, float):
+        return _Spec("float")
+    if isinstance(default, str):
+        return _Spec("str")
+    if isinstance(default, (list, tuple)):
+        return _Spec("list")
+    if isinstance(default, Mapping):
+        return _Spec("dict")
+    return _Spec("any")
+
+
+def describe_type(opt: Option) -> str:
+    """The option's type in words (for references and messages)."""
+    return opt.spec().describe()
+
+
+# -- small helpers --------------------------------------------------------------------------------
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _non_finite(value: Any) -> str | None:
+    if isinstance(value, float) and not math.isfinite(value):
+        return repr(value)
+    if isinstance(value, (list, tuple)):
+        for v in value:
+            bad = _non_finite(v)
+            if bad is not None:
+                return bad
+    return None
+
+
+def _in_range(x: float, opt: Option) -> bool:
+    return not ((opt.ge is not None and x < opt.ge) or (opt.gt is not None and x <= opt.gt)
+                or (opt.le is not None and x > opt.le) or (opt.lt is not None and x >= opt.lt))
+
+
+def _range_words(opt: Option, value: Any) -> str:
+    integer = not opt.spec().accepts(0.5)
+    noun = "integer" if integer else "number"
+    if opt.le is None and opt.lt is None:
+        if (opt.ge == 1 and integer) or (opt.gt == 0 and opt.ge is None):
+            return f"a positive {noun}"
+        if opt.ge == 0 and opt.gt is None:
+            return f"a non-negative {noun}"
+    bounds = []
+    for sym, bound in ((">=", opt.ge), (">", opt.gt), ("<=", opt.le), ("<", opt.lt)):
+        if bound is not None:
+            bounds.append(f"{sym} {bound:g}")
+    return f"a{'n' if integer else ''} {noun} {' and '.join(bounds)}"
+
+
+def type_name(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int):
+        return "an integer"
+    if isinstance(value, float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, (list, tuple)):
+        return "a list"
+    if isinstance(value, Mapping):
+        return "a mapping"
+    return type(value).__name__
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, (Mapping, list, tuple)) or value is None:
+        return ""
+    text = repr(value)
+    return f" ({text if len(text) <= 60 else text[:57] + '...'})"
+
+
+def _yaml_hint(value: Any, spec: _Spec) -> str:
+    # PyYAML reads 1e-5 (no dot) as text: the commonest way to write a bad learning rate.
+    if isinstance(value, str) and spec.accepts(1.5) and not spec.accepts("x"):
+        try:
+            float(value)
+        except ValueError:
+            return ""
+        return "; YAML reads a number like 1e-5 as text: write 1.0e-5"
+    return ""
