@@ -207,7 +207,7 @@ def test_namespaces_are_used_where_the_kernel_allows_them():
         assert Sandbox().mode == "namespaces"
     else:
         with pytest.raises(NamespacesRefused, match="isolation: rlimits"):
-            Sandbox().mode
+            Sandbox().mode  # noqa: B018 - reading it decides (and refuses)
 
 
 # ------------------------------------------------------------------------------ attack corpus

@@ -18,7 +18,6 @@ import pytest
 import nexrl_rewards.sandbox as sandbox_module
 from nexrl_core import BaseEvaluationTarget
 from nexrl_rewards.code_sandbox import CodeSandboxEvaluator
-
 from tests.rewards.test_code_sandbox import NAMESPACES, _interpreter_for_other_users, fenced, needs_namespaces
 
 REPO = Path(__file__).resolve().parents[2]
@@ -123,7 +122,7 @@ def test_ptrace_and_other_socket_families_are_refused(isolation, rlimits_python)
 
 
 def test_the_filter_program_checks_the_architecture_first():
-    from nexrl_rewards._sandbox_launcher import RET_KILL_PROCESS, _SECCOMP_ARCH, seccomp_program
+    from nexrl_rewards._sandbox_launcher import _SECCOMP_ARCH, RET_KILL_PROCESS, seccomp_program
 
     for machine, (arch, _, _) in _SECCOMP_ARCH.items():
         prog = seccomp_program(machine)

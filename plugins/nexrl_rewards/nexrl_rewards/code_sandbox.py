@@ -112,7 +112,7 @@ class CodeSandboxEvaluator(Evaluator):
         self.sandbox = Sandbox(python=python, isolation=choice(isolation, "isolation", ISOLATION_MODES),
                                limits=limits)
         try:  # decided here, so that `nexrl validate` refuses what `nexrl run` would
-            self.sandbox.mode
+            self.sandbox.mode  # noqa: B018 - the property decides the mode (and may refuse)
         except NamespacesRefused as exc:
             raise ConfigError(f"{KEY}.isolation: {exc}") from None
 
