@@ -295,3 +295,17 @@ def test_concurrent_sample_requests_are_decoded_as_one_batch(make_standin, token
         assert together[0].sequences[0].tokens != together[0].sequences[1].tokens
     finally:
         client.close("success").result(timeout=30)
+
+
+def test_a_sampling_batch_holds_at_most_sample_batch_rows_samples(make_standin, tokenizer):
+    standin = make_standin(sample_batch_rows=4, sample_batch_wait_s=1.0)
+    client = tinker.ServiceClient(base_url=standin.url, api_key=API_KEY)
+    try:
+        sampler = client.create_sampling_client(base_model=MODEL).result()
+        params = types.SamplingParams(max_tokens=3, temperature=1.0, seed=0, stop=[])
+        futures = [sampler.sample(types.ModelInput.from_ints(tokenizer(t).input_ids), 2, params)
+                   for t in ("the quick", "what is", "hello world")]
+        assert [len(f.result().sequences) for f in futures] == [2, 2, 2]
+    finally:
+        client.close("success").result(timeout=30)
+    assert standin.count("sample_batches") == 2  # 2 + 2 samples, then the last request's 2
