@@ -255,3 +255,56 @@ def test_client_side_custom_loss_runs_on_the_stand_in(service_client, tokenizer)
     assert out.metrics["loss:sum"] == pytest.approx(float((current.astype(np.float64) ** 2).sum()), rel=1e-4)
     # The surrogate cross-entropy's weights were -dL/dlogprobs = -2 * logprobs: its loss is sum(2 * lp^2).
     assert out.metrics["surrogate_loss:sum"] == pytest.approx(2 * out.metrics["loss:sum"], rel=1e-4)
+
+
+def test_concurrent_sample_requests_are_decoded_as_one_batch(make_standin, tokenizer):
+    """Requests in flight together (different prompts and lengths, a repeated prompt, a bad one) are
+    decoded in one batch; each gets the tokens it gets alone with the same seed, and log-probs that
+    are the model's for exactly those tokens; the bad request fails alone."""
+    standin = make_standin(sample_batch_wait_s=1.0)  # every request sent below joins the first batch
+    client = tinker.ServiceClient(base_url=standin.url, api_key=API_KEY)
+    try:
+        training = client.create_lora_training_client(base_model=MODEL, rank=2, seed=0).result()
+        _train(training, sft_datum(tokenizer, TEXT), 1)  # LoRA weights that are not zero
+        sampler = training.save_weights_and_get_sampling_client().result()
+        prompts = [tokenizer(t).input_ids for t in ("the quick", "count: one, two, three", "the quick", "hello")]
+        params = [types.SamplingParams(max_tokens=m, temperature=t, seed=s, stop=[])
+                  for m, t, s in ((6, 1.0, 1), (4, 1.0, 2), (6, 1.0, 3), (5, 0.0, None))]
+
+        def send():
+            return [sampler.sample(types.ModelInput.from_ints(p), 2, sp) for p, sp in zip(prompts, params)]
+
+        bad = sampler.sample(types.ModelInput.from_ints([1, 10_000]), 1, params[0])
+        together = [f.result() for f in send()]
+        with pytest.raises(tinker.RequestFailedError, match="outside the vocabulary"):
+            bad.result()
+        assert standin.count("sample_batches") == 1
+        alone = []
+        for p, sp in zip(prompts, params):
+            alone.append(sampler.sample(types.ModelInput.from_ints(p), 2, sp).result())
+        assert standin.count("sample_batches") == 1 + len(prompts)
+        for prompt, sp, got, ref in zip(prompts, params, together, alone):
+            assert [s.tokens for s in got.sequences] == [s.tokens for s in ref.sequences]
+            for seq, ref_seq in zip(got.sequences, ref.sequences):
+                assert len(seq.tokens) == sp.max_tokens and seq.stop_reason == "length"
+                np.testing.assert_allclose(seq.logprobs, ref_seq.logprobs, rtol=1e-4, atol=1e-5)
+                scored = sampler.compute_logprobs(types.ModelInput.from_ints(prompt + seq.tokens)).result()
+                np.testing.assert_allclose(scored[-len(seq.tokens):], seq.logprobs, rtol=1e-4, atol=1e-5)
+        # The two samples of a seeded request differ (each row draws its own tokens).
+        assert together[0].sequences[0].tokens != together[0].sequences[1].tokens
+    finally:
+        client.close("success").result(timeout=30)
+
+
+def test_a_sampling_batch_holds_at_most_sample_batch_rows_samples(make_standin, tokenizer):
+    standin = make_standin(sample_batch_rows=4, sample_batch_wait_s=1.0)
+    client = tinker.ServiceClient(base_url=standin.url, api_key=API_KEY)
+    try:
+        sampler = client.create_sampling_client(base_model=MODEL).result()
+        params = types.SamplingParams(max_tokens=3, temperature=1.0, seed=0, stop=[])
+        futures = [sampler.sample(types.ModelInput.from_ints(tokenizer(t).input_ids), 2, params)
+                   for t in ("the quick", "what is", "hello world")]
+        assert [len(f.result().sequences) for f in futures] == [2, 2, 2]
+    finally:
+        client.close("success").result(timeout=30)
+    assert standin.count("sample_batches") == 2  # 2 + 2 samples, then the last request's 2

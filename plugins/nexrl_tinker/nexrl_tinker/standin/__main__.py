@@ -35,9 +35,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--poll-wait", type=float, default=0.2, help="seconds a poll waits for a pending result")
     parser.add_argument("--fwdbwd-chunk-len", type=int, default=1024, help="datums per forward_backward request")
     parser.add_argument("--fault", action="append", default=[], metavar="PATH:NTH:ACTION[:COUNT]")
-    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    parser.add_argument("--sample-batch-rows", type=int, default=64,
+                        help="most samples decoded together (queued requests of one sampler join a batch)")
+    parser.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2),
+                        help="torch intra-op threads (default: half the cores; more threads than free cores "
+                             "slow decoding down many times)")
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
+    if args.threads < 1:
+        parser.error(f"--threads must be >= 1, got {args.threads}")
+    if args.sample_batch_rows < 1:
+        parser.error(f"--sample-batch-rows must be >= 1, got {args.sample_batch_rows}")
     from loguru import logger
 
     logger.remove()
@@ -62,12 +70,11 @@ def main(argv: list[str] | None = None) -> int:
     from .engine import BaseModel
     from .server import StandinServer
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads)
     models = {name: BaseModel.from_folder(name, folder) for name, folder in folders.items()}
     server = StandinServer(models, state_dir=args.state_dir, host=args.host, port=args.port, api_key=args.api_key,
                            faults=faults, try_again_polls=args.try_again_polls, poll_wait_s=args.poll_wait,
-                           fwdbwd_chunk_len=args.fwdbwd_chunk_len)
+                           fwdbwd_chunk_len=args.fwdbwd_chunk_len, sample_batch_rows=args.sample_batch_rows)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

@@ -26,6 +26,7 @@ Conventions (those of the Tinker docs):
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import os
@@ -79,6 +80,22 @@ class Example:
     inputs: dict[str, np.ndarray]
 
 
+@dataclass
+class SampleInput:
+    """One checked sample request (:meth:`BaseModel.sample_input`)."""
+
+    prompt: list[int]
+    num_samples: int
+    max_tokens: int
+    temperature: float
+    top_k: int
+    top_p: float
+    stop_tokens: set[int]
+    stop_strings: list[str]
+    generator: torch.Generator
+    prompt_logprobs: bool
+
+
 class BaseModel:
     """A causal LM (and its tokenizer) served under ``name``, its linear layers wrapped for LoRA."""
 
@@ -108,6 +125,8 @@ class BaseModel:
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.add(int(tokenizer.eos_token_id))
         self.eos_token_ids = eos
+        # transformers 5 renamed the forward's KV-cache argument (the old name warns)
+        self._cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
     @classmethod
     def from_folder(cls, name: str, folder: str) -> BaseModel:
@@ -164,10 +183,8 @@ class BaseModel:
 
     # ------------------------------------------------------------------ sampling
 
-    @torch.no_grad()
-    def sample(self, params: dict[str, torch.Tensor], prompt: list[int], num_samples: int, sampling: Any,
-               prompt_logprobs: bool) -> tuple[list[tuple[list[int], list[float], str]], list[float] | None]:
-        """``num_samples`` continuations of ``prompt``: (tokens, logprobs, "stop" | "length") each."""
+    def sample_input(self, prompt: list[int], num_samples: int, sampling: Any, prompt_logprobs: bool) -> SampleInput:
+        """One sample request checked against this model (a :class:`UserError` names what is wrong)."""
         if not prompt:
             raise UserError("prompt is empty")
         if any(not 0 <= t < self.vocab_size for t in prompt):
@@ -187,35 +204,98 @@ class BaseModel:
         generator = torch.Generator()
         generator.manual_seed(int(sampling.seed) % (2**63) if sampling.seed is not None else
                               int.from_bytes(os.urandom(8), "little") >> 1)
+        return SampleInput(list(prompt), int(num_samples), max_tokens, temperature, top_k, top_p, stop_tokens,
+                           stop_strings, generator, bool(prompt_logprobs))
 
-        ids = torch.tensor([prompt] * num_samples, dtype=torch.long)
-        out = self.call(params, input_ids=ids, use_cache=True)
-        prompt_lps = None
-        if prompt_logprobs:
-            full = torch.log_softmax(out.logits[0].float(), dim=-1)
-            prompt_lps = [math.nan] + full[:-1].gather(-1, ids[0, 1:].unsqueeze(-1)).squeeze(-1).tolist()
-        logits, past = out.logits[:, -1].float(), out.past_key_values
-        tokens: list[list[int]] = [[] for _ in range(num_samples)]
-        logprobs: list[list[float]] = [[] for _ in range(num_samples)]
-        reasons = ["length"] * num_samples
-        done = [False] * num_samples
-        for _ in range(max_tokens):
-            picked, picked_lp = _pick(logits, temperature, top_k, top_p, generator)
-            for row in range(num_samples):
-                if done[row]:
-                    continue
-                tok = int(picked[row])
-                tokens[row].append(tok)
-                logprobs[row].append(float(picked_lp[row]))
-                if tok in stop_tokens or (stop_strings and self._has_stop(tokens[row], stop_strings)):
-                    done[row], reasons[row] = True, "stop"
-                elif len(tokens[row]) >= max_tokens:
-                    done[row] = True
-            if all(done):
+    def sample(self, params: dict[str, torch.Tensor], prompt: list[int], num_samples: int, sampling: Any,
+               prompt_logprobs: bool) -> tuple[list[tuple[list[int], list[float], str]], list[float] | None]:
+        """``num_samples`` continuations of ``prompt``: (tokens, logprobs, "stop" | "length") each."""
+        return self.sample_batch(params, [self.sample_input(prompt, num_samples, sampling, prompt_logprobs)])[0]
+
+    @torch.no_grad()
+    def sample_batch(self, params: dict[str, torch.Tensor], inputs: list[SampleInput]
+                     ) -> list[tuple[list[tuple[list[int], list[float], str]], list[float] | None]]:
+        """Several requests of the same weights decoded as one batch, each as :meth:`sample` returns it.
+
+        Prompts are left-padded, identical prompts prefilled once, and a row leaves the batch (and
+        the KV cache) when it finishes. A request's tokens come from its own generator, so they do
+        not depend on the other requests; its logprobs are those of the logits it was sampled from.
+        """
+        distinct: dict[tuple[int, ...], int] = {}
+        prompt_of = [distinct.setdefault(tuple(s.prompt), len(distinct)) for s in inputs]
+        prompts = list(distinct)
+        width = max(len(p) for p in prompts)
+        ids = torch.zeros((len(prompts), width), dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for row, p in enumerate(prompts):
+            ids[row, width - len(p):] = torch.tensor(p, dtype=torch.long)
+            mask[row, width - len(p):] = 1
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        want_prompt_lps = any(s.prompt_logprobs for s in inputs)
+        cache = self._new_cache()
+        out = self.call(params, input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                        logits_to_keep=0 if want_prompt_lps else 1, **{self._cache_kwarg: cache})
+        prompt_lps: dict[int, list[float]] = {}
+        for index, s in enumerate(inputs):
+            p = prompt_of[index]
+            if s.prompt_logprobs and p not in prompt_lps:
+                n = len(prompts[p])
+                full = torch.log_softmax(out.logits[p, width - n:].float(), dim=-1)
+                prompt_lps[p] = [math.nan] + full[:-1].gather(-1, ids[p, width - n + 1:].unsqueeze(-1)).squeeze(-1).tolist()
+
+        # One row per sample: the prompt's row of the prefill, repeated.
+        row_request = [index for index, s in enumerate(inputs) for _ in range(s.num_samples)]
+        expand = torch.tensor([prompt_of[index] for index in row_request])
+        cache.batch_select_indices(expand)
+        mask, logits = mask[expand], out.logits[expand, -1].float()
+        next_pos = positions[expand, -1] + 1
+        tokens: list[list[int]] = [[] for _ in row_request]
+        logprobs: list[list[float]] = [[] for _ in row_request]
+        reasons = ["length"] * len(row_request)
+        active = list(range(len(row_request)))  # the sample each row of the batch decodes
+        while True:
+            picked = torch.empty(len(active), dtype=torch.long)
+            picked_lp = torch.empty(len(active))
+            rows_of: dict[int, list[int]] = {}
+            for row, sample in enumerate(active):
+                rows_of.setdefault(row_request[sample], []).append(row)
+            for index, rows in rows_of.items():
+                s, at = inputs[index], torch.tensor(rows)
+                picked[at], picked_lp[at] = _pick(logits[at], s.temperature, s.top_k, s.top_p, s.generator)
+            keep = []
+            for row, (sample, tok, lp) in enumerate(zip(active, picked.tolist(), picked_lp.tolist())):
+                s = inputs[row_request[sample]]
+                tokens[sample].append(tok)
+                logprobs[sample].append(lp)
+                if tok in s.stop_tokens or (s.stop_strings and self._has_stop(tokens[sample], s.stop_strings)):
+                    reasons[sample] = "stop"
+                elif len(tokens[sample]) < s.max_tokens:
+                    keep.append(row)
+            if not keep:
                 break
-            out = self.call(params, input_ids=picked.unsqueeze(-1), past_key_values=past, use_cache=True)
-            logits, past = out.logits[:, -1].float(), out.past_key_values
-        return list(zip(tokens, logprobs, reasons)), prompt_lps
+            if len(keep) < len(active):
+                at = torch.tensor(keep)
+                cache.batch_select_indices(at)
+                mask, picked, next_pos = mask[at], picked[at], next_pos[at]
+                active = [active[row] for row in keep]
+            mask = torch.cat([mask, mask.new_ones((len(active), 1))], dim=1)
+            out = self.call(params, input_ids=picked.unsqueeze(-1), attention_mask=mask,
+                            position_ids=next_pos.unsqueeze(-1), use_cache=True, **{self._cache_kwarg: cache})
+            logits, next_pos = out.logits[:, -1].float(), next_pos + 1
+
+        results = []
+        first = 0
+        for index, s in enumerate(inputs):
+            rows = range(first, first + s.num_samples)
+            first += s.num_samples
+            results.append(([(tokens[r], logprobs[r], reasons[r]) for r in rows],
+                            prompt_lps.get(prompt_of[index]) if s.prompt_logprobs else None))
+        return results
+
+    def _new_cache(self) -> Any:
+        from transformers import DynamicCache
+
+        return DynamicCache()
 
     def _stops(self, stop: Any) -> tuple[set[int], list[str]]:
         """Stop tokens and stop strings: none given -> EOS; ``[]`` -> nothing; strings -> those and EOS."""

@@ -21,6 +21,7 @@ Faults (:class:`Fault`) make chosen requests answer an HTTP error, hang, or fail
 
 from __future__ import annotations
 
+import collections
 import itertools
 import json
 import queue
@@ -49,6 +50,7 @@ from .faults import Fault
 
 _PROTO = "application/x-protobuf"
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.:\-]+$")
+_GATHER_MAX_S = 0.05  # the longest a sampling batch waits for more requests
 _DTYPES = {pb.DTYPE_FLOAT32: np.float32, pb.DTYPE_INT64: np.int64, pb.DTYPE_INT32: np.int32}
 
 
@@ -87,11 +89,16 @@ class StandinServer:
     :param poll_wait_s: how long a poll waits for a pending result before ``try_again``.
     :param fwdbwd_chunk_len: datums per ``forward_backward`` request the SDK should send
         (smaller values make it split a call into parallel chunks).
+    :param sample_batch_rows: most samples decoded in one batch: queued ``asample`` requests of
+        the same sampler are decoded together up to this many rows.
+    :param sample_batch_wait_s: how long a sampling batch waits for one more request (after each
+        arrival, 50 ms in all unless this is longer).
     """
 
     def __init__(self, models: dict[str, BaseModel], *, state_dir: str | None = None, host: str = "127.0.0.1",
                  port: int = 0, api_key: str | None = None, faults: Iterable[Fault] = (), try_again_polls: int = 0,
-                 poll_wait_s: float = 0.2, fwdbwd_chunk_len: int = 1024):
+                 poll_wait_s: float = 0.2, fwdbwd_chunk_len: int = 1024, sample_batch_rows: int = 64,
+                 sample_batch_wait_s: float = 0.005):
         if not models:
             raise ValueError("StandinServer needs at least one model")
         self.models = dict(models)
@@ -102,6 +109,8 @@ class StandinServer:
         self.try_again_polls = int(try_again_polls)
         self.poll_wait_s = float(poll_wait_s)
         self.fwdbwd_chunk_len = int(fwdbwd_chunk_len)
+        self.sample_batch_rows = int(sample_batch_rows)
+        self.sample_batch_wait_s = float(sample_batch_wait_s)
         self.stats: dict[str, int] = {}
         self._lock = threading.Lock()
         self._stopping = threading.Event()
@@ -348,6 +357,7 @@ class StandinServer:
                 future.body = json.dumps({"error": f"{type(exc).__name__}: {exc}", "category": "server"}).encode()
             future.done.set()
 
+        run.job = job  # type: ignore[attr-defined]  # what the worker batches by
         if key is None or not ordered:
             self._jobs.put(run)
         else:
@@ -377,11 +387,39 @@ class StandinServer:
         return json.loads(future.body)
 
     def _work(self) -> None:
+        backlog: collections.deque = collections.deque()  # taken from the queue, not run yet (in order)
         while True:
-            job = self._jobs.get()
-            if job is None:
+            task = backlog.popleft() if backlog else self._jobs.get()
+            if task is None:
                 return
-            job()
+            job = task.job
+            if not isinstance(job, _SampleJob):
+                task()
+                continue
+            # Sampling: every queued request of the same sampler joins this one's batch.
+            self._gather(backlog)
+            batch, rows = [task], job.num_samples
+            for other in list(backlog):
+                if other is not None and isinstance(other.job, _SampleJob) and other.job.sampler is job.sampler \
+                        and rows + other.job.num_samples <= self.sample_batch_rows:
+                    backlog.remove(other)
+                    batch.append(other)
+                    rows += other.job.num_samples
+            _SampleJob.run_batch([t.job for t in batch])
+            self._bump("sample_batches")
+            for t in batch:
+                t()
+
+    def _gather(self, backlog: collections.deque) -> None:
+        """Move queued tasks into ``backlog``, waiting up to ``sample_batch_wait_s`` after each arrival
+        (a step's rollouts send their requests within a few milliseconds), ``_GATHER_MAX_S`` in all."""
+        cap = time.monotonic() + max(_GATHER_MAX_S, self.sample_batch_wait_s)
+        while True:
+            wait = min(self.sample_batch_wait_s, cap - time.monotonic())
+            try:
+                backlog.append(self._jobs.get(timeout=wait) if wait > 0 else self._jobs.get_nowait())
+            except queue.Empty:
+                return
 
     # ------------------------------------------------------------------ training
 
@@ -518,13 +556,41 @@ class StandinServer:
         prompt = request.prompt.to_ints()
         n = int(request.num_samples)
 
-        def job() -> bytes:
-            sequences, prompt_lps = sampler.base.sample(sampler.params, prompt, n, request.sampling_params,
-                                                        bool(request.prompt_logprobs))
-            return _sample_response(sequences, prompt_lps)
+        job = _SampleJob(sampler, prompt, n, request.sampling_params, bool(request.prompt_logprobs))
         sequence_ids = [f"{request.sampling_session_id}:{request.seq_id}:{i}" for i in range(n)]
         return self._submit(job, seq=(request.sampling_session_id, request.seq_id), ordered=False, fault=fault,
                             proto=True, extra={"sample_sequence_ids": sequence_ids})
+
+
+class _SampleJob:
+    """One ``asample`` request; the worker decodes the queued ones of a sampler together
+    (:meth:`run_batch`), then each future takes its own result by calling the job."""
+
+    def __init__(self, sampler: _Sampler, prompt: list[int], num_samples: int, sampling: Any, prompt_logprobs: bool):
+        self.sampler = sampler
+        self.num_samples = max(num_samples, 1)
+        self._request = (prompt, num_samples, sampling, prompt_logprobs)
+        self._outcome: Any = None  # (sequences, prompt logprobs), or the UserError the request got
+
+    @staticmethod
+    def run_batch(jobs: list[_SampleJob]) -> None:
+        inputs = []
+        for job in jobs:
+            try:
+                inputs.append((job, job.sampler.base.sample_input(*job._request)))
+            except UserError as exc:  # this request fails alone
+                job._outcome = exc
+        if inputs:
+            sampler = inputs[0][0].sampler
+            for (job, _), outcome in zip(inputs, sampler.base.sample_batch(sampler.params, [i for _, i in inputs])):
+                job._outcome = outcome
+
+    def __call__(self) -> bytes:
+        if self._outcome is None:  # run alone
+            _SampleJob.run_batch([self])
+        if isinstance(self._outcome, Exception):
+            raise self._outcome
+        return _sample_response(*self._outcome)
 
 
 @dataclass
