@@ -7,14 +7,13 @@ Written at the end of ``nexrl run`` and on demand by ``nexrl plot RUN_DIR``. Nee
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
 import yaml
 
 from ..errors import ConfigError, NexRLError
-from .run_log import METRICS_FILE
+from .run_log import METRICS_FILE, read_jsonl
 
 PLOT_FILE = "metrics.png"
 TRAIN_REWARD = "train/reward_mean"
@@ -33,16 +32,7 @@ def read_metrics(run_dir: str) -> list[dict[str, Any]]:
     path = os.path.join(run_dir, METRICS_FILE)
     if not os.path.isfile(path):
         raise ConfigError(f"{run_dir}: no {METRICS_FILE} here (is it a run directory? `run_dir` in the recipe)")
-    rows = []
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for line in f:
-            try:
-                row = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(row, dict) and isinstance(row.get("step"), int):
-                rows.append(row)
-    return rows
+    return [row for row in read_jsonl(path) if isinstance(row.get("step"), int)]
 
 
 def series(rows: list[dict[str, Any]]) -> dict[str, list[tuple[int, float]]]:

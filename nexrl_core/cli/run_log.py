@@ -183,6 +183,20 @@ class RunRecorder:
                 logger.warning(f"closing {type(sink).__name__}: {exc}")
 
 
+def read_jsonl(path: str) -> list[dict[str, Any]]:
+    """The object rows of a JSONL run record, in file order (a torn or foreign line is skipped)."""
+    rows = []
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(row, dict):
+                rows.append(row)
+    return rows
+
+
 def _keep_metric_row(step: int):
     def keep(row: dict[str, Any]) -> bool:
         s = int(row.get("step", 0))

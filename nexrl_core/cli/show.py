@@ -8,29 +8,19 @@ the advantage where the trainer recorded one, and the evaluator's other scores.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from typing import Any
 
 from ..errors import ConfigError
-from .run_log import SAMPLES_FILE
+from .run_log import SAMPLES_FILE, read_jsonl
 
 _LABEL = 9  # width of the field names, so every text starts in one column
 
 
 def read_samples(path: str) -> list[dict[str, Any]]:
     """The rows of a samples.jsonl file, in file order (a torn or foreign line is skipped)."""
-    rows = []
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for line in f:
-            try:
-                row = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(row, dict):
-                rows.append(row)
-    return rows
+    return read_jsonl(path)
 
 
 def samples_path(where: str) -> str:
