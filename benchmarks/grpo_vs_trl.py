@@ -27,10 +27,17 @@ engine's dtype) against the matmul time of the same weights at the same rows and
 projection and the LM head, through ``F.linear`` and through oneDNN with prepacked weights; the
 faster counts): the ratio says how close decoding runs to what the matmuls alone cost on this CPU.
 
+``--quick`` is the guard run before stopping work: fewer systems, blocks and steps, no roofline.
+Every run ends by comparing its ratios with the recorded reference of its mode
+(``benchmarks/results/grpo_vs_trl.json``, ``grpo_vs_trl_quick.json``; ``--record`` rewrites it) and
+prints ``SLOWER by X%`` (exit status 1) where a ratio fell by more than the noise threshold (wider
+when other jobs shared the machine).
+
     pip install -c constraints-cpu.txt -r benchmarks/requirements.txt
     python benchmarks/grpo_vs_trl.py                      # defaults: ~10-15 min on 2 CPU cores
+    python benchmarks/grpo_vs_trl.py --quick              # the guard: ~2 min idle (estimated), 4-9 min loaded
+    python benchmarks/grpo_vs_trl.py --quick --record     # new quick reference (quiet machine only)
     python benchmarks/grpo_vs_trl.py --nexrl-dtype bfloat16 --trl-precisions bf16
-    python benchmarks/grpo_vs_trl.py --blocks 2 --steps-per-block 1   # quick check
 """
 
 from __future__ import annotations
@@ -49,6 +56,26 @@ from typing import Any
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUICKSTART = os.path.join(REPO, "recipes", "quickstart.yaml")
+RESULTS = os.path.join(REPO, "benchmarks", "results")
+
+# Each mode's settings (an explicit flag wins) and its recorded reference. The quick mode keeps the
+# full mode's shapes and seed, so its timed steps are the full run's first ones; it runs nexrl as the
+# quickstart ships against TRL's cheaper precision (two systems: half the memory and time of
+# three), one step per block, no roofline.
+MODES: dict[str, dict[str, Any]] = {
+    "full": {"warmup": 1, "blocks": 3, "steps_per_block": 2, "nexrl_dtype": ["float32", "bfloat16"],
+             "trl_precisions": ["bf16", "fp32"], "roofline_rows": 0},
+    "quick": {"warmup": 1, "blocks": 3, "steps_per_block": 1, "nexrl_dtype": ["recipe"],
+              "trl_precisions": ["bf16"], "roofline_rows": -1},
+}
+REFERENCES = {"full": os.path.join(RESULTS, "grpo_vs_trl.json"),
+              "quick": os.path.join(RESULTS, "grpo_vs_trl_quick.json")}
+# A ratio that fell by more than this fraction against the reference is flagged: on a quiet machine,
+# and where other jobs ran alongside (their ratios spread wider; benchmarks/README.md, "The guard").
+NOISE = {"quiet": 0.10, "busy": 0.40}
+# The arguments that set the measured work: a reference taken with other values is another measurement.
+WORKLOAD_ARGS = ("warmup", "blocks", "steps_per_block", "prompts", "samples", "max_new_tokens", "lr",
+                 "rollout_limit", "seed", "threads", "workers", "nexrl_override", "trl_gradient_checkpointing")
 
 
 def loadavg() -> str:
@@ -323,15 +350,17 @@ class NexrlSystem(GatedSystem):
 # ----------------------------------------------------------------------------- driver
 
 
-def run_block(system: Any, n: int) -> tuple[float, float]:
+def run_block(system: Any, n: int) -> tuple[float, float, float]:
+    """Run ``n`` steps of ``system``: (start, end) on the wall clock and the process's CPU seconds
+    in between (all threads; the other systems are held, so nearly all of it is this one's)."""
     target = system.gate.done + n
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     system.gate.allow(n)
     if not system.thread.is_alive() and not system.gate.finished:
         system.start()  # a system starts inside its warm-up block, so it never runs unpermitted
     system.gate.wait_done(target)
     system.settle()
-    return t0, time.perf_counter()
+    return t0, time.perf_counter(), time.process_time() - c0
 
 
 def overlap(intervals: list[tuple[float, float]], windows: list[tuple[float, float]]) -> float:
@@ -382,11 +411,22 @@ def decode_roofline(model_path: str, dtype: str, rows: int, prompt_len: int, ste
             "matmul_by_way_s": matmul, "weight_bytes": weight_bytes, "context": prompt_len + steps}
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, with the settings of the chosen mode (``--quick`` or full) filled in where
+    no flag gave them."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--warmup", type=int, default=1, help="untimed steps per system before the blocks")
-    p.add_argument("--blocks", type=int, default=3, help="timed blocks per system")
-    p.add_argument("--steps-per-block", type=int, default=2, help="optimizer steps per block")
+    p.add_argument("--quick", action="store_true",
+                   help=f"the short guard run before you stop: {describe_mode('quick')}; the full mode: "
+                        f"{describe_mode('full')}")
+    p.add_argument("--record", action="store_true",
+                   help="write this run as its mode's reference (benchmarks/results/grpo_vs_trl.json, or "
+                        "grpo_vs_trl_quick.json with --quick); only from a quiet machine")
+    p.add_argument("--noise", type=float,
+                   help=f"flag a ratio that fell by more than this fraction against the reference (default: "
+                        f"{NOISE['quiet']} on a quiet machine, {NOISE['busy']} where other jobs ran alongside)")
+    p.add_argument("--warmup", type=int, help="untimed steps per system before the blocks")
+    p.add_argument("--blocks", type=int, help="timed blocks per system")
+    p.add_argument("--steps-per-block", type=int, help="optimizer steps per block")
     p.add_argument("--prompts", type=int, default=4, help="prompts per step")
     p.add_argument("--samples", type=int, default=4, help="completions per prompt (GRPO group size)")
     p.add_argument("--max-new-tokens", type=int, default=48)
@@ -401,20 +441,38 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     p.add_argument("--workers", type=int, default=0,
                    help="nexrl rollout_worker.num_workers (0: prompts x samples, one step's completions)")
-    p.add_argument("--nexrl-dtype", nargs="+", default=["float32", "bfloat16"],
-                   choices=("recipe", "float32", "bfloat16", "auto"),
+    p.add_argument("--nexrl-dtype", nargs="+", choices=("recipe", "float32", "bfloat16", "auto"),
                    help="one nexrl system per value: the train service's and the engine's dtype "
                         "(recipe: leave the quickstart's)")
-    p.add_argument("--trl-precisions", nargs="+", default=["bf16", "fp32"], choices=("bf16", "fp32"),
+    p.add_argument("--trl-precisions", nargs="+", choices=("bf16", "fp32"),
                    help="TRL systems to run (bf16: GRPOConfig(bf16=True); fp32: bf16=False)")
     p.add_argument("--nexrl-override", nargs="*", default=[], help="extra nexrl recipe overrides key=value")
     p.add_argument("--trl-gradient-checkpointing", action="store_true",
                    help="run TRL with gradient checkpointing (GRPOConfig's default; off by default here because "
                         "nexrl keeps activations, so both do the same compute)")
-    p.add_argument("--roofline-rows", type=int, default=0,
+    p.add_argument("--roofline-rows", type=int,
                    help="rows of the decode roofline (0: prompts x samples; -1: skip it)")
     p.add_argument("--json", help="also write the results to this JSON file")
     args = p.parse_args(argv)
+    if args.noise is not None and args.noise <= 0:
+        p.error(f"--noise must be a positive fraction, got {args.noise}")
+    args.mode = "quick" if args.quick else "full"
+    for key, value in MODES[args.mode].items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+    return args
+
+
+def describe_mode(mode: str) -> str:
+    m = MODES[mode]
+    return (f"nexrl {'+'.join(m['nexrl_dtype'])} vs TRL {'+'.join(m['trl_precisions'])}, warm-up {m['warmup']}, "
+            f"{m['blocks']} blocks x {m['steps_per_block']} steps, "
+            f"{'no roofline' if m['roofline_rows'] < 0 else 'decode roofline'}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    load_before = loadavg()  # before this run adds its own load
 
     import torch
     from loguru import logger
@@ -442,8 +500,8 @@ def main(argv: list[str] | None = None) -> int:
           + (f"; GPU {torch.cuda.get_device_name(torch.device(args.device))}" if args.device != "cpu" else ""))
     print(f"model {model_path}; {args.prompts} prompts x {args.samples} samples/step, <= {args.max_new_tokens} "
           f"new tokens, temperature 1.0, beta 0, lr {args.lr}; warm-up {args.warmup}, {args.blocks} blocks x "
-          f"{args.steps_per_block} steps per system; nexrl weight.rollout_limit={args.rollout_limit}; "
-          f"load avg {loadavg()}", flush=True)
+          f"{args.steps_per_block} steps per system ({args.mode} mode); nexrl weight.rollout_limit="
+          f"{args.rollout_limit}; load avg {load_before} before the run, {loadavg()} now", flush=True)
 
     with tempfile.TemporaryDirectory(prefix="nexrl-vs-trl-") as tmp:
         nexrls = [NexrlSystem(args, steps_per_system, os.path.join(tmp, f"nexrl-{i}"), dtype)
@@ -461,23 +519,28 @@ def main(argv: list[str] | None = None) -> int:
         times: dict[str, list[float]] = {s.name: [] for s in systems}
         windows: dict[str, list[tuple[float, float]]] = {s.name: [] for s in systems}
         peak_gib: dict[str, float] = {s.name: 0.0 for s in systems}  # device memory, on a GPU
+        cpu_times: dict[str, list[float]] = {s.name: [] for s in systems}
+        block_loads: list[str] = []
         try:
             for s in systems:  # warm-up: model load, first generation, allocator warm-up
-                t0, t1 = run_block(s, args.warmup) if args.warmup else (0.0, 0.0)
+                t0, t1, _ = run_block(s, args.warmup) if args.warmup else (0.0, 0.0, 0.0)
                 print(f"warm-up {s.name}: {args.warmup} step(s) in {t1 - t0:.1f}s", flush=True)
             for b in range(args.blocks):
                 shift = b % len(systems)
                 for s in systems[shift:] + systems[:shift]:
                     if args.device != "cpu":
                         torch.cuda.reset_peak_memory_stats()
-                    t0, t1 = run_block(s, args.steps_per_block)
+                    t0, t1, cpu = run_block(s, args.steps_per_block)
                     if args.device != "cpu":
                         peak_gib[s.name] = max(peak_gib[s.name], torch.cuda.max_memory_allocated() / (1 << 30))
                     t = t1 - t0
                     times[s.name].append(t)
+                    cpu_times[s.name].append(cpu)
                     windows[s.name].append((t0, t1))
+                    block_loads.append(loadavg())
                     print(f"block {b + 1} {s.name:<15}: {args.steps_per_block} steps in {t:7.1f}s "
-                          f"= {t / args.steps_per_block:6.2f} s/step   (load avg {loadavg()})", flush=True)
+                          f"= {t / args.steps_per_block:6.2f} s/step, CPU {cpu:6.1f}s   "
+                          f"(load avg {block_loads[-1]})", flush=True)
         finally:
             for s in systems:
                 s.close()
@@ -491,15 +554,17 @@ def main(argv: list[str] | None = None) -> int:
     for name, t in times.items():
         print(f"{name:<15}: {1 / sps[name]:6.2f} s/step  ({sps[name]:.4f} steps/s)   blocks {[f'{x:.1f}' for x in t]}")
     ratios: dict[str, float] = {}
+    cpu_ratios: dict[str, float] = {}  # the same in CPU seconds: steadier under load, blind to idle waits
     targets = {"TRL-bf16": 2.5, "TRL-fp32": 5.0}
     for nx in nexrls:
         for trl_sys in trls:
             key = f"{nx.name} / {trl_sys.name}"
             ratios[key] = sps[nx.name] / sps[trl_sys.name]
             per_block = [t / x for t, x in zip(times[trl_sys.name], times[nx.name])]
+            cpu_ratios[key] = sum(cpu_times[trl_sys.name]) / sum(cpu_times[nx.name])
             print(f"ratio {key} (steps/s): {ratios[key]:.2f}x   per block: "
                   f"{', '.join(f'{r:.2f}' for r in per_block)} (median {statistics.median(per_block):.2f})   "
-                  f"target >= {targets[trl_sys.name]}")
+                  f"target >= {targets[trl_sys.name]}   (CPU seconds per step: {cpu_ratios[key]:.2f}x)")
     gen = {s.name: overlap(s.gen_intervals, windows[s.name]) / n for s in systems}
     tokens_per_s = {name: statistics.mean(t) * sps[name] for name, t in tokens.items() if t}
     print("response tokens/s: " + ", ".join(f"{name} {v:.0f}" for name, v in tokens_per_s.items())
@@ -530,12 +595,107 @@ def main(argv: list[str] | None = None) -> int:
                   f"{roofline['step_s'] * 1e3:.1f} ms; the matmuls of the same weights alone "
                   f"({roofline['weight_bytes'] / 1e6:.0f} MB; {ways}): {roofline['step_s'] / roofline['matmul_s']:.2f}x "
                   f"the faster   target <= 1.5")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"date": started, "args": vars(args), "cpu": cpu_name(), "times": times, "ratios": ratios,
-                       "generation_s_per_step": gen, "rewards": rewards, "decode_roofline": rooflines,
-                       "response_tokens_per_s": tokens_per_s, "peak_memory_gib": peak_gib}, f, indent=1)
-    return 0
+    others = other_load(load_before, block_loads, torch.get_num_threads())
+    noise = args.noise or NOISE["busy" if others >= 1.0 else "quiet"]
+    run = {"date": started, "mode": args.mode, "args": vars(args), "cpu": cpu_name(),
+           "torch_threads": torch.get_num_threads(), "load_avg": [load_before, *block_loads],
+           "other_load": others, "times": times, "cpu_times": cpu_times, "ratios": ratios,
+           "cpu_ratios": cpu_ratios, "generation_s_per_step": gen, "rewards": rewards, "decode_roofline": rooflines,
+           "response_tokens_per_s": tokens_per_s, "peak_memory_gib": peak_gib}
+    print(f"\nother jobs' load: about {others:.1f} (1-minute load average {load1(load_before):.1f} before "
+          f"the run, up to {max(map(load1, block_loads), default=0.0):.1f} during it with its own "
+          f"{torch.get_num_threads()} threads): {'busy' if others >= 1.0 else 'quiet'} machine, "
+          f"noise threshold {noise:.0%}")
+    verdict: list[str] | None = None
+    for mode in dict.fromkeys([args.mode, *MODES]):  # its own mode's reference first: the only one judged
+        ref = load_reference(REFERENCES[mode])
+        if ref is None and mode != args.mode:
+            continue
+        lines, slower = compare_to_reference(run, ref, noise, os.path.relpath(REFERENCES[mode], REPO))
+        print("\n".join(lines))
+        if mode == args.mode:
+            verdict = slower
+    for path in ([args.json] if args.json else []) + ([REFERENCES[args.mode]] if args.record else []):
+        with open(path, "w") as f:
+            json.dump(run, f, indent=1)
+            f.write("\n")
+    if args.record:
+        print(f"recorded as the {args.mode} reference: {os.path.relpath(REFERENCES[args.mode], REPO)}"
+              + (f" (WARNING: other jobs ran alongside, load about {others:.1f}: record again on a quiet machine)"
+                 if others >= 1.0 else ""))
+    outcome = ("not judged (see above)" if verdict is None else f"SLOWER: {', '.join(verdict)}" if verdict
+               else f"no ratio fell by more than {noise:.0%}")
+    print(f"guard ({args.mode} mode, CPU {run['cpu']}): {outcome}")
+    return 1 if verdict else 0
+
+
+def load1(load: str) -> float:
+    """The 1-minute figure of a :func:`loadavg` string (0 where the platform has none)."""
+    try:
+        return float(load.split()[0])
+    except (ValueError, IndexError):
+        return 0.0
+
+
+def other_load(load_before: str, block_loads: list[str], own_threads: int) -> float:
+    """About how much other work shared the machine: the 1-minute load average before the run, or
+    the highest one during it less this run's own compute threads, whichever is larger."""
+    during = max(map(load1, block_loads), default=0.0) - own_threads
+    return round(max(load1(load_before), during, 0.0), 2)
+
+
+def load_reference(path: str) -> dict[str, Any] | None:
+    """The run recorded at ``path`` (None when none is); a damaged file stops with its name and line."""
+    try:
+        with open(path) as f:
+            ref = json.load(f)
+    except FileNotFoundError:
+        return None
+    except json.JSONDecodeError as exc:
+        raise SystemExit(f"{path}:{exc.lineno}: not valid JSON ({exc.msg}); record it again with --record") from None
+    if not isinstance(ref, dict) or not isinstance(ref.get("ratios"), dict):
+        raise SystemExit(f"{path}: no 'ratios' mapping; record it again with --record")
+    return ref
+
+
+def compare_to_reference(run: dict[str, Any], ref: dict[str, Any] | None, noise: float,
+                         label: str) -> tuple[list[str], list[str] | None]:
+    """Lines comparing ``run``'s ratios (nexrl steps/s over TRL steps/s) with the recorded ``ref``, and
+    the slowdowns: each ratio below the reference's by more than ``noise`` (a fraction). None when
+    nothing can be judged: no reference, or one from another CPU or other workload settings (then
+    the changes are shown, and the lines say why they are not judged)."""
+    if ref is None:
+        return [f"no reference at {label} yet: record one on a quiet machine with --record"], None
+    ref_args = ref.get("args", {})
+    other = [f"{key} {ref_args.get(key)!r} -> {run['args'].get(key)!r}" for key in WORKLOAD_ARGS
+             if ref_args.get(key) != run["args"].get(key)]
+    why_not = (["the CPU differs"] if ref.get("cpu") != run["cpu"] else []) + (
+        [f"other settings: {', '.join(other)}"] if other else [])
+    lines = [f"against {label} ({ref.get('date', 'undated')}, CPU {ref.get('cpu', '?')}):"]
+    if why_not:
+        lines.append(f"  not judged ({'; '.join(why_not)})")
+    slower = []
+    for key, now in run["ratios"].items():
+        then = ref["ratios"].get(key)
+        if not isinstance(then, (int, float)) or then <= 0:
+            lines.append(f"  {key}: {now:.2f}x, none recorded")
+            continue
+        change = now / then - 1
+        if why_not:
+            verdict = f"{change:+.1%}"
+        elif change < -noise:
+            verdict = f"SLOWER by {-change:.1%}"
+            slower.append(f"{key} by {-change:.1%}")
+        elif change > noise:
+            verdict = f"faster by {change:.1%}"
+        else:
+            verdict = f"{change:+.1%}, within noise ({noise:.0%})"
+        cpu_now, cpu_then = run.get("cpu_ratios", {}).get(key), ref.get("cpu_ratios", {}).get(key)
+        if cpu_now and cpu_then:  # shown, never judged (see benchmarks/README.md, "The guard")
+            verdict += (f"   (CPU seconds: {cpu_now:.2f}x now, {cpu_then:.2f}x recorded, "
+                        f"{cpu_now / cpu_then - 1:+.1%})")
+        lines.append(f"  {key}: {now:.2f}x now, {then:.2f}x recorded: {verdict}")
+    return lines, None if why_not else slower
 
 
 def cpu_name() -> str:
@@ -544,9 +704,13 @@ def cpu_name() -> str:
             info = f.read()
     except OSError:
         return "unknown"
-    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
+    fields = dict(line.split(":", 1) for line in info.split("\n\n")[0].splitlines() if ":" in line)
+    fields = {k.strip(): v.strip() for k, v in fields.items()}
     native_bf16 = "avx512_bf16" in info or "amx_bf16" in info
-    return f"{name} ({'native' if native_bf16 else 'no native'} bf16)"
+    # A virtual machine may only say "AMD EPYC": family and model tell the generation.
+    return (f"{fields.get('model name', '?')} (family {fields.get('cpu family', '?')} "
+            f"model {fields.get('model', '?')}, {os.cpu_count()} cores, "
+            f"{'native' if native_bf16 else 'no native'} bf16)")
 
 
 if __name__ == "__main__":
