@@ -218,7 +218,9 @@ def test_a_broken_worker_stops_the_run_with_one_message_naming_it(tmp_path, core
     assert len(error_lines) == 1 and message in error_lines[0]
     assert error_lines[0].startswith("error: stopping on error (policy stop_on_error): rollout_worker_")
     assert "Traceback" not in err and not any(mark in err for mark in LOCAL_VARIABLES), err
-    assert len(err.splitlines()) < 20, err
+    # Short: the header, the footer and one line a step (how many steps run before the monitor
+    # stops the run depends on its check interval and the machine's load).
+    assert len([line for line in err.splitlines() if not line.lstrip().startswith("step ")]) < 20, err
     log = (run / "run.log").read_text()
     assert message in log and not any(mark in log for mark in LOCAL_VARIABLES)
     if worker == "crashing":
