@@ -46,11 +46,11 @@ class BaseDataLoader(NexRLModule, ABC):
 
     def __init__(self, config: Any, is_validate: bool = False):
         super().__init__()
-        self._config = config
+        self._config = config = self.bind_config(config, is_validate)
         self._is_validate = is_validate
-        self._seed = int(config.get("seed", 0) or 0)
-        self._shuffle = bool(config.get("shuffle", not is_validate))
-        self._group_size = int(config.get("group_size", 1) or 1)
+        self._seed = int(config["seed"] or 0)
+        self._shuffle = bool(config["shuffle"])
+        self._group_size = int(config["group_size"])
         self._lock = threading.Condition()
         try:
             self._rows: list[dict[str, Any]] = self.load_rows()
@@ -79,6 +79,23 @@ class BaseDataLoader(NexRLModule, ABC):
     @abstractmethod
     def load_rows(self) -> list[dict[str, Any]]:
         """Return every data row (dicts). Raise DataError naming ``file:line`` on bad input."""
+
+    @classmethod
+    def bind_config(cls, config: Any, is_validate: bool = False) -> Any:
+        """``data`` (or ``validate.data``) bound to the core's and this loader's declarations, with the
+        keys the launcher sets (:func:`nexrl_core.config.preflight.dataloader_config`)."""
+        from .config.bound import bind_component
+        from .config.options import Option
+        from .config.schema import DATA, VALIDATE_DATA
+
+        set_by_nexrl = {
+            "seed": Option(0, (int, None), "seed of the order (training: data.seed)"),
+            "shuffle": Option(not is_validate, bool, "shuffle each epoch (never for validation)"),
+            "group_size": Option(1, int, "samples per row (trajectory_pool.group_size or validate.n_samples)"),
+            "batch_groups": Option(1, int, "groups per training batch"),
+        }
+        return bind_component(config, cls, "dataloader", VALIDATE_DATA if is_validate else DATA,
+                              "validate.data" if is_validate else "data", set_by_nexrl)
 
     def describe(self) -> str:
         return type(self).__name__

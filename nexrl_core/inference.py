@@ -144,8 +144,13 @@ class InferenceClient(ABC):
     """
 
     def __init__(self, config: Any):
-        self.config = config
-        self.model_tag: str = str(_get(config, "model_tag", "default"))
+        from .config.bound import bind_component
+        from .config.schema import INFERENCE_SERVICE
+
+        # Subclasses read their own keys from self.config (declared in their OPTIONS).
+        self.config = config = bind_component(config, type(self), "inference_backend", INFERENCE_SERVICE,
+                                              "service.inference_service")
+        self.model_tag: str = str(config["model_tag"])
         self._version = 0
         self._version_lock = threading.Lock()
 
@@ -221,10 +226,3 @@ class InferenceClient(ABC):
     def close(self) -> None:
         pass
 
-
-def _get(config: Any, key: str, default: Any) -> Any:
-    if config is None:
-        return default
-    if isinstance(config, dict):
-        return config.get(key, default)
-    return getattr(config, key, default) if not hasattr(config, "get") else config.get(key, default)

@@ -54,19 +54,22 @@ class BaseRolloutWorker(ThreadedModule):
 
     def __init__(self, config: Any):
         super().__init__()
-        self._config = config
+        from .config.bound import bind_component
+        from .config.schema import ROLLOUT_WORKER
+
+        # Subclasses read their own keys from self._config (declared in their OPTIONS).
+        self._config = config = bind_component(config, type(self), "rollout_worker", ROLLOUT_WORKER, "rollout_worker")
         self._llm_client: Any = None
-        self._evaluator: Evaluator | None = build_evaluator(config.get("evaluator"))
-        self._evaluator_label = evaluator_label(config.get("evaluator"))
-        self._worker_label = worker_label(config.get("type"), type(self))
+        self._evaluator: Evaluator | None = build_evaluator(config["evaluator"])
+        self._evaluator_label = evaluator_label(config["evaluator"])
+        self._worker_label = worker_label(config["type"], type(self))
         # A task's `domain` picks its evaluator (multi-domain data); others use the default one.
-        domain_sections = config.get("domain_evaluators") or {}
+        domain_sections = config["domain_evaluators"] or {}
         self._domain_evaluators: dict[str, Evaluator | None] = build_domain_evaluators(domain_sections)
         self._domain_labels = {str(d): evaluator_label(sub) for d, sub in domain_sections.items()}
         self._model_tag = DEFAULT_MODEL_TAG
-        self._seed = int(config.get("seed", 0) or 0)
-        # Read once: DictConfig.get of an absent key raises and catches internally (slow on a per-task path).
-        self._reward_range = config.get("reward_range")
+        self._seed = int(config["seed"] or 0)
+        self._reward_range = config["reward_range"]  # read once: not on the per-task path
         self._is_running_validate = False
         self._task_is_validation = False  # mode of the task in hand (the flag may flip meanwhile)
         self._task_version = 0
@@ -77,7 +80,7 @@ class BaseRolloutWorker(ThreadedModule):
         self._validator: Any = None
         self.completed = 0
         self._puts_this_task = 0  # trajectories submitted for the task in hand
-        self._tasks_per_call = int(config.get("tasks_per_call", 1) or 1)
+        self._tasks_per_call = int(config["tasks_per_call"])
         self._idle_wait_s = _IDLE_WAIT_S
         # While running several tasks: (task number, destination, trajectory) held for one call each.
         self._held: list[tuple[int, Any, Trajectory]] | None = None
@@ -401,4 +404,6 @@ def _code_folder(obj: Any) -> str | None:
 def _plain(section: Any) -> dict[str, Any]:
     from omegaconf import OmegaConf
 
+    if hasattr(section, "to_dict"):  # a BoundConfig
+        return section.to_dict()
     return OmegaConf.to_container(section, resolve=True)

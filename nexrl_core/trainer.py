@@ -55,18 +55,21 @@ class BaseTrainer(ThreadedModule):
 
     def __init__(self, config: Any):
         super().__init__()
-        self._full_config = config
-        self._config = config.trainer
-        self._model_tag = str(config.get("service", {}).get("inference_service", {}).get("model_tag", DEFAULT_MODEL_TAG)
-                              or DEFAULT_MODEL_TAG)
-        self.total_train_steps = int(self._config.get("total_train_steps", 1))
-        self.batch_size = int(config.trajectory_pool.get("batch_size", 1))
-        self.checkpoint_path = self._config.get("checkpoint_path")
-        self.save_freq = int(self._config.get("save_freq", 0) or 0)
-        self.remove_previous_ckpt = bool(self._config.get("remove_previous_ckpt", False))
-        logger_section = config.get("logger", {}) or {}
-        self.samples_every = int(logger_section.get("samples_every", 0) or 0)
-        self.samples_per_step = int(logger_section.get("samples_per_step", 4) or 0)
+        from .config.bound import bind_recipe
+
+        # The whole recipe (a trainer reads several sections), bound to what it declares; subclasses
+        # read self._full_config / self._config (the trainer section).
+        self._full_config = config = bind_recipe(config, type(self))
+        self._config = config["trainer"]
+        self._model_tag = str(config["service"]["inference_service"]["model_tag"] or DEFAULT_MODEL_TAG)
+        self.total_train_steps = int(self._config["total_train_steps"])
+        self.batch_size = int(config["trajectory_pool"]["batch_size"])
+        self.checkpoint_path = self._config["checkpoint_path"]
+        self.save_freq = int(self._config["save_freq"])
+        self.remove_previous_ckpt = bool(self._config["remove_previous_ckpt"])
+        logger_section = config["logger"]
+        self.samples_every = int(logger_section["samples_every"])
+        self.samples_per_step = int(logger_section["samples_per_step"])
         self.global_step = 0
         self._first_step_done = False  # this run's first training step (a resumed run's too) was taken
         self._trajectory_pool: Any = None
@@ -78,10 +81,10 @@ class BaseTrainer(ThreadedModule):
             # Resolved while the launch's plugin manager is active (modules are built inside it).
             from .plugins import active_plugin_manager
 
-            section = config.get("service", {}).get("train_service") or {}
-            backend = section.get("backend") if hasattr(section, "get") else None
+            section = config["service"]["train_service"]
+            backend = section["backend"] if "backend" in section else None
             self._train_service_cls = train_service_class(type(self), {} if backend is None else {"backend": backend},
-                                                          active_plugin_manager(), self._config.get("type"))
+                                                          active_plugin_manager(), self._config["type"])
 
     def set_module_references(self, trajectory_pool: Any, weight_sync_controller: Any,
                               dataloader: Any = None) -> None:
@@ -112,10 +115,8 @@ class BaseTrainer(ThreadedModule):
         """The train service ``service.train_service`` selects, built from that section."""
         if self._train_service_cls is None:
             raise NotImplementedError(f"{type(self).__name__} drives no train service (no TRAIN_SERVICE_BATCH_FORMAT)")
-        from .config.recipe import plain
-
-        section = dict(plain(self._full_config.get("service", {}).get("train_service")) or {})
-        return self._train_service_cls.from_config(section, seed=int(self._full_config.get("seed", 0)),
+        section = self._full_config["service"]["train_service"].to_dict()
+        return self._train_service_cls.from_config(section, seed=int(self._full_config["seed"]),
                                                    total_steps=self.total_train_steps, path=SECTION)
 
     # -- to implement -----------------------------------------------------------------
@@ -256,7 +257,7 @@ class BaseTrainer(ThreadedModule):
     # -- checkpoints ----------------------------------------------------------------------
     def core_state(self) -> dict[str, Any]:
         # ``trainer``: the registered name of the trainer that wrote the checkpoint (nexrl export asks it)
-        state: dict[str, Any] = {"global_step": self.global_step, "trainer": self._config.get("type")}
+        state: dict[str, Any] = {"global_step": self.global_step, "trainer": self._config["type"]}
         if self._dataloader is not None:
             state["dataloader"] = execute(self._dataloader.state_dict)
         if self._weight_sync_controller is not None:

@@ -139,6 +139,14 @@ class HierarchicalTrajectoryStore(GroupedTrajectoryStore):
         return path
 
 
+def _bound(config: Any) -> Any:
+    """``trajectory_pool``, bound to its declaration (a mapping built in a test gets the defaults)."""
+    from .config.bound import bind
+    from .config.schema import TRAJECTORY_POOL
+
+    return bind(config, TRAJECTORY_POOL, "trajectory_pool")
+
+
 def make_store(key_list: list[str], group_size: int):
     if not key_list:
         return SimpleTrajectoryStore()
@@ -151,10 +159,11 @@ class TrajectoryPoolInstance:
     """One model's trajectories, with weight-sync locking and staleness enforcement."""
 
     def __init__(self, config: Any, model_tag: ModelTag):
+        config = _bound(config)
         self.model_tag = model_tag
-        self._batch_size = int(config.get("batch_size", 1))
-        self._check_fn = str(config.get("check_batch_ready_function", "batch_size"))
-        self._store = make_store(list(config.get("key_list", []) or []), int(config.get("group_size", 1)))
+        self._batch_size = int(config["batch_size"])
+        self._check_fn = str(config["check_batch_ready_function"])
+        self._store = make_store(list(config["key_list"]), int(config["group_size"]))
         self._cond = threading.Condition()
         # Trajectories in finished groups, by group version: "is a batch ready?" is asked on every
         # put, and counting the whole pool there made a step O(batch^2).
@@ -164,9 +173,9 @@ class TrajectoryPoolInstance:
         self._weight_sync_controller: Any = None
         self._activity_tracker: Any = None
         self.counters = {"stale_rerolled": 0, "group_evicted": 0, "rerollout_while_locked": 0}
-        dynamic = config.get("dynamic_sampling") or {}
-        self._dynamic_sampling = bool(dynamic.get("enabled", False))
-        self._max_replacements = int(dynamic.get("max_replacements", 3))
+        dynamic = config["dynamic_sampling"]
+        self._dynamic_sampling = bool(dynamic["enabled"])
+        self._max_replacements = int(dynamic["max_replacements"])
         # Dropped groups since the last batch: their domain and rewards go with the next batch (metrics).
         self._dropped_since_batch: list[dict[str, Any]] = []
         # Sync mode: dropped groups whose replacements wait until every admitted rollout has landed.
@@ -381,10 +390,10 @@ class TrajectoryPool(NexRLModule):
 
     def __init__(self, config: Any):
         super().__init__()
-        self._config = config
-        batch_size = int(config.get("batch_size", 1))
-        group_size = int(config.get("group_size", 1))
-        check_fn = str(config.get("check_batch_ready_function", "batch_size"))
+        self._config = config = _bound(config)
+        batch_size = int(config["batch_size"])
+        group_size = int(config["group_size"])
+        check_fn = str(config["check_batch_ready_function"])
         if check_fn not in BATCH_READY_FUNCTIONS:
             raise ConfigError(f"trajectory_pool.check_batch_ready_function: '{check_fn}' is not one of "
                               f"{', '.join(BATCH_READY_FUNCTIONS)}")

@@ -17,9 +17,12 @@ from .types import Trajectory
 class Validator(NexRLModule):
     def __init__(self, config: Any = None):
         super().__init__()
-        config = config or {}
-        self._n_samples = int(config.get("n_samples", 1) or 1)
-        self._success_threshold = float(config.get("success_threshold", 1.0))
+        from .config.bound import bind
+        from .config.schema import VALIDATE
+
+        config = bind(config, VALIDATE, "validate")
+        self._n_samples = int(config["n_samples"])
+        self._success_threshold = float(config["success_threshold"])
         self._state = EvalState()
         self._trajectories: list[Trajectory] = []
         self._lock = threading.Lock()

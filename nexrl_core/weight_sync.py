@@ -48,19 +48,23 @@ class WeightSyncBackend(ABC):
 class WeightSyncController(NexRLModule):
     def __init__(self, config: Any, backend: WeightSyncBackend | None = None):
         super().__init__()
-        self._mode = str(config.get("sync_mode", "sync"))
+        from .config.bound import bind, bind_component
+        from .config.schema import WEIGHT
+
+        section, config = config, bind(config, WEIGHT, "weight")
+        self._mode = str(config["sync_mode"])
         if self._mode not in SYNC_MODES:
             raise ConfigError(f"weight.sync_mode: '{self._mode}' is not one of {', '.join(SYNC_MODES)}")
-        threshold = int(config.get("staleness_threshold", 0) or 0)
+        threshold = int(config["staleness_threshold"])
         if threshold < 0:
             raise ConfigError("weight.staleness_threshold must be >= 0")
         self._staleness = 0 if self._mode == "sync" else threshold
-        self._validate_freq = int(config.get("validate_freq", 0) or 0)
+        self._validate_freq = int(config["validate_freq"])
         if backend is None:  # built here, in this module's process, from `weight.backend`
             from .plugins import active_plugin_manager
 
-            name = config.get("backend", "version_only")
-            backend = active_plugin_manager().resolve("weight_sync_backend", name, "weight.backend")(config)
+            cls = active_plugin_manager().resolve("weight_sync_backend", config["backend"], "weight.backend")
+            backend = cls(bind_component(section, cls, "weight_sync_backend", WEIGHT, "weight"))
         self._backend = backend
         self._cond = threading.Condition()
         self._train_version: dict[ModelTag, int] = {}

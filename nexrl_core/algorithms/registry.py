@@ -171,6 +171,8 @@ def _plain(section: Any) -> dict[str, Any]:
 
     if isinstance(section, DictConfig):
         return dict(OmegaConf.to_container(section, resolve=True))
+    if hasattr(section, "to_dict"):  # a BoundConfig
+        return section.to_dict()
     return dict(section) if isinstance(section, Mapping) else {}
 
 

@@ -37,11 +37,12 @@ class FileDataLoader(BaseDataLoader):
         return []
 
     def __init__(self, config: Any, is_validate: bool = False):
-        paths = config.get("path") or config.get("dataset_paths")
+        config = self.bind_config(config, is_validate)
+        paths = config["path"] or config["dataset_paths"]
         if not paths:
             raise ConfigError(f"{_section(is_validate)}.path: required (a JSONL or Parquet file, or a list of them)")
         self._paths = [str(paths)] if isinstance(paths, (str, os.PathLike)) else [str(p) for p in paths]
-        self._prompt_key = str(config.get("prompt_key", "prompt"))
+        self._prompt_key = str(config["prompt_key"])
         super().__init__(config, is_validate)
 
     def describe(self) -> str:
@@ -126,7 +127,7 @@ class InlineDataLoader(BaseDataLoader):
     OPTIONS = {"rows": Option(REQUIRED, list[dict], "the rows, e.g. [{prompt: '1 + 2', answer: '3'}]")}
 
     def load_rows(self) -> list[dict[str, Any]]:
-        rows = self._config.get("rows") or []
+        rows = self._config["rows"] or []
         return [dict(r) for r in rows]
 
 
@@ -157,9 +158,9 @@ class ArithmeticDataLoader(BaseDataLoader):
 
     def load_rows(self) -> list[dict[str, Any]]:
         cfg = self._config
-        lo, hi = int(cfg.get("min_value", 0)), int(cfg.get("max_value", 99))
-        n = int(cfg.get("num_rows", 256))
-        split = str(cfg.get("split", "train"))
+        lo, hi = int(cfg["min_value"]), int(cfg["max_value"])
+        n = int(cfg["num_rows"])
+        split = str(cfg["split"])
         if split not in ("train", "validation"):
             raise ConfigError(f"{_section(self._is_validate)}.split: '{split}' is not one of train, validation")
         pairs = [(a, b) for a in range(lo, hi + 1) for b in range(lo, hi + 1)
@@ -167,9 +168,9 @@ class ArithmeticDataLoader(BaseDataLoader):
         if n > len(pairs):
             raise ConfigError(f"{_section(self._is_validate)}.num_rows: {n} rows requested but only {len(pairs)} distinct "
                               f"{split} questions exist in [{lo}, {hi}]")
-        random.Random(int(cfg.get("seed", 0) or 0) + (1 if split == "validation" else 0)).shuffle(pairs)
-        template = str(cfg.get("template", self.OPTIONS["template"].default))
-        source = str(cfg.get("data_source", "arithmetic"))
+        random.Random(int(cfg["seed"] or 0) + (1 if split == "validation" else 0)).shuffle(pairs)
+        template = str(cfg["template"])
+        source = str(cfg["data_source"])
         return [{"prompt": template.format(a=a, b=b), "answer": a + b, "data_source": source}
                 for a, b in pairs[:n]]
 
@@ -264,17 +265,18 @@ class MultiDomainDataLoader(BaseDataLoader):
 
     def __init__(self, config: Any, is_validate: bool = False):
         self._key = _section(is_validate)
-        plain = _plain_dict(config)
+        config = self.bind_config(config, is_validate)
+        plain = config.to_dict()
         problems = self.check_config(plain, self._key)
         if problems:
             raise ConfigError("; ".join(problems))
         self._domain_configs: dict[str, dict[str, Any]] = {str(d): dict(c) for d, c in plain["domains"].items()}
         self._domains = list(self._domain_configs)
-        probs = plain.get("domain_interleave_probs") or {d: 1.0 for d in self._domains}
+        probs = plain["domain_interleave_probs"] or {d: 1.0 for d in self._domains}
         weights = {d: Fraction(str(float(probs[d]))) for d in self._domains}
         total = sum(weights.values())
         self._probs = {d: w / total for d, w in weights.items()}
-        self._batch_groups = max(1, int(plain.get("batch_groups") or 1))
+        self._batch_groups = max(1, int(plain["batch_groups"]))
         self._streams: dict[str, _DomainStream] = {}
         self._scheduled = {d: 0 for d in self._domains}
         self._pass_start = 0
@@ -383,12 +385,6 @@ class MultiDomainDataLoader(BaseDataLoader):
             stream.epoch, stream.order, stream.cursor = int(s["epoch"]), [int(i) for i in s["order"]], int(s["cursor"])
         self._scheduled = {d: int(state["scheduled"].get(d, 0)) for d in self._domains}
         self._pass_start = int(state.get("pass_start", 0))
-
-
-def _plain_dict(config: Any) -> dict[str, Any]:
-    if isinstance(config, DictConfig):
-        return OmegaConf.to_container(config, resolve=True)
-    return dict(config)
 
 
 @hookimpl

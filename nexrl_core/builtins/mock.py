@@ -46,9 +46,10 @@ class MockInferenceClient(InferenceClient):
 
     def __init__(self, config: Any):
         super().__init__(config)
-        self.mode = str(config.get("mode", "echo"))
-        self.learn_steps = int(config.get("learn_steps", 4))
-        self.delay_s = float(config.get("delay_s", 0.0) or 0.0)
+        config = self.config
+        self.mode = str(config["mode"])
+        self.learn_steps = int(config["learn_steps"])
+        self.delay_s = float(config["delay_s"])
         self.calls = 0
 
     def complete(self, prompt: str | list[dict[str, Any]], params: SamplingParams) -> CompletionResult:
@@ -86,7 +87,7 @@ class MockTrainer(BaseTrainer):
 
     def __init__(self, config: Any):
         super().__init__(config)
-        self.step_time_s = float(self._config.get("step_time_s", 0.0) or 0.0)
+        self.step_time_s = float(self._config["step_time_s"])
         self.batches: list[list[Trajectory]] = []
 
     def train(self, trajectories: list[Trajectory]) -> dict[str, float]:

@@ -71,7 +71,7 @@ import openai
 from loguru import logger
 
 from ..config.options import Option, option_defaults
-from ..inference import CompletionResult, InferenceClient, InferenceError, SamplingParams, _get
+from ..inference import CompletionResult, InferenceClient, InferenceError, SamplingParams
 from ..markers import hookimpl
 from ..tool_calls import parse_tool_calls
 
@@ -118,22 +118,23 @@ class OpenAICompatibleClient(InferenceClient):
 
     def __init__(self, config: Any):
         super().__init__(config)
-        url = _get(config, "url", None) or _get(config, "base_url", None)
+        config = self.config
+        url = config["url"] or config["base_url"]
         if not url:
             raise ValueError(
                 "OpenAICompatibleClient needs `url` in service.inference_service "
                 "(the server's OpenAI base URL, e.g. http://127.0.0.1:8000/v1)"
             )
         self.url: str = str(url).rstrip("/")
-        api_key = _get(config, "api_key", None) or os.environ.get("OPENAI_API_KEY") or "EMPTY"
-        model = _get(config, "model", None)
+        api_key = config["api_key"] or os.environ.get("OPENAI_API_KEY") or "EMPTY"
+        model = config["model"]
         self.model: str | None = str(model) if model else None
-        self.timeout: float = float(_get(config, "timeout", 60))
-        self.max_retries: int = max(0, int(_get(config, "max_retries", 3)))
-        self.retry_backoff: float = max(0.0, float(_get(config, "retry_backoff", 0.5)))
-        self.max_retry_time: float = max(0.0, float(_get(config, "max_retry_time", 120)))
-        self.request_logprobs: bool = _as_bool(_get(config, "request_logprobs", True))
-        self._send_token_ids: bool = _as_bool(_get(config, "return_token_ids", True))
+        self.timeout: float = float(config["timeout"])
+        self.max_retries: int = max(0, int(config["max_retries"]))
+        self.retry_backoff: float = max(0.0, float(config["retry_backoff"]))
+        self.max_retry_time: float = max(0.0, float(config["max_retry_time"]))
+        self.request_logprobs: bool = _as_bool(config["request_logprobs"])
+        self._send_token_ids: bool = _as_bool(config["return_token_ids"])
         self._model_lock = threading.Lock()
         # max_retries=0: retries are ours (bounded by max_retry_time), never the package's too.
         self._client = openai.OpenAI(base_url=self.url, api_key=str(api_key), timeout=self.timeout, max_retries=0)

@@ -34,16 +34,17 @@ class SimpleRolloutWorker(BaseRolloutWorker):
 
     def __init__(self, config: Any):
         super().__init__(config)
-        self._prompt_key = str(config.get("prompt_key", "prompt"))
-        self._use_chat = bool(config.get("use_chat", True))
-        self._system_prompt = config.get("system_prompt")
+        config = self._config
+        self._prompt_key = str(config["prompt_key"])
+        self._use_chat = bool(config["use_chat"])
+        self._system_prompt = config["system_prompt"]
         problems = self.check_config(config)
         if problems:
             raise ConfigError("; ".join(problems))
-        self._sampling = SamplingParams.from_config(_plain(config.get("sampling")))
+        self._sampling = SamplingParams.from_config(_plain(config["sampling"]))
         self._domain_sampling = {str(domain): SamplingParams.from_config(sampling)
                                  for domain, sampling in _domain_sampling(config).items()}
-        self._validate_temperature = config.get("validate_temperature")
+        self._validate_temperature = config["validate_temperature"]
         self._answers: dict[int, Any] = {}  # id(task) -> prepared completion (prepare_tasks)
 
     @classmethod
@@ -112,6 +113,8 @@ class SimpleRolloutWorker(BaseRolloutWorker):
 
 
 def _plain(value: Any) -> Any:
+    if hasattr(value, "to_dict"):  # a BoundConfig
+        return value.to_dict()
     return OmegaConf.to_container(value, resolve=True) if isinstance(value, DictConfig) else value
 
 
@@ -147,8 +150,8 @@ class PigLatinRolloutWorker(BaseRolloutWorker):
     CONFIG_KEYS = option_defaults(OPTIONS)  # deprecated view, for plugins that extend it
 
     def step(self, task: dict[str, Any]) -> str | None:
-        source = str(task.get(self._config.get("prompt_key", "prompt"), ""))
-        instruction = str(self._config.get("instruction", "Translate to Pig Latin: "))
+        source = str(task.get(self._config["prompt_key"], ""))
+        instruction = str(self._config["instruction"])
         trajectory = self.base_trajectory(task)
         trajectory.update({"prompt": [{"role": "user", "content": instruction + source}],
                            "response": pig_latin(source), "reward": 1.0, "score": {"reward": 1.0},

@@ -78,6 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     p_config = recipe_command("config", "print the resolved recipe (defaults, recipe and overrides merged; "
                                         "secrets redacted) as YAML")
     p_config.add_argument("--no-check", action="store_true", help="print even when the recipe has problems")
+    p_config.add_argument("--sources", action="store_true",
+                          help="mark each value with where it came from: default, recipe FILE or override")
     p_eval = recipe_command("eval", "evaluate a model (or checkpoint=PATH) on the recipe's validation set",
                             "key=value overrides; checkpoint=PATH evaluates a checkpoint")
     p_eval.add_argument("--samples-out", help="write per-sample results to this JSONL file")
@@ -193,10 +195,10 @@ def _print_problems(problems: list[str]) -> None:
         print(scrub(f"error: {problem}"), file=sys.stderr)
 
 
-def _load(args: Any) -> Any:
+def _load(args: Any, sources: dict[str, str] | None = None) -> Any:
     from ..config.recipe import load_recipe
 
-    return load_recipe(args.recipe, list(args.overrides))
+    return load_recipe(args.recipe, list(args.overrides), sources=sources)
 
 
 def _run(args: Any) -> int:
@@ -230,14 +232,15 @@ def _validate(args: Any) -> int:
 def _config(args: Any) -> int:
     from ..config.recipe import check_config
     from ..plugins import get_plugin_manager
-    from .run_info import redacted_yaml
+    from .run_info import redacted_yaml, sourced_yaml
 
-    cfg = _load(args)
+    sources: dict[str, str] = {}
+    cfg = _load(args, sources=sources)
     problems = check_config(cfg, get_plugin_manager())  # --no-check too: it learns which options are secret
     if problems and not args.no_check:
         _print_problems(problems + ["(nexrl config --no-check prints the recipe anyway)"])
         return 2
-    sys.stdout.write(redacted_yaml(cfg))
+    sys.stdout.write(sourced_yaml(cfg, sources) if args.sources else redacted_yaml(cfg))
     return 0
 
 

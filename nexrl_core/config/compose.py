@@ -61,6 +61,7 @@ class Composer:
         self.roots = [os.path.dirname(os.path.abspath(recipe_path)), PACKAGE_CONF]
         self.overrides = overrides
         self._stack: list[str] = []
+        self.layer_files: list[str] = []  # the file of each layer :meth:`layers` returns, in order
 
     # -- groups ------------------------------------------------------------------------
     def is_group(self, group: str) -> bool:
@@ -113,6 +114,7 @@ class Composer:
             if entry.is_self:
                 if content:
                     layers.append(_at(package, content))
+                    self.layer_files.append(where)
                 continue
             layers += self._load_entry(entry)
         return layers

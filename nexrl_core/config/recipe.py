@@ -52,11 +52,15 @@ class RecipeProblems(ConfigError):
 
 # -- loading ---------------------------------------------------------------------------------
 
-def load_recipe(path: str, overrides: list[str] | None = None, raw: Any = None) -> DictConfig:
-    """Core defaults <- recipe (with its defaults list) <- overrides; interpolations resolved.
-    ``raw``: the recipe's content, not yet written to ``path`` (which still places it). The values
-    of keys named like secrets are remembered (:mod:`nexrl_core.redaction`) first, so no message,
-    file or console line shows them, even one about a bad override."""
+def load_recipe(path: str, overrides: list[str] | None = None, raw: Any = None,
+                sources: dict[str, str] | None = None) -> DictConfig:
+    """Defaults (the core's and those of the components the recipe selects) <- recipe (with its
+    defaults list) <- overrides; interpolations resolved. ``raw``: the recipe's content, not yet
+    written to ``path`` (which still places it). The values of keys named like secrets are
+    remembered (:mod:`nexrl_core.redaction`) first, so no message, file or console line shows
+    them, even one about a bad override. ``sources``, when given, receives where each value came
+    from: dotted key -> ``default``, ``recipe <file>`` or ``override '<text>'`` (a key not listed
+    takes the source of its nearest listed parent)."""
     for text in overrides or []:
         key, sep, value = text.partition("=")
         if sep and is_secret_key(key.rsplit(".", 1)[-1]):
@@ -73,12 +77,28 @@ def load_recipe(path: str, overrides: list[str] | None = None, raw: Any = None) 
     group_overrides, value_overrides = _parse_overrides(overrides or [], composer)
     composer.overrides = group_overrides
     recipe: Any = {}
-    for layer in composer.layers(raw):
+    layers = composer.layers(raw)
+    for layer in layers:
         recipe = deep_merge(recipe, layer)
     recipe_dir = os.path.dirname(os.path.abspath(path))
     resolve_recipe_paths(recipe, recipe_dir)
-    cfg = _create(deep_merge(core_defaults(), recipe), path)
+    merged = deep_merge(core_defaults(), recipe)
+    # The selected components' defaults go in too, so each of their keys overrides plainly; an
+    # override may change the selection (trainer.type=...), so it is applied once, leniently, to learn it.
+    probe = _create(merged, path)
+    _apply_overrides(probe, value_overrides, strict=False)
+    _fill_component_defaults(merged, OmegaConf.to_container(probe, resolve=False))
+    cfg = _create(merged, path)
     _apply_overrides(cfg, value_overrides)
+    if sources is not None:
+        sources.clear()
+        sources[""] = "default"
+        for layer, where in zip(layers, composer.layer_files, strict=True):
+            _mark(sources, layer, "", f"recipe {_shown_path(where)}")
+        for text, ov in value_overrides:
+            sources[ov.key_or_group] = f"override '{text}'"
+            for key in [k for k in sources if k.startswith(ov.key_or_group + ".")]:
+                del sources[key]  # a mapping set on the command line replaces what was below it
     plain = _fill_section_defaults(OmegaConf.to_container(cfg, resolve=False), CORE_OPTIONS)
     # Set before resolving, so a recipe can name files next to it: ${recipe_dir}/data/train.jsonl
     plain["recipe_dir"] = recipe_dir
@@ -148,6 +168,41 @@ def _selected_class(opt: Option, values: Any, pm: Any) -> type | None:
     return registered.cls if registered is not None else None
 
 
+def _fill_component_defaults(values: dict[str, Any], selected: Any) -> None:
+    """In place: the defaults of the components ``selected`` (the recipe with its overrides) names."""
+    from ..plugins import peek_plugin_manager
+    from .bound import effective_options, fill_defaults
+
+    if isinstance(selected, dict):
+        fill_defaults(values, effective_options(selected, peek_plugin_manager()))
+
+
+def _mark(sources: dict[str, str], layer: Any, prefix: str, label: str) -> None:
+    """Every key ``layer`` sets (a mapping's leaves; a null or a list as a whole) came from ``label``."""
+    if isinstance(layer, dict) and layer:
+        for key, value in layer.items():
+            _mark(sources, value, f"{prefix}.{key}" if prefix else str(key), label)
+    elif prefix:
+        sources[prefix] = label
+        for key in [k for k in sources if k.startswith(prefix + ".")]:
+            del sources[key]
+
+
+def _shown_path(path: str) -> str:
+    rel = os.path.relpath(os.path.abspath(path))
+    return path if rel.startswith("..") else rel
+
+
+def source_of(sources: Mapping[str, str], dotted: str) -> str:
+    """Where the value at ``dotted`` came from (its nearest listed key; see :func:`load_recipe`)."""
+    key = dotted
+    while key:
+        if key in sources:
+            return sources[key]
+        key = key.rpartition(".")[0]
+    return sources.get("", "default")
+
+
 def _create(data: Any, path: str) -> DictConfig:
     try:
         return OmegaConf.create(data)
@@ -196,7 +251,8 @@ def _parse_overrides(overrides: list[str], composer: Composer) -> tuple[list[Gro
     return groups, values
 
 
-def _apply_overrides(cfg: DictConfig, overrides: list[Any]) -> None:
+def _apply_overrides(cfg: DictConfig, overrides: list[Any], strict: bool = True) -> None:
+    """``strict=False``: a key that does not exist is added (to learn what the overrides select)."""
     for text, ov in overrides:
         key = ov.key_or_group
         if ov.is_delete():
@@ -204,7 +260,7 @@ def _apply_overrides(cfg: DictConfig, overrides: list[Any]) -> None:
             continue
         value = _plain_value(ov.value())
         exists = _has_key(cfg, key)
-        if not ov.is_add() and not ov.is_force_add() and not exists:
+        if strict and not ov.is_add() and not ov.is_force_add() and not exists:
             parent = key.rsplit(".", 1)[0] if "." in key else ""
             raise ConfigError(f"override '{text}': key '{key}' does not exist{_suggest(cfg, key)}; "
                               f"use '+{text}' to add a new key{' under ' + parent if parent else ''}")

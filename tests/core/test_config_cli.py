@@ -76,8 +76,8 @@ def test_overrides_set_add_and_delete(recipe):
 
 
 @pytest.mark.parametrize("override, expected", [
-    ("trainer.step_time_s=0.5", "override 'trainer.step_time_s=0.5': key 'trainer.step_time_s' does not exist; "
-                                "use '+trainer.step_time_s=0.5' to add a new key under trainer"),
+    ("trainer.no_such_key=0.5", "override 'trainer.no_such_key=0.5': key 'trainer.no_such_key' does not exist; "
+                                "use '+trainer.no_such_key=0.5' to add a new key under trainer"),
     ("trainer.total_train_step=3", "key 'trainer.total_train_step' does not exist (did you mean "
                                    "'trainer.total_train_steps'?)"),
     ("~trainer.no_such_key", "override '~trainer.no_such_key': key 'trainer.no_such_key' does not exist"),

@@ -1,0 +1,315 @@
+"""The effective configuration and what a component reads of it.
+
+- :func:`effective_options`: every key a recipe may hold with the components it selects (the
+  core's keys, each selected component's ``OPTIONS``, the trainer's ``algorithm`` keys and those
+  of the functions it selects, the train service's keys, the chosen metrics sinks' keys).
+- :func:`fill_defaults`: writes the declared default of every key a recipe leaves out, so the
+  composed recipe (``nexrl config``, ``run_dir/config.yaml``) holds every value a run uses and
+  every documented key overrides with a plain ``key=value``.
+- :class:`BoundConfig`: a component's section, read-only, that refuses a key its declaration
+  lacks (:class:`UndeclaredKey`, naming the key): a component reads values, never re-defaults them.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator, Mapping
+from dataclasses import replace
+from typing import Any
+
+from ..errors import ConfigError, NexRLError
+from .options import Option
+
+__all__ = ["BoundConfig", "UndeclaredKey", "bind", "bind_component", "bind_recipe", "effective_options",
+           "fill_defaults", "key_tree"]
+
+ANY = "*"  # in a key tree: any other key, with this subtree
+
+
+class UndeclaredKey(NexRLError, KeyError):
+    """A component read a key that its declaration (``OPTIONS`` or the core's schema) lacks."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+# -- declarations of a recipe, with its selections ------------------------------------------------------
+
+def effective_options(values: Any, pm: Any, trainer_cls: type | None = None) -> dict[str, Option]:
+    """The options of the recipe ``values`` (plain dicts): the core's, with each selected
+    component's own merged into its section. An unknown component adds nothing (the checks
+    report it). ``trainer_cls``: the trainer class (else the one ``trainer.type`` names)."""
+    from .recipe import _core_options, _get, _selected_class, _train_service_declared
+    from .schema import CORE_OPTIONS
+
+    values = values if isinstance(values, Mapping) else {}
+    try:
+        core, _ = _core_options(values, pm)  # logger.<sink> of the chosen sinks
+    except Exception:  # noqa: BLE001 - a broken sink plugin: the checks report it
+        core = dict(CORE_OPTIONS)
+    out = _effective(values, core, pm)
+    if trainer_cls is not None:
+        from .recipe import declared_options
+
+        trainer = values.get("trainer")
+        own = declared_options("trainer", trainer_cls) or {}
+        out["trainer"] = replace(out["trainer"], options=_effective(trainer, {**own, **dict(core["trainer"].options or {})},
+                                                                    pm))
+    else:
+        trainer_cls = _selected_class(CORE_OPTIONS["trainer"], values.get("trainer"), pm)
+    if trainer_cls is None:
+        return out
+    from ..algorithms.registry import algorithm_keys
+
+    algorithm = values.get("algorithm")
+    algorithm = algorithm if isinstance(algorithm, Mapping) else {}
+    try:
+        declared, _ = algorithm_keys(trainer_cls, algorithm, pm, _get(values, "trainer.type"))
+    except NexRLError:
+        declared = None
+    if declared is not None:
+        out["algorithm"] = replace(out["algorithm"], options=_effective(algorithm, declared, pm))
+    section = _get(values, "service.train_service")
+    try:
+        service_keys, _ = _train_service_declared(section if isinstance(section, Mapping) else {}, trainer_cls, pm)
+    except NexRLError:
+        service_keys = None
+    if service_keys is not None:
+        service = out["service"]
+        inner = dict(service.options or {})
+        inner["train_service"] = replace(inner["train_service"], options=_effective(
+            section if isinstance(section, Mapping) else {}, service_keys, pm))
+        out["service"] = replace(service, options=inner)
+    return out
+
+
+def _effective(values: Any, options: Mapping[str, Option], pm: Any) -> dict[str, Option]:
+    values = values if isinstance(values, Mapping) else {}
+    return {key: _effective_option(values.get(key), opt, pm) for key, opt in options.items()}
+
+
+def _effective_option(value: Any, opt: Option, pm: Any) -> Option:
+    if not isinstance(value, Mapping):
+        return opt
+    if opt.component is not None and opt.options is not None:
+        from .recipe import _selected_class, declared_options
+
+        cls = _selected_class(opt, value, pm)
+        if cls is not None:
+            own = declared_options(opt.component, cls)
+            if own is None:  # **kwargs: any key
+                return replace(opt, options=None, values=None, type=dict)
+            opt = replace(opt, options={**own, **dict(opt.options)})
+    if opt.options is not None:
+        return replace(opt, options=_effective(value, opt.options, pm))
+    if opt.values is not None:
+        # a mapping of named entries, each resolved on its own (a domain's evaluator); options
+        # holds the entries present, values any other
+        entries = {str(k): _effective_option(v, opt.values, pm) for k, v in value.items()}
+        return replace(opt, options=entries)
+    return opt
+
+
+# -- defaults -----------------------------------------------------------------------------------------
+
+def fill_defaults(values: dict[str, Any], options: Mapping[str, Option]) -> dict[str, Any]:
+    """In place: the declared default of every key ``values`` leaves out (required and removed keys,
+    and defaults that are not plain data, excepted); nested sections too. Returns ``values``."""
+    for key, opt in options.items():
+        if opt.removed is not None:
+            continue
+        if key not in values and not opt.required:
+            default = opt.default_value()
+            if _is_plain(default):
+                values[key] = _plain_copy(default)
+        value = values.get(key)
+        if not isinstance(value, dict):
+            continue
+        if opt.options is not None:
+            fill_defaults(value, opt.options)
+        elif opt.values is not None and opt.values.options is not None:
+            for entry in value.values():
+                if isinstance(entry, dict):
+                    fill_defaults(entry, opt.values.options)
+    return values
+
+
+def _is_plain(value: Any) -> bool:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return True
+    if isinstance(value, (list, tuple)):
+        return all(_is_plain(v) for v in value)
+    if isinstance(value, Mapping):
+        return all(isinstance(k, str) and _is_plain(v) for k, v in value.items())
+    return False
+
+
+def _plain_copy(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {k: _plain_copy(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain_copy(v) for v in value]
+    return value
+
+
+# -- bound sections -------------------------------------------------------------------------------------
+
+def key_tree(options: Mapping[str, Option] | None) -> dict[str, Any] | None:
+    """The readable keys of ``options`` (removed ones left out): key -> its own tree, None where
+    any key may be read (a free-form mapping or a plain value)."""
+    if options is None:
+        return None
+    tree: dict[str, Any] = {}
+    for key, opt in options.items():
+        if opt.removed is not None:
+            continue
+        if opt.options is None and opt.values is None:
+            tree[key] = None
+            continue
+        sub = key_tree(opt.options) if opt.options is not None else {}
+        if opt.values is not None and sub is not None:
+            sub[ANY] = key_tree(opt.values.options)
+        tree[key] = sub
+    return tree
+
+
+class BoundConfig(Mapping):
+    """A recipe section filled from its declaration, read-only. Reading a key the declaration lacks
+    raises :class:`UndeclaredKey` (``path.key``); a declared key reads its value (the default when
+    the recipe left it out). Nested sections are bound too; ``cfg.key`` reads like ``cfg["key"]``."""
+
+    __slots__ = ("_values", "_tree", "_path")
+
+    def __init__(self, values: Mapping[str, Any], tree: dict[str, Any] | None, path: str = "") -> None:
+        object.__setattr__(self, "_values", dict(values))
+        object.__setattr__(self, "_tree", tree)
+        object.__setattr__(self, "_path", path)
+
+    def _check(self, key: str) -> Any:
+        """The subtree of ``key``; UndeclaredKey when it is not declared."""
+        tree = self._tree
+        if tree is None:
+            return None
+        if key in tree:
+            return tree[key]
+        if ANY in tree:
+            return tree[ANY]
+        full = f"{self._path}.{key}" if self._path else key
+        known = ", ".join(sorted(k for k in tree if k != ANY)) or "none"
+        raise UndeclaredKey(f"{full}: read but not declared (declared keys here: {known}); declare it with "
+                            f"Option(...) in the component's OPTIONS (or nexrl_core/config/schema.py)")
+
+    def __getitem__(self, key: str) -> Any:
+        sub = self._check(key)
+        return self._wrap(key, self._values[key], sub)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """The value of a declared key (``default`` only where a free-form section lacks it)."""
+        sub = self._check(key)
+        if key not in self._values:
+            return default
+        return self._wrap(key, self._values[key], sub)
+
+    def __getattr__(self, key: str) -> Any:
+        if key.startswith("_"):
+            raise AttributeError(key)
+        try:
+            return self[key]
+        except KeyError as exc:
+            if isinstance(exc, UndeclaredKey):
+                raise
+            raise AttributeError(key) from None
+
+    def __setattr__(self, key: str, value: Any) -> None:
+        raise TypeError(f"{self._path or 'the recipe'}: a bound config is read-only (set '{key}' in the recipe)")
+
+    def _wrap(self, key: str, value: Any, sub: Any) -> Any:
+        full = f"{self._path}.{key}" if self._path else key
+        if isinstance(value, Mapping):
+            return BoundConfig(value, sub, full)
+        if isinstance(value, list):
+            return copy.deepcopy(value)
+        return value
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._values
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __repr__(self) -> str:
+        return f"BoundConfig({self._path or '<recipe>'}: {self._values!r})"
+
+    def __reduce__(self) -> Any:  # pickled to Ray actors
+        return (BoundConfig, (self._values, self._tree, self._path))
+
+    def to_dict(self) -> dict[str, Any]:
+        """A plain deep copy (what a library that wants a dict gets)."""
+        return copy.deepcopy(self._values)
+
+
+def bind(config: Any, options: Mapping[str, Option] | None, path: str = "") -> BoundConfig:
+    """``config`` (a mapping, a DictConfig, a BoundConfig) as a bound section of ``options``:
+    defaults filled, undeclared reads refused. A BoundConfig already bound is returned as is."""
+    if isinstance(config, BoundConfig):
+        return config
+    values = _to_plain(config)
+    if not isinstance(values, dict):
+        raise ConfigError(f"{path or 'the recipe'}: expected a mapping, got {type(values).__name__}")
+    return BoundConfig(fill_defaults(values, options or {}), key_tree(options) if options is not None else None,
+                       path)
+
+
+def bind_component(config: Any, cls: type, kind: str, core: Mapping[str, Option], path: str,
+                   extra: Mapping[str, Option] | None = None) -> BoundConfig:
+    """What a component of ``kind`` (class ``cls``) reads of its section ``path``: the core's keys
+    ``core``, ``cls``'s own declared ones (the components it selects in turn resolved with the
+    active plugin manager) and ``extra`` (keys nexrl sets itself)."""
+    if isinstance(config, BoundConfig):
+        return config
+    from ..plugins import active_plugin_manager
+    from .recipe import declared_options
+
+    values = _to_plain(config)
+    if not isinstance(values, dict):
+        raise ConfigError(f"{path}: expected a mapping, got {type(values).__name__}")
+    own = declared_options(kind, cls)
+    declared = {**dict(core), **dict(extra or {})}
+    if own is None:  # **kwargs: the core's keys filled, any key read
+        return BoundConfig(fill_defaults(values, declared), None, path)
+    options = _effective(values, {**own, **declared}, active_plugin_manager())
+    return BoundConfig(fill_defaults(values, options), key_tree(options), path)
+
+
+def bind_recipe(config: Any, trainer_cls: type | None = None) -> BoundConfig:
+    """The whole recipe bound to every declaration it selects (what a trainer reads: it is built
+    with all of it)."""
+    if isinstance(config, BoundConfig):
+        return config
+    from ..plugins import active_plugin_manager
+
+    values = _to_plain(config)
+    if not isinstance(values, dict):
+        raise ConfigError(f"the recipe: expected a mapping, got {type(values).__name__}")
+    options = effective_options(values, active_plugin_manager(), trainer_cls)
+    return BoundConfig(fill_defaults(values, options), key_tree(options), "")
+
+
+def _to_plain(config: Any) -> Any:
+    if config is None:
+        return {}
+    if isinstance(config, BoundConfig):
+        return config.to_dict()
+    try:
+        from omegaconf import DictConfig, OmegaConf
+
+        if isinstance(config, DictConfig):
+            return OmegaConf.to_container(config, resolve=True)
+    except ImportError:  # pragma: no cover - omegaconf is a core dependency
+        pass
+    if isinstance(config, Mapping):
+        return _plain_copy(config)
+    return config
