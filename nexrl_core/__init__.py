@@ -1,6 +1,7 @@
 """nexrl-core: hook specs, plugin manager, controller and data flow of the nexrl RL framework."""
 
 from . import algorithms
+from .config.bound import BoundConfig, UndeclaredKey, bind
 from .config.options import REQUIRED, Capabilities, Option, check_options, component_options
 from .controller import NexRLController, RunFailed, RunSummary
 from .dataloader import BaseDataLoader
@@ -44,7 +45,7 @@ from .builtins.dataloaders import FileDataLoader  # noqa: E402
 from .builtins.workers import SimpleRolloutWorker  # noqa: E402
 
 __all__ = [
-    "REQUIRED", "ActivityTracker", "ActivityTrackerProxy", "BaseDataLoader", "BaseEvaluationTarget", "BaseRolloutWorker",
+    "REQUIRED", "BoundConfig", "UndeclaredKey", "bind", "ActivityTracker", "ActivityTrackerProxy", "BaseDataLoader", "BaseEvaluationTarget", "BaseRolloutWorker",
     "BaseTrainer", "Batch", "Capabilities", "CompletionResult", "ConfigError", "DataError", "Deferred", "ErrorReporter",
     "ErrorSeverity",
     "EvaluationRunResult", "Evaluator", "FileDataLoader", "GroupedTrajectoryStore", "HierarchicalTrajectoryStore",

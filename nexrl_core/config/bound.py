@@ -112,25 +112,24 @@ def _effective_option(value: Any, opt: Option, pm: Any) -> Option:
 
 # -- defaults -----------------------------------------------------------------------------------------
 
-def fill_defaults(values: dict[str, Any], options: Mapping[str, Option]) -> dict[str, Any]:
+def fill_defaults(values: dict[str, Any], options: Mapping[str, Option], resolved: bool = False) -> dict[str, Any]:
     """In place: the declared default of every key ``values`` leaves out (required and removed keys,
-    and defaults that are not plain data, excepted); nested sections too. Returns ``values``."""
+    and defaults that are not plain data, excepted); nested sections too. Returns ``values``.
+    ``resolved``: ``values`` is past interpolation (a section built by hand), so a default that
+    names another key (``${seed}``) cannot be resolved and is null."""
     for key, opt in options.items():
         if opt.removed is not None:
             continue
         if key not in values and not opt.required:
             default = opt.default_value()
+            if resolved and isinstance(default, str) and "${" in default:
+                default = None
             if _is_plain(default):
                 values[key] = _plain_copy(default)
         value = values.get(key)
-        if not isinstance(value, dict):
-            continue
-        if opt.options is not None:
-            fill_defaults(value, opt.options)
-        elif opt.values is not None and opt.values.options is not None:
-            for entry in value.values():
-                if isinstance(entry, dict):
-                    fill_defaults(entry, opt.values.options)
+        # Entries the recipe names (domains) keep only what they set: a domain's keys change the shared ones.
+        if isinstance(value, dict) and opt.options is not None and opt.values is None:
+            fill_defaults(value, opt.options, resolved)
     return values
 
 
@@ -259,7 +258,7 @@ def bind(config: Any, options: Mapping[str, Option] | None, path: str = "") -> B
     values = _to_plain(config)
     if not isinstance(values, dict):
         raise ConfigError(f"{path or 'the recipe'}: expected a mapping, got {type(values).__name__}")
-    return BoundConfig(fill_defaults(values, options or {}), key_tree(options) if options is not None else None,
+    return BoundConfig(fill_defaults(values, options or {}, True), key_tree(options) if options is not None else None,
                        path)
 
 
@@ -271,17 +270,18 @@ def bind_component(config: Any, cls: type, kind: str, core: Mapping[str, Option]
     if isinstance(config, BoundConfig):
         return config
     from ..plugins import active_plugin_manager
+    from .options import component_options
     from .recipe import declared_options
 
     values = _to_plain(config)
     if not isinstance(values, dict):
         raise ConfigError(f"{path}: expected a mapping, got {type(values).__name__}")
-    own = declared_options(kind, cls)
+    own = declared_options(kind, cls) if kind == "evaluator" else component_options(cls)
     declared = {**dict(core), **dict(extra or {})}
-    if own is None:  # **kwargs: the core's keys filled, any key read
-        return BoundConfig(fill_defaults(values, declared), None, path)
+    if own is None:  # declares nothing (or takes **kwargs): the core's keys filled, any key read
+        return BoundConfig(fill_defaults(values, declared, True), None, path)
     options = _effective(values, {**own, **declared}, active_plugin_manager())
-    return BoundConfig(fill_defaults(values, options), key_tree(options), path)
+    return BoundConfig(fill_defaults(values, options, True), key_tree(options), path)
 
 
 def bind_recipe(config: Any, trainer_cls: type | None = None) -> BoundConfig:
@@ -295,7 +295,7 @@ def bind_recipe(config: Any, trainer_cls: type | None = None) -> BoundConfig:
     if not isinstance(values, dict):
         raise ConfigError(f"the recipe: expected a mapping, got {type(values).__name__}")
     options = effective_options(values, active_plugin_manager(), trainer_cls)
-    return BoundConfig(fill_defaults(values, options), key_tree(options), "")
+    return BoundConfig(fill_defaults(values, options, True), key_tree(options), "")
 
 
 def _to_plain(config: Any) -> Any:

@@ -87,9 +87,9 @@ def load_recipe(path: str, overrides: list[str] | None = None, raw: Any = None,
     # override may change the selection (trainer.type=...), so it is applied once, leniently, to learn it.
     probe = _create(merged, path)
     _apply_overrides(probe, value_overrides, strict=False)
-    _fill_component_defaults(merged, OmegaConf.to_container(probe, resolve=False))
+    declared = _fill_component_defaults(merged, OmegaConf.to_container(probe, resolve=False))
     cfg = _create(merged, path)
-    _apply_overrides(cfg, value_overrides)
+    _apply_overrides(cfg, value_overrides, declared=declared)
     if sources is not None:
         sources.clear()
         sources[""] = "default"
@@ -168,13 +168,28 @@ def _selected_class(opt: Option, values: Any, pm: Any) -> type | None:
     return registered.cls if registered is not None else None
 
 
-def _fill_component_defaults(values: dict[str, Any], selected: Any) -> None:
-    """In place: the defaults of the components ``selected`` (the recipe with its overrides) names."""
+def _fill_component_defaults(values: dict[str, Any], selected: Any) -> Any:
+    """In place: the defaults of the components ``selected`` (the recipe with its overrides) names.
+    Returns the declared keys (:func:`nexrl_core.config.bound.key_tree`)."""
     from ..plugins import peek_plugin_manager
-    from .bound import effective_options, fill_defaults
+    from .bound import effective_options, fill_defaults, key_tree
 
-    if isinstance(selected, dict):
-        fill_defaults(values, effective_options(selected, peek_plugin_manager()))
+    if not isinstance(selected, dict):
+        return {}
+    options = effective_options(selected, peek_plugin_manager())
+    fill_defaults(values, options)
+    return key_tree(options)
+
+
+def _is_declared(tree: Any, dotted: str) -> bool:
+    """``dotted`` is a key the declarations hold (a section that is null by default included)."""
+    from .bound import ANY
+
+    for part in dotted.split("."):
+        if not isinstance(tree, dict) or (part not in tree and ANY not in tree):
+            return False
+        tree = tree[part] if part in tree else tree[ANY]
+    return True
 
 
 def _mark(sources: dict[str, str], layer: Any, prefix: str, label: str) -> None:
@@ -251,8 +266,9 @@ def _parse_overrides(overrides: list[str], composer: Composer) -> tuple[list[Gro
     return groups, values
 
 
-def _apply_overrides(cfg: DictConfig, overrides: list[Any], strict: bool = True) -> None:
-    """``strict=False``: a key that does not exist is added (to learn what the overrides select)."""
+def _apply_overrides(cfg: DictConfig, overrides: list[Any], strict: bool = True, declared: Any = None) -> None:
+    """``strict=False``: a key that does not exist is added (to learn what the overrides select);
+    ``declared``: keys that may be set plainly though absent (under a section null by default)."""
     for text, ov in overrides:
         key = ov.key_or_group
         if ov.is_delete():
@@ -260,7 +276,8 @@ def _apply_overrides(cfg: DictConfig, overrides: list[Any], strict: bool = True)
             continue
         value = _plain_value(ov.value())
         exists = _has_key(cfg, key)
-        if strict and not ov.is_add() and not ov.is_force_add() and not exists:
+        if strict and not ov.is_add() and not ov.is_force_add() and not exists and \
+                not (declared and _is_declared(declared, key)):
             parent = key.rsplit(".", 1)[0] if "." in key else ""
             raise ConfigError(f"override '{text}': key '{key}' does not exist{_suggest(cfg, key)}; "
                               f"use '+{text}' to add a new key{' under ' + parent if parent else ''}")

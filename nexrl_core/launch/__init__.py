@@ -38,13 +38,14 @@ def unused_launch_keys(config: Any) -> list[str]:
     """Keys of another launch mode that the recipe sets to other than their defaults (a Ray
     recipe run with ``launch_mode=local``): accepted, so one key switches the mode, but named,
     so nobody believes they took effect."""
+    from ..config.bound import fill_defaults
     from ..config.options import option_defaults
     from ..config.schema import RAY, ROLLOUT_WORKER
 
     if config.get("launch_mode", "local") == "ray":
         return []
     section = config.get("ray") or {}
-    defaults = option_defaults(RAY)
+    defaults = fill_defaults(option_defaults(RAY), RAY)  # as the composed recipe holds them
     keys = [f"ray.{k}" for k in RAY if k in section and _plain(section[k]) != defaults[k]]
     workers = config.get("rollout_worker") or {}
     if workers.get("num_actors", 1) != ROLLOUT_WORKER["num_actors"].default:

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from nexrl_core import NexRLError, Option, TrainService, algorithms
+from nexrl_core import NexRLError, Option, TrainService, algorithms, bind, component_options
 
 from .modeling import (auto_dtype, auto_flag, compute_response_logprobs, compute_response_logprobs_packed,
                        log_auto_device, log_auto_dtype, model_from_config, packing_problem, position_ids_from_mask,
@@ -144,10 +144,10 @@ class LocalTorchTrainService(TrainService):
 
     def __init__(self, config: Any = None, *, model: torch.nn.Module | None = None, tokenizer: Any = None,
                  rank_group: RankGroup | None = None):
-        config = config if config is not None else {}
+        config = bind(config, component_options(type(self)), "service.train_service")  # declared defaults filled
         self.config = config
-        world_size = int(config.get("world_size") or 1)
-        parallel = str(config.get("parallel") or "auto")
+        world_size = int(config["world_size"] or 1)
+        parallel = str(config["parallel"] or "auto")
         if parallel == "auto" and world_size > 1:
             parallel = "fsdp"
         if parallel != "auto" and rank_group is None:
@@ -155,20 +155,20 @@ class LocalTorchTrainService(TrainService):
                 raise ValueError("world_size: every rank loads the model from model_path (pass no model=)")
             rank_group = start_ranks({**dict(config), "parallel": parallel}, world_size, parallel)
         self.ranks = rank_group
-        seed = config.get("seed", None)
+        seed = config["seed"]
         if seed is not None:
             torch.manual_seed(int(seed))
             np.random.seed(int(seed) % 2**32)
             random.seed(int(seed))
-        self.device = resolve_device(config.get("device"))
+        self.device = resolve_device(config["device"])
         if self.ranks is not None and self.device.type == "cuda":
             # Rank r on the box's GPU r; a rank Ray placed sees only its own GPU.
             self.device = torch.device("cuda", self.ranks.rank % torch.cuda.device_count())
             torch.cuda.set_device(self.device)
         if self.ranks is None or self.ranks.leader:
-            log_auto_device("train service", config.get("device"), self.device)
-        self.dtype = auto_dtype(config.get("dtype", None), self.device)
-        log_auto_dtype("train service", config.get("dtype", None), self.dtype, self.device)
+            log_auto_device("train service", config["device"], self.device)
+        self.dtype = auto_dtype(config["dtype"], self.device)
+        log_auto_dtype("train service", config["dtype"], self.dtype, self.device)
         if self.dtype not in TRAIN_DTYPES:
             raise ValueError(f"dtype: {self.dtype!r} is not one of {', '.join(TRAIN_DTYPES)} "
                              f"(bfloat16 trains with float32 master weights)")
@@ -181,34 +181,34 @@ class LocalTorchTrainService(TrainService):
         # What a forward pass calls: the model, or DDP's wrapper around it (FSDP2 shards it in place).
         self._forward_model = model if self.ranks is None else wrap(model, self.ranks, self.device)
         self.tokenizer = tokenizer
-        micro = config.get("micro_batch_size", None)
+        micro = config["micro_batch_size"]
         self.micro_batch_size = int(micro) if micro else None
         if self.micro_batch_size is not None and self.micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1, got {micro}")
-        self.packing = auto_flag(config.get("packing", "auto"), "packing")
+        self.packing = auto_flag(config["packing"], "packing")
         if self.ranks is not None and self.ranks.world_size > 1:
             # A packed forward makes as many model calls as its rows need packs; ranks must make the same number.
             if self.packing == "true":
                 raise ValueError("packing: true cannot run with world_size > 1 (every rank must make the same "
                                  "number of forward passes): use auto or false")
             self.packing = "false"
-        self.max_tokens_per_pack = int(config.get("max_tokens_per_pack", 2048))
+        self.max_tokens_per_pack = int(config["max_tokens_per_pack"])
         if self.max_tokens_per_pack < 1:
             raise ValueError(f"max_tokens_per_pack must be >= 1, got {self.max_tokens_per_pack}")
-        grad_clip = config.get("grad_clip", 1.0)
+        grad_clip = config["grad_clip"]
         self.grad_clip = float(grad_clip) if grad_clip is not None and float(grad_clip) > 0 else None
-        self.offload_optimizer = bool(config.get("offload_optimizer"))
+        self.offload_optimizer = bool(config["offload_optimizer"])
 
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self._param_names = [n for n, _ in named]
         self._params = [p for _, p in named]
-        betas = config.get("betas", (0.9, 0.999))
+        betas = config["betas"]
         self.optimizer = torch.optim.AdamW(
             self._params,
-            lr=float(config.get("lr", 1e-6)),
+            lr=float(config["lr"]),
             betas=(float(betas[0]), float(betas[1])),
-            eps=float(config.get("eps", 1e-8)),
-            weight_decay=float(config.get("weight_decay", 0.0)),
+            eps=float(config["eps"]),
+            weight_decay=float(config["weight_decay"]),
             # One fused kernel over all parameters; the default on CPU is a per-tensor Python loop.
             fused=(self.ranks is None and all(p.device.type in ("cpu", "cuda") for p in self._params)) or None,
         )

@@ -110,7 +110,7 @@ class SelfHostedTrainer(BaseTrainer):
 
     def __init__(self, config: Any):
         super().__init__(config)
-        self._algorithm = config.get("algorithm", {}) or {}
+        self._algorithm = self._full_config["algorithm"]
         self.train_service: LocalTorchTrainService | None = None
         self.pad_token_id = 0
         self._ppo_epochs = 1
