@@ -79,7 +79,7 @@ class NexRLController:
         self.run_dir = str(config.run_dir)
         #: validation trajectories of the last :meth:`run_evaluation`
         self.evaluation_samples: list[Trajectory] = []
-        self._model_tag = str(config.service.inference_service.get("model_tag", "default"))
+        self._model_tag = str(config.service.inference_service.model_tag)
         self.resource_manager = create_resource_manager(config, self._pm)
         self._register_roles()
         self.resource_manager.create_all_actors()

@@ -48,7 +48,7 @@ class WeightSyncBackend(ABC):
 class WeightSyncController(NexRLModule):
     def __init__(self, config: Any, backend: WeightSyncBackend | None = None):
         super().__init__()
-        from .config.bound import bind, bind_component
+        from .config.bound import bind
         from .config.schema import WEIGHT
 
         section, config = config, bind(config, WEIGHT, "weight")
@@ -64,7 +64,8 @@ class WeightSyncController(NexRLModule):
             from .plugins import active_plugin_manager
 
             cls = active_plugin_manager().resolve("weight_sync_backend", config["backend"], "weight.backend")
-            backend = cls(bind_component(section, cls, "weight_sync_backend", WEIGHT, "weight"))
+            # The section as the recipe holds it: a backend may look next to it (vllm_disk: run_dir).
+            backend = cls(section)
         self._backend = backend
         self._cond = threading.Condition()
         self._train_version: dict[ModelTag, int] = {}

@@ -13,6 +13,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from ..config.bound import bind
 from ..config.options import REQUIRED, Option, option_defaults
 from ..dataloader import BaseDataLoader
 from ..errors import ConfigError, DataError
@@ -293,7 +294,7 @@ class MultiDomainDataLoader(BaseDataLoader):
         self._domain_rows: dict[str, list[int]] = {}
         for name, section in self._domain_configs.items():
             key = f"{self._key}.domains.{name}"
-            cls = pm.resolve("dataloader", section.get("type", "file"), f"{key}.type")
+            cls = pm.resolve("dataloader", bind(section, DOMAIN_DATA, key)["type"], f"{key}.type")
             child = {**section, "group_size": self._group_size, **self._domain_order(name)}
             try:
                 loaded = cls(OmegaConf.create(child), is_validate=self._is_validate).rows()

@@ -67,20 +67,20 @@ class WandbSink:
             raise ConfigError(self.MISSING) from None
         from ..redaction import redact, redact_command
 
-        own = (config.get("logger", {}) or {}).get("wandb", {}) or {}
-        mode = own.get("mode") or os.environ.get("WANDB_MODE") or ("online" if _wandb_key_configured() else "offline")
+        config, own = _bound(config, "wandb", type(self))
+        mode = own["mode"] or os.environ.get("WANDB_MODE") or ("online" if _wandb_key_configured() else "offline")
         if mode == "dryrun":  # wandb's older name for offline
             mode = "offline"
-        resuming = str((config.get("resume", {}) or {}).get("mode", "disable")) != "disable"
+        resuming = str(config["resume"]["mode"]) != "disable"
         self._id_file = os.path.join(run_dir, WANDB_RUN_FILE) if run_dir else None
         run_id = _read_run_id(self._id_file) if resuming else None
-        project = own.get("project") or os.environ.get("WANDB_PROJECT") or str(config.get("project_name") or "nexrl")
+        project = own["project"] or os.environ.get("WANDB_PROJECT") or str(config["project_name"])
         kwargs: dict[str, Any] = dict(
-            project=project, entity=own.get("entity"), group=own.get("group"), notes=own.get("notes"),
-            tags=list(own.get("tags") or []) or None, name=str(own.get("name") or config.get("experiment_name", "run")),
+            project=project, entity=own["entity"], group=own["group"], notes=own["notes"],
+            tags=list(own["tags"] or []) or None, name=str(own["name"] or config["experiment_name"]),
             dir=run_dir, mode=mode, config=redact(_plain(config)), id=run_id or secrets.token_hex(4),
             resume="allow")
-        if mode == "offline" and not own.get("mode") and not os.environ.get("WANDB_MODE"):
+        if mode == "offline" and not own["mode"] and not os.environ.get("WANDB_MODE"):
             logger.info(f"wandb: no API key configured, logging offline to {run_dir or '.'}/wandb "
                         f"(upload later with `wandb sync`)")
         # wandb records sys.argv in the run's metadata: it gets the command line as run.json has it
@@ -158,9 +158,9 @@ class TensorBoardSink:
             from tensorboardX import SummaryWriter
         except ImportError:
             raise ConfigError(self.MISSING) from None
-        own = (config.get("logger", {}) or {}).get("tensorboard", {}) or {}
-        self.log_dir = str(own.get("log_dir") or os.path.join(run_dir or ".", "tensorboard"))
-        self._flush_secs = int(own.get("flush_secs") or 10)
+        _, own = _bound(config, "tensorboard", type(self))
+        self.log_dir = str(own["log_dir"] or os.path.join(run_dir or ".", "tensorboard"))
+        self._flush_secs = int(own["flush_secs"])
         self._writer_cls = SummaryWriter
         self._writer: Any = None
         self._purge_step: int | None = None
@@ -194,6 +194,17 @@ def _installed(module: str) -> bool:
         return importlib.util.find_spec(module) is not None
     except (ImportError, ValueError):
         return False
+
+
+def _bound(config: Any, name: str, cls: type) -> tuple[Any, Any]:
+    """The recipe and its ``logger.<name>`` section, each bound to its declaration."""
+    from ..config.bound import bind, bind_recipe
+    from ..config.options import component_options
+
+    config = bind_recipe(config)
+    logger_section = config["logger"]
+    own = logger_section[name] if name in logger_section else None
+    return config, bind(own, component_options(cls), f"logger.{name}")
 
 
 def _plain(config: Any) -> Any:

@@ -33,6 +33,8 @@ def plain_config(config: Any) -> Any:
 
     if isinstance(config, DictConfig):
         config = OmegaConf.to_container(config, resolve=True)
+    elif hasattr(config, "to_dict"):  # a BoundConfig
+        config = config.to_dict()
     if isinstance(config, dict):
         config = {k: v for k, v in config.items() if k != "recipe_dir"}
     return config

@@ -305,9 +305,14 @@ def _to_plain(config: Any) -> Any:
         return config.to_dict()
     try:
         from omegaconf import DictConfig, OmegaConf
+        from omegaconf.errors import OmegaConfBaseException
 
         if isinstance(config, DictConfig):
-            return OmegaConf.to_container(config, resolve=True)
+            try:
+                return OmegaConf.to_container(config, resolve=True)
+            except OmegaConfBaseException as exc:
+                key = getattr(exc, "full_key", None) or ""
+                raise ConfigError(f"{key or 'the recipe'}: {str(exc).splitlines()[0]}") from None
     except ImportError:  # pragma: no cover - omegaconf is a core dependency
         pass
     if isinstance(config, Mapping):

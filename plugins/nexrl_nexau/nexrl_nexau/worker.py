@@ -90,24 +90,25 @@ class BaseNexAURolloutWorker(BaseRolloutWorker):
 
     def __init__(self, config: Any):
         super().__init__(config)
+        config = self._config  # bound: declared defaults filled
         problems = self.check_config(config)
         if problems:
             raise ConfigError("; ".join(problems))
-        self._prompt_key = config.get("prompt_key")
-        self._tool_timeout = float(config.get("tool_timeout", 30.0))
-        self._max_tool_output = int(config.get("max_tool_output_chars", 8000))
-        self._max_sequence_length = config.get("max_sequence_length")
-        self._truncated_reward = config.get("truncated_reward", 0.0)
-        self._merge = bool(config.get("enable_trace_prefix_merge", True))
-        self._trace_path = config.get("trace_path") if config.get("save_trace", False) else None
-        self._task_name = config.get("task_name")
-        self._validate_temperature = config.get("validate_temperature")
-        self.agent_spec = load_agent_spec(str(config.get("nexau_agent_config_path")),
-                                          config.get("nexau_agent_workspace"))
-        sampling = {**self.agent_spec.sampling_defaults(), **_plain(config.get("sampling") or {})}
+        self._prompt_key = config["prompt_key"]
+        self._tool_timeout = float(config["tool_timeout"])
+        self._max_tool_output = int(config["max_tool_output_chars"])
+        self._max_sequence_length = config["max_sequence_length"]
+        self._truncated_reward = config["truncated_reward"]
+        self._merge = bool(config["enable_trace_prefix_merge"])
+        self._trace_path = config["trace_path"] if config["save_trace"] else None
+        self._task_name = config["task_name"]
+        self._validate_temperature = config["validate_temperature"]
+        self.agent_spec = load_agent_spec(str(config["nexau_agent_config_path"]),
+                                          config["nexau_agent_workspace"])
+        sampling = {**self.agent_spec.sampling_defaults(), **_plain(config["sampling"] or {})}
         self._sampling = SamplingParams.from_config(sampling)
-        self.runner_kind = _choose_runner(str(config.get("agent_runner", "auto")))
-        few_shot = _plain(config.get("few_shot") or [])
+        self.runner_kind = _choose_runner(str(config["agent_runner"]))
+        few_shot = _plain(config["few_shot"] or [])
         if self.runner_kind == "builtin":
             self.runner: Any = AgentRunner(self.agent_spec, self._tool_timeout, self._max_tool_output, few_shot)
         else:
@@ -280,4 +281,6 @@ def _nexau_importable() -> bool:
 
 
 def _plain(value: Any) -> Any:
+    if hasattr(value, "to_dict"):  # a BoundConfig
+        return value.to_dict()
     return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value

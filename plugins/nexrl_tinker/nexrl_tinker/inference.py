@@ -95,15 +95,15 @@ class TinkerInferenceClient(InferenceClient):
 
     def __init__(self, config: Any, section: str = "service.inference_service"):
         super().__init__(config)
-        cfg = plain_section(config, section)
+        cfg = plain_section(self.config, section)  # bound: declared defaults filled
         self.connection = resolve_connection(cfg, section)
         self.remote_path, tokenizer_path = _model_paths(cfg, section)
-        self.base_model = cfg.get("base_model")
+        self.base_model = cfg["base_model"]
         problem = _tokenizer_problem(tokenizer_path, section)
         if problem:
             raise ConfigError(problem)
         self.tokenizer = load_tokenizer(str(tokenizer_path), f"{section}.tokenizer_path")
-        self.use_chat_template = bool(cfg.get("chat_template", True))
+        self.use_chat_template = bool(cfg["chat_template"])
         self._calls = RemoteCalls(self.connection)
         self._lock = threading.Lock()
         self._tokenizer_lock = threading.Lock()  # fast tokenizers are not safe under concurrent use

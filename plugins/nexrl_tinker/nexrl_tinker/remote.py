@@ -90,6 +90,8 @@ def plain_section(section: Any, path: str) -> dict[str, Any]:
     """A recipe section as a plain dict, interpolations (``${oc.env:TINKER_API_KEY}``) resolved."""
     if section is None:
         return {}
+    if hasattr(section, "to_dict"):  # a BoundConfig
+        return section.to_dict()
     if hasattr(section, "_get_node"):  # an OmegaConf node
         from omegaconf import OmegaConf
         from omegaconf.errors import OmegaConfBaseException

@@ -36,7 +36,7 @@ import numpy as np
 from loguru import logger
 from tinker import types
 
-from nexrl_core import REQUIRED, ConfigError, DataError, Option, StepResult, TrainService, check_options
+from nexrl_core import REQUIRED, ConfigError, DataError, Option, StepResult, TrainService, bind, check_options
 
 from .remote import CONNECTION_OPTIONS, RemoteCalls, TinkerRequestError, plain_section, resolve_connection
 
@@ -131,7 +131,7 @@ class TinkerTrainService(TrainService):
         if problems:
             raise ConfigError("; ".join(problems))
         self.connection = resolve_connection(cfg, section)
-        opt = {key: cfg.get(key, option.default_value()) for key, option in self.OPTIONS.items()}
+        opt = bind(cfg, self.OPTIONS, section)  # the declared defaults, written once
         self.base_model = str(opt["base_model"])
         self.lora_rank = int(opt["lora_rank"])
         lora_seed = opt["lora_seed"] if opt["lora_seed"] is not None else seed

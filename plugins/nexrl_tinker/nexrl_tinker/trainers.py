@@ -113,7 +113,7 @@ class RemoteApiTrainer(BaseTrainer):
 
     def __init__(self, config: Any):
         super().__init__(config)
-        self._algorithm = config.get("algorithm", {}) or {}
+        self._algorithm = self._full_config["algorithm"]
         self.train_service: Any = None
 
     def initialize_workers(self) -> None:
@@ -353,9 +353,11 @@ class RemoteApiCrossEntropyTrainer(RemoteApiTrainer):
 
     def __init__(self, config: Any):
         super().__init__(config)
-        inference = config.get("service", {}).get("inference_service", {}) or {}
-        self._tokenizer_path = self._config.get("tokenizer_path") or inference.get("tokenizer_path")
-        self._chat_template = bool(inference.get("chat_template", True))
+        # The inference backend's tokenizer settings, where it declares them (tinker, hf).
+        inference = self._full_config["service"]["inference_service"]
+        self._tokenizer_path = self._config["tokenizer_path"] or \
+            (inference["tokenizer_path"] if "tokenizer_path" in inference else None)
+        self._chat_template = bool(inference["chat_template"]) if "chat_template" in inference else True
         self._tokenizer: Any = None
 
     def loss(self) -> tuple[str, dict[str, float] | None]:
