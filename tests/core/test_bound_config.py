@@ -18,7 +18,7 @@ from nexrl_core.cli.docgen import SECTIONS, flatten_options
 from nexrl_core.config.bound import BoundConfig, bind_component, effective_options, key_tree
 from nexrl_core.config.recipe import declared_options, load_recipe
 from nexrl_core.config.schema import CORE_OPTIONS, ROLLOUT_WORKER, TRAJECTORY_POOL
-from nexrl_core.plugins import PluginManager
+from nexrl_core.plugins import PluginManager, use_plugin_manager
 from nexrl_core.testing import run_recipe
 
 # -- the bound mapping ---------------------------------------------------------------------------
@@ -220,7 +220,7 @@ def _documented_overrides() -> list[tuple[str, list[str], str]]:
     with the selections that make it apply."""
     from nexrl_core.algorithms.registry import AlgorithmRegistry
 
-    pm = PluginManager()
+    pm = _PM
     cases: list[tuple[str, list[str], str]] = []
 
     def add(prefix: str, options, select: list[str]) -> None:
@@ -262,6 +262,7 @@ def _documented_overrides() -> list[tuple[str, list[str], str]]:
     return cases
 
 
+_PM = PluginManager()
 _CASES = _documented_overrides()
 
 
@@ -277,7 +278,8 @@ def test_every_documented_key_overrides_with_plain_key_value(tmp_path):
     failed = {}
     for key, overrides, value in _CASES:
         try:
-            cfg = load_recipe(str(recipe), overrides)
+            with use_plugin_manager(_PM):  # every installed plugin, whatever an earlier test made the default
+                cfg = load_recipe(str(recipe), overrides)
         except ConfigError as exc:
             failed[key] = str(exc)
             continue
