@@ -60,10 +60,12 @@ class PythonFunctionEvaluator(Evaluator):
     @classmethod
     def check_config(cls, section: Mapping[str, Any], key: str) -> list[str]:
         kwargs = dict(section.get("kwargs") or {})
+        default = cls.OPTIONS["function"].default  # the composed recipe holds it: only another name conflicts
+        function = section.get("function") or default
         try:
             if section.get("class") is None:
-                load_function(str(section["path"]), str(section.get("function", "score")), kwargs, key)
-            elif "function" in section:
+                load_function(str(section["path"]), str(function), kwargs, key)
+            elif function != default:
                 raise ConfigError(f"{key}: give function or class, not both")
             else:
                 load_class(str(section["path"]), str(section["class"]), kwargs, key)

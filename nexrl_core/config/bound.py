@@ -43,10 +43,7 @@ def effective_options(values: Any, pm: Any, trainer_cls: type | None = None) -> 
     from .schema import CORE_OPTIONS
 
     values = values if isinstance(values, Mapping) else {}
-    try:
-        core, _ = _core_options(values, pm)  # logger.<sink> of the chosen sinks
-    except Exception:  # noqa: BLE001 - a broken sink plugin: the checks report it
-        core = dict(CORE_OPTIONS)
+    core, _ = _core_options(values, pm)  # with logger.<sink> of the chosen sinks
     out = _effective(values, core, pm)
     if trainer_cls is not None:
         from .recipe import declared_options

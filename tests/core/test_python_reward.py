@@ -174,7 +174,7 @@ BAD = {  # evaluator mapping (paths relative to the recipe in tmp_path; an exist
     "class_kwargs": ({"path": "my_reward.py", "class": "SumEvaluator", "kwargs": {"bonus": 1}},
                      "rollout_worker.evaluator.kwargs: SumEvaluator(scale=1.0) in {tmp}/my_reward.py cannot be "
                      "built as SumEvaluator(bonus=...): got an unexpected keyword argument 'bonus'"),
-    "function_and_class": ({"path": "my_reward.py", "function": "score", "class": "SumEvaluator"},
+    "function_and_class": ({"path": "my_reward.py", "function": "shaped", "class": "SumEvaluator"},
                            "rollout_worker.evaluator: give function or class, not both"),
 }
 
