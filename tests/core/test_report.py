@@ -4,7 +4,6 @@ records every request the page makes: its plots render, its filter works, it fet
 
 from __future__ import annotations
 
-import html.parser
 import json
 import os
 import shutil
@@ -21,6 +20,7 @@ import pytest
 from nexrl_core.cli.report import _PALETTE, svg_chart
 from nexrl_core.cli.show import _prompt_text
 from tests.core.test_run_ux import clean_env, nexrl, rows
+from tests.support.html_page import Page
 
 SECRET = "sk-report-secret-4711"
 #: what a prompt may hold: markup that would fetch (were it not escaped), quotes, entities, model junk
@@ -112,53 +112,6 @@ def _env(root: Path) -> dict[str, str]:
     return clean_env(root, NEXRL_TEST_API_KEY=SECRET)  # named like a secret: every output hides its value
 
 
-class Page(html.parser.HTMLParser):
-    """The parts of a report page the tests look at: tags seen, the sample table's rows (attributes
-    and cell texts) and every attribute that could make a browser fetch."""
-
-    def __init__(self, text: str):
-        super().__init__()
-        self.tags: list[tuple[str, dict]] = []
-        self.rows: list[tuple[dict, list[str]]] = []
-        self.texts: dict[str, str] = {}
-        self._cell: list[str] | None = None
-        self._in_body = False
-        self._id: str | None = None
-        self.feed(text)
-
-    def handle_starttag(self, tag, attrs):
-        attrs = dict(attrs)
-        self.tags.append((tag, attrs))
-        if tag == "tbody":
-            self._in_body = True
-        elif tag == "tr" and self._in_body:
-            self.rows.append((attrs, []))
-        elif tag == "td" and self._in_body:
-            self._cell = []
-        elif tag == "br" and self._cell is not None:
-            self._cell.append("\n")
-        if attrs.get("id"):
-            self._id = attrs["id"]
-            self.texts[self._id] = ""
-
-    def handle_endtag(self, tag):
-        if tag == "tbody":
-            self._in_body = False
-        elif tag == "td" and self._cell is not None:
-            self.rows[-1][1].append("".join(self._cell))
-            self._cell = None
-        self._id = None
-
-    def handle_data(self, data):
-        if self._cell is not None:
-            self._cell.append(data)
-        if self._id is not None:
-            self.texts[self._id] += data
-
-    def count(self, tag: str, **attrs) -> int:
-        return sum(1 for t, a in self.tags if t == tag and all(a.get(k) == v for k, v in attrs.items()))
-
-
 @pytest.fixture(scope="module")
 def page(run_dir) -> Path:
     """``nexrl report RUN_DIR``, run as a user would (a real process, the secret in its environment)."""
@@ -238,6 +191,21 @@ def test_a_secret_in_an_older_record_is_scrubbed_and_out_writes_elsewhere(run_di
     assert not (copy / "report.html").exists()
     text = out.read_text(encoding="utf-8")
     assert SECRET not in text and "raw ***" in text
+
+
+def test_a_large_logprob_gap_is_marked_on_its_steps_samples(run_dir, page, tmp_path, capsys):
+    copy = tmp_path / "copy"
+    shutil.copytree(run_dir, copy, ignore=shutil.ignore_patterns("report.html"))
+    with open(copy / "metrics.jsonl", "a", encoding="utf-8") as f:  # as a trainer with rollout log-probs logs it
+        for step, gap in ((1, 0.002), (2, 1.5)):
+            f.write(json.dumps({"step": step, "train/rollout_logprob_diff_max": gap}) + "\n")
+    assert _report(capsys, copy)[0] == 0
+    marked = Page((copy / "report.html").read_text(encoding="utf-8"))
+    assert [t for t, _ in marked.tags].count("th") == 7
+    by_step = {step: {cells[6] for attrs, cells in marked.rows if attrs["data-step"] == str(step)} for step in (1, 2, 4)}
+    assert by_step == {1: {"0.002"}, 2: {"1.5\nlarge"}, 4: {"-"}}
+    # without the metric (the mock trainer logs none) there is no such column
+    assert [t for t, _ in Page(page.read_text()).tags].count("th") == 6
 
 
 def test_a_missing_or_empty_run_dir_is_one_line(tmp_path, capsys):
