@@ -72,13 +72,9 @@ def _nice_ticks(lo: float, hi: float, count: int = 5, integer: bool = False) -> 
     if integer:
         step = max(1.0, float(round(step)))
     first = math.floor(lo / step + 1e-9) * step
-    ticks, value = [], first
-    while value <= hi + step * 1e-9:
-        ticks.append(round(value, 12))
-        value += step
-    if ticks[-1] < hi:
-        ticks.append(round(value, 12))
-    return ticks
+    # by index, not by adding: a step below the values' float resolution must still end
+    count = min(int(math.ceil((hi - first) / step - 1e-9)) + 1, 4 * count + 2)
+    return [round(first + i * step, 12) for i in range(max(count, 2))]
 
 
 def _tick_text(value: float) -> str:

@@ -233,6 +233,8 @@ def test_svg_chart_draws_one_point_flat_lines_and_skips_infinite_values():
     assert len(polyline) == 2 and len({p.split(",")[1] for p in polyline}) == 1
     empty = svg_chart([{"label": "a", "points": [(1, -1e308)], "color": "#123456"}], "y")
     assert "no finite values" in empty and "<polyline" not in empty
+    tiny_span = svg_chart([{"label": "a", "points": [(1, 1e10), (2, 1e10 + 1e-6)], "color": "#123456"}], "y")
+    assert tiny_span.count("<polyline") == 1  # ticks below the values' float resolution still end
     many = svg_chart([{"label": "a", "points": [(i, float(i % 7)) for i in range(5000)], "color": "#123456"}], "y")
     assert len(many.split('points="')[1].split('"')[0].split()) <= 601
 
