@@ -30,7 +30,7 @@ from .plot import (
     update_key,
     validation_keys,
 )
-from .run_log import METRICS_FILE, SAMPLES_FILE, read_jsonl
+from .run_log import METRICS_FILE, SAMPLES_FILE, read_jsonl, writable_dir_problem
 from .show import _is_number, _number, _prompt_text
 
 REPORT_FILE = "report.html"
@@ -385,9 +385,17 @@ def write_report(run_dir: str, out: str | None = None) -> str:
     if os.path.isdir(out):
         raise ConfigError(f"-o {out}: is a folder; give the HTML file to write")
     folder = os.path.dirname(os.path.abspath(out))
-    os.makedirs(folder, exist_ok=True)
+    problem = writable_dir_problem(folder, f"-o {out}")
+    if problem:
+        raise ConfigError(problem)
     tmp = f"{out}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(page)
-    os.replace(tmp, out)
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(page)
+        os.replace(tmp, out)  # a reader never sees half a page
+    except OSError as exc:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise ConfigError(f"-o {out}: cannot write it ({(exc.strerror or type(exc).__name__).lower()})") from None
     return out

@@ -221,6 +221,10 @@ def test_a_missing_or_empty_run_dir_is_one_line(tmp_path, capsys):
     (empty / "samples.jsonl").write_text(json.dumps({"prompt": "p", "response": "r"}) + "\n")  # an eval --out folder
     assert _report(capsys, empty, "-o", tmp_path) == (2, "", f"error: -o {tmp_path}: is a folder; give the HTML "
                                                              f"file to write\n")
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert _report(capsys, empty, "-o", blocker / "r.html") == (2, "", f"error: -o {blocker / 'r.html'}: '{blocker}' "
+                                                                       f"is a file, not a folder\n")
     assert _report(capsys, empty) == (0, f"{empty / 'report.html'}\n", "")
     assert "<polyline" not in (empty / "report.html").read_text() and "no metrics yet" in (empty / "report.html").read_text()
 
