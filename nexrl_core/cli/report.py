@@ -31,14 +31,9 @@ from .plot import (
     validation_keys,
 )
 from .run_log import METRICS_FILE, SAMPLES_FILE, read_jsonl, writable_dir_problem
-from .show import _is_number, _number, _prompt_text
+from .show import GAP_KEY, LARGE_GAP, _is_number, _number, _prompt_text
 
 REPORT_FILE = "report.html"
-#: the per-step metric of the largest per-token |trainer - rollout log-prob| (rollout_mismatch_metrics)
-GAP_KEY = "train/rollout_logprob_diff_max"
-#: a gap above this is flagged: one token's probability differs by more than 2x between the
-#: rollout engine and the trainer (the default rollout_correction.cap)
-LARGE_GAP = math.log(2.0)
 _PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
             "#bcbd22", "#17becf")
 _MAX_POINTS = 600  # a line with more points is thinned (every k-th point, the last kept)

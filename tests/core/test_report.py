@@ -204,6 +204,13 @@ def test_a_large_logprob_gap_is_marked_on_its_steps_samples(run_dir, page, tmp_p
     assert [t for t, _ in marked.tags].count("th") == 7
     by_step = {step: {cells[6] for attrs, cells in marked.rows if attrs["data-step"] == str(step)} for step in (1, 2, 4)}
     assert by_step == {1: {"0.002"}, 2: {"1.5\nlarge"}, 4: {"-"}}
+    # nexrl show says it too, where large only
+    from nexrl_core.cli import main
+
+    assert main(["show", str(copy), "--last", "30"]) == 0
+    heads = [block.splitlines()[0] for block in capsys.readouterr().out.strip().split("\n\n")[1:]]
+    assert len(heads) == 30
+    assert [h.endswith(" · step's log-prob gap 1.5 (large)") for h in heads] == [h.startswith("step 2 ") for h in heads]
     # without the metric (the mock trainer logs none) there is no such column
     assert [t for t, _ in Page(page.read_text()).tags].count("th") == 6
 
