@@ -54,12 +54,13 @@ def main(argv: list[str] | None = None) -> int:
     import transformers
 
     transformers.logging.set_verbosity_error()
+    from omegaconf import OmegaConf
+
     import nexrl_core
     import nexrl_grpo
     from nexrl_core.config import load_recipe
     from nexrl_core.controller import NexRLController
     from nexrl_grpo import engine, train_service
-    from omegaconf import OmegaConf
 
     tree = os.path.abspath(args.tree)
     for module in (nexrl_core, nexrl_grpo):
