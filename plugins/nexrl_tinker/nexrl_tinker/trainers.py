@@ -104,6 +104,7 @@ class RemoteApiTrainer(BaseTrainer):
 
     TRAIN_SERVICE_BATCH_FORMAT = BATCH_FORMAT
     TRAIN_SERVICE_DEFAULT = "tinker"
+    TRAJECTORY_CONTRACT = "remote_api"
     # The weights live on the service: rollouts must sample them through the tinker weight sync.
     CAPABILITIES = Capabilities(
         provides={TRAINER_CAPABILITY},
@@ -344,6 +345,7 @@ class RemoteApiCrossEntropyTrainer(RemoteApiTrainer):
     the ``tinker`` inference backend encodes it (chat template), the response followed by EOS.
     """
 
+    TRAJECTORY_CONTRACT = "sft"
     OPTIONS = {
         "tokenizer_path": Option(None, str, "local tokenizer folder for trajectories that carry text but no token "
                                             "ids (null: service.inference_service.tokenizer_path)"),
