@@ -94,3 +94,47 @@ def test_a_trainer_overriding_only_prepare_batch_trains(tiny_model_dir, tmp_path
     initial = load_file(str(Path(tiny_model_dir) / "model.safetensors"))
     changed = [k for k in initial if k in saved and not torch.equal(initial[k], saved[k].to(initial[k].dtype))]
     assert changed
+
+
+def test_the_trainer_and_weight_sync_scaffolds_train_when_selected(tiny_model_dir, tmp_path, monkeypatch):
+    """`nexrl new trainer` and `nexrl new weight-sync` packages, registered in-process, run GRPO on
+    the tiny Llama in place of self_hosted_grpo and in_process: the scaled advantages reach the
+    loss and every new version reaches the engine."""
+    import importlib
+
+    from nexrl_core.cli import main
+
+    for kind, name in (("trainer", "scaled"), ("weight-sync", "push")):
+        assert main(["new", kind, name, "--dir", str(tmp_path)]) == 0
+    monkeypatch.syspath_prepend(str(tmp_path / "nexrl-trainer-scaled"))
+    monkeypatch.syspath_prepend(str(tmp_path / "nexrl-weight-sync-push"))
+    trainer_plugin = importlib.import_module("nexrl_trainer_scaled.plugin")
+    push_plugin = importlib.import_module("nexrl_weight_sync_push.plugin")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("NEXRL_LOAD_PLUGINS", "nexrl-grpo")
+        pm = PluginManager()
+    pm.register(trainer_plugin, name="scaled", distribution="nexrl-trainer-scaled")
+    pm.register(push_plugin, name="push", distribution="nexrl-weight-sync-push")
+    cfg = {
+        "run_dir": str(tmp_path / "run"), "seed": 3, "logger": {"backend": [], "level": "WARNING"},
+        "data": {"type": "arithmetic", "num_rows": 8, "max_value": 5},
+        "rollout_worker": {"type": "simple", "num_workers": 2, "sampling": {"max_tokens": 6, "temperature": 1.0},
+                           "evaluator": {"type": "python", "path": "reward.py", "function": "score"}},
+        "trajectory_pool": {"batch_size": 4, "group_size": 2},
+        "trainer": {"type": "scaled", "advantage_scale": 0.5, "total_train_steps": 2},
+        "weight": {"sync_mode": "sync", "backend": "push"},
+        "service": {"train_service": {"model_path": tiny_model_dir, "lr": 1e-2, "num_threads": 1},
+                    "inference_service": {"backend": "hf", "model_path": tiny_model_dir, "num_threads": 1}},
+        "runtime_monitor": {"stop_timeout": 10, "health_check": {"check_interval": 0.5, "timeout": 10.0},
+                            "exception_handling": {"check_interval": 0.05}},
+    }
+    (tmp_path / "reward.py").write_text(REWARD)
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    controller = NexRLController(load_recipe(str(path)), plugin_manager=pm)
+    summary = controller.run()
+    assert summary.stopped_by == "finished" and summary.global_step == 2 and summary.errors == []
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "train/num_trajectories" in r]
+    assert [r["train/advantage_scale"] for r in steps] == [0.5, 0.5]
+    assert controller.inference_client.model_version() == 2  # the engine serves what the scaffold pushed
