@@ -421,7 +421,7 @@ KIND_FILES["worker"]["tests/test_$name.py"] = '''
 """Tests of $dist: `pip install -e .[test]`, then `pytest`."""
 
 import $package.plugin as plugin
-from nexrl_core.trajectory_keys import trajectory_problem
+from nexrl_core.testing import trajectory_problem
 from $package import $cls
 
 
@@ -717,7 +717,7 @@ KIND_FILES["weight-sync"]["tests/test_$name.py"] = '''
 
 import $package.plugin as plugin
 from nexrl_core import Capabilities, hookimpl
-from nexrl_core.builtins.mock import MockInferenceClient
+from nexrl_core.testing import MockInferenceClient
 from $package import $cls
 
 
