@@ -128,6 +128,7 @@ def footer(cfg: Any, recipe: str, overrides: list[str], outcome: _Outcome, elaps
     lines.append(("plot", plot_path or plot_problem or "not written"))
     if os.path.isfile(os.path.join(run_dir, SAMPLES_FILE)):
         lines.append(("samples", shlex.join(["nexrl", "show", run_dir])))
+    lines.append(("report", shlex.join(["nexrl", "report", run_dir])))
     if latest and exportable:
         lines.append(("export", shlex.join(["nexrl", "export", latest, os.path.join(run_dir, "model")])))
     if outcome.status == "finished":

@@ -95,6 +95,36 @@ def test_a_shared_prompt_position_is_scored_once_and_its_gradient_has_the_same_b
         assert all(torch.equal(grads[name], runs[0][name]) for name in grads)
 
 
+def test_attention_runs_per_group_block_and_the_model_keeps_its_attention(tiny_model_and_tokenizer, monkeypatch):
+    """Tokens of one group never see another group's, so attention runs over each group's block of
+    the packed sequence (its prompt once, then its rows' responses), not over the whole sequence."""
+    model, _ = tiny_model_and_tokenizer
+    model.train()
+    ids, mask, pos, resp_w, groups = padded_batch()
+    query_lengths: list[int] = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def recording(query, *args, **kwargs):
+        query_lengths.append(query.shape[-2])
+        return sdpa(query, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
+    compute_response_logprobs_packed(model, ids, mask, pos, resp_w, groups)
+    # Groups in order of first appearance: the prompt once plus every response of the group.
+    blocks = [len(p) + sum(len(r) for g2, _, r in ROWS if g2 == g)
+              for g, p in dict((g, p) for g, p, _ in ROWS).items()]
+    assert query_lengths == blocks * model.config.num_hidden_layers
+    assert model.config._attn_implementation == "sdpa"  # switched for the packed forward only
+
+    # The padded computation and a forward that fails leave the model's own attention in place.
+    query_lengths.clear()
+    compute_response_logprobs(model, ids, mask, pos, resp_w)
+    assert query_lengths == [ids.shape[1]] * model.config.num_hidden_layers
+    with pytest.raises(IndexError):
+        compute_response_logprobs_packed(model, ids + model.config.vocab_size, mask, pos, resp_w, groups)
+    assert model.config._attn_implementation == "sdpa"
+
+
 @pytest.mark.parametrize("packed", [False, True])
 def test_each_row_is_scored_at_its_own_temperature(tiny_model_and_tokenizer, packed):
     """Rows of one prompt group sampled at different temperatures (the group's shared prompt

@@ -11,6 +11,8 @@ differ only by numerics.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import importlib.metadata
 import os
 import re
@@ -303,6 +305,44 @@ def packing_problem(model: torch.nn.Module, attention_mask: torch.Tensor, respon
     return None
 
 
+# A packed sequence's tokens attend only within their own GRPO group (prompt and its responses):
+# attention runs per group block, each over its block of the 4-D mask. The dense masked SDPA over the
+# whole sequence computes the same attention (masked columns weigh 0) at several times the work
+# (0.77 against 0.24 s forward and backward over 30 layers of four ~150-token groups).
+_GROUP_ATTENTION = "nexrl_group_sdpa"
+_group_blocks: contextvars.ContextVar[list[tuple[int, int]] | None] = contextvars.ContextVar("_group_blocks",
+                                                                                           default=None)
+
+
+def _group_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                attention_mask: torch.Tensor | None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    blocks = _group_blocks.get()
+    if blocks is None or attention_mask is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    parts = [sdpa_attention_forward(module, query[:, :, a:b], key[:, :, a:b], value[:, :, a:b],
+                                    attention_mask[:, :, a:b, a:b], **kwargs)[0] for a, b in blocks]
+    return torch.cat(parts, dim=1), None  # [batch, tokens, heads, head_dim], as sdpa returns it
+
+
+@contextlib.contextmanager
+def _attention_per_group(model: torch.nn.Module, blocks: list[tuple[int, int]]):
+    """The model's attention runs per ``[start, end)`` block of the packed sequence while inside."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(_GROUP_ATTENTION, _group_sdpa)  # a dict entry: idempotent
+    config = model.config
+    previous = config._attn_implementation
+    token = _group_blocks.set(blocks)
+    config._attn_implementation = _GROUP_ATTENTION
+    try:
+        yield
+    finally:
+        config._attn_implementation = previous
+        _group_blocks.reset(token)
+
+
 def compute_response_logprobs_packed(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
@@ -319,8 +359,9 @@ def compute_response_logprobs_packed(
     longer gets a sequence of its own): each distinct prompt (``prompt_groups``; none: every row
     its own) once, followed by its rows' real response tokens. A 4-D boolean mask lets a token see
     its own prompt and the earlier tokens of its own segment; positions are the batch's
-    ``position_ids``; the LM head runs only at the positions that predict a response token, each
-    once (a prompt's last position predicts the first token of each of its rows).
+    ``position_ids``; attention runs per group (no token sees another group's); the LM head runs
+    only at the positions that predict a response token, each once (a prompt's last position
+    predicts the first token of each of its rows).
     Same numbers as the padded computation up to float summation order, gradients included, and
     the same bits on every call (no position is gathered twice: on CPU the backward of a repeated
     index adds with atomics, in another order each run).
@@ -358,8 +399,10 @@ def compute_response_logprobs_packed(
         tokens, pos, segment, owner, targets, kept_rows = [], [], [], [], [], []
         keep: dict[int, int] = {}  # packed position -> its row in the LM head's output
         pick: list[int] = []  # per target: the LM head row that predicts it
+        blocks: list[tuple[int, int]] = []  # each group's [start, end) in the packed sequence
         length = 0
         for group in bin_groups:
+            group_start = length
             first = members[group][0]
             prompt_tokens = ids[first, :prompt_len][mask[first, :prompt_len]]
             n_prompt = len(prompt_tokens)
@@ -385,19 +428,21 @@ def compute_response_logprobs_packed(
                 kept_rows += [row] * n
                 dest_rows += [row] * n
                 dest_cols += list(range(n))
+            blocks.append((group_start, length))
         if not keep:
             continue
         seg, own = torch.tensor(segment), torch.tensor(owner)
         index = torch.arange(len(seg))
         sees = (index[None, :] <= index[:, None]) & ((seg[:, None] == seg[None, :])
                                                       | ((seg[None, :] < 0) & (own[None, :] == own[:, None])))
-        out = model(
-            input_ids=torch.cat(tokens)[None].to(device),
-            attention_mask=sees[None, None].to(device),
-            position_ids=torch.cat(pos)[None].to(device),
-            use_cache=False,
-            logits_to_keep=torch.tensor(list(keep), device=device),
-        )
+        with _attention_per_group(model, blocks):
+            out = model(
+                input_ids=torch.cat(tokens)[None].to(device),
+                attention_mask=sees[None, None].to(device),
+                position_ids=torch.cat(pos)[None].to(device),
+                use_cache=False,
+                logits_to_keep=torch.tensor(list(keep), device=device),
+            )
         # index_select's backward (index_add) sums a prompt row's gradients in target order.
         logits = out.logits[0].index_select(0, torch.tensor(pick, device=device))
         # One temperature per target: that of its row.
