@@ -15,8 +15,8 @@ the experiment before publishing it as a plugin (``nexrl new worker`` / ``nexrl 
 
 What NexRL's ``custom_rollout_worker_module_path`` / ``custom_rollout_worker_class_name`` name
 (``nexrl migrate`` rewrites them so). The section's other keys are the class's options, checked by
-``nexrl validate`` as a registered class's are. The file is imported in the process that builds
-the module (``launch_mode: local``).
+``nexrl validate`` as a registered class's are. The file is imported in the driver's process
+(``launch_mode: local``; ``nexrl validate`` refuses it with ``launch_mode: ray``).
 """
 
 from __future__ import annotations
