@@ -128,9 +128,12 @@ class RemoteApiTrainer(BaseTrainer):
         """Algorithm-specific preparation (advantages...): returns the trajectories to train on,
         and adds its metrics (``train/...``) to ``metrics``."""
 
-    @abstractmethod
     def loss(self) -> tuple[str, dict[str, float] | None]:
-        """The service's loss function for this step: its name and ``loss_fn_config``."""
+        """The service's loss function for this step: its name and ``loss_fn_config``. This
+        default is ``importance_sampling`` on each trajectory's ``advantages`` (one number, or one
+        per response token), which ``_prepare_trajectories`` sets: a trainer written as the seed's
+        guide shows overrides only that."""
+        return "importance_sampling", None
 
     def _convert_trajectories_to_datums(self, trajectories: list[Trajectory]) -> list[Any]:
         """One ``tinker.types.Datum`` per token sequence for :meth:`loss` (:mod:`nexrl_tinker.datums`):
