@@ -83,7 +83,7 @@ def import_file(path: str, key: str) -> Any:
     with _lock:
         if stamp in _modules:
             return _modules[stamp]
-        name = f"nexrl_python_reward_{hashlib.sha1(path.encode()).hexdigest()[:12]}"
+        name = f"nexrl_recipe_file_{hashlib.sha1(path.encode()).hexdigest()[:12]}"
         spec = importlib.util.spec_from_file_location(name, path)
         if spec is None or spec.loader is None:
             raise ConfigError(f"{key}.path: '{path}' cannot be imported as Python")

@@ -94,6 +94,13 @@ def test_a_trainer_overriding_only_prepare_batch_trains(tiny_model_dir, tmp_path
     initial = load_file(str(Path(tiny_model_dir) / "model.safetensors"))
     changed = [k for k in initial if k in saved and not torch.equal(initial[k], saved[k].to(initial[k].dtype))]
     assert changed
+    # nexrl export finds the class that wrote the checkpoint in its file
+    from nexrl_core.cli import main
+
+    checkpoint = tmp_path / "run" / "checkpoints" / f"global_step_{STEPS}"
+    assert main(["export", str(checkpoint), str(tmp_path / "exported")]) == 0
+    exported = load_file(str(tmp_path / "exported" / "model.safetensors"))
+    assert all(torch.equal(exported[k], saved[k]) for k in changed)
 
 
 def test_the_trainer_and_weight_sync_scaffolds_train_when_selected(tiny_model_dir, tmp_path, monkeypatch):
