@@ -1,6 +1,7 @@
 """nexrl-core: hook specs, plugin manager, controller and data flow of the nexrl RL framework."""
 
 from . import algorithms
+from .api import run
 from .config.options import REQUIRED, Capabilities, Option, check_options, component_options
 from .controller import NexRLController, RunFailed, RunSummary
 from .dataloader import BaseDataLoader
@@ -59,6 +60,7 @@ __all__ = [
     "as_text_messages", "parse_tool_calls", "render_tool_calls", "tools_system_prompt",
     "algorithms", "check_options", "component_options", "demote_library_log", "execute", "execute_async", "execute_with_timeout",
     "get_plugin_manager", "hookimpl", "OpenAICompatibleClient", "StartedProcess", "rendezvous_host", "start_processes",
+    "run",
 ]
 
 

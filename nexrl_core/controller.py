@@ -112,13 +112,13 @@ class NexRLController:
         rm.register_role(NexRLRole.VALIDATOR, Validator, cfg.validate)
         rm.register_role(NexRLRole.WEIGHT_SYNC_CONTROLLER, WeightSyncController, cfg.weight)
         if not self._eval_only:
-            rm.register_role(NexRLRole.TRAINER, self._create("trainer", cfg.trainer.type, "trainer.type"), cfg)
+            rm.register_role(NexRLRole.TRAINER, self._pm.resolve_section("trainer", cfg.trainer, "trainer"), cfg)
         inference = cfg.service.inference_service
         rm.register_role(NexRLRole.INFERENCE_SERVICE,
                          self._create("inference_backend", inference.backend, "service.inference_service.backend"),
                          inference)
         rm.register_role(NexRLRole.ROLLOUT_WORKER,
-                         self._create("rollout_worker", cfg.rollout_worker.type, "rollout_worker.type"),
+                         self._pm.resolve_section("rollout_worker", cfg.rollout_worker, "rollout_worker"),
                          cfg.rollout_worker, count=int(cfg.rollout_worker.num_workers))
 
     def _take_handles(self) -> None:

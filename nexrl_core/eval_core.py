@@ -30,6 +30,7 @@ class SampleRecord:
     failed: bool = False
     error: str | None = None
     domain: str | None = None
+    tag: str | None = None  # the row's ``tag`` (ROLL's grouping of validation metrics)
 
     @staticmethod
     def from_trajectory(traj: dict[str, Any]) -> SampleRecord:
@@ -41,7 +42,14 @@ class SampleRecord:
             failed=bool(traj.get("failed")),
             error=traj.get("error"),
             domain=None if traj.get("domain") is None else str(traj["domain"]),
+            tag=_tag(traj),
         )
+
+
+def _tag(traj: dict[str, Any]) -> str | None:
+    task = traj.get("task")
+    tag = traj.get("tag", task.get("tag") if isinstance(task, dict) else None)
+    return None if tag is None else str(tag)
 
 
 @dataclass(frozen=True)
@@ -77,6 +85,14 @@ def summarize(state: EvalState, *, expected_samples: int | None = None, n_sample
             out[f"{prefix}{name}_{key}"] = _mean([r.scores.get(key, 0.0) for r in subset])
     out[f"{prefix}num_samples"] = float(total)
     out[f"{prefix}num_failed"] = float(sum(r.failed for r in records))
+    tags = sorted({r.tag for r in records if r.tag is not None})
+    if tags:  # rows with a tag: success rate and reward per tag (a row without one is tagged "none")
+        out[f"{prefix}success_rate"] = _success_rate(records, success_threshold)
+        for tag in tags + (["none"] if any(r.tag is None for r in records) else []):
+            subset = [r for r in records if (r.tag or "none") == tag]
+            out[f"{prefix}{tag}/success_rate"] = _success_rate(subset, success_threshold)
+            out[f"{prefix}{tag}/reward"] = _mean([r.scores.get("reward", 0.0) for r in subset])
+            out[f"{prefix}{tag}/num_samples"] = float(len(subset))
     if expected_samples is not None:
         out[f"{prefix}num_missing"] = float(max(expected_samples - total, 0))
     if n_samples > 1:
@@ -125,6 +141,11 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     if n - c < k:
         return 1.0
     return 1.0 - comb(n - c, k) / comb(n, k)
+
+
+def _success_rate(records: list[SampleRecord], success_threshold: float) -> float:
+    """Samples whose reward reaches ``success_threshold``, over every sample (failed ones count 0)."""
+    return _mean([float(r.scores.get("reward", 0.0) >= success_threshold) for r in records])
 
 
 def _mean(values: list[float]) -> float:

@@ -216,6 +216,18 @@ class PluginManager:
         broken += self._filter_note()
         raise unknown_name_error(kind, name, key, {n: r.distribution for n, r in available.items()}, broken)
 
+    def resolve_section(self, kind: str, section: Any, key: str, selector: str = "type", name: Any = None) -> Any:
+        """:meth:`resolve` of the section's ``selector`` (or ``name`` when given; ``key`` is the
+        section's), or for a rollout worker or trainer with ``type: python`` the class its ``path``
+        and ``class`` name."""
+        from .config.python_class import load_component_class, loads_from_file
+
+        if loads_from_file(kind, section):
+            return load_component_class(kind, section, key)
+        if name is None:
+            name = section.get(selector) if hasattr(section, "get") else None
+        return self.resolve(kind, name, f"{key}.{selector}")
+
     def _filter_note(self) -> str:
         """Why components may be missing: NEXRL_LOAD_PLUGINS left plugins out or names absent ones."""
         if self.load_filter is None:

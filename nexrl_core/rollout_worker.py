@@ -82,6 +82,8 @@ class BaseRolloutWorker(ThreadedModule):
         # While running several tasks: (task number, destination, trajectory) held for one call each.
         self._held: list[tuple[int, Any, Trajectory]] | None = None
         self._task_number = 0
+        self._task_in_hand: dict[str, Any] | None = None  # what a plain-dict trajectory is filled in from
+        self._last_completion: dict[str, Any] | None = None  # the seed-style call's answer, for the same
 
     def set_module_references(self, trajectory_pool: Any, dataloader: Any, weight_sync_controller: Any,
                               validate_dataloader: Any, validator: Any, inference_client: Any = None) -> None:
@@ -92,7 +94,7 @@ class BaseRolloutWorker(ThreadedModule):
         self._weight_sync_controller = weight_sync_controller
         self._validate_dataloader = validate_dataloader
         self._validator = validator
-        self._llm_client = inference_client
+        self._llm_client = None if inference_client is None else _SeedClient(inference_client, self)
         if inference_client is not None:
             self._model_tag = str(execute(inference_client.get_model_tag))
 
@@ -186,6 +188,7 @@ class BaseRolloutWorker(ThreadedModule):
         # what a failed attempt is stamped with, and what seeds its sampling
         self._task_version = self._current_version() if version is None else version
         self._puts_this_task = 0
+        self._task_in_hand, self._last_completion = task, None
         try:
             result = self.step(task)
             if result != "re-rollout" and self._puts_this_task == 0:
@@ -222,14 +225,45 @@ class BaseRolloutWorker(ThreadedModule):
 
     def _put_trajectory(self, trajectory: Trajectory) -> str:
         if not trajectory.get("failed"):
+            self._fill_in(trajectory)
             self._check_trajectory(trajectory)
         self._puts_this_task += 1
         trajectory.setdefault("model_tag", self._model_tag)
+        trajectory.setdefault("rollout_worker", self._worker_label)  # named when a trainer refuses it
         target = self._validator if self._is_validation_task(trajectory) else self._trajectory_pool
         if self._held is not None:  # handed on with the other tasks' (see _run_tasks)
             self._held.append((self._task_number, target, trajectory))
             return "success"
         return execute(target.put_trajectory, trajectory)
+
+    def _fill_in(self, trajectory: Trajectory) -> None:
+        """What a worker written against the seed's guide leaves out of its plain dict, filled in
+        from the task in hand (``uid``, ``sample_index``, ``data_source``, ... of
+        :meth:`base_trajectory`), from this task's last ``self._llm_client.completion`` /
+        ``generate`` answer when the trajectory's ``response`` is that answer's (token ids,
+        log-probs, the ``sampling`` record, ``model_version``), and a ``reward`` from the recipe's
+        evaluator when the worker set none. Keys the worker set are kept."""
+        task = self._task_in_hand
+        if task is None:
+            return
+        for key, value in self.base_trajectory(task).items():
+            trajectory.setdefault(key, value)
+        last = self._last_completion
+        if last is not None and trajectory.get("response") == last.get("response"):
+            for key in COMPLETION_KEYS:
+                if trajectory.get(key) is None and last.get(key) is not None:
+                    trajectory[key] = last[key]
+            if not isinstance(trajectory.get("model_version"), int) or trajectory["model_version"] < 0:
+                trajectory["model_version"] = self._task_version
+        trajectory.setdefault("model_version", self._task_version)
+        if "reward" not in trajectory and isinstance(trajectory.get("response"), str) \
+                and self.evaluator_for(task) is not None:
+            evaluation = self.evaluate(task, trajectory["response"])
+            trajectory["reward"] = float(evaluation.reward)
+            trajectory.setdefault("ground_truth", evaluation.ground_truth)
+            trajectory.setdefault("score", {"reward": float(evaluation.reward),
+                                            **{k: float(v) for k, v in evaluation.metrics.items()}})
+            trajectory.setdefault("extra_info", evaluation.extra_info)
 
     def _check_trajectory(self, trajectory: Trajectory) -> None:
         """The contract every trajectory a worker hands on keeps: a finite number ``reward`` (a
@@ -340,6 +374,34 @@ class BaseRolloutWorker(ThreadedModule):
 
     def _current_version(self) -> int:
         return execute(self._llm_client.model_version) if self._llm_client is not None else 0
+
+
+#: what a seed-style completion answer gives a trajectory that names its response (see ``_fill_in``)
+COMPLETION_KEYS = ("prompt_token_ids", "response_token_ids", "response_logprobs", "sampling", "model_version")
+
+
+class _SeedClient:
+    """A worker's ``self._llm_client``: the inference client (or its handle), plus what the seed's
+    guide calls on it: ``completion(prompt, **sampling)`` and ``generate(messages, **sampling)``
+    returning dicts (their answer is remembered for the task in hand) and ``_model_tag``."""
+
+    def __init__(self, client: Any, worker: BaseRolloutWorker):
+        self._client, self._worker = client, worker
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+    @property
+    def _model_tag(self) -> str:
+        return self._worker._model_tag
+
+    def completion(self, prompt: Any, **kwargs: Any) -> dict[str, Any]:
+        answer = execute(self._client.completion, prompt, **kwargs)
+        self._worker._last_completion = answer
+        return answer
+
+    def generate(self, messages: list[dict[str, Any]], **kwargs: Any) -> dict[str, Any]:
+        return self.completion(messages, **kwargs)
 
 
 _EVALUATOR_KEY = "rollout_worker.evaluator"

@@ -14,11 +14,13 @@ from typing import Any
 
 from .algorithms.registry import AlgorithmRegistry
 from .checkpoint import read_core_state, write_checkpoint
+from .errors import DataError
 from .eval_core import training_domain_metrics
 from .rollout_worker import failure_detail
 from .runtime.execute import execute
 from .runtime.threaded import ThreadedModule
 from .train_service import SECTION, TrainService, train_service_class
+from .trajectory_keys import trajectory_problem
 from .types import DEFAULT_MODEL_TAG, Trajectory, trajectory_reward
 
 _BATCH_WAIT_S = 0.1
@@ -51,6 +53,9 @@ class BaseTrainer(ThreadedModule):
     TRAIN_SERVICE_BATCH_FORMAT: str | None = None
     TRAIN_SERVICE_DEFAULT: str | None = None
     STOP_JOIN_TIMEOUT_S = 300.0  # a training step in flight finishes first
+    #: the keys this trainer reads on every trajectory (a contract of
+    #: :data:`nexrl_core.trajectory_keys.CONTRACTS`: self_hosted, remote_api, sft); None: not checked
+    TRAJECTORY_CONTRACT: str | None = None
     LOOP_ERROR_ENDS_RUN = True
 
     def __init__(self, config: Any):
@@ -188,6 +193,8 @@ class BaseTrainer(ThreadedModule):
                     dropped_groups: list[dict[str, Any]] | None = None) -> None:
         execute(self._weight_sync_controller.train_worker_notify_step_start, self._module_name, self._model_tag)
         usable = [t for t in trajectories if not t.get("failed")]
+        for t in usable:
+            self.check_trajectory(t)
         t0 = time.perf_counter()
         with self._activity_tracker.track(self._module_name, "train", auto_report_errors=False):  # _main_loop does
             metrics = self.train(usable) if usable else {}
@@ -210,6 +217,20 @@ class BaseTrainer(ThreadedModule):
         if self.save_freq > 0 and (self.global_step % self.save_freq == 0 or self.is_done()):
             self.save_checkpoint()
         execute(self._weight_sync_controller.train_worker_notify_weight_update, self._module_name, self._model_tag)
+
+    def check_trajectory(self, trajectory: Trajectory) -> None:
+        """The pool boundary: a trajectory lacking a key this trainer reads
+        (``TRAJECTORY_CONTRACT``) stops the step with one line naming the key and the worker."""
+        if self.TRAJECTORY_CONTRACT is None:
+            return
+        problem = trajectory_problem(trajectory, self.TRAJECTORY_CONTRACT)
+        if problem is not None:
+            worker = trajectory.get("rollout_worker") or "its rollout worker"
+            name = self._config.get("type")
+            label = f"'{name}'" if name and name != "python" else type(self).__name__
+            raise DataError(f"trajectory {trajectory.get('uid')}#{trajectory.get('sample_index')} from {worker} "
+                            f"{problem}; trainer {label} reads it (the "
+                            f"{self.TRAJECTORY_CONTRACT} keys of docs/extending.md)")
 
     def _samples_due(self) -> bool:
         """samples.jsonl gets this step's samples: every ``logger.samples_every`` steps, and the first
@@ -257,6 +278,8 @@ class BaseTrainer(ThreadedModule):
     def core_state(self) -> dict[str, Any]:
         # ``trainer``: the registered name of the trainer that wrote the checkpoint (nexrl export asks it)
         state: dict[str, Any] = {"global_step": self.global_step, "trainer": self._config.get("type")}
+        if state["trainer"] == "python":  # loaded from a file: nexrl export loads it the same way
+            state.update(trainer_path=getattr(type(self), "source_path", None), trainer_class=type(self).__name__)
         if self._dataloader is not None:
             state["dataloader"] = execute(self._dataloader.state_dict)
         if self._weight_sync_controller is not None:

@@ -56,6 +56,9 @@ class WeightSyncController(NexRLModule):
             raise ConfigError("weight.staleness_threshold must be >= 0")
         self._staleness = 0 if self._mode == "sync" else threshold
         self._validate_freq = int(config.get("validate_freq", 0) or 0)
+        from .config.schema import WEIGHT  # not at the top: the schema reads SYNC_MODES from here
+
+        self._update_every = int(config.get("model_update_frequency", WEIGHT["model_update_frequency"].default_value()))
         if backend is None:  # built here, in this module's process, from `weight.backend`
             from .plugins import active_plugin_manager
 
@@ -238,10 +241,12 @@ class WeightSyncController(NexRLModule):
             self._cond.wait_for(lambda: not self._waiting_for_validation or self._stopping)
             self._train_version[model_tag] = self._train_version.get(model_tag, 0) + 1
             version = self._train_version[model_tag]
-        self.sync_weight_to_rollout_service(model_tag)
+        validate = self._validate_freq > 0 and version % self._validate_freq == 0
+        if version % self._update_every == 0 or validate:  # a validation sees the weights it is named after
+            self.sync_weight_to_rollout_service(model_tag)
         with self._cond:
             self._batch_ready[model_tag] = False
-            if self._validate_freq > 0 and version % self._validate_freq == 0:
+            if validate:
                 self._waiting_for_validation = True
             self._cond.notify_all()
         logger.debug(f"{worker_name} -> weights v{version} ({self._mode})")

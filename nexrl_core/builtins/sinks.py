@@ -182,6 +182,9 @@ class TensorBoardSink:
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 writer.add_scalar(key, float(value), int(step))
 
+    def log_text(self, title: str, content: str, step: int) -> None:
+        self._writer_now().add_text(title or "text", content, int(step))
+
     def close(self) -> None:
         if self._writer is not None:
             self._writer.close()

@@ -125,6 +125,9 @@ WEIGHT = {
     "sync_mode": Option("sync", str, "sync | batch-async | fully-async", choices=_sync_modes()),
     "staleness_threshold": Option(0, int, "max weight versions a trained sample may lag (async modes)", ge=0),
     "validate_freq": Option(0, int, "validate every N steps (0: never; needs validate.data)", ge=0),
+    "model_update_frequency": Option(1, int, "push the trained weights to the inference service every N steps "
+                                             "(and before a validation); N > 1 needs an async sync_mode with "
+                                             "staleness_threshold >= N", ge=1),
     "rollout_limit": Option("batch", (int, str, None), "sync mode: rollouts started per weight version; 'batch' = "
                                                        "trajectory_pool.batch_size (none wasted, runs reproducible); "
                                                        "N or null (until a batch is ready) start extras, which are "

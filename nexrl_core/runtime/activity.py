@@ -235,7 +235,7 @@ def open_run_recorder(config: Any) -> Any:
     for name in _as_list(config.logger.backend):
         sinks.append(pm.resolve("metrics_sink", name, "logger.backend")(config, run_dir))
         labels.append(f"metrics sink '{name}' ({pm.components('metrics_sink')[name].distribution})")
-    return RunRecorder(run_dir, sinks, sink_labels=labels,
+    return RunRecorder(run_dir, sinks, sink_labels=labels, sink_names=_as_list(config.logger.backend),
                        step_end_hook=lambda step, metrics: pm.call_step_end(step=step, metrics=metrics, config=config),
                        failure_monitor=FailedSampleMonitor.from_config(config))
 

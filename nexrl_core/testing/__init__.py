@@ -4,6 +4,9 @@
   core's built-ins (and, if asked, the installed plugins: an editable install of the package
   under test is registered once, not twice).
 - :func:`run_recipe`: train a small recipe on the core's mock components with that plugin.
+- :class:`MockInferenceClient`: the mock model of :data:`MOCK_RECIPE` (``mode: sum`` answers
+  "A + B" right from a weight version on), to extend for a backend a test needs.
+- :func:`trajectory_problem`: what a trajectory lacks for a trainer's contract (docs/extending.md).
 - :func:`check_evaluator`: does an evaluator return valid results on sample data (its
   ``EXAMPLES``) and on odd replies? ``nexrl plugins check NAME`` runs the same check.
 
@@ -12,8 +15,10 @@ With nexrl-core installed, pytest provides the fixtures ``nexrl_plugins`` (a fac
 (:func:`run_recipe` into the test's temporary folder).
 """
 
+from ..builtins.mock import MockInferenceClient
+from ..trajectory_keys import trajectory_problem
 from .conformance import ConformanceReport, check_evaluator, check_plugin, result_problems
 from .kit import MOCK_RECIPE, RunResult, plugin_manager, run_recipe, use_plugins
 
-__all__ = ["MOCK_RECIPE", "ConformanceReport", "RunResult", "check_evaluator", "check_plugin", "plugin_manager",
+__all__ = ["MOCK_RECIPE", "ConformanceReport", "MockInferenceClient", "trajectory_problem", "RunResult", "check_evaluator", "check_plugin", "plugin_manager",
            "result_problems", "run_recipe", "use_plugins"]
