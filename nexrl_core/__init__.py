@@ -1,5 +1,7 @@
 """nexrl-core: hook specs, plugin manager, controller and data flow of the nexrl RL framework."""
 
+from typing import TYPE_CHECKING
+
 from . import algorithms
 from .config.options import REQUIRED, Capabilities, Option, check_options, component_options
 from .controller import NexRLController, RunFailed, RunSummary
@@ -56,6 +58,11 @@ __all__ = [
 
 # Built-ins (and the `openai` package the client needs) load on first use: a broken built-in
 # plugin is reported by the plugin manager and must not break `import nexrl_core`.
+if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
+    from .builtins.dataloaders import FileDataLoader
+    from .builtins.openai_client import OpenAICompatibleClient
+    from .builtins.workers import SimpleRolloutWorker
+
 _LAZY = {
     "FileDataLoader": "nexrl_core.builtins.dataloaders",
     "SimpleRolloutWorker": "nexrl_core.builtins.workers",
