@@ -16,7 +16,6 @@ from typing import Any
 from loguru import logger
 from omegaconf import DictConfig
 
-from .algorithms import AlgorithmRegistry
 from .checkpoint import find_latest_checkpoint
 from .cli.run_log import prepare_run_dir
 from .config.preflight import dataloader_config, records_config, require_runnable, resume_checkpoint
@@ -168,8 +167,6 @@ class NexRLController:
         execute(self.weight_sync_controller.set_module_references, self.dataloader, self.trajectory_pool,
                 self.trainer, self.inference_client)
         if self.trainer is not None:
-            # The estimators and losses the recipe may name: this run's plugins (in-process ones too).
-            execute(self.trainer.set_algorithm_registry, AlgorithmRegistry.from_plugin_manager(self._pm))
             execute(self.trainer.set_module_references, self.trajectory_pool, self.weight_sync_controller,
                     self.dataloader)
         for worker in self.rollout_workers:

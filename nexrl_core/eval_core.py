@@ -7,6 +7,7 @@ page and the tests in tests/core/test_eval_core.py cite it.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from math import comb
 from typing import Any
@@ -33,7 +34,7 @@ class SampleRecord:
     tag: str | None = None  # the row's ``tag`` (ROLL's grouping of validation metrics)
 
     @staticmethod
-    def from_trajectory(traj: dict[str, Any]) -> SampleRecord:
+    def from_trajectory(traj: Mapping[str, Any]) -> SampleRecord:
         return SampleRecord(
             uid=str(traj.get("uid")),
             sample_index=int(traj.get("sample_index") or 0),
@@ -46,7 +47,7 @@ class SampleRecord:
         )
 
 
-def _tag(traj: dict[str, Any]) -> str | None:
+def _tag(traj: Mapping[str, Any]) -> str | None:
     task = traj.get("task")
     tag = traj.get("tag", task.get("tag") if isinstance(task, dict) else None)
     return None if tag is None else str(tag)
@@ -154,7 +155,7 @@ def _mean(values: list[float]) -> float:
 
 # -- training metrics per domain (docs/evaluation.md §Training metrics per domain) --------------
 
-def training_domain_metrics(trajectories: list[dict[str, Any]],
+def training_domain_metrics(trajectories: Sequence[Mapping[str, Any]],
                             dropped_groups: list[dict[str, Any]] | None = None) -> dict[str, float]:
     """Per-domain metrics of one training step, ``train/<domain>/<name>``, for the trajectories of
     the batch that carry a ``domain``. ``dropped_groups`` (dynamic sampling: ``{"domain",
@@ -183,6 +184,6 @@ def training_domain_metrics(trajectories: list[dict[str, Any]],
     return out
 
 
-def _sampled_metrics(used: list[dict[str, Any]], dropped: list[dict[str, Any]], prefix: str) -> dict[str, float]:
+def _sampled_metrics(used: Sequence[Mapping[str, Any]], dropped: list[dict[str, Any]], prefix: str) -> dict[str, float]:
     rewards = [trajectory_reward(t) for t in used] + [float(r) for g in dropped for r in g["rewards"]]
     return {f"{prefix}dropped_groups": float(len(dropped)), f"{prefix}sampled_reward_mean": _mean(rewards)}

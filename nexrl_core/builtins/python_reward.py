@@ -124,7 +124,7 @@ def load_class(path: str, name: str, kwargs: dict[str, Any], key: str = KEY) -> 
                           f"(subclass nexrl_core.Evaluator)")
     if inspect.isabstract(found):
         raise ConfigError(f"{key}.class: {name} in {path} leaves abstract methods unimplemented: "
-                          f"{', '.join(sorted(found.__abstractmethods__))}")
+                          f"{', '.join(sorted(getattr(found, '__abstractmethods__', ())))}")
     try:
         inspect.signature(found).bind(**kwargs)
     except TypeError as exc:

@@ -134,8 +134,8 @@ class RunRecorder:
                 failed = self._step_end_hook(step=int(step), metrics=dict(data)) or []
             except Exception as exc:
                 failed = [("the step-end hook", exc, None)]
-            for label, exc, source in failed:
-                self._hook_failed(label, "nexrl_step_end", exc, source)
+            for label, error, source in failed:
+                self._hook_failed(label, "nexrl_step_end", error, source)
 
     def _hook_failed(self, label: str, call: str, exc: BaseException, source: str | None) -> None:
         where = failure_location(exc, os.path.dirname(os.path.abspath(source)) if source else None)
@@ -275,14 +275,17 @@ def setup_logging(run_dir: str | None, level: str = "INFO", fresh: bool = False,
     shown = (lambda record: not record["extra"].get(STEP_LINE)) if hide_step_lines else None
     # every sink scrubs secrets from the whole formatted line, tracebacks included
     if console is not None:
-        logger.add(lambda message: console(scrub(message)), level=level, format=CONSOLE_FORMAT, colorize=True,
-                   filter=shown, **SINK_SAFETY)
+        # loguru's stubs take no **mapping of its keywords: SINK_SAFETY is checked where it is written
+        logger.add(lambda message: console(scrub(message)), level=level, format=CONSOLE_FORMAT,  # type: ignore[call-overload]
+                   colorize=True, filter=shown, **SINK_SAFETY)
     else:
-        logger.add(ScrubbedStream(sys.stderr), level=level, format=CONSOLE_FORMAT, filter=shown, **SINK_SAFETY)
+        logger.add(ScrubbedStream(sys.stderr), level=level, format=CONSOLE_FORMAT, filter=shown,  # type: ignore[call-overload]
+                   **SINK_SAFETY)
     if run_dir:
         os.makedirs(run_dir, exist_ok=True)
         log = open(os.path.join(run_dir, log_file), "w" if fresh else "a", encoding="utf-8")  # closed by the sink
-        logger.add(ScrubbedStream(log, owned=True), level="DEBUG", enqueue=False, colorize=False, **SINK_SAFETY)
+        logger.add(ScrubbedStream(log, owned=True), level="DEBUG", enqueue=False, colorize=False,  # type: ignore[call-overload]
+                   **SINK_SAFETY)
 
 
 # -- run directories ---------------------------------------------------------------------------------

@@ -52,10 +52,10 @@ def loads_from_file(kind: str, section: Any) -> bool:
 def load_component_class(kind: str, section: Mapping[str, Any], key: str) -> type:
     """The class ``section['class']`` of the file ``section['path']``, checked to extend the kind's
     base class and to leave no abstract method; every problem a ConfigError naming the key."""
-    path, name = section.get("path"), section.get("class")
-    for option, value in (("path", path), ("class", name)):
-        if not isinstance(value, str) or not value:
+    for option in ("path", "class"):
+        if not isinstance(section.get(option), str) or not section.get(option):
             raise ConfigError(f"{key}.{option}: required with {key}.type python")
+    path, name = str(section["path"]), str(section["class"])
     if not os.path.isfile(path):
         where = "a folder" if os.path.isdir(path) else "not found"
         raise ConfigError(f"{key}.path: '{path}' is {where} (a Python file that defines class {name})")

@@ -13,7 +13,7 @@ import inspect
 import os
 from collections.abc import Mapping
 from difflib import get_close_matches
-from typing import Any
+from typing import Any, cast
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -91,7 +91,7 @@ def load_recipe(path: str, overrides: list[str] | None = None, raw: Any = None) 
         raise ConfigError(f"{getattr(exc, 'full_key', '') or path}: cannot resolve interpolation "
                           f"({str(exc.msg).splitlines()[0]})") from None
     add_config_secrets(OmegaConf.to_container(resolved))
-    return resolved
+    return cast(DictConfig, resolved)
 
 
 def resolve_recipe_paths(values: Any, recipe_dir: str, options: Mapping[str, Option] | None = None,
@@ -450,7 +450,7 @@ def declared_options(kind: str, cls: type) -> dict[str, Option] | None:
     """The options a component class accepts in its recipe section (None: any)."""
     own = component_options(cls)
     if own is None and kind == "evaluator":
-        return options_from_signature(cls.__init__, doc=inspect.getdoc(cls))
+        return options_from_signature(cls.__init__, doc=inspect.getdoc(cls))  # type: ignore[misc]  # the class's own
     return own if own is not None else {}
 
 
