@@ -72,7 +72,7 @@ def load_component_class(kind: str, section: Mapping[str, Any], key: str) -> typ
     if abstract:
         raise ConfigError(f"{key}.class: {name} in {path} leaves abstract methods unimplemented: "
                           f"{', '.join(abstract)}")
-    found.source_path = os.path.abspath(path)  # failures point at the user's file
+    found.source_path = os.path.abspath(path)  # type: ignore[attr-defined]  # failures point at the user's file
     return found
 
 
