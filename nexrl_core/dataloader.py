@@ -94,7 +94,7 @@ class BaseDataLoader(NexRLModule, ABC):
             "group_size": Option(1, int, "samples per row (trajectory_pool.group_size or validate.n_samples)"),
             "batch_groups": Option(1, int, "groups per training batch"),
         }
-        return bind_component(config, cls, "dataloader", VALIDATE_DATA if is_validate else DATA,
+        return bind_component(config, cls, VALIDATE_DATA if is_validate else DATA,
                               "validate.data" if is_validate else "data", set_by_nexrl)
 
     def describe(self) -> str:

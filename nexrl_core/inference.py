@@ -173,8 +173,7 @@ class InferenceClient(ABC):
         from .config.schema import INFERENCE_SERVICE
 
         # Subclasses read their own keys from self.config (declared in their OPTIONS).
-        self.config = config = bind_component(config, type(self), "inference_backend", INFERENCE_SERVICE,
-                                              "service.inference_service")
+        self.config = config = bind_component(config, type(self), INFERENCE_SERVICE, "service.inference_service")
         self.model_tag: str = str(config["model_tag"])
         self._version = 0
         self._version_lock = threading.Lock()

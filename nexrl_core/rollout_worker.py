@@ -59,7 +59,7 @@ class BaseRolloutWorker(ThreadedModule):
         from .config.schema import ROLLOUT_WORKER
 
         # Subclasses read their own keys from self._config (declared in their OPTIONS).
-        self._config = config = bind_component(config, type(self), "rollout_worker", ROLLOUT_WORKER, "rollout_worker")
+        self._config = config = bind_component(config, type(self), ROLLOUT_WORKER, "rollout_worker")
         self._llm_client: Any = None  # the inference client, wrapped for seed-style calls (_SeedClient)
         # Handed in by the launcher (set_parts); until then: no evaluator.
         self._evaluator: Evaluator | None = None

@@ -202,8 +202,7 @@ def _bound(config: Any, name: str, cls: type) -> tuple[Any, Any]:
     from ..config.options import component_options
 
     config = bind_recipe(config)
-    logger_section = config["logger"]
-    own = logger_section[name] if name in logger_section else None
+    own = config.to_dict()["logger"].get(name)  # the sink's own section, bound here to its declaration
     return config, bind(own, component_options(cls), f"logger.{name}")
 
 

@@ -1,8 +1,5 @@
 """The effective configuration and what a component reads of it.
 
-- :func:`effective_options`: every key a recipe may hold with the components it selects (the
-  core's keys, each selected component's ``OPTIONS``, the trainer's ``algorithm`` keys and those
-  of the functions it selects, the train service's keys, the chosen metrics sinks' keys).
 - :func:`fill_defaults`: writes the declared default of every key a recipe leaves out, so the
   composed recipe (``nexrl config``, ``run_dir/config.yaml``) holds every value a run uses and
   every documented key overrides with a plain ``key=value``.
@@ -18,10 +15,9 @@ from dataclasses import replace
 from typing import Any
 
 from ..errors import ConfigError, NexRLError
-from .options import Option
+from .options import Option, component_options
 
-__all__ = ["BoundConfig", "UndeclaredKey", "bind", "bind_component", "bind_recipe", "effective_options",
-           "fill_defaults", "key_tree"]
+__all__ = ["ANY", "BoundConfig", "UndeclaredKey", "bind", "bind_component", "bind_recipe", "fill_defaults", "key_tree"]
 
 ANY = "*"  # in a key tree: any other key, with this subtree
 
@@ -33,78 +29,22 @@ class UndeclaredKey(NexRLError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
-# -- declarations of a recipe, with its selections ------------------------------------------------------
+# -- what a component reads ------------------------------------------------------------------------------
 
-def effective_options(values: Any, pm: Any, trainer_cls: type | None = None) -> dict[str, Option]:
-    """The options of the recipe ``values`` (plain dicts): the core's, with each selected
-    component's own merged into its section. An unknown component adds nothing (the checks
-    report it). ``trainer_cls``: the trainer class (else the one ``trainer.type`` names)."""
-    from .recipe import _core_options, _get, _selected_class, _train_service_declared
-    from .schema import CORE_OPTIONS
-
+def _parts_open(values: Any, options: Mapping[str, Option]) -> dict[str, Option]:
+    """``options`` with each section that selects another component left open: that part is built
+    by the launcher from the recipe and handed in, so the component does not read it."""
     values = values if isinstance(values, Mapping) else {}
-    core, _ = _core_options(values, pm)  # with logger.<sink> of the chosen sinks
-    out = _effective(values, core, pm)
-    if trainer_cls is not None:
-        from .recipe import declared_options
-
-        trainer = values.get("trainer")
-        own = declared_options("trainer", trainer_cls) or {}
-        out["trainer"] = replace(out["trainer"], options=_effective(trainer, {**own, **dict(core["trainer"].options or {})},
-                                                                    pm))
-    else:
-        trainer_cls = _selected_class(CORE_OPTIONS["trainer"], values.get("trainer"), pm)
-    if trainer_cls is None:
-        return out
-    from ..algorithms.registry import algorithm_keys
-
-    algorithm = values.get("algorithm")
-    algorithm = algorithm if isinstance(algorithm, Mapping) else {}
-    try:
-        declared, _ = algorithm_keys(trainer_cls, algorithm, pm, _get(values, "trainer.type"))
-    except NexRLError:
-        declared = None
-    if declared is not None:
-        out["algorithm"] = replace(out["algorithm"], options=_effective(algorithm, declared, pm))
-    section = _get(values, "service.train_service")
-    try:
-        service_keys, _ = _train_service_declared(section if isinstance(section, Mapping) else {}, trainer_cls, pm)
-    except NexRLError:
-        service_keys = None
-    if service_keys is not None:
-        service = out["service"]
-        inner = dict(service.options or {})
-        inner["train_service"] = replace(inner["train_service"], options=_effective(
-            section if isinstance(section, Mapping) else {}, service_keys, pm))
-        out["service"] = replace(service, options=inner)
+    out: dict[str, Option] = {}
+    for key, opt in options.items():
+        value = values.get(key)
+        if opt.component is not None and isinstance(value, Mapping):
+            out[key] = replace(opt, options=None, values=None, type=dict)
+        elif opt.options is not None and opt.values is None and isinstance(value, Mapping):
+            out[key] = replace(opt, options=_parts_open(value, opt.options))
+        else:
+            out[key] = opt
     return out
-
-
-def _effective(values: Any, options: Mapping[str, Option], pm: Any) -> dict[str, Option]:
-    values = values if isinstance(values, Mapping) else {}
-    return {key: _effective_option(values.get(key), opt, pm) for key, opt in options.items()}
-
-
-def _effective_option(value: Any, opt: Option, pm: Any) -> Option:
-    if not isinstance(value, Mapping):
-        return opt
-    if opt.component is not None and opt.options is not None:
-        from .recipe import _selected_class, declared_options
-
-        cls = _selected_class(opt, value, pm)
-        if cls is not None:
-            own = declared_options(opt.component, cls)
-            if own is None:  # **kwargs: any key
-                return replace(opt, options=None, values=None, type=dict)
-            opt = replace(opt, options={**own, **dict(opt.options)})
-    if opt.options is not None:
-        return replace(opt, options=_effective(value, opt.options, pm))
-    if opt.values is not None:
-        # a mapping of named entries, each resolved on its own (a domain's evaluator); options
-        # holds the entries present, values any other
-        entries = {str(k): _effective_option(v, opt.values, pm) for k, v in value.items()}
-        return replace(opt, options=entries)
-    return opt
 
 
 # -- defaults -----------------------------------------------------------------------------------------
@@ -259,40 +199,43 @@ def bind(config: Any, options: Mapping[str, Option] | None, path: str = "") -> B
                        path)
 
 
-def bind_component(config: Any, cls: type, kind: str, core: Mapping[str, Option], path: str,
+def bind_component(config: Any, cls: type, core: Mapping[str, Option], path: str,
                    extra: Mapping[str, Option] | None = None) -> BoundConfig:
-    """What a component of ``kind`` (class ``cls``) reads of its section ``path``: the core's keys
-    ``core``, ``cls``'s own declared ones (the components it selects in turn resolved with the
-    active plugin manager) and ``extra`` (keys nexrl sets itself)."""
+    """What a component (class ``cls``) reads of its section ``path``: the core's keys ``core``,
+    ``cls``'s own declared ones and ``extra`` (keys nexrl sets itself). A nested section that
+    selects another component (an evaluator) is left open: the launcher hands that part in."""
     if isinstance(config, BoundConfig):
         return config
-    from ..plugins import active_plugin_manager
-    from .options import component_options
-    from .recipe import declared_options
-
     values = _to_plain(config)
     if not isinstance(values, dict):
         raise ConfigError(f"{path}: expected a mapping, got {type(values).__name__}")
-    own = declared_options(kind, cls) if kind == "evaluator" else component_options(cls)
+    own = component_options(cls)
     declared = {**dict(core), **dict(extra or {})}
-    if own is None:  # declares nothing (or takes **kwargs): the core's keys filled, any key read
+    if own is None:  # declares nothing: the core's keys filled, any key read
         return BoundConfig(fill_defaults(values, declared, True), None, path)
-    options = _effective(values, {**own, **declared}, active_plugin_manager())
-    return BoundConfig(fill_defaults(values, options, True), key_tree(options), path)
+    options = {**own, **declared}
+    fill_defaults(values, options, True)
+    return BoundConfig(values, key_tree(_parts_open(values, options)), path)
 
 
 def bind_recipe(config: Any, trainer_cls: type | None = None) -> BoundConfig:
-    """The whole recipe bound to every declaration it selects (what a trainer reads: it is built
-    with all of it)."""
+    """The whole recipe bound to the core's declarations and ``trainer_cls``'s own (what a trainer
+    reads: it is built with all of it). The sections of parts handed in (the algorithm functions,
+    the train service, the other components) are left open: each binds its own."""
     if isinstance(config, BoundConfig):
         return config
-    from ..plugins import active_plugin_manager
+    from .schema import CORE_OPTIONS
 
     values = _to_plain(config)
     if not isinstance(values, dict):
         raise ConfigError(f"the recipe: expected a mapping, got {type(values).__name__}")
-    options = effective_options(values, active_plugin_manager(), trainer_cls)
-    return BoundConfig(fill_defaults(values, options, True), key_tree(options), "")
+    options = dict(CORE_OPTIONS)
+    if trainer_cls is not None:
+        trainer = options["trainer"]
+        own = component_options(trainer_cls) or {}
+        options["trainer"] = replace(trainer, component=None, options={**own, **dict(trainer.options or {})})
+    fill_defaults(values, options, True)
+    return BoundConfig(values, key_tree(_parts_open(values, options)), "")
 
 
 def _to_plain(config: Any) -> Any:

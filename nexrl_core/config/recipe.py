@@ -12,6 +12,7 @@ from __future__ import annotations
 import inspect
 import os
 from collections.abc import Mapping
+from dataclasses import replace
 from difflib import get_close_matches
 from typing import Any, cast
 
@@ -179,11 +180,81 @@ def _selected_class(opt: Option, values: Any, pm: Any) -> type | None:
     return registered.cls if registered is not None else None
 
 
+# -- the declarations of a recipe, with its selections ------------------------------------------------------
+
+def effective_options(values: Any, pm: Any, trainer_cls: type | None = None) -> dict[str, Option]:
+    """The options of the recipe ``values`` (plain dicts): the core's, with each selected
+    component's own merged into its section. An unknown component adds nothing (the checks
+    report it). ``trainer_cls``: the trainer class (else the one ``trainer.type`` names).
+    ``pm`` None: no component is looked up; their sections (and ``algorithm``) stay open."""
+    values = values if isinstance(values, Mapping) else {}
+    core = _core_options(values, pm)[0] if pm is not None else dict(CORE_OPTIONS)  # with logger.<sink>
+    out = _effective(values, core, pm)
+    if trainer_cls is not None:
+        trainer = values.get("trainer")
+        own = declared_options("trainer", trainer_cls) or {}
+        out["trainer"] = replace(out["trainer"], options=_effective(trainer, {**own, **dict(core["trainer"].options or {})},
+                                                                    pm))
+    elif pm is not None:
+        trainer_cls = _selected_class(CORE_OPTIONS["trainer"], values.get("trainer"), pm)
+    if trainer_cls is None or pm is None:
+        return out
+    from ..algorithms.registry import algorithm_keys
+
+    algorithm = values.get("algorithm")
+    algorithm = algorithm if isinstance(algorithm, Mapping) else {}
+    try:
+        declared, _ = algorithm_keys(trainer_cls, algorithm, pm, _get(values, "trainer.type"))
+    except NexRLError:
+        declared = None
+    if declared is not None:
+        out["algorithm"] = replace(out["algorithm"], options=_effective(algorithm, declared, pm))
+    section = _get(values, "service.train_service")
+    try:
+        service_keys, _ = _train_service_declared(section if isinstance(section, Mapping) else {}, trainer_cls, pm)
+    except NexRLError:
+        service_keys = None
+    if service_keys is not None:
+        service = out["service"]
+        inner = dict(service.options or {})
+        inner["train_service"] = replace(inner["train_service"], options=_effective(
+            section if isinstance(section, Mapping) else {}, service_keys, pm))
+        out["service"] = replace(service, options=inner)
+    return out
+
+
+def _effective(values: Any, options: Mapping[str, Option], pm: Any) -> dict[str, Option]:
+    values = values if isinstance(values, Mapping) else {}
+    return {key: _effective_option(values.get(key), opt, pm) for key, opt in options.items()}
+
+
+def _effective_option(value: Any, opt: Option, pm: Any) -> Option:
+    if not isinstance(value, Mapping):
+        return opt
+    if opt.component is not None and pm is None:  # a part the launcher builds and hands in: not read here
+        return replace(opt, options=None, values=None, type=dict)
+    if opt.component is not None and opt.options is not None:
+        cls = _selected_class(opt, value, pm)
+        if cls is not None:
+            own = declared_options(opt.component, cls)
+            if own is None:  # **kwargs: any key
+                return replace(opt, options=None, values=None, type=dict)
+            opt = replace(opt, options={**own, **dict(opt.options)})
+    if opt.options is not None:
+        return replace(opt, options=_effective(value, opt.options, pm))
+    if opt.values is not None:
+        # a mapping of named entries, each resolved on its own (a domain's evaluator); options
+        # holds the entries present, values any other
+        entries = {str(k): _effective_option(v, opt.values, pm) for k, v in value.items()}
+        return replace(opt, options=entries)
+    return opt
+
+
 def _fill_component_defaults(values: dict[str, Any], selected: Any) -> Any:
     """In place: the defaults of the components ``selected`` (the recipe with its overrides) names.
     Returns the declared keys (:func:`nexrl_core.config.bound.key_tree`)."""
     from ..plugins import peek_plugin_manager
-    from .bound import effective_options, fill_defaults, key_tree
+    from .bound import fill_defaults, key_tree
 
     if not isinstance(selected, dict):
         return {}

@@ -15,8 +15,8 @@ import yaml
 
 from nexrl_core import BaseRolloutWorker, ConfigError, Option, UndeclaredKey, bind, hookimpl
 from nexrl_core.cli.docgen import SECTIONS, flatten_options
-from nexrl_core.config.bound import BoundConfig, bind_component, effective_options, key_tree
-from nexrl_core.config.recipe import declared_options, load_recipe
+from nexrl_core.config.bound import BoundConfig, bind_component, key_tree
+from nexrl_core.config.recipe import declared_options, effective_options, load_recipe
 from nexrl_core.config.schema import CORE_OPTIONS, ROLLOUT_WORKER, TRAJECTORY_POOL
 from nexrl_core.plugins import PluginManager, use_plugin_manager
 from nexrl_core.testing import run_recipe
@@ -343,5 +343,5 @@ def test_group_defaults_compose_and_a_bad_selection_still_reports(tmp_path):
 
 
 def test_bind_component_uses_the_class_declaration():
-    cfg = bind_component({"type": "x"}, _ReadsUndeclared, "rollout_worker", ROLLOUT_WORKER, "rollout_worker")
+    cfg = bind_component({"type": "x"}, _ReadsUndeclared, ROLLOUT_WORKER, "rollout_worker")
     assert cfg["greeting"] == "hi" and cfg["num_workers"] == ROLLOUT_WORKER["num_workers"].default

@@ -16,7 +16,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("base", ("nexrl_core.errors", "nexrl_core.markers", "nexrl_core.types", "nexrl_core.redaction",
               "nexrl_core.tool_calls", "nexrl_core.evaluation", "nexrl_core.protocols", "nexrl_core._moved")),
     # what a recipe may hold: imports nothing above it (no component, no plugin manager)
-    ("declarations", ("nexrl_core.config.options", "nexrl_core.config.schema", "nexrl_core.config.migration_table")),
+    ("declarations", ("nexrl_core.config.options", "nexrl_core.config.schema", "nexrl_core.config.migration_table",
+                      "nexrl_core.config.bound")),
     ("algorithms", ("nexrl_core.algorithms",)),
     # what the data path runs on; cli.run_log and cli.run_info are the run directory's records (the tracker writes them)
     ("runtime", ("nexrl_core.runtime", "nexrl_core.checkpoint", "nexrl_core.failure_monitor",
