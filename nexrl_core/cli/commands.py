@@ -240,7 +240,7 @@ def _validate(args: Any) -> int:
 def _config(args: Any) -> int:
     from ..config.recipe import check_config
     from ..plugins import get_plugin_manager
-    from .run_info import redacted_yaml, sourced_yaml
+    from .run_info import redacted_yaml
 
     sources: dict[str, str] = {}
     cfg = _load(args, sources=sources)
@@ -250,6 +250,36 @@ def _config(args: Any) -> int:
         return 2
     sys.stdout.write(sourced_yaml(cfg, sources) if args.sources else redacted_yaml(cfg))
     return 0
+
+
+def sourced_yaml(config: Any, sources: Any) -> str:
+    """The resolved recipe as YAML with each value's origin as a trailing comment (``# default``,
+    ``# recipe FILE``, ``# override 'key=value'``; see :func:`nexrl_core.config.recipe.load_recipe`):
+    still a recipe ``nexrl run`` accepts."""
+    from ..config.recipe import source_of
+    from ..redaction import redact
+    from .run_info import plain_config
+
+    lines: list[str] = []
+
+    def walk(values: dict[str, Any], prefix: str, indent: str) -> None:
+        for key, value in values.items():
+            dotted = f"{prefix}.{key}" if prefix else str(key)
+            if isinstance(value, dict) and value:
+                lines.append(f"{indent}{_flow(key)}:")
+                walk(value, dotted, indent + "  ")
+            else:
+                lines.append(f"{indent}{_flow(key)}: {_flow(value)}  # {source_of(sources, dotted)}")
+
+    walk(redact(plain_config(config)), "", "")
+    return "\n".join(lines) + "\n"
+
+
+def _flow(value: Any) -> str:
+    import yaml
+
+    text = yaml.safe_dump(value, default_flow_style=True, width=1 << 20, allow_unicode=True).strip()
+    return text.removesuffix("\n...").removesuffix("...").strip()
 
 
 def _plot(args: Any) -> int:

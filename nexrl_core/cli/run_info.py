@@ -47,34 +47,6 @@ def redacted_yaml(config: Any) -> str:
                           allow_unicode=True)
 
 
-def sourced_yaml(config: Any, sources: Any) -> str:
-    """The resolved recipe as YAML with each value's origin as a trailing comment (``# default``,
-    ``# recipe FILE``, ``# override 'key=value'``; see :func:`nexrl_core.config.recipe.load_recipe`):
-    still a recipe ``nexrl run`` accepts."""
-    from ..config.recipe import source_of
-
-    lines: list[str] = []
-
-    def walk(values: dict[str, Any], prefix: str, indent: str) -> None:
-        for key, value in values.items():
-            dotted = f"{prefix}.{key}" if prefix else str(key)
-            if isinstance(value, dict) and value:
-                lines.append(f"{indent}{_flow(key)}:")
-                walk(value, dotted, indent + "  ")
-            else:
-                lines.append(f"{indent}{_flow(key)}: {_flow(value)}  # {source_of(sources, dotted)}")
-
-    walk(redact(plain_config(config)), "", "")
-    return "\n".join(lines) + "\n"
-
-
-def _flow(value: Any) -> str:
-    import yaml
-
-    text = yaml.safe_dump(value, default_flow_style=True, width=1 << 20, allow_unicode=True).strip()
-    return text.removesuffix("\n...").removesuffix("...").strip()
-
-
 def versions(plugin_manager: Any = None) -> dict[str, Any]:
     """Python, nexrl-core, every loaded plugin distribution and the libraries that shape a run."""
     out: dict[str, Any] = {"python": platform.python_version(), "nexrl-core": _version("nexrl-core")}
