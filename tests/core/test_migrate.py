@@ -371,6 +371,7 @@ def test_import_lines_name_each_replacement(tmp_path):
 
 GOOD = {"data": {"type": "inline", "rows": [{"prompt": "a", "answer": "a"}]},
         "trainer": {"type": "mock", "total_train_steps": 1},
+        "service": {"inference_service": {"backend": "mock"}},
         "trajectory_pool": {"batch_size": 2, "group_size": 2}, "rollout_worker": {"num_workers": 1},
         "logger": {"backend": ["console"]}}
 
