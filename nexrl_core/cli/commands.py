@@ -1,4 +1,4 @@
-"""The `nexrl` command: run, validate, config, eval, plot, show, export, plugins, new, migrate.
+"""The `nexrl` command: run, validate, config, eval, plot, show, report, export, plugins, new, migrate.
 
 Exit codes: 0 success; 2 bad input (a recipe, override, data file or plugin problem: nothing
 ran), the same lines from ``validate`` and ``run``; 1 a run or evaluation that failed (a server
@@ -95,6 +95,12 @@ def build_parser() -> argparse.ArgumentParser:
     p_show.add_argument("run_dir", help="a run directory (run_dir in the recipe), an eval --out folder, or a "
                                         "samples.jsonl file")
     p_show.add_argument("--last", "-n", type=int, metavar="N", help="the N newest samples instead")
+    p_report = sub.add_parser("report", help="write a run's metric plots and samples to one self-contained HTML page",
+                              description="write RUN_DIR/metrics.jsonl's plots and a filterable table of "
+                                          "RUN_DIR/samples.jsonl to one HTML file that fetches nothing (opens "
+                                          "offline, can be mailed)")
+    p_report.add_argument("run_dir", help="a run directory (run_dir in the recipe) or an eval --out folder")
+    p_report.add_argument("--out", "-o", help="the HTML file to write (default RUN_DIR/report.html)")
     p_export = sub.add_parser("export", help="write a checkpoint's model (no optimizer state) to a new folder",
                               description="write the model of a global_step_<N> checkpoint to OUT for inference "
                                           "(transformers' from_pretrained), without optimizer or RNG state")
@@ -170,12 +176,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str]) -> int:
     args = parse_args(argv)
-    if args.command not in ("plugins", "config", "new", "migrate", "show"):
+    if args.command not in ("plugins", "config", "new", "migrate", "show", "report"):
         from .run_log import setup_logging
 
         setup_logging(None, "INFO")  # plugin-loading warnings in the same short format as the run's
     commands = {"run": _run, "validate": _validate, "config": _config, "eval": _eval, "plot": _plot,
-                "show": _show, "export": _export, "plugins": _plugins, "new": _new, "migrate": _migrate}
+                "show": _show, "report": _report, "export": _export, "plugins": _plugins, "new": _new, "migrate": _migrate}
     try:
         return commands[args.command](args)
     except NexRLError as exc:
@@ -256,6 +262,13 @@ def _show(args: Any) -> int:
     if args.last is not None and args.last < 1:
         raise ConfigError(f"--last: {args.last}: give a number of samples >= 1")
     print(show(args.run_dir, args.last))
+    return 0
+
+
+def _report(args: Any) -> int:
+    from .report import write_report
+
+    print(write_report(args.run_dir, args.out))
     return 0
 
 

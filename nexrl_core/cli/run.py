@@ -127,8 +127,11 @@ def footer(cfg: Any, recipe: str, overrides: list[str], outcome: _Outcome, elaps
     lines.append(("log", os.path.join(run_dir, "run.log")))
     plot_path, plot_problem = plot
     lines.append(("plot", plot_path or plot_problem or "not written"))
-    if os.path.isfile(os.path.join(run_dir, SAMPLES_FILE)):
+    has_samples = os.path.isfile(os.path.join(run_dir, SAMPLES_FILE))
+    if has_samples:
         lines.append(("samples", shlex.join(["nexrl", "show", run_dir])))
+    if plot_path or has_samples:  # else the report would have nothing to show
+        lines.append(("report", shlex.join(["nexrl", "report", run_dir])))
     if latest and exportable:
         lines.append(("export", shlex.join(["nexrl", "export", latest, os.path.join(run_dir, "model")])))
     if outcome.status == "finished":

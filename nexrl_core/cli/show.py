@@ -3,7 +3,8 @@
 Reads ``RUN_DIR/samples.jsonl`` (written by ``nexrl run`` at the first and last step and every
 ``logger.samples_every`` steps) or the ``samples.jsonl`` of a ``nexrl eval --out`` folder, and
 prints each sample readably: the prompt (each chat message with its role), the reply, the reward,
-the advantage where the trainer recorded one, and the evaluator's other scores.
+the advantage where the trainer recorded one, the evaluator's other scores, and the step's
+trainer-vs-rollout log-prob gap where it is large.
 """
 
 from __future__ import annotations
@@ -13,9 +14,15 @@ import os
 from typing import Any
 
 from ..errors import ConfigError
-from .run_log import SAMPLES_FILE, read_jsonl
+from .run_log import METRICS_FILE, SAMPLES_FILE, read_jsonl
 
 _LABEL = 9  # width of the field names, so every text starts in one column
+#: the per-step metric of the largest per-token |trainer - rollout log-prob| (rollout_mismatch_metrics):
+#: samples.jsonl keeps no per-token log-probs, so a sample is shown with its step's
+GAP_KEY = "train/rollout_logprob_diff_max"
+#: a gap above this is large: some token was more than twice as likely to one side as to the
+#: other (the default algorithm.rollout_correction.cap)
+LARGE_GAP = math.log(2.0)
 
 
 def read_samples(path: str) -> list[dict[str, Any]]:
@@ -47,18 +54,28 @@ def pick(rows: list[dict[str, Any]], last: int | None) -> list[dict[str, Any]]:
     return [r for r in rows if r.get(key) == newest]
 
 
-def render(rows: list[dict[str, Any]], source: str, total: int) -> str:
-    """The text ``nexrl show`` prints for ``rows`` (of ``total`` in ``source``)."""
+def step_gaps(folder: str) -> dict[int, float]:
+    """step -> :data:`GAP_KEY` of ``folder/metrics.jsonl`` (empty without it)."""
+    path = os.path.join(folder, METRICS_FILE)
+    if not os.path.isfile(path):
+        return {}
+    return {r["step"]: float(r[GAP_KEY]) for r in read_jsonl(path)
+            if isinstance(r.get("step"), int) and _is_number(r.get(GAP_KEY))}
+
+
+def render(rows: list[dict[str, Any]], source: str, total: int, gaps: dict[int, float] | None = None) -> str:
+    """The text ``nexrl show`` prints for ``rows`` (of ``total`` in ``source``); ``gaps``: each
+    step's log-prob gap (:func:`step_gaps`), shown where large."""
     if not rows:
         return f"{source}: no samples"
     steps = sorted({r["step"] for r in rows if isinstance(r.get("step"), int)})
     where = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]}" if steps else "evaluation"
     blocks = [f"{source}: {len(rows)} of {total} samples ({where})"]
-    blocks += [_sample(r) for r in rows]
+    blocks += [_sample(r, (gaps or {}).get(r.get("step"))) for r in rows]
     return "\n\n".join(blocks)
 
 
-def _sample(row: dict[str, Any]) -> str:
+def _sample(row: dict[str, Any], gap: float | None = None) -> str:
     head = []
     if isinstance(row.get("step"), int):
         head.append(f"step {row['step']}")
@@ -70,6 +87,8 @@ def _sample(row: dict[str, Any]) -> str:
     head.append(f"reward {_number(row.get('reward'))}")
     if _is_number(row.get("advantage")):
         head.append(f"advantage {row['advantage']:+.3f}")
+    if gap is not None and gap > LARGE_GAP:
+        head.append(f"step's log-prob gap {gap:.3g} (large)")
     lines = [" · ".join(head)]
     if row.get("failed"):
         lines.append(_field("failed", str(row.get("error") or "(no message)")))
@@ -111,4 +130,4 @@ def show(where: str, last: int | None = None) -> str:
     """What ``nexrl show WHERE [--last N]`` prints."""
     path = samples_path(where)
     rows = read_samples(path)
-    return render(pick(rows, last), path, len(rows))
+    return render(pick(rows, last), path, len(rows), step_gaps(os.path.dirname(path)))

@@ -118,6 +118,7 @@ def test_plain_progress_header_footer_and_the_run_directory(tmp_path):
     assert f"checkpoints  {run_dir / 'checkpoints' / 'global_step_5'}" in footer
     assert f"plot         {run_dir / 'metrics.png'}" in footer
     assert f"samples      nexrl show {run_dir}" in footer
+    assert f"report       nexrl report {run_dir}" in footer
     assert "nexrl export" not in footer  # the mock trainer's checkpoints hold no model (a GRPO run's do)
     assert f"train on     nexrl run {recipe} resume.mode=auto trainer.total_train_steps=10" in footer
     # the JSON summary stays alone on stdout

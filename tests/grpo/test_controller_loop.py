@@ -252,6 +252,24 @@ def test_samples_of_the_first_and_last_step_with_their_advantage(grpo_run, capsy
         assert f"advantage {r['advantage']:+.3f}" in out and f"  reply    {first_line}".rstrip() in out
 
 
+def test_report_shows_each_samples_advantage_and_its_steps_logprob_gap(grpo_run, tmp_path, capsys):
+    from nexrl_core.cli import main
+    from tests.support.html_page import Page
+
+    out = tmp_path / "report.html"
+    assert main(["report", str(grpo_run.run_dir), "-o", str(out)]) == 0
+    assert capsys.readouterr().out == f"{out}\n"
+    page = Page(out.read_text(encoding="utf-8"))
+    rows = [json.loads(line) for line in (grpo_run.run_dir / "samples.jsonl").read_text().splitlines()]
+    header = [t for t, _ in page.tags if t == "th"]
+    assert len(page.rows) == len(rows) == 8 and len(header) == 7  # the log-prob gap column: the run logs it
+    gaps = {step: row["train/rollout_logprob_diff_max"] for step, row in _train_rows(grpo_run).items()}
+    for (attrs, cells), row in zip(page.rows, rows):
+        assert cells[3] == f"{row['advantage']:+.3f}" and float(attrs["data-reward"]) == row["reward"]
+        assert cells[6] == f"{gaps[row['step']]:.3g}"  # float noise: not marked large
+    assert page.count("polyline") >= 3  # reward, its running mean, the gradient norm at least
+
+
 def _nexrl_cmd() -> list[str]:
     script = Path(sys.executable).with_name("nexrl")
     return [str(script)] if script.is_file() else [shutil.which("nexrl") or "nexrl"]

@@ -95,6 +95,36 @@ def test_a_shared_prompt_position_is_scored_once_and_its_gradient_has_the_same_b
         assert all(torch.equal(grads[name], runs[0][name]) for name in grads)
 
 
+def test_attention_runs_per_group_block_and_the_model_keeps_its_attention(tiny_model_and_tokenizer, monkeypatch):
+    """Tokens of one group never see another group's, so attention runs over each group's block of
+    the packed sequence (its prompt once, then its rows' responses), not over the whole sequence."""
+    model, _ = tiny_model_and_tokenizer
+    model.train()
+    ids, mask, pos, resp_w, groups = padded_batch()
+    query_lengths: list[int] = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def recording(query, *args, **kwargs):
+        query_lengths.append(query.shape[-2])
+        return sdpa(query, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
+    compute_response_logprobs_packed(model, ids, mask, pos, resp_w, groups)
+    # Groups in order of first appearance: the prompt once plus every response of the group.
+    blocks = [len(p) + sum(len(r) for g2, _, r in ROWS if g2 == g)
+              for g, p in dict((g, p) for g, p, _ in ROWS).items()]
+    assert query_lengths == blocks * model.config.num_hidden_layers
+    assert model.config._attn_implementation == "sdpa"  # switched for the packed forward only
+
+    # The padded computation and a forward that fails leave the model's own attention in place.
+    query_lengths.clear()
+    compute_response_logprobs(model, ids, mask, pos, resp_w)
+    assert query_lengths == [ids.shape[1]] * model.config.num_hidden_layers
+    with pytest.raises(IndexError):
+        compute_response_logprobs_packed(model, ids + model.config.vocab_size, mask, pos, resp_w, groups)
+    assert model.config._attn_implementation == "sdpa"
+
+
 @pytest.mark.parametrize("packed", [False, True])
 def test_each_row_is_scored_at_its_own_temperature(tiny_model_and_tokenizer, packed):
     """Rows of one prompt group sampled at different temperatures (the group's shared prompt
@@ -192,3 +222,41 @@ def test_bad_speed_flag_in_a_recipe_is_one_clean_error(tiny_model_dir, tmp_path,
     assert code != 0
     assert message in err
     assert "Traceback" not in err and "Traceback" not in out
+
+
+def test_onednn_linears_give_the_same_gradients_as_nn_linear_and_the_same_bits_every_call(build_tiny_model):
+    """The train service's CPU float32 linears run through oneDNN: the same log-probs and gradients as
+    nn.Linear's (to float tolerance), the same bits on every call, nn.Linear's own path elsewhere."""
+    from nexrl_grpo.modeling import OneDnnLinear, use_onednn_linears
+
+    ids, mask, pos, resp_w, groups = padded_batch()
+
+    def run(model):
+        model.zero_grad(set_to_none=True)
+        logprobs = compute_response_logprobs_packed(model, ids, mask, pos, resp_w, groups)
+        logprobs.sum().backward()
+        return logprobs.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    from tests.support.tiny_lm import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    plain, fast = build_tiny_model(tokenizer), build_tiny_model(tokenizer)
+    fast.load_state_dict(plain.state_dict())
+    plain.train(), fast.train()
+    linears = sum(type(m) is torch.nn.Linear for m in fast.modules())
+    if use_onednn_linears(fast) == 0:
+        pytest.skip("this torch has no oneDNN")
+    assert sum(type(m) is OneDnnLinear for m in fast.modules()) == linears > 0
+    want, want_grads = run(plain)
+    got, grads = run(fast)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-3, atol=1e-6, msg=name)
+    again, again_grads = run(fast)
+    assert torch.equal(again, got) and all(torch.equal(again_grads[n], g) for n, g in grads.items())
+    # Under autocast it is nn.Linear's path (bf16 products), as in the bf16 trainer.
+    layer = next(m for m in fast.modules() if type(m) is OneDnnLinear)
+    x = torch.randn(3, layer.in_features)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert layer(x).dtype == torch.bfloat16
+    assert layer(x).dtype == torch.float32

@@ -546,10 +546,14 @@ def _sample(
     0 can never be picked.
     """
     logprobs = torch.log_softmax(logits.float() / scale.unsqueeze(-1), dim=-1)
-    tokens = logprobs.argmax(dim=-1)
+    # Each pass over the vocabulary costs: argmax only for greedy rows, no copy when all are sampled.
     sampled = torch.nonzero(~greedy).squeeze(-1)
+    if sampled.numel() == len(greedy):
+        tokens = logprobs.new_zeros(len(greedy), dtype=torch.long)
+    else:
+        tokens = logprobs.argmax(dim=-1)
     if sampled.numel():
-        probs = logprobs[sampled].exp()
+        probs = (logprobs if sampled.numel() == len(greedy) else logprobs[sampled]).exp()
         k, p = top_k[sampled], top_p[sampled]
         truncated = torch.nonzero((p < 1) | ((k > 0) & (k < probs.shape[-1]))).squeeze(-1)
         if truncated.numel():

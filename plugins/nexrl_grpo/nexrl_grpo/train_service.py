@@ -35,10 +35,11 @@ from nexrl_core import NexRLError, Option, TrainService, algorithms
 
 from .modeling import (auto_dtype, auto_flag, compute_response_logprobs, compute_response_logprobs_packed,
                        log_auto_device, log_auto_dtype, model_from_config, packing_problem, position_ids_from_mask,
-                       resolve_device)
+                       resolve_device, use_onednn_linears)
 from . import sharded
 from .distributed import PARALLEL_MODES, GatheredWeights, RankGroup, shard_rows, start_ranks, wrap
-from .weights import AUTO_FLAG, MODEL_OPTIONS, _auto_flag, check_model_section, config_errors, resolve_model_path
+from .weights import (AUTO_FLAG, MODEL_OPTIONS, _auto_flag, apply_process_options, check_model_section, config_errors,
+                      resolve_model_path)
 
 LossFn = Callable[[torch.Tensor, dict[str, Any]], tuple[torch.Tensor, dict[str, float]]]
 
@@ -130,15 +131,14 @@ class LocalTorchTrainService(TrainService):
     def from_config(cls, config: Any, *, seed: int, total_steps: int,
                     path: str = "service.train_service") -> LocalTorchTrainService:
         """From the recipe's section: model paths resolved (GGUF converted once), ``seed`` defaulting
-        to the recipe's, ``num_threads`` applied to torch."""
+        to the recipe's, ``num_threads`` and ``keep_freed_memory`` applied to the process."""
         cfg = dict(config)
         cfg.pop("backend", None)
         cfg["model_path"] = resolve_model_path(cfg.get("model_path"), cfg.get("gguf_file"))
         cfg.pop("gguf_file", None)
         if cfg.get("seed") is None:
             cfg["seed"] = int(seed)
-        if cfg.get("num_threads"):
-            torch.set_num_threads(int(cfg["num_threads"]))
+        apply_process_options(cfg)
         with config_errors(path):
             return cls(cfg)
 
@@ -177,6 +177,8 @@ class LocalTorchTrainService(TrainService):
                                              model, tokenizer, self.device)
         if any(p.is_floating_point() and p.dtype != torch.float32 for p in model.parameters()):
             model = model.float()
+        if self.ranks is None:
+            use_onednn_linears(model)
         self.model = model
         # What a forward pass calls: the model, or DDP's wrapper around it (FSDP2 shards it in place).
         self._forward_model = model if self.ranks is None else wrap(model, self.ranks, self.device)

@@ -10,6 +10,7 @@ from typing import Any
 
 from nexrl_core import Capabilities, ConfigError, Option, WeightSyncBackend, deferred, execute
 
+from .cpu_memory import keep_freed_memory
 from .engine import HFInferenceEngine, copy_weights
 from .modeling import DEVICE_HELP, device_problem, ensure_safetensors_model, smollm2_gguf_path
 
@@ -68,8 +69,24 @@ MODEL_OPTIONS = {
                     choices=("float32", "bfloat16", "float16", "auto")),
     "device": Option("auto", str, f"where the model lives: {DEVICE_HELP}", check=device_problem),
     "num_threads": Option(None, int, "torch CPU threads", ge=1),
+    "keep_freed_memory": Option(True, bool, "keep the memory torch frees in the process for reuse (glibc malloc: "
+                                            "one arena, no mmap, no trimming) instead of faulting it back in every "
+                                            "step; same numbers, the process keeps its peak size. Process-wide: "
+                                            "any part that asks applies it"),
 }
 AUTO_FLAG = (bool, str, None)  # auto | true | false
+
+
+def apply_process_options(section: Any) -> None:
+    """What a model section asks of the whole process: ``num_threads`` (torch) and
+    ``keep_freed_memory`` (:mod:`nexrl_grpo.cpu_memory`)."""
+    if section.get("num_threads"):
+        import torch
+
+        torch.set_num_threads(int(section["num_threads"]))
+    keep = section.get("keep_freed_memory")
+    if MODEL_OPTIONS["keep_freed_memory"].default_value() if keep is None else keep:
+        keep_freed_memory()
 
 
 def _auto_flag(value: Any) -> str | None:
@@ -120,10 +137,7 @@ class HFInferenceBackend(HFInferenceEngine):
         cfg["model_path"] = resolve_model_path(cfg.get("model_path"), cfg.get("gguf_file"))
         cfg.pop("gguf_file", None)
         replicas = int(cfg.pop("replicas", 1) or 1)
-        if cfg.get("num_threads"):
-            import torch
-
-            torch.set_num_threads(int(cfg["num_threads"]))
+        apply_process_options(cfg)
         with config_errors("service.inference_service"):
             super().__init__(cfg)
             # Replica 0 is this engine; the others are engines of their own on the next devices.
