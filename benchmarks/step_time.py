@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     from loguru import logger
 
     logger.remove()
-    logger.add(sys.stderr, level="WARNING")
+    logger.add(sys.stderr, level="WARNING", diagnose=False, backtrace=False)
     if args.threads:
         torch.set_num_threads(args.threads)
     import transformers

@@ -1,6 +1,9 @@
 """nexrl-core: hook specs, plugin manager, controller and data flow of the nexrl RL framework."""
 
+from typing import TYPE_CHECKING
+
 from . import algorithms
+from .api import run
 from .config.options import REQUIRED, Capabilities, Option, check_options, component_options
 from .controller import NexRLController, RunFailed, RunSummary
 from .dataloader import BaseDataLoader
@@ -23,6 +26,7 @@ from .runtime.execute import (
 )
 from .runtime.logs import demote_library_log
 from .runtime.module import NexRLModule
+from .runtime.sinks import MetricsSink
 from .runtime.threaded import ThreadedModule
 from .tool_calls import as_text_messages, parse_tool_calls, render_tool_calls, tools_system_prompt
 from .train_service import StepResult, TrainService
@@ -38,40 +42,44 @@ from .types import Batch, ModelTag, NexRLRole, Trajectory, trajectory_reward, tr
 from .validator import Validator
 from .weight_sync import WeightSyncBackend, WeightSyncController
 
-# The built-in components most often subclassed (imported last: they build on the names above).
-# isort: split
-from .builtins.dataloaders import FileDataLoader  # noqa: E402
-from .builtins.workers import SimpleRolloutWorker  # noqa: E402
-
 __all__ = [
-    "REQUIRED", "ActivityTracker", "ActivityTrackerProxy", "BaseDataLoader", "BaseEvaluationTarget", "BaseRolloutWorker",
-    "BaseTrainer", "Batch", "Capabilities", "CompletionResult", "ConfigError", "DataError", "Deferred", "ErrorReporter",
-    "ErrorSeverity",
-    "EvaluationRunResult", "Evaluator", "FileDataLoader", "GroupedTrajectoryStore", "HierarchicalTrajectoryStore",
-    "InferenceClient", "InferenceError", "ItemFailure", "ModelTag", "ModuleUnavailable", "NexRLController",
-    "NexRLError", "NexRLModule", "NexRLRole", "Option", "PluginError", "PluginManager", "RpcTimeout", "RunFailed",
-    "RunSummary",
-    "SamplingParams", "StepResult", "TrainService", "SimpleRolloutWorker", "SimpleTrajectoryStore", "ThreadedModule", "Trajectory",
-    "TrajectoryPool", "TrajectoryPoolInstance", "Validator", "WeightSyncBackend", "WeightSyncController",
-    "algorithms", "check_options", "component_options", "deferred", "execute", "execute_async",
-    "execute_with_timeout", "get_plugin_manager", "hookimpl", "OpenAICompatibleClient", "trajectory_reward",
-    "trajectory_segments",
-    "as_text_messages", "parse_tool_calls", "render_tool_calls", "tools_system_prompt",
-    "algorithms", "check_options", "component_options", "demote_library_log", "execute", "execute_async", "execute_with_timeout",
-    "get_plugin_manager", "hookimpl", "OpenAICompatibleClient", "StartedProcess", "rendezvous_host", "start_processes",
+    "ActivityTracker", "ActivityTrackerProxy", "BaseDataLoader", "BaseEvaluationTarget", "BaseRolloutWorker",
+    "BaseTrainer", "Batch", "Capabilities", "CompletionResult", "ConfigError", "DataError", "Deferred",
+    "ErrorReporter", "ErrorSeverity", "EvaluationRunResult", "Evaluator", "FileDataLoader",
+    "GroupedTrajectoryStore", "HierarchicalTrajectoryStore", "InferenceClient", "InferenceError", "ItemFailure", "MetricsSink",
+    "ModelTag", "ModuleUnavailable", "NexRLController", "NexRLError", "NexRLModule", "NexRLRole",
+    "OpenAICompatibleClient", "Option", "PluginError", "PluginManager", "REQUIRED", "RpcTimeout", "RunFailed",
+    "RunSummary", "SamplingParams", "SimpleRolloutWorker", "SimpleTrajectoryStore", "StartedProcess", "StepResult",
+    "ThreadedModule", "TrainService", "Trajectory", "TrajectoryPool", "TrajectoryPoolInstance", "Validator",
+    "WeightSyncBackend", "WeightSyncController", "algorithms", "as_text_messages", "check_options",
+    "component_options", "deferred", "demote_library_log", "execute", "execute_async", "execute_with_timeout",
+    "get_plugin_manager", "hookimpl", "parse_tool_calls", "render_tool_calls", "rendezvous_host", "start_processes",
+    "run", "tools_system_prompt", "trajectory_reward", "trajectory_segments",
 ]
+
+# Built-ins (and the `openai` package the client needs) load on first use: a broken built-in
+# plugin is reported by the plugin manager and must not break `import nexrl_core`.
+if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
+    from .builtins.dataloaders import FileDataLoader
+    from .builtins.openai_client import OpenAICompatibleClient
+    from .builtins.workers import SimpleRolloutWorker
+
+_LAZY = {
+    "FileDataLoader": "nexrl_core.builtins.dataloaders",
+    "SimpleRolloutWorker": "nexrl_core.builtins.workers",
+    "OpenAICompatibleClient": "nexrl_core.builtins.openai_client",
+}
 
 
 def __getattr__(name: str):
-    # Imported on first use: it pulls in the `openai` package, which most imports of nexrl_core never need.
-    if name == "OpenAICompatibleClient":
-        from .builtins.openai_client import OpenAICompatibleClient
+    import importlib
 
-        return OpenAICompatibleClient
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value  # later reads skip this function
+        return value
     from ._moved import MOVED
 
     if f"{__name__}.{name}" in MOVED:  # `nexrl_core.schema` after `import nexrl_core`: the deprecated alias
-        import importlib
-
         return importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module 'nexrl_core' has no attribute {name!r}")

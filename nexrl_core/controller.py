@@ -16,7 +16,6 @@ from typing import Any
 from loguru import logger
 from omegaconf import DictConfig
 
-from .algorithms import AlgorithmRegistry
 from .checkpoint import find_latest_checkpoint
 from .cli.run_log import prepare_run_dir
 from .config.preflight import dataloader_config, records_config, require_runnable, resume_checkpoint
@@ -114,13 +113,13 @@ class NexRLController:
         rm.register_role(NexRLRole.VALIDATOR, Validator, cfg.validate)
         rm.register_role(NexRLRole.WEIGHT_SYNC_CONTROLLER, WeightSyncController, cfg.weight)
         if not self._eval_only:
-            rm.register_role(NexRLRole.TRAINER, self._create("trainer", cfg.trainer.type, "trainer.type"), cfg)
+            rm.register_role(NexRLRole.TRAINER, self._pm.resolve_section("trainer", cfg.trainer, "trainer"), cfg)
         inference = cfg.service.inference_service
         rm.register_role(NexRLRole.INFERENCE_SERVICE,
                          self._create("inference_backend", inference.backend, "service.inference_service.backend"),
                          inference)
         rm.register_role(NexRLRole.ROLLOUT_WORKER,
-                         self._create("rollout_worker", cfg.rollout_worker.type, "rollout_worker.type"),
+                         self._pm.resolve_section("rollout_worker", cfg.rollout_worker, "rollout_worker"),
                          cfg.rollout_worker, count=int(cfg.rollout_worker.num_workers))
 
     def _take_handles(self) -> None:
@@ -170,8 +169,6 @@ class NexRLController:
         execute(self.weight_sync_controller.set_module_references, self.dataloader, self.trajectory_pool,
                 self.trainer, self.inference_client)
         if self.trainer is not None:
-            # The estimators and losses the recipe may name: this run's plugins (in-process ones too).
-            execute(self.trainer.set_algorithm_registry, AlgorithmRegistry.from_plugin_manager(self._pm))
             execute(self.trainer.set_module_references, self.trajectory_pool, self.weight_sync_controller,
                     self.dataloader)
         for worker in self.rollout_workers:

@@ -7,6 +7,7 @@ page and the tests in tests/core/test_eval_core.py cite it.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from math import comb
 from typing import Any
@@ -30,9 +31,10 @@ class SampleRecord:
     failed: bool = False
     error: str | None = None
     domain: str | None = None
+    tag: str | None = None  # the row's ``tag`` (ROLL's grouping of validation metrics)
 
     @staticmethod
-    def from_trajectory(traj: dict[str, Any]) -> SampleRecord:
+    def from_trajectory(traj: Mapping[str, Any]) -> SampleRecord:
         return SampleRecord(
             uid=str(traj.get("uid")),
             sample_index=int(traj.get("sample_index") or 0),
@@ -41,7 +43,14 @@ class SampleRecord:
             failed=bool(traj.get("failed")),
             error=traj.get("error"),
             domain=None if traj.get("domain") is None else str(traj["domain"]),
+            tag=_tag(traj),
         )
+
+
+def _tag(traj: Mapping[str, Any]) -> str | None:
+    task = traj.get("task")
+    tag = traj.get("tag", task.get("tag") if isinstance(task, dict) else None)
+    return None if tag is None else str(tag)
 
 
 @dataclass(frozen=True)
@@ -77,6 +86,14 @@ def summarize(state: EvalState, *, expected_samples: int | None = None, n_sample
             out[f"{prefix}{name}_{key}"] = _mean([r.scores.get(key, 0.0) for r in subset])
     out[f"{prefix}num_samples"] = float(total)
     out[f"{prefix}num_failed"] = float(sum(r.failed for r in records))
+    tags = sorted({r.tag for r in records if r.tag is not None})
+    if tags:  # rows with a tag: success rate and reward per tag (a row without one is tagged "none")
+        out[f"{prefix}success_rate"] = _success_rate(records, success_threshold)
+        for tag in tags + (["none"] if any(r.tag is None for r in records) else []):
+            subset = [r for r in records if (r.tag or "none") == tag]
+            out[f"{prefix}{tag}/success_rate"] = _success_rate(subset, success_threshold)
+            out[f"{prefix}{tag}/reward"] = _mean([r.scores.get("reward", 0.0) for r in subset])
+            out[f"{prefix}{tag}/num_samples"] = float(len(subset))
     if expected_samples is not None:
         out[f"{prefix}num_missing"] = float(max(expected_samples - total, 0))
     if n_samples > 1:
@@ -127,13 +144,18 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - comb(n - c, k) / comb(n, k)
 
 
+def _success_rate(records: list[SampleRecord], success_threshold: float) -> float:
+    """Samples whose reward reaches ``success_threshold``, over every sample (failed ones count 0)."""
+    return _mean([float(r.scores.get("reward", 0.0) >= success_threshold) for r in records])
+
+
 def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else 0.0
 
 
 # -- training metrics per domain (docs/evaluation.md §Training metrics per domain) --------------
 
-def training_domain_metrics(trajectories: list[dict[str, Any]],
+def training_domain_metrics(trajectories: Sequence[Mapping[str, Any]],
                             dropped_groups: list[dict[str, Any]] | None = None) -> dict[str, float]:
     """Per-domain metrics of one training step, ``train/<domain>/<name>``, for the trajectories of
     the batch that carry a ``domain``. ``dropped_groups`` (dynamic sampling: ``{"domain",
@@ -162,6 +184,6 @@ def training_domain_metrics(trajectories: list[dict[str, Any]],
     return out
 
 
-def _sampled_metrics(used: list[dict[str, Any]], dropped: list[dict[str, Any]], prefix: str) -> dict[str, float]:
+def _sampled_metrics(used: Sequence[Mapping[str, Any]], dropped: list[dict[str, Any]], prefix: str) -> dict[str, float]:
     rewards = [trajectory_reward(t) for t in used] + [float(r) for g in dropped for r in g["rewards"]]
     return {f"{prefix}dropped_groups": float(len(dropped)), f"{prefix}sampled_reward_mean": _mean(rewards)}

@@ -28,6 +28,7 @@ if TYPE_CHECKING:  # imported for annotations only; keeps this module dependency
     from .evaluation import Evaluator
     from .inference import InferenceClient
     from .rollout_worker import BaseRolloutWorker
+    from .runtime.sinks import MetricsSink
     from .train_service import TrainService
     from .trainer import BaseTrainer
     from .weight_sync import WeightSyncBackend
@@ -50,9 +51,9 @@ def nexrl_rollout_workers() -> dict[str, type[BaseRolloutWorker]]:
     """Register rollout workers, selected with ``rollout_worker.type``.
 
     :return: registered name -> subclass of :class:`nexrl_core.BaseRolloutWorker`,
-        built as ``cls(config)`` with the ``rollout_worker`` mapping (the worker builds its
-        evaluator from ``config.evaluator``); the inference client and the other modules
-        arrive as handles through ``set_module_references``.
+        built as ``cls(config)`` with the ``rollout_worker`` mapping; the launcher then hands in
+        the evaluator ``config.evaluator`` names (``set_parts``), and the inference client and
+        the other modules arrive as handles through ``set_module_references``.
     """
 
 
@@ -150,11 +151,12 @@ def nexrl_policy_losses() -> dict[str, Callable[..., Any]]:
 
 
 @hookspec
-def nexrl_metrics_sinks() -> dict[str, type[Any]]:
+def nexrl_metrics_sinks() -> dict[str, type[MetricsSink]]:
     """Register experiment loggers, selected with ``logger.backend``.
 
-    :return: registered name -> class with ``__init__(config, run_dir)``,
-        ``log(metrics: dict, step: int)`` and ``close()``; optionally ``OPTIONS`` (its keys under
+    :return: registered name -> subclass of :class:`nexrl_core.MetricsSink` (or a class with the
+        same methods): ``__init__(config, run_dir)``, ``log(metrics: dict, step: int)`` and
+        ``close()``; optionally ``OPTIONS`` (its keys under
         ``logger.<name>``), ``check_config(section, key) -> [problem, ...]`` (run by ``nexrl
         validate`` too) and ``truncate_after(step)`` (a resume from checkpoint ``step``: forget
         what was logged after it).

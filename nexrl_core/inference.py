@@ -9,12 +9,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import threading
+import typing
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from .config.options import Option, check_options
 from .errors import ConfigError
 
 
@@ -80,9 +82,6 @@ class SamplingParams:
     def recipe_problems(cls, section: Any, key: str = "rollout_worker.sampling") -> list[str]:
         """Problems of a recipe's sampling mapping, one line each naming the key: an unknown key
         (with a "did you mean") or a bad value. Empty when :meth:`from_config` will accept it."""
-        from .config.options import check_options
-        from .config.schema import sampling_options
-
         if section is None:
             return []
         if not isinstance(section, Mapping):
@@ -103,6 +102,32 @@ class SamplingParams:
         if params.top_k == -1:
             params.top_k = 0
         return params
+
+
+# Bounds and help of SamplingParams fields; a field not listed is checked by its type alone.
+_SAMPLING: dict[str, dict[str, Any]] = {
+    "max_tokens": dict(ge=1, help="most tokens a response may have"),
+    "temperature": dict(ge=0, help="sampling temperature (0: greedy)"),
+    "top_p": dict(gt=0, le=1, help="nucleus sampling: smallest token set with this much probability"),
+    "top_k": dict(ge=-1, help="sample among the k likeliest tokens (0 or -1: all)"),
+    "stop": dict(help="strings that end a response"),
+}
+_NOT_RECIPE_KEYS = {"seed": "the seed is derived per request from rollout_worker.seed"}
+
+
+def sampling_options() -> dict[str, Option]:
+    """``rollout_worker.sampling``: exactly the fields of :class:`SamplingParams` a recipe sets."""
+    hints = typing.get_type_hints(SamplingParams)
+    out = {}
+    for f in dataclasses.fields(SamplingParams):
+        if f.name in _NOT_RECIPE_KEYS:
+            out[f.name] = Option(removed=_NOT_RECIPE_KEYS[f.name])
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else \
+            (f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
+        extra = dict(_SAMPLING.get(f.name, {}))
+        out[f.name] = Option(default, hints.get(f.name), **extra)
+    return out
 
 
 def _stop_as_list(section: Mapping[str, Any]) -> dict[str, Any]:

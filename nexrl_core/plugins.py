@@ -19,6 +19,18 @@ from .errors import PluginError
 
 ENTRY_POINT_GROUP = "nexrl"
 CORE_DISTRIBUTION = "nexrl-core"
+# The core's own components (nexrl_core/builtins/), loaded as default plugins:
+# (plugin name, module), in registration order.
+DEFAULT_PLUGINS: tuple[tuple[str, str], ...] = (
+    ("core.dataloaders", "nexrl_core.builtins.dataloaders"),
+    ("core.workers", "nexrl_core.builtins.workers"),
+    ("core.evaluators", "nexrl_core.builtins.evaluators"),
+    ("core.openai", "nexrl_core.builtins.openai_client"),
+    ("core.mock", "nexrl_core.builtins.mock"),
+    ("core.weight_sync", "nexrl_core.builtins.weight_sync"),
+    ("core.sinks", "nexrl_core.builtins.sinks"),
+    ("core.algorithms", "nexrl_core.builtins.algorithms"),
+)
 
 # kind -> (hook name, expected base class path, what a recipe key looks like)
 KINDS: dict[str, tuple[str, str]] = {
@@ -101,8 +113,6 @@ class PluginManager:
     def _load_builtins(self) -> None:
         """The core's own components: plugins like any other, isolated the same way."""
         import importlib
-
-        from .builtins import DEFAULT_PLUGINS
 
         version = _version(CORE_DISTRIBUTION)
         for name, module_path in DEFAULT_PLUGINS:
@@ -216,6 +226,18 @@ class PluginManager:
         broken += self._filter_note()
         raise unknown_name_error(kind, name, key, {n: r.distribution for n, r in available.items()}, broken)
 
+    def resolve_section(self, kind: str, section: Any, key: str, selector: str = "type", name: Any = None) -> Any:
+        """:meth:`resolve` of the section's ``selector`` (or ``name`` when given; ``key`` is the
+        section's), or for a rollout worker or trainer with ``type: python`` the class its ``path``
+        and ``class`` name."""
+        from .config.python_class import load_component_class, loads_from_file
+
+        if loads_from_file(kind, section):
+            return load_component_class(kind, section, key)
+        if name is None:
+            name = section.get(selector) if hasattr(section, "get") else None
+        return self.resolve(kind, name, f"{key}.{selector}")
+
     def _filter_note(self) -> str:
         """Why components may be missing: NEXRL_LOAD_PLUGINS left plugins out or names absent ones."""
         if self.load_filter is None:
@@ -230,7 +252,7 @@ class PluginManager:
     def call_step_end(self, **kwargs: Any) -> list[tuple[str, BaseException, str | None]]:
         """Call every plugin's ``nexrl_step_end``. One that raises neither stops the others nor the
         run: it is returned as ``(plugin label, exception, its module's file)`` for the caller to report."""
-        failed = []
+        failed: list[tuple[str, BaseException, str | None]] = []
         for impl in reversed(self.pm.hook.nexrl_step_end.get_hookimpls()):  # pluggy's calling order
             try:
                 impl.function(*[kwargs[name] for name in impl.argnames])

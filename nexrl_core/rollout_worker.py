@@ -7,15 +7,16 @@ import os
 import sys
 import zlib
 from abc import abstractmethod
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, cast
 
 from loguru import logger
 
-from .errors import ConfigError, ErrorSeverity
+from .errors import ErrorSeverity
 from .eval_core import DEFAULT_DATA_SOURCE
 from .evaluation import BaseEvaluationTarget, EvaluationRunResult, Evaluator
-from .inference import InferenceError
-from .plugins import active_plugin_manager
+from .inference import InferenceClient, InferenceError
+from .protocols import TaskSource, TrajectorySink, WeightSyncHandle, wired
 from .runtime.execute import execute
 from .runtime.logs import failure_location, failure_signature, format_traceback
 from .runtime.threaded import ThreadedModule
@@ -45,8 +46,8 @@ class BaseRolloutWorker(ThreadedModule):
     still counts it) and the cause is recorded in the run's errors.jsonl (training items once
     the trainer consumes them; see docs/reliability.md).
 
-    Built as ``cls(config)`` with the ``rollout_worker`` mapping: the worker builds its own
-    evaluator from ``config.evaluator`` (through the plugin manager of its process); the
+    Built as ``cls(config)`` with the ``rollout_worker`` mapping; the launcher then hands in the
+    evaluators that mapping names (:meth:`set_parts`, built in the worker's process); the
     inference client and the other modules arrive as handles in :meth:`set_module_references`.
     """
 
@@ -55,14 +56,14 @@ class BaseRolloutWorker(ThreadedModule):
     def __init__(self, config: Any):
         super().__init__()
         self._config = config
-        self._llm_client: Any = None
-        self._evaluator: Evaluator | None = build_evaluator(config.get("evaluator"))
-        self._evaluator_label = evaluator_label(config.get("evaluator"))
-        self._worker_label = worker_label(config.get("type"), type(self))
+        self._llm_client: Any = None  # the inference client, wrapped for seed-style calls (_SeedClient)
+        # Handed in by the launcher (set_parts); until then: no evaluator.
+        self._evaluator: Evaluator | None = None
+        self._evaluator_label = "no evaluator"
+        self._worker_label = f"rollout worker {type(self).__name__}"
         # A task's `domain` picks its evaluator (multi-domain data); others use the default one.
-        domain_sections = config.get("domain_evaluators") or {}
-        self._domain_evaluators: dict[str, Evaluator | None] = build_domain_evaluators(domain_sections)
-        self._domain_labels = {str(d): evaluator_label(sub) for d, sub in domain_sections.items()}
+        self._domain_evaluators: dict[str, Evaluator | None] = {}
+        self._domain_labels: dict[Any, str] = {}  # a task's domain (None: none) -> label
         self._model_tag = DEFAULT_MODEL_TAG
         self._seed = int(config.get("seed", 0) or 0)
         # Read once: DictConfig.get of an absent key raises and catches internally (slow on a per-task path).
@@ -70,11 +71,11 @@ class BaseRolloutWorker(ThreadedModule):
         self._is_running_validate = False
         self._task_is_validation = False  # mode of the task in hand (the flag may flip meanwhile)
         self._task_version = 0
-        self._trajectory_pool: Any = None
-        self._dataloader: Any = None
-        self._weight_sync_controller: Any = None
-        self._validate_dataloader: Any = None
-        self._validator: Any = None
+        self._trajectory_pool: TrajectorySink | None = None
+        self._dataloader: TaskSource | None = None
+        self._weight_sync_controller: WeightSyncHandle | None = None
+        self._validate_dataloader: TaskSource | None = None
+        self._validator: TrajectorySink | None = None
         self.completed = 0
         self._puts_this_task = 0  # trajectories submitted for the task in hand
         self._tasks_per_call = int(config.get("tasks_per_call", 1) or 1)
@@ -82,9 +83,23 @@ class BaseRolloutWorker(ThreadedModule):
         # While running several tasks: (task number, destination, trajectory) held for one call each.
         self._held: list[tuple[int, Any, Trajectory]] | None = None
         self._task_number = 0
+        self._task_in_hand: dict[str, Any] | None = None  # what a plain-dict trajectory is filled in from
+        self._last_completion: dict[str, Any] | None = None  # the seed-style call's answer, for the same
 
-    def set_module_references(self, trajectory_pool: Any, dataloader: Any, weight_sync_controller: Any,
-                              validate_dataloader: Any, validator: Any, inference_client: Any = None) -> None:
+    def set_parts(self, parts: RolloutParts) -> None:
+        """The evaluators of ``rollout_worker.evaluator`` / ``domain_evaluators`` and how messages
+        name them (nexrl_core.launch.parts builds them with the plugin manager)."""
+        self._evaluator = parts.evaluator
+        self._evaluator_label = parts.evaluator_label
+        self._domain_evaluators = dict(parts.domain_evaluators)
+        self._domain_labels = dict(parts.domain_labels)
+        if parts.worker_label:
+            self._worker_label = parts.worker_label
+
+    def set_module_references(self, trajectory_pool: TrajectorySink | None, dataloader: TaskSource | None,
+                              weight_sync_controller: WeightSyncHandle | None,
+                              validate_dataloader: TaskSource | None, validator: TrajectorySink | None,
+                              inference_client: InferenceClient | None = None) -> None:
         """The seed's references, plus the inference service this worker samples from (a handle:
         in local mode the one client every worker shares, so an in-process engine batches across them)."""
         self._trajectory_pool = trajectory_pool
@@ -92,7 +107,7 @@ class BaseRolloutWorker(ThreadedModule):
         self._weight_sync_controller = weight_sync_controller
         self._validate_dataloader = validate_dataloader
         self._validator = validator
-        self._llm_client = inference_client
+        self._llm_client = None if inference_client is None else _SeedClient(inference_client, self)
         if inference_client is not None:
             self._model_tag = str(execute(inference_client.get_model_tag))
 
@@ -125,7 +140,7 @@ class BaseRolloutWorker(ThreadedModule):
                 if not admitted:
                     execute(wsc.wait_rollout_allowed, self._model_tag, self._idle_wait_s)
                     continue
-            loader = self._validate_dataloader if validating else self._dataloader
+            loader = self._loader(validating)
             tasks: list[dict[str, Any]] = []
             landed = 0
             try:
@@ -186,6 +201,7 @@ class BaseRolloutWorker(ThreadedModule):
         # what a failed attempt is stamped with, and what seeds its sampling
         self._task_version = self._current_version() if version is None else version
         self._puts_this_task = 0
+        self._task_in_hand, self._last_completion = task, None
         try:
             result = self.step(task)
             if result != "re-rollout" and self._puts_this_task == 0:
@@ -222,14 +238,46 @@ class BaseRolloutWorker(ThreadedModule):
 
     def _put_trajectory(self, trajectory: Trajectory) -> str:
         if not trajectory.get("failed"):
+            self._fill_in(cast(dict[str, Any], trajectory))
             self._check_trajectory(trajectory)
         self._puts_this_task += 1
         trajectory.setdefault("model_tag", self._model_tag)
-        target = self._validator if self._is_validation_task(trajectory) else self._trajectory_pool
+        trajectory.setdefault("rollout_worker", self._worker_label)  # named when a trainer refuses it
+        target = wired(self._validator, "validator") if self._is_validation_task(trajectory) else \
+            wired(self._trajectory_pool, "trajectory pool")
         if self._held is not None:  # handed on with the other tasks' (see _run_tasks)
             self._held.append((self._task_number, target, trajectory))
             return "success"
         return execute(target.put_trajectory, trajectory)
+
+    def _fill_in(self, trajectory: dict[str, Any]) -> None:
+        """What a worker written against the seed's guide leaves out of its plain dict, filled in
+        from the task in hand (``uid``, ``sample_index``, ``data_source``, ... of
+        :meth:`base_trajectory`), from this task's last ``self._llm_client.completion`` /
+        ``generate`` answer when the trajectory's ``response`` is that answer's (token ids,
+        log-probs, the ``sampling`` record, ``model_version``), and a ``reward`` from the recipe's
+        evaluator when the worker set none. Keys the worker set are kept."""
+        task = self._task_in_hand
+        if task is None:
+            return
+        for key, value in self.base_trajectory(task).items():
+            trajectory.setdefault(key, value)
+        last = self._last_completion
+        if last is not None and trajectory.get("response") == last.get("response"):
+            for key in COMPLETION_KEYS:
+                if trajectory.get(key) is None and last.get(key) is not None:
+                    trajectory[key] = last[key]
+            if not isinstance(trajectory.get("model_version"), int) or trajectory["model_version"] < 0:
+                trajectory["model_version"] = self._task_version
+        trajectory.setdefault("model_version", self._task_version)
+        if "reward" not in trajectory and isinstance(trajectory.get("response"), str) \
+                and self.evaluator_for(task) is not None:
+            evaluation = self.evaluate(task, trajectory["response"])
+            trajectory["reward"] = float(evaluation.reward)
+            trajectory.setdefault("ground_truth", evaluation.ground_truth)
+            trajectory.setdefault("score", {"reward": float(evaluation.reward),
+                                            **{k: float(v) for k, v in evaluation.metrics.items()}})
+            trajectory.setdefault("extra_info", evaluation.extra_info)
 
     def _check_trajectory(self, trajectory: Trajectory) -> None:
         """The contract every trajectory a worker hands on keeps: a finite number ``reward`` (a
@@ -242,9 +290,13 @@ class BaseRolloutWorker(ThreadedModule):
                                                 f"a failed one: raise ItemFailure)", severity=ErrorSeverity.ERROR)
 
     def _put_rollout_task(self, task: dict[str, Any], validating: bool = False) -> bool:
-        loader = self._validate_dataloader if validating else self._dataloader
-        execute(loader.add_item_front, task)
+        execute(self._loader(validating).add_item_front, task)
         return True
+
+    def _loader(self, validating: bool) -> TaskSource:
+        if validating:
+            return wired(self._validate_dataloader, "validation data loader")
+        return wired(self._dataloader, "data loader")
 
     def _is_validation_task(self, trajectory: Trajectory) -> bool:
         return bool(trajectory.get("is_validation"))
@@ -275,7 +327,7 @@ class BaseRolloutWorker(ThreadedModule):
         cls_name = type(evaluator).__name__
         target = final_answer if isinstance(final_answer, BaseEvaluationTarget) else \
             BaseEvaluationTarget(final_answer=final_answer)
-        reply = getattr(final_answer, "final_answer", final_answer)  # the text kept with a failure
+        reply: Any = getattr(final_answer, "final_answer", final_answer)  # the text kept with a failure
         try:
             result = evaluator.evaluate(task, target)
         except Exception as exc:
@@ -342,48 +394,45 @@ class BaseRolloutWorker(ThreadedModule):
         return execute(self._llm_client.model_version) if self._llm_client is not None else 0
 
 
-_EVALUATOR_KEY = "rollout_worker.evaluator"
+#: what a seed-style completion answer gives a trajectory that names its response (see ``_fill_in``)
+COMPLETION_KEYS = ("prompt_token_ids", "response_token_ids", "response_logprobs", "sampling", "model_version")
 
 
-def build_evaluator(section: Any, key: str = _EVALUATOR_KEY) -> Evaluator | None:
-    """The evaluator a ``rollout_worker.evaluator`` mapping names (``type`` + constructor keywords)."""
-    if section is None:
-        return None
-    cls = active_plugin_manager().resolve("evaluator", section.get("type"), f"{key}.type")
-    items = section.items() if isinstance(section, dict) else _plain(section).items()
-    try:
-        return cls(**{k: v for k, v in items if k != "type"})
-    except ConfigError as exc:
-        if key == _EVALUATOR_KEY:
-            raise
-        # An evaluator names its keys as rollout_worker.evaluator.<option>: say where they are.
-        raise ConfigError(str(exc).replace(_EVALUATOR_KEY, key)) from None
-    except (ValueError, TypeError) as exc:  # options it refuses: one line, as `nexrl validate` prints it
-        raise ConfigError(f"{key}: evaluator '{section.get('type')}' rejected its options: "
-                          f"{type(exc).__name__}: {exc}") from None
+class _SeedClient:
+    """A worker's ``self._llm_client``: the inference client (or its handle), plus what the seed's
+    guide calls on it: ``completion(prompt, **sampling)`` and ``generate(messages, **sampling)``
+    returning dicts (their answer is remembered for the task in hand) and ``_model_tag``."""
+
+    def __init__(self, client: Any, worker: BaseRolloutWorker):
+        self._client, self._worker = client, worker
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+    @property
+    def _model_tag(self) -> str:
+        return self._worker._model_tag
+
+    def completion(self, prompt: Any, **kwargs: Any) -> dict[str, Any]:
+        answer = execute(self._client.completion, prompt, **kwargs)
+        self._worker._last_completion = answer
+        return answer
+
+    def generate(self, messages: list[dict[str, Any]], **kwargs: Any) -> dict[str, Any]:
+        return self.completion(messages, **kwargs)
 
 
-def build_domain_evaluators(section: Any) -> dict[str, Evaluator | None]:
-    """``rollout_worker.domain_evaluators``: domain -> its evaluator (null: none, reward 0)."""
-    return {str(domain): build_evaluator(sub, f"rollout_worker.domain_evaluators.{domain}")
-            for domain, sub in (section or {}).items()}
 
+@dataclass
+class RolloutParts:
+    """What a rollout worker is built with besides its config: its evaluators, built by the launcher."""
 
-def evaluator_label(section: Any) -> str:
-    """``evaluator 'NAME' (distribution)``: how messages name the evaluator a recipe chose."""
-    if section is None:
-        return "no evaluator"
-    name = section.get("type")
-    registration = active_plugin_manager().components("evaluator").get(name)
-    return f"evaluator '{name}'" + (f" ({registration.distribution})" if registration is not None else "")
-
-
-def worker_label(name: Any, cls: type) -> str:
-    """``rollout worker 'NAME' (distribution)``: how messages name the recipe's rollout worker."""
-    registration = active_plugin_manager().components("rollout_worker").get(name) if name else None
-    if registration is None:
-        return f"rollout worker {cls.__name__}"
-    return f"rollout worker '{name}' ({registration.distribution})"
+    evaluator: Evaluator | None = None
+    evaluator_label: str = "no evaluator"
+    #: ``rollout_worker.domain_evaluators``: a task's ``domain`` -> its evaluator (None: reward 0)
+    domain_evaluators: dict[str, Evaluator | None] = field(default_factory=dict)
+    domain_labels: dict[str, str] = field(default_factory=dict)
+    worker_label: str | None = None
 
 
 def failure_detail(trajectory: Trajectory) -> dict[str, Any]:
@@ -396,9 +445,3 @@ def _code_folder(obj: Any) -> str | None:
     module = sys.modules.get(type(obj).__module__) if obj is not None else None
     path = getattr(obj, "source_path", None) or getattr(module, "__file__", None)
     return os.path.dirname(os.path.abspath(path)) if path else None
-
-
-def _plain(section: Any) -> dict[str, Any]:
-    from omegaconf import OmegaConf
-
-    return OmegaConf.to_container(section, resolve=True)

@@ -10,21 +10,37 @@ from __future__ import annotations
 import math
 import time
 from abc import abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from .algorithms.registry import AlgorithmRegistry
 from .checkpoint import read_core_state, write_checkpoint
+from .errors import DataError, NexRLError
 from .eval_core import training_domain_metrics
+from .protocols import TaskSource, TrajectoryPoolHandle, WeightSyncHandle, wired
 from .rollout_worker import failure_detail
 from .runtime.execute import execute
 from .runtime.threaded import ThreadedModule
-from .train_service import SECTION, TrainService, train_service_class
+from .train_service import TrainService
+from .trajectory_keys import trajectory_problem
 from .types import DEFAULT_MODEL_TAG, Trajectory, trajectory_reward
 
 _BATCH_WAIT_S = 0.1
 # What samples.jsonl keeps of a trajectory (logger.samples_every).
 SAMPLE_FIELDS = ("uid", "sample_index", "data_source", "prompt", "response", "reward", "advantage", "score",
                  "model_version", "sampling", "finish_reason", "failed", "error")
+
+
+@dataclass
+class TrainerParts:
+    """What a trainer is built with besides the recipe, built by the launcher in its process."""
+
+    #: the estimators and losses a recipe may select (this run's plugins)
+    algorithm_registry: AlgorithmRegistry | None = None
+    #: builds the train service ``service.train_service`` selects, for this many training steps
+    #: (called by :meth:`BaseTrainer.create_train_service`)
+    train_service: Callable[[int], TrainService] | None = None
 
 
 class BaseTrainer(ThreadedModule):
@@ -51,6 +67,9 @@ class BaseTrainer(ThreadedModule):
     TRAIN_SERVICE_BATCH_FORMAT: str | None = None
     TRAIN_SERVICE_DEFAULT: str | None = None
     STOP_JOIN_TIMEOUT_S = 300.0  # a training step in flight finishes first
+    #: the keys this trainer reads on every trajectory (a contract of
+    #: :data:`nexrl_core.trajectory_keys.CONTRACTS`: self_hosted, remote_api, sft); None: not checked
+    TRAJECTORY_CONTRACT: str | None = None
     LOOP_ERROR_ENDS_RUN = True
 
     def __init__(self, config: Any):
@@ -69,36 +88,42 @@ class BaseTrainer(ThreadedModule):
         self.samples_per_step = int(logger_section.get("samples_per_step", 4) or 0)
         self.global_step = 0
         self._first_step_done = False  # this run's first training step (a resumed run's too) was taken
-        self._trajectory_pool: Any = None
-        self._weight_sync_controller: Any = None
-        self._dataloader: Any = None
+        self._trajectory_pool: TrajectoryPoolHandle | None = None
+        self._weight_sync_controller: WeightSyncHandle | None = None
+        self._dataloader: TaskSource | None = None
         self._algorithm_registry: AlgorithmRegistry | None = None
-        self._train_service_cls: type[TrainService] | None = None
-        if self.TRAIN_SERVICE_BATCH_FORMAT:
-            # Resolved while the launch's plugin manager is active (modules are built inside it).
-            from .plugins import active_plugin_manager
+        # Handed in by the launcher (set_parts): builds the train service `service.train_service` selects.
+        self._train_service_factory: Callable[[int], TrainService] | None = None
 
-            section = config.get("service", {}).get("train_service") or {}
-            backend = section.get("backend") if hasattr(section, "get") else None
-            self._train_service_cls = train_service_class(type(self), {} if backend is None else {"backend": backend},
-                                                          active_plugin_manager(), self._config.get("type"))
-
-    def set_module_references(self, trajectory_pool: Any, weight_sync_controller: Any,
-                              dataloader: Any = None) -> None:
+    def set_module_references(self, trajectory_pool: TrajectoryPoolHandle | None,
+                              weight_sync_controller: WeightSyncHandle | None,
+                              dataloader: TaskSource | None = None) -> None:
         self._trajectory_pool = trajectory_pool
         self._weight_sync_controller = weight_sync_controller
         self._dataloader = dataloader
 
+    def _pool(self) -> TrajectoryPoolHandle:
+        return wired(self._trajectory_pool, "trajectory pool")
+
+    def _wsc(self) -> WeightSyncHandle:
+        return wired(self._weight_sync_controller, "weight-sync controller")
+
+    def set_parts(self, parts: TrainerParts) -> None:
+        """What the launcher built for this trainer with the plugin manager (nexrl_core.launch.parts)."""
+        if parts.algorithm_registry is not None:
+            self._algorithm_registry = parts.algorithm_registry
+        if parts.train_service is not None:
+            self._train_service_factory = parts.train_service
+
     def set_algorithm_registry(self, registry: AlgorithmRegistry) -> None:
-        """The estimators and losses a recipe may select (the controller passes its plugin manager's)."""
+        """The estimators and losses a recipe may select."""
         self._algorithm_registry = registry
 
     @property
     def algorithm_registry(self) -> AlgorithmRegistry:
-        if self._algorithm_registry is None:  # built standalone: the process's installed plugins
-            from .plugins import get_plugin_manager
-
-            self._algorithm_registry = AlgorithmRegistry.from_plugin_manager(get_plugin_manager())
+        if self._algorithm_registry is None:
+            raise NexRLError(f"{type(self).__name__} has no algorithm registry: build it with "
+                             f"nexrl_core.launch.parts.build_module (or call set_algorithm_registry)")
         return self._algorithm_registry
 
     @classmethod
@@ -110,13 +135,12 @@ class BaseTrainer(ThreadedModule):
 
     def create_train_service(self) -> TrainService:
         """The train service ``service.train_service`` selects, built from that section."""
-        if self._train_service_cls is None:
+        if not self.TRAIN_SERVICE_BATCH_FORMAT:
             raise NotImplementedError(f"{type(self).__name__} drives no train service (no TRAIN_SERVICE_BATCH_FORMAT)")
-        from .config.recipe import plain
-
-        section = dict(plain(self._full_config.get("service", {}).get("train_service")) or {})
-        return self._train_service_cls.from_config(section, seed=int(self._full_config.get("seed", 0)),
-                                                   total_steps=self.total_train_steps, path=SECTION)
+        if self._train_service_factory is None:
+            raise NexRLError(f"{type(self).__name__} was given no train service: build it with "
+                             f"nexrl_core.launch.parts.build_module")
+        return self._train_service_factory(self.total_train_steps)
 
     # -- to implement -----------------------------------------------------------------
     @abstractmethod
@@ -145,8 +169,6 @@ class BaseTrainer(ThreadedModule):
         A trainer whose checkpoints hold a model overrides this; the checkpoint names its trainer
         in ``nexrl_state.json``, so ``nexrl export`` finds the right one.
         """
-        from .errors import NexRLError
-
         raise NexRLError(f"trainer {cls.__name__} cannot export its checkpoints' weights (it does not implement "
                          f"BaseTrainer.export_checkpoint)")
 
@@ -169,8 +191,8 @@ class BaseTrainer(ThreadedModule):
     def _main_loop(self) -> None:
         t0 = time.perf_counter()  # the wait for a batch counts from the end of the previous step
         while not self._should_stop() and not self.is_done():
-            min_version = execute(self._weight_sync_controller.min_trainable_version, self._model_tag)
-            batch = execute(self._trajectory_pool.get_batch, self.batch_size, self._model_tag, min_version,
+            min_version = execute(self._wsc().min_trainable_version, self._model_tag)
+            batch = execute(self._pool().get_batch, self.batch_size, self._model_tag, min_version,
                             _BATCH_WAIT_S)
             if batch is None:
                 continue
@@ -186,8 +208,10 @@ class BaseTrainer(ThreadedModule):
 
     def _train_step(self, trajectories: list[Trajectory], wait_s: float,
                     dropped_groups: list[dict[str, Any]] | None = None) -> None:
-        execute(self._weight_sync_controller.train_worker_notify_step_start, self._module_name, self._model_tag)
+        execute(self._wsc().train_worker_notify_step_start, self._module_name, self._model_tag)
         usable = [t for t in trajectories if not t.get("failed")]
+        for t in usable:
+            self.check_trajectory(t)
         t0 = time.perf_counter()
         with self._activity_tracker.track(self._module_name, "train", auto_report_errors=False):  # _main_loop does
             metrics = self.train(usable) if usable else {}
@@ -209,7 +233,21 @@ class BaseTrainer(ThreadedModule):
         self._first_step_done = True
         if self.save_freq > 0 and (self.global_step % self.save_freq == 0 or self.is_done()):
             self.save_checkpoint()
-        execute(self._weight_sync_controller.train_worker_notify_weight_update, self._module_name, self._model_tag)
+        execute(self._wsc().train_worker_notify_weight_update, self._module_name, self._model_tag)
+
+    def check_trajectory(self, trajectory: Trajectory) -> None:
+        """The pool boundary: a trajectory lacking a key this trainer reads
+        (``TRAJECTORY_CONTRACT``) stops the step with one line naming the key and the worker."""
+        if self.TRAJECTORY_CONTRACT is None:
+            return
+        problem = trajectory_problem(trajectory, self.TRAJECTORY_CONTRACT)
+        if problem is not None:
+            worker = trajectory.get("rollout_worker") or "its rollout worker"
+            name = self._config.get("type")
+            label = f"'{name}'" if name and name != "python" else type(self).__name__
+            raise DataError(f"trajectory {trajectory.get('uid')}#{trajectory.get('sample_index')} from {worker} "
+                            f"{problem}; trainer {label} reads it (the "
+                            f"{self.TRAJECTORY_CONTRACT} keys of docs/extending.md)")
 
     def _samples_due(self) -> bool:
         """samples.jsonl gets this step's samples: every ``logger.samples_every`` steps, and the first
@@ -230,9 +268,9 @@ class BaseTrainer(ThreadedModule):
     def _core_metrics(self, trajectories: list[Trajectory], usable: list[Trajectory], wait_s: float,
                       train_s: float) -> dict[str, float]:
         rewards = [trajectory_reward(t) for t in usable]
-        version = execute(self._weight_sync_controller.get_train_model_version, self._model_tag)
+        version = execute(self._wsc().get_train_model_version, self._model_tag)
         staleness = [version - int(t.get("model_version", version)) for t in usable]
-        sync_s = float(execute(self._weight_sync_controller.get_sync_stats)["last_sync_s"])
+        sync_s = float(execute(self._wsc().get_sync_stats)["last_sync_s"])
         tokens = _response_tokens(usable)
         step_s = wait_s + train_s + sync_s
         if tokens and step_s > 0:  # over the whole step (the last sync stands for this one's)
@@ -248,7 +286,7 @@ class BaseTrainer(ThreadedModule):
             "timing/weight_sync_s": sync_s,
             "timing/train_s": train_s,
         }
-        for name, value in execute(self._trajectory_pool.counters).items():
+        for name, value in execute(self._pool().counters).items():
             out[f"pool/{name}"] = float(value)
         out.update(_score_means(usable))
         return out
@@ -257,6 +295,8 @@ class BaseTrainer(ThreadedModule):
     def core_state(self) -> dict[str, Any]:
         # ``trainer``: the registered name of the trainer that wrote the checkpoint (nexrl export asks it)
         state: dict[str, Any] = {"global_step": self.global_step, "trainer": self._config.get("type")}
+        if state["trainer"] == "python":  # loaded from a file: nexrl export loads it the same way
+            state.update(trainer_path=getattr(type(self), "source_path", None), trainer_class=type(self).__name__)
         if self._dataloader is not None:
             state["dataloader"] = execute(self._dataloader.state_dict)
         if self._weight_sync_controller is not None:

@@ -24,12 +24,12 @@ import threading
 import time
 from typing import Any, Callable
 
+from .config.schema import BATCH_READY_FUNCTIONS
 from .errors import ConfigError
+from .protocols import TaskSource, WeightSyncHandle, wired
 from .runtime.execute import execute
 from .runtime.module import NexRLModule
 from .types import DEFAULT_MODEL_TAG, Batch, ModelTag, Trajectory, trajectory_reward
-
-BATCH_READY_FUNCTIONS = ("batch_size", "loaded_batch_finished", "batch_size_or_loaded_batch_finished")
 
 
 def _version(traj: Trajectory) -> int:
@@ -91,7 +91,7 @@ class GroupedTrajectoryStore:
     def _group_key(self, traj: Trajectory) -> Any:
         if self.key not in traj:
             raise KeyError(f"trajectory has no grouping key '{self.key}' (trajectory_pool.key_list)")
-        return traj[self.key]
+        return traj[self.key]  # type: ignore[literal-required]  # a recipe's key_list names any key
 
     def add(self, traj: Trajectory) -> list[Trajectory]:
         """Add ``traj``; returns older-version members it evicted."""
@@ -125,18 +125,12 @@ class HierarchicalTrajectoryStore(GroupedTrajectoryStore):
     def __init__(self, keys: list[str], group_size: int):
         super().__init__(keys[0], group_size)
         self.keys = list(keys)
-        self.tree: dict[Any, Any] = {}
 
     def _group_key(self, traj: Trajectory) -> Any:
         missing = [k for k in self.keys if k not in traj]
         if missing:
             raise KeyError(f"trajectory has no grouping key(s) {missing} (trajectory_pool.key_list)")
-        path = tuple(traj[k] for k in self.keys)
-        node = self.tree
-        for part in path[:-1]:
-            node = node.setdefault(part, {})
-        node.setdefault(path[-1], True)
-        return path
+        return tuple(traj[k] for k in self.keys)  # type: ignore[literal-required]
 
 
 def make_store(key_list: list[str], group_size: int):
@@ -160,8 +154,8 @@ class TrajectoryPoolInstance:
         # put, and counting the whole pool there made a step O(batch^2).
         self._finished_by_version: dict[int, int] = {}
         self._locked = False
-        self._dataloader: Any = None
-        self._weight_sync_controller: Any = None
+        self._dataloader: TaskSource | None = None
+        self._weight_sync_controller: WeightSyncHandle | None = None
         self._activity_tracker: Any = None
         self.counters = {"stale_rerolled": 0, "group_evicted": 0, "rerollout_while_locked": 0}
         dynamic = config.get("dynamic_sampling") or {}
@@ -246,7 +240,7 @@ class TrajectoryPoolInstance:
                 break
             # Sync-mode dynamic sampling: once the round has landed, the dropped groups are
             # replaced in issue order; then wait for the replacements.
-            if execute(wsc.wait_rollouts_landed, self.model_tag, max(0.0, deadline - time.monotonic())):
+            if execute(wired(wsc, "weight-sync controller").wait_rollouts_landed, self.model_tag, max(0.0, deadline - time.monotonic())):
                 self._replace_set_aside()
             if enough or time.monotonic() >= deadline:
                 break
@@ -336,7 +330,8 @@ class TrajectoryPoolInstance:
     def _drop_stale_locked(self, min_version: int | None) -> list[Trajectory]:
         if min_version is None:
             return []
-        fresh, stale = [], []
+        fresh: list[list[Trajectory]] = []
+        stale: list[list[Trajectory]] = []
         for group in self._store.finished:
             (fresh if _group_version(group) >= min_version else stale).append(group)
         self._store.finished = fresh

@@ -3,12 +3,55 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, TypedDict, cast
 
 ModelTag = str
-Trajectory = dict[str, Any]
+
+
+class Trajectory(TypedDict, total=False):
+    """One sample of a rollout, as it travels worker -> pool -> trainer (a plain dict at run time).
+
+    Every key is optional to the type; a worker may add keys of its own (an agent's
+    ``num_tool_calls``: docs/agents.md), which the pool and the trainers carry along untouched.
+    """
+
+    # identity: copied from the task (BaseRolloutWorker.base_trajectory)
+    uid: Any                   # groups the samples of one task (trajectory_pool.key_list)
+    sample_index: int | None   # which of the task's group_size samples
+    seq: int | None            # the task's row number in its data loader (order, resume)
+    data_source: str           # names validation metrics (val/<data_source>_<score_key>)
+    domain: str | None         # picks the evaluator and the reward processing (multi-domain data)
+    model_tag: str             # the model the sample trains
+    rollout_worker: str        # the worker that made it (named when a trainer refuses it)
+    is_validation: bool
+    task: dict[str, Any]       # the data row itself (re-queued when the sample is re-rolled)
+    # the rollout
+    prompt: Any                # text or chat messages
+    response: str
+    finish_reason: str | None  # "stop" | "length" | ...
+    prompt_token_ids: list[int]
+    response_token_ids: list[int]
+    response_logprobs: list[float] | None
+    loss_mask: list[int] | None  # one 0/1 per response token (None: train every token)
+    segments: list[dict[str, Any]]  # a multi-turn rollout's sequences (trajectory_segments)
+    sampling: dict[str, Any]   # the SamplingParams that produced the tokens (SamplingParams.as_record)
+    model_version: int         # the weights it was sampled with (staleness)
+    # the evaluation
+    reward: float              # required of every usable trajectory (trajectory_reward)
+    ground_truth: str
+    score: dict[str, float]    # reward and the evaluator's metrics
+    extra_info: dict[str, Any]
+    # a failed sample (kept so its group completes; reward 0)
+    failed: bool
+    error: str
+    error_cause: str           # errors.jsonl's cause
+    error_traceback: str
+    # set by the trainer
+    advantage: float
+
 
 DEFAULT_MODEL_TAG: ModelTag = "default"
 
@@ -51,48 +94,10 @@ class Batch:
         return Batch(values, {"batch_size": len(trajectories), "model_tag": model_tag})
 
     def to_trajectories(self) -> list[Trajectory]:
-        return [{k: v[i] for k, v in self.values.items()} for i in range(len(self))]
-
-    @staticmethod
-    def remove_redundant_left_padding(data: Batch, pad_token_id: int, fields: list[str],
-                                      anchor_field: str, max_strip_threshold: int | None = None) -> Batch:
-        """Drop leading columns that are padding in every row of ``anchor_field``."""
-        anchor = data.values[anchor_field]
-        is_pad = anchor == pad_token_id
-        n = _leading_all_true(is_pad.all(dim=0).tolist())
-        if max_strip_threshold is not None:
-            n = min(n, max_strip_threshold)
-        if n:
-            for name in fields:
-                data.values[name] = data.values[name][:, n:]
-        return data
-
-    @staticmethod
-    def remove_redundant_right_padding(data: Batch, pad_token_id: int, fields: list[str],
-                                       anchor_field: str, max_strip_threshold: int | None = None) -> Batch:
-        """Drop trailing columns that are padding in every row of ``anchor_field``."""
-        anchor = data.values[anchor_field]
-        is_pad = anchor == pad_token_id
-        n = _leading_all_true(is_pad.all(dim=0).tolist()[::-1])
-        if max_strip_threshold is not None:
-            n = min(n, max_strip_threshold)
-        if n:
-            width = anchor.shape[1]
-            for name in fields:
-                data.values[name] = data.values[name][:, : width - n]
-        return data
+        return [cast(Trajectory, {k: v[i] for k, v in self.values.items()}) for i in range(len(self))]
 
 
-def _leading_all_true(flags: list[bool]) -> int:
-    n = 0
-    for flag in flags:
-        if not flag:
-            break
-        n += 1
-    return n
-
-
-def trajectory_reward(trajectory: Trajectory) -> float:
+def trajectory_reward(trajectory: Mapping[str, Any]) -> float:
     """The trajectory's ``reward``: 0.0 for a failed one, and a ValueError naming the trajectory
     when a usable one has none (never a silent 0: rollout workers must set it)."""
     reward = trajectory.get("reward")
@@ -108,7 +113,7 @@ def trajectory_reward(trajectory: Trajectory) -> float:
 SEGMENT_KEYS = ("prompt_token_ids", "response_token_ids", "response_logprobs", "loss_mask")
 
 
-def trajectory_segments(trajectory: Trajectory) -> list[dict[str, Any]]:
+def trajectory_segments(trajectory: Mapping[str, Any]) -> list[dict[str, Any]]:
     """The token sequences a trajectory trains on, each with ``prompt_token_ids``,
     ``response_token_ids``, ``response_logprobs`` (or None) and ``loss_mask`` (one 0/1 per response
     token; None when the trajectory has none: every response token is trained).
@@ -118,7 +123,7 @@ def trajectory_segments(trajectory: Trajectory) -> list[dict[str, Any]]:
     then repeats the first). Every trainer reads trajectories through this function, so a
     ``loss_mask`` is never ignored. Raises ValueError when a mask does not fit its response.
     """
-    raw = trajectory.get("segments") or [trajectory]
+    raw: list[Any] = trajectory.get("segments") or [trajectory]
     out = []
     for i, seg in enumerate(raw):
         response = seg.get("response_token_ids")

@@ -9,6 +9,7 @@ from loguru import logger
 
 from .errors import ErrorSeverity
 from .eval_core import DuplicateSampleError, EvalState, SampleRecord, add_sample, summarize
+from .protocols import TaskSource, wired
 from .runtime.execute import execute
 from .runtime.module import NexRLModule
 from .types import Trajectory
@@ -23,13 +24,13 @@ class Validator(NexRLModule):
         self._state = EvalState()
         self._trajectories: list[Trajectory] = []
         self._lock = threading.Lock()
-        self._validate_dataloader: Any = None
+        self._validate_dataloader: TaskSource | None = None
         self.last_metrics: dict[str, float] = {}
 
     def _health_locks(self) -> dict[str, Any]:
         return {"validator": self._lock}
 
-    def set_module_references(self, validate_dataloader: Any) -> None:
+    def set_module_references(self, validate_dataloader: TaskSource | None) -> None:
         self._validate_dataloader = validate_dataloader
 
     def put_trajectory(self, trajectory: Trajectory) -> str:
@@ -49,7 +50,7 @@ class Validator(NexRLModule):
         return [self.put_trajectory(t) for t in trajectories]
 
     def is_complete(self) -> bool:
-        return bool(execute(self._validate_dataloader.is_finished)) and \
+        return bool(execute(wired(self._validate_dataloader, "validation data loader").is_finished)) and \
             self._activity_tracker.is_rollout_worker_quiescent()
 
     def expected_samples(self) -> int | None:

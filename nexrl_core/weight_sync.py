@@ -26,12 +26,12 @@ from typing import Any, Literal
 
 from loguru import logger
 
+from .config.schema import SYNC_MODES, WEIGHT
 from .errors import ConfigError
+from .protocols import TaskSource, TrajectoryPoolHandle
 from .runtime.execute import execute
 from .runtime.module import NexRLModule
 from .types import DEFAULT_MODEL_TAG, ModelTag
-
-SYNC_MODES = ("sync", "batch-async", "fully-async")
 
 
 class WeightSyncBackend(ABC):
@@ -45,7 +45,18 @@ class WeightSyncBackend(ABC):
         """Make ``inference_client`` serve the trainer's current weights as ``version``."""
 
 
+class VersionOnlyWeightSync(WeightSyncBackend):
+    """For services that need no weight transfer (test backends, frozen references)."""
+
+    # (also what a controller built without a backend uses: only the served version number moves)
+
+    def sync(self, trainer: Any, inference_client: Any, version: int) -> None:
+        execute(inference_client.set_model_version, version)
+
+
 class WeightSyncController(NexRLModule):
+    """``backend``: the ``weight.backend`` the launcher built (nexrl_core.launch.parts); None: version only."""
+
     def __init__(self, config: Any, backend: WeightSyncBackend | None = None):
         super().__init__()
         self._mode = str(config.get("sync_mode", "sync"))
@@ -56,12 +67,8 @@ class WeightSyncController(NexRLModule):
             raise ConfigError("weight.staleness_threshold must be >= 0")
         self._staleness = 0 if self._mode == "sync" else threshold
         self._validate_freq = int(config.get("validate_freq", 0) or 0)
-        if backend is None:  # built here, in this module's process, from `weight.backend`
-            from .plugins import active_plugin_manager
-
-            name = config.get("backend", "version_only")
-            backend = active_plugin_manager().resolve("weight_sync_backend", name, "weight.backend")(config)
-        self._backend = backend
+        self._update_every = int(config.get("model_update_frequency", WEIGHT["model_update_frequency"].default_value()))
+        self._backend = backend if backend is not None else VersionOnlyWeightSync(config)
         self._cond = threading.Condition()
         self._train_version: dict[ModelTag, int] = {}
         self._rollout_version: dict[ModelTag, int] = {}
@@ -75,10 +82,10 @@ class WeightSyncController(NexRLModule):
         self._held: dict[ModelTag, int] = {}
         self._waiting_for_validation = False
         self._stopping = False
-        self._trainer: Any = None
-        self._inference_client: Any = None
-        self._trajectory_pool: Any = None
-        self._dataloader: Any = None
+        self._trainer: Any = None  # what the backend reads the weights from (its own business)
+        self._inference_client: Any = None  # the backend's business, as the trainer
+        self._trajectory_pool: TrajectoryPoolHandle | None = None
+        self._dataloader: TaskSource | None = None
         self.sync_count = 0
         self.last_sync_s = 0.0
 
@@ -241,10 +248,12 @@ class WeightSyncController(NexRLModule):
             self._cond.wait_for(lambda: not self._waiting_for_validation or self._stopping)
             self._train_version[model_tag] = self._train_version.get(model_tag, 0) + 1
             version = self._train_version[model_tag]
-        self.sync_weight_to_rollout_service(model_tag)
+        validate = self._validate_freq > 0 and version % self._validate_freq == 0
+        if version % self._update_every == 0 or validate:  # a validation sees the weights it is named after
+            self.sync_weight_to_rollout_service(model_tag)
         with self._cond:
             self._batch_ready[model_tag] = False
-            if self._validate_freq > 0 and version % self._validate_freq == 0:
+            if validate:
                 self._waiting_for_validation = True
             self._cond.notify_all()
         logger.debug(f"{worker_name} -> weights v{version} ({self._mode})")

@@ -7,4 +7,6 @@ cd "$ROOT"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 # Lint first (config: pyproject.toml [tool.ruff]): CI (.ci/run) fails on a finding before any test runs.
 "$VENV/bin/ruff" check --quiet "$ROOT"
+# Type check of nexrl_core/ (config: pyproject.toml [tool.mypy]; incremental cache in .mypy_cache/).
+"$VENV/bin/mypy" --no-error-summary
 exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@"

@@ -37,7 +37,7 @@ import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from difflib import get_close_matches
-from typing import Any
+from typing import Any, cast
 
 from ..config.options import Option, check_options, component_options, param_docs
 from ..errors import ConfigError
@@ -170,7 +170,7 @@ def _plain(section: Any) -> dict[str, Any]:
     from omegaconf import DictConfig, OmegaConf
 
     if isinstance(section, DictConfig):
-        return dict(OmegaConf.to_container(section, resolve=True))
+        return cast(dict[str, Any], OmegaConf.to_container(section, resolve=True))
     return dict(section) if isinstance(section, Mapping) else {}
 
 

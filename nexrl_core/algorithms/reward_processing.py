@@ -255,7 +255,7 @@ def response_truncated(trajectory: Mapping[str, Any], response_tokens: int) -> b
         return reason == "length"
     sampling = trajectory.get("sampling")
     limit = sampling.get("max_tokens") if isinstance(sampling, Mapping) else None
-    return bool(limit) and response_tokens >= int(limit)
+    return limit is not None and bool(limit) and response_tokens >= int(limit)
 
 
 class RewardProcessor:

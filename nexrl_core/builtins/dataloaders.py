@@ -9,7 +9,7 @@ import random
 import re
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
-from typing import Any
+from typing import Any, cast
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -387,7 +387,7 @@ class MultiDomainDataLoader(BaseDataLoader):
 
 def _plain_dict(config: Any) -> dict[str, Any]:
     if isinstance(config, DictConfig):
-        return OmegaConf.to_container(config, resolve=True)
+        return cast(dict[str, Any], OmegaConf.to_container(config, resolve=True))
     return dict(config)
 
 

@@ -11,7 +11,7 @@ import time
 from typing import Any
 
 from ..config.options import Capabilities, Option, option_defaults
-from ..inference import CompletionResult, InferenceClient, SamplingParams
+from ..inference import CompletionResult, InferenceClient, InferenceError, SamplingParams
 from ..markers import hookimpl
 from ..trainer import BaseTrainer
 from ..types import Trajectory
@@ -66,7 +66,7 @@ class MockInferenceClient(InferenceClient):
         return CompletionResult(text=text, finish_reason="stop", prompt_token_ids=list(_last_user_text(prompt).encode()),
                                 response_token_ids=ids, response_logprobs=[-0.5] * len(ids), model_version=version)
 
-    def complete_many(self, requests: list[tuple[Any, SamplingParams]]) -> list[CompletionResult]:
+    def complete_many(self, requests: list[tuple[Any, SamplingParams]]) -> list[CompletionResult | InferenceError]:
         return [self.complete(prompt, params) for prompt, params in requests]  # instant: no threads needed
 
     def num_calls(self) -> int:
@@ -79,7 +79,7 @@ class MockTrainer(BaseTrainer):
 
     # Exports an (empty) state dict, so it stands in for a self-hosted trainer with any in-process
     # weight sync; its weights never change, so it needs none.
-    CAPABILITIES = Capabilities(provides={"trainer:state_dict"})
+    CAPABILITIES = Capabilities(provides=frozenset({"trainer:state_dict"}))
     NO_MODEL_STATE = True  # nothing to save: its checkpoints resume exactly
 
     OPTIONS = {"step_time_s": Option(0.0, float, "seconds each training step takes", ge=0)}

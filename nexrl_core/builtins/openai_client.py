@@ -65,7 +65,7 @@ import threading
 import time
 import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import openai
 from loguru import logger
@@ -144,10 +144,11 @@ class OpenAICompatibleClient(InferenceClient):
     # ------------------------------------------------------------------ public API
 
     def complete(self, prompt: str | list[dict[str, Any]], params: SamplingParams) -> CompletionResult:
+        payload: str | list[dict[str, Any]]
         if isinstance(prompt, str):
             chat, payload = False, prompt
         elif isinstance(prompt, Sequence) and all(isinstance(m, Mapping) for m in prompt):
-            chat, payload = True, [{str(k): v for k, v in m.items()} for m in prompt]
+            chat, payload = True, [{str(k): v for k, v in cast(Mapping[str, Any], m).items()} for m in prompt]
         else:
             raise TypeError(f"prompt must be a string or a list of chat messages, not {type(prompt).__name__}")
         return self._generate(chat, payload, params, None)
@@ -383,6 +384,7 @@ class OpenAICompatibleClient(InferenceClient):
             return None
         if not isinstance(obj, dict):
             raise self._malformed(endpoint, "choices[0].logprobs is not an object")
+        values: list[Any] | None
         if chat:
             content = obj.get("content")
             if content is None:

@@ -23,24 +23,17 @@ names, see ``nexrl migrate``).
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import inspect
 import os
-import sys
-import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..config.options import REQUIRED, Option
+from ..config.python_class import import_file
 from ..errors import ConfigError
 from ..evaluation import BaseEvaluationTarget, EvaluationRunResult, Evaluator
-from ..runtime.logs import failure_location
 
 KEY = "rollout_worker.evaluator"
-
-_modules: dict[tuple[str, float], Any] = {}  # (absolute path, mtime) -> module: one import per process
-_lock = threading.Lock()
 
 
 class PythonFunctionEvaluator(Evaluator):
@@ -97,7 +90,7 @@ def load_function(path: str, name: str, kwargs: dict[str, Any], key: str = KEY) 
     if not os.path.isfile(path):
         where = "a folder" if os.path.isdir(path) else "not found"
         raise ConfigError(f"{key}.path: '{path}' is {where} (a Python file that defines {name}())")
-    module = _import(os.path.abspath(path), key)
+    module = import_file(os.path.abspath(path), key)
     function = getattr(module, name, None)
     if function is None:
         found = sorted(n for n, v in vars(module).items() if inspect.isfunction(v) and v.__module__ == module.__name__)
@@ -120,7 +113,7 @@ def load_class(path: str, name: str, kwargs: dict[str, Any], key: str = KEY) -> 
     if not os.path.isfile(path):
         where = "a folder" if os.path.isdir(path) else "not found"
         raise ConfigError(f"{key}.path: '{path}' is {where} (a Python file that defines class {name})")
-    module = _import(os.path.abspath(path), key)
+    module = import_file(os.path.abspath(path), key)
     found = getattr(module, name, None)
     if not inspect.isclass(found):
         classes = sorted(n for n, v in vars(module).items() if inspect.isclass(v) and v.__module__ == module.__name__)
@@ -131,7 +124,7 @@ def load_class(path: str, name: str, kwargs: dict[str, Any], key: str = KEY) -> 
                           f"(subclass nexrl_core.Evaluator)")
     if inspect.isabstract(found):
         raise ConfigError(f"{key}.class: {name} in {path} leaves abstract methods unimplemented: "
-                          f"{', '.join(sorted(found.__abstractmethods__))}")
+                          f"{', '.join(sorted(getattr(found, '__abstractmethods__', ())))}")
     try:
         inspect.signature(found).bind(**kwargs)
     except TypeError as exc:
@@ -140,31 +133,6 @@ def load_class(path: str, name: str, kwargs: dict[str, Any], key: str = KEY) -> 
     except ValueError:  # no signature to inspect
         pass
     return found
-
-
-def _import(path: str, key: str) -> Any:
-    stamp = (path, os.path.getmtime(path))
-    with _lock:
-        if stamp in _modules:
-            return _modules[stamp]
-        name = f"nexrl_python_reward_{hashlib.sha1(path.encode()).hexdigest()[:12]}"
-        spec = importlib.util.spec_from_file_location(name, path)
-        if spec is None or spec.loader is None:
-            raise ConfigError(f"{key}.path: '{path}' cannot be imported as Python")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # found again by name (pickling a function, a second worker)
-        try:
-            spec.loader.exec_module(module)
-        except SyntaxError as exc:
-            sys.modules.pop(name, None)
-            raise ConfigError(f"{exc.filename or path}:{exc.lineno}: {exc.msg} (the file of {key}.path)") from None
-        except Exception as exc:
-            sys.modules.pop(name, None)
-            where = failure_location(exc, os.path.dirname(path))
-            raise ConfigError(f"{key}.path: importing {path} raised {type(exc).__name__}: {exc}"
-                              f"{f' ({where})' if where else ''}") from None
-        _modules[stamp] = module
-        return module
 
 
 def as_result(value: Any, name: str) -> EvaluationRunResult:

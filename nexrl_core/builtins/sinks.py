@@ -15,22 +15,19 @@ from ..cli.run_log import STEP_LINE
 from ..config.options import Option
 from ..errors import ConfigError
 from ..markers import hookimpl
+from ..runtime.sinks import MetricsSink
 
 
-class ConsoleSink:
-    def __init__(self, config: Any, run_dir: str):
-        pass
+class ConsoleSink(MetricsSink):
+    """Each step's main metrics as one console line (run.log keeps it too)."""
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         shown = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in sorted(metrics.items())
                           if k.startswith(("train/reward", "val/", "timing/step", "train/loss", "train/num")))
         logger.bind(**{STEP_LINE: True}).info(f"step {step}: {shown}")
 
-    def close(self) -> None:
-        pass
 
-
-class WandbSink:
+class WandbSink(MetricsSink):
     """Weights & Biases (options under ``logger.wandb``), as wandb users expect it to behave.
 
     Project: ``logger.wandb.project``, else ``WANDB_PROJECT``, else ``project_name``. Entity and
@@ -132,7 +129,7 @@ def _wandb_key_configured() -> bool:
         return False
 
 
-class TensorBoardSink:
+class TensorBoardSink(MetricsSink):
     """TensorBoard event files (``logger.tensorboard.log_dir``, default ``RUN_DIR/tensorboard``):
     ``tensorboard --logdir RUN_DIR/tensorboard``. A resumed run purges the steps after its
     checkpoint from the view, so the curves continue from where the checkpoint left them."""
@@ -181,6 +178,9 @@ class TensorBoardSink:
         for key, value in metrics.items():
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 writer.add_scalar(key, float(value), int(step))
+
+    def log_text(self, title: str, content: str, step: int) -> None:
+        self._writer_now().add_text(title or "text", content, int(step))
 
     def close(self) -> None:
         if self._writer is not None:

@@ -9,10 +9,10 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from ..config.options import Option, option_defaults
-from ..config.schema import sampling_options
 from ..errors import ConfigError
-from ..inference import SamplingParams
+from ..inference import SamplingParams, sampling_options
 from ..markers import hookimpl
+from ..protocols import wired
 from ..rollout_worker import BaseRolloutWorker, ItemFailure
 from ..runtime.execute import execute
 
@@ -64,7 +64,7 @@ class SimpleRolloutWorker(BaseRolloutWorker):
         return problems
 
     def build_prompt(self, task: dict[str, Any]) -> str | list[dict[str, Any]]:
-        prompt = task.get(self._prompt_key)
+        prompt: Any = task.get(self._prompt_key)
         if isinstance(prompt, list) or not self._use_chat:
             return prompt
         messages = [{"role": "system", "content": self._system_prompt}] if self._system_prompt else []
@@ -72,7 +72,9 @@ class SimpleRolloutWorker(BaseRolloutWorker):
 
     def _request(self, task: dict[str, Any]) -> tuple[Any, SamplingParams]:
         prompt = self.build_prompt(task)
-        params = replace(self._domain_sampling.get(task.get("domain"), self._sampling), seed=self.sampling_seed(task))
+        domain = task.get("domain")
+        base = self._sampling if domain is None else self._domain_sampling.get(domain, self._sampling)
+        params = replace(base, seed=self.sampling_seed(task))
         if self._task_is_validation and self._validate_temperature is not None:
             params.temperature = float(self._validate_temperature)
         return prompt, params
@@ -80,7 +82,7 @@ class SimpleRolloutWorker(BaseRolloutWorker):
     def prepare_tasks(self, tasks: list[dict[str, Any]]) -> None:
         """One ``complete_many`` call for the tasks' requests; :meth:`step` takes its answer from here."""
         asked = [t for t in tasks if t.get(self._prompt_key) not in (None, "")]
-        results = execute(self._llm_client.complete_many, [self._request(t) for t in asked])
+        results = execute(wired(self._llm_client, "inference client").complete_many, [self._request(t) for t in asked])
         self._answers = {id(t): r for t, r in zip(asked, results)}
 
     def step(self, task: dict[str, Any]) -> str | None:
@@ -89,7 +91,7 @@ class SimpleRolloutWorker(BaseRolloutWorker):
         prompt, params = self._request(task)
         result = self._answers.pop(id(task), None)
         if result is None:
-            result = execute(self._llm_client.complete, prompt, params)
+            result = execute(wired(self._llm_client, "inference client").complete, prompt, params)
         elif isinstance(result, Exception):
             raise result
         evaluation = self.evaluate(task, result.text)

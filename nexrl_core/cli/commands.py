@@ -128,9 +128,11 @@ def build_parser() -> argparse.ArgumentParser:
     p_migrate.add_argument("recipe", help="the NexRL or ROLL recipe YAML")
     p_migrate.add_argument("-o", "--out", help="the nexrl recipe to write (default: print it)")
     p_migrate.add_argument("--force", action="store_true", help="replace OUT if it exists")
-    p_new = sub.add_parser("new", help="scaffold a plugin package: nexrl new evaluator NAME")
-    p_new.add_argument("kind", choices=["evaluator"], help="what the plugin provides")
-    p_new.add_argument("name", help="its registered name, e.g. length_penalty (package nexrl-evaluator-NAME)")
+    p_new = sub.add_parser("new", help="scaffold a plugin package: nexrl new evaluator|worker|trainer|dataloader|"
+                                       "weight-sync NAME")
+    p_new.add_argument("kind", choices=["evaluator", "worker", "trainer", "dataloader", "weight-sync"],
+                       help="what the plugin provides")
+    p_new.add_argument("name", help="its registered name, e.g. length_penalty (package nexrl-KIND-NAME)")
     p_new.add_argument("--dir", default=".", help="folder to create the package in (default: here)")
     p_new.add_argument("--license", default="Apache-2.0", help="SPDX license expression (default: Apache-2.0)")
     return parser
@@ -402,12 +404,14 @@ def _plugins(args: Any) -> int:
 
 def _new(args: Any) -> int:
     from ..plugins import get_plugin_manager
-    from .scaffold import names, new_evaluator
+    from .scaffold import KINDS, names, new_plugin
 
-    names(args.name)  # a bad NAME fails before the plugins load
-    root = new_evaluator(args.name, args.dir, args.license, set(get_plugin_manager().components("evaluator")))
-    n = names(args.name)
-    print(f"created {root}/ ({n['dist']}: evaluator '{n['name']}', class {n['cls']} in {n['package']}/plugin.py)\n"
+    spec = KINDS[args.kind]
+    names(args.name, args.kind)  # a bad NAME fails before the plugins load
+    root = new_plugin(args.kind, args.name, args.dir, args.license,
+                      set(get_plugin_manager().components(spec.component)))
+    n = names(args.name, args.kind)
+    print(f"created {root}/ ({n['dist']}: {spec.words} '{n['name']}', class {n['cls']} in {n['package']}/plugin.py)\n"
           f"next:\n  cd {root}\n  pip install -e '.[test]'\n  pytest\n  nexrl run recipe.yaml")
     return 0
 

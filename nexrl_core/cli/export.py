@@ -50,7 +50,11 @@ def export_checkpoint(checkpoint: str, out: str, plugin_manager: Any, dtype: str
     if not name:
         raise ConfigError(f"{os.path.join(checkpoint, CORE_STATE_FILE)}: does not name the trainer that wrote it "
                           f"(checkpoints of nexrl-core before 0.1 do not); cannot tell how to export it")
-    trainer_cls = plugin_manager.resolve("trainer", name, f"{CORE_STATE_FILE} 'trainer'")
+    if name == "python":  # a trainer loaded from a file (trainer.type python): the state names file and class
+        section = {"type": name, "path": state.get("trainer_path"), "class": state.get("trainer_class")}
+        trainer_cls = plugin_manager.resolve_section("trainer", section, f"{CORE_STATE_FILE} 'trainer'")
+    else:
+        trainer_cls = plugin_manager.resolve("trainer", name, f"{CORE_STATE_FILE} 'trainer'")
     _check_out(out, checkpoint, force)
     parent = os.path.dirname(os.path.abspath(out))
     os.makedirs(parent, exist_ok=True)

@@ -135,7 +135,7 @@ def plot_run(run_dir: str, out: str | None = None, title: str | None = None) -> 
                 steps, values = zip(*found[key])
                 ax.plot(steps, values, marker="o", markersize=4, linewidth=1.5, label=key)
             ax.set_ylabel("validation")
-        else:
+        elif third is not None:
             steps, values = zip(*found[third])
             ax.plot(steps, values, color="tab:red", linewidth=1.2, label=third)
             ax.set_ylabel("gradient norm" if third == GRAD_NORM else "loss")

@@ -17,29 +17,13 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any, TextIO
 
+from ..config.schema import rich_installed
 from ..redaction import scrub
 
 MODES = ("rich", "plain", "off")
 VAL_KEY = "val/reward"  # every validation reports it (docs/evaluation.md)
 _RECENT = 20  # step intervals the speed and ETA are averaged over
 _REWARD_WINDOW = 10
-
-
-RICH_MISSING = "the live progress display needs rich: pip install 'nexrl-core[progress]'"
-
-
-def rich_installed() -> bool:
-    import importlib.util
-
-    try:
-        return importlib.util.find_spec("rich") is not None
-    except (ImportError, ValueError):
-        return False
-
-
-def progress_problem(setting: Any) -> str | None:
-    """``logger.progress``'s check (validate and run): 'rich' needs the rich package."""
-    return RICH_MISSING if setting == "rich" and not rich_installed() else None
 
 
 def choose_mode(setting: str, stream: TextIO) -> str:

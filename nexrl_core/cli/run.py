@@ -299,7 +299,8 @@ def _exportable(pm: Any, trainer: str) -> bool:
 
     cls = pm.components("trainer").get(trainer)
     own = getattr(getattr(cls, "cls", None), "export_checkpoint", None)
-    return own is not None and getattr(own, "__func__", None) is not BaseTrainer.export_checkpoint.__func__
+    base = vars(BaseTrainer)["export_checkpoint"].__func__  # the classmethod's function
+    return own is not None and getattr(own, "__func__", None) is not base
 
 
 def _checkpoint_global_step(path: str | None) -> int:

@@ -20,6 +20,7 @@ from ..runtime.logs import FailureLog, failure_location, failure_signature, form
 METRICS_FILE = "metrics.jsonl"
 ERRORS_FILE = "errors.jsonl"
 SAMPLES_FILE = "samples.jsonl"
+TEXTS_FILE = "texts.jsonl"  # experiment_logger_post(..., content=, title=)
 LOG_FILE = "run.log"
 #: metrics rows kept in memory for the driver's listeners (the progress display), which read them
 #: through :meth:`RunRecorder.rows_since`; a listener that falls further behind skips the oldest
@@ -48,12 +49,14 @@ class RunRecorder:
     """
 
     def __init__(self, run_dir: str | None, sinks: list[Any] | None = None, step_end_hook: Any = None,
-                 failure_monitor: Any = None, sink_labels: list[str] | None = None):
+                 failure_monitor: Any = None, sink_labels: list[str] | None = None,
+                 sink_names: list[str] | None = None):
         self.run_dir = run_dir
         if run_dir is not None:
             os.makedirs(run_dir, exist_ok=True)
         self._sinks = list(sinks or [])
         self._sink_labels = list(sink_labels or [f"metrics sink {type(s).__name__}" for s in self._sinks])
+        self._sink_names = list(sink_names or [type(s).__name__ for s in self._sinks])  # logger.backend's
         # a failing sink or nexrl_step_end hook is reported (once per distinct error) and training goes on
         self._hook_failures = FailureLog()
         self._step_end_hook = step_end_hook
@@ -69,12 +72,48 @@ class RunRecorder:
 
     # ActivityTracker.experiment_logger_post lands here.
     def post(self, backend: str = "metrics", data: dict[str, Any] | None = None, step: int | None = None,
-             **kwargs: Any) -> None:
+             content: str | None = None, title: str | None = None, **kwargs: Any) -> None:
+        """The seed's ``experiment_logger_post``: ``data`` (numbers) is a row of metrics.jsonl, and a
+        text (``content``, with a ``title``) a line of texts.jsonl and run.log. Both reach the
+        sink named ``backend`` (``metrics`` or ``all``: every sink of ``logger.backend``)."""
+        sinks = self._sinks_for(backend)
+        step = int(step) if step is not None else 0
+        if content is not None or title is not None:
+            self.log_text(str(title or ""), "" if content is None else str(content), step, sinks)
         if data:
-            self.log_metrics(data, step if step is not None else 0)
+            self.log_metrics(data, step, sinks)
 
-    def log_metrics(self, data: dict[str, Any], step: int) -> None:
-        """One row of metrics.jsonl: ``step``, ``time`` (seconds since the epoch) and ``data``."""
+    def _sinks_for(self, backend: str | None) -> list[tuple[Any, str]]:
+        pairs = list(zip(self._sinks, self._sink_labels))
+        if backend in (None, "metrics", "all"):
+            return pairs
+        chosen = [pair for pair, name in zip(pairs, self._sink_names) if name == backend]
+        if not chosen:
+            self._hook_failures.log(f"post-backend-{backend}", f"experiment_logger_post: backend {backend!r} is not "
+                                    f"in logger.backend ({', '.join(self._sink_names) or 'none'}): what is posted "
+                                    f"to it goes to the run's files only", None)
+        return chosen
+
+    def log_text(self, title: str, content: str, step: int, sinks: list[tuple[Any, str]] | None = None) -> None:
+        """A text post: a line of texts.jsonl (``step``, ``time``, ``title``, ``content``), run.log,
+        and each sink that has ``log_text(title, content, step)``."""
+        row = scrub_values({"step": int(step), "time": time.time(), "title": title, "content": content})
+        with self._lock:
+            if self.run_dir is not None:
+                with open(os.path.join(self.run_dir, TEXTS_FILE), "a", encoding="utf-8") as f:
+                    f.write(json.dumps(row, sort_keys=True) + "\n")
+        logger.info(f"step {step}: {row['title'] or 'text'}: {row['content']}")
+        for sink, label in self._sinks if sinks is None else sinks:
+            if callable(getattr(sink, "log_text", None)):
+                try:
+                    sink.log_text(row["title"], row["content"], int(step))
+                except Exception as exc:
+                    self._hook_failed(label, "log_text", exc,
+                                      getattr(sys.modules.get(type(sink).__module__), "__file__", None))
+
+    def log_metrics(self, data: dict[str, Any], step: int, sinks: list[tuple[Any, str]] | None = None) -> None:
+        """One row of metrics.jsonl: ``step``, ``time`` (seconds since the epoch) and ``data``; the
+        step-end hook runs on the trainer's row of each step (the one with ``train/num_trajectories``)."""
         row = {"step": int(step), "time": time.time(), **{k: _jsonable(v) for k, v in data.items()}}
         with self._lock:
             if self._metrics_path is not None:
@@ -85,18 +124,18 @@ class RunRecorder:
             failures = self._step_failures.pop(int(step), []) if "train/num_trajectories" in data else None
         if failures is not None and self.failure_monitor is not None:
             self.failure_monitor.observe(int(data["train/num_trajectories"]), failures)
-        for sink, label in zip(self._sinks, self._sink_labels):
+        for sink, label in zip(self._sinks, self._sink_labels) if sinks is None else sinks:
             try:
                 sink.log(dict(data), int(step))
             except Exception as exc:
                 self._hook_failed(label, "log", exc, getattr(sys.modules.get(type(sink).__module__), "__file__", None))
-        if self._step_end_hook is not None and any(k.startswith("train/") for k in data):
+        if self._step_end_hook is not None and "train/num_trajectories" in data:
             try:
                 failed = self._step_end_hook(step=int(step), metrics=dict(data)) or []
             except Exception as exc:
                 failed = [("the step-end hook", exc, None)]
-            for label, exc, source in failed:
-                self._hook_failed(label, "nexrl_step_end", exc, source)
+            for label, error, source in failed:
+                self._hook_failed(label, "nexrl_step_end", error, source)
 
     def _hook_failed(self, label: str, call: str, exc: BaseException, source: str | None) -> None:
         where = failure_location(exc, os.path.dirname(os.path.abspath(source)) if source else None)
@@ -236,14 +275,17 @@ def setup_logging(run_dir: str | None, level: str = "INFO", fresh: bool = False,
     shown = (lambda record: not record["extra"].get(STEP_LINE)) if hide_step_lines else None
     # every sink scrubs secrets from the whole formatted line, tracebacks included
     if console is not None:
-        logger.add(lambda message: console(scrub(message)), level=level, format=CONSOLE_FORMAT, colorize=True,
-                   filter=shown, **SINK_SAFETY)
+        # loguru's stubs take no **mapping of its keywords: SINK_SAFETY is checked where it is written
+        logger.add(lambda message: console(scrub(message)), level=level, format=CONSOLE_FORMAT,  # type: ignore[call-overload]
+                   colorize=True, filter=shown, **SINK_SAFETY)
     else:
-        logger.add(ScrubbedStream(sys.stderr), level=level, format=CONSOLE_FORMAT, filter=shown, **SINK_SAFETY)
+        logger.add(ScrubbedStream(sys.stderr), level=level, format=CONSOLE_FORMAT, filter=shown,  # type: ignore[call-overload]
+                   **SINK_SAFETY)
     if run_dir:
         os.makedirs(run_dir, exist_ok=True)
         log = open(os.path.join(run_dir, log_file), "w" if fresh else "a", encoding="utf-8")  # closed by the sink
-        logger.add(ScrubbedStream(log, owned=True), level="DEBUG", enqueue=False, colorize=False, **SINK_SAFETY)
+        logger.add(ScrubbedStream(log, owned=True), level="DEBUG", enqueue=False, colorize=False,  # type: ignore[call-overload]
+                   **SINK_SAFETY)
 
 
 # -- run directories ---------------------------------------------------------------------------------

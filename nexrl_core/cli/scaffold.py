@@ -1,9 +1,9 @@
-"""``nexrl new evaluator NAME``: a ready-to-publish evaluator plugin package.
+"""``nexrl new KIND NAME``: a ready-to-publish plugin package for an evaluator, a rollout worker,
+a trainer, a data loader or a weight-sync backend.
 
-The package installs with ``pip install -e .``, passes its own tests (``pytest``: the
-conformance check, its registration through the entry point, a training run on nexrl's mock
-components), runs its example recipe (``nexrl run recipe.yaml``) and builds with
-``python -m build``.
+The package installs with ``pip install -e .``, passes its own tests (``pytest``: its
+registration through the entry point, its behaviour, a training run), passes ``nexrl plugins
+check``, runs its example recipe (``nexrl run recipe.yaml``) and builds with ``python -m build``.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.metadata as md
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from string import Template
 
@@ -19,17 +20,37 @@ from ..errors import ConfigError
 _NAME = re.compile(r"^[a-z][a-z0-9]*(?:[-_][a-z0-9]+)*$")
 
 
-def names(name: str) -> dict[str, str]:
-    """Every name the package uses, from the NAME given to ``nexrl new evaluator``."""
+@dataclass(frozen=True)
+class Kind:
+    component: str  # the plugin manager's kind
+    words: str      # in messages
+    prefix: str     # of the distribution and package names
+    suffix: str     # of the class name
+    selects: str    # the recipe key that selects it
+
+
+KINDS = {
+    "evaluator": Kind("evaluator", "evaluator", "evaluator", "Evaluator", "rollout_worker.evaluator.type"),
+    "worker": Kind("rollout_worker", "rollout worker", "worker", "RolloutWorker", "rollout_worker.type"),
+    "trainer": Kind("trainer", "trainer", "trainer", "Trainer", "trainer.type"),
+    "dataloader": Kind("dataloader", "data loader", "dataloader", "DataLoader", "data.type"),
+    "weight-sync": Kind("weight_sync_backend", "weight-sync backend", "weight-sync", "WeightSync", "weight.backend"),
+}
+
+
+def names(name: str, kind: str = "evaluator") -> dict[str, str]:
+    """Every name the package uses, from the NAME given to ``nexrl new KIND``."""
+    spec = KINDS[kind]
     if not _NAME.match(name):
-        raise ConfigError(f"'{name}': an evaluator name is lowercase letters and digits, words joined by - or _ "
-                          f"(e.g. length_penalty), starting with a letter")
+        article = "an" if spec.words[0] in "aeiou" else "a"
+        raise ConfigError(f"'{name}': {article} {spec.words} name is lowercase letters and digits, words joined by "
+                          f"- or _ (e.g. length_penalty), starting with a letter")
     snake = name.replace("-", "_")
     return {
-        "name": snake,  # rollout_worker.evaluator.type and the entry-point name
-        "dist": f"nexrl-evaluator-{snake.replace('_', '-')}",
-        "package": f"nexrl_evaluator_{snake}",
-        "cls": "".join(part.capitalize() for part in snake.split("_")) + "Evaluator",
+        "name": snake,  # the recipe's type (backend) and the entry-point name
+        "dist": f"nexrl-{spec.prefix}-{snake.replace('_', '-')}",
+        "package": f"nexrl_{spec.prefix.replace('-', '_')}_{snake}",
+        "cls": "".join(part.capitalize() for part in snake.split("_")) + spec.suffix,
     }
 
 
@@ -47,19 +68,30 @@ def _core_requirement() -> str:
 
 def new_evaluator(name: str, parent: str | os.PathLike = ".", license: str = "Apache-2.0",
                   registered: set[str] | None = None) -> Path:
-    """Write ``<parent>/nexrl-evaluator-NAME/`` and return its path.
+    """Write ``<parent>/nexrl-evaluator-NAME/`` and return its path (:func:`new_plugin`)."""
+    return new_plugin("evaluator", name, parent, license, registered)
 
-    :param registered: evaluator names already taken (the installed plugins'): NAME must differ.
+
+def new_plugin(kind: str, name: str, parent: str | os.PathLike = ".", license: str = "Apache-2.0",
+               registered: set[str] | None = None) -> Path:
+    """Write ``<parent>/nexrl-KIND-NAME/`` and return its path.
+
+    :param registered: names of that kind already taken (the installed plugins'): NAME must differ.
     """
-    n = names(name)
+    spec = KINDS[kind]
+    n = names(name, kind)
     if registered is not None and n["name"] in registered:
-        raise ConfigError(f"'{n['name']}': an installed plugin already registers an evaluator of that name "
-                          f"(nexrl plugins lists them); two plugins with one name cannot be installed together")
+        article = "an" if spec.words[0] in "aeiou" else "a"
+        raise ConfigError(f"'{n['name']}': an installed plugin already registers {article} {spec.words} of that "
+                          f"name (nexrl plugins lists them); two plugins with one name cannot be installed together")
     root = Path(parent) / n["dist"]
     if root.exists():
         raise ConfigError(f"{root}: already exists; choose another NAME or --dir, or remove it first")
-    values = {**n, "core": _core_requirement(), "license": license}
-    for relative, template in FILES.items():
+    values = {**n, "core": _core_requirement(), "license": license, "words": spec.words, "selects": spec.selects}
+    values["extra_deps"] = EXTRA_DEPS.get(kind, "")
+    values["use"] = Template(USE.get(kind, "")).substitute(values)
+    files = FILES if kind == "evaluator" else {**COMMON_FILES, **KIND_FILES[kind]}
+    for relative, template in files.items():
         path = root / Template(relative).substitute(values)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(Template(template).substitute(values).lstrip("\n"), encoding="utf-8")
@@ -250,3 +282,506 @@ build/
 dist/
 runs/
 '''
+
+
+# -- the other kinds: files every package has, then each kind's own ----------------------------------
+
+COMMON_FILES: dict[str, str] = {}
+
+COMMON_FILES["pyproject.toml"] = '''
+[build-system]
+requires = ["setuptools>=77"]
+build-backend = "setuptools.build_meta"
+
+[project]
+name = "$dist"
+version = "0.1.0"
+description = "nexrl $words plugin: $name"
+readme = "README.md"
+requires-python = ">=3.10"
+license = "$license"
+dependencies = ["$core"$extra_deps]
+
+[project.optional-dependencies]
+test = ["pytest>=8"]
+
+# How nexrl finds the plugin: `$selects: $name` in a recipe.
+[project.entry-points.nexrl]
+$name = "$package.plugin"
+
+[tool.setuptools]
+packages = ["$package"]
+'''
+
+COMMON_FILES["$package/__init__.py"] = '''
+"""nexrl $words plugin: $name (see plugin.py)."""
+
+from .plugin import $cls
+
+__all__ = ["$cls"]
+'''
+
+COMMON_FILES["README.md"] = '''
+# $dist
+
+A $words for nexrl (reinforcement learning for LLMs) recipes: `$cls` (see `$package/plugin.py`;
+nexrl's docs/extending.md says what a $words must do and what nexrl fills in).
+
+## Use
+
+```bash
+pip install $dist
+```
+
+Select it in a recipe (any recipe: nexrl's recipes/quickstart.yaml trains with it):
+
+```yaml
+$use
+```
+
+`nexrl plugins` lists it; `nexrl plugins check $name` checks its option declarations.
+
+## Develop
+
+```bash
+pip install -e '.[test]'
+pytest                     # registration, behaviour, a training run
+nexrl run recipe.yaml      # its example recipe
+```
+
+## Publish
+
+```bash
+python -m pip install build twine
+python -m build            # dist/*.whl and dist/*.tar.gz
+twine upload dist/*
+```
+
+License: $license.
+'''
+
+COMMON_FILES[".gitignore"] = FILES[".gitignore"]
+
+_MOCK_RUN = '''
+# Try it in a real nexrl run on nexrl's mock components (no model, a few seconds):
+#   nexrl run recipe.yaml
+# For real training select it in a recipe of a real model, e.g. nexrl's recipes/quickstart.yaml:
+#   nexrl run recipes/quickstart.yaml $selects=$name
+'''
+
+KIND_FILES: dict[str, dict[str, str]] = {"worker": {}, "trainer": {}, "dataloader": {}, "weight-sync": {}}
+
+# -- rollout worker ------------------------------------------------------------------------------------
+
+KIND_FILES["worker"]["$package/plugin.py"] = '''
+"""The $name rollout worker, registered with nexrl through the entry point in pyproject.toml.
+
+nexrl builds `rollout_worker.num_workers` of them with the recipe's `rollout_worker` section and
+calls `step(task)` once per task, each worker in its own thread. `step` hands each trajectory on
+with `self._put_trajectory(...)`; the base class fills in the task's ids, and a trainer reads the
+keys docs/extending.md lists (the simple worker below sets all of them).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from nexrl_core import Option, SimpleRolloutWorker, hookimpl
+
+
+class $cls(SimpleRolloutWorker):
+    """The simple worker (one completion per task, scored by the recipe's evaluator) with an
+    instruction put before every prompt. Edit `step` to shape your rollout."""
+
+    # The recipe keys this worker takes (the simple worker's and its own): `nexrl validate` checks them.
+    OPTIONS = {
+        **SimpleRolloutWorker.OPTIONS,
+        "instruction": Option("", str, "text put before every prompt"),
+    }
+
+    def __init__(self, config: Any):
+        super().__init__(config)
+        self.instruction = str(config.get("instruction") or "")
+
+    def step(self, task: dict[str, Any]) -> str | None:
+        # task: the data item (a row of the data file plus uid, sample_index, ...). Read it, do not
+        # change it: the samples of a group share it.
+        prompt = task.get(self._prompt_key)
+        if self.instruction and isinstance(prompt, str):
+            task = {**task, self._prompt_key: self.instruction + prompt}
+        return super().step(task)
+
+
+@hookimpl
+def nexrl_rollout_workers():
+    return {"$name": $cls}
+'''
+
+KIND_FILES["worker"]["tests/test_$name.py"] = '''
+"""Tests of $dist: `pip install -e .[test]`, then `pytest`."""
+
+import $package.plugin as plugin
+from nexrl_core.testing import trajectory_problem
+from $package import $cls
+
+
+def test_installed_entry_point_registers_it(nexrl_plugins):
+    pm = nexrl_plugins(entry_points=True)  # the installed plugins, as `nexrl run` finds them
+    assert pm.resolve("rollout_worker", "$name", "rollout_worker.type") is $cls
+
+
+def test_a_training_run_uses_it(nexrl_run):
+    """Two steps on nexrl's mock components: every trajectory comes from $cls and carries what
+    nexrl's self-hosted trainers read."""
+    worker = {"type": "$name", "num_workers": 2, "instruction": "Answer with a number. ",
+              "evaluator": {"type": "numeric_answer"}}
+    result = nexrl_run({"rollout_worker": worker, "trainer": {"total_train_steps": 2}}, plugin)
+    assert result.summary.global_step == 2 and result.errors == []
+    for trajectory in result.trajectories:
+        assert "Answer with a number. " in str(trajectory["prompt"])  # the chat message the model was sent
+        assert trajectory_problem(trajectory, "self_hosted") is None
+'''
+
+KIND_FILES["worker"]["recipe.yaml"] = _MOCK_RUN + '''run_dir: runs/$name
+data: {type: arithmetic, num_rows: 32}
+rollout_worker:
+  type: $name
+  num_workers: 2
+  instruction: "Answer with a number. "
+  evaluator: {type: numeric_answer}
+service:
+  inference_service: {backend: mock, mode: sum}
+trainer: {type: mock, total_train_steps: 4}
+trajectory_pool: {batch_size: 8, group_size: 4}
+'''
+
+# -- trainer -------------------------------------------------------------------------------------------
+
+KIND_FILES["trainer"]["$package/plugin.py"] = '''
+"""The $name trainer, registered with nexrl through the entry point in pyproject.toml.
+
+nexrl builds it with the whole recipe and calls `train(trajectories)` once per step. This one is
+nexrl-grpo's self-hosted GRPO trainer (every `algorithm.*` key of it applies) with a change to the
+advantages in `_prepare_batch`: the batch arrives as padded tensors (`responses`,
+`response_mask`, `rewards`, ...), `_prepare_batch` sets `batch.values["advantages"]` and the
+loss (`_loss_fn`) trains on them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from nexrl_grpo.trainers import SelfHostedGrpoTrainer
+
+from nexrl_core import Batch, Option, hookimpl
+
+
+def scale_advantages(advantages: torch.Tensor, scale: float) -> torch.Tensor:
+    """The algorithm change, as a plain function (tests call it without a model)."""
+    return advantages * scale
+
+
+class $cls(SelfHostedGrpoTrainer):
+    """GRPO with every advantage multiplied by `trainer.advantage_scale`. Edit `_prepare_batch`
+    (advantages) or `_loss_fn` (the loss) for your algorithm."""
+
+    # The trainer keys this trainer takes: `nexrl validate` checks them.
+    OPTIONS = {"advantage_scale": Option(1.0, float, "factor on every advantage", gt=0)}
+
+    def __init__(self, config: Any):
+        super().__init__(config)
+        self.advantage_scale = float(self._config.get("advantage_scale") or 1.0)
+
+    def _prepare_batch(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
+        batch, metrics = super()._prepare_batch(batch)
+        batch.values["advantages"] = scale_advantages(batch.values["advantages"], self.advantage_scale)
+        metrics["train/advantage_scale"] = self.advantage_scale
+        return batch, metrics
+
+
+@hookimpl
+def nexrl_trainers():
+    return {"$name": $cls}
+'''
+
+KIND_FILES["trainer"]["tests/test_$name.py"] = '''
+"""Tests of $dist: `pip install -e .[test]`, then `pytest`."""
+
+import os
+
+import torch
+
+from nexrl_core.cli import main
+from $package import $cls
+from $package.plugin import scale_advantages
+
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_installed_entry_point_registers_it(nexrl_plugins):
+    pm = nexrl_plugins(entry_points=True)  # the installed plugins, as `nexrl run` finds them
+    assert pm.resolve("trainer", "$name", "trainer.type") is $cls
+
+
+def test_the_advantages_are_scaled():
+    advantages = torch.tensor([[1.0, 1.0], [-0.5, -0.5]])
+    assert torch.equal(scale_advantages(advantages, 2.0), torch.tensor([[2.0, 2.0], [-1.0, -1.0]]))
+
+
+def test_its_recipe_is_valid(nexrl_plugins, capsys):
+    """What `nexrl validate recipe.yaml` checks (every key, the model files aside)."""
+    nexrl_plugins(entry_points=True)
+    assert main(["validate", os.path.join(HERE, "recipe.yaml")]) == 0, capsys.readouterr().err
+'''
+
+KIND_FILES["trainer"]["recipe.yaml"] = '''
+# The quickstart's GRPO run with this trainer (nexrl's recipes/quickstart.yaml; the model is the
+# embedded SmolLM2-135M-Instruct):
+#   nexrl run recipe.yaml
+run_dir: runs/$name
+seed: 7
+data: {type: arithmetic, split: train, num_rows: 300, min_value: 0, max_value: 20}
+rollout_worker:
+  type: simple
+  num_workers: 16
+  sampling: {max_tokens: 16, temperature: 0.7}
+  evaluator: {type: numeric_answer}
+trajectory_pool: {batch_size: 16, group_size: 4, key_list: [uid]}
+trainer:
+  type: $name
+  advantage_scale: 1.0
+  total_train_steps: 30
+algorithm: {type: grpo, loss_agg_mode: seq-mean-token-mean}
+weight: {sync_mode: sync, backend: in_process}
+service:
+  train_service: {model_path: smollm2-135m-instruct, lr: 1.0e-5, grad_clip: 1.0}
+  inference_service: {backend: hf, model_path: smollm2-135m-instruct}
+'''
+
+# -- data loader ---------------------------------------------------------------------------------------
+
+KIND_FILES["dataloader"]["$package/plugin.py"] = '''
+"""The $name data loader, registered with nexrl through the entry point in pyproject.toml.
+
+nexrl builds it with the recipe's `data` (or `validate.data`) section and calls `load_rows()`
+once; the base class serves the rows as tasks (uid, sample_index, shuffling, epochs, resume).
+"""
+
+from __future__ import annotations
+
+import csv
+from typing import Any
+
+from nexrl_core import REQUIRED, BaseDataLoader, DataError, Option, hookimpl
+
+
+class $cls(BaseDataLoader):
+    """Rows of a CSV file with a header line (each column a field of the row). Edit `load_rows`
+    for your format."""
+
+    # The recipe keys this loader takes: `nexrl validate` checks them.
+    OPTIONS = {
+        "path": Option(REQUIRED, str, "CSV file with a header line", path=True),
+        "prompt_column": Option("prompt", str, "column that holds the prompt"),
+    }
+
+    def describe(self) -> str:
+        return str(self._config.get("path"))
+
+    def load_rows(self) -> list[dict[str, Any]]:
+        path, column = str(self._config["path"]), str(self._config.get("prompt_column") or "prompt")
+        rows = []
+        with open(path, newline="", encoding="utf-8") as f:
+            for line, row in enumerate(csv.DictReader(f), start=2):
+                if not row.get(column):
+                    raise DataError(f"{path}:{line}: no value in column '{column}'")
+                rows.append({**row, "prompt": row[column]})
+        return rows
+
+
+@hookimpl
+def nexrl_dataloaders():
+    return {"$name": $cls}
+'''
+
+KIND_FILES["dataloader"]["data.csv"] = '''
+question,answer
+What is 2 + 3?,5
+What is 4 + 4?,8
+What is 1 + 6?,7
+What is 3 + 5?,8
+What is 7 + 2?,9
+What is 0 + 9?,9
+What is 6 + 1?,7
+What is 5 + 5?,10
+'''
+
+KIND_FILES["dataloader"]["tests/test_$name.py"] = '''
+"""Tests of $dist: `pip install -e .[test]`, then `pytest`."""
+
+import os
+
+import pytest
+
+import $package.plugin as plugin
+from nexrl_core import DataError
+from $package import $cls
+
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_installed_entry_point_registers_it(nexrl_plugins):
+    pm = nexrl_plugins(entry_points=True)  # the installed plugins, as `nexrl run` finds them
+    assert pm.resolve("dataloader", "$name", "data.type") is $cls
+
+
+def test_a_training_run_reads_its_rows(nexrl_run):
+    data = {"type": "$name", "path": os.path.join(HERE, "data.csv"), "prompt_column": "question"}
+    result = nexrl_run({"data": data, "trainer": {"total_train_steps": 2}}, plugin)
+    assert result.summary.global_step == 2 and result.errors == []
+    for trajectory in result.trajectories:
+        assert trajectory["task"]["prompt"] == trajectory["task"]["question"]
+
+
+def test_a_bad_row_names_its_line(nexrl_run, tmp_path):
+    bad = tmp_path / "bad.csv"
+    bad.write_text("prompt,answer\\nWhat is 1 + 1?,2\\n,3\\n")
+    with pytest.raises(DataError, match="bad.csv:3: no value in column 'prompt'"):
+        nexrl_run({"data": {"type": "$name", "path": str(bad)}}, plugin)
+'''
+
+KIND_FILES["dataloader"]["recipe.yaml"] = _MOCK_RUN + '''run_dir: runs/$name
+data: {type: $name, path: data.csv, prompt_column: question}
+rollout_worker:
+  num_workers: 2
+  evaluator: {type: numeric_answer}
+service:
+  inference_service: {backend: mock, mode: sum}
+trainer: {type: mock, total_train_steps: 4}
+trajectory_pool: {batch_size: 8, group_size: 4}
+'''
+
+# -- weight-sync backend -------------------------------------------------------------------------------
+
+KIND_FILES["weight-sync"]["$package/plugin.py"] = '''
+"""The $name weight-sync backend, registered with nexrl through the entry point in pyproject.toml.
+
+nexrl builds it with the recipe's `weight` section and calls `sync(trainer, inference_client,
+version)` after a training step (`weight.model_update_frequency`), with the trajectory pool locked:
+bring the trainer's weights to the inference service, then have it serve them as `version`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from loguru import logger
+
+from nexrl_core import Capabilities, Option, WeightSyncBackend, deferred, execute, hookimpl
+
+
+class $cls(WeightSyncBackend):
+    """Copies the trainer's tensors into an inference engine of the same process (nexrl-grpo's
+    `hf` backend) and logs every N-th push. Edit `sync` to move them elsewhere (a file, a server)."""
+
+    # The `weight` keys this backend takes: `nexrl validate` checks them.
+    OPTIONS = {"log_every": Option(1, int, "log every N-th push", ge=1)}
+    # What it needs from the trainer and the inference backend, and what it gives: `nexrl validate`
+    # refuses a recipe whose parts do not fit.
+    CAPABILITIES = Capabilities(
+        provides={"weight_sync:state_dict"},
+        requires={"trainer:state_dict": "it copies the tensors a trainer in this process exports",
+                  "inference:load_weights": "it loads them into an inference engine in this process"})
+
+    def __init__(self, config: Any):
+        super().__init__(config)
+        self.log_every = int(config.get("log_every") or 1)
+        self.pushes = 0
+
+    def sync(self, trainer: Any, inference_client: Any, version: int) -> None:
+        # deferred: the tensors go straight from the trainer to the engine, not through this process
+        execute(inference_client.load_weights, deferred(trainer.export_weights), version)
+        self.pushes += 1
+        if self.pushes % self.log_every == 0:
+            logger.info(f"$name: serving weights v{version}")
+
+
+@hookimpl
+def nexrl_weight_sync_backends():
+    return {"$name": $cls}
+'''
+
+KIND_FILES["weight-sync"]["tests/test_$name.py"] = '''
+"""Tests of $dist: `pip install -e .[test]`, then `pytest`."""
+
+import $package.plugin as plugin
+from nexrl_core import Capabilities, hookimpl
+from nexrl_core.testing import MockInferenceClient
+from $package import $cls
+
+
+class LoadingClient(MockInferenceClient):
+    """nexrl's mock inference (it learns the sums by weight version) that also takes weights in
+    process, as an engine does: the run below needs no model."""
+
+    CAPABILITIES = Capabilities(provides={"inference:load_weights"})
+    loaded: list = []
+
+    def load_weights(self, state_dict, version):
+        LoadingClient.loaded.append((dict(state_dict), version))
+        self.set_model_version(version)
+
+
+class Backends:
+    @hookimpl
+    def nexrl_inference_backends(self):
+        return {"loading_mock": LoadingClient}
+
+
+def test_installed_entry_point_registers_it(nexrl_plugins):
+    pm = nexrl_plugins(entry_points=True)  # the installed plugins, as `nexrl run` finds them
+    assert pm.resolve("weight_sync_backend", "$name", "weight.backend") is $cls
+
+
+def test_a_training_run_serves_every_version(nexrl_run):
+    """The mock model answers right only from a served version on: the rewards rise when every
+    push reaches it."""
+    LoadingClient.loaded.clear()
+    recipe = {"weight": {"backend": "$name", "log_every": 2}, "trainer": {"total_train_steps": 4},
+              "service": {"inference_service": {"backend": "loading_mock", "mode": "sum", "learn_steps": 2}}}
+    result = nexrl_run(recipe, plugin, Backends())
+    assert result.summary.global_step == 4 and result.errors == []
+    assert [version for _, version in LoadingClient.loaded][-4:] == [1, 2, 3, 4]
+    rewards = [row["train/reward_mean"] for row in result.metrics if "train/reward_mean" in row]
+    assert rewards[0] < rewards[-1]
+'''
+
+KIND_FILES["weight-sync"]["recipe.yaml"] = '''
+# The quickstart's GRPO run (nexrl's recipes/quickstart.yaml, the embedded SmolLM2-135M-Instruct)
+# with this backend moving the weights into nexrl-grpo's in-process engine:
+#   nexrl run recipe.yaml
+run_dir: runs/$name
+seed: 7
+data: {type: arithmetic, split: train, num_rows: 300, min_value: 0, max_value: 20}
+rollout_worker:
+  type: simple
+  num_workers: 16
+  sampling: {max_tokens: 16, temperature: 0.7}
+  evaluator: {type: numeric_answer}
+trajectory_pool: {batch_size: 16, group_size: 4, key_list: [uid]}
+trainer: {type: self_hosted_grpo, total_train_steps: 30}
+algorithm: {type: grpo, loss_agg_mode: seq-mean-token-mean}
+weight: {sync_mode: sync, backend: $name, log_every: 5}
+service:
+  train_service: {model_path: smollm2-135m-instruct, lr: 1.0e-5, grad_clip: 1.0}
+  inference_service: {backend: hf, model_path: smollm2-135m-instruct}
+'''
+
+USE = {
+    "worker": "rollout_worker:\n  type: $name\n  instruction: \"Answer with a number. \"",
+    "trainer": "trainer:\n  type: $name\n  advantage_scale: 1.0",
+    "dataloader": "data:\n  type: $name\n  path: data.csv\n  prompt_column: question",
+    "weight-sync": "weight:\n  backend: $name",
+}
+EXTRA_DEPS = {"trainer": ', "nexrl-grpo"'}

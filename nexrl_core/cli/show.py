@@ -71,7 +71,7 @@ def render(rows: list[dict[str, Any]], source: str, total: int, gaps: dict[int, 
     steps = sorted({r["step"] for r in rows if isinstance(r.get("step"), int)})
     where = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]}" if steps else "evaluation"
     blocks = [f"{source}: {len(rows)} of {total} samples ({where})"]
-    blocks += [_sample(r, (gaps or {}).get(r.get("step"))) for r in rows]
+    blocks += [_sample(r, (gaps or {}).get(r["step"]) if isinstance(r.get("step"), int) else None) for r in rows]
     return "\n\n".join(blocks)
 
 

@@ -123,7 +123,7 @@ class Composer:
         if not isinstance(raw, list):
             raise ConfigError(f"{where}: defaults: expected a list (e.g. '- weight: sync', '- _self_'), "
                               f"got {type(raw).__name__}")
-        entries = []
+        entries: list[Any] = []
         for i, item in enumerate(raw):
             spot = f"{where}: defaults[{i}]"
             if item == "_self_":
@@ -250,7 +250,7 @@ def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: b
     return loader.construct_mapping_base(node, deep=deep)
 
 
-_UniqueKeyLoader.construct_mapping_base = yaml.SafeLoader.construct_mapping  # type: ignore[attr-defined]
+_UniqueKeyLoader.construct_mapping_base = yaml.SafeLoader.construct_mapping
 _UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
                                  lambda loader, node: _construct_mapping(loader, node))
 

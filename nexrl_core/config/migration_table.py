@@ -92,9 +92,6 @@ def _custom_worker(value: Any, recipe: Mapping[str, Any], ctx: Context) -> dict[
     cls = get_key(recipe, "rollout_worker.custom_rollout_worker_class_name")
     if not cls:
         return "custom_rollout_worker_class_name is missing"
-    if not ctx.declares("rollout_worker", "python", "path", "class"):
-        return ("no rollout worker here loads a class from a file: publish the worker as a plugin package "
-                "(entry point nexrl, hook nexrl_rollout_workers) and select it with rollout_worker.type")
     return {"rollout_worker.type": "python", "rollout_worker.path": value, "rollout_worker.class": cls}
 
 
@@ -223,7 +220,8 @@ KEY_RULES: tuple[KeyRule, ...] = (
             "the evaluator class is loaded from the file as before; its imports change (see Imports)",
             convert=_evaluator_module),
     KeyRule("rollout_worker.custom_rollout_worker_module_path", "rollout_worker: {type: python, path, class}",
-            "where a python rollout worker is installed; it replaces the worker type", convert=_custom_worker,
+            "the worker class is loaded from the file as before (it replaces the worker type); its "
+            "imports change (see Imports)", convert=_custom_worker,
             replaces=("rollout_worker.type",)),
     KeyRule("rollout_worker.custom_rollout_worker_class_name", "rollout_worker.class",
             "with custom_rollout_worker_module_path", convert=_worker_class_name),

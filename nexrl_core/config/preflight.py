@@ -6,7 +6,7 @@ data file), the evaluator, the run directory and the resume state.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, cast
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -27,7 +27,7 @@ def dataloader_config(cfg: DictConfig, which: str) -> DictConfig | None:
     if section is None:
         return None
     is_validate = which == "validate.data"
-    data = OmegaConf.create(OmegaConf.to_container(section))
+    data = cast(DictConfig, OmegaConf.create(OmegaConf.to_container(section)))
     data.group_size = int(cfg.validate.n_samples if is_validate else cfg.trajectory_pool.group_size)
     if is_validate:
         data.shuffle = False
@@ -52,19 +52,17 @@ def build_dataloader(cfg: DictConfig, pm: Any, which: str) -> Any:
 def build_evaluator(cfg: DictConfig, pm: Any) -> Any:
     """The evaluator of ``rollout_worker.evaluator`` (and those of ``rollout_worker.domain_evaluators``,
     built and dropped), as each rollout worker builds them."""
-    from ..plugins import use_plugin_manager
-    from ..rollout_worker import build_domain_evaluators
-    from ..rollout_worker import build_evaluator as build
+    from ..launch.parts import build_domain_evaluators
+    from ..launch.parts import build_evaluator as build
 
-    with use_plugin_manager(pm):
-        evaluator = build(cfg.rollout_worker.get("evaluator"))
-        build_domain_evaluators(cfg.rollout_worker.get("domain_evaluators"))
-        return evaluator
+    evaluator = build(cfg.rollout_worker.get("evaluator"), pm)
+    build_domain_evaluators(cfg.rollout_worker.get("domain_evaluators"), pm)
+    return evaluator
 
 
 def records_config(cfg: DictConfig, out: str | None) -> DictConfig:
     """The recipe as ``nexrl eval``'s records see it: files in ``out`` (None: none), no sinks."""
-    records = OmegaConf.create(OmegaConf.to_container(cfg))
+    records = cast(DictConfig, OmegaConf.create(OmegaConf.to_container(cfg)))
     records.run_dir = out
     records.logger.backend = []
     return records

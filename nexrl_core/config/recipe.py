@@ -13,7 +13,7 @@ import inspect
 import os
 from collections.abc import Mapping
 from difflib import get_close_matches
-from typing import Any
+from typing import Any, cast
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -33,6 +33,9 @@ from .options import (
     unknown_key,
     unmet_needs,
 )
+from .python_class import KINDS as PYTHON_KINDS
+from .python_class import OPTIONS as PYTHON_CLASS_OPTIONS
+from .python_class import load_component_class, loads_from_file
 from .schema import CORE_OPTIONS, core_defaults
 
 # kind -> words for messages
@@ -89,7 +92,7 @@ def load_recipe(path: str, overrides: list[str] | None = None, raw: Any = None) 
         raise ConfigError(f"{getattr(exc, 'full_key', '') or path}: cannot resolve interpolation "
                           f"({str(exc.msg).splitlines()[0]})") from None
     add_config_secrets(OmegaConf.to_container(resolved))
-    return resolved
+    return cast(DictConfig, resolved)
 
 
 def resolve_recipe_paths(values: Any, recipe_dir: str, options: Mapping[str, Option] | None = None,
@@ -104,6 +107,9 @@ def resolve_recipe_paths(values: Any, recipe_dir: str, options: Mapping[str, Opt
         from ..plugins import peek_plugin_manager
 
         options, pm = CORE_OPTIONS, pm or peek_plugin_manager()  # one manager for the whole walk
+        for kind in PYTHON_KINDS:  # a class loaded from a file: its file first, the class's own keys next
+            if loads_from_file(kind, values.get(kind)) and isinstance(values[kind].get("path"), str):
+                values[kind]["path"] = _recipe_path(values[kind]["path"], recipe_dir)
         train_service = _get(values, "service.train_service")
         trainer_cls = _selected_class(CORE_OPTIONS["trainer"], values.get("trainer"), pm)
         if isinstance(train_service, dict) and trainer_cls is not None:  # keys of the chosen train service
@@ -142,6 +148,11 @@ def _selected_class(opt: Option, values: Any, pm: Any) -> type | None:
     if opt.options is None or opt.component is None:
         return None
     section = values if isinstance(values, Mapping) else {}
+    if loads_from_file(opt.component, section):
+        try:
+            return load_component_class(opt.component, section, opt.component)
+        except ConfigError:
+            return None  # the checks say why
     name = section.get(opt.selector, opt.options[opt.selector].default_value())
     if not isinstance(name, str):
         return None
@@ -400,12 +411,14 @@ class _Checker:
                 return []
             return self.mapping({k: v for k, v in values.items() if k in core}, core, path)
         try:
-            cls = self.pm.resolve(opt.component, name, f"{path}.{selector}")
+            cls = self.pm.resolve_section(opt.component, values, path, selector, name)
         except NexRLError as exc:
             known = {k: v for k, v in values.items() if k in core and k != selector}
             return [str(exc)] + self.mapping(known, {k: o for k, o in core.items() if k != selector}, path)
         self.found[path] = cls
         own = declared_options(opt.component, cls)
+        if loads_from_file(opt.component, values):
+            own = {**PYTHON_CLASS_OPTIONS, **(own or {})}
         words = KIND_WORDS.get(opt.component, opt.component)
         if own is None:  # takes any keys (**kwargs): only the core's are checked
             known = {k: v for k, v in values.items() if k in core}
@@ -446,7 +459,7 @@ def declared_options(kind: str, cls: type) -> dict[str, Option] | None:
     """The options a component class accepts in its recipe section (None: any)."""
     own = component_options(cls)
     if own is None and kind == "evaluator":
-        return options_from_signature(cls.__init__, doc=inspect.getdoc(cls))
+        return options_from_signature(cls.__init__, doc=inspect.getdoc(cls))  # type: ignore[misc]  # the class's own
     return own if own is not None else {}
 
 
@@ -521,6 +534,17 @@ def _cross_checks(values: Mapping[str, Any]) -> list[str]:
     if workers and actors and actors > workers > 0:
         problems.append(f"rollout_worker.num_actors ({actors}) exceeds rollout_worker.num_workers ({workers}): "
                         f"every actor hosts at least one worker")
+    for kind in PYTHON_KINDS:
+        if loads_from_file(kind, _get(values, kind)) and _get(values, "launch_mode") == "ray":
+            problems.append(f"{kind}.type: python loads the class from a file in the driver's process; with "
+                            f"launch_mode ray publish it as a plugin package (nexrl new) and select it by name")
+    every = _int(_get(values, "weight.model_update_frequency"))
+    if every and every > 1:
+        mode, lag = _get(values, "weight.sync_mode") or "sync", _int(_get(values, "weight.staleness_threshold")) or 0
+        if mode == "sync" or lag < every:
+            problems.append(f"weight.model_update_frequency: pushing weights every {every} steps lets rollouts lag "
+                            f"{every} versions behind the trainer: it needs weight.sync_mode batch-async or "
+                            f"fully-async with weight.staleness_threshold >= {every} (now: {mode}, {lag})")
     if _get(values, "resume.mode") == "from_path" and not _get(values, "resume.resume_path"):
         problems.append("resume.resume_path: required when resume.mode is 'from_path'")
     if isinstance(_get(values, "validate"), Mapping) and _get(values, "validate.data") is None:

@@ -8,8 +8,7 @@ core keys listed here.
 
 from __future__ import annotations
 
-import dataclasses
-import typing
+import importlib.util
 from typing import Any
 
 from ..types import NexRLRole
@@ -21,29 +20,54 @@ ERROR_POLICIES = ("stop_on_error", "stop_on_critical", "continue")
 LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "SUCCESS", "WARNING", "ERROR", "CRITICAL")
 
 
-def _launch_mode(value: Any) -> str | None:
-    from ..launch import launch_mode_problem
+SYNC_MODES = ("sync", "batch-async", "fully-async")
+BATCH_READY_FUNCTIONS = ("batch_size", "loaded_batch_finished", "batch_size_or_loaded_batch_finished")
 
+# launch_mode -> "module:class" of its resource manager (nexrl_core.launch builds it)
+LAUNCH_MODES: dict[str, str] = {
+    "local": "nexrl_core.launch.local:LocalResourceManager",
+    "ray": "nexrl_core.launch.ray.manager:RayResourceManager",
+}
+# Accepted names that do not run yet, and why (one message for `nexrl validate` and `nexrl run`).
+PLANNED_LAUNCH_MODES: dict[str, str] = {}
+RICH_MISSING = "the live progress display needs rich: pip install 'nexrl-core[progress]'"
+
+
+def installed(module: str) -> bool:
+    """Whether ``module`` can be imported (an optional extra), without importing it."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def ray_installed() -> bool:
+    return installed("ray")
+
+
+def rich_installed() -> bool:
+    return installed("rich")
+
+
+def launch_mode_problem(mode: Any) -> str | None:
+    """Why ``launch_mode: mode`` cannot run, or None when it can."""
+    if mode == "ray" and not ray_installed():
+        return "launch_mode: 'ray' needs Ray, an optional extra: pip install 'nexrl-core[ray]'"
+    if mode in LAUNCH_MODES:
+        return None
+    if mode in PLANNED_LAUNCH_MODES:
+        return PLANNED_LAUNCH_MODES[mode]
+    return f"launch_mode: '{mode}' is not one of {', '.join(LAUNCH_MODES)}"
+
+
+def progress_problem(setting: Any) -> str | None:
+    """``logger.progress``'s check (validate and run): 'rich' needs the rich package."""
+    return RICH_MISSING if setting == "rich" and not rich_installed() else None
+
+
+def _launch_mode(value: Any) -> str | None:
     problem = launch_mode_problem(value)  # the same words `nexrl run` stops with
     return problem.split(": ", 1)[1] if problem else None
-
-
-def _sync_modes() -> tuple[str, ...]:
-    from ..weight_sync import SYNC_MODES
-
-    return SYNC_MODES
-
-
-def _batch_ready_functions() -> tuple[str, ...]:
-    from ..trajectory_pool import BATCH_READY_FUNCTIONS
-
-    return BATCH_READY_FUNCTIONS
-
-
-def _progress_available(value: Any) -> str | None:
-    from ..cli.progress import progress_problem
-
-    return progress_problem(value)
 
 
 def _rollout_limit(value: Any) -> str | None:
@@ -102,7 +126,7 @@ TRAJECTORY_POOL = {
     "group_size": Option(4, int, "samples per prompt (a GRPO group)", ge=1),
     "key_list": Option(["uid"], list[str], "trajectory keys that group samples (empty: no grouping)"),
     "check_batch_ready_function": Option("batch_size", str, "when a batch is ready",
-                                         choices=_batch_ready_functions()),
+                                         choices=BATCH_READY_FUNCTIONS),
     "dynamic_sampling": Option(options={
         "enabled": Option(False, bool, "drop finished groups whose rewards are all equal and draw a fresh row "
                                        "in their place"),
@@ -126,10 +150,13 @@ WEIGHT = {
     "type": Option(removed="the weight-sync backend is chosen with weight.backend; delete weight.type"),
     "backend": Option("version_only", str, "registered weight-sync backend: how new weights reach the "
                                            "inference service"),
-    "sync_mode": Option("sync", str, "sync | batch-async | fully-async", choices=_sync_modes()),
+    "sync_mode": Option("sync", str, "sync | batch-async | fully-async", choices=SYNC_MODES),
     "staleness_threshold": Option(0, int, "max weight versions a trained sample may lag (async modes)", ge=0,
                                   needs="weight.sync_mode != sync"),
     "validate_freq": Option(0, int, "validate every N steps (0: never; needs validate.data)", ge=0),
+    "model_update_frequency": Option(1, int, "push the trained weights to the inference service every N steps "
+                                             "(and before a validation); N > 1 needs an async sync_mode with "
+                                             "staleness_threshold >= N", ge=1),
     "rollout_limit": Option("batch", (int, str, None), "sync mode: rollouts started per weight version; 'batch' = "
                                                        "trajectory_pool.batch_size (none wasted, runs reproducible); "
                                                        "N or null (until a batch is ready) start extras, which are "
@@ -182,7 +209,7 @@ LOGGER = {
     "level": Option("INFO", str, "console log level (run.log is always DEBUG)", choices=LOG_LEVELS),
     "progress": Option("auto", str, "nexrl run's progress display on stderr: rich (live, for a terminal), plain "
                                     "(one line per step), auto (rich on a terminal, else plain), off",
-                       choices=PROGRESS_MODES, check=_progress_available),
+                       choices=PROGRESS_MODES, check=progress_problem),
     "samples_every": Option(10, int, "every N training steps, and at the first and the last, write some of "
                                      "the step's generations to samples.jsonl (0: never)", ge=0),
     "samples_per_step": Option(4, int, "generations written per such step, spread over the batch", ge=1,
@@ -307,34 +334,4 @@ def core_defaults() -> dict[str, Any]:
     """The mapping every recipe is merged onto."""
     out = option_defaults(CORE_OPTIONS)
     out.pop("recipe_dir", None)
-    return out
-
-
-# -- sampling parameters --------------------------------------------------------------------------
-
-# Bounds and help of SamplingParams fields; a field not listed is checked by its type alone.
-_SAMPLING = {
-    "max_tokens": dict(ge=1, help="most tokens a response may have"),
-    "temperature": dict(ge=0, help="sampling temperature (0: greedy)"),
-    "top_p": dict(gt=0, le=1, help="nucleus sampling: smallest token set with this much probability"),
-    "top_k": dict(ge=-1, help="sample among the k likeliest tokens (0 or -1: all)"),
-    "stop": dict(help="strings that end a response"),
-}
-_NOT_RECIPE_KEYS = {"seed": "the seed is derived per request from rollout_worker.seed"}
-
-
-def sampling_options() -> dict[str, Option]:
-    """``rollout_worker.sampling``: exactly the fields of :class:`SamplingParams` a recipe sets."""
-    from ..inference import SamplingParams
-
-    hints = typing.get_type_hints(SamplingParams)
-    out = {}
-    for f in dataclasses.fields(SamplingParams):
-        if f.name in _NOT_RECIPE_KEYS:
-            out[f.name] = Option(removed=_NOT_RECIPE_KEYS[f.name])
-            continue
-        default = f.default if f.default is not dataclasses.MISSING else \
-            (f.default_factory() if f.default_factory is not dataclasses.MISSING else None)  # type: ignore[misc]
-        extra = dict(_SAMPLING.get(f.name, {}))
-        out[f.name] = Option(default, hints.get(f.name), **extra)
     return out

@@ -10,37 +10,23 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from ..config.options import option_defaults
+from ..config.schema import (
+    LAUNCH_MODES,
+    PLANNED_LAUNCH_MODES,
+    RAY,
+    ROLLOUT_WORKER,
+    launch_mode_problem,
+    ray_installed,
+)
 from ..errors import ConfigError
 from .base import ResourceManager, RoleSpec
-from .ray.settings import ray_installed
-
-# launch_mode -> "module:class" of its resource manager
-LAUNCH_MODES: dict[str, str] = {
-    "local": "nexrl_core.launch.local:LocalResourceManager",
-    "ray": "nexrl_core.launch.ray.manager:RayResourceManager",
-}
-# Accepted names that do not run yet, and why (one message for `nexrl validate` and `nexrl run`).
-PLANNED_LAUNCH_MODES: dict[str, str] = {}
-
-
-def launch_mode_problem(mode: Any) -> str | None:
-    """Why ``launch_mode: mode`` cannot run, or None when it can."""
-    if mode == "ray" and not ray_installed():
-        return "launch_mode: 'ray' needs Ray, an optional extra: pip install 'nexrl-core[ray]'"
-    if mode in LAUNCH_MODES:
-        return None
-    if mode in PLANNED_LAUNCH_MODES:
-        return PLANNED_LAUNCH_MODES[mode]
-    return f"launch_mode: '{mode}' is not one of {', '.join(LAUNCH_MODES)}"
 
 
 def unused_launch_keys(config: Any) -> list[str]:
     """Keys of another launch mode that the recipe sets to other than their defaults (a Ray
     recipe run with ``launch_mode=local``): accepted, so one key switches the mode, but named,
     so nobody believes they took effect."""
-    from ..config.options import option_defaults
-    from ..config.schema import RAY, ROLLOUT_WORKER
-
     if config.get("launch_mode", "local") == "ray":
         return []
     section = config.get("ray") or {}
@@ -77,4 +63,4 @@ def create_resource_manager(config: Any, plugin_manager: Any = None) -> Resource
 
 
 __all__ = ["LAUNCH_MODES", "PLANNED_LAUNCH_MODES", "ResourceManager", "RoleSpec", "create_resource_manager",
-           "launch_mode_problem", "unused_launch_keys", "unused_launch_keys_note"]
+           "launch_mode_problem", "ray_installed", "unused_launch_keys", "unused_launch_keys_note"]

@@ -9,6 +9,29 @@ from typing import Any
 from ..errors import NexRLError
 from ..types import NexRLRole
 
+# Set in every actor process of a Ray run (launch/ray/actors.py): processes started there are actors too.
+IN_RAY_ACTOR = "NEXRL_IN_RAY_ACTOR"
+
+
+class StartedProcess:
+    """One process :func:`start_processes` started."""
+
+    name: str
+    host: str
+    pid: int
+    kind = "process"  # what a log line calls it
+
+    def is_alive(self) -> bool:
+        raise NotImplementedError
+
+    def exit_cause(self) -> str | None:
+        """Why it ended (None while it runs): its exception's message, or its exit code."""
+        raise NotImplementedError
+
+    def stop(self, timeout: float = 60.0) -> None:
+        """Wait up to ``timeout`` s for it to end by itself, then end it."""
+        raise NotImplementedError
+
 
 @dataclass
 class RoleSpec:

@@ -6,15 +6,16 @@ from typing import Any
 
 from loguru import logger
 
-from ..plugins import PluginManager, use_plugin_manager
+from ..plugins import PluginManager, active_plugin_manager
 from ..types import NexRLRole
 from .base import ResourceManager
+from .parts import build_module
 
 
 class LocalResourceManager(ResourceManager):
     """Instantiates each role in process, in registration order; everything is co-located.
-    Modules resolve their own parts (evaluators, weight-sync backends, sinks) with the
-    ``plugin_manager`` given here."""
+    Each module gets its parts (evaluators, weight-sync backend, sinks) built with the
+    ``plugin_manager`` given here (:mod:`nexrl_core.launch.parts`)."""
 
     def __init__(self, config: Any = None, plugin_manager: PluginManager | None = None) -> None:
         super().__init__(config, plugin_manager)
@@ -27,10 +28,10 @@ class LocalResourceManager(ResourceManager):
                 logger.warning(note)
 
     def _create(self) -> None:
-        with use_plugin_manager(self._pm):
-            for spec in self.roles():
-                self._instances[spec.role] = [self._wrap(spec.role, spec.cls(spec.config, **spec.kwargs))
-                                              for _ in range(spec.count)]
+        pm = self._pm or active_plugin_manager()
+        for spec in self.roles():
+            self._instances[spec.role] = [self._wrap(spec.role, build_module(spec.cls, spec.config, spec.kwargs, pm))
+                                          for _ in range(spec.count)]
 
     def _wrap(self, role: NexRLRole, instance: Any) -> Any:
         """The handle the rest of the run gets for ``instance`` (locally: the instance)."""

@@ -23,14 +23,12 @@ from .logs import FailureLog, failure_signature, format_traceback
 class ActivityTracker:
     """Central tracker; every module talks to it through an :class:`ActivityTrackerProxy`.
 
-    ``config``: the recipe; when given (and no ``experiment_logger``), the tracker opens the
-    run's records (metrics.jsonl, errors.jsonl, the ``logger.backend`` sinks) itself, so it
-    can be built wherever the launch mode puts it.
+    ``experiment_logger``: the run's records (metrics.jsonl, errors.jsonl, the ``logger.backend``
+    sinks), opened by the launcher in the tracker's process (nexrl_core.launch.parts); ``config``
+    (the recipe) is the argument every role is built with.
     """
 
     def __init__(self, config: Any = None, max_errors: int = 1000, experiment_logger: Any = None) -> None:
-        if experiment_logger is None and config is not None:
-            experiment_logger = open_run_recorder(config)
         self.experiment_logger = experiment_logger
         self._error_reporter = ErrorReporter(max_errors)
         self._failure_log = FailureLog()
@@ -226,32 +224,6 @@ def _health_problem(ref: Any, timeout: float) -> str | None:
     except Exception:
         why = None
     return str(why) if why else "its health check says unhealthy"
-
-
-def open_run_recorder(config: Any) -> Any:
-    """The run's records for a recipe: files in ``run_dir`` and the ``logger.backend`` sinks
-    (resolved through the plugin manager of the process the tracker is built in)."""
-    from ..cli.run_log import RunRecorder
-    from ..failure_monitor import FailedSampleMonitor
-    from ..plugins import active_plugin_manager
-
-    pm = active_plugin_manager()
-    run_dir = str(config.run_dir) if config.get("run_dir") else None  # None: no files (nexrl eval without --out)
-    sinks, labels = [], []
-    for name in _as_list(config.logger.backend):
-        sinks.append(pm.resolve("metrics_sink", name, "logger.backend")(config, run_dir))
-        labels.append(f"metrics sink '{name}' ({pm.components('metrics_sink')[name].distribution})")
-    return RunRecorder(run_dir, sinks, sink_labels=labels,
-                       step_end_hook=lambda step, metrics: pm.call_step_end(step=step, metrics=metrics, config=config),
-                       failure_monitor=FailedSampleMonitor.from_config(config))
-
-
-def _as_list(value: Any) -> list[str]:
-    if value is None:
-        return []
-    if isinstance(value, str):
-        return [value]
-    return [str(v) for v in value]
 
 
 class ActivityTrackerProxy:

@@ -9,6 +9,7 @@ import os
 import re
 import threading
 import traceback
+from types import FrameType
 
 from loguru import logger
 
@@ -25,6 +26,7 @@ class ToLoguru(logging.Handler):
             level: str | int = logger.level(record.levelname).name
         except ValueError:
             level = record.levelno
+        frame: FrameType | None
         frame, depth = logging.currentframe(), 2  # point loguru at the caller, not at logging's internals
         while frame is not None and frame.f_code.co_filename == logging.__file__:
             frame, depth = frame.f_back, depth + 1

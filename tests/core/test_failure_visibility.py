@@ -172,7 +172,7 @@ WORKERS = textwrap.dedent('''
     class NoReward(SimpleRolloutWorker):
         def _put_trajectory(self, trajectory):
             if not trajectory.get("failed"):
-                trajectory.pop("reward")
+                trajectory["reward"] = None  # (a trajectory without the key is scored by the evaluator)
             return super()._put_trajectory(trajectory)
 
 

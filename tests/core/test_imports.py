@@ -161,3 +161,39 @@ def test_the_changelog_lists_every_moved_module():
     text = (REPO / "docs" / "changelog.md").read_text(encoding="utf-8")
     for old, new in {**MOVED, **MOVED_NAMES}.items():
         assert f"| `{old}`" in text and f"`{new}`" in text, old
+
+
+def test_a_broken_builtin_does_not_break_import_nexrl_core():
+    """Built-ins are plugins: one that fails to import is reported by the plugin manager, the other
+    built-ins still register, and ``import nexrl_core`` (every public name but the broken one) works."""
+    import json
+    import subprocess
+    import sys
+
+    code = (
+        "import importlib.abc, json, sys\n"
+        "class Broken(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path, target=None):\n"
+        "        if name == 'nexrl_core.builtins.workers':\n"
+        "            raise RuntimeError('broken on purpose')\n"
+        "sys.meta_path.insert(0, Broken())\n"
+        "import nexrl_core\n"
+        "from nexrl_core import BaseRolloutWorker, FileDataLoader, NexRLController\n"
+        "pm = nexrl_core.PluginManager(load_entrypoints=False)\n"
+        "try:\n"
+        "    nexrl_core.SimpleRolloutWorker\n"
+        "    lazy = 'imported'\n"
+        "except RuntimeError as exc:\n"
+        "    lazy = str(exc)\n"
+        "print(json.dumps({'failures': [[f.name, f.error] for f in pm.failures], 'lazy': lazy,\n"
+        "                  'loaders': sorted(pm.components('dataloader')),\n"
+        "                  'workers': sorted(pm.components('rollout_worker'))}))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=str(REPO),
+                          env={**__import__("os").environ, "NEXRL_LOAD_PLUGINS": ""})
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["failures"] == [["core.workers", "RuntimeError: broken on purpose"]]
+    assert out["lazy"] == "broken on purpose"
+    assert "file" in out["loaders"]  # the other built-ins registered
+    assert "simple" not in out["workers"]

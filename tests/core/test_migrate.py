@@ -104,34 +104,15 @@ def test_evaluator_module_path_becomes_the_python_evaluator_with_its_class(core_
                                                               "got 'evaluator.py'"}
 
 
-def test_a_custom_worker_class_is_listed_while_no_worker_loads_one_from_a_file(core_pm):
-    seed = {"rollout_worker": {"type": "simple", "custom_rollout_worker_module_path": "ws/my_worker.py",
-                               "custom_rollout_worker_class_name": "MyWorker"}}
-    recipe, _, dropped = _migrate(seed, core_pm)
-    assert recipe == {"rollout_worker": {"type": "simple"}}
-    reason = dropped["rollout_worker.custom_rollout_worker_module_path"]
-    assert reason.startswith("no rollout worker here loads a class from a file: publish the worker as a plugin")
-    assert dropped["rollout_worker.custom_rollout_worker_class_name"] == reason
-
-
-def test_a_custom_worker_goes_to_a_python_worker_where_one_is_installed(core_pm):
-    from nexrl_core import Option, SimpleRolloutWorker, hookimpl
-
-    class FileWorker(SimpleRolloutWorker):
-        OPTIONS = {**SimpleRolloutWorker.OPTIONS, "path": Option(None, str, "file"),
-                   "class": Option(None, str, "class in it")}
-
-    class Plugin:
-        @hookimpl
-        def nexrl_rollout_workers(self):
-            return {"python": FileWorker}
-
-    core_pm.register(Plugin(), name="file-worker", distribution="file-worker (test)")
-    recipe, changes, dropped = _migrate({"rollout_worker": {
+def test_a_custom_worker_becomes_a_worker_class_loaded_from_its_file(core_pm):
+    recipe, _, dropped = _migrate({"rollout_worker": {
         "type": "simple", "custom_rollout_worker_module_path": "ws/my_worker.py",
         "custom_rollout_worker_class_name": "MyWorker"}}, core_pm)
     assert recipe == {"rollout_worker": {"type": "python", "path": "ws/my_worker.py", "class": "MyWorker"}}
     assert dropped == {}
+    _, _, dropped = _migrate({"rollout_worker": {"custom_rollout_worker_module_path": "ws/my_worker.py"}}, core_pm)
+    assert dropped == {"rollout_worker.custom_rollout_worker_module_path": "custom_rollout_worker_class_name is "
+                                                                           "missing"}
 
 
 def test_single_turn_math_is_the_simple_worker_with_a_math_evaluator(core_pm):

@@ -21,7 +21,8 @@ from nexrl_core.config.options import (
     options_from_signature,
 )
 from nexrl_core.config.recipe import check_config, load_recipe
-from nexrl_core.config.schema import CORE_OPTIONS, core_defaults, sampling_options
+from nexrl_core.config.schema import CORE_OPTIONS, core_defaults
+from nexrl_core.inference import sampling_options
 
 OPTS = {
     "steps": Option(10, int, "steps", ge=1),

@@ -303,9 +303,9 @@ def _builtin_names(hook: str) -> list[str]:
 
 
 def test_a_broken_builtin_is_reported_and_the_other_builtins_still_load(monkeypatch):
-    import nexrl_core.builtins as builtins
+    import nexrl_core.plugins as plugins
 
-    monkeypatch.setattr(builtins, "DEFAULT_PLUGINS",
+    monkeypatch.setattr(plugins, "DEFAULT_PLUGINS",
                         (("core.broken", "nexrl_core.builtins.no_such_module"),) + DEFAULT_PLUGINS)
     monkeypatch.setenv("NEXRL_LOAD_PLUGINS", "")
     pm = PluginManager()

@@ -316,10 +316,10 @@ def test_launch_mode_selects_the_resource_manager():
 
 def test_validate_and_run_reject_ray_without_ray_with_the_same_message(core_pm, capfd, reset_loguru, tmp_path,
                                                                        monkeypatch):
-    import nexrl_core.launch
+    import nexrl_core.config.schema
     from nexrl_core.cli import main
 
-    monkeypatch.setattr(nexrl_core.launch, "ray_installed", lambda: False)  # as on a machine without the extra
+    monkeypatch.setattr(nexrl_core.config.schema, "ray_installed", lambda: False)  # as on a machine without the extra
 
     path = tmp_path / "recipe.yaml"
     path.write_text(f"launch_mode: ray\nrun_dir: {tmp_path / 'run'}\n"

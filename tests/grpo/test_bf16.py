@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from nexrl_core.inference import SamplingParams
+from nexrl_core.launch.parts import build_module
 from nexrl_grpo.decoding import FastLlama, HFSession
 from nexrl_grpo.engine import HFInferenceEngine
 from nexrl_grpo.modeling import load_causal_lm
@@ -132,7 +133,7 @@ def test_the_critic_trains_in_the_policys_resolved_precision(tiny_model_dir, mon
     from nexrl_grpo.trainers import SelfHostedGrpoTrainer
 
     monkeypatch.setattr(modeling, "native_bf16", lambda: True)
-    trainer = SelfHostedGrpoTrainer(OmegaConf.create({
+    trainer = build_module(SelfHostedGrpoTrainer, OmegaConf.create({
         "seed": 0, "trainer": {"total_train_steps": 1}, "trajectory_pool": {"batch_size": 4},
         "rollout_worker": {}, "algorithm": {"type": "gae"},
         "service": {"train_service": {"model_path": tiny_model_dir, "dtype": "auto", "num_threads": 1},

@@ -17,6 +17,7 @@ import torch
 from omegaconf import OmegaConf
 
 from nexrl_core import DataError
+from nexrl_core.launch.parts import build_module
 from nexrl_grpo.trainers import SelfHostedCrossEntropyTrainer, SelfHostedGrpoTrainer, TrajectoryView
 
 PROMPT = [5, 17, 40, 9]
@@ -31,7 +32,7 @@ def make_trainer(model_dir: str, cls=SelfHostedGrpoTrainer, packing=False, **alg
                                       "packing": packing},
                     "inference_service": {}},
     })
-    trainer = cls(config)
+    trainer = build_module(cls, config)
     trainer.initialize_workers()
     return trainer
 

@@ -26,6 +26,7 @@ from nexrl_core import ConfigError
 from nexrl_core.config.recipe import load_recipe
 from nexrl_core.controller import NexRLController
 from nexrl_core.inference import SamplingParams
+from nexrl_core.launch.parts import build_module
 from nexrl_grpo.engine import HFInferenceEngine
 from nexrl_grpo.modeling import load_causal_lm
 from nexrl_grpo.trainers import SelfHostedGrpoTrainer
@@ -116,7 +117,7 @@ def make_trainer(model_dir: str, service: dict | None = None, **algorithm) -> Se
         "rollout_worker": {}, "algorithm": algorithm,
         "service": {"train_service": train_service, "inference_service": {}},
     })
-    trainer = SelfHostedGrpoTrainer(config)
+    trainer = build_module(SelfHostedGrpoTrainer, config)
     trainer.initialize_workers()
     return trainer
 

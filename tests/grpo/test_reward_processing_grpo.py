@@ -14,6 +14,7 @@ from omegaconf import OmegaConf
 
 from nexrl_core.config.preflight import validate_recipe
 from nexrl_core.config.recipe import RecipeProblems, load_recipe
+from nexrl_core.launch.parts import build_module
 from nexrl_grpo.trainers import SelfHostedGrpoTrainer
 from tests.support.letters import grpo_plugin_manager
 
@@ -27,7 +28,7 @@ def make_trainer(model_dir: str, lr: float = 0.0, **algorithm) -> SelfHostedGrpo
         "service": {"train_service": {"model_path": model_dir, "lr": lr, "grad_clip": 0, "num_threads": 1},
                     "inference_service": {}},
     })
-    trainer = SelfHostedGrpoTrainer(config)
+    trainer = build_module(SelfHostedGrpoTrainer, config)
     trainer.initialize_workers()
     return trainer
 

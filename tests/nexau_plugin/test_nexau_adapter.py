@@ -11,6 +11,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from nexrl_core import SamplingParams
+from nexrl_core.launch.parts import build_module
 from nexrl_nexau import llm_calls
 from nexrl_nexau.gateway import ChatGateway
 from nexrl_nexau.nexau_adapter import observation_from_trace, stop_reason_from_trace
@@ -105,7 +106,7 @@ def test_the_worker_runs_the_real_nexau_agent(agent_factory, nexau_pm):
     backend = ScriptedChat(policy)
     config = OmegaConf.create({"type": "nexau", "nexau_agent_config_path": path, "agent_runner": "nexau",
                                "evaluator": {"type": "numeric_answer"}, "sampling": {"max_tokens": 400}})
-    worker = DefaultNexAURolloutWorker(config)
+    worker = build_module(DefaultNexAURolloutWorker, config)
     assert worker.runner_kind == "nexau"
 
     class Pool:

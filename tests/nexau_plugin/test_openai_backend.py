@@ -12,6 +12,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from nexrl_core.builtins.openai_client import OpenAICompatibleClient
+from nexrl_core.launch.parts import build_module
 from nexrl_nexau import DefaultNexAURolloutWorker
 from tests.support.openai_server import FakeOpenAIServer, decode, encode, render_chat, token_logprob
 
@@ -41,7 +42,7 @@ def rollout(server, agent_factory, nexau_pm):
     config = OmegaConf.create({"type": "nexau", "nexau_agent_config_path": agent_factory(["add"]),
                                "agent_runner": "builtin", "evaluator": {"type": "numeric_answer"}, "seed": 3,
                                "sampling": {"max_tokens": 200, "temperature": 0.7}})
-    worker = DefaultNexAURolloutWorker(config)
+    worker = build_module(DefaultNexAURolloutWorker, config, pm=nexau_pm)
     pool = Collect()
     worker.set_module_references(pool, None, None, None, Collect(), client)
 

@@ -11,6 +11,7 @@ from omegaconf import OmegaConf
 
 from nexrl_core import ConfigError
 from nexrl_core.config.recipe import check_config, load_recipe
+from nexrl_core.launch.parts import build_module
 from nexrl_nexau import BaseNexAURolloutWorker, DefaultNexAURolloutWorker, NexAUEvaluationTarget
 from nexrl_nexau.worker import _nexau_importable
 
@@ -28,7 +29,7 @@ def make_worker(agent_path, client, cls=DefaultNexAURolloutWorker, **keys):
     config = OmegaConf.create({"type": "nexau", "nexau_agent_config_path": agent_path, "agent_runner": "builtin",
                                "evaluator": {"type": "numeric_answer"}, "seed": 3, "validate_temperature": 0,
                                **keys})
-    worker = cls(config)
+    worker = build_module(cls, config)
     pool, validator = Collect(), Collect()
     worker.set_module_references(pool, None, None, None, validator, client)
     return worker, pool, validator

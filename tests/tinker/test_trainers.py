@@ -24,6 +24,7 @@ from nexrl_core import DataError, RunFailed, SamplingParams
 from nexrl_core.builtins.workers import pig_latin
 from nexrl_core.config.recipe import load_recipe
 from nexrl_core.controller import NexRLController
+from nexrl_core.launch.parts import build_module
 from nexrl_tinker.standin import BaseModel, Fault, StandinServer
 from tests.support.tiny_lm import build_model
 from tests.tinker.helpers import MODEL, PROMPTS, grpo_recipe, metrics_rows, tinker_plugin_manager
@@ -176,7 +177,7 @@ def _trainer(tiny_folder: str, url: str = "http://127.0.0.1:9", **algorithm):
     recipe = grpo_recipe("/tmp/unused", url, tiny_folder, steps=1, group=2)
     recipe["algorithm"] = {"type": "grpo", **algorithm}
     cfg = OmegaConf.create(recipe)
-    return RemoteApiGrpoTrainer(cfg)
+    return build_module(RemoteApiGrpoTrainer, cfg)
 
 
 def _trajectory(uid: str, index: int, reward: float, response: list[int], **extra) -> dict:

@@ -105,18 +105,17 @@ class ModuleHost:
 
     def build(self, setup: HostSetup, payload: bytes) -> dict[str, Any]:
         """Build the modules (in order) with a plugin manager like the driver's."""
-        from ...plugins import use_plugin_manager
+        from ..parts import build_module
 
         _apply_setup(setup)
         content: HostPayload = ray.cloudpickle.loads(payload)
         pm = _process_plugin_manager(setup, content.in_process_plugins)
         _setup_logging(setup)
-        with use_plugin_manager(pm):
-            for slot in content.slots:
-                module = slot.cls(slot.config, **slot.kwargs)
-                self._modules[(slot.role, slot.index)] = module
-                with _LOCAL_LOCK:
-                    _LOCAL_MODULES[(self._actor_name, slot.role, slot.index)] = module
+        for slot in content.slots:
+            module = build_module(slot.cls, slot.config, slot.kwargs, pm)
+            self._modules[(slot.role, slot.index)] = module
+            with _LOCAL_LOCK:
+                _LOCAL_MODULES[(self._actor_name, slot.role, slot.index)] = module
         register_tensor_transport()
         return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id()}
 

@@ -12,7 +12,7 @@ import ray
 from loguru import logger
 
 from ...errors import NexRLError
-from ..processes import IN_RAY_ACTOR
+from ..base import IN_RAY_ACTOR
 from .settings import RaySettings
 
 # Environment every actor gets from the driver (besides ray.env_vars): what decides which

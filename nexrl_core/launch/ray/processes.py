@@ -14,7 +14,7 @@ import ray.exceptions
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from ..processes import IN_RAY_ACTOR, StartedProcess
+from ..base import IN_RAY_ACTOR, StartedProcess
 from .cluster import _PASSED_NAMES, _PASSED_PREFIXES
 
 PLACEMENT_TIMEOUT_S = 600.0  # how long the cluster may take to free the bundles
@@ -88,7 +88,7 @@ def start_ray_processes(target: Callable[..., Any], args: Sequence[tuple], names
                          f"(cluster resources: {ray.cluster_resources()})")
     env = {k: v for k, v in os.environ.items() if k.startswith(_PASSED_PREFIXES) or k in _PASSED_NAMES}
     env[IN_RAY_ACTOR] = "1"
-    actors = [_ProcessHost.options(name=f"{names[i]}-{os.getpid()}", num_cpus=1, num_gpus=num_gpus, max_restarts=0,
+    actors = [_ProcessHost.options(  # type: ignore[attr-defined]  # ray.remote adds itname=f"{names[i]}-{os.getpid()}", num_cpus=1, num_gpus=num_gpus, max_restarts=0,
                                    scheduling_strategy=PlacementGroupSchedulingStrategy(group, i))
               .remote(list(sys.path), env) for i in range(len(args))]
     places = ray.get([actor.where.remote() for actor in actors])

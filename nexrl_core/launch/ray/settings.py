@@ -4,7 +4,6 @@ Ray recipe on a machine without Ray, and says what to install."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -62,7 +61,3 @@ def _plain(section: Any) -> Any:
     from omegaconf import OmegaConf
 
     return OmegaConf.to_container(section, resolve=True)
-
-
-def ray_installed() -> bool:
-    return importlib.util.find_spec("ray") is not None

@@ -49,6 +49,18 @@ def _record_advantages(trajectories: list[Trajectory], advantages: torch.Tensor,
             traj["advantage"] = total / count
 
 
+def _per_token(advantages: Any, mask: torch.Tensor) -> torch.Tensor:
+    """Advantages as ``[rows, response tokens]``: one number per row (a list or a 1-D tensor, as a
+    ``_prepare_batch`` written for the seed may give) is spread over the row's tokens."""
+    adv = torch.as_tensor(advantages, dtype=torch.float32)
+    if adv.dim() == 1 and adv.shape[0] == mask.shape[0]:
+        return adv[:, None].expand_as(mask).contiguous()
+    if adv.shape != mask.shape:
+        raise ConfigError(f"batch.values['advantages'] has shape {list(adv.shape)}; expected [{mask.shape[0]}] (one "
+                          f"per row) or {list(mask.shape)} (one per response token)")
+    return adv
+
+
 def _prompt_groups(prompts: list[list[int]]) -> torch.Tensor:
     """Rows with identical prompt tokens get one id, so the model runs each distinct prompt once."""
     ids: dict[tuple[int, ...], int] = {}
@@ -101,6 +113,7 @@ class SelfHostedTrainer(BaseTrainer):
     # Padded tensors and a torch loss: any train service taking those (local_torch by default).
     TRAIN_SERVICE_BATCH_FORMAT = BATCH_FORMAT
     TRAIN_SERVICE_DEFAULT = "local_torch"
+    TRAJECTORY_CONTRACT = "self_hosted"
     ALGORITHM_OPTIONS: dict[str, Option] = {}
     # New weights exist as tensors in this process: a weight-sync backend must bring them to inference.
     CAPABILITIES = Capabilities(
@@ -223,11 +236,22 @@ class SelfHostedTrainer(BaseTrainer):
 
     @abstractmethod
     def _prepare_batch(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
-        """Algorithm-specific preparation (advantages, KL, ...)."""
+        """Algorithm-specific preparation: sets ``batch.values["advantages"]`` (one number per row,
+        or one per response token) for the default loss; returns the batch and its metrics."""
 
-    @abstractmethod
     def _loss_fn(self, batch: Batch):
-        """The ``loss_fn(log_probs, micro_batch)`` handed to the train service."""
+        """The ``loss_fn(log_probs, micro_batch)`` handed to the train service. This default is
+        the policy gradient of ``advantages`` (on-policy: one update per batch), averaged over the
+        trained tokens; an algorithm with its own loss overrides it."""
+        if "advantages" not in batch.values:
+            raise ConfigError(f"{type(self).__name__}._prepare_batch set no batch.values['advantages']: the default "
+                              f"loss (SelfHostedTrainer._loss_fn) trains on them; set them or override _loss_fn")
+
+        def loss_fn(log_probs: torch.Tensor, mb: dict[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
+            loss = agg_loss(-mb["advantages"] * log_probs, mb["response_mask"], "token-mean",
+                            batch_num_tokens=mb["batch_num_tokens"])
+            return loss, {"pg_loss": float(loss.detach())}
+        return loss_fn
 
     def train(self, trajectories: list[Trajectory]) -> dict[str, float]:
         t0 = time.perf_counter()
@@ -235,7 +259,9 @@ class SelfHostedTrainer(BaseTrainer):
         lengths = batch.values["response_mask"].sum(-1)  # before a sample-level mask
         response_mask = batch.values["response_mask"]
         batch, metrics = self._prepare_batch(batch)
+        metrics = dict(metrics or {})
         if "advantages" in batch.values:
+            batch.values["advantages"] = _per_token(batch.values["advantages"], response_mask)
             _record_advantages(trajectories, batch.values["advantages"], response_mask,
                                batch.metadata["row_trajectory"])
         t1 = time.perf_counter()
@@ -540,6 +566,8 @@ class SelfHostedCrossEntropyTrainer(SelfHostedTrainer):
     Trajectories without token ids are tokenized here with the model's chat template:
     for SFT the text is the data, not a sample to be scored.
     """
+
+    TRAJECTORY_CONTRACT = "sft"
 
     def _token_ids(self, traj: Trajectory) -> tuple[list[int], list[int]]:
         if traj.get("prompt_token_ids") is not None and traj.get("response_token_ids") is not None:

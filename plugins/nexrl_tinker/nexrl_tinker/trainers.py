@@ -104,6 +104,7 @@ class RemoteApiTrainer(BaseTrainer):
 
     TRAIN_SERVICE_BATCH_FORMAT = BATCH_FORMAT
     TRAIN_SERVICE_DEFAULT = "tinker"
+    TRAJECTORY_CONTRACT = "remote_api"
     # The weights live on the service: rollouts must sample them through the tinker weight sync.
     CAPABILITIES = Capabilities(
         provides={TRAINER_CAPABILITY},
@@ -127,9 +128,12 @@ class RemoteApiTrainer(BaseTrainer):
         """Algorithm-specific preparation (advantages...): returns the trajectories to train on,
         and adds its metrics (``train/...``) to ``metrics``."""
 
-    @abstractmethod
     def loss(self) -> tuple[str, dict[str, float] | None]:
-        """The service's loss function for this step: its name and ``loss_fn_config``."""
+        """The service's loss function for this step: its name and ``loss_fn_config``. This
+        default is ``importance_sampling`` on each trajectory's ``advantages`` (one number, or one
+        per response token), which ``_prepare_trajectories`` sets: a trainer written as the seed's
+        guide shows overrides only that."""
+        return "importance_sampling", None
 
     def _convert_trajectories_to_datums(self, trajectories: list[Trajectory]) -> list[Any]:
         """One ``tinker.types.Datum`` per token sequence for :meth:`loss` (:mod:`nexrl_tinker.datums`):
@@ -344,6 +348,7 @@ class RemoteApiCrossEntropyTrainer(RemoteApiTrainer):
     the ``tinker`` inference backend encodes it (chat template), the response followed by EOS.
     """
 
+    TRAJECTORY_CONTRACT = "sft"
     OPTIONS = {
         "tokenizer_path": Option(None, str, "local tokenizer folder for trajectories that carry text but no token "
                                             "ids (null: service.inference_service.tokenizer_path)"),
