@@ -47,7 +47,8 @@ def test_the_guides_nexau_worker_from_a_file(agent_factory, tmp_path, nexau_pm):
                "evaluator": {"type": "numeric_answer"}}
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump({"rollout_worker": section,
-                                    "data": {"type": "inline", "rows": [{"prompt": "x"}]}}))
+                                    "data": {"type": "inline", "rows": [{"prompt": "x"}]},
+                                    "trainer": {"type": "mock"}, "service": {"inference_service": {"backend": "mock"}}}))
     cfg = load_recipe(str(path))
     assert check_config(cfg, nexau_pm) == []
     bad = load_recipe(str(path), ["+rollout_worker.agent_runnr=builtin"])
