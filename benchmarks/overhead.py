@@ -192,7 +192,8 @@ def part_flow(args: argparse.Namespace) -> list[dict[str, float]]:
         for w, b in configs:
             steps = args.steps or max(10, args.trajectories // b)
             r = run_flow(w, b, args.group, steps, mode, 1 if mode != "sync" else 0,
-                         args.profile if args.profile and not results else None, args.flow_rollout_limit)
+                         args.profile if args.profile and not results else None,
+                         args.flow_rollout_limit if mode == "sync" else "batch")  # the limit is sync mode's
             results.append(r)
             print(f"{r['workers']:>7} {r['batch']:>5} {r['group']:>5} {mode:>11} {r['steps']:>5} "
                   f"{r['trajectories']:>7} {r['wall_s']:>7.2f} {r['traj_per_s']:>8.0f} {r['steps_per_s']:>7.1f} "

@@ -69,6 +69,8 @@ class NexRLController:
         self._stop_requested = threading.Event()
         self._stop_reason = ""
         self._dead: list[str] = []  # modules the health check found dead (their work never ends)
+        self._next_health = time.monotonic() + float(config.runtime_monitor.health_check.check_interval)
+        self._unhealthy_since: float | None = None
         self._validations: list[dict[str, float]] = []
         self._final_step = 0
         self._final_errors: list[str] = []
@@ -251,9 +253,8 @@ class NexRLController:
     def _monitor(self, cfg: DictConfig) -> tuple[str, str | None]:
         rm = cfg.runtime_monitor
         wsc, tracker = self.weight_sync_controller, self.activity_tracker
-        next_health = time.monotonic() + float(rm.health_check.check_interval)
+        self._next_health = time.monotonic() + float(rm.health_check.check_interval)
         next_exc = next_feed = time.monotonic()
-        unhealthy_since: float | None = None
         while True:
             if self._stop_requested.is_set():
                 return "signal", None
@@ -282,19 +283,30 @@ class NexRLController:
                 next_exc = now + float(rm.exception_handling.check_interval)
                 if not self._check_module_exceptions():
                     return "error", self._policy_message(str(rm.exception_handling.policy))
-            if rm.health_check.enabled and now >= next_health:
-                next_health = now + float(rm.health_check.check_interval)
-                dead = execute(tracker.dead_modules, float(rm.health_check.timeout))
-                if dead:
-                    unhealthy_since = unhealthy_since or now
-                    if now - unhealthy_since >= float(rm.health_check.grace_period):
-                        self._dead = list(dead)
-                        return "error", self._dead_message(dead)
-                    logger.warning(f"not answering health checks: {', '.join(dead)}; waiting up to "
-                                   f"{rm.health_check.grace_period}s for them to come back")
-                else:
-                    unhealthy_since = None
+            dead = self._health_failure()
+            if dead:
+                return "error", dead
             self._stop_requested.wait(self.resource_manager.poll_interval_s)
+
+    def _health_failure(self) -> str | None:
+        """Every ``health_check.check_interval`` (from the monitor loop and while a validation runs):
+        the message of modules unhealthy for ``grace_period``, else None."""
+        check = self._config.runtime_monitor.health_check
+        now = time.monotonic()
+        if not check.enabled or now < self._next_health:
+            return None
+        self._next_health = now + float(check.check_interval)
+        dead = execute(self.activity_tracker.dead_modules, float(check.timeout))
+        if not dead:
+            self._unhealthy_since = None
+            return None
+        self._unhealthy_since = self._unhealthy_since or now
+        if now - self._unhealthy_since >= float(check.grace_period):
+            self._dead = list(dead)
+            return self._dead_message(dead)
+        logger.warning(f"not answering health checks: {', '.join(dead)}; waiting up to "
+                       f"{check.grace_period}s for them to come back")
+        return None
 
     def _feed_listeners(self) -> None:
         """Hand the metrics rows recorded since the last call to every listener (a listener that
@@ -389,6 +401,9 @@ class NexRLController:
 
     def _wait_validation(self) -> None:
         while not execute(self.validator.is_complete):
+            dead = self._health_failure()  # a validation that hangs must not hang the run
+            if dead:
+                raise RunFailed(dead)
             if self._stop_requested.wait(self.resource_manager.poll_interval_s):
                 raise _StopRequested(f"stopped during validation ({self._stop_reason})")
 

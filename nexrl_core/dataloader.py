@@ -139,11 +139,18 @@ class BaseDataLoader(NexRLModule, ABC):
                 return self._make_task(picked, sample, self._next_seq + index, uid, attempt)
             return dict(self._back[index - fresh])
 
+    def _health_locks(self) -> dict[str, Any]:
+        return {"data loader": self._lock}
+
     def get_next_item(self) -> dict[str, Any] | None:
         with self._lock:
             if self._locked:
                 return None
-            task = self._take_locked()
+            try:
+                task = self._take_locked()
+            except Exception as exc:  # its queue may be half-updated: no task can be trusted after this
+                self.mark_faulty(f"drawing a task failed: {type(exc).__name__}: {exc}")
+                raise
             if task is not None:
                 self._outstanding[task["seq"]] = task
             return None if task is None else dict(task)
@@ -159,10 +166,10 @@ class BaseDataLoader(NexRLModule, ABC):
         return items
 
     def is_finished(self) -> bool:
-        with self._lock:
-            if self._is_validate:
-                return self._remaining_locked() == 0
+        if not self._is_validate:  # without the lock: the monitor asks, and a hung loader must not hang it
             return False  # training data cycles for ever; total_train_steps ends the run
+        with self._lock:
+            return self._remaining_locked() == 0
 
     def can_return_item(self) -> bool:
         with self._lock:

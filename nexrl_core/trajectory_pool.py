@@ -401,6 +401,11 @@ class TrajectoryPool(NexRLModule):
         self._lock = threading.Lock()
         self._refs: tuple[Any, Any, Any] = (None, None, None)
 
+    def _health_locks(self) -> dict[str, Any]:
+        with self._lock:
+            instances = dict(self._instances)
+        return {"pool": self._lock, **{f"{tag} pool": inst._cond for tag, inst in instances.items()}}
+
     def set_module_references(self, dataloader: Any, weight_sync_controller: Any) -> None:
         self._refs = (dataloader, weight_sync_controller, self._activity_tracker)
         for inst in self._instances.values():

@@ -30,6 +30,9 @@ class Validator(NexRLModule):
         self._validate_dataloader: TaskSource | None = None
         self.last_metrics: dict[str, float] = {}
 
+    def _health_locks(self) -> dict[str, Any]:
+        return {"validator": self._lock}
+
     def set_module_references(self, validate_dataloader: TaskSource | None) -> None:
         self._validate_dataloader = validate_dataloader
 

@@ -100,6 +100,9 @@ class WeightSyncController(NexRLModule):
     def staleness_threshold(self) -> int:
         return self._staleness
 
+    def _health_locks(self) -> dict[str, Any]:
+        return {"weight-sync": self._cond}
+
     def set_module_references(self, dataloader: Any, trajectory_pool: Any, trainer: Any = None,
                               inference_client: Any = None) -> None:
         self._dataloader = dataloader
@@ -268,6 +271,10 @@ class WeightSyncController(NexRLModule):
         try:
             if self._inference_client is not None:
                 self._backend.sync(self._trainer, self._inference_client, version)
+        except Exception as exc:
+            # rollouts would go on sampling stale weights: nothing to retry here, the run must stop
+            self.mark_faulty(f"pushing weights v{version} to the inference service failed: {type(exc).__name__}: {exc}")
+            raise
         finally:
             if pool is not None:
                 execute(pool.unlock_for_weight_sync, model_tag)

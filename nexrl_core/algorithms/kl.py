@@ -83,8 +83,9 @@ KL_CTRL_OPTIONS = {
     "type": Option("fixed", str, "fixed: constant coefficient; adaptive: steered towards target_kl",
                    choices=("fixed", "adaptive")),
     "kl_coef": Option(0.001, float, "KL coefficient (the initial one when adaptive)", ge=0),
-    "target_kl": Option(0.1, float, "adaptive: the KL the coefficient steers towards", gt=0),
-    "horizon": Option(10000.0, float, "adaptive: samples over which the coefficient adapts", gt=0),
+    "target_kl": Option(0.1, float, "adaptive: the KL the coefficient steers towards", gt=0, needs=".type == adaptive"),
+    "horizon": Option(10000.0, float, "adaptive: samples over which the coefficient adapts", gt=0,
+                      needs=".type == adaptive"),
 }
 KL_CTRL_DEFAULTS = option_defaults(KL_CTRL_OPTIONS)
 

@@ -39,18 +39,22 @@ def _positive(value: Any) -> str | None:
     return None if value is None or value > 0 else f"expected a positive number or null, got {value!r}"
 
 
+# A domain's overrides inherit these keys: with domains, the top-level ones may act there.
+_NORMALISES = (".norm != none or .domains", ".norm != null or .domains")
+
 REWARD_OPTIONS: dict[str, Option] = {
     "overlong": Option("keep", str, "responses cut off by the token limit: keep (train on them as scored) | mask "
                                     "(leave them out of the loss) | score (their reward becomes overlong_reward)",
                        choices=OVERLONG_MODES),
-    "overlong_reward": Option(0.0, float, "the reward of a cut-off response with overlong: score"),
+    "overlong_reward": Option(0.0, float, "the reward of a cut-off response with overlong: score",
+                              needs=".overlong == score or .domains"),
     "mask_flat_groups": Option(False, bool, "leave groups whose rewards are all equal out of the loss"),
     "norm": Option("none", (str, None), "reward normalisation: none | group (per prompt) | batch (the domain's "
                                         "rows of the batch) | running (every reward seen so far)",
                    choices=NORM_MODES),
-    "norm_mean": Option(True, bool, "normalising subtracts the mean"),
-    "norm_std": Option(True, bool, "normalising divides by the standard deviation (+ epsilon)"),
-    "epsilon": Option(1e-6, float, "added to the standard deviation", gt=0),
+    "norm_mean": Option(True, bool, "normalising subtracts the mean", needs=_NORMALISES),
+    "norm_std": Option(True, bool, "normalising divides by the standard deviation (+ epsilon)", needs=_NORMALISES),
+    "epsilon": Option(1e-6, float, "added to the standard deviation", gt=0, needs=_NORMALISES),
     "clip": Option(None, float, "clamp rewards to [-clip, clip] after normalising (null: no clip)", check=_positive),
     "scale": Option(1.0, float, "multiply rewards by this after clipping (a domain's weight)"),
 }

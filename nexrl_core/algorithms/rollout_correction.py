@@ -18,7 +18,7 @@ from .kl import kl_penalty
 ROLLOUT_CORRECTION_OPTIONS = {
     "enabled": Option(False, bool, "weight each token's loss by its truncated importance ratio "
                                    "exp(trainer - rollout log-prob), capped at cap"),
-    "cap": Option(2.0, float, "truncation of the importance weights", ge=1),
+    "cap": Option(2.0, float, "truncation of the importance weights", ge=1, needs=".enabled"),
 }
 ROLLOUT_CORRECTION_DEFAULTS = option_defaults(ROLLOUT_CORRECTION_OPTIONS)
 

@@ -39,7 +39,8 @@ class MockInferenceClient(InferenceClient):
     OPTIONS = {
         "mode": Option("echo", str, "echo: answer the prompt text; sum: answer 'A + B' prompts",
                        choices=("echo", "sum")),
-        "learn_steps": Option(4, int, "sum mode: versions until every sum is answered right", ge=0),
+        "learn_steps": Option(4, int, "sum mode: versions until every sum is answered right", ge=0,
+                              needs=".mode == sum"),
         "delay_s": Option(0.0, float, "seconds each completion takes", ge=0),
     }
     CONFIG_KEYS = option_defaults(OPTIONS)  # deprecated view, for plugins that extend it

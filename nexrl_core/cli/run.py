@@ -8,6 +8,7 @@ import os
 import shlex
 import signal
 import sys
+import time
 from typing import Any
 
 from ..errors import NexRLError, exit_code
@@ -215,12 +216,25 @@ def run_command(args: Any) -> int:
     signal.signal(signal.SIGINT, interrupt)
     signal.signal(signal.SIGTERM, interrupt)
     summary = None
+    restarts = Restarts(cfg)
     try:
-        controller = NexRLController(cfg, pm, listeners=[progress])
-        signal.signal(signal.SIGINT, on_signal)
-        signal.signal(signal.SIGTERM, on_signal)
-        progress.start("running")  # once built: model loading prints its own progress bars
-        summary = controller.run()
+        while True:
+            controller = NexRLController(cfg, pm, listeners=[progress])
+            signal.signal(signal.SIGINT, on_signal)
+            signal.signal(signal.SIGTERM, on_signal)
+            progress.start("running")  # once built: model loading prints its own progress bars
+            try:
+                summary = controller.run()
+                break
+            except RunFailed as exc:
+                if not restarts.allowed():
+                    raise
+                signal.signal(signal.SIGINT, interrupt)  # a signal while waiting to restart ends the run
+                signal.signal(signal.SIGTERM, interrupt)
+                delay = restarts.next(controller.final_step(), str(exc), record)
+                progress.notice(f"{restarts.describe()}: {exc}\n  restarting from the newest checkpoint in "
+                                f"{delay:g}s (resume.on_failure: restart)")
+                time.sleep(delay)
         outcome.status, outcome.step = summary.stopped_by, summary.global_step
         outcome.code = 130 if summary.stopped_by == "signal" else 0
     except RunFailed as exc:
@@ -250,6 +264,34 @@ def run_command(args: Any) -> int:
     print(json.dumps({"global_step": summary.global_step, "stopped_by": summary.stopped_by,
                       "run_dir": run_dir, "validation": summary.validation}, default=float))
     return outcome.code
+
+
+class Restarts:
+    """``resume.on_failure: restart``: how many restarts are left, the wait before the next (doubled
+    each time, at most ``restart_backoff_max``), and their record in run.json (``restarts``)."""
+
+    def __init__(self, cfg: Any):
+        self.cfg = cfg
+        resume = cfg.resume
+        self.enabled = resume.on_failure == "restart"
+        self.max, self.backoff, self.backoff_max = (int(resume.max_restarts), float(resume.restart_backoff),
+                                                    float(resume.restart_backoff_max))
+        self.count = 0
+
+    def allowed(self) -> bool:
+        return self.enabled and self.count < self.max
+
+    def describe(self) -> str:
+        return f"the run failed (restart {self.count} of {self.max})"
+
+    def next(self, step: int | None, error: str, record: Any) -> float:
+        """Count a restart, record it, make the recipe resume from the newest checkpoint; the wait."""
+        self.count += 1
+        record.note_restart(step, error)
+        resume = self.cfg.resume
+        resume.mode, resume.resume_path = "auto", None  # the newest checkpoint: the failed attempt's own
+        self.cfg.overwrite_run_dir = False  # the failed attempt's records are continued, not moved aside
+        return min(self.backoff * 2 ** (self.count - 1), self.backoff_max)
 
 
 def _exportable(pm: Any, trainer: str) -> bool:

@@ -97,7 +97,7 @@ class RunRecord:
             "host": socket.gethostname(), "user": _user(), "pid": os.getpid(),
             "platform": platform.platform(), "start_time": _iso(self.start), "start": self.start,
             "end_time": None, "end": None, "duration_s": None, "exit_status": "running", "exit_code": None,
-            "versions": versions(plugin_manager), "git": _git(recipe_dir),
+            "versions": versions(plugin_manager), "git": _git(recipe_dir), "restarts": 0,
         }
         if config is not None:
             self.data.update(launch_mode=str(config.get("launch_mode")), resume_mode=str(config.resume.mode),
@@ -127,6 +127,13 @@ class RunRecord:
         end = time.time()
         self.data.update(end_time=_iso(end), end=end, duration_s=round(end - self.start, 3), exit_status=exit_status,
                          exit_code=exit_code, global_step=global_step, error=error)
+        self._write()
+
+    def note_restart(self, global_step: int | None, error: str) -> None:
+        """One more automatic restart (``resume.on_failure: restart``): counted, with its cause."""
+        causes = self.data.setdefault("restart_causes", [])
+        causes.append({"time": _iso(time.time()), "global_step": global_step, "error": error})
+        self.data["restarts"] = len(causes)
         self._write()
 
     def _write(self) -> None:

@@ -29,7 +29,7 @@ from typing import Any
 from .migration_table import IMPORT_RULES, KEY_RULES, VALUE_RULES, WEIGHT_BACKENDS, Context, KeyRule, get_key, rule_for
 
 _REJECTED = re.compile(r"^(?P<key>[^\s:]+): (?P<why>unknown key.*|no longer a recipe key: .*"
-                       r"|expected a mapping, got null.*)$")
+                       r"|expected a mapping, got null.*|does nothing without .*)$")
 _REFERENCE = re.compile(r"\$\{([A-Za-z_][\w.]*)\}")  # ${a.b}: a key; ${oc.env:X} (a resolver) is left alone
 
 

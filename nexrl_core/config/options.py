@@ -40,7 +40,7 @@ from typing import Any
 from ..redaction import add_secret, is_secret_key
 
 __all__ = ["REQUIRED", "Capabilities", "Option", "check_options", "component_capabilities", "component_options",
-           "describe_type", "option_defaults", "options_from_signature"]
+           "describe_type", "option_defaults", "options_from_signature", "unmet_needs"]
 
 
 class _Marker:
@@ -82,6 +82,11 @@ class Option:
     :param secret: the value is a credential: it never reaches a file, a log line or the console
         (``***`` there; see :mod:`nexrl_core.redaction`). Keys named like one (``api_key``,
         ``password``, ``*_token``...) are secret whether declared so or not.
+    :param needs: the key acts only together with another: a value other than the default is
+        an error while the condition does not hold (:func:`unmet_needs`). A condition is
+        ``"key"`` (true), ``"key == value"``, ``"key != value"`` or ``"key > number"``, joined
+        with `` or ``; a tuple of them must all hold. ``key`` is dotted from the recipe's root,
+        or ``.key`` for a key of the same mapping.
     """
 
     default: Any = _UNSET
@@ -100,6 +105,7 @@ class Option:
     selector: str = "type"
     path: bool = False
     secret: bool = False
+    needs: str | tuple[str, ...] | None = None
 
     @property
     def required(self) -> bool:
@@ -275,6 +281,77 @@ def check_options(values: Any, options: Mapping[str, Option] | None, path: str, 
         if opt.required and opt.removed is None and values.get(key) is None:
             full = f"{path}.{key}" if path else key
             problems.append(f"{full}: required{f' ({opt.help})' if opt.help else ''}")
+    return problems
+
+
+# -- keys that act only together with another ------------------------------------------------------
+
+_MISSING: Any = _Marker("MISSING")
+
+
+def _lookup(root: Any, dotted: str) -> Any:
+    node = root
+    for part in dotted.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            return _MISSING
+        node = node[part]
+    return node
+
+
+def _literal(text: str) -> Any:
+    import yaml
+
+    return yaml.safe_load(text)
+
+
+def _condition(text: str, section: Mapping[str, Any], options: Mapping[str, Option], path: str,
+               root: Any) -> tuple[bool, str]:
+    """Whether one ``or``-alternative holds, and its words (``algorithm.use_kl_loss: true``)."""
+    key, op, operand = (text.split(" ", 2) + ["", ""])[:3]
+    if key.startswith("."):  # a key of the same mapping: its declared default when the recipe omits it
+        value = section.get(key[1:], _MISSING)
+        if value is _MISSING and key[1:] in options:
+            value = options[key[1:]].default_value()
+        key = f"{path}{key}" if path else key[1:]
+    else:
+        value = _lookup(root, key)
+        value = None if value is _MISSING else value
+    if not op:
+        return bool(value), f"{key}: true"
+    want = _literal(operand)
+    if op == "==":
+        return value == want, f"{key}: {operand}"
+    if op == "!=":
+        return value != want, f"{key} other than {operand}"
+    if op == ">":
+        return _is_number(value) and value > want, f"{key} > {operand}"
+    raise ValueError(f"needs: unknown operator in {text!r}")
+
+
+def unmet_needs(values: Any, options: Mapping[str, Option] | None, path: str, root: Any,
+                recursive: bool = True) -> list[str]:
+    """Keys set (to a value other than their default) whose ``needs`` does not hold: each does
+    nothing, so each is one line naming the key it needs. Walks nested sections; named entries
+    (``values=``) are skipped, since their settings inherit from elsewhere."""
+    if not isinstance(values, Mapping) or not options:
+        return []
+    problems = []
+    for key, value in values.items():
+        opt = options.get(str(key))
+        if opt is None or opt.removed is not None:
+            continue
+        full = f"{path}.{key}" if path else str(key)
+        if opt.needs is not None and value != opt.default_value() and value is not _MISSING:
+            for need in (opt.needs,) if isinstance(opt.needs, str) else opt.needs:
+                held = [_condition(alt.strip(), values, options, path, root) for alt in need.split(" or ")]
+                if not any(ok for ok, _ in held):
+                    problems.append(f"{full}: does nothing without {' or '.join(w for _, w in held)} "
+                                    f"(set that, or delete {full})")
+                    break
+            if problems and problems[-1].startswith(f"{full}: "):
+                continue  # one line for a section that does nothing, not one per key inside
+        if recursive and opt.options is not None and isinstance(value, Mapping):
+            problems += unmet_needs(value, opt.options, full, root)
     return problems
 
 

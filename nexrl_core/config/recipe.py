@@ -32,6 +32,7 @@ from .options import (
     removed_key,
     type_name,
     unknown_key,
+    unmet_needs,
 )
 from .python_class import KINDS as PYTHON_KINDS
 from .python_class import OPTIONS as PYTHON_CLASS_OPTIONS
@@ -462,7 +463,7 @@ def check_config(cfg: Any, plugin_manager: Any, eval_only: bool = False) -> list
     run directory, resume state) are checked by :func:`nexrl_core.config.preflight.check_files`.
     """
     values = plain(cfg)
-    checker = _Checker(plugin_manager)
+    checker = _Checker(plugin_manager, values, eval_only)
     options, problems = _core_options(values, plugin_manager)
     problems += checker.mapping(values, options, "")
     if not isinstance(values, Mapping):
@@ -474,7 +475,7 @@ def check_config(cfg: Any, plugin_manager: Any, eval_only: bool = False) -> list
         trainer = values.get("trainer")
         trainer_type = trainer.get("type") if isinstance(trainer, Mapping) else None
         problems += check_algorithm(values.get("algorithm"), trainer_cls, plugin_manager,
-                                    str(trainer_type) if trainer_type else None)
+                                    str(trainer_type) if trainer_type else None, root=values)
         problems += _check_train_service(values, trainer_cls, plugin_manager)
         problems += _recipe_check(trainer_cls, values)
     if not eval_only:
@@ -492,8 +493,10 @@ def require_valid(cfg: Any, plugin_manager: Any, eval_only: bool = False) -> Non
 class _Checker:
     """Walks the recipe against the declared options; remembers the component classes it resolved."""
 
-    def __init__(self, pm: Any):
+    def __init__(self, pm: Any, root: Any = None, eval_only: bool = False):
         self.pm = pm
+        self.eval_only = eval_only  # nexrl eval trains nothing: the recipe need not name a trainer
+        self.root = root  # the whole recipe: what keys that act only with another look up
         self.found: dict[str, type] = {}
 
     def mapping(self, values: Any, options: Mapping[str, Option] | None, path: str, owner: str = "",
@@ -519,6 +522,8 @@ class _Checker:
             if opt.required and opt.removed is None and values.get(key) is None:
                 full = f"{path}.{key}" if path else key
                 problems.append(f"{full}: required{f' ({opt.help})' if opt.help else ''}")
+        if not problems:  # nested sections are judged as the walk reaches them
+            problems = unmet_needs(values, options, path, self.root, recursive=False)
         return problems
 
     def value(self, value: Any, opt: Option, full: str) -> list[str]:
@@ -545,11 +550,15 @@ class _Checker:
         selector = opt.selector
         name = values.get(selector, opt.options[selector].default_value())
         core = dict(opt.options)
+        if name is None and opt.options[selector].required:  # mock components are asked for by name
+            if self.eval_only and path == "trainer":
+                return []
+            return self.mapping({k: v for k, v in values.items() if k in core}, core, path)
         try:
             cls = self.pm.resolve_section(opt.component, values, path, selector, name)
         except NexRLError as exc:
             known = {k: v for k, v in values.items() if k in core and k != selector}
-            return [str(exc)] + self.mapping(known, core, path)
+            return [str(exc)] + self.mapping(known, {k: o for k, o in core.items() if k != selector}, path)
         self.found[path] = cls
         own = declared_options(opt.component, cls)
         if loads_from_file(opt.component, values):
@@ -719,7 +728,8 @@ def _domain_checks(values: Mapping[str, Any], found: Mapping[str, type]) -> list
     return problems
 
 
-def check_algorithm(section: Any, trainer_cls: type, plugin_manager: Any, trainer_name: str | None = None) -> list[str]:
+def check_algorithm(section: Any, trainer_cls: type, plugin_manager: Any, trainer_name: str | None = None,
+                    root: Any = None) -> list[str]:
     """``algorithm``: the trainer's own keys plus those of the estimator and loss the recipe selects
     by name (:func:`nexrl_core.algorithms.algorithm_keys`, which the trainer's selection also uses)."""
     from ..algorithms.registry import algorithm_keys
@@ -731,6 +741,8 @@ def check_algorithm(section: Any, trainer_cls: type, plugin_manager: Any, traine
     declared, problems = algorithm_keys(trainer_cls, section, plugin_manager, trainer_name)
     key_problems = check_options(section, declared, "algorithm",
                                  owner=f"trainer '{trainer_name or getattr(trainer_cls, '__name__', trainer_cls)}'")
+    if not key_problems:
+        key_problems = unmet_needs(section, declared, "algorithm", root if root is not None else {"algorithm": section})
     return key_problems + [p for p in problems if p not in key_problems]
 
 
@@ -766,7 +778,7 @@ def _check_train_service(values: Mapping[str, Any], trainer_cls: type, plugin_ma
     owner = ""
     if service_cls is not None:
         owner = f"train service '{section.get('backend', getattr(trainer_cls, 'TRAIN_SERVICE_DEFAULT', None))}'"
-    problems = check_options(section, declared, SECTION, owner=owner)
+    problems = check_options(section, declared, SECTION, owner=owner) or unmet_needs(section, declared, SECTION, values)
     if not problems and service_cls is not None:
         problems += component_check(service_cls, section, SECTION)
     if not problems:

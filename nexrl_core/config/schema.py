@@ -12,9 +12,10 @@ import importlib.util
 from typing import Any
 
 from ..types import NexRLRole
-from .options import Option, option_defaults
+from .options import REQUIRED, Option, option_defaults
 
 RESUME_MODES = ("disable", "auto", "from_path")
+ON_FAILURE = ("stop", "restart")
 ERROR_POLICIES = ("stop_on_error", "stop_on_critical", "continue")
 LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "SUCCESS", "WARNING", "ERROR", "CRITICAL")
 
@@ -102,7 +103,7 @@ ROLLOUT_WORKER = {
     "num_workers": Option(4, int, "rollout worker threads", ge=1),
     "seed": Option("${seed}", int, "seed of per-request sampling seeds"),
     "validate_temperature": Option(None, float, "sampling temperature during validation (null: the "
-                                                "training temperature)", ge=0),
+                                                "training temperature)", ge=0, needs="validate.data"),
     "reward_range": Option(None, list[float], "[low, high]: a reward outside fails the sample",
                            check=_reward_range),
     "num_actors": Option(1, int, "launch_mode ray: actors the workers are spread over (at most num_workers)",
@@ -129,16 +130,19 @@ TRAJECTORY_POOL = {
     "dynamic_sampling": Option(options={
         "enabled": Option(False, bool, "drop finished groups whose rewards are all equal and draw a fresh row "
                                        "in their place"),
-        "max_replacements": Option(3, int, "drops in a row for one batch slot before a flat group is kept", ge=0),
+        "max_replacements": Option(3, int, "drops in a row for one batch slot before a flat group is kept", ge=0,
+                                   needs=".enabled"),
     }, help="dynamic sampling (DAPO): train only on groups with a reward signal"),
 }
 
 TRAINER = {
-    "type": Option("mock", str, "registered trainer"),
+    "type": Option(REQUIRED, str, "registered trainer (nexrl plugins lists them; mock: a stand-in that trains "
+                                  "nothing, for trying the plumbing)"),
     "total_train_steps": Option(10, int, "training steps of the run", ge=1),
     "checkpoint_path": Option("${run_dir}/checkpoints", (str, None), "folder of global_step_<N> checkpoints"),
     "save_freq": Option(0, int, "checkpoint every N steps and after the last one (0: never)", ge=0),
-    "remove_previous_ckpt": Option(False, bool, "keep only the newest checkpoint"),
+    "remove_previous_ckpt": Option(False, bool, "keep only the newest checkpoint",
+                                   needs="trainer.save_freq > 0 or trainer.save_on_stop"),
     "save_on_stop": Option(False, bool, "checkpoint when stopped by a signal"),
 }
 
@@ -147,7 +151,8 @@ WEIGHT = {
     "backend": Option("version_only", str, "registered weight-sync backend: how new weights reach the "
                                            "inference service"),
     "sync_mode": Option("sync", str, "sync | batch-async | fully-async", choices=SYNC_MODES),
-    "staleness_threshold": Option(0, int, "max weight versions a trained sample may lag (async modes)", ge=0),
+    "staleness_threshold": Option(0, int, "max weight versions a trained sample may lag (async modes)", ge=0,
+                                  needs="weight.sync_mode != sync"),
     "validate_freq": Option(0, int, "validate every N steps (0: never; needs validate.data)", ge=0),
     "model_update_frequency": Option(1, int, "push the trained weights to the inference service every N steps "
                                              "(and before a validation); N > 1 needs an async sync_mode with "
@@ -156,11 +161,12 @@ WEIGHT = {
                                                        "trajectory_pool.batch_size (none wasted, runs reproducible); "
                                                        "N or null (until a batch is ready) start extras, which are "
                                                        "waited for and re-rolled",
-                            check=_rollout_limit),
+                            check=_rollout_limit, needs="weight.sync_mode == sync"),
 }
 
 INFERENCE_SERVICE = {
-    "backend": Option("mock", str, "registered inference backend"),
+    "backend": Option(REQUIRED, str, "registered inference backend (nexrl plugins lists them; mock: canned answers, "
+                                     "for trying the plumbing)"),
     "model_tag": Option("default", str, "name of this inference service inside nexrl"),
 }
 
@@ -173,8 +179,8 @@ SERVICE = {
 
 VALIDATE = {
     "validate_before_train": Option(False, bool, "validate the initial weights (needs validate.data)"),
-    "n_samples": Option(1, int, "samples per validation prompt", ge=1),
-    "success_threshold": Option(1.0, float, "reward counted as correct for pass@k"),
+    "n_samples": Option(1, int, "samples per validation prompt", ge=1, needs="validate.data"),
+    "success_threshold": Option(1.0, float, "reward counted as correct for pass@k", needs="validate.data"),
     "data": Option(None, (dict, None), "the validation set (a data loader mapping)", options=VALIDATE_DATA,
                    component="dataloader"),
     "eval": Option(removed="validation metrics are always computed by nexrl_core.eval_core; delete validate.eval"),
@@ -183,7 +189,16 @@ VALIDATE = {
 RESUME = {
     "mode": Option("disable", str, "disable: a fresh run | auto: newest checkpoint if any | from_path",
                    choices=RESUME_MODES),
-    "resume_path": Option(None, str, "global_step_<N> folder for mode from_path"),
+    "resume_path": Option(None, str, "global_step_<N> folder for mode from_path", needs="resume.mode == from_path"),
+    "on_failure": Option("stop", str, "a run a failed module stops (error policy, health check, trainer error, a "
+                                      "lost Ray actor): stop (exit 1) | restart (nexrl run starts it again from the "
+                                      "newest checkpoint, as resume.mode=auto)", choices=ON_FAILURE),
+    "max_restarts": Option(3, int, "restarts at most, over the run's life (then it stops with exit 1)", ge=0,
+                           needs="resume.on_failure == restart"),
+    "restart_backoff": Option(10.0, float, "seconds before the first restart, doubled before each next one", ge=0,
+                              needs="resume.on_failure == restart"),
+    "restart_backoff_max": Option(300.0, float, "the longest wait before a restart", ge=0,
+                                  needs="resume.on_failure == restart"),
 }
 
 PROGRESS_MODES = ("auto", "rich", "plain", "off")
@@ -197,27 +212,30 @@ LOGGER = {
                        choices=PROGRESS_MODES, check=progress_problem),
     "samples_every": Option(10, int, "every N training steps, and at the first and the last, write some of "
                                      "the step's generations to samples.jsonl (0: never)", ge=0),
-    "samples_per_step": Option(4, int, "generations written per such step, spread over the batch", ge=1),
+    "samples_per_step": Option(4, int, "generations written per such step, spread over the batch", ge=1,
+                               needs="logger.samples_every > 0"),
 }
 
 RUNTIME_MONITOR = {
     "stop_timeout": Option(30.0, float, "seconds to wait for modules to stop", ge=0),
     "health_check": Option(options={
         "enabled": Option(True, bool, "stop when a module stops answering"),
-        "check_interval": Option(30.0, float, "seconds between health checks", gt=0),
-        "timeout": Option(5.0, float, "seconds a module may take to answer", gt=0),
-        "grace_period": Option(0.0, float, "seconds a module may stay unhealthy", ge=0),
+        "check_interval": Option(30.0, float, "seconds between health checks", gt=0, needs=".enabled"),
+        "timeout": Option(5.0, float, "seconds a module may take to answer", gt=0, needs=".enabled"),
+        "grace_period": Option(0.0, float, "seconds a module may stay unhealthy", ge=0, needs=".enabled"),
     }, help="liveness of modules and the inference service"),
     "exception_handling": Option(options={
         "enabled": Option(True, bool, "apply the error policy"),
-        "check_interval": Option(1.0, float, "seconds between error checks", gt=0),
-        "policy": Option("stop_on_error", str, "which reported errors stop the run", choices=ERROR_POLICIES),
+        "check_interval": Option(1.0, float, "seconds between error checks", gt=0, needs=".enabled"),
+        "policy": Option("stop_on_error", str, "which reported errors stop the run", choices=ERROR_POLICIES,
+                         needs=".enabled"),
     }, help="errors reported by modules"),
     "failed_samples": Option(options={
         "enabled": Option(True, bool, "stop a run whose training samples mostly fail"),
         "max_fraction": Option(0.5, float, "stop when more than this fraction of the recent training samples "
-                                           "failed", ge=0, le=1),
-        "window": Option(64, int, "how many recent training samples the fraction is taken over", ge=1),
+                                           "failed", ge=0, le=1, needs=".enabled"),
+        "window": Option(64, int, "how many recent training samples the fraction is taken over", ge=1,
+                         needs=".enabled"),
     }, help="failed samples (rollout or evaluator errors) among those the trainer consumed"),
 }
 

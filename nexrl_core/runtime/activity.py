@@ -213,11 +213,17 @@ def _health_problem(ref: Any, timeout: float) -> str | None:
     # A hung module must not hang the monitor (execute_with_timeout stops waiting); a module that
     # is gone raises from execute: both count as dead.
     try:
-        return None if execute_with_timeout(timeout, ref.health_check) else "its health check says unhealthy"
+        if execute_with_timeout(timeout, ref.health_check):
+            return None
     except RpcTimeout:
         return f"no answer within {timeout:g}s"
     except Exception as exc:
         return str(exc) if isinstance(exc, ModuleUnavailable) else f"{type(exc).__name__}: {exc}"
+    try:  # the reason, where the module gives one
+        why = execute_with_timeout(timeout, ref.health_problem) if hasattr(ref, "health_problem") else None
+    except Exception:
+        why = None
+    return str(why) if why else "its health check says unhealthy"
 
 
 class ActivityTrackerProxy:

@@ -79,10 +79,13 @@ class ThreadedModule(NexRLModule):
         exc = self._loop_error
         return None if exc is None else f"{type(exc).__name__}: {exc}"
 
-    def health_check(self) -> bool:
-        """Healthy unless the loop ended by an exception, or ended by itself while it should still run."""
-        return self._thread is None or self._thread.is_alive() or self._stop_event.is_set() or \
+    def health_problem(self) -> str | None:
+        """Unhealthy when the loop ended by an exception, or ended by itself while it should still run."""
+        alive = self._thread is None or self._thread.is_alive() or self._stop_event.is_set() or \
             (self._loop_error is None and self._loop_finished_normally())
+        if not alive:
+            return f"its loop ended: {self.get_last_error()}" if self._loop_error is not None else "its loop ended"
+        return super().health_problem()
 
     def _loop_finished_normally(self) -> bool:
         """Whether a loop that returned by itself (no stop asked) did its job (e.g. a trainer that is done)."""

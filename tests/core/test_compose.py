@@ -14,6 +14,8 @@ from nexrl_core.errors import ConfigError
 BASE = """\
 data: {type: inline, rows: [{prompt: "1 + 2", answer: "3"}]}
 trajectory_pool: {batch_size: 4, group_size: 2}
+trainer: {type: mock}
+service: {inference_service: {backend: mock}}
 """
 
 

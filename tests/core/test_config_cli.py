@@ -25,7 +25,7 @@ data:
 rollout_worker:
   num_workers: 2
 trajectory_pool: {batch_size: 4, group_size: 2}
-trainer: {total_train_steps: 2}
+trainer: {type: mock, total_train_steps: 2}
 service:
   inference_service: {backend: mock, mode: sum}
 """
@@ -124,6 +124,7 @@ trajectory_pool: {batch_size: 6, group_size: 4, chek_batch_ready_function: batch
 trainer: {type: mokc}
 weight: {validate_frq: 2}
 logger: {level: 3}
+service: {inference_service: {backend: mock}}
 """
 
 

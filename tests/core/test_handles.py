@@ -54,7 +54,7 @@ def make_controller(tmp_path, core_pm, reset_loguru, fast_monitor, handles_launc
             "data": {"type": "inline", "rows": [_row(a, b) for a, b in TRAIN] + [{"prompt": "", "answer": "0"}]},
             "rollout_worker": {"num_workers": 3, "evaluator": {"type": "exact_match"}},
             "trajectory_pool": {"batch_size": BATCH, "group_size": GROUP},
-            "trainer": {"total_train_steps": steps, "save_freq": 2},
+            "trainer": {"type": "mock", "total_train_steps": steps, "save_freq": 2},
             "weight": {"validate_freq": 2},
             "service": {"inference_service": {"backend": "mock", "mode": "sum", "learn_steps": LEARN_STEPS}},
             "validate": {"validate_before_train": True,

@@ -14,7 +14,8 @@ CORE = REPO / "nexrl_core"
 # own layer and those below. Keep in step with the table in docs/architecture.md.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("base", ("nexrl_core.errors", "nexrl_core.markers", "nexrl_core.types", "nexrl_core.redaction",
-              "nexrl_core.tool_calls", "nexrl_core.evaluation", "nexrl_core.protocols", "nexrl_core._moved")),
+              "nexrl_core.tool_calls", "nexrl_core.evaluation", "nexrl_core.protocols", "nexrl_core._moved",
+              "nexrl_core.trajectory_keys")),
     # what a recipe may hold: imports nothing above it (no component, no plugin manager)
     ("declarations", ("nexrl_core.config.options", "nexrl_core.config.schema", "nexrl_core.config.migration_table",
                       "nexrl_core.config.bound")),
@@ -22,7 +23,9 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # what the data path runs on; cli.run_log and cli.run_info are the run directory's records (the tracker writes them)
     ("runtime", ("nexrl_core.runtime", "nexrl_core.checkpoint", "nexrl_core.failure_monitor",
                  "nexrl_core.eval_core", "nexrl_core.inference", "nexrl_core.train_service",
-                 "nexrl_core.cli.run_log", "nexrl_core.cli.run_info")),
+                 "nexrl_core.cli.run_log", "nexrl_core.cli.run_info",
+                 # a class loaded from a file (type: python): for plugins, evaluators and the recipe checks
+                 "nexrl_core.config.python_class")),
     # the seed's modules: receive their parts, never look up the plugin manager
     ("components", ("nexrl_core.dataloader", "nexrl_core.rollout_worker", "nexrl_core.trajectory_pool",
                     "nexrl_core.trainer", "nexrl_core.weight_sync", "nexrl_core.validator")),

@@ -135,15 +135,18 @@ def test_roll_pipeline_keys(core_pm):
     }, core_pm)
     assert recipe == {
         "experiment_name": "rlvr", "run_dir": "out", "seed": 7,
-        "rollout_worker": {"validate_temperature": 0},
         "trajectory_pool": {"batch_size": 32, "group_size": 8},
         "trainer": {"type": "mock", "total_train_steps": 20, "save_freq": 5, "remove_previous_ckpt": True},
-        "weight": {"validate_freq": 10}, "validate": {"n_samples": 4},
+        "weight": {"validate_freq": 10},
         "resume": {"mode": "from_path", "resume_path": "out/global_step_5"},
         "logger": {"backend": ["console"]}, "ray": {"call_timeout": 600},
     }
     assert changes["rollout_batch_size"].why.startswith("times num_return_sequences_in_group")
-    assert set(dropped) == {"actor_train (model_args.dtype)", "reference (device_mapping)"}
+    # the validation keys act only with a validation set, which this recipe does not name
+    assert set(dropped) == {"actor_train (model_args.dtype)", "reference (device_mapping)",
+                            "val_greedy (as rollout_worker.validate_temperature)", "val_n_sample (as validate.n_samples)"}
+    assert dropped["val_n_sample (as validate.n_samples)"] == "does nothing without validate.data: true (set that, or " \
+        "delete validate.n_samples)"
     assert dropped["reference (device_mapping)"].startswith("ROLL's worker clusters")
     _, _, dropped = _migrate({"max_ckpt_to_keep": 3, "track_with": "swanlab"}, core_pm)
     assert dropped == {"max_ckpt_to_keep": "nexrl keeps every checkpoint or only the newest "
@@ -352,6 +355,7 @@ def test_import_lines_name_each_replacement(tmp_path):
 
 GOOD = {"data": {"type": "inline", "rows": [{"prompt": "a", "answer": "a"}]},
         "trainer": {"type": "mock", "total_train_steps": 1},
+        "service": {"inference_service": {"backend": "mock"}},
         "trajectory_pool": {"batch_size": 2, "group_size": 2}, "rollout_worker": {"num_workers": 1},
         "logger": {"backend": ["console"]}}
 

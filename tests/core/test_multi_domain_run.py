@@ -77,8 +77,8 @@ def recipe(steps=STEPS, dynamic=True, **extra):
                            "domain_evaluators": {"mixed": {"type": "pattern"}, "flat": {"type": "pattern"}},
                            "domain_sampling": {"mixed": {"max_tokens": 3, "temperature": 0.5}}},
         "trajectory_pool": {"batch_size": BATCH, "group_size": GROUP,
-                            "dynamic_sampling": {"enabled": dynamic, "max_replacements": 2}},
-        "trainer": {"total_train_steps": steps},
+                            "dynamic_sampling": {"enabled": dynamic, **({"max_replacements": 2} if dynamic else {})}},
+        "trainer": {"type": "mock", "total_train_steps": steps},
         "weight": {"rollout_limit": "batch"},
         "service": {"inference_service": {"backend": "mock", "mode": "sum", "learn_steps": LEARN_STEPS}},
         **extra,
@@ -185,9 +185,9 @@ def test_resume_across_domains_trains_on_the_same_data(run_local, pm, tmp_path):
 
     straight, _ = run_local(recipe(steps=4, run_dir=str(tmp_path / "straight")), pm=pm)
     first, _ = run_local(recipe(steps=2, run_dir=str(tmp_path / "cut"),
-                                trainer={"total_train_steps": 2, "save_freq": 2}), pm=pm)
+                                trainer={"type": "mock", "total_train_steps": 2, "save_freq": 2}), pm=pm)
     resumed, summary = run_local(recipe(steps=4, run_dir=str(tmp_path / "cut"), resume={"mode": "auto"},
-                                        trainer={"total_train_steps": 4, "save_freq": 2}), pm=pm)
+                                        trainer={"type": "mock", "total_train_steps": 4, "save_freq": 2}), pm=pm)
     assert summary.global_step == 4
     assert trained(first) + trained(resumed) == trained(straight)
     state = json.loads((tmp_path / "cut" / "checkpoints" / "global_step_2" / "nexrl_state.json").read_text())

@@ -151,7 +151,12 @@ def test_every_core_key_has_help_and_a_default_that_passes_its_own_check():
             "overwrite_run_dir", "validate.data.type"} <= set(keys)
     resolved = yaml.safe_load(yaml.safe_dump(core_defaults()).replace("${seed}", "42").replace(
         "${run_dir}", "runs/run").replace("${experiment_name}", "run"))
-    assert check_options(resolved, CORE_OPTIONS, "") == []
+    # the trainer and the inference backend have no default: a recipe names them (mock ones too)
+    problems = check_options(resolved, CORE_OPTIONS, "")
+    assert sorted(p.split(": ")[:2] for p in problems) == [["service.inference_service.backend", "required (registered "
+                                                            "inference backend (nexrl plugins lists them; mock"],
+                                                           ["trainer.type", "required (registered trainer (nexrl plugins "
+                                                                      "lists them; mock"]]
 
 
 def test_sampling_keys_are_exactly_the_fields_of_sampling_params():
@@ -177,7 +182,7 @@ def test_a_sampling_key_the_recipe_sets_reaches_the_request(run_local):
         "rollout_worker": {"num_workers": 1, "sampling": {"max_tokens": 1, "temperature": 0.3, "top_p": 0.5,
                                                           "stop": ["x"]}},
         "trajectory_pool": {"batch_size": 2, "group_size": 1, "key_list": []},
-        "trainer": {"total_train_steps": 1},
+        "trainer": {"type": "mock", "total_train_steps": 1},
         "service": {"inference_service": {"backend": "mock", "mode": "echo"}},
     })
     trajectories = [t for batch in controller.trainer.batches for t in batch]
@@ -219,6 +224,7 @@ def test_a_plugin_declares_what_its_components_need_and_validate_checks_it(core_
     core_pm.register(_Plugin(), name="blob", distribution="nexrl-blob (in-process)")
     path = tmp_path / "r.yaml"
     path.write_text("data: {type: inline, rows: [{prompt: a}]}\ntrainer: {type: producing}\n"
+                    "service: {inference_service: {backend: mock}}\n"
                     "trajectory_pool: {batch_size: 4, group_size: 4}\n")
     found = check_config(load_recipe(str(path)), core_pm)
     assert found == ["trainer.type: trainer 'producing' needs 'weight_sync:blob' (its weights must move), which "

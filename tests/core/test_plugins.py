@@ -369,7 +369,7 @@ def test_third_party_evaluator_package_is_used_by_a_real_run(site, write_dist, m
                      "data": {"type": "inline", "rows": [{"prompt": p} for p in val_prompts]}},
         "rollout_worker": {"num_workers": 2, "evaluator": {"type": "echo_length", "scale": 0.25}},
         "trajectory_pool": {"batch_size": 4, "group_size": 2},
-        "trainer": {"total_train_steps": 2},
+        "trainer": {"type": "mock", "total_train_steps": 2},
         "service": {"inference_service": {"backend": "mock", "mode": "echo"}},
     }, pm=pm)
 
@@ -395,6 +395,7 @@ def test_unknown_evaluator_option_names_the_accepted_ones(site, write_dist, monk
     _only(monkeypatch, "nexrl-echo-eval")
     recipe = tmp_path / "r.yaml"
     recipe.write_text("data: {type: inline, rows: [{prompt: a}]}\n"
+                      "trainer: {type: mock}\nservice: {inference_service: {backend: mock}}\n"
                       "rollout_worker: {evaluator: {type: echo_length, scael: 2.0}}\n")
     problems = check_config(load_recipe(str(recipe)), PluginManager())
     assert len(problems) == 1

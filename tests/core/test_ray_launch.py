@@ -46,7 +46,7 @@ def _recipe(tmp_path, **extra) -> dict:
         "data": {"type": "inline", "rows": [_row(a, b) for a, b in TRAIN]},
         "rollout_worker": {"num_workers": 2, "evaluator": {"type": "exact_match"}},
         "trajectory_pool": {"batch_size": 4, "group_size": 2},
-        "trainer": {"total_train_steps": 4, "save_freq": 2},
+        "trainer": {"type": "mock", "total_train_steps": 4, "save_freq": 2},
         "weight": {"validate_freq": 2},
         "service": {"inference_service": {"backend": "mock", "mode": "sum", "learn_steps": LEARN_STEPS}},
         "validate": {"validate_before_train": True, "data": {"type": "inline", "rows": [_row(a, b) for a, b in VAL]}},

@@ -50,7 +50,7 @@ validate:
       - {{prompt: "3 + 1", answer: "4"}}
 rollout_worker: {{num_workers: 2, sampling: {{max_tokens: 512}}}}
 trajectory_pool: {{batch_size: 10, group_size: 2}}
-trainer: {{total_train_steps: 4}}
+trainer: {{type: mock, total_train_steps: 4}}
 weight: {{validate_freq: 2}}
 logger: {{samples_every: 2, samples_per_step: 10}}
 service:

@@ -22,7 +22,7 @@ data:
   rows: [{prompt: "1 + 2", answer: "3"}, {prompt: "2 + 2", answer: "4"}]
 rollout_worker: {num_workers: 2}
 trajectory_pool: {batch_size: 4, group_size: 2}
-trainer: {total_train_steps: 2, save_freq: 2}
+trainer: {type: mock, total_train_steps: 2, save_freq: 2}
 service:
   inference_service: {backend: mock, mode: sum}
 runtime_monitor:

@@ -45,7 +45,7 @@ validate:
       - {{prompt: "3 + 1", answer: "4"}}
 rollout_worker: {{num_workers: 2}}
 trajectory_pool: {{batch_size: 4, group_size: 2}}
-trainer: {{total_train_steps: 4, save_freq: 2}}
+trainer: {{type: mock, total_train_steps: 4, save_freq: 2}}
 weight: {{validate_freq: 2}}
 logger: {{samples_every: 2, samples_per_step: 3}}
 service:

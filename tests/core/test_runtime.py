@@ -324,6 +324,7 @@ def test_validate_and_run_reject_ray_without_ray_with_the_same_message(core_pm, 
     path = tmp_path / "recipe.yaml"
     path.write_text(f"launch_mode: ray\nrun_dir: {tmp_path / 'run'}\n"
                     "data: {type: inline, rows: [{prompt: '1 + 2', answer: '3'}]}\n"
+                    "trainer: {type: mock}\nservice: {inference_service: {backend: mock}}\n"
                     "trajectory_pool: {batch_size: 2, group_size: 2}\n")
     message = launch_mode_problem("ray")
     assert message == "launch_mode: 'ray' needs Ray, an optional extra: pip install 'nexrl-core[ray]'"
@@ -346,7 +347,8 @@ def test_ray_keys_in_a_local_run_are_named_not_silently_ignored(core_pm, capfd, 
     path.write_text(f"launch_mode: ray\nrun_dir: {tmp_path / 'run'}\n"
                     "data: {type: inline, rows: [{prompt: '1 + 2', answer: '3'}]}\n"
                     "rollout_worker: {num_workers: 2, num_actors: 2}\n"
-                    "trajectory_pool: {batch_size: 2, group_size: 2}\ntrainer: {total_train_steps: 1}\n"
+                    "trajectory_pool: {batch_size: 2, group_size: 2}\ntrainer: {type: mock, total_train_steps: 1}\n"
+                    "service: {inference_service: {backend: mock}}\n"
                     "ray: {num_cpus: 8, colocation: {trainer: null}, call_timeout: 300}\n")
     note = ("ray.num_cpus, ray.colocation, rollout_worker.num_actors: apply to launch_mode: ray only; this run is "
             "launch_mode: local and does not use them")

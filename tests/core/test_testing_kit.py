@@ -61,7 +61,8 @@ def test_registering_an_installed_plugin_in_process_is_not_an_error(tmp_path, mo
 def test_use_plugins_installs_the_manager_for_the_cli_and_restores_it(tmp_path, capfd):
     module = _module("kit_plugin_a", PLUGIN)
     recipe = tmp_path / "recipe.yaml"
-    recipe.write_text("rollout_worker: {evaluator: {type: ends_with}}\ndata: {type: arithmetic}\n")
+    recipe.write_text("rollout_worker: {evaluator: {type: ends_with}}\ndata: {type: arithmetic}\n"
+                      "trainer: {type: mock}\nservice: {inference_service: {backend: mock}}\n")
     assert main(["validate", str(recipe)]) == 2  # not registered
     assert "unknown evaluator 'ends_with'" in capfd.readouterr().err
     before = plugins.get_plugin_manager()

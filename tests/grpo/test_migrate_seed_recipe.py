@@ -60,8 +60,8 @@ def test_the_guides_recipe_migrates_and_passes_validate(seed, cli, tmp_path):
                                   "data": {"type": "file", "path": ["data/validation.jsonl"]}}
     assert recipe["rollout_worker"]["evaluator"] == {"type": "python", "path": "agent_workspace/evaluator.py",
                                                      "class": "MyTaskEvaluator"}
-    assert recipe["algorithm"] == {"type": "grpo", "use_kl_in_reward": False,
-                                   "kl_ctrl": {"type": "fixed", "kl_coef": 0.001}}
+    # the seed's KL controller acts only with KL in the reward, which it turns off: not carried over
+    assert recipe["algorithm"] == {"type": "grpo", "use_kl_in_reward": False}
     assert recipe["weight"] == {"sync_mode": "sync", "staleness_threshold": 0, "validate_freq": 2,
                                 "backend": "in_process"}
     assert recipe["service"] == {
@@ -76,9 +76,12 @@ def test_the_guides_recipe_migrates_and_passes_validate(seed, cli, tmp_path):
                     "trajectory_pool.type", "weight.type", "service.inference_service.max_retries",
                     "service.inference_service.freeze_for_weight_sync", "validate.data.shuffle",
                     "validate.data.batch_size", "validate.data.data_config.split_type", "validate.eval (type)",
-                    "algorithm.batch_size", "algorithm.do_old_log_prob_compute",
+                    "resume.resume_path", "algorithm.batch_size", "algorithm.do_old_log_prob_compute",
                     "algorithm.inference_service (model_tag)", "service.train_service.url",
-                    "service.train_service.model_tag", "service.train_service.identifier"]
+                    "service.train_service.model_tag", "service.train_service.identifier",
+                    # keys that act only with another, which the seed leaves off (issue #29 item 4)
+                    "algorithm.critic.kl_ctrl (as algorithm.kl_ctrl.type)",
+                    "algorithm.critic.kl_ctrl (as algorithm.kl_ctrl.kl_coef)"]
     assert all(len(line.split(": ", 1)[1]) > 10 for line in not_carried)  # every one says why
     # the guide's evaluator imports NexRL: listed, and the reason the result does not pass yet
     assert "  agent_workspace/evaluator.py:6: from nexrl.rollout_worker import Evaluator -> from nexrl_core " \
@@ -139,7 +142,7 @@ def test_nexrls_repository_recipe_shape(tiny_model_dir):
     assert r["rollout_worker"] == {"type": "simple", "sampling": {"temperature": 0.9, "max_tokens": 32}}
     assert r["trajectory_pool"] == {"batch_size": 4, "group_size": 2, "key_list": ["uid"],
                                     "check_batch_ready_function": "batch_size"}
-    assert r["algorithm"] == {"type": "grpo", "kl_ctrl": {"type": "fixed", "kl_coef": 0.01},
+    assert r["algorithm"] == {"type": "grpo",
                               "clip_ratio_low": 0.2, "clip_ratio_high": 0.28, "loss_agg_mode": "token-mean",
                               "use_kl_loss": True, "kl_loss_type": "low_var_kl", "kl_loss_coef": 0.001,
                               "ppo_epochs": 1}

@@ -97,6 +97,52 @@ CASES = {
     "kv_share": (["+service.inference_service.gpu_memory_utilization=1.5"],
                  "error: service.inference_service.gpu_memory_utilization:"),
 }
+# keys that act only with another (issue #29 item 4): one line naming the key each needs
+CASES.update({
+    "kl_loss_coef_without_the_kl_loss": (
+        ["+algorithm.kl_loss_coef=0.1"],
+        "error: algorithm.kl_loss_coef: does nothing without algorithm.use_kl_loss: true (set that, or delete "
+        "algorithm.kl_loss_coef)"),
+    "kl_loss_type_without_the_kl_loss": (
+        ["+algorithm.kl_loss_type=k3"], "error: algorithm.kl_loss_type: does nothing without algorithm.use_kl_loss: true"),
+    "kl_controller_without_kl_in_the_reward": (
+        ["+algorithm.kl_ctrl={kl_coef: 0.1}"],
+        "error: algorithm.kl_ctrl: does nothing without algorithm.use_kl_in_reward: true"),
+    "kl_penalty_without_kl_in_the_reward": (
+        ["+algorithm.kl_penalty=abs"], "error: algorithm.kl_penalty: does nothing without algorithm.use_kl_in_reward: true"),
+    "adaptive_keys_of_a_fixed_controller": (
+        ["+algorithm.use_kl_in_reward=true", "+algorithm.kl_ctrl={target_kl: 0.2}"],
+        "error: algorithm.kl_ctrl.target_kl: does nothing without algorithm.kl_ctrl.type: adaptive"),
+    "reference_device_without_any_kl": (
+        ["+algorithm.ref_device=cpu"],
+        "error: algorithm.ref_device: does nothing without algorithm.use_kl_in_reward: true or algorithm.use_kl_loss: "
+        "true"),
+    "correction_cap_without_the_correction": (
+        ["+algorithm.rollout_correction={cap: 3.0}"],
+        "error: algorithm.rollout_correction.cap: does nothing without algorithm.rollout_correction.enabled: true"),
+    "normalisation_keys_without_normalising": (
+        ["+algorithm.reward_processing={norm_std: false}"],
+        "error: algorithm.reward_processing.norm_std: does nothing without algorithm.reward_processing.norm other "
+        "than none or algorithm.reward_processing.domains: true"),
+    "overlong_reward_without_overlong_score": (
+        ["+algorithm.reward_processing={overlong_reward: -1.0}"],
+        "error: algorithm.reward_processing.overlong_reward: does nothing without "
+        "algorithm.reward_processing.overlong: score"),
+})
+
+
+@pytest.mark.parametrize("overrides", [
+    ["+algorithm.use_kl_loss=true", "+algorithm.kl_loss_coef=0.1", "+algorithm.kl_loss_type=k3",
+     "+algorithm.ref_device=cpu"],
+    ["+algorithm.use_kl_in_reward=true", "+algorithm.kl_ctrl={type: adaptive, target_kl: 0.2}"],
+    ["+algorithm.rollout_correction={enabled: true, cap: 3.0}"],
+    ["+algorithm.reward_processing={norm: group, norm_std: false, overlong: score, overlong_reward: -1.0}"],
+])
+def test_those_keys_with_the_key_they_need_validate(cli, recipe, tmp_path, overrides):
+    code, _, errors, err = cli("validate", recipe, f"run_dir={tmp_path / 'run'}", *overrides)
+    assert code == 0 and not errors, err
+
+
 if not torch.cuda.is_available():  # what a recipe written for a GPU box gets on a machine without one
     CASES.update({
         "cuda_without_cuda": (["+service.train_service.device=cuda"],

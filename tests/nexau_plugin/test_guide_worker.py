@@ -12,6 +12,7 @@ import yaml
 from omegaconf import OmegaConf
 
 from nexrl_core.config.recipe import check_config, load_recipe
+from nexrl_core.testing import build_module
 
 from .scripted import Collect, ScriptedChat, tool_call
 
@@ -46,14 +47,16 @@ def test_the_guides_nexau_worker_from_a_file(agent_factory, tmp_path, nexau_pm):
                "evaluator": {"type": "numeric_answer"}}
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump({"rollout_worker": section,
-                                    "data": {"type": "inline", "rows": [{"prompt": "x"}]}}))
+                                    "data": {"type": "inline", "rows": [{"prompt": "x"}]},
+                                    "trainer": {"type": "mock"}, "service": {"inference_service": {"backend": "mock"}}}))
     cfg = load_recipe(str(path))
     assert check_config(cfg, nexau_pm) == []
     bad = load_recipe(str(path), ["+rollout_worker.agent_runnr=builtin"])
     assert any(p.startswith("rollout_worker.agent_runnr: unknown key") for p in check_config(bad, nexau_pm))
 
     cls = nexau_pm.resolve_section("rollout_worker", cfg.rollout_worker, "rollout_worker")
-    worker = cls(OmegaConf.create({**OmegaConf.to_container(cfg.rollout_worker), "seed": 3}))
+    worker = build_module(cls, OmegaConf.create({**OmegaConf.to_container(cfg.rollout_worker), "seed": 3}),
+                          pm=nexau_pm)
     client, pool = ScriptedChat(_policy), Collect()
     worker.set_module_references(pool, None, None, None, Collect(), client)
     worker._run_task({"uid": "u", "sample_index": 0, "context": "two numbers", "question": "7 plus 8",

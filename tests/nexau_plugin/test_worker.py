@@ -23,6 +23,8 @@ def _light_plugins(nexau_pm):
     return nexau_pm
 
 
+MOCKS = {"trainer": {"type": "mock"}, "service": {"inference_service": {"backend": "mock"}}}
+
 def make_worker(agent_path, client, cls=DefaultNexAURolloutWorker, **keys):
     config = OmegaConf.create({"type": "nexau", "nexau_agent_config_path": agent_path, "agent_runner": "builtin",
                                "evaluator": {"type": "numeric_answer"}, "seed": 3, "validate_temperature": 0,
@@ -212,7 +214,8 @@ def test_bad_worker_settings_are_one_line_each_in_validate_and_run(agent_factory
     worker = {"type": "nexau", "nexau_agent_config_path": agent_factory(["add"]), "agent_runner": "builtin",
               **keys}
     path = tmp_path / "recipe.yaml"
-    path.write_text(yaml.safe_dump({"rollout_worker": worker, "data": {"type": "inline", "rows": [{"prompt": "x"}]}}))
+    path.write_text(yaml.safe_dump({"rollout_worker": worker, "data": {"type": "inline", "rows": [{"prompt": "x"}]},
+                                    **MOCKS}))
     problems = check_config(load_recipe(str(path)), nexau_pm)
     assert len(problems) == 1 and problems[0].startswith(message), problems
 
@@ -249,7 +252,7 @@ def test_a_bad_sampling_value_in_the_agent_yaml_names_the_file_and_key(agent_fac
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump({"rollout_worker": {"type": "nexau", "nexau_agent_config_path": agent,
                                                        "agent_runner": "builtin"},
-                                    "data": {"type": "inline", "rows": [{"prompt": "x"}]}}))
+                                    "data": {"type": "inline", "rows": [{"prompt": "x"}]}, **MOCKS}))
     (problem,) = check_config(load_recipe(str(path)), nexau_pm)
     assert problem.startswith(f"rollout_worker.nexau_agent_config_path: {agent}: llm_config.temperature: ")
 

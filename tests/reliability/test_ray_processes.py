@@ -25,7 +25,7 @@ def mock_recipe(run_dir, **trainer) -> dict:
         "data": {"type": "inline", "rows": [{"prompt": f"What is {a} + 1?", "answer": str(a + 1)} for a in range(6)]},
         "rollout_worker": {"num_workers": 2, "evaluator": {"type": "exact_match"}},
         "trajectory_pool": {"batch_size": 4, "group_size": 2},
-        "trainer": {"total_train_steps": 100000, "save_freq": 0, "step_time_s": 0.05, **trainer},
+        "trainer": {"type": "mock", "total_train_steps": 100000, "save_freq": 0, "step_time_s": 0.05, **trainer},
         "service": {"inference_service": {"backend": "mock", "mode": "sum", "learn_steps": 3}},
         "logger": {"backend": ["console"], "level": "INFO"},
         "runtime_monitor": {"stop_timeout": 10, "health_check": {"check_interval": 0.5, "timeout": 5.0}},

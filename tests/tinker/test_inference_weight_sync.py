@@ -135,3 +135,17 @@ def test_weight_sync_needs_a_tinker_trainer_and_client(standin, make_client, tin
     client = make_client(_inference_config(standin, tiny_folder))
     with pytest.raises(ConfigError, match="needs a trainer that trains through Tinker"):
         backend.sync(LocalTrainer(), client, 1)
+
+
+def test_the_client_is_unhealthy_when_the_service_stops_answering(make_standin, make_client, tiny_folder):
+    """Before, the client always answered healthy: a service that went away was found only by the
+    rollouts' failures."""
+    from nexrl_core.runtime.activity import _health_problem
+
+    standin = make_standin()
+    client = make_client(_inference_config(standin, tiny_folder, request_timeout=2.0, max_retries=0))
+    assert client.health_check() is True
+    assert _health_problem(client, 10.0) is None
+    standin.stop()
+    problem = _health_problem(client, 5.0)
+    assert problem is not None and ("health check" in problem or "no answer within" in problem), problem

@@ -80,11 +80,11 @@ class BaseNexAURolloutWorker(BaseRolloutWorker):
         "max_sequence_length": Option(None, int, "tokens of one training sequence, prompt included (null: no "
                                                  "limit); longer ones are cut", ge=1),
         "truncated_reward": Option(0.0, (float, None), "reward of a rollout cut at max_sequence_length (null: the "
-                                               "evaluator's)"),
+                                               "evaluator's)", needs=".max_sequence_length"),
         "enable_trace_prefix_merge": Option(True, bool, "merge model calls that share a token prefix into one "
                                                         "sequence"),
         "save_trace": Option(False, bool, "write every rollout's trace as JSON to trace_path"),
-        "trace_path": Option(None, str, "folder of the saved traces"),
+        "trace_path": Option(None, str, "folder of the saved traces", needs=".save_trace"),
         "task_name": Option(None, str, "a name for logs and trace files"),
     }
 

@@ -190,6 +190,21 @@ class TinkerInferenceClient(InferenceClient):
                                 prompt_token_ids=prompt_ids, response_token_ids=tokens,
                                 response_logprobs=logprobs or None, model_version=version)
 
+    def health_check(self) -> bool:
+        """The service answers ``get_server_capabilities`` (as the openai backend's ``GET /models``); a
+        failure raises, naming the service and why, which the run's health check reports."""
+        with self._lock:
+            service = self._own_service
+        if service is None:
+            service = self._calls.run("connect (health check)", self.connection.service_client)
+            with self._lock:
+                if self._own_service is None:
+                    self._own_service = service
+                service = self._own_service
+        self._calls.call("health check (get_server_capabilities)", service.get_server_capabilities,
+                         repeatable=False)
+        return True
+
     def close(self) -> None:
         with self._lock:
             service, self._own_service, self._sampler = self._own_service, None, None
