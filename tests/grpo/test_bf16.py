@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from nexrl_core.inference import SamplingParams
-from nexrl_core.launch.parts import build_module
 from nexrl_grpo.decoding import FastLlama, HFSession
 from nexrl_grpo.engine import HFInferenceEngine
 from nexrl_grpo.modeling import load_causal_lm
@@ -40,9 +39,8 @@ def test_bf16_fast_path_logits_are_close_to_float32_and_batch_invariant(kind):
     assert {g.dtype for g in got} == {torch.bfloat16}
     error = _relative_error(got, reference)
     assert 0 < error <= BF16_LOGIT_TOLERANCE, error
-    # Against transformers' own bf16 forward: the same rounding points (RMSNorm in float32); decode
-    # attention runs in float32 where the fused kernel rounds in bf16 (measured 0.013-0.016).
-    assert _relative_error(got, run_script(HFSession(half), PROMPTS, SCRIPT, TOKENS)) <= BF16_LOGIT_TOLERANCE / 2
+    # Against transformers' own bf16 forward: the same rounding points (RMSNorm in float32).
+    assert _relative_error(got, run_script(HFSession(half), PROMPTS, SCRIPT, TOKENS)) <= BF16_LOGIT_TOLERANCE / 3
 
 
 def test_bf16_engine_greedy_tokens_agree_with_float32(tiny_model_dir):
@@ -133,7 +131,7 @@ def test_the_critic_trains_in_the_policys_resolved_precision(tiny_model_dir, mon
     from nexrl_grpo.trainers import SelfHostedGrpoTrainer
 
     monkeypatch.setattr(modeling, "native_bf16", lambda: True)
-    trainer = build_module(SelfHostedGrpoTrainer, OmegaConf.create({
+    trainer = SelfHostedGrpoTrainer(OmegaConf.create({
         "seed": 0, "trainer": {"total_train_steps": 1}, "trajectory_pool": {"batch_size": 4},
         "rollout_worker": {}, "algorithm": {"type": "gae"},
         "service": {"train_service": {"model_path": tiny_model_dir, "dtype": "auto", "num_threads": 1},

@@ -383,8 +383,8 @@ class FastLlamaSession:
             # of the keys and values for every query head (what enable_gqa does).
             rows, heads, _, head_dim = q.shape
             grouped = q.reshape(rows, keys.shape[1], heads // keys.shape[1], head_dim)
-            parts = [_decode_attention(grouped[a:b], keys[a:b, :, s:end], values[a:b, :, s:end], scaling)
-                     for a, b, s in runs]
+            parts = [F.scaled_dot_product_attention(grouped[a:b], keys[a:b, :, s:end], values[a:b, :, s:end],
+                                                    scale=scaling) for a, b, s in runs]
             return (parts[0] if len(parts) == 1 else torch.cat(parts)).reshape(rows, heads, 1, head_dim)
         out = q.new_zeros(q.shape)
         for a, b, s in runs:
@@ -658,18 +658,6 @@ class StaticSession(FastLlamaSession):
         logits = step()
         self.length += 1
         return logits if self.live is None else logits[self.live]
-
-
-def _decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
-    """One decode step's attention, ``query`` ``[rows, kv_heads, queries per kv head, head_dim]`` over
-    all of ``keys``/``values`` ``[rows, kv_heads, columns, head_dim]``: two batched matmuls and a
-    softmax, in float32 whatever the dtype. On CPU the fused kernel's fixed cost is several times
-    this whole computation at decode sizes (one query per head): 13% of a bf16 SmolLM2 step."""
-    dtype = query.dtype
-    if dtype != torch.float32:
-        query, keys, values = query.float(), keys.float(), values.float()
-    scores = torch.matmul(query, keys.transpose(-1, -2)).mul_(scale)
-    return torch.matmul(scores.softmax(-1), values).to(dtype)
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -458,54 +458,6 @@ def compute_response_logprobs_packed(
     return result
 
 
-class _OneDnnLinearFunction(torch.autograd.Function):
-    """``x @ weight.T + bias`` and its gradients, each product through oneDNN's GEMM."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x, weight = ctx.saved_tensors
-        linear = torch.ops.mkldnn._linear_pointwise
-        grad_rows, x_rows = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
-        # a @ b.T with b = weight.T (grad @ weight) and with a = grad.T, b = x.T (grad.T @ x).
-        grad_x = linear(grad_rows, weight.t(), None, "none", [], "").view(x.shape) if ctx.needs_input_grad[0] else None
-        grad_w = linear(grad_rows.t(), x_rows.t(), None, "none", [], "") if ctx.needs_input_grad[1] else None
-        grad_b = grad_rows.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return grad_x, grad_w, grad_b
-
-
-class OneDnnLinear(torch.nn.Linear):
-    """``nn.Linear`` whose float32 CPU products (forward and backward) run through oneDNN, not MKL:
-    on the AMD EPYC reference machine MKL's fp32 GEMM takes 1.2-1.6x as long at a training step's
-    shapes (16 % of the quickstart's forward and backward, one thread). Same maths, another
-    summation order (log-probs agree to ~5e-5), the same bits on every call. Anything else
-    (autocast, another device or dtype) is ``nn.Linear``'s own forward."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type == "cpu" and x.dtype == torch.float32 and self.weight.dtype == torch.float32 \
-                and not torch.is_autocast_enabled("cpu"):
-            return _OneDnnLinearFunction.apply(x, self.weight, self.bias)
-        return super().forward(x)
-
-
-def use_onednn_linears(model: torch.nn.Module) -> int:
-    """Turn the model's plain ``nn.Linear`` layers into :class:`OneDnnLinear` (in place, weights
-    untouched) where this torch has oneDNN; how many were turned."""
-    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
-        return 0
-    turned = 0
-    for module in model.modules():
-        if type(module) is torch.nn.Linear:
-            module.__class__ = OneDnnLinear
-            turned += 1
-    return turned
-
-
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """Positions that skip left padding: 0 at the first real token of each row."""
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)

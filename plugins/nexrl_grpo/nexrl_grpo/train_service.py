@@ -35,7 +35,7 @@ from nexrl_core import NexRLError, Option, TrainService, algorithms, bind, compo
 
 from .modeling import (auto_dtype, auto_flag, compute_response_logprobs, compute_response_logprobs_packed,
                        log_auto_device, log_auto_dtype, model_from_config, packing_problem, position_ids_from_mask,
-                       resolve_device, use_onednn_linears)
+                       resolve_device)
 from . import sharded
 from .distributed import PARALLEL_MODES, GatheredWeights, RankGroup, shard_rows, start_ranks, wrap
 from .weights import (AUTO_FLAG, MODEL_OPTIONS, _auto_flag, apply_process_options, check_model_section, config_errors,
@@ -177,8 +177,6 @@ class LocalTorchTrainService(TrainService):
                                              model, tokenizer, self.device)
         if any(p.is_floating_point() and p.dtype != torch.float32 for p in model.parameters()):
             model = model.float()
-        if self.ranks is None:
-            use_onednn_linears(model)
         self.model = model
         # What a forward pass calls: the model, or DDP's wrapper around it (FSDP2 shards it in place).
         self._forward_model = model if self.ranks is None else wrap(model, self.ranks, self.device)
