@@ -297,7 +297,7 @@ class BaseTrainer(ThreadedModule):
     # -- checkpoints ----------------------------------------------------------------------
     def core_state(self) -> dict[str, Any]:
         # ``trainer``: the registered name of the trainer that wrote the checkpoint (nexrl export asks it)
-        state: dict[str, Any] = {"global_step": self.global_step, "trainer": self._config["type"]}
+        state: dict[str, Any] = {"global_step": self.global_step, "trainer": self._config.get("type")}
         if state["trainer"] == "python":  # loaded from a file: nexrl export loads it the same way
             state.update(trainer_path=getattr(type(self), "source_path", None), trainer_class=type(self).__name__)
         if self._dataloader is not None:

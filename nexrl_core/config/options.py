@@ -26,6 +26,7 @@ it has no default.
 
 from __future__ import annotations
 
+import copy
 import inspect
 import math
 import re
@@ -117,7 +118,8 @@ class Option:
             return option_defaults(self.options) if self.options is not None else None
         if self.default is REQUIRED:
             return None
-        return self.default
+        # A copy of a mutable default: a caller filling a section must never change the declaration.
+        return copy.deepcopy(self.default) if isinstance(self.default, (dict, list)) else self.default
 
     def spec(self) -> _Spec:
         if self.type is not None:

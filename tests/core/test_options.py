@@ -233,3 +233,14 @@ def test_a_plugin_declares_what_its_components_need_and_validate_checks_it(core_
     assert check_config(load_recipe(str(path), ["weight.backend=blob_sync"]), core_pm) == []
     # nexrl eval builds no trainer: the combination is not its concern
     assert check_config(load_recipe(str(path)), core_pm, eval_only=True) == []
+
+
+def test_filling_a_section_never_changes_a_declared_default():
+    """A mutable default is handed out as a copy: a recipe section built from the defaults and then
+    filled in (ray.resources.<role>) must not change the declaration (docs/recipe.md renders it)."""
+    from nexrl_core.config.options import option_defaults
+    from nexrl_core.config.schema import CORE_OPTIONS
+
+    defaults = option_defaults(CORE_OPTIONS)
+    defaults["ray"]["resources"]["trainer"] = {"num_gpus": 1}
+    assert CORE_OPTIONS["ray"].options["resources"].default_value() == {}

@@ -135,7 +135,7 @@ class DoublePlugin:
 
 def test_a_plugin_estimator_and_loss_are_used_by_a_real_run(tiny_model_dir, tmp_path):
     cfg = recipe(tmp_path / "run", tiny_model_dir, 1.0)
-    cfg["validate"] = {"validate_before_train": False}
+    cfg["validate"]["validate_before_train"] = False
     cfg["algorithm"] = {"type": "double_score", "factor": 3.0, "policy_loss": "sign_reinforce", "weight": 0.5}
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))

@@ -128,14 +128,16 @@ def test_the_critic_trains_in_the_policys_resolved_precision(tiny_model_dir, mon
     from omegaconf import OmegaConf
 
     import nexrl_grpo.modeling as modeling
+    from nexrl_core.testing import build_module
     from nexrl_grpo.trainers import SelfHostedGrpoTrainer
+    from tests.support.letters import grpo_plugin_manager
 
     monkeypatch.setattr(modeling, "native_bf16", lambda: True)
-    trainer = SelfHostedGrpoTrainer(OmegaConf.create({
+    trainer = build_module(SelfHostedGrpoTrainer, OmegaConf.create({
         "seed": 0, "trainer": {"total_train_steps": 1}, "trajectory_pool": {"batch_size": 4},
         "rollout_worker": {}, "algorithm": {"type": "gae"},
         "service": {"train_service": {"model_path": tiny_model_dir, "dtype": "auto", "num_threads": 1},
-                    "inference_service": {}}}))
+                    "inference_service": {}}}), pm=grpo_plugin_manager())
     lines: list[str] = []
     sink = logger.add(lines.append, level="INFO", format="{message}")
     try:

@@ -108,7 +108,7 @@ def test_a_worker_breaking_the_trainers_contract_is_one_message(tiny_model_dir, 
     }))
     assert main(["run", str(recipe)]) == 1
     err = capfd.readouterr().err
-    message = "does not say how it was sampled"
+    message = "has no 'sampling'"
     assert err.count(message) == 1, err
     [error_line] = [line for line in err.splitlines() if line.startswith("error:")]
     assert message in error_line and "trainer stopped at step 1" in error_line
