@@ -133,9 +133,7 @@ def _fallback_reads(cls: type) -> set[str]:
     return out
 
 
-# The in-process engine's reads keep their fallbacks (equal to the hf backend's declaration, which fills
-# them first): its module is being reworked for speed in parallel; the bound section reaches it all the same.
-_KNOWN_FALLBACKS = {"HFInferenceEngine"}
+_KNOWN_FALLBACKS: set[str] = set()  # none: every component reads its bound section
 
 
 def test_components_re_default_nothing():

@@ -41,11 +41,12 @@ from typing import Any
 
 import torch
 
-from nexrl_core import (CompletionResult, InferenceClient, InferenceError, SamplingParams, as_text_messages,
-                        parse_tool_calls)
+from nexrl_core import (CompletionResult, InferenceClient, InferenceError, Option, SamplingParams, as_text_messages,
+                        bind, component_options, parse_tool_calls)
 
 from .decoding import kv_budget_tokens, kv_token_bytes, make_session_factory
-from .modeling import log_auto_device, model_from_config, position_ids_from_mask, resolve_device
+from .modeling import (AUTO_FLAG, MODEL_OPTIONS, _auto_flag, log_auto_device, model_from_config,
+                       position_ids_from_mask, resolve_device)
 
 _STOP = object()
 
@@ -65,17 +66,8 @@ class _Request:
 class HFInferenceEngine(InferenceClient):
     """Batched generation with a transformers causal LM, safe to call from many threads.
 
-    Config keys: ``model_path`` (HF folder; required unless ``model`` is given), ``gguf_file``,
-    ``dtype`` (float32), ``max_batch_size`` (64), ``batch_wait_ms`` (2: how long a batch waits for
-    more requests), ``batch_wait_max_ms`` (50: how long it may wait for callers already inside
-    :meth:`complete`), ``chat_template`` (true: chat prompts go through
-    ``apply_chat_template(add_generation_prompt=True)``; false: message contents are joined with
-    newlines), ``seed`` (for requests without their own seed), ``fast_path`` (auto: Llama-family
-    models decode through :mod:`nexrl_grpo.decoding`'s fast loop, other models through their own
-    forward; true: fast loop or an error; false: always the model's forward), ``device`` (auto),
-    ``max_kv_tokens`` (null: unbounded on the CPU; on a GPU, ``gpu_memory_utilization`` (0.3) of
-    the device less the weights and workspace), ``release_kv_cache`` (true: a GPU's KV cache is freed
-    whenever the engine is idle), ``cuda_graphs`` (auto).
+    Config keys: :data:`OPTIONS` (the model's and the engine's own, each with its default and
+    meaning; docs/recipe.md lists them under ``service.inference_service``).
     ``model``/``tokenizer`` keyword arguments share an already-built pair.
 
     Sampling draws each row's uniforms from its request's seed, never from a shared stream: on the
@@ -84,32 +76,52 @@ class HFInferenceEngine(InferenceClient):
     row and token).
     """
 
+    OPTIONS = {
+        **MODEL_OPTIONS,
+        "max_batch_size": Option(64, int, "most requests decoded together", ge=1),
+        "batch_wait_ms": Option(2.0, float, "wait for more requests before a batch starts", ge=0),
+        "batch_wait_max_ms": Option(50.0, float, "longest wait for a batch to fill", ge=0),
+        "chat_template": Option(True, bool, "apply the tokenizer's chat template to chat prompts"),
+        "seed": Option(None, int, "seed of requests without their own"),
+        "fast_path": Option(None, AUTO_FLAG, "fused decoding for Llama-family models: auto | true | false",
+                            check=_auto_flag),
+        "gpu_memory_utilization": Option(0.3, float, "on a GPU: the share of its memory the engine may hold (weights, "
+                                                     "decode workspace, and the KV cache in what is left)", gt=0, le=1),
+        "max_kv_tokens": Option(None, int, "KV-cache budget in tokens (null: from gpu_memory_utilization on a GPU, "
+                                           "unbounded on the CPU); a batch that needs more is decoded in parts", ge=1),
+        "release_kv_cache": Option(True, bool, "on a GPU: free the KV cache whenever the engine is idle (the trainer "
+                                               "steps in that memory); false keeps it allocated"),
+        "cuda_graphs": Option(None, AUTO_FLAG, "on a GPU: replay each decode step as a CUDA graph: auto (on a CUDA "
+                                               "device) | true | false", check=_auto_flag),
+    }
+
     def __init__(self, config: Any = None, *, model: torch.nn.Module | None = None, tokenizer: Any = None):
-        config = config if config is not None else {}
+        # Declared defaults filled, undeclared reads refused (a subclass reads its own declaration).
+        config = bind(config if config is not None else {}, component_options(type(self)), "service.inference_service")
         super().__init__(config)
-        self.device = resolve_device(config.get("device"))
-        log_auto_device("inference engine", config.get("device"), self.device)
+        self.device = resolve_device(config["device"])
+        log_auto_device("inference engine", config["device"], self.device)
         model, tokenizer = model_from_config("HFInferenceEngine", config, model, tokenizer, self.device)
         self.model = model.eval()
         self.tokenizer = tokenizer
-        self.max_batch_size = int(config.get("max_batch_size", 64))
+        self.max_batch_size = int(config["max_batch_size"])
         if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
-        self.batch_wait_s = float(config.get("batch_wait_ms", 2)) / 1000.0
-        self.batch_wait_max_s = float(config.get("batch_wait_max_ms", 50)) / 1000.0
-        self.use_chat_template = bool(config.get("chat_template", True))
+        self.batch_wait_s = float(config["batch_wait_ms"]) / 1000.0
+        self.batch_wait_max_s = float(config["batch_wait_max_ms"]) / 1000.0
+        self.use_chat_template = bool(config["chat_template"])
         self.max_positions = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 30)
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.eos_token_ids = self._eos_ids(model, tokenizer)
-        self._seed_rng = random.Random(config.get("seed", None))
+        self._seed_rng = random.Random(config["seed"])
         self._tool_support: tuple[bool, bool] | None = None
         # Where each row's uniforms come from (see the class doc); a test may switch a CPU engine over.
         self.counter_rng = self.device.type != "cpu"
         self.kv_tokens = self._kv_budget(config)
-        self.decoder = make_session_factory(self.model, config.get("fast_path", "auto"),
+        self.decoder = make_session_factory(self.model, config["fast_path"] or "auto",
                                             rows_hint=min(self.max_batch_size, 16), kv_tokens=self.kv_tokens,
-                                            graphs=config.get("cuda_graphs"),
-                                            release=bool(config.get("release_kv_cache", True)))
+                                            graphs=config["cuda_graphs"],
+                                            release=bool(config["release_kv_cache"]))
 
         self._queue: queue.Queue = queue.Queue()
         self._model_lock = threading.Lock()  # generation batches and weight loads take turns
@@ -126,11 +138,11 @@ class HFInferenceEngine(InferenceClient):
         """Tokens of KV cache a batch may hold: ``max_kv_tokens``, else on a GPU its
         ``gpu_memory_utilization`` share less the weights and the decode workspace (the logits and
         the sampler's float64 CDF of ``max_batch_size`` rows); unbounded on the CPU."""
-        if config.get("max_kv_tokens"):
+        if config["max_kv_tokens"]:
             return int(config["max_kv_tokens"])
         if self.device.type != "cuda":
             return None
-        fraction = float(config.get("gpu_memory_utilization", 0.3))
+        fraction = float(config["gpu_memory_utilization"])
         total = torch.cuda.get_device_properties(self.device).total_memory
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
         workspace = self.max_batch_size * self.model.config.vocab_size * 32

