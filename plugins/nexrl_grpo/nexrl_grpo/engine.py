@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from nexrl_core import (CompletionResult, InferenceClient, InferenceError, Option, SamplingParams, as_text_messages,
-                        bind, component_options, parse_tool_calls)
+                        parse_tool_calls)
 
 from .decoding import kv_budget_tokens, kv_token_bytes, make_session_factory
 from .modeling import (AUTO_FLAG, MODEL_OPTIONS, _auto_flag, log_auto_device, model_from_config,
@@ -96,9 +96,9 @@ class HFInferenceEngine(InferenceClient):
     }
 
     def __init__(self, config: Any = None, *, model: torch.nn.Module | None = None, tokenizer: Any = None):
-        # Declared defaults filled, undeclared reads refused (a subclass reads its own declaration).
-        config = bind(config if config is not None else {}, component_options(type(self)), "service.inference_service")
-        super().__init__(config)
+        super().__init__(config if config is not None else {})
+        # Bound by the base class: the core's keys and this class's declared ones, defaults filled.
+        config = self.config
         self.device = resolve_device(config["device"])
         log_auto_device("inference engine", config["device"], self.device)
         model, tokenizer = model_from_config("HFInferenceEngine", config, model, tokenizer, self.device)
