@@ -13,6 +13,9 @@ import threading
 from collections import Counter, deque
 from typing import Any
 
+from .config.bound import bind
+from .config.schema import RUNTIME_MONITOR
+
 
 def most_common_error(failures: list[tuple[str, str]]) -> str:
     """``cause (count): first message of that cause`` for the commonest cause, or ''."""
@@ -45,12 +48,13 @@ class FailedSampleMonitor:
 
     @classmethod
     def from_config(cls, config: Any) -> FailedSampleMonitor:
-        section = config.runtime_monitor.get("failed_samples") or {}
+        section = bind(config.runtime_monitor.get("failed_samples") or {}, RUNTIME_MONITOR["failed_samples"].options,
+                       "runtime_monitor.failed_samples")
         evaluator = config.rollout_worker.get("evaluator")
-        return cls(max_fraction=float(section.get("max_fraction", 0.5)), window=int(section.get("window", 64)),
+        return cls(max_fraction=float(section["max_fraction"]), window=int(section["window"]),
                    min_samples=int(config.trajectory_pool.batch_size),
                    evaluator=str(evaluator.get("type")) if evaluator is not None else None,
-                   enabled=bool(section.get("enabled", True)))
+                   enabled=bool(section["enabled"]))
 
     def observe(self, num_ok: int, failures: list[tuple[str, str]]) -> None:
         """One training step: ``num_ok`` usable samples and the (cause, message) of each failed one."""

@@ -153,8 +153,8 @@ class ArithmeticDataLoader(BaseDataLoader):
 
     @classmethod
     def check_config(cls, section: Any, key: str) -> list[str]:
-        lo = section.get("min_value", cls.OPTIONS["min_value"].default)
-        hi = section.get("max_value", cls.OPTIONS["max_value"].default)
+        bound = bind(section, cls.OPTIONS, key)
+        lo, hi = bound["min_value"], bound["max_value"]
         return [f"{key}.max_value: {hi} is below min_value {lo}"] if hi < lo else []
 
     def load_rows(self) -> list[dict[str, Any]]:

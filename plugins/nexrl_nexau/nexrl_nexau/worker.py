@@ -145,7 +145,7 @@ class BaseNexAURolloutWorker(BaseRolloutWorker):
                 and isinstance(m.get("content"), str) for m in few_shot):
             problems.append(f"{key}.few_shot: expected a list of chat messages, each with a role (system, user, "
                             f"assistant, tool) and a string content")
-        if section.get("save_trace", False) and not section.get("trace_path"):
+        if section.get("save_trace") and not section.get("trace_path"):
             problems.append(f"{key}.trace_path: required when save_trace is true")
         return problems
 
