@@ -29,7 +29,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..config.options import REQUIRED, Option
-from ..config.python_class import import_file
+from ..config.python_class import class_from_file, import_file
 from ..errors import ConfigError
 from ..evaluation import BaseEvaluationTarget, EvaluationRunResult, Evaluator
 
@@ -112,15 +112,7 @@ def load_function(path: str, name: str, kwargs: dict[str, Any], key: str = KEY) 
 def load_class(path: str, name: str, kwargs: dict[str, Any], key: str = KEY) -> type:
     """The class ``name`` of the file ``path``, checked to have an ``evaluate`` method and to take
     ``kwargs`` as its constructor's keywords."""
-    if not os.path.isfile(path):
-        where = "a folder" if os.path.isdir(path) else "not found"
-        raise ConfigError(f"{key}.path: '{path}' is {where} (a Python file that defines class {name})")
-    module = import_file(os.path.abspath(path), key)
-    found = getattr(module, name, None)
-    if not inspect.isclass(found):
-        classes = sorted(n for n, v in vars(module).items() if inspect.isclass(v) and v.__module__ == module.__name__)
-        what = "defines no" if found is None else f"has a {type(found).__name__}, not a class, named"
-        raise ConfigError(f"{key}.class: {path} {what} '{name}' (classes in it: {', '.join(classes) or 'none'})")
+    found = class_from_file(path, name, key)
     if not callable(getattr(found, "evaluate", None)):
         raise ConfigError(f"{key}.class: {name} in {path} has no evaluate(data, evaluation_target) method "
                           f"(subclass nexrl_core.Evaluator)")

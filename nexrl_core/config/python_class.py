@@ -56,6 +56,21 @@ def load_component_class(kind: str, section: Mapping[str, Any], key: str) -> typ
         if not isinstance(section.get(option), str) or not section.get(option):
             raise ConfigError(f"{key}.{option}: required with {key}.type python")
     path, name = str(section["path"]), str(section["class"])
+    found = class_from_file(path, name, key)
+    if not any(f"{c.__module__}:{c.__qualname__}" == KINDS[kind] for c in found.__mro__):
+        raise ConfigError(f"{key}.class: {name} in {path} does not extend nexrl_core.{KINDS[kind].split(':')[1]}")
+    # Not inspect.isabstract: the module base classes are not ABCMeta, their @abstractmethod only marks
+    abstract = sorted(n for n in dir(found) if getattr(getattr(found, n, None), "__isabstractmethod__", False))
+    if abstract:
+        raise ConfigError(f"{key}.class: {name} in {path} leaves abstract methods unimplemented: "
+                          f"{', '.join(abstract)}")
+    found.source_path = os.path.abspath(path)  # type: ignore[attr-defined]  # failures point at the user's file
+    return found
+
+
+def class_from_file(path: str, name: str, key: str) -> type:
+    """The class ``name`` defined in the Python file ``path``; a missing file or class is a
+    ConfigError naming ``key.path`` / ``key.class`` (and the classes the file does define)."""
     if not os.path.isfile(path):
         where = "a folder" if os.path.isdir(path) else "not found"
         raise ConfigError(f"{key}.path: '{path}' is {where} (a Python file that defines class {name})")
@@ -65,14 +80,6 @@ def load_component_class(kind: str, section: Mapping[str, Any], key: str) -> typ
         classes = sorted(n for n, v in vars(module).items() if inspect.isclass(v) and v.__module__ == module.__name__)
         what = "defines no" if found is None else f"has a {type(found).__name__}, not a class, named"
         raise ConfigError(f"{key}.class: {path} {what} '{name}' (classes in it: {', '.join(classes) or 'none'})")
-    if not any(f"{c.__module__}:{c.__qualname__}" == KINDS[kind] for c in found.__mro__):
-        raise ConfigError(f"{key}.class: {name} in {path} does not extend nexrl_core.{KINDS[kind].split(':')[1]}")
-    # Not inspect.isabstract: the module base classes are not ABCMeta, their @abstractmethod only marks
-    abstract = sorted(n for n in dir(found) if getattr(getattr(found, n, None), "__isabstractmethod__", False))
-    if abstract:
-        raise ConfigError(f"{key}.class: {name} in {path} leaves abstract methods unimplemented: "
-                          f"{', '.join(abstract)}")
-    found.source_path = os.path.abspath(path)  # type: ignore[attr-defined]  # failures point at the user's file
     return found
 
 
