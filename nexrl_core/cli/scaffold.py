@@ -401,7 +401,7 @@ class $cls(SimpleRolloutWorker):
 
     def __init__(self, config: Any):
         super().__init__(config)
-        self.instruction = str(config.get("instruction") or "")
+        self.instruction = str(self._config["instruction"])  # declared below: its default is filled in
 
     def step(self, task: dict[str, Any]) -> str | None:
         # task: the data item (a row of the data file plus uid, sample_index, ...). Read it, do not
@@ -491,7 +491,7 @@ class $cls(SelfHostedGrpoTrainer):
 
     def __init__(self, config: Any):
         super().__init__(config)
-        self.advantage_scale = float(self._config.get("advantage_scale") or 1.0)
+        self.advantage_scale = float(self._config["advantage_scale"])  # declared: its default is filled in
 
     def _prepare_batch(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
         batch, metrics = super()._prepare_batch(batch)
@@ -590,7 +590,7 @@ class $cls(BaseDataLoader):
         return str(self._config.get("path"))
 
     def load_rows(self) -> list[dict[str, Any]]:
-        path, column = str(self._config["path"]), str(self._config.get("prompt_column") or "prompt")
+        path, column = str(self._config["path"]), str(self._config["prompt_column"])
         rows = []
         with open(path, newline="", encoding="utf-8") as f:
             for line, row in enumerate(csv.DictReader(f), start=2):
