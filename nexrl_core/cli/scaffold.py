@@ -695,8 +695,8 @@ class $cls(WeightSyncBackend):
                   "inference:load_weights": "it loads them into an inference engine in this process"})
 
     def __init__(self, config: Any):
-        super().__init__(config)
-        self.log_every = int(config.get("log_every") or 1)
+        super().__init__(config)  # self.config: the `weight` section, declared defaults filled
+        self.log_every = int(self.config["log_every"])
         self.pushes = 0
 
     def sync(self, trainer: Any, inference_client: Any, version: int) -> None:

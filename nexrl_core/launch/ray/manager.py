@@ -21,6 +21,8 @@ import ray
 import ray.exceptions
 from loguru import logger
 
+from ...config.bound import declared_value
+from ...config.schema import LOGGER
 from ...errors import NexRLError
 from ...redaction import known_secrets
 from ...types import NexRLRole
@@ -125,7 +127,7 @@ class RayResourceManager(ResourceManager):
         return HostSetup(sys_path=driver_path(), env=actor_env(self._settings, plan.num_cpus or None),
                          load_plugins=os.environ.get("NEXRL_LOAD_PLUGINS"),
                          run_dir=str(cfg.get("run_dir")) if cfg.get("run_dir") else None,
-                         log_level=str(logger_cfg.get("level", "INFO")),
+                         log_level=str(declared_value(logger_cfg, "level", LOGGER, "logger")),
                          seed=int(cfg["seed"]) if cfg.get("seed") is not None else None, niceness=os.nice(0),
                          secrets=known_secrets())
 
