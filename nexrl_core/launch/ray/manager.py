@@ -114,9 +114,10 @@ class RayResourceManager(ResourceManager):
         for plan in order:
             for role in dict.fromkeys(s.role for s in plan.slots):
                 res = self._settings.resources.get(role, {})
-                plan.num_cpus += float(res.get("num_cpus", 0) or 0)
-                plan.num_gpus += float(res.get("num_gpus", 0) or 0)
-                plan.memory += float(res.get("memory", 0) or 0)
+                # null (the declared default; RaySettings drops it) reserves nothing
+                plan.num_cpus += float(res.get("num_cpus") or 0)
+                plan.num_gpus += float(res.get("num_gpus") or 0)
+                plan.memory += float(res.get("memory") or 0)
                 for key, amount in (res.get("resources") or {}).items():
                     plan.custom[key] = plan.custom.get(key, 0.0) + float(amount)
         return order
