@@ -35,10 +35,10 @@ from .types import DEFAULT_MODEL_TAG, ModelTag
 
 
 class WeightSyncBackend(ABC):
-    """How trained weights reach the inference service.
+    """How trained weights reach the inference service."""
 
-    Built with the recipe's ``weight`` section; :attr:`config` is that section bound to the core's
-    keys and the backend's own ``OPTIONS`` (declared defaults filled, undeclared reads refused)."""
+    # Built with the recipe's `weight` section; self.config is it bound to the core's keys and the
+    # backend's own OPTIONS (declared defaults filled, undeclared reads refused).
 
     @classmethod
     def bind_config(cls, config: Any, path: str = "weight") -> Any:
