@@ -147,7 +147,7 @@ def train_service_class(trainer_cls: type, section: Mapping[str, Any] | None, pl
     """The service ``section`` selects (``backend``, else the trainer's ``TRAIN_SERVICE_DEFAULT``);
     ConfigError naming ``<path>.backend`` when it is not registered or takes batches the trainer
     does not build."""
-    name = bind(dict(section or {}), {"backend": _backend_option(trainer_cls)}, path)["backend"]
+    name = selected_backend(trainer_cls, section, path)
     fitting = _fitting(trainer_cls, plugin_manager)
     if isinstance(name, str) and name in fitting:
         return fitting[name].cls
@@ -171,6 +171,11 @@ def train_service_options(service_cls: type, trainer_cls: type) -> dict[str, Opt
     from .config.options import component_options
 
     return {"backend": _backend_option(trainer_cls), **(component_options(service_cls) or {})}
+
+
+def selected_backend(trainer_cls: type, section: Mapping[str, Any] | None, path: str = SECTION) -> Any:
+    """The train service ``section`` names: its ``backend``, else the trainer's default."""
+    return bind(dict(section or {}), {"backend": _backend_option(trainer_cls)}, path)["backend"]
 
 
 def _backend_option(trainer_cls: type) -> Option:
