@@ -51,3 +51,18 @@ def letters_recipe(run_dir, *, group: int, workers: int = 4, seed: int = 42, **s
                        trajectory_pool={"batch_size": len(PROMPTS) * group, "group_size": group,
                                         "key_list": ["uid"]},
                        **sections)
+
+
+def tiny_grpo_recipe(run_dir, model_dir: str, *, group: int, steps: int, workers: int = 8, seed: int = 42,
+                     lr: float = 5e-2, **sections) -> dict:
+    """:func:`letters_recipe` trained by the self-hosted GRPO trainer on the tiny model at ``model_dir``
+    (the HF engine, weights pushed in process, one torch thread each); ``sections`` merge in."""
+    base = letters_recipe(
+        run_dir, group=group, workers=workers, seed=seed,
+        trainer={"type": "self_hosted_grpo", "total_train_steps": steps},
+        weight={"sync_mode": "sync", "backend": "in_process"},
+        service={"train_service": {"model_path": model_dir, "lr": lr, "grad_clip": 1.0, "num_threads": 1},
+                 "inference_service": {"backend": "hf", "model_path": model_dir, "num_threads": 1}},
+        runtime_monitor={"stop_timeout": 10, "health_check": {"check_interval": 0.5, "timeout": 10.0},
+                         "exception_handling": {"check_interval": 0.05}})
+    return make_recipe(base, **sections)

@@ -41,7 +41,7 @@ def test_a_missing_key_is_reported_by_validate_and_stops_run_before_it_starts(tm
 
 import pytest  # noqa: E402
 
-from tests.tinker.helpers import grpo_recipe  # noqa: E402
+from tests.tinker_plugin.helpers import grpo_recipe  # noqa: E402
 
 
 @pytest.fixture
