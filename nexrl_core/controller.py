@@ -247,7 +247,7 @@ class NexRLController:
             return False
         if start_step == 0:
             return bool(self._config.validate.validate_before_train)
-        freq = int(self._config.weight.validate_freq or 0)
+        freq = int(self._config.weight.validate_freq)
         return freq > 0 and start_step % freq == 0  # the resumed step's validation was not recorded
 
     def _monitor(self, cfg: DictConfig) -> tuple[str, str | None]:

@@ -48,7 +48,7 @@ class BaseDataLoader(NexRLModule, ABC):
         super().__init__()
         self._config = config = self.bind_config(config, is_validate)
         self._is_validate = is_validate
-        self._seed = int(config["seed"] or 0)
+        self._seed = int(config["seed"])
         self._shuffle = bool(config["shuffle"])
         self._group_size = int(config["group_size"])
         self._lock = threading.Condition()
@@ -89,11 +89,12 @@ class BaseDataLoader(NexRLModule, ABC):
         from .config.schema import DATA, VALIDATE_DATA
 
         set_by_nexrl = {
-            "seed": Option(0, (int, None), "seed of the order (training: data.seed)"),
             "shuffle": Option(not is_validate, bool, "shuffle each epoch (never for validation)"),
             "group_size": Option(1, int, "samples per row (trajectory_pool.group_size or validate.n_samples)"),
             "batch_groups": Option(1, int, "groups per training batch"),
         }
+        if is_validate:  # not shuffled: a loader that draws its rows declares its own seed (data.seed trains)
+            set_by_nexrl["seed"] = Option(0, int, "seed of the rows a validation loader draws")
         return bind_component(config, cls, VALIDATE_DATA if is_validate else DATA,
                               "validate.data" if is_validate else "data", set_by_nexrl)
 

@@ -69,7 +69,7 @@ class BaseRolloutWorker(ThreadedModule):
         self._domain_evaluators: dict[str, Evaluator | None] = {}
         self._domain_labels: dict[Any, str] = {}  # a task's domain (None: none) -> label
         self._model_tag = DEFAULT_MODEL_TAG
-        self._seed = int(config["seed"] or 0)
+        self._seed = int(config["seed"])
         self._reward_range = config["reward_range"]  # read once: not on the per-task path
         self._is_running_validate = False
         self._task_is_validation = False  # mode of the task in hand (the flag may flip meanwhile)

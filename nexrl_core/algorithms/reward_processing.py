@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from ..config.bound import declared_value
 from ..config.options import Option, option_defaults
 from .advantages import group_stats
 
@@ -196,7 +197,8 @@ def domain_settings(options: Mapping[str, Any], domain: str | None) -> dict[str,
     overrides (``options["domains"][domain]``)."""
     settings = dict(REWARD_PROCESSING_DEFAULTS)
     settings.update({k: v for k, v in options.items() if k in REWARD_OPTIONS})
-    overrides = (options.get("domains") or {}).get(domain) if domain is not None else None
+    domains = declared_value(options, "domains", REWARD_PROCESSING_OPTIONS)
+    overrides = domains.get(domain) if domain is not None else None
     settings.update(overrides or {})
     return settings
 

@@ -147,7 +147,7 @@ class ArithmeticDataLoader(BaseDataLoader):
         "split": Option("train", str, "which half of the operand pairs", choices=("train", "validation")),
         "template": Option("What is {a} + {b}? Reply with only the number.", str, "prompt, with {a} and {b}"),
         "data_source": Option("arithmetic", str, "data_source of every row"),
-        "seed": Option(None, int, "seed of the questions drawn (training data: data.seed)"),
+        "seed": Option(0, int, "seed of the questions drawn (training data: data.seed)"),
     }
     CONFIG_KEYS = option_defaults(OPTIONS)  # deprecated view, for plugins that extend it
 
@@ -169,7 +169,7 @@ class ArithmeticDataLoader(BaseDataLoader):
         if n > len(pairs):
             raise ConfigError(f"{_section(self._is_validate)}.num_rows: {n} rows requested but only {len(pairs)} distinct "
                               f"{split} questions exist in [{lo}, {hi}]")
-        random.Random(int(cfg["seed"] or 0) + (1 if split == "validation" else 0)).shuffle(pairs)
+        random.Random(int(cfg["seed"]) + (1 if split == "validation" else 0)).shuffle(pairs)
         template = str(cfg["template"])
         source = str(cfg["data_source"])
         return [{"prompt": template.format(a=a, b=b), "answer": a + b, "data_source": source}

@@ -28,6 +28,7 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from ..config.bound import bind
 from ..config.options import REQUIRED, Option
 from ..config.python_class import class_from_file, import_file
 from ..errors import ConfigError
@@ -52,9 +53,10 @@ class PythonFunctionEvaluator(Evaluator):
 
     @classmethod
     def check_config(cls, section: Mapping[str, Any], key: str) -> list[str]:
-        kwargs = dict(section.get("kwargs") or {})
+        bound = bind(section, cls.OPTIONS, key)
+        kwargs = bound["kwargs"].to_dict()
         default = cls.OPTIONS["function"].default  # the composed recipe holds it: only another name conflicts
-        function = section.get("function") or default
+        function = bound["function"]
         try:
             if section.get("class") is None:
                 load_function(str(section["path"]), str(function), kwargs, key)

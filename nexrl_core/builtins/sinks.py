@@ -74,7 +74,7 @@ class WandbSink(MetricsSink):
         project = own["project"] or os.environ.get("WANDB_PROJECT") or str(config["project_name"])
         kwargs: dict[str, Any] = dict(
             project=project, entity=own["entity"], group=own["group"], notes=own["notes"],
-            tags=list(own["tags"] or []) or None, name=str(own["name"] or config["experiment_name"]),
+            tags=list(own["tags"]) or None, name=str(own["name"] or config["experiment_name"]),
             dir=run_dir, mode=mode, config=redact(_plain(config)), id=run_id or secrets.token_hex(4),
             resume="allow")
         if mode == "offline" and not own["mode"] and not os.environ.get("WANDB_MODE"):

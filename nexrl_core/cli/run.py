@@ -52,7 +52,7 @@ def continue_command(recipe: str, overrides: list[str], total_steps: int) -> str
 
 def _model(cfg: Any) -> str:
     inference = cfg.service.inference_service.get("model_path")
-    train = (cfg.service.get("train_service") or {}).get("model_path")
+    train = cfg.service.train_service.get("model_path")
     names = [str(m) for m in dict.fromkeys([train, inference]) if m]
     return " / ".join(names) if names else "(the inference backend's own)"
 
@@ -69,9 +69,9 @@ def header_lines(cfg: Any, recipe: str, overrides: list[str], pm: Any, resume_fr
     weight = cfg.weight
     schedule = [f"{cfg.trainer.total_train_steps} steps of {cfg.trajectory_pool.batch_size} samples "
                 f"({cfg.trajectory_pool.group_size} per prompt)", f"{weight.sync_mode} mode"]
-    if int(weight.validate_freq or 0) and cfg.validate.get("data") is not None:
+    if int(weight.validate_freq) and cfg.validate.get("data") is not None:
         schedule.append(f"validate every {weight.validate_freq}")
-    if int(cfg.trainer.save_freq or 0):
+    if int(cfg.trainer.save_freq):
         schedule.append(f"checkpoint every {cfg.trainer.save_freq}")
     lines = [
         ("recipe", " ".join([recipe, *redact_command(overrides)])),
@@ -117,7 +117,7 @@ def footer(cfg: Any, recipe: str, overrides: list[str], outcome: _Outcome, elaps
         count = sum(1 for n in os.listdir(str(root)) if n.startswith("global_step_"))
         lines.append(("checkpoints", f"{latest}  ({count} in {root})"))
     else:
-        lines.append(("checkpoints", "none saved (trainer.save_freq: 0)" if not int(cfg.trainer.save_freq or 0)
+        lines.append(("checkpoints", "none saved (trainer.save_freq: 0)" if not int(cfg.trainer.save_freq)
                       else "none saved yet"))
     files = [os.path.join(run_dir, METRICS_FILE)]
     for name in (SAMPLES_FILE, ERRORS_FILE):

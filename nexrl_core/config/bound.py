@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import copy
+import re
 from collections.abc import Iterator, Mapping
 from dataclasses import replace
 from typing import Any
@@ -54,14 +55,16 @@ def fill_defaults(values: dict[str, Any], options: Mapping[str, Option], resolve
     """In place: the declared default of every key ``values`` leaves out (required and removed keys,
     and defaults that are not plain data, excepted); nested sections too. Returns ``values``.
     ``resolved``: ``values`` is past interpolation (a section built by hand), so a default that
-    names another key (``${seed}``) cannot be resolved and is null."""
+    names another key cannot be resolved there: one that is a root key alone (``${seed}``) is that
+    key's declared default (what the composed recipe holds when the recipe leaves both out), any
+    other is null."""
     for key, opt in options.items():
         if opt.removed is not None:
             continue
         if key not in values and not opt.required:
             default = opt.default_value()
             if resolved and isinstance(default, str) and "${" in default:
-                default = None
+                default = _root_default(default)
             if _is_plain(default):
                 values[key] = _plain_copy(default)
         value = values.get(key)
@@ -69,6 +72,17 @@ def fill_defaults(values: dict[str, Any], options: Mapping[str, Option], resolve
         if isinstance(value, dict) and opt.options is not None and opt.values is None:
             fill_defaults(value, opt.options, resolved)
     return values
+
+
+def _root_default(reference: str) -> Any:
+    """The declared default of the root key ``reference`` names (``${seed}``: 42); None for any
+    other text or a default that is itself a reference."""
+    from .schema import CORE_OPTIONS
+
+    match = re.fullmatch(r"\$\{(\w+)\}", reference)
+    opt = CORE_OPTIONS.get(match.group(1)) if match else None
+    default = opt.default_value() if opt is not None else None
+    return None if isinstance(default, str) and "${" in default else default
 
 
 def _is_plain(value: Any) -> bool:

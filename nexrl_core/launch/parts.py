@@ -11,9 +11,9 @@ from __future__ import annotations
 from typing import Any
 
 from ..algorithms.registry import AlgorithmRegistry
-from ..config.bound import bind, bind_recipe
+from ..config.bound import bind, bind_recipe, declared_value
 from ..config.recipe import plain
-from ..config.schema import WEIGHT
+from ..config.schema import ROLLOUT_WORKER, WEIGHT
 from ..errors import ConfigError
 from ..evaluation import Evaluator
 from ..plugins import PluginManager, active_plugin_manager, use_plugin_manager
@@ -78,7 +78,7 @@ def trainer_parts(config: Any, cls: type, pm: PluginManager) -> TrainerParts:
 def rollout_worker_parts(config: Any, cls: type, pm: PluginManager) -> RolloutParts:
     """The evaluators a ``rollout_worker`` mapping names, and how messages name them."""
     section = config.get("evaluator")
-    domain_sections = config.get("domain_evaluators") or {}
+    domain_sections = declared_value(config, "domain_evaluators", ROLLOUT_WORKER, "rollout_worker").to_dict()
     return RolloutParts(evaluator=build_evaluator(section, pm), evaluator_label=evaluator_label(section, pm),
                         domain_evaluators=build_domain_evaluators(domain_sections, pm),
                         domain_labels={str(d): evaluator_label(sub, pm) for d, sub in domain_sections.items()},

@@ -15,6 +15,7 @@ import pytest
 from nexrl_core.cli import main
 from nexrl_core.config.recipe import check_config, load_recipe
 from nexrl_core.errors import ConfigError
+from nexrl_core.testing import make_recipe
 
 GOOD = """\
 data:
@@ -213,7 +214,8 @@ KEY_PROBLEMS = [
     ("logger: {backend: [console], wandb: {mode: offline}}\n", "logger.wandb: unknown key"),
     ("logger: {backend: [wandb], wandb: {mode: onlin}}\n",
      "logger.wandb.mode: 'onlin' is not one of online, offline, disabled; did you mean 'online'?"),
-    ("trajectory_pool: {type: default}\n", "trajectory_pool.type: no longer a recipe key"),
+    # (a mapping with type replaces GOOD's: batch and group given again)
+    ("trajectory_pool: {type: default, batch_size: 4, group_size: 2}\n", "trajectory_pool.type: no longer a recipe key"),
     ("validate: {data: {type: inline, rows: [{prompt: a}], seed: 3}}\n", "validate.data.seed: unknown key"),
     ("overwrite_run_dir: true\nresume: {mode: auto}\n",
      "overwrite_run_dir: applies to a fresh run only (resume.mode: disable)"),
@@ -235,16 +237,11 @@ def test_each_problem_names_its_key(core_pm, recipe, text, expected):
 
 
 def _merge(base: str, extra: str) -> str:
-    """Recipe text with ``extra``'s top-level section merged over ``base``'s (YAML keeps one)."""
+    """Recipe text with ``extra``'s sections merged over ``base``'s as the kit merges them (YAML keeps
+    one copy of a key)."""
     import yaml
 
-    data = yaml.safe_load(base)
-    for key, value in yaml.safe_load(extra).items():
-        if isinstance(value, dict) and isinstance(data.get(key), dict):
-            data[key] = {**data[key], **value}
-        else:
-            data[key] = value
-    return yaml.safe_dump(data)
+    return yaml.safe_dump(make_recipe(yaml.safe_load(base), **yaml.safe_load(extra)))
 
 
 def test_good_recipe_has_no_problems(core_pm, recipe):

@@ -17,8 +17,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
-import yaml
 
+from nexrl_core.testing import make_recipe, write_recipe
 from tests.support.metrics import read_metrics
 
 pytestmark = pytest.mark.timeout(180)
@@ -54,24 +54,22 @@ def documented_names(score_keys, sources, n, expected_known=True) -> set[str]:
     return names
 
 
-def write_recipe(tmp_path, backend="mock", **inference) -> Path:
-    recipe = {
-        "run_dir": str(tmp_path / "run"),
-        "logger": {"backend": [], "level": "WARNING"},
-        "data": {"type": "inline", "rows": [{"prompt": "1 + 2", "answer": "3"}, {"prompt": "3 + 3", "answer": "6"}]},
-        "validate": {"validate_before_train": True, "n_samples": N_SAMPLES,
-                     "data": {"type": "inline", "rows": VAL_ROWS + [FAILING_ROW]}},
-        "rollout_worker": {"num_workers": 3, "evaluator": {"type": "exact_match"}},
-        "trajectory_pool": {"batch_size": 4, "group_size": 2, "key_list": ["uid"]},
-        "trainer": {"type": "mock", "total_train_steps": 4, "save_freq": 2},
-        "weight": {"sync_mode": "sync", "validate_freq": 2},
-        "service": {"inference_service": {"backend": backend, "mode": "sum", "learn_steps": 8, "delay_s": 0.001,
-                                          **inference}},
-        "runtime_monitor": {"stop_timeout": 10, "exception_handling": {"check_interval": 0.05}},
-    }
-    path = tmp_path / "recipe.yaml"
-    path.write_text(yaml.safe_dump(recipe))
-    return path
+def recipe_file(tmp_path, backend="mock", val_rows=(*VAL_ROWS, FAILING_ROW), **inference) -> Path:
+    """4 mock steps validated every 2 on ``val_rows`` (the mock model ``backend``, mode: sum, with
+    ``inference``'s keys), a checkpoint every 2; written to tmp_path/recipe.yaml."""
+    recipe = make_recipe(
+        None, run_dir=str(tmp_path / "run"), logger={"backend": [], "level": "WARNING"},
+        data={"type": "inline", "rows": [{"prompt": "1 + 2", "answer": "3"}, {"prompt": "3 + 3", "answer": "6"}]},
+        validate={"validate_before_train": True, "n_samples": N_SAMPLES,
+                  "data": {"type": "inline", "rows": list(val_rows)}},
+        rollout_worker={"num_workers": 3, "evaluator": {"type": "exact_match"}},
+        trajectory_pool={"batch_size": 4, "group_size": 2, "key_list": ["uid"]},
+        trainer={"type": "mock", "total_train_steps": 4, "save_freq": 2},
+        weight={"sync_mode": "sync", "validate_freq": 2},
+        service={"inference_service": {"backend": backend, "mode": "sum", "learn_steps": 8, "delay_s": 0.001,
+                                       **inference}},
+        runtime_monitor={"stop_timeout": 10, "exception_handling": {"check_interval": 0.05}})
+    return Path(write_recipe(recipe, tmp_path / "recipe.yaml"))
 
 
 def nexrl(*args, env_extra=None):
@@ -89,7 +87,7 @@ def val_rows(run_dir: Path) -> dict[int, dict]:
 
 
 def test_eval_prints_one_json_summary_and_writes_samples(tmp_path):
-    recipe = write_recipe(tmp_path)
+    recipe = recipe_file(tmp_path)
     samples = tmp_path / "samples.jsonl"
     out = tmp_path / "eval"
     proc = nexrl("eval", recipe, "--samples-out", samples, "--out", out)
@@ -132,7 +130,7 @@ def test_eval_prints_one_json_summary_and_writes_samples(tmp_path):
 
 
 def test_eval_never_writes_into_the_training_run(tmp_path):
-    recipe = write_recipe(tmp_path)
+    recipe = recipe_file(tmp_path)
     run = nexrl("run", recipe)
     assert run.returncode == 0, run.stderr
     before = {p: p.read_bytes() for p in (tmp_path / "run").rglob("*") if p.is_file()}
@@ -145,10 +143,8 @@ def test_eval_never_writes_into_the_training_run(tmp_path):
 
 
 def test_eval_exits_1_when_no_sample_could_be_scored(tmp_path):
-    recipe = write_recipe(tmp_path)
-    cfg = yaml.safe_load(recipe.read_text())
-    cfg["validate"]["data"]["rows"] = [FAILING_ROW, dict(FAILING_ROW, answer="1")]  # no prompt: every sample fails
-    recipe.write_text(yaml.safe_dump(cfg))
+    # no prompt: every sample fails
+    recipe = recipe_file(tmp_path, val_rows=[FAILING_ROW, dict(FAILING_ROW, answer="1")])
     proc = nexrl("eval", recipe)
     assert proc.returncode == 1
     metrics = json.loads(proc.stdout)  # the summary is still printed
@@ -192,7 +188,7 @@ def install_plugin(root: Path) -> Path:
 def test_eval_equals_training_time_validation_of_the_same_version(tmp_path):
     site = install_plugin(tmp_path / "site")
     env = {"PYTHONPATH": os.pathsep.join([str(site), str(REPO)]), "NEXRL_LOAD_PLUGINS": "nexrl-evaltest"}
-    recipe = write_recipe(tmp_path, backend="mock_ckpt", model_path="initial")
+    recipe = recipe_file(tmp_path, backend="mock_ckpt", model_path="initial")
     run = nexrl("run", recipe, env_extra=env)
     assert run.returncode == 0, run.stderr
     training = val_rows(tmp_path / "run")

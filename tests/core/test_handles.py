@@ -9,13 +9,13 @@ from __future__ import annotations
 import json
 
 import pytest
-import yaml
 
 import nexrl_core.launch
 from nexrl_core.builtins.mock import mock_sum_threshold
 from nexrl_core.config.recipe import load_recipe
 from nexrl_core.controller import NexRLController
 from nexrl_core.errors import ErrorSeverity
+from nexrl_core.testing import make_recipe, write_recipe
 from nexrl_core.types import NexRLRole
 from tests.support import handles
 
@@ -44,26 +44,22 @@ def handles_launch_mode(monkeypatch):
 
 
 @pytest.fixture
-def make_controller(tmp_path, core_pm, reset_loguru, fast_monitor, handles_launch_mode):
+def make_controller(tmp_path, core_pm, reset_loguru, handles_launch_mode):
     def make(steps: int = STEPS, eval_only: bool = False, **extra) -> NexRLController:
-        recipe = {
-            "launch_mode": "test_handles",
-            "run_dir": str(tmp_path / "run"),
-            "runtime_monitor": fast_monitor,
-            "logger": {"backend": ["console"], "level": "WARNING"},
-            "data": {"type": "inline", "rows": [_row(a, b) for a, b in TRAIN] + [{"prompt": "", "answer": "0"}]},
-            "rollout_worker": {"num_workers": 3, "evaluator": {"type": "exact_match"}},
-            "trajectory_pool": {"batch_size": BATCH, "group_size": GROUP},
-            "trainer": {"type": "mock", "total_train_steps": steps, "save_freq": 2},
-            "weight": {"validate_freq": 2},
-            "service": {"inference_service": {"backend": "mock", "mode": "sum", "learn_steps": LEARN_STEPS}},
-            "validate": {"validate_before_train": True,
-                         "data": {"type": "inline", "rows": [_row(a, b) for a, b in VAL] + [{"prompt": ""}]}},
-            **extra,
-        }
-        path = tmp_path / "recipe.yaml"
-        path.write_text(yaml.safe_dump(recipe, sort_keys=False))
-        return NexRLController(load_recipe(str(path)), plugin_manager=core_pm, eval_only=eval_only)
+        # the kit's mock recipe (mock trainer, mock model in mode: sum, quick monitor) on these rows
+        recipe = make_recipe(
+            launch_mode="test_handles", run_dir=str(tmp_path / "run"),
+            data={"type": "inline", "rows": [_row(a, b) for a, b in TRAIN] + [{"prompt": "", "answer": "0"}]},
+            rollout_worker={"num_workers": 3, "evaluator": {"type": "exact_match"}},
+            trajectory_pool={"batch_size": BATCH, "group_size": GROUP},
+            trainer={"type": "mock", "total_train_steps": steps, "save_freq": 2},
+            weight={"validate_freq": 2},
+            service={"inference_service": {"learn_steps": LEARN_STEPS}},
+            validate={"validate_before_train": True,
+                      "data": {"type": "inline", "rows": [_row(a, b) for a, b in VAL] + [{"prompt": ""}]}},
+            **extra)
+        path = write_recipe(recipe, tmp_path / "recipe.yaml")
+        return NexRLController(load_recipe(path), plugin_manager=core_pm, eval_only=eval_only)
 
     return make
 

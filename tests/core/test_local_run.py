@@ -88,16 +88,16 @@ def run_and_snapshot(controller):
 
 
 @pytest.fixture(scope="module", params=["local", "local-4-tasks-per-call", "ray"])
-def finished_run(request, tmp_path_factory, fast_monitor):
+def finished_run(request, tmp_path_factory):
     """One run per launch mode shared by the tests below (module scope keeps the suite fast); also
     local mode with workers taking 4 tasks per call (one loader call, one engine call, one pool
     call for the 4): the same numbers."""
-    import yaml
     from loguru import logger
 
     from nexrl_core.config.recipe import load_recipe
     from nexrl_core.controller import NexRLController
     from nexrl_core.plugins import PluginManager
+    from nexrl_core.testing import make_recipe, write_recipe
 
     launch_mode, tasks_per_call = ("local", 4) if request.param == "local-4-tasks-per-call" else (request.param, 1)
     if launch_mode == "ray":
@@ -106,20 +106,17 @@ def finished_run(request, tmp_path_factory, fast_monitor):
     train = _write_jsonl(tmp_path / "train.jsonl", [_row(a, b, "train") for a, b in TRAIN])
     val = [_write_jsonl(tmp_path / f"{s}.jsonl", [_row(a, b, s) for a, b in pairs])
            for s, pairs in VAL_SOURCES.items()]
-    recipe = {
-        "launch_mode": launch_mode,
-        "run_dir": str(tmp_path / "run"),
-        "runtime_monitor": fast_monitor,
-        "logger": {"backend": ["console"], "level": "WARNING"},
-        "data": {"type": "file", "path": train},
-        "rollout_worker": {"num_workers": 3, "tasks_per_call": tasks_per_call, "evaluator": {"type": "exact_match"}},
-        "trajectory_pool": {"batch_size": BATCH, "group_size": GROUP},
-        "trainer": {"type": "mock", "total_train_steps": STEPS, "save_freq": 2},
-        "weight": {"validate_freq": VALIDATE_FREQ},
-        "service": {"inference_service": {"backend": "mock", "mode": "sum", "learn_steps": LEARN_STEPS}},
-        "validate": {"validate_before_train": True, "n_samples": N_SAMPLES, "data": {"type": "file", "path": val}},
-    }
-    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    # the kit's mock recipe (mock trainer, mock model in mode: sum, quick monitor), on these files
+    recipe = make_recipe(
+        launch_mode=launch_mode, run_dir=str(tmp_path / "run"),
+        data={"type": "file", "path": train},
+        rollout_worker={"num_workers": 3, "tasks_per_call": tasks_per_call, "evaluator": {"type": "exact_match"}},
+        trajectory_pool={"batch_size": BATCH, "group_size": GROUP},
+        trainer={"type": "mock", "total_train_steps": STEPS, "save_freq": 2},
+        weight={"validate_freq": VALIDATE_FREQ},
+        service={"inference_service": {"learn_steps": LEARN_STEPS}},
+        validate={"validate_before_train": True, "n_samples": N_SAMPLES, "data": {"type": "file", "path": val}})
+    write_recipe(recipe, tmp_path / "recipe.yaml")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("NEXRL_LOAD_PLUGINS", "")
         controller = NexRLController(load_recipe(str(tmp_path / "recipe.yaml")), plugin_manager=PluginManager())

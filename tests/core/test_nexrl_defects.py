@@ -21,7 +21,6 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
 from loguru import logger
 
 from nexrl_core import hookimpl
@@ -30,6 +29,7 @@ from nexrl_core.config.recipe import load_recipe
 from nexrl_core.controller import NexRLController, RunFailed
 from nexrl_core.plugins import PluginManager
 from nexrl_core.runtime.activity import ActivityTracker
+from nexrl_core.testing import make_recipe, write_recipe
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -46,20 +46,15 @@ def _quiet():
 
 
 def _write_recipe(tmp_path, **sections) -> str:
-    recipe = {
-        "run_dir": str(tmp_path / "run"),
-        "logger": {"backend": [], "level": "WARNING"},
-        "data": {"type": "inline", "rows": ROWS},
-        "rollout_worker": {"num_workers": 3},
-        "trajectory_pool": {"batch_size": 4, "group_size": 2, "key_list": ["uid"]},
-        "trainer": {"type": "mock", "total_train_steps": 5},
-        "service": {"inference_service": {"backend": "mock", "mode": "sum", "delay_s": 0.002}},
-        "runtime_monitor": {"stop_timeout": 10, "exception_handling": {"check_interval": 0.05}},
-    }
-    recipe.update(sections)
-    path = tmp_path / "recipe.yaml"
-    path.write_text(yaml.safe_dump(recipe))
-    return str(path)
+    """Inline rows, the mock trainer, the mock model (mode: sum, 2 ms a call), the default evaluator and
+    health check; ``sections`` merge in as :func:`nexrl_core.testing.make_recipe` merges them."""
+    base = make_recipe(None, run_dir=str(tmp_path / "run"), logger={"backend": [], "level": "WARNING"},
+                       data={"type": "inline", "rows": ROWS}, rollout_worker={"num_workers": 3},
+                       trajectory_pool={"batch_size": 4, "group_size": 2, "key_list": ["uid"]},
+                       trainer={"type": "mock", "total_train_steps": 5},
+                       service={"inference_service": {"backend": "mock", "mode": "sum", "delay_s": 0.002}},
+                       runtime_monitor={"stop_timeout": 10, "exception_handling": {"check_interval": 0.05}})
+    return write_recipe(make_recipe(base, **sections), tmp_path / "recipe.yaml")
 
 
 # -- fully-async pushes weights --------------------------------------------------------------------

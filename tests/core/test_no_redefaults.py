@@ -1,6 +1,7 @@
 """A default is written once, where the option is declared: no module of nexrl_core or of a
 plugin reads a declared key as ``x.get("key", <literal>)``, which would re-default it (and could
-disagree with the declaration). Components read their bound section (``cfg["key"]``), the launcher
+disagree with the declaration), nor as ``x.get("key") or L`` / ``x["key"] or L`` where ``L`` is a
+declared default of that key (the bound section already holds it). Components read their bound section (``cfg["key"]``), the launcher
 :func:`nexrl_core.config.bound.declared_value`.
 
 Static (no plugin imported, no torch): the declared keys are those written ``"key": Option(...)``
@@ -35,6 +36,17 @@ NOT_RECIPE = {
 }
 
 
+# (file, key): why ``x.get(key) or L`` / ``x[key] or L`` (L a declared default of key) stays.
+OR_KEPT = {
+    ("plugins/nexrl_grpo/nexrl_grpo/train_service.py", "world_size"): "in flight in another lane",
+    ("plugins/nexrl_grpo/nexrl_grpo/train_service.py", "parallel"): "in flight in another lane",
+    ("nexrl_core/builtins/dataloaders.py", "domains"): "multi_domain.domains is required (no default): the check "
+                                                       "reads an absent one as empty to say so",
+    ("nexrl_core/launch/ray/manager.py", "resources"): "a role's custom resources are declared null (RaySettings "
+                                                       "drops nulls): none reserved; {} is another section's default",
+}
+
+
 @functools.lru_cache(maxsize=None)
 def _parse(path: Path) -> ast.AST:
     return ast.parse(path.read_text(), str(path))
@@ -51,6 +63,58 @@ def declared_keys(files: list[Path]) -> set[str]:
                             and getattr(v.func, "id", getattr(v.func, "attr", None)) == "Option":
                         keys.add(k.value)
     return keys
+
+
+_NO_VALUE = object()
+
+
+def _value(node: ast.expr | None) -> object:
+    """The value a literal node writes; _NO_VALUE for anything else."""
+    try:
+        return ast.literal_eval(node) if node is not None else _NO_VALUE
+    except (ValueError, TypeError, SyntaxError):
+        return _NO_VALUE
+
+
+def declared_defaults(files: list[Path]) -> dict[str, list[object]]:
+    """key -> the literal defaults of its ``"key": Option(default, ...)`` declarations in ``files``."""
+    out: dict[str, list[object]] = {}
+    for path in files:
+        for node in ast.walk(_parse(path)):
+            if isinstance(node, ast.Dict):
+                for k, v in zip(node.keys, node.values):
+                    if isinstance(k, ast.Constant) and isinstance(k.value, str) and isinstance(v, ast.Call) \
+                            and getattr(v.func, "id", getattr(v.func, "attr", None)) == "Option":
+                        default = v.args[0] if v.args else next((kw.value for kw in v.keywords
+                                                                 if kw.arg == "default"), None)
+                        value = _value(default)
+                        if value is not _NO_VALUE:
+                            out.setdefault(k.value, []).append(value)
+    return out
+
+
+def _read_key(node: ast.expr) -> str | None:
+    """``k`` of ``x.get("k")`` or ``x["k"]``; None for any other expression."""
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get" \
+            and len(node.args) == 1 and not node.keywords and isinstance(node.args[0], ast.Constant) \
+            and isinstance(node.args[0].value, str):
+        return node.args[0].value
+    if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant) and isinstance(node.slice.value, str):
+        return node.slice.value
+    return None
+
+
+def or_redefaults(path: Path, defaults: dict[str, list[object]]) -> list[tuple[int, str]]:
+    """``(line, key)`` of each ``x.get("key") or L`` / ``x["key"] or L`` in ``path`` whose ``L`` equals
+    (same type, same value) a declared default of ``key``."""
+    found = []
+    for node in ast.walk(_parse(path)):
+        if isinstance(node, ast.BoolOp) and isinstance(node.op, ast.Or) and len(node.values) == 2:
+            key, fallback = _read_key(node.values[0]), _value(node.values[1])
+            if key in defaults and fallback is not _NO_VALUE and \
+                    any(fallback == d and type(fallback) is type(d) for d in defaults[key]):
+                found.append((node.lineno, key))
+    return found
 
 
 def _literal(node: ast.expr) -> bool:
@@ -104,3 +168,31 @@ def test_the_scan_finds_a_redefault(tmp_path):
                       'def ok(config):\n    return config.get("launch_mode") or config["launch_mode"]\n'
                       'def level(cfg):\n    return cfg.get("level", "INFO"), cfg.get("betas", [0.9, 0.999])\n')
     assert redefaults(sample, {"launch_mode", "level", "betas"}) == [(2, "launch_mode"), (6, "level"), (6, "betas")]
+
+
+def test_no_module_or_defaults_a_declared_key():
+    files = sources()
+    defaults = declared_defaults(files)
+    assert defaults["seed"] and defaults["save_freq"] == [0]  # the scan sees declared defaults
+    bad = [f"{path.relative_to(REPO)}:{line}: ({key!r} read) or <its declared default> repeats the declaration; "
+           f"read the bound section (cfg[{key!r}]) or nexrl_core.config.bound.declared_value"
+           for path in files for line, key in or_redefaults(path, defaults)
+           if (str(path.relative_to(REPO)), key) not in OR_KEPT]
+    assert not bad, "\n".join(bad)
+
+
+def test_every_or_exemption_is_still_needed():
+    files = sources()
+    defaults = declared_defaults(files)
+    hits = {(str(path.relative_to(REPO)), key) for path in files for _, key in or_redefaults(path, defaults)}
+    assert sorted(set(OR_KEPT) - hits) == []
+
+
+def test_the_scan_finds_an_or_default(tmp_path):
+    """``or`` with the declared default is caught (also inside a call); another fallback, a non-literal
+    one and an undeclared key are not."""
+    sample = tmp_path / "loader.py"
+    sample.write_text('def seed(config):\n    return int(config["seed"] or 0)\n'
+                      'def tags(own):\n    return own.get("tags") or [], own.get("tags") or ["x"]\n'
+                      'def other(cfg, fallback):\n    return cfg["seed"] or fallback, cfg["rows"] or 0, cfg["seed"] or 0.0\n')
+    assert or_redefaults(sample, {"seed": [0, "${seed}"], "tags": [[]]}) == [(2, "seed"), (4, "tags")]

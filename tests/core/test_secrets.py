@@ -21,7 +21,7 @@ import yaml
 
 from nexrl_core.cli import main
 from nexrl_core.redaction import is_secret_key
-from nexrl_core.testing import use_plugins
+from nexrl_core.testing import make_recipe, use_plugins, write_recipe
 from tests.support import leaky
 
 REPO = Path(__file__).resolve().parents[2]
@@ -31,25 +31,18 @@ def recipe(run_dir: Path, **evaluator) -> dict:
     """Two prompts per step, one of which the evaluator fails on (quoting its credentials); every
     generation goes to samples.jsonl; validated and checkpointed at every step."""
     rows = [{"prompt": "1 + 2", "answer": "3"}, {"prompt": "fail", "answer": "0"}]
-    return {
-        "run_dir": str(run_dir),
-        "data": {"type": "inline", "rows": rows},
-        "validate": {"validate_before_train": True, "data": {"type": "inline", "rows": rows}},
-        "rollout_worker": {"num_workers": 2, "evaluator": {"type": "leaky", **evaluator}},
-        "trajectory_pool": {"batch_size": 4, "group_size": 2},
-        "trainer": {"type": "mock", "total_train_steps": 2, "save_freq": 1},
-        "weight": {"validate_freq": 1},
-        "service": {"inference_service": {"backend": "mock", "mode": "sum"}},
-        "logger": {"backend": ["console"], "level": "INFO", "samples_every": 1, "samples_per_step": 4},
-        "runtime_monitor": {"stop_timeout": 10, "health_check": {"check_interval": 0.5},
-                            "exception_handling": {"check_interval": 0.05},
-                            "failed_samples": {"max_fraction": 0.9}},
-    }
-
-
-def write(path: Path, data: dict) -> Path:
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
-    return path
+    return make_recipe(
+        None, run_dir=str(run_dir),
+        data={"type": "inline", "rows": rows},
+        validate={"validate_before_train": True, "data": {"type": "inline", "rows": rows}},
+        rollout_worker={"num_workers": 2, "evaluator": {"type": "leaky", **evaluator}},
+        trajectory_pool={"batch_size": 4, "group_size": 2},
+        trainer={"type": "mock", "total_train_steps": 2, "save_freq": 1},
+        weight={"validate_freq": 1},
+        service={"inference_service": {"backend": "mock", "mode": "sum"}},
+        logger={"backend": ["console"], "level": "INFO", "samples_every": 1, "samples_per_step": 4},
+        runtime_monitor={"stop_timeout": 10, "health_check": {"check_interval": 0.5},
+                         "exception_handling": {"check_interval": 0.05}, "failed_samples": {"max_fraction": 0.9}})
 
 
 def leaks(secret: str, run_dir: Path, *streams: str) -> list[str]:
@@ -89,7 +82,7 @@ def nexrl(tmp_path, capfd, reset_loguru, monkeypatch):
 def test_a_secret_in_the_recipe(nexrl, tmp_path):
     secret = "sk-recipe-4f1d8a2b9c"
     run_dir = tmp_path / "run"
-    path = write(tmp_path / "recipe.yaml", recipe(run_dir, api_key=secret))
+    path = write_recipe(recipe(run_dir, api_key=secret), tmp_path / "recipe.yaml")
     code, out, err = nexrl("run", str(path))
     assert code == 0, err
     assert leaks(secret, run_dir, out, err) == []
@@ -107,7 +100,7 @@ def test_a_secret_from_the_environment_under_any_key(nexrl, tmp_path, monkeypatc
     secret = "hf-env-93c0e7d15a"
     monkeypatch.setenv("NEXRL_TEST_API_KEY", secret)
     run_dir = tmp_path / "run"
-    path = write(tmp_path / "recipe.yaml", recipe(run_dir, note="${oc.env:NEXRL_TEST_API_KEY}"))
+    path = write_recipe(recipe(run_dir, note="${oc.env:NEXRL_TEST_API_KEY}"), tmp_path / "recipe.yaml")
     code, out, err = nexrl("run", str(path))
     assert code == 0, err
     assert leaks(secret, run_dir, out, err) == []
@@ -119,7 +112,7 @@ def test_an_option_a_plugin_declares_secret(nexrl, tmp_path):
     secret = "correct horse battery staple"
     assert not is_secret_key("passphrase")  # only the declaration makes it secret
     run_dir = tmp_path / "run"
-    path = write(tmp_path / "recipe.yaml", recipe(run_dir, passphrase=secret))
+    path = write_recipe(recipe(run_dir, passphrase=secret), tmp_path / "recipe.yaml")
     code, out, err = nexrl("run", str(path))
     assert code == 0, err
     assert leaks(secret, run_dir, out, err) == []
@@ -135,9 +128,9 @@ def test_an_option_a_plugin_declares_secret(nexrl, tmp_path):
 
 def test_a_secret_in_a_bad_override_is_not_quoted_by_its_error(nexrl, tmp_path):
     secret = "tml-typo-5e6f7a8b9c"
-    data = recipe(tmp_path / "run")
-    data["rollout_worker"]["evaluator"] = {"type": "exact_match"}  # no api_key key to set: it needs '+'
-    path = write(tmp_path / "recipe.yaml", data)
+    # no api_key key to set: it needs '+'
+    data = make_recipe(recipe(tmp_path / "run"), rollout_worker={"evaluator": {"type": "exact_match"}})
+    path = write_recipe(data, tmp_path / "recipe.yaml")
     for command in ("validate", "run"):
         code, out, err = nexrl(command, str(path), f"rollout_worker.evaluator.api_key={secret}")
         assert code == 2 and secret not in out + err
@@ -167,7 +160,7 @@ def test_a_secret_on_the_command_line_reaches_no_file_tracker_or_console(tmp_pat
     pytest.importorskip("tensorboardX")
     secret = "tml-cli-0a1b2c3d4e5f"
     run_dir = tmp_path / "run"
-    path = write(tmp_path / "recipe.yaml", recipe(run_dir))
+    path = write_recipe(recipe(run_dir), tmp_path / "recipe.yaml")
     script = Path(sys.executable).parent / "nexrl"
     cmd = [str(script)] if script.exists() else [sys.executable, "-m", "nexrl_core.cli"]
     override = f"+rollout_worker.evaluator.api_key={secret}"

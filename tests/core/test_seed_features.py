@@ -11,20 +11,16 @@ import nexrl_core
 from nexrl_core.cli import main
 from nexrl_core.cli.run_log import RunRecorder
 from nexrl_core.eval_core import EvalState, SampleRecord, add_sample, summarize
+from nexrl_core.testing import make_recipe, write_recipe
 
-MOCK = {
-    "data": {"type": "arithmetic", "num_rows": 16, "max_value": 9},
-    "rollout_worker": {"num_workers": 2, "evaluator": {"type": "numeric_answer"}},
-    "service": {"inference_service": {"backend": "mock", "mode": "sum", "learn_steps": 3}},
-    "trainer": {"type": "mock", "total_train_steps": 4},
-    "trajectory_pool": {"batch_size": 4, "group_size": 2},
-}
+MOCK = make_recipe(service={"inference_service": {"learn_steps": 3}}, trainer={"total_train_steps": 4})
 
 
 # -- model_update_frequency ------------------------------------------------------------------------
 
 def test_weights_are_pushed_every_n_steps(run_local):
-    recipe = {**MOCK, "weight": {"sync_mode": "batch-async", "staleness_threshold": 2, "model_update_frequency": 2}}
+    recipe = make_recipe(MOCK, weight={"sync_mode": "batch-async", "staleness_threshold": 2,
+                                       "model_update_frequency": 2})
     controller, summary = run_local(recipe)
     assert summary.stopped_by == "finished" and summary.global_step == 4
     assert controller.weight_sync_controller.sync_count == 1 + 2  # the initial weights', then after steps 2, 4
@@ -45,10 +41,8 @@ def test_every_step_by_default(run_local):
     ({"model_update_frequency": 0}, "weight.model_update_frequency: 0 is below the minimum 1"),
 ])
 def test_a_frequency_the_sync_mode_cannot_honour_is_refused(weight, expected, tmp_path, core_pm, capfd, monkeypatch):
-    import yaml
-
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "r.yaml").write_text(yaml.safe_dump({**MOCK, "weight": weight, "run_dir": str(tmp_path / "run")}))
+    write_recipe(make_recipe(MOCK, weight=weight, run_dir=str(tmp_path / "run")), tmp_path / "r.yaml")
     assert main(["validate", "r.yaml"]) == 2
     err = capfd.readouterr().err
     assert expected.split(":")[0] in err and (expected in err or "model_update_frequency" in err), err
@@ -123,8 +117,8 @@ def test_validation_metrics_per_tag_with_success_rate():
 def test_a_validation_run_reports_each_tag(run_local, tmp_path):
     rows = [{"prompt": f"What is {a} + 1?", "answer": a + 1, "tag": "small" if a < 3 else "large"} for a in range(6)]
     (tmp_path / "val.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    recipe = {**MOCK, "trainer": {"type": "mock", "total_train_steps": 1},
-              "validate": {"validate_before_train": True, "data": {"type": "file", "path": "val.jsonl"}}}
+    recipe = make_recipe(MOCK, trainer={"total_train_steps": 1},
+                         validate={"validate_before_train": True, "data": {"type": "file", "path": "val.jsonl"}})
     controller, summary = run_local(recipe)
     first = summary.validation[0] if isinstance(summary.validation, list) else summary.validation
     assert first["val/small/num_samples"] == 3.0 and first["val/large/num_samples"] == 3.0
@@ -135,8 +129,7 @@ def test_a_validation_run_reports_each_tag(run_local, tmp_path):
 
 def test_the_controller_as_a_library_call(tmp_path, core_pm, reset_loguru, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    recipe = {**MOCK, "run_dir": str(tmp_path / "run"), "logger": {"backend": [], "level": "WARNING"},
-              "runtime_monitor": {"stop_timeout": 10, "exception_handling": {"check_interval": 0.05}}}
+    recipe = make_recipe(MOCK, run_dir=str(tmp_path / "run"), logger={"backend": []})
     summary = nexrl_core.run(recipe, ["trainer.total_train_steps=2"])
     assert summary.stopped_by == "finished" and summary.global_step == 2
     run = json.loads((tmp_path / "run" / "run.json").read_text())
@@ -145,4 +138,4 @@ def test_the_controller_as_a_library_call(tmp_path, core_pm, reset_loguru, monke
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "train/reward_mean" in r] == [1, 2]
     with pytest.raises(nexrl_core.ConfigError, match="trainer.total_train_stepz: unknown key"):
-        nexrl_core.run({**recipe, "trainer": {"type": "mock", "total_train_stepz": 2}})
+        nexrl_core.run(make_recipe(recipe, trainer={"type": "mock", "total_train_stepz": 2}))

@@ -49,9 +49,9 @@ class RaySettings:
             call_timeout=section["call_timeout"],
             colocation=colocation,
             resources={k: {n: a for n, a in (v or {}).items() if a is not None}
-                       for k, v in (section["resources"] or {}).items()},
+                       for k, v in section["resources"].items()},
             max_concurrency=section["max_concurrency"],
-            env_vars={str(k): str(v) for k, v in (section["env_vars"] or {}).items()},
+            env_vars={str(k): str(v) for k, v in section["env_vars"].items()},
             num_worker_actors=int(declared_value(workers, "num_actors", ROLLOUT_WORKER, "rollout_worker")),
         )
 

@@ -34,6 +34,7 @@ from nexrl_core import (
     SamplingParams,
     execute,
 )
+from nexrl_core.config.bound import declared_value
 
 from .agent_config import load_agent_spec
 from .runner import AgentRunner, AgentRunResult
@@ -105,10 +106,10 @@ class BaseNexAURolloutWorker(BaseRolloutWorker):
         self._validate_temperature = config["validate_temperature"]
         self.agent_spec = load_agent_spec(str(config["nexau_agent_config_path"]),
                                           config["nexau_agent_workspace"])
-        sampling = {**self.agent_spec.sampling_defaults(), **_plain(config["sampling"] or {})}
+        sampling = {**self.agent_spec.sampling_defaults(), **_plain(config["sampling"])}
         self._sampling = SamplingParams.from_config(sampling)
         self.runner_kind = _choose_runner(str(config["agent_runner"]))
-        few_shot = _plain(config["few_shot"] or [])
+        few_shot = _plain(config["few_shot"])
         if self.runner_kind == "builtin":
             self.runner: Any = AgentRunner(self.agent_spec, self._tool_timeout, self._max_tool_output, few_shot)
         else:
@@ -138,8 +139,8 @@ class BaseNexAURolloutWorker(BaseRolloutWorker):
         if section.get("agent_runner") == "nexau" and not _nexau_importable():
             problems.append(f"{key}.agent_runner: 'nexau' needs the nexau package (github.com/nex-agi/NexAU, not on "
                             f"PyPI), which is not importable here; use 'builtin' or 'auto'")
-        problems += SamplingParams.recipe_problems(_plain(section.get("sampling") or {}), f"{key}.sampling")
-        few_shot = _plain(section.get("few_shot") or [])
+        problems += SamplingParams.recipe_problems(_plain(declared_value(section, "sampling", cls.OPTIONS, key)), f"{key}.sampling")
+        few_shot = declared_value(section, "few_shot", cls.OPTIONS, key)
         if not isinstance(few_shot, list) or not all(
                 isinstance(m, dict) and m.get("role") in ("system", "user", "assistant", "tool")
                 and isinstance(m.get("content"), str) for m in few_shot):
