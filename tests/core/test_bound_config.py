@@ -49,6 +49,20 @@ def test_declared_defaults_are_filled_and_the_mapping_is_read_only():
     assert cfg.key_list == ["uid"]
 
 
+def test_a_hand_built_section_gets_the_seed_the_composed_recipe_would():
+    """``seed: ${seed}`` cannot be interpolated in a section built by hand: it is the root seed's
+    declared default, as in a composed recipe that sets neither; other references stay null."""
+    root = CORE_OPTIONS["seed"].default
+    assert isinstance(root, int) and ROLLOUT_WORKER["seed"].default == "${seed}"
+    assert bind({}, ROLLOUT_WORKER, "rollout_worker")["seed"] == root
+    assert bind({"seed": 5}, ROLLOUT_WORKER, "rollout_worker")["seed"] == 5
+    assert bind({}, {"path": Option("${run_dir}/x", (str, None))})["path"] is None
+    loader = PluginManager(load_entrypoints=False).resolve("dataloader", "inline", "data")
+    section = {"type": "inline", "rows": [{"prompt": "a"}]}
+    assert loader.bind_config(section)["seed"] == root  # data.seed: ${seed}
+    assert loader.bind_config(section, is_validate=True)["seed"] == 0  # not shuffled: declared 0
+
+
 def test_a_bound_config_pickles_for_ray_actors():
     cfg = bind({"batch_size": 8, "group_size": 2}, TRAJECTORY_POOL, "trajectory_pool")
     back = pickle.loads(pickle.dumps(cfg))
