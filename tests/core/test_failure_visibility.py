@@ -13,11 +13,12 @@ import importlib.util
 import json
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
-import yaml
 
 from nexrl_core.cli import main
+from nexrl_core.testing import make_recipe, write_recipe
 
 EVALUATOR = textwrap.dedent('''
     from nexrl_core import EvaluationRunResult, Evaluator, hookimpl
@@ -81,23 +82,21 @@ def _load(tmp_path, name, source):
     return module
 
 
-def _recipe(tmp_path, steps=2, **extra):
-    recipe = {
-        "run_dir": str(tmp_path / "run"),
-        "data": {"type": "inline", "rows": ROWS, "shuffle": False},
-        "rollout_worker": {"num_workers": 2, "evaluator": {"type": "picky"}},
-        "service": {"inference_service": {"backend": "mock", "mode": "echo"}},
-        "trainer": {"type": "mock", "total_train_steps": steps},
-        "trajectory_pool": {"batch_size": 6, "group_size": 1, "key_list": []},
-        "validate": {"validate_before_train": True, "data": {"type": "inline", "rows": ROWS}},
-        "runtime_monitor": {"stop_timeout": 10, "health_check": {"check_interval": 0.5},
-                            "exception_handling": {"check_interval": 0.05},
-                            "failed_samples": {"enabled": False}},
-        **extra,
-    }
-    path = tmp_path / "recipe.yaml"
-    path.write_text(yaml.safe_dump(recipe))
-    return path
+def _recipe(tmp_path, steps=2, validation=True, **sections):
+    """ROWS in file order, echoed by the mock model and scored by the picky evaluator; validated on
+    ROWS before training unless not ``validation``; ``sections`` merge in (the kit's make_recipe)."""
+    recipe = make_recipe(
+        None, run_dir=str(tmp_path / "run"),
+        data={"type": "inline", "rows": ROWS, "shuffle": False},
+        rollout_worker={"num_workers": 2, "evaluator": {"type": "picky"}},
+        service={"inference_service": {"backend": "mock", "mode": "echo"}},
+        trainer={"type": "mock", "total_train_steps": steps},
+        trajectory_pool={"batch_size": 6, "group_size": 1, "key_list": []},
+        validate={"validate_before_train": True, "data": {"type": "inline", "rows": ROWS}} if validation
+        else {"validate_before_train": False},
+        runtime_monitor={"stop_timeout": 10, "health_check": {"check_interval": 0.5},
+                         "exception_handling": {"check_interval": 0.05}, "failed_samples": {"enabled": False}})
+    return Path(write_recipe(make_recipe(recipe, **sections), tmp_path / "recipe.yaml"))
 
 
 def test_evaluator_errors_once_on_console_every_one_in_run_log_with_the_reply(tmp_path, core_pm, capfd,
@@ -193,7 +192,7 @@ LOCAL_VARIABLES = ("│", "└", "SECRET-")  # what loguru's `diagnose` draws un
 def _run_broken_worker(tmp_path, core_pm, capfd, worker, *overrides):
     module = _load(tmp_path, f"broken_workers_{worker}", WORKERS)
     core_pm.register(module, name="broken", distribution="nexrl-broken-workers")
-    recipe = _recipe(tmp_path, steps=3, validate={"validate_before_train": False})
+    recipe = _recipe(tmp_path, steps=3, validation=False)
     code = main(["run", str(recipe), f"rollout_worker.type={worker}", "rollout_worker.evaluator.type=exact_match",
                  *overrides])
     return code, capfd.readouterr().err, (tmp_path / "run")

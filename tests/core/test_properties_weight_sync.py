@@ -18,7 +18,6 @@ import threading
 import time
 
 import pytest
-import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from loguru import logger
@@ -31,6 +30,7 @@ from nexrl_core.controller import NexRLController
 from nexrl_core.evaluation import EvaluationRunResult, Evaluator
 from nexrl_core.inference import InferenceError
 from nexrl_core.plugins import PluginManager
+from nexrl_core.testing import make_recipe, write_recipe
 from nexrl_core.weight_sync import WeightSyncController
 
 pytestmark = pytest.mark.timeout(120)  # a deadlock fails the test instead of hanging the suite
@@ -179,19 +179,14 @@ def test_every_validation_sample_counted_exactly_once(pm, rows, n_samples, num_w
     data = [{"prompt": f"{r['a']} + {r['b']}", "answer": str(r["a"] + r["b"]), "data_source": r["data_source"],
              **({r["kind"]: True} if r["kind"] != "ok" else {})} for r in rows]
     with tempfile.TemporaryDirectory() as tmp:
-        recipe = {
-            "run_dir": os.path.join(tmp, "run"),
-            "logger": {"backend": [], "level": "WARNING"},
-            "data": {"type": "inline", "rows": data},
-            "validate": {"n_samples": n_samples, "data": {"type": "inline", "rows": data}},
-            "rollout_worker": {"type": "troubled", "num_workers": num_workers, "evaluator": {"type": "flaky"}},
-            "trajectory_pool": {"batch_size": 1, "group_size": 1, "key_list": []},
-            "service": {"inference_service": {"backend": "mock", "mode": "sum", "learn_steps": 4,
-                                              "delay_s": delay}},
-        }
-        path = os.path.join(tmp, "recipe.yaml")
-        with open(path, "w") as f:
-            yaml.safe_dump(recipe, f)
+        recipe = make_recipe(
+            None, run_dir=os.path.join(tmp, "run"), logger={"backend": [], "level": "WARNING"},
+            data={"type": "inline", "rows": data},
+            validate={"n_samples": n_samples, "data": {"type": "inline", "rows": data}},
+            rollout_worker={"type": "troubled", "num_workers": num_workers, "evaluator": {"type": "flaky"}},
+            trajectory_pool={"batch_size": 1, "group_size": 1, "key_list": []},
+            service={"inference_service": {"backend": "mock", "mode": "sum", "learn_steps": 4, "delay_s": delay}})
+        path = write_recipe(recipe, os.path.join(tmp, "recipe.yaml"))
         controller = NexRLController(load_recipe(path), plugin_manager=pm, eval_only=True,
                                      eval_out=os.path.join(tmp, "eval"))
         metrics = controller.run_evaluation()

@@ -12,13 +12,13 @@ import threading
 import time
 
 import pytest
-import yaml
 
 from nexrl_core import ModuleUnavailable, NexRLError, RunFailed, execute
 from nexrl_core.builtins.mock import mock_sum_threshold
 from nexrl_core.config.recipe import load_recipe
 from nexrl_core.controller import NexRLController
 from nexrl_core.plugins import PluginManager
+from nexrl_core.testing import make_recipe, write_recipe
 from nexrl_core.types import NexRLRole
 from tests.support.ray_cluster import alive, wait_until_gone
 from tests.support.ray_probe import FailingPlugin, ProbePlugin
@@ -36,27 +36,19 @@ def _expected_val_reward(version: int) -> float:
     return sum(float(version >= mock_sum_threshold(a, b, LEARN_STEPS)) for a, b in VAL) / len(VAL)
 
 
-def _recipe(tmp_path, **extra) -> dict:
-    recipe = {
-        "launch_mode": "ray",
-        "run_dir": str(tmp_path / "run"),
-        "logger": {"backend": ["console"], "level": "WARNING"},
-        "runtime_monitor": {"stop_timeout": 10, "health_check": {"check_interval": 0.5, "timeout": 5.0},
-                            "exception_handling": {"check_interval": 0.05}},
-        "data": {"type": "inline", "rows": [_row(a, b) for a, b in TRAIN]},
-        "rollout_worker": {"num_workers": 2, "evaluator": {"type": "exact_match"}},
-        "trajectory_pool": {"batch_size": 4, "group_size": 2},
-        "trainer": {"type": "mock", "total_train_steps": 4, "save_freq": 2},
-        "weight": {"validate_freq": 2},
-        "service": {"inference_service": {"backend": "mock", "mode": "sum", "learn_steps": LEARN_STEPS}},
-        "validate": {"validate_before_train": True, "data": {"type": "inline", "rows": [_row(a, b) for a, b in VAL]}},
-    }
-    for key, value in extra.items():
-        if isinstance(value, dict) and isinstance(recipe.get(key), dict):
-            recipe[key] = {**recipe[key], **value}
-        else:
-            recipe[key] = value
-    return recipe
+def _recipe(tmp_path, **sections) -> dict:
+    """The kit's mock recipe in launch_mode ray on TRAIN, validated on VAL every 2 of 4 steps, a
+    checkpoint every 2, a 5 s health-check timeout; ``sections`` merge in as make_recipe merges them
+    (a mapping naming its type or backend replaces the base's)."""
+    base = make_recipe(launch_mode="ray", run_dir=str(tmp_path / "run"),
+                       runtime_monitor={"health_check": {"timeout": 5.0}},
+                       data={"type": "inline", "rows": [_row(a, b) for a, b in TRAIN]},
+                       rollout_worker={"evaluator": {"type": "exact_match"}},
+                       trainer={"total_train_steps": 4, "save_freq": 2}, weight={"validate_freq": 2},
+                       service={"inference_service": {"learn_steps": LEARN_STEPS}},
+                       validate={"validate_before_train": True,
+                                 "data": {"type": "inline", "rows": [_row(a, b) for a, b in VAL]}})
+    return make_recipe(base, **sections)
 
 
 @pytest.fixture
@@ -66,9 +58,8 @@ def build(ray_cluster, tmp_path, core_pm, reset_loguru):
     controllers: list[NexRLController] = []
 
     def make(recipe: dict, pm: PluginManager | None = None) -> NexRLController:
-        path = tmp_path / f"recipe{len(controllers)}.yaml"
-        path.write_text(yaml.safe_dump(recipe, sort_keys=False))
-        controller = NexRLController(load_recipe(str(path)), plugin_manager=pm or core_pm)
+        path = write_recipe(recipe, tmp_path / f"recipe{len(controllers)}.yaml")
+        controller = NexRLController(load_recipe(path), plugin_manager=pm or core_pm)
         controllers.append(controller)
         return controller
 
@@ -112,7 +103,7 @@ def probe_pm(core_pm):
 def test_colocation_and_the_weight_hand_over(build, probe_pm, tmp_path, placement):
     steps = 4
     colocation = {} if placement == "colocated" else {"ray": {"colocation": {"trainer": None}}}
-    controller = build(_recipe(tmp_path, trainer={"type": "pid_mock", "total_train_steps": steps},
+    controller = build(_recipe(tmp_path, trainer={"type": "pid_mock", "total_train_steps": steps, "save_freq": 2},
                                service={"inference_service": {"backend": "pid_mock", "mode": "sum",
                                                               "learn_steps": LEARN_STEPS}},
                                weight={"backend": "deferred_probe", "validate_freq": 2}, **colocation),
@@ -177,8 +168,8 @@ def test_multi_domain_data_and_dynamic_sampling_in_actors(build, core_pm, tmp_pa
     domains = {"low": {"type": "inline", "rows": [_row(a, b) for a, b in TRAIN[:3]]},
                "high": {"type": "inline", "rows": [_row(a, b) for a, b in TRAIN[3:]]}}
     recipe = _recipe(tmp_path, trajectory_pool={"dynamic_sampling": {"enabled": True, "max_replacements": 1}},
-                     rollout_worker={"num_workers": 2, "num_actors": 2})
-    recipe["data"] = {"type": "multi_domain", "domains": domains, "domain_interleave_probs": {"low": 1, "high": 1}}
+                     rollout_worker={"num_workers": 2, "num_actors": 2},
+                     data={"type": "multi_domain", "domains": domains, "domain_interleave_probs": {"low": 1, "high": 1}})
     controller = build(recipe, core_pm)
     summary, reads = run_with_reads(controller, batches=(NexRLRole.TRAINER, "get_batches"))
     assert summary.stopped_by == "finished" and summary.global_step == 4
@@ -247,7 +238,8 @@ def test_an_actors_log_lines_hide_the_drivers_secrets(build, core_pm, tmp_path):
 
 def test_an_exception_in_an_actors_thread_stops_the_run_as_in_local_mode(build, core_pm, tmp_path):
     core_pm.register(FailingPlugin(), name="failing", distribution="nexrl-failing (in-process)")
-    controller = build(_recipe(tmp_path, trainer={"type": "failing_mock", "fail_at": 2, "save_freq": 0}), core_pm)
+    controller = build(_recipe(tmp_path, trainer={"type": "failing_mock", "total_train_steps": 4, "fail_at": 2,
+                                                  "save_freq": 0}), core_pm)
     with pytest.raises(RunFailed) as failed:
         controller.run()
     # as in local mode: the trainer's status, the error policy (the reported exception) or the health
@@ -306,17 +298,15 @@ def _metrics_or_empty(tmp_path) -> list[dict]:
 def test_bad_ray_settings_are_named(core_pm, tmp_path, capfd, reset_loguru):
     from nexrl_core.cli import main
 
-    path = tmp_path / "recipe.yaml"
-    path.write_text(yaml.safe_dump({
-        "launch_mode": "ray", "run_dir": str(tmp_path / "run"),
-        "data": {"type": "inline", "rows": [_row(1, 2)]},
-        "rollout_worker": {"num_workers": 2, "num_actors": 3, "tasks_per_call": 0},
-        "trajectory_pool": {"batch_size": 2, "group_size": 2},
-        "ray": {"call_timeout": -1, "num_cpus": "many", "colokation": {},
-                "colocation": {"rollout_worker": "control", "trainer": 3},
-                "resources": {"trainer": {"num_gpu": 1}, "coach": {"num_cpus": 1}}},
-    }))
-    assert main(["validate", str(path)]) == 2
+    path = write_recipe(make_recipe(
+        None, launch_mode="ray", run_dir=str(tmp_path / "run"),
+        data={"type": "inline", "rows": [_row(1, 2)]},
+        rollout_worker={"num_workers": 2, "num_actors": 3, "tasks_per_call": 0},
+        trajectory_pool={"batch_size": 2, "group_size": 2},
+        ray={"call_timeout": -1, "num_cpus": "many", "colokation": {},
+             "colocation": {"rollout_worker": "control", "trainer": 3},
+             "resources": {"trainer": {"num_gpu": 1}, "coach": {"num_cpus": 1}}}), tmp_path / "recipe.yaml")
+    assert main(["validate", path]) == 2
     err = capfd.readouterr().err
     for line in ["ray.colokation: unknown key; did you mean 'ray.colocation'?",
                  "ray.call_timeout: expected a positive number, got -1",
