@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
 from nexrl_core import SamplingParams, tools_system_prompt
 from nexrl_core.cli import main as nexrl_main
+from nexrl_core.testing import make_recipe, write_recipe
 from nexrl_grpo.engine import HFInferenceEngine
 from nexrl_grpo.trainers import SelfHostedGrpoTrainer
 from nexrl_nexau import AgentRunner, load_agent_spec
@@ -92,24 +92,21 @@ def taught(tmp_path_factory):
 
 
 def recipe(run_dir: Path, agent: str, model_dir: str) -> dict:
-    return {
-        "run_dir": str(run_dir), "seed": 3,
-        "logger": {"backend": [], "level": "WARNING"},
-        "data": {"type": "inline", "rows": [{"prompt": QUESTION, "answer": 5}]},
-        "validate": {"validate_before_train": True,
-                     "data": {"type": "inline", "rows": [{"prompt": QUESTION, "answer": 5}]}},
-        "rollout_worker": {"type": "nexau", "num_workers": GROUP, "nexau_agent_config_path": agent,
-                           "agent_runner": "builtin", "validate_temperature": 0,
-                           "sampling": {"max_tokens": 40, "temperature": 1.0},
-                           "evaluator": {"type": "numeric_answer"}},
-        "trajectory_pool": {"batch_size": GROUP, "group_size": GROUP, "key_list": ["uid"]},
-        "trainer": {"type": "self_hosted_grpo", "total_train_steps": STEPS},
-        "weight": {"sync_mode": "sync", "backend": "in_process", "rollout_limit": "batch"},
-        "service": {"train_service": {"model_path": model_dir, "lr": 1e-3, "num_threads": 1},
-                    "inference_service": {"backend": "hf", "model_path": model_dir, "num_threads": 1}},
-        "runtime_monitor": {"stop_timeout": 10, "health_check": {"check_interval": 0.5, "timeout": 10.0},
-                            "exception_handling": {"check_interval": 0.05}},
-    }
+    return make_recipe(
+        None, run_dir=str(run_dir), seed=3, logger={"backend": [], "level": "WARNING"},
+        data={"type": "inline", "rows": [{"prompt": QUESTION, "answer": 5}]},
+        validate={"validate_before_train": True,
+                  "data": {"type": "inline", "rows": [{"prompt": QUESTION, "answer": 5}]}},
+        rollout_worker={"type": "nexau", "num_workers": GROUP, "nexau_agent_config_path": agent,
+                        "agent_runner": "builtin", "validate_temperature": 0,
+                        "sampling": {"max_tokens": 40, "temperature": 1.0}, "evaluator": {"type": "numeric_answer"}},
+        trajectory_pool={"batch_size": GROUP, "group_size": GROUP, "key_list": ["uid"]},
+        trainer={"type": "self_hosted_grpo", "total_train_steps": STEPS},
+        weight={"sync_mode": "sync", "backend": "in_process", "rollout_limit": "batch"},
+        service={"train_service": {"model_path": model_dir, "lr": 1e-3, "num_threads": 1},
+                 "inference_service": {"backend": "hf", "model_path": model_dir, "num_threads": 1}},
+        runtime_monitor={"stop_timeout": 10, "health_check": {"check_interval": 0.5, "timeout": 10.0},
+                         "exception_handling": {"check_interval": 0.05}})
 
 
 @pytest.fixture(scope="module")
@@ -117,8 +114,7 @@ def run(taught, tmp_path_factory):
     """`nexrl run recipe.yaml` in this process; the trainer's batches are recorded on the way."""
     agent, model_dir = taught
     root = tmp_path_factory.mktemp("nexau_run")
-    path = root / "recipe.yaml"
-    path.write_text(yaml.safe_dump(recipe(root / "run", agent, model_dir), sort_keys=False))
+    path = write_recipe(recipe(root / "run", agent, model_dir), root / "recipe.yaml")
     batches = []
     train = SelfHostedGrpoTrainer.train
 

@@ -9,8 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-import yaml
-
+from nexrl_core.testing import make_recipe
 from tests.support.metrics import read_metrics
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -25,29 +24,23 @@ PROMPTS = ["the quick brown fox", "what is two plus three?", "count: one, two, t
 
 
 def grpo_recipe(run_dir: Path, model_dir: str) -> dict:
-    """The tiny-Llama GRPO recipe of the resume and signal tests (run it with `plugin_env`)."""
-    return {
-        "run_dir": str(run_dir),
-        "seed": 3,
-        "data": {"type": "inline", "rows": [{"prompt": p} for p in PROMPTS]},  # 5 rows: epochs wrap mid-run
-        "validate": {"validate_before_train": True, "n_samples": 2,
-                     "data": {"type": "inline", "rows": [{"prompt": "the lazy dog"}, {"prompt": "nine, ten"}]}},
-        "rollout_worker": {"type": "simple", "num_workers": 1, "sampling": {"max_tokens": 6, "temperature": 1.0},
-                           "evaluator": {"type": "letter_share"}},  # continuous rewards: non-zero advantages
-        "trajectory_pool": {"batch_size": 4, "group_size": 2, "key_list": ["uid"]},
-        "trainer": {"type": "self_hosted_grpo", "total_train_steps": STEPS, "save_freq": 1},
-        "weight": {"sync_mode": "sync", "backend": "in_process", "validate_freq": 2},
-        "service": {"train_service": {"model_path": model_dir, "lr": 0.01, "num_threads": 1},
-                    "inference_service": {"backend": "hf", "model_path": model_dir, "num_threads": 1}},
-        "logger": {"backend": ["console"], "level": "INFO"},
-        "runtime_monitor": {"stop_timeout": 20, "health_check": {"check_interval": 1.0, "timeout": 10.0},
-                            "exception_handling": {"check_interval": 0.05}},
-    }
-
-
-def write_recipe(path: Path, recipe: dict) -> str:
-    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
-    return str(path)
+    """The tiny-Llama GRPO recipe of the resume and signal tests (run it with `plugin_env`: its
+    ``letter_share`` is reltest_plugin's, not tests.support.letters')."""
+    return make_recipe(
+        None, run_dir=str(run_dir), seed=3,
+        data={"type": "inline", "rows": [{"prompt": p} for p in PROMPTS]},  # 5 rows: epochs wrap mid-run
+        validate={"validate_before_train": True, "n_samples": 2,
+                  "data": {"type": "inline", "rows": [{"prompt": "the lazy dog"}, {"prompt": "nine, ten"}]}},
+        rollout_worker={"type": "simple", "num_workers": 1, "sampling": {"max_tokens": 6, "temperature": 1.0},
+                        "evaluator": {"type": "letter_share"}},  # continuous rewards: non-zero advantages
+        trajectory_pool={"batch_size": 4, "group_size": 2, "key_list": ["uid"]},
+        trainer={"type": "self_hosted_grpo", "total_train_steps": STEPS, "save_freq": 1},
+        weight={"sync_mode": "sync", "backend": "in_process", "validate_freq": 2},
+        service={"train_service": {"model_path": model_dir, "lr": 0.01, "num_threads": 1},
+                 "inference_service": {"backend": "hf", "model_path": model_dir, "num_threads": 1}},
+        logger={"backend": ["console"], "level": "INFO"},
+        runtime_monitor={"stop_timeout": 20, "health_check": {"check_interval": 1.0, "timeout": 10.0},
+                         "exception_handling": {"check_interval": 0.05}})
 
 
 class Run:

@@ -12,7 +12,7 @@ import tempfile
 
 import pytest
 
-from tests.reliability.helpers import write_recipe
+from nexrl_core.testing import write_recipe
 from tests.support.ray_cluster import processes_mentioning, wait_until_gone
 
 pytest.importorskip("ray")
@@ -48,7 +48,7 @@ def _train_rows(run_dir) -> int:
 
 def test_sigterm_stops_the_run_and_its_cluster(start_run, tmp_path, ray_tmpdir):
     run_dir = tmp_path / "run"
-    run = start_run(write_recipe(tmp_path / "recipe.yaml", mock_recipe(run_dir)), env={"RAY_TMPDIR": ray_tmpdir})
+    run = start_run(write_recipe(mock_recipe(run_dir), tmp_path / "recipe.yaml"), env={"RAY_TMPDIR": ray_tmpdir})
     run.wait_for(lambda: _train_rows(run_dir) >= 3, timeout=240, poll=0.1)
     assert processes_mentioning(ray_tmpdir)  # the run's cluster is up
     run.signal(signal.SIGTERM)
@@ -75,7 +75,7 @@ def test_a_failed_run_stops_its_cluster(start_run, plugin_env, tmp_path, ray_tmp
     """})
     run_dir = tmp_path / "run"
     recipe = mock_recipe(run_dir, type="failing_mock")
-    run = start_run(write_recipe(tmp_path / "recipe.yaml", recipe),
+    run = start_run(write_recipe(recipe, tmp_path / "recipe.yaml"),
                     env={"RAY_TMPDIR": ray_tmpdir, "PYTHONPATH": f"{site}:{plugin_env['PYTHONPATH']}"})
     assert run.proc.wait(240) == 1, run.output()[-3000:]
     assert "the trainer stopped at step 3: RuntimeError: injected trainer failure" in run.output()

@@ -22,7 +22,8 @@ from omegaconf import OmegaConf
 
 from nexrl_core.builtins.mock import MockTrainer
 from nexrl_core.checkpoint import CORE_STATE_FILE, find_latest_checkpoint
-from tests.reliability.helpers import STEPS, Run, grpo_recipe, metrics_rows, run_to_end, write_recipe
+from nexrl_core.testing import write_recipe
+from tests.reliability.helpers import STEPS, Run, grpo_recipe, metrics_rows, run_to_end
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -31,7 +32,7 @@ WORKERS = "rollout_worker.num_workers=8"
 
 
 def _reference_run(model_dir: str, env: dict[str, str], root: Path, *overrides: str) -> Path:
-    recipe = write_recipe(root / "recipe.yaml", grpo_recipe(root / "run", model_dir))
+    recipe = write_recipe(grpo_recipe(root / "run", model_dir), root / "recipe.yaml")
     run = Run(recipe, list(overrides), env, root / "out.log")
     assert run.wait() == 0, run.output()[-4000:]
     rows = metrics_rows(root / "run")
@@ -58,7 +59,7 @@ def reference8(reference, tiny_model_dir, plugin_env, tmp_path_factory) -> Path:
 
 @pytest.fixture
 def recipe(tiny_model_dir, tmp_path) -> str:
-    return write_recipe(tmp_path / "recipe.yaml", grpo_recipe(tmp_path / "run", tiny_model_dir))
+    return write_recipe(grpo_recipe(tmp_path / "run", tiny_model_dir), tmp_path / "recipe.yaml")
 
 
 def _complete(ckpt_dir: Path, step: int):

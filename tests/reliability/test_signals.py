@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from nexrl_core.checkpoint import CORE_STATE_FILE
-from tests.reliability.helpers import grpo_recipe, write_recipe
+from nexrl_core.testing import write_recipe
+from tests.reliability.helpers import grpo_recipe
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -51,7 +52,7 @@ def test_sigterm_stops_cleanly_and_the_stop_checkpoint_resumes(tiny_model_dir, s
     recipe = grpo_recipe(tmp_path / "run", tiny_model_dir)
     recipe["trainer"].update({"total_train_steps": 200, "save_freq": 0, "save_on_stop": True})
     recipe["validate"]["validate_before_train"] = False
-    path = write_recipe(tmp_path / "recipe.yaml", recipe)
+    path = write_recipe(recipe, tmp_path / "recipe.yaml")
 
     run = start_run(path)
     run.wait_for(lambda: len(train_steps(tmp_path / "run", running=True)) >= 2)
@@ -84,7 +85,7 @@ CORE_ONLY = {"NEXRL_LOAD_PLUGINS": ""}  # nexrl-core alone: no torch import, a f
 
 
 def test_sigint_with_the_mock_trainer_and_auto_resume(start_run, tmp_path):
-    path = write_recipe(tmp_path / "recipe.yaml", _mock_recipe(tmp_path / "run"))
+    path = write_recipe(_mock_recipe(tmp_path / "run"), tmp_path / "recipe.yaml")
     run = start_run(path, env=CORE_ONLY)
     run.wait_for(lambda: len(train_steps(tmp_path / "run", running=True)) >= 3)
     run.signal(signal.SIGINT)
@@ -106,7 +107,7 @@ def test_sigterm_during_validation_exits_130(start_run, tmp_path):
     recipe["service"]["inference_service"]["delay_s"] = 0.2  # 30 samples, one worker: a 6 s validation
     recipe["validate"] = {"validate_before_train": True, "data": {
         "type": "inline", "rows": [{"prompt": f"{a} + 2", "answer": str(a + 2)} for a in range(30)]}}
-    path = write_recipe(tmp_path / "recipe.yaml", recipe)
+    path = write_recipe(recipe, tmp_path / "recipe.yaml")
     run = start_run(path, env=CORE_ONLY)
     log = tmp_path / "run" / "run.log"
     run.wait_for(lambda: log.exists() and "validation started" in log.read_text())
