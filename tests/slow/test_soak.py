@@ -26,13 +26,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from nexrl_core import EvaluationRunResult, Evaluator, hookimpl
 from nexrl_core.builtins.mock import MockTrainer
 from nexrl_core.builtins.workers import SimpleRolloutWorker
 from nexrl_core.cli import main
-from nexrl_core.testing import use_plugins
+from nexrl_core.testing import make_recipe, use_plugins, write_recipe
 
 pytestmark = pytest.mark.slow
 
@@ -116,21 +115,18 @@ def test_soak_300_steps_with_faults(tmp_path, capfd, reset_loguru, monkeypatch):
     monkeypatch.setenv("NEXRL_LOAD_PLUGINS", "")
     STATE.clear()
     RSS.clear()
-    recipe = {
-        "run_dir": str(tmp_path / "run"),
-        "data": {"type": "inline", "rows": ROWS},
-        "rollout_worker": {"type": "faulty", "num_workers": 3, "evaluator": {"type": "slow_failing"}},
-        "trajectory_pool": {"batch_size": 8, "group_size": 2},
-        "trainer": {"type": "soak", "total_train_steps": STEPS, "save_freq": SAVE_FREQ, "remove_previous_ckpt": True},
-        "service": {"inference_service": {"backend": "mock", "mode": "sum", "learn_steps": 2}},
-        "validate": {"data": {"type": "inline", "rows": ROWS[:4]}, "n_samples": 2},
-        "weight": {"validate_freq": 100},
-        "resume": {"on_failure": "restart", "max_restarts": 1, "restart_backoff": 0.1},
-        "logger": {"backend": [], "level": "WARNING", "progress": "off", "samples_every": 50},
-        "runtime_monitor": {"stop_timeout": 10, "health_check": {"check_interval": 0.5, "timeout": 5.0},
-                            "exception_handling": {"policy": "continue", "check_interval": 0.05}},
-    }
-    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    # the kit's mock recipe (mock model in mode: sum, quick monitor) with the faulty parts above
+    recipe = make_recipe(
+        run_dir=str(tmp_path / "run"), data={"type": "inline", "rows": ROWS},
+        rollout_worker={"type": "faulty", "num_workers": 3, "evaluator": {"type": "slow_failing"}},
+        trajectory_pool={"batch_size": 8},
+        trainer={"type": "soak", "total_train_steps": STEPS, "save_freq": SAVE_FREQ, "remove_previous_ckpt": True},
+        validate={"data": {"type": "inline", "rows": ROWS[:4]}, "n_samples": 2},
+        weight={"validate_freq": 100},
+        resume={"on_failure": "restart", "max_restarts": 1, "restart_backoff": 0.1},
+        logger={"backend": [], "progress": "off", "samples_every": 50},
+        runtime_monitor={"health_check": {"timeout": 5.0}, "exception_handling": {"policy": "continue"}})
+    write_recipe(recipe, tmp_path / "recipe.yaml")
     threads_before = {t.ident for t in threading.enumerate()}
     started = time.monotonic()
     with use_plugins(Plugin()):
@@ -206,20 +202,17 @@ def test_soak_ray_with_a_killed_actor(tmp_path, write_dist):
     ray_tmp = tempfile.mkdtemp(prefix="nxsoak")  # short: Ray's socket paths live under it
     run_dir = tmp_path / "run"
     steps = 12
-    recipe = {
-        "launch_mode": "ray", "run_dir": str(run_dir),
-        "data": {"type": "inline", "rows": ROWS},
-        "rollout_worker": {"type": "killing", "num_workers": 2, "num_actors": 2, "evaluator": {"type": "exact_match"}},
-        "trajectory_pool": {"batch_size": 4, "group_size": 2},
-        "trainer": {"type": "mock", "total_train_steps": steps, "save_freq": 2},
-        "service": {"inference_service": {"backend": "mock", "mode": "sum"}},
-        "resume": {"on_failure": "restart", "max_restarts": 1, "restart_backoff": 0.5},
-        "logger": {"backend": [], "level": "INFO", "progress": "off"},
-        "runtime_monitor": {"stop_timeout": 10, "health_check": {"check_interval": 0.5, "timeout": 5.0}},
-        "ray": {"num_cpus": 2},
-    }
-    path = tmp_path / "recipe.yaml"
-    path.write_text(yaml.safe_dump(recipe))
+    recipe = make_recipe(
+        None, launch_mode="ray", run_dir=str(run_dir), data={"type": "inline", "rows": ROWS},
+        rollout_worker={"type": "killing", "num_workers": 2, "num_actors": 2, "evaluator": {"type": "exact_match"}},
+        trajectory_pool={"batch_size": 4, "group_size": 2},
+        trainer={"type": "mock", "total_train_steps": steps, "save_freq": 2},
+        service={"inference_service": {"backend": "mock", "mode": "sum"}},
+        resume={"on_failure": "restart", "max_restarts": 1, "restart_backoff": 0.5},
+        logger={"backend": [], "level": "INFO", "progress": "off"},
+        runtime_monitor={"stop_timeout": 10, "health_check": {"check_interval": 0.5, "timeout": 5.0}},
+        ray={"num_cpus": 2})
+    path = write_recipe(recipe, tmp_path / "recipe.yaml")
     env = {**os.environ, "RAY_TMPDIR": ray_tmp, "SOAK_KILL_MARKER": str(tmp_path / "killed"),
            "PYTHONPATH": os.pathsep.join([str(site), str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1"}

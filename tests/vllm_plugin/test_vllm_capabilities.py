@@ -6,10 +6,10 @@ fit. Checked from the declared capabilities, no server needed."""
 from __future__ import annotations
 
 import pytest
-import yaml
 
 from nexrl_core.config.recipe import check_config, load_recipe
 from nexrl_core.plugins import PluginManager
+from nexrl_core.testing import make_recipe, write_recipe
 
 
 @pytest.fixture
@@ -24,17 +24,11 @@ def problems(tmp_path, pm, weight: dict) -> list[str]:
     model = tmp_path / "model"
     model.mkdir(exist_ok=True)
     (model / "config.json").write_text("{}")  # a model folder as far as the checks go (nothing is loaded)
-    recipe = {
-        "data": {"type": "inline", "rows": [{"prompt": "a"}]},
-        "trajectory_pool": {"batch_size": 2, "group_size": 2},
-        "trainer": {"type": "self_hosted_grpo"},
-        "weight": weight,
-        "service": {"train_service": {"model_path": str(model)},
-                    "inference_service": {"backend": "vllm", "url": "http://127.0.0.1:9"}},
-    }
-    path = tmp_path / "recipe.yaml"
-    path.write_text(yaml.safe_dump(recipe))
-    return check_config(load_recipe(str(path)), pm)
+    recipe = make_recipe(None, data={"type": "inline", "rows": [{"prompt": "a"}]},
+                         trajectory_pool={"batch_size": 2, "group_size": 2}, trainer={"type": "self_hosted_grpo"},
+                         weight=weight, service={"train_service": {"model_path": str(model)},
+                                                 "inference_service": {"backend": "vllm", "url": "http://127.0.0.1:9"}})
+    return check_config(load_recipe(write_recipe(recipe, tmp_path / "recipe.yaml")), pm)
 
 
 def test_vllm_with_a_self_hosted_trainer_needs_a_vllm_weight_sync(tmp_path, pm):

@@ -10,11 +10,11 @@ import types
 
 import pytest
 import torch
-import yaml
 
 from nexrl_core import hookimpl
 from nexrl_core.builtins.mock import MockTrainer
 from nexrl_core.config.recipe import check_config, load_recipe
+from nexrl_core.testing import make_recipe, write_recipe
 from tests.support.vllm_server import LOGITS, served_logprob
 
 pytestmark = pytest.mark.timeout(120)
@@ -41,16 +41,17 @@ def run_pm(vllm_pm):
 
 
 def recipe(tmp_path, url: str, **weight) -> dict:
-    return {
-        "run_dir": str(tmp_path / "run"),
-        "data": {"type": "inline", "rows": [{"prompt": f"What is {a} + 1?", "answer": str(a + 1)} for a in range(8)]},
-        "rollout_worker": {"num_workers": 3, "sampling": {"max_tokens": 8}},
-        "trajectory_pool": {"batch_size": 4, "group_size": 2, "key_list": ["uid"]},
-        "trainer": {"type": "logits_mock", "total_train_steps": 4},
-        "weight": {"sync_mode": "sync", "backend": "vllm_disk", "sync_dir": str(tmp_path / "sync"), **weight},
-        "service": {"inference_service": {"backend": "vllm", "url": url, "timeout": 5.0, "max_retries": 3,
-                                          "retry_backoff": 0.05}},
-    }
+    """4 steps of the logits trainer, vllm inference at ``url``, weights pushed by vllm_disk (``weight``'s
+    keys added; a backend named there keeps sync_dir: the check must name it)."""
+    return make_recipe(
+        None, run_dir=str(tmp_path / "run"),
+        data={"type": "inline", "rows": [{"prompt": f"What is {a} + 1?", "answer": str(a + 1)} for a in range(8)]},
+        rollout_worker={"num_workers": 3, "sampling": {"max_tokens": 8}},
+        trajectory_pool={"batch_size": 4, "group_size": 2, "key_list": ["uid"]},
+        trainer={"type": "logits_mock", "total_train_steps": 4},
+        weight={"sync_mode": "sync", "backend": "vllm_disk", "sync_dir": str(tmp_path / "sync"), **weight},
+        service={"inference_service": {"backend": "vllm", "url": url, "timeout": 5.0, "max_retries": 3,
+                                       "retry_backoff": 0.05}})
 
 
 def test_mock_trainer_run_with_vllm_inference_and_disk_sync(fake_vllm, run_pm, run_local, tmp_path):
@@ -73,12 +74,10 @@ def test_mock_trainer_run_with_vllm_inference_and_disk_sync(fake_vllm, run_pm, r
 
 def test_validate_checks_the_weight_sync_options(run_pm, tmp_path):
     def problems(**weight):
-        path = tmp_path / "recipe.yaml"
         data = recipe(tmp_path, "http://127.0.0.1:9", **weight)
         if weight.get("backend") == "vllm_nccl":
             del data["weight"]["sync_dir"]
-        path.write_text(yaml.safe_dump(data, sort_keys=False))
-        return check_config(load_recipe(str(path)), run_pm)
+        return check_config(load_recipe(write_recipe(data, tmp_path / "recipe.yaml")), run_pm)
 
     assert problems() == []
     assert problems(pause_mode="wait", keep_versions=2, transfer_timeout=30) == []
