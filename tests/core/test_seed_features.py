@@ -129,7 +129,7 @@ def test_a_validation_run_reports_each_tag(run_local, tmp_path):
 
 def test_the_controller_as_a_library_call(tmp_path, core_pm, reset_loguru, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    recipe = make_recipe(MOCK, run_dir=str(tmp_path / "run"), logger={"backend": []})
+    recipe = make_recipe(MOCK, run_dir=str(tmp_path / "run"), logger={"backend": [], "level": "WARNING"})
     summary = nexrl_core.run(recipe, ["trainer.total_train_steps=2"])
     assert summary.stopped_by == "finished" and summary.global_step == 2
     run = json.loads((tmp_path / "run" / "run.json").read_text())

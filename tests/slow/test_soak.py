@@ -124,7 +124,7 @@ def test_soak_300_steps_with_faults(tmp_path, capfd, reset_loguru, monkeypatch):
         validate={"data": {"type": "inline", "rows": ROWS[:4]}, "n_samples": 2},
         weight={"validate_freq": 100},
         resume={"on_failure": "restart", "max_restarts": 1, "restart_backoff": 0.1},
-        logger={"backend": [], "progress": "off", "samples_every": 50},
+        logger={"backend": [], "level": "WARNING", "progress": "off", "samples_every": 50},
         runtime_monitor={"health_check": {"timeout": 5.0}, "exception_handling": {"policy": "continue"}})
     write_recipe(recipe, tmp_path / "recipe.yaml")
     threads_before = {t.ident for t in threading.enumerate()}
