@@ -52,6 +52,21 @@ def rollout_mismatch_metrics(trainer_logprob: np.ndarray, rollout_logprob: np.nd
             "rollout_kl_k3": float(k3.mean())}
 
 
+def rollout_mismatch_per_row(trainer_logprob: np.ndarray, rollout_logprob: np.ndarray,
+                             response_mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's own ``rollout_logprob_diff_max`` and where it is: ``(gap [B] float64, position [B]
+    int64)``, the largest ``|logp_trainer - logp_rollout|`` over the row's valid tokens and the
+    index of its first such token; NaN and -1 for a row without a valid token."""
+    trainer, rollout, mask = _masked(trainer_logprob, rollout_logprob, response_mask)
+    diff = np.where(mask, np.abs(trainer - rollout), -np.inf)
+    if diff.ndim != 2 or diff.shape[1] == 0:
+        return np.full(len(diff), np.nan), np.full(len(diff), -1, dtype=np.int64)
+    position = diff.argmax(axis=-1)
+    gap = diff[np.arange(len(diff)), position]
+    valid = mask.any(axis=-1)
+    return np.where(valid, gap, np.nan), np.where(valid, position, -1).astype(np.int64)
+
+
 def check_cap(cap: float) -> float:
     """``cap`` as a float; TypeError for a non-number, ValueError below 1 (it would down-weight
     on-policy tokens too) or not finite."""
