@@ -85,6 +85,10 @@ def test_first_step_is_on_policy_at_any_temperature(tiny_model_dir, tmp_path, te
     assert abs(row["train/ppo_kl"]) < 1e-6 and row["train/pg_clipfrac"] == 0.0, row
     assert row["train/rollout_logprob_diff_max"] < 1e-3 and row["train/rollout_kl_k3"] < 1e-6, row
     assert math.isfinite(row["train/loss"]) and row["train/grad_norm"] > 0
+    # samples.jsonl: each sample with its own gap (float noise here), none above the step's
+    samples = [json.loads(x) for x in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 4 and all(set(s["logprob_gap"]) == {"max", "position", "token"} for s in samples)
+    assert all(0 <= s["logprob_gap"]["max"] <= row["train/rollout_logprob_diff_max"] for s in samples)
 
 
 # ---------------------------------------------------------------- the trainer on engine rollouts
