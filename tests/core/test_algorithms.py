@@ -271,6 +271,14 @@ def test_each_rows_own_mismatch_and_where_it_is(pairs):
         assert np.nanmax(gap) == pytest.approx(whole, abs=TOL)
 
 
+def test_a_samples_gap_is_the_largest_of_its_rows_and_names_the_segment():
+    gaps, positions = np.array([0.2, 0.5, np.nan, 0.1, 0.3]), np.array([0, 4, -1, 2, 1])
+    got = al.sample_logprob_gaps(gaps, positions, [0, 0, 1, 2, 2])  # trajectory 1: no trained token
+    assert got == {0: (1, {"max": 0.5, "position": 4, "segment": 1}), 2: (4, {"max": 0.3, "position": 1, "segment": 1})}
+    assert al.sample_logprob_gaps(gaps[:2], positions[:2], [0, 1]) == {0: (0, {"max": 0.2, "position": 0}),
+                                                                       1: (1, {"max": 0.5, "position": 4})}
+
+
 def test_mismatch_is_zero_on_policy():
     lp = f64([[-1.0, -2.0, -0.5]])
     got = al.rollout_mismatch_metrics(lp, lp.copy(), np.ones((1, 3)))

@@ -52,24 +52,15 @@ def _record_advantages(trajectories: list[Trajectory], advantages: torch.Tensor,
 def _record_logprob_gaps(trajectories: list[Trajectory], rows: Mapping[str, list[float]], responses: torch.Tensor,
                          row_trajectory: list[int], tokenizer: Any) -> None:
     """``trajectory["logprob_gap"]``: the sample's own largest |trainer - rollout log-prob| over its
-    trained tokens (``max``), the response token where it is (``position``, its ``token`` text, and
-    its row's ``segment`` when the trajectory has several), from the loss's per-row values."""
-    gaps, positions = rows.get("logprob_gap"), rows.get("logprob_gap_position")
-    if gaps is None or positions is None:
+    trained tokens (:func:`nexrl_core.algorithms.sample_logprob_gaps`) with the ``token`` text
+    where it is, from the loss's per-row values."""
+    if "logprob_gap" not in rows or "logprob_gap_position" not in rows:
         return
-    best: dict[int, int] = {}  # trajectory -> its row with the largest gap
-    for row, i in enumerate(row_trajectory):
-        if np.isfinite(gaps[row]) and (i not in best or gaps[row] > gaps[best[i]]):
-            best[i] = row
-    view = TrajectoryView(row_trajectory, 0)
-    several = set(view.index[view.slot > 0].tolist())
-    for i, row in best.items():
-        position = int(positions[row])
-        record: dict[str, Any] = {"max": float(gaps[row]), "position": position}
+    found = algorithms.sample_logprob_gaps(np.asarray(rows["logprob_gap"]), np.asarray(rows["logprob_gap_position"]),
+                                           row_trajectory)
+    for i, (row, record) in found.items():
         if tokenizer is not None:
-            record["token"] = tokenizer.decode([int(responses[row, position])])
-        if i in several:
-            record["segment"] = int(view.slot[row])
+            record["token"] = tokenizer.decode([int(responses[row, record["position"]])])
         trajectories[i]["logprob_gap"] = record
 
 
