@@ -26,7 +26,7 @@ _LABEL = 9  # width of the field names, so every text starts in one column
 #: the per-step metric of the largest per-token |trainer - rollout log-prob| (rollout_mismatch_metrics),
 #: shown for a sample whose trainer recorded no ``logprob_gap`` of its own
 GAP_KEY = "train/rollout_logprob_diff_max"
-#: a sample's own gap: ``{"max", "position", "token"[, "segment"]}`` (nexrl_grpo's trainers)
+#: a sample's own gap: ``{"max", "position"[, "token", "segment"]}`` (the GRPO trainers record it)
 SAMPLE_GAP = "logprob_gap"
 
 
@@ -58,7 +58,7 @@ def gap_where(gap: dict[str, Any]) -> str:
     if isinstance(gap.get("segment"), int):
         parts.append(f"segment {gap['segment']}")
     if isinstance(gap.get("position"), int):
-        parts.append(f"token {gap['position']}" + (f" {json.dumps(gap['token'])}" if isinstance(gap.get("token"), str)
+        parts.append(f"token {gap['position']}" + (f" {json.dumps(gap['token'], ensure_ascii=False)}" if isinstance(gap.get("token"), str)
                                                    else ""))
     return " ".join(parts)
 
