@@ -679,10 +679,6 @@ def _cross_checks(values: Mapping[str, Any]) -> list[str]:
     if workers and actors and actors > workers > 0:
         problems.append(f"rollout_worker.num_actors ({actors}) exceeds rollout_worker.num_workers ({workers}): "
                         f"every actor hosts at least one worker")
-    for kind in PYTHON_KINDS:
-        if loads_from_file(kind, _get(values, kind)) and _get(values, "launch_mode") == "ray":
-            problems.append(f"{kind}.type: python loads the class from a file in the driver's process; with "
-                            f"launch_mode ray publish it as a plugin package (nexrl new) and select it by name")
     every = _int(_get(values, "weight.model_update_frequency"))
     if every and every > 1:
         mode, lag = _get(values, "weight.sync_mode") or "sync", _int(_get(values, "weight.staleness_threshold")) or 0
