@@ -115,19 +115,35 @@ def recipe_data(run_dir, model_dir: str, reference: bool) -> dict:
     return data
 
 
-def test_a_run_takes_its_reference_from_the_declared_service(tiny_model_dir, tmp_path):
-    path = tmp_path / "recipe.yaml"
-    path.write_text(yaml.safe_dump(recipe_data(tmp_path / "run", tiny_model_dir, True)))
+def run(root, model_dir: str, reference: bool, launch_mode: str = "local") -> tuple[list[dict], object]:
+    run_dir = root / f"{launch_mode}_{'served' if reference else 'held'}"
+    data = {**recipe_data(run_dir, model_dir, reference), "launch_mode": launch_mode}
+    path = run_dir.with_suffix(".yaml")
+    path.write_text(yaml.safe_dump(data))
     controller = NexRLController(load_recipe(str(path)), plugin_manager=grpo_plugin_manager())
-    trainer_module = controller.trainer
     summary = controller.run()
     assert summary.stopped_by == "finished" and summary.errors == [], summary
-    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    kl = [r["train/kl_loss"] for r in rows if "train/kl_loss" in r]
-    assert len(kl) == 2 and kl[-1] > 0
-    assert isinstance(trainer_module.reference_service, HFInferenceEngine)
-    assert trainer_module.reference_service.model_version() == 0  # never given weights
-    assert trainer_module._ref_model is None
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    return [r for r in rows if "train/kl_loss" in r], controller
+
+
+def test_runs_with_the_served_reference_match_the_held_one_local_and_ray(tiny_model_dir, tmp_path, ray_cluster,
+                                                                          monkeypatch):
+    """The same recipe three ways: the trainer holds the reference (local), the reference is a
+    service (local: the client object is inspected), and a service in the trainer's Ray actor."""
+    held, _ = run(tmp_path, tiny_model_dir, False)
+    served, controller = run(tmp_path, tiny_model_dir, True)
+    module = controller.trainer
+    assert isinstance(module.reference_service, HFInferenceEngine) and module._ref_model is None
+    assert module.reference_service.model_version() == 0  # never given weights
+    monkeypatch.setenv("NEXRL_LOAD_PLUGINS", "nexrl-grpo")  # the actors load nexrl-grpo (+ the in-process evaluator)
+    in_ray, _ = run(tmp_path, tiny_model_dir, True, "ray")
+    assert [r["step"] for r in held] == [r["step"] for r in served] == [r["step"] for r in in_ray] == [1, 2]
+    assert held[-1]["train/kl_loss"] > 0  # the policy moved away from its reference
+    for other in (served, in_ray):
+        for a, b in zip(held, other):
+            for name in ("train/kl_loss", "train/loss", "train/reward_mean"):
+                assert b[name] == pytest.approx(a[name], rel=1e-3, abs=1e-6), (a["step"], name)
 
 
 @pytest.fixture
