@@ -12,7 +12,9 @@ from collections.abc import Callable
 from typing import Any
 
 from ..algorithms.registry import AlgorithmRegistry
+from ..config.bound import BoundConfig, bind, bind_recipe
 from ..config.recipe import REFERENCE_SECTION, plain
+from ..config.schema import WEIGHT
 from ..errors import ConfigError
 from ..evaluation import Evaluator
 from ..inference import InferenceClient
@@ -48,7 +50,7 @@ def build_module(cls: type, config: Any, kwargs: dict[str, Any] | None = None, p
 
 def weight_sync_backend(section: Any, pm: PluginManager) -> WeightSyncBackend:
     """The backend ``weight.backend`` names, built with the ``weight`` section."""
-    name = section.get("backend", "version_only") if section is not None else "version_only"
+    name = bind(section, WEIGHT, "weight")["backend"]
     return pm.resolve("weight_sync_backend", name, "weight.backend")(section)
 
 
@@ -60,18 +62,18 @@ def trainer_parts(config: Any, cls: type, pm: PluginManager) -> TrainerParts:
     registry = AlgorithmRegistry.from_plugin_manager(pm)
     if not getattr(cls, "TRAIN_SERVICE_BATCH_FORMAT", None):
         return TrainerParts(algorithm_registry=registry)
-    service = config.get("service", {}) or {}
-    section = service.get("train_service") or {}
-    backend = section.get("backend") if hasattr(section, "get") else None
+    config = bind_recipe(config, cls)  # the declared defaults (seed, service.train_service), as the trainer reads them
+    section = config["service"]["train_service"]
+    backend = section.get("backend")  # a free-form section: null when the recipe leaves the class's default
     service_cls = train_service_class(cls, {} if backend is None else {"backend": backend}, pm,
-                                      config.trainer.get("type"))
-    seed = int(config.get("seed", 0))
+                                      config["trainer"].get("type"))
+    seed = int(config["seed"])
 
     def build(total_steps: int) -> TrainService:
         return service_cls.from_config(dict(plain(section) or {}), seed=seed, total_steps=total_steps, path=SECTION)
 
     return TrainerParts(algorithm_registry=registry, train_service=build,
-                        reference_service=reference_service(service.get("reference_service"), pm))
+                        reference_service=reference_service(config["service"]["reference_service"], pm))
 
 
 def reference_service(section: Any, pm: PluginManager) -> Callable[[], InferenceClient] | None:
@@ -79,11 +81,12 @@ def reference_service(section: Any, pm: PluginManager) -> Callable[[], Inference
     in the trainer's process; never handed to weight sync, so its weights stay the initial ones."""
     if section is None:
         return None
-    cls = pm.resolve("inference_backend", section.get("backend"), f"{REFERENCE_SECTION}.backend")
+    values = section.to_dict() if isinstance(section, BoundConfig) else plain(section)  # the backend binds its own
+    cls = pm.resolve("inference_backend", values.get("backend"), f"{REFERENCE_SECTION}.backend")
 
     def build() -> InferenceClient:
         try:
-            return cls(plain(section))
+            return cls(cls.bind_config(values, REFERENCE_SECTION))  # its keys named where they are
         except ConfigError as exc:  # the client names its keys as the rollouts' service's: say where they are
             raise ConfigError(str(exc).replace("service.inference_service", REFERENCE_SECTION)) from None
 
