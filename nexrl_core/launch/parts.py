@@ -86,7 +86,7 @@ def reference_service(section: Any, pm: PluginManager) -> Callable[[], Inference
 
     def build() -> InferenceClient:
         try:
-            return cls(cls.bind_config(values, REFERENCE_SECTION))  # its keys named where they are
+            return cls(values)
         except ConfigError as exc:  # the client names its keys as the rollouts' service's: say where they are
             raise ConfigError(str(exc).replace("service.inference_service", REFERENCE_SECTION)) from None
 
