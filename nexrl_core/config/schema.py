@@ -175,6 +175,11 @@ SERVICE = {
                                       "and that service's own keys"),
     "inference_service": Option(options=INFERENCE_SERVICE, component="inference_backend", selector="backend",
                                 help="the inference service rollouts sample from"),
+    "reference_service": Option(None, (dict, None), "the KL reference on an inference service of its own (null: the "
+                                                    "trainer holds a frozen copy of the initial model): backend and "
+                                                    "its keys, as service.inference_service; it only scores the "
+                                                    "rollouts' tokens and never receives weights",
+                                options=INFERENCE_SERVICE, component="inference_backend", selector="backend"),
 }
 
 VALIDATE = {
