@@ -169,8 +169,9 @@ def stop_notice(cfg: Any, recipe: str, overrides: list[str], signame: str) -> st
 
 def run_command(args: Any) -> int:
     from ..config.preflight import require_runnable, resume_checkpoint
-    from ..config.recipe import load_recipe
+    from ..config.recipe import load_recipe, network_plan
     from ..controller import NexRLController, RunFailed
+    from ..launch.ray import network
     from ..plugins import get_plugin_manager
     from .progress import RunProgress, choose_mode, format_duration
     from .run_info import RunRecord, write_config
@@ -183,6 +184,10 @@ def run_command(args: Any) -> int:
     cfg = load_recipe(recipe, overrides)
     pm = get_plugin_manager()
     require_runnable(cfg, pm)  # before anything is written to run_dir
+    net = network_plan(cfg, pm)
+    if net.private and not network.inside():  # the whole run, Ray's driver included, in the namespace
+        return network.rerun_inside(["run", recipe, *overrides])
+    network.fallback_reason = net.reason
     prepare_run_dir(cfg)
     run_dir = str(cfg.run_dir)
     resume_from = resume_checkpoint(cfg)

@@ -13,6 +13,7 @@ from loguru import logger
 
 from ...errors import NexRLError
 from ..base import IN_RAY_ACTOR
+from . import network
 from .settings import RaySettings
 
 # Environment every actor gets from the driver (besides ray.env_vars): what decides which
@@ -44,6 +45,9 @@ def connect(settings: RaySettings) -> Cluster:
             ray.init(address=settings.address, **common)
             logger.info(f"ray: attached to the cluster at {settings.address}")
             return Cluster(started=False, connected=True, address=_gcs_address())
+        if settings.private_network is True and not network.inside():
+            raise NexRLError(f"{network.KEY}: true, but the run was not started by `nexrl run`, which "
+                             f"isolates the cluster (or set {network.KEY}: false)")
         # Workers at the driver's priority (Ray's default niceness of 15 starves them on a shared machine).
         ray.init(num_cpus=settings.num_cpus, num_gpus=settings.num_gpus,
                  object_store_memory=settings.object_store_memory,
@@ -51,7 +55,16 @@ def connect(settings: RaySettings) -> Cluster:
     except (ConnectionError, RuntimeError, ValueError) as exc:
         where = f"the cluster at {settings.address}" if settings.address else "a local cluster"
         raise NexRLError(f"ray: cannot connect to {where}: {exc}") from None
-    logger.info(f"ray: started a local cluster ({ray.cluster_resources().get('CPU', 0):g} CPUs) for this run")
+    cpus = f"{ray.cluster_resources().get('CPU', 0):g} CPUs"
+    if network.inside():
+        logger.info(f"ray: started a local cluster ({cpus}) for this run in a private network namespace: its "
+                    f"ports are reachable from this run only")
+    elif settings.private_network is not False:
+        why = network.fallback_reason or "the run was not started by `nexrl run`, which isolates it"
+        logger.info(f"ray: started a local cluster ({cpus}) for this run, not private, as {why}: its ports "
+                    f"listen on every interface (README, 'Ray')")
+    else:
+        logger.info(f"ray: started a local cluster ({cpus}) for this run")
     return Cluster(started=True, connected=True, address=_gcs_address())
 
 

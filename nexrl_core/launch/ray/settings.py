@@ -33,6 +33,7 @@ class RaySettings:
     max_concurrency: int | None
     env_vars: dict[str, str]
     num_worker_actors: int = 1
+    private_network: bool | str = False
 
     @classmethod
     def from_config(cls, config: Any) -> RaySettings:
@@ -52,6 +53,7 @@ class RaySettings:
             max_concurrency=section["max_concurrency"],
             env_vars={str(k): str(v) for k, v in (section["env_vars"] or {}).items()},
             num_worker_actors=int(workers.get("num_actors", 1) or 1),
+            private_network=section["private_network"],
         )
 
 
