@@ -151,3 +151,16 @@ def test_what_counts_as_needing_the_network(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     recipe["logger"]["wandb"]["mode"] = "offline"
     assert network_uses(recipe, {}, [WandbSink]) == []
+
+
+def test_true_refuses_a_run_started_from_python(tmp_path):
+    from nexrl_core import NexRLError
+    from nexrl_core.config.recipe import load_recipe
+    from nexrl_core.controller import NexRLController
+    from nexrl_core.plugins import get_plugin_manager
+
+    recipe = mock_recipe(tmp_path / "run")
+    recipe["ray"]["private_network"] = True
+    config = load_recipe(write_recipe(tmp_path / "recipe.yaml", recipe))
+    with pytest.raises(NexRLError, match=r"^ray.private_network: true, but the run was not started by `nexrl run`"):
+        NexRLController(config, plugin_manager=get_plugin_manager())

@@ -37,6 +37,9 @@ class Cluster:
 
 
 def connect(settings: RaySettings) -> Cluster:
+    if settings.private_network is True and not network.inside():  # `nexrl run` checked the rest
+        raise NexRLError(f"{network.KEY}: true, but the run was not started by `nexrl run`, which isolates "
+                         f"the cluster (or set {network.KEY}: false)")
     if ray.is_initialized():  # a connection this process made (a test's cluster, a user's script)
         return Cluster(started=False, connected=False, address=_gcs_address())
     common: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True, "configure_logging": False}
@@ -45,9 +48,6 @@ def connect(settings: RaySettings) -> Cluster:
             ray.init(address=settings.address, **common)
             logger.info(f"ray: attached to the cluster at {settings.address}")
             return Cluster(started=False, connected=True, address=_gcs_address())
-        if settings.private_network is True and not network.inside():
-            raise NexRLError(f"{network.KEY}: true, but the run was not started by `nexrl run`, which "
-                             f"isolates the cluster (or set {network.KEY}: false)")
         # Workers at the driver's priority (Ray's default niceness of 15 starves them on a shared machine).
         ray.init(num_cpus=settings.num_cpus, num_gpus=settings.num_gpus,
                  object_store_memory=settings.object_store_memory,

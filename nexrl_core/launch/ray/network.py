@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Mapping
@@ -47,8 +48,8 @@ class Plan:
 
 
 def inside() -> bool:
-    """This process runs in the namespace ``_netns.py`` made."""
-    return os.environ.get(MARKER) == "1"
+    """This process runs in the namespace ``_netns.py`` made (its mark, and no interface but ``lo``)."""
+    return os.environ.get(MARKER) == "1" and [name for _, name in socket.if_nameindex()] == ["lo"]
 
 
 def network_uses(values: Mapping[str, Any], found: Mapping[str, type], sinks: list[type]) -> list[str]:
