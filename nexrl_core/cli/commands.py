@@ -232,11 +232,8 @@ def _validate(args: Any) -> int:
         print(f"warning: {note}", file=sys.stderr)  # as `nexrl run` logs it
     from ..config.recipe import network_plan
 
-    net = network_plan(cfg, get_plugin_manager())
-    if net.reason:
-        print(f"note: ray: the cluster will not be private, as {net.reason}", file=sys.stderr)
-    elif net.private:
-        print("note: ray: the run and its local cluster run in a private network namespace (loopback only)",
+    if network_plan(cfg, get_plugin_manager()).private:
+        print("note: ray: the run and its local cluster will run in a private network namespace (loopback only)",
               file=sys.stderr)
     plan = run_dir_plan(cfg)
     if plan:

@@ -184,10 +184,8 @@ def run_command(args: Any) -> int:
     cfg = load_recipe(recipe, overrides)
     pm = get_plugin_manager()
     require_runnable(cfg, pm)  # before anything is written to run_dir
-    net = network_plan(cfg, pm)
-    if net.private and not network.inside():  # the whole run, Ray's driver included, in the namespace
+    if network_plan(cfg, pm).private and not network.inside():  # the whole run, Ray's driver included
         return network.rerun_inside(["run", recipe, *overrides])
-    network.fallback_reason = net.reason
     prepare_run_dir(cfg)
     run_dir = str(cfg.run_dir)
     resume_from = resume_checkpoint(cfg)

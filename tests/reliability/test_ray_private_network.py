@@ -1,9 +1,10 @@
-"""``ray.private_network``: the local Ray cluster ``nexrl run`` starts lives, with the run, in a
-network namespace that has only loopback, so none of its ports is reachable from the host.
+"""The local Ray cluster ``nexrl run`` starts listens on loopback only (Ray's single-node mode:
+Ray has no setting for the listening address, and replaces a loopback ``_node_ip_address`` with
+the machine's); with ``ray.private_network: true`` the run and its cluster live in a network
+namespace with only loopback, out of reach of every other process of the machine.
 
-Ray itself binds its gRPC servers on every interface (a loopback ``_node_ip_address`` is replaced
-by the host's address), so the test looks at the sockets themselves: every listening socket of
-the run's processes, and the host namespace's table of listeners (what ``ss -ltn`` shows)."""
+The tests look at the sockets themselves: every listening socket of the run's processes, and the
+host namespace's table of listeners (what ``ss -ltn`` shows)."""
 
 from __future__ import annotations
 
@@ -67,13 +68,11 @@ def _ray_processes(root: int) -> dict[int, str]:
     return names
 
 
-@pytest.mark.skipif(REFUSED is not None, reason=f"the kernel refuses network namespaces here: {REFUSED}")
-def test_the_local_cluster_listens_inside_the_runs_namespace_only(start_run, tmp_path):
-    run_dir = tmp_path / "run"
-    run = start_run(write_recipe(tmp_path / "recipe.yaml", mock_recipe(run_dir)))
+def _wait_for_the_cluster(run, run_dir) -> dict[int, str]:
+    """pid -> name of the run's processes once GCS, raylet and an actor's worker serve and training began."""
     seen: dict[int, str] = {}
 
-    def cluster_serving() -> bool:  # GCS, raylet and an actor's worker all listening
+    def cluster_serving() -> bool:
         seen.clear()
         seen.update(_ray_processes(run.proc.pid))
         names = set(seen.values())
@@ -83,6 +82,44 @@ def test_the_local_cluster_listens_inside_the_runs_namespace_only(start_run, tmp
             and (run_dir / "metrics.jsonl").exists()
 
     run.wait_for(cluster_serving, timeout=240, poll=0.2)
+    return dict(seen)
+
+
+def _host_addresses() -> set[str]:
+    return {"127.0.0.1"} | {a.address for addrs in psutil.net_if_addrs().values() for a in addrs
+                            if a.family == socket.AF_INET}
+
+
+def _refused_everywhere(ports: set[int], addresses: set[str]) -> None:
+    for port in ports:
+        for address in addresses:
+            with socket.socket() as s, pytest.raises(OSError):
+                s.settimeout(2)
+                s.connect((address, port))
+
+
+def test_the_local_cluster_listens_on_loopback_only(start_run, tmp_path):
+    run_dir = tmp_path / "run"
+    run = start_run(write_recipe(tmp_path / "recipe.yaml", mock_recipe(run_dir)))
+    seen = _wait_for_the_cluster(run, run_dir)
+    listeners = [c for c in psutil.net_connections("tcp") if c.status == psutil.CONN_LISTEN and c.pid in seen]
+    assert {seen[c.pid] for c in listeners} >= {"gcs_server", "raylet"}, (listeners, seen)
+    assert len({c.laddr.port for c in listeners}) >= 3  # GCS, raylet, workers at least
+    assert {c.laddr.ip for c in listeners} <= {"127.0.0.1", "::ffff:127.0.0.1", "::1"}, listeners
+    # the machine's other addresses do not reach them
+    _refused_everywhere({c.laddr.port for c in listeners}, _host_addresses() - {"127.0.0.1"})
+    run.signal(signal.SIGTERM)
+    assert run.wait(120) == 130, run.output()[-3000:]
+    assert "ray: started a local cluster (2 CPUs) for this run, on loopback only" in run.output()
+
+
+@pytest.mark.skipif(REFUSED is not None, reason=f"the kernel refuses network namespaces here: {REFUSED}")
+def test_the_private_cluster_listens_inside_the_runs_namespace_only(start_run, tmp_path):
+    run_dir = tmp_path / "run"
+    recipe = mock_recipe(run_dir)
+    recipe["ray"]["private_network"] = True
+    run = start_run(write_recipe(tmp_path / "recipe.yaml", recipe))
+    seen = _wait_for_the_cluster(run, run_dir)
     host_ns = os.readlink("/proc/self/ns/net")
     gcs = next(pid for pid, name in seen.items() if name == "gcs_server")
     run_ns = os.readlink(f"/proc/{gcs}/ns/net")
@@ -97,17 +134,11 @@ def test_the_local_cluster_listens_inside_the_runs_namespace_only(start_run, tmp
     host = _listening_inodes("self")
     assert not set(run_listeners) & set(host)
     # and nothing of the host reaches them: loopback and the host's own address
-    addresses = {"127.0.0.1"} | {a.address for addrs in psutil.net_if_addrs().values() for a in addrs
-                                 if a.family == socket.AF_INET}
     taken = set(host.values())  # another cluster on this machine may use the same number here
-    for port in set(run_listeners.values()) - taken:
-        for address in addresses:
-            with socket.socket() as s, pytest.raises(OSError):
-                s.settimeout(2)
-                s.connect((address, port))
+    _refused_everywhere(set(run_listeners.values()) - taken, _host_addresses())
     run.signal(signal.SIGTERM)
     assert run.wait(120) == 130, run.output()[-3000:]
-    assert "in a private network namespace: its ports are reachable from this run only" in run.output()
+    assert "ray: started a local cluster (2 CPUs) for this run, in a private network namespace" in run.output()
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
@@ -120,21 +151,12 @@ def test_true_with_a_network_endpoint_is_refused_by_validate_and_run_alike(tmp_p
     recipe["ray"]["private_network"] = True
     path = write_recipe(tmp_path / "recipe.yaml", recipe)
     expected = ("error: ray.private_network: true cuts the run off the network, but "
-                "service.inference_service.url is a URL (set ray.private_network: false, or auto)")
+                "service.inference_service.url is a URL (set ray.private_network: false)")
     validated, ran = _cli("validate", path), _cli("run", path)
     assert validated.returncode == ran.returncode == 2, (validated.stderr, ran.stderr)
     assert expected in validated.stderr.splitlines()
     assert expected in ran.stderr.splitlines()
     assert not (tmp_path / "run").exists()
-
-
-def test_auto_says_why_a_cluster_is_not_private(tmp_path):
-    recipe = mock_recipe(tmp_path / "run")
-    recipe["service"] = {"inference_service": {"backend": "openai", "url": "http://127.0.0.1:9/v1", "model": "m"}}
-    done = _cli("validate", write_recipe(tmp_path / "recipe.yaml", recipe))
-    assert done.returncode == 0, done.stderr
-    assert ("note: ray: the cluster will not be private, as the recipe needs the network "
-            "(service.inference_service.url is a URL)") in done.stderr.splitlines()
 
 
 def test_what_counts_as_needing_the_network(tmp_path, monkeypatch):

@@ -1,16 +1,13 @@
-"""``ray.private_network``: whether the local Ray cluster a run starts lives in a private network
-namespace (only loopback), so no port it opens is reachable from outside the run.
+"""``ray.private_network: true``: ``nexrl run`` runs itself, driver included, and so the local Ray
+cluster it starts, in a network namespace of its own that has only loopback (``_netns.py``): no
+other process of the machine, another user's included, reaches the cluster's ports. (Without it
+the local cluster listens on loopback only: :func:`nexrl_core.launch.ray.cluster.connect`.)
 
-Ray binds its gRPC servers on every interface (a loopback ``_node_ip_address`` is replaced by the
-host's address), and has no setting that keeps them on loopback. So ``nexrl run`` runs itself,
-driver included, in a network namespace of its own (``_netns.py``). A run there reaches nothing
-outside, so it is decided by declaration (one function, for ``nexrl validate`` and ``nexrl run``):
-``auto`` isolates a recipe that needs no network, ``true`` requires it, ``false`` never does.
-
-What needs the network: a recipe value that is a URL; a ``*model_path`` / ``*tokenizer_path``
-that is no local path (the Hugging Face Hub; none with ``HF_HUB_OFFLINE=1``); a component whose
-class declares ``network_use(recipe) -> str | None`` (a hosted service, an online tracker).
-Imports neither Ray nor nexrl's components."""
+A run there reaches nothing outside, so ``true`` is refused (one function, for ``nexrl validate``
+and ``nexrl run``) when the recipe needs the network: a recipe value that is a URL; a
+``*model_path`` / ``*tokenizer_path`` that is no local path (the Hugging Face Hub; none with
+``HF_HUB_OFFLINE=1``); a component whose class declares ``network_use(recipe) -> str | None``
+(a hosted service, an online tracker). Imports neither Ray nor nexrl's components."""
 
 from __future__ import annotations
 
@@ -33,18 +30,12 @@ _SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_netns.py")
 _URL = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
 _MODEL_KEY = re.compile(r"(^|_)(model|tokenizer)_path$")
 
-#: Why the cluster of this process is not private (set by ``nexrl run``, logged when Ray starts).
-fallback_reason: str | None = None
-
-
 @dataclass(frozen=True)
 class Plan:
-    """``private``: run in a private network namespace; ``problem``: an error (``true`` that
-    cannot be honoured); ``reason``: why an ``auto`` cluster is not private."""
+    """``private``: run in a private network namespace; ``problem``: why ``true`` cannot be honoured."""
 
     private: bool = False
     problem: str | None = None
-    reason: str | None = None
 
 
 def inside() -> bool:
@@ -84,29 +75,19 @@ def network_uses(values: Mapping[str, Any], found: Mapping[str, type], sinks: li
 def plan(values: Mapping[str, Any], found: Mapping[str, type], sinks: list[type]) -> Plan:
     """The decision for a loaded recipe (its components already resolved)."""
     ray_section = {**option_defaults(RAY), **(values.get("ray") or {})}
-    mode = ray_section["private_network"]
-    if values.get("launch_mode") != "ray" or mode is False:
+    if values.get("launch_mode") != "ray" or ray_section["private_network"] is not True:
         return Plan()
-    address = ray_section.get("address") or os.environ.get("RAY_ADDRESS")
+    address = ray_section["address"] or os.environ.get("RAY_ADDRESS")
     if address:
-        if mode is True:
-            return Plan(problem=f"{KEY}: true isolates a cluster the run starts; the run attaches to "
-                                f"{address} (ray.address / RAY_ADDRESS), whose security is its owner's")
-        return Plan(reason=f"the run attaches to {address}, a cluster it does not start")
+        return Plan(problem=f"{KEY}: true isolates a cluster the run starts; the run attaches to "
+                            f"{address} (ray.address / RAY_ADDRESS), whose security is its owner's")
     uses = network_uses(values, found, sinks)
     if uses:
-        if mode is True:
-            return Plan(problem=f"{KEY}: true cuts the run off the network, but {'; '.join(uses)} "
-                                f"(set {KEY}: false, or auto)")
-        return Plan(reason=f"the recipe needs the network ({'; '.join(uses)})")
-    if inside():
-        return Plan(private=True)
-    refused = probe()
+        return Plan(problem=f"{KEY}: true cuts the run off the network, but {'; '.join(uses)} (set {KEY}: false)")
+    refused = None if inside() else probe()
     if refused:
-        if mode is True:
-            return Plan(problem=f"{KEY}: true, but the kernel refuses a network namespace here ({refused}); "
-                                f"set {KEY}: false to run with Ray listening on every interface")
-        return Plan(reason=f"the kernel refuses a network namespace here ({refused})")
+        return Plan(problem=f"{KEY}: true, but the kernel refuses a network namespace here ({refused}); set "
+                            f"{KEY}: false (the local cluster still listens on loopback only)")
     return Plan(private=True)
 
 
