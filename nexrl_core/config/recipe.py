@@ -488,7 +488,11 @@ def check_config(cfg: Any, plugin_manager: Any, eval_only: bool = False) -> list
 def network_plan(cfg: Any, plugin_manager: Any) -> Any:
     """``ray.private_network`` decided for a recipe (:mod:`nexrl_core.launch.ray.network`), as
     :func:`check_config` decides it."""
+    from ..launch.ray.network import Plan, requested
+
     values = plain(cfg)
+    if not requested(values):
+        return Plan()
     checker = _Checker(plugin_manager, values)
     options, _ = _core_options(values, plugin_manager)
     checker.mapping(values, options, "")

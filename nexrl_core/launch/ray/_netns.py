@@ -62,6 +62,8 @@ def main(argv: list[str]) -> int:
     command = argv[1:] if argv[:1] == ["--"] else argv
     ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)  # the waiting `nexrl run` killed: the run stops
     os.environ[MARKER] = "1"
+    for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):  # the only interface (the host name may
+        os.environ.setdefault(name, "lo")                       # resolve to an address not in here)
     os.execv(command[0], command)
     return 127  # not reached
 

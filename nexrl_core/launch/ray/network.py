@@ -72,12 +72,20 @@ def network_uses(values: Mapping[str, Any], found: Mapping[str, type], sinks: li
     return uses
 
 
+def requested(values: Mapping[str, Any]) -> bool:
+    """The recipe asks for it (``launch_mode: ray`` and ``ray.private_network: true``)."""
+    return values.get("launch_mode") == "ray" and _ray_section(values)["private_network"] is True
+
+
+def _ray_section(values: Mapping[str, Any]) -> dict[str, Any]:
+    return {**option_defaults(RAY), **(values.get("ray") or {})}
+
+
 def plan(values: Mapping[str, Any], found: Mapping[str, type], sinks: list[type]) -> Plan:
     """The decision for a loaded recipe (its components already resolved)."""
-    ray_section = {**option_defaults(RAY), **(values.get("ray") or {})}
-    if values.get("launch_mode") != "ray" or ray_section["private_network"] is not True:
+    if not requested(values):
         return Plan()
-    address = ray_section["address"] or os.environ.get("RAY_ADDRESS")
+    address = _ray_section(values)["address"] or os.environ.get("RAY_ADDRESS")
     if address:
         return Plan(problem=f"{KEY}: true isolates a cluster the run starts; the run attaches to "
                             f"{address} (ray.address / RAY_ADDRESS), whose security is its owner's")

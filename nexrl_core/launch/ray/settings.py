@@ -33,7 +33,7 @@ class RaySettings:
     max_concurrency: int | None
     env_vars: dict[str, str]
     num_worker_actors: int = 1
-    private_network: bool | str = False
+    private_network: bool = False
 
     @classmethod
     def from_config(cls, config: Any) -> RaySettings:
