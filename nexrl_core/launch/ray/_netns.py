@@ -7,7 +7,7 @@ user gets a user namespace too, mapping its own ids to themselves (capabilities 
 exec, after ``lo`` is up). Every process the command starts (a Ray cluster) inherits the
 namespace, so whatever it listens on is reachable from that namespace only.
 
-The code sandbox (plugins/nexrl_rewards/_sandbox_launcher.py) unshares more namespaces with its
+The code sandbox (plugins/nexrl_rewards/nexrl_rewards/_sandbox_launcher.py) unshares more namespaces with its
 own copy of these constants: it runs isolated (``-I -S``) from a file and imports nothing of nexrl.
 """
 
