@@ -481,7 +481,36 @@ def check_config(cfg: Any, plugin_manager: Any, eval_only: bool = False) -> list
         problems += _check_reference_service(values, checker.found, plugin_manager)
     if not eval_only:
         problems += check_capabilities(checker.found, values, plugin_manager)
+        net = _network_plan(values, checker.found, plugin_manager)
+        problems += [net.problem] if net.problem else []
     return problems
+
+
+def network_plan(cfg: Any, plugin_manager: Any) -> Any:
+    """``ray.private_network`` decided for a recipe (:mod:`nexrl_core.launch.ray.network`), as
+    :func:`check_config` decides it."""
+    from ..launch.ray.network import Plan, requested
+
+    values = plain(cfg)
+    if not requested(values):
+        return Plan()
+    checker = _Checker(plugin_manager, values)
+    options, _ = _core_options(values, plugin_manager)
+    checker.mapping(values, options, "")
+    return _network_plan(values, checker.found, plugin_manager)
+
+
+def _network_plan(values: Mapping[str, Any], found: Mapping[str, type], pm: Any) -> Any:
+    from ..launch.ray.network import plan
+
+    backend = _get(values, "logger.backend")
+    sinks = []
+    for name in [backend] if isinstance(backend, str) else backend if isinstance(backend, list) else []:
+        try:
+            sinks.append(pm.resolve("metrics_sink", name, "logger.backend"))
+        except NexRLError:
+            pass  # reported by check_config
+    return plan(values, found, sinks)
 
 
 def require_valid(cfg: Any, plugin_manager: Any, eval_only: bool = False) -> None:

@@ -285,6 +285,10 @@ RAY_RESOURCES = {
 RAY = {
     "address": Option(None, str, "a running cluster to attach to ('auto', 'host:6379', 'ray://host:10001'); null: "
                                  "$RAY_ADDRESS, else a local cluster started and stopped by the run"),
+    "private_network": Option(False, bool, "local cluster (on loopback only either way): nexrl run runs itself "
+                                           "and the cluster in a network namespace with only loopback, so no "
+                                           "other process of the machine reaches its ports; the run then reaches "
+                                           "no network (Linux)"),
     "num_cpus": Option(None, float, "local cluster: CPUs it offers (null: the machine's)", ge=0),
     "num_gpus": Option(None, float, "local cluster: GPUs it offers (null: those found)", ge=0),
     "object_store_memory": Option(None, int, "local cluster: bytes of its object store (null: Ray's default)", ge=1),
