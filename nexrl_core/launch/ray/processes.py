@@ -103,7 +103,17 @@ class _RayObject:
     def __getattr__(self, method: str) -> Callable[..., Any]:
         if method.startswith("_"):
             raise AttributeError(method)
-        return lambda *args, **kwargs: ray.get(self._actor.call.remote(method, args, kwargs))
+        return lambda *args, **kwargs: self._call(method, args, kwargs)
+
+    def _call(self, method: str, args: tuple, kwargs: dict) -> Any:
+        from ...errors import NexRLError
+
+        try:
+            return ray.get(self._actor.call.remote(method, args, kwargs))
+        except ray.exceptions.RayActorError as exc:  # not passed on raw: callers read it as their own actor's death
+            text = str(exc).strip()
+            raise NexRLError(f"{self.name} ({self.host}, pid {self.pid}) stopped: its actor died "
+                             f"({text.splitlines()[0] if text else type(exc).__name__})") from None
 
     def stop(self, timeout: float = 60.0) -> None:
         ray.kill(self._actor)
