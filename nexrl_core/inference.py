@@ -168,12 +168,18 @@ class InferenceClient(ABC):
     Implementations must be safe to call from several threads at once.
     """
 
-    def __init__(self, config: Any):
+    @classmethod
+    def bind_config(cls, config: Any, path: str = "service.inference_service") -> Any:
+        """``config`` bound to the core's ``service.inference_service`` keys and this backend's own
+        ``OPTIONS``: declared defaults filled, undeclared reads refused (what :attr:`config` holds)."""
         from .config.bound import bind_component
         from .config.schema import INFERENCE_SERVICE
 
+        return bind_component(config, cls, INFERENCE_SERVICE, path)
+
+    def __init__(self, config: Any):
         # Subclasses read their own keys from self.config (declared in their OPTIONS).
-        self.config = config = bind_component(config, type(self), INFERENCE_SERVICE, "service.inference_service")
+        self.config = config = type(self).bind_config(config)
         self.model_tag: str = str(config["model_tag"])
         self._version = 0
         self._version_lock = threading.Lock()

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from difflib import get_close_matches
 from typing import Any
 
+from .config.bound import bind
 from .config.options import Option
 from .errors import ConfigError
 
@@ -146,8 +147,7 @@ def train_service_class(trainer_cls: type, section: Mapping[str, Any] | None, pl
     """The service ``section`` selects (``backend``, else the trainer's ``TRAIN_SERVICE_DEFAULT``);
     ConfigError naming ``<path>.backend`` when it is not registered or takes batches the trainer
     does not build."""
-    section = section or {}
-    name = section.get("backend", getattr(trainer_cls, "TRAIN_SERVICE_DEFAULT", None))
+    name = selected_backend(trainer_cls, section, path)
     fitting = _fitting(trainer_cls, plugin_manager)
     if isinstance(name, str) and name in fitting:
         return fitting[name].cls
@@ -170,6 +170,16 @@ def train_service_options(service_cls: type, trainer_cls: type) -> dict[str, Opt
     ``OPTIONS``."""
     from .config.options import component_options
 
-    default = getattr(trainer_cls, "TRAIN_SERVICE_DEFAULT", None)
-    backend = Option(default, str, "the train service, by registered name (nexrl plugins lists them)")
-    return {"backend": backend, **(component_options(service_cls) or {})}
+    return {"backend": _backend_option(trainer_cls), **(component_options(service_cls) or {})}
+
+
+def selected_backend(trainer_cls: type, section: Mapping[str, Any] | None, path: str = SECTION) -> Any:
+    """The train service ``section`` names: its ``backend``, else the trainer's default."""
+    return bind(dict(section or {}), {"backend": _backend_option(trainer_cls)}, path)["backend"]
+
+
+def _backend_option(trainer_cls: type) -> Option:
+    """``service.train_service.backend``: its default is the trainer class's ``TRAIN_SERVICE_DEFAULT``
+    (null: none, the recipe must name one), declared here once for the check and the launcher."""
+    return Option(getattr(trainer_cls, "TRAIN_SERVICE_DEFAULT", None), str,
+                  "the train service, by registered name (nexrl plugins lists them)")

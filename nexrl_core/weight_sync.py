@@ -37,8 +37,18 @@ from .types import DEFAULT_MODEL_TAG, ModelTag
 class WeightSyncBackend(ABC):
     """How trained weights reach the inference service."""
 
+    # Built with the recipe's `weight` section; self.config is it bound to the core's keys and the
+    # backend's own OPTIONS (declared defaults filled, undeclared reads refused).
+
+    @classmethod
+    def bind_config(cls, config: Any, path: str = "weight") -> Any:
+        """``config`` bound to the core's ``weight`` keys and this backend's own ``OPTIONS``."""
+        from .config.bound import bind_component
+
+        return bind_component(config, cls, WEIGHT, path)
+
     def __init__(self, config: Any):
-        self.config = config
+        self.config = type(self).bind_config(config)
 
     @abstractmethod
     def sync(self, trainer: Any, inference_client: Any, version: int) -> None:

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from nexrl_core.testing import QUICK_MONITOR
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BAD_INPUTS = REPO_ROOT / "tests" / "bad_inputs"
 
@@ -59,11 +61,7 @@ def reset_loguru():
                diagnose=False)
 
 
-FAST_MONITOR = {
-    "stop_timeout": 10,
-    "health_check": {"check_interval": 0.5, "timeout": 2.0},
-    "exception_handling": {"check_interval": 0.05},
-}
+FAST_MONITOR = QUICK_MONITOR  # the kit's (nexrl_core.testing)
 
 
 @pytest.fixture(scope="session")

@@ -64,7 +64,8 @@ def header_lines(cfg: Any, recipe: str, overrides: list[str], pm: Any, resume_fr
     run_dir = str(cfg.run_dir)
     v = versions(pm)
     plugins = ", ".join(f"{d} {ver}" for d, ver in sorted(v.get("plugins", {}).items())) or "none"
-    evaluator = (cfg.rollout_worker.get("evaluator") or {}).get("type", "none")
+    section = cfg.rollout_worker.get("evaluator")  # null: no evaluator
+    evaluator = section["type"] if section is not None else "none"
     weight = cfg.weight
     schedule = [f"{cfg.trainer.total_train_steps} steps of {cfg.trajectory_pool.batch_size} samples "
                 f"({cfg.trajectory_pool.group_size} per prompt)", f"{weight.sync_mode} mode"]

@@ -100,7 +100,10 @@ def new_plugin(kind: str, name: str, parent: str | os.PathLike = ".", license: s
 
 FILES: dict[str, str] = {}
 
-FILES["pyproject.toml"] = '''
+# Shared by every kind (the evaluator too): the distribution and its package.
+COMMON_FILES: dict[str, str] = {}
+
+COMMON_FILES["pyproject.toml"] = '''
 [build-system]
 requires = ["setuptools>=77"]
 build-backend = "setuptools.build_meta"
@@ -108,16 +111,16 @@ build-backend = "setuptools.build_meta"
 [project]
 name = "$dist"
 version = "0.1.0"
-description = "nexrl evaluator plugin: $name"
+description = "nexrl $words plugin: $name"
 readme = "README.md"
 requires-python = ">=3.10"
 license = "$license"
-dependencies = ["$core"]
+dependencies = ["$core"$extra_deps]
 
 [project.optional-dependencies]
 test = ["pytest>=8"]
 
-# How nexrl finds the plugin: `rollout_worker.evaluator.type: $name` in a recipe.
+# How nexrl finds the plugin: `$selects: $name` in a recipe.
 [project.entry-points.nexrl]
 $name = "$package.plugin"
 
@@ -125,13 +128,16 @@ $name = "$package.plugin"
 packages = ["$package"]
 '''
 
-FILES["$package/__init__.py"] = '''
-"""nexrl evaluator plugin: $name (see plugin.py)."""
+COMMON_FILES["$package/__init__.py"] = '''
+"""nexrl $words plugin: $name (see plugin.py)."""
 
 from .plugin import $cls
 
 __all__ = ["$cls"]
 '''
+
+FILES["pyproject.toml"] = COMMON_FILES["pyproject.toml"]
+FILES["$package/__init__.py"] = COMMON_FILES["$package/__init__.py"]
 
 FILES["$package/plugin.py"] = '''
 """The $name evaluator, registered with nexrl through the entry point in pyproject.toml.
@@ -285,41 +291,6 @@ runs/
 
 
 # -- the other kinds: files every package has, then each kind's own ----------------------------------
-
-COMMON_FILES: dict[str, str] = {}
-
-COMMON_FILES["pyproject.toml"] = '''
-[build-system]
-requires = ["setuptools>=77"]
-build-backend = "setuptools.build_meta"
-
-[project]
-name = "$dist"
-version = "0.1.0"
-description = "nexrl $words plugin: $name"
-readme = "README.md"
-requires-python = ">=3.10"
-license = "$license"
-dependencies = ["$core"$extra_deps]
-
-[project.optional-dependencies]
-test = ["pytest>=8"]
-
-# How nexrl finds the plugin: `$selects: $name` in a recipe.
-[project.entry-points.nexrl]
-$name = "$package.plugin"
-
-[tool.setuptools]
-packages = ["$package"]
-'''
-
-COMMON_FILES["$package/__init__.py"] = '''
-"""nexrl $words plugin: $name (see plugin.py)."""
-
-from .plugin import $cls
-
-__all__ = ["$cls"]
-'''
 
 COMMON_FILES["README.md"] = '''
 # $dist
@@ -695,8 +666,8 @@ class $cls(WeightSyncBackend):
                   "inference:load_weights": "it loads them into an inference engine in this process"})
 
     def __init__(self, config: Any):
-        super().__init__(config)
-        self.log_every = int(config.get("log_every") or 1)
+        super().__init__(config)  # self.config: the `weight` section, declared defaults filled
+        self.log_every = int(self.config["log_every"])
         self.pushes = 0
 
     def sync(self, trainer: Any, inference_client: Any, version: int) -> None:

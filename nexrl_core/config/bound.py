@@ -17,7 +17,8 @@ from typing import Any
 from ..errors import ConfigError, NexRLError
 from .options import Option, component_options
 
-__all__ = ["ANY", "BoundConfig", "UndeclaredKey", "bind", "bind_component", "bind_recipe", "fill_defaults", "key_tree"]
+__all__ = ["ANY", "BoundConfig", "UndeclaredKey", "bind", "bind_component", "bind_recipe", "declared_value",
+           "fill_defaults", "key_tree"]
 
 ANY = "*"  # in a key tree: any other key, with this subtree
 
@@ -197,6 +198,13 @@ def bind(config: Any, options: Mapping[str, Option] | None, path: str = "") -> B
         raise ConfigError(f"{path or 'the recipe'}: expected a mapping, got {type(values).__name__}")
     return BoundConfig(fill_defaults(values, options or {}, True), key_tree(options) if options is not None else None,
                        path)
+
+
+def declared_value(config: Any, key: str, options: Mapping[str, Option], path: str = "") -> Any:
+    """``config[key]`` when the recipe sets it, else its declared default (``options[key]``): one key
+    of a large section read without binding all of it (the launcher's ``launch_mode``)."""
+    section = {key: config[key]} if config is not None and key in config else {}
+    return bind(section, {key: options[key]}, path)[key]
 
 
 def bind_component(config: Any, cls: type, core: Mapping[str, Option], path: str,

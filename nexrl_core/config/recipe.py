@@ -762,7 +762,7 @@ def _train_service_declared(section: Mapping[str, Any], trainer_cls: type, plugi
 def _check_train_service(values: Mapping[str, Any], trainer_cls: type, plugin_manager: Any) -> list[str]:
     """``service.train_service``: the keys of the train service it selects (a trainer that drives a
     registered one, see :mod:`nexrl_core.train_service`), or else the trainer's own declared keys."""
-    from ..train_service import SECTION
+    from ..train_service import SECTION, selected_backend
     from .options import check_options
 
     section = _get(values, SECTION, {})
@@ -777,7 +777,7 @@ def _check_train_service(values: Mapping[str, Any], trainer_cls: type, plugin_ma
         return [str(exc)]
     owner = ""
     if service_cls is not None:
-        owner = f"train service '{section.get('backend', getattr(trainer_cls, 'TRAIN_SERVICE_DEFAULT', None))}'"
+        owner = f"train service '{selected_backend(trainer_cls, section)}'"
     problems = check_options(section, declared, SECTION, owner=owner) or unmet_needs(section, declared, SECTION, values)
     if not problems and service_cls is not None:
         problems += component_check(service_cls, section, SECTION)

@@ -10,9 +10,10 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from ..config.bound import fill_defaults
+from ..config.bound import declared_value, fill_defaults
 from ..config.options import option_defaults
 from ..config.schema import (
+    CORE_OPTIONS,
     LAUNCH_MODES,
     PLANNED_LAUNCH_MODES,
     RAY,
@@ -28,15 +29,19 @@ def unused_launch_keys(config: Any) -> list[str]:
     """Keys of another launch mode that the recipe sets to other than their defaults (a Ray
     recipe run with ``launch_mode=local``): accepted, so one key switches the mode, but named,
     so nobody believes they took effect."""
-    if config.get("launch_mode", "local") == "ray":
+    if _launch_mode(config) == "ray":
         return []
     section = config.get("ray") or {}
     defaults = fill_defaults(option_defaults(RAY), RAY)  # as the composed recipe holds them
     keys = [f"ray.{k}" for k in RAY if k in section and _plain(section[k]) != defaults[k]]
     workers = config.get("rollout_worker") or {}
-    if workers.get("num_actors", 1) != ROLLOUT_WORKER["num_actors"].default:
+    if "num_actors" in workers and workers["num_actors"] != ROLLOUT_WORKER["num_actors"].default:
         keys.append("rollout_worker.num_actors")
     return keys
+
+
+def _launch_mode(config: Any) -> Any:
+    return declared_value(config, "launch_mode", CORE_OPTIONS)
 
 
 def _plain(value: Any) -> Any:
@@ -50,12 +55,12 @@ def unused_launch_keys_note(config: Any) -> str | None:
     if not keys:
         return None
     return (f"{', '.join(keys)}: appl{'ies' if len(keys) == 1 else 'y'} to launch_mode: ray only; this run is "
-            f"launch_mode: {config.get('launch_mode', 'local')} and does not use {'it' if len(keys) == 1 else 'them'}")
+            f"launch_mode: {_launch_mode(config)} and does not use {'it' if len(keys) == 1 else 'them'}")
 
 
 def create_resource_manager(config: Any, plugin_manager: Any = None) -> ResourceManager:
     """The resource manager of the recipe's ``launch_mode``."""
-    mode = config.get("launch_mode", "local")
+    mode = _launch_mode(config)
     problem = launch_mode_problem(mode)
     if problem is not None:
         raise ConfigError(problem)

@@ -11,7 +11,9 @@ from __future__ import annotations
 from typing import Any
 
 from ..algorithms.registry import AlgorithmRegistry
+from ..config.bound import bind, bind_recipe
 from ..config.recipe import plain
+from ..config.schema import WEIGHT
 from ..errors import ConfigError
 from ..evaluation import Evaluator
 from ..plugins import PluginManager, active_plugin_manager, use_plugin_manager
@@ -46,7 +48,7 @@ def build_module(cls: type, config: Any, kwargs: dict[str, Any] | None = None, p
 
 def weight_sync_backend(section: Any, pm: PluginManager) -> WeightSyncBackend:
     """The backend ``weight.backend`` names, built with the ``weight`` section."""
-    name = section.get("backend", "version_only") if section is not None else "version_only"
+    name = bind(section, WEIGHT, "weight")["backend"]
     return pm.resolve("weight_sync_backend", name, "weight.backend")(section)
 
 
@@ -58,12 +60,12 @@ def trainer_parts(config: Any, cls: type, pm: PluginManager) -> TrainerParts:
     registry = AlgorithmRegistry.from_plugin_manager(pm)
     if not getattr(cls, "TRAIN_SERVICE_BATCH_FORMAT", None):
         return TrainerParts(algorithm_registry=registry)
-    service = config.get("service", {}) or {}
-    section = service.get("train_service") or {}
-    backend = section.get("backend") if hasattr(section, "get") else None
+    config = bind_recipe(config, cls)  # the declared defaults (seed, service.train_service), as the trainer reads them
+    section = config["service"]["train_service"]
+    backend = section.get("backend")  # a free-form section: null when the recipe leaves the class's default
     service_cls = train_service_class(cls, {} if backend is None else {"backend": backend}, pm,
-                                      config.trainer.get("type"))
-    seed = int(config.get("seed", 0))
+                                      config["trainer"].get("type"))
+    seed = int(config["seed"])
 
     def build(total_steps: int) -> TrainService:
         return service_cls.from_config(dict(plain(section) or {}), seed=seed, total_steps=total_steps, path=SECTION)

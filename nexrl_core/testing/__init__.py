@@ -4,6 +4,9 @@
   core's built-ins (and, if asked, the installed plugins: an editable install of the package
   under test is registered once, not twice).
 - :func:`run_recipe`: train a small recipe on the core's mock components with that plugin.
+- :func:`make_recipe` / :func:`write_recipe`: a test's recipe as :data:`MOCK_RECIPE` (or another
+  base) with keyword sections merged in, and written as YAML for ``load_recipe`` / ``nexrl run``;
+  :data:`QUICK_MONITOR`: the ``runtime_monitor`` settings of a quick small run.
 - :class:`MockInferenceClient`: the mock model of :data:`MOCK_RECIPE` (``mode: sum`` answers
   "A + B" right from a weight version on), to extend for a backend a test needs.
 - :func:`build_module`: one module built as a run builds it, with its parts (a rollout worker's
@@ -21,8 +24,17 @@ from ..builtins.mock import MockInferenceClient
 from ..launch.parts import build_module
 from ..trajectory_keys import trajectory_problem
 from .conformance import ConformanceReport, check_evaluator, check_plugin, result_problems
-from .kit import MOCK_RECIPE, RunResult, plugin_manager, run_recipe, use_plugins
+from .kit import (
+    MOCK_RECIPE,
+    QUICK_MONITOR,
+    RunResult,
+    make_recipe,
+    plugin_manager,
+    run_recipe,
+    use_plugins,
+    write_recipe,
+)
 
-__all__ = ["MOCK_RECIPE", "ConformanceReport", "MockInferenceClient", "RunResult", "build_module", "check_evaluator",
-           "check_plugin", "plugin_manager", "trajectory_problem",
-           "result_problems", "run_recipe", "use_plugins"]
+__all__ = ["MOCK_RECIPE", "QUICK_MONITOR", "ConformanceReport", "MockInferenceClient", "RunResult", "build_module",
+           "check_evaluator", "check_plugin", "make_recipe", "plugin_manager", "trajectory_problem",
+           "result_problems", "run_recipe", "use_plugins", "write_recipe"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import importlib.metadata as md
 import json
 import os
@@ -15,6 +16,10 @@ import yaml
 from .. import plugins as _plugins
 from ..plugins import PluginManager
 
+#: ``runtime_monitor`` settings that keep a small run's start, health checks and stop quick.
+QUICK_MONITOR: dict[str, Any] = {"stop_timeout": 10, "health_check": {"check_interval": 0.5, "timeout": 2.0},
+                                 "exception_handling": {"check_interval": 0.05}}
+
 #: A recipe that runs in about a second on the core's own components: generated additions,
 #: the mock inference service (it answers "A + B" prompts, correctly once trained a little)
 #: and the mock trainer (it trains nothing). ``run_recipe`` merges a test's recipe onto it.
@@ -25,9 +30,23 @@ MOCK_RECIPE: dict[str, Any] = {
     "trainer": {"type": "mock", "total_train_steps": 1},
     "trajectory_pool": {"batch_size": 4, "group_size": 2},
     "logger": {"backend": ["console"], "level": "WARNING"},
-    "runtime_monitor": {"stop_timeout": 10, "health_check": {"check_interval": 0.5, "timeout": 2.0},
-                        "exception_handling": {"check_interval": 0.05}},
+    "runtime_monitor": QUICK_MONITOR,
 }
+
+
+def make_recipe(base: Mapping[str, Any] | None = MOCK_RECIPE, /, **sections: Any) -> dict[str, Any]:
+    """A recipe (plain dicts, a copy): ``base`` (:data:`MOCK_RECIPE`; None: nothing) with each keyword
+    section merged in as :func:`run_recipe` merges: key by key, except that a mapping naming its
+    component (``type`` / ``backend``) replaces the base's, and any other value replaces it.
+    ``make_recipe(trainer={"total_train_steps": 3}, rollout_worker={"evaluator": {"type": "exact_match"}})``."""
+    return copy.deepcopy(_merge(dict(base or {}), sections))
+
+
+def write_recipe(recipe: Mapping[str, Any], path: str | os.PathLike[str]) -> str:
+    """``recipe`` written as YAML to ``path`` (what ``nexrl run`` and ``load_recipe`` read); the path."""
+    with open(path, "w", encoding="utf-8") as f:
+        yaml.safe_dump(dict(recipe), f, sort_keys=False)
+    return str(path)
 
 
 def plugin_manager(*plugins: Any, entry_points: bool = False) -> PluginManager:
@@ -100,11 +119,10 @@ def run_recipe(recipe: Mapping[str, Any], run_dir: str, *plugins: Any, overrides
     from ..config.recipe import load_recipe
     from ..controller import NexRLController
 
-    merged = _merge(dict(base or {}), {"run_dir": str(run_dir), **dict(recipe)})
+    merged = make_recipe(base, run_dir=str(run_dir), **dict(recipe))
     path = os.path.join(os.path.dirname(os.path.abspath(run_dir)), f"{os.path.basename(run_dir)}.recipe.yaml")
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w", encoding="utf-8") as f:
-        yaml.safe_dump(merged, f, sort_keys=False)
+    write_recipe(merged, path)
     pm = plugin_manager(*plugins)
     cfg = load_recipe(path, list(overrides))
     controller = NexRLController(cfg, plugin_manager=pm)

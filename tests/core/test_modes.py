@@ -20,6 +20,7 @@ from loguru import logger
 from nexrl_core.config.recipe import load_recipe
 from nexrl_core.controller import NexRLController
 from nexrl_core.plugins import PluginManager
+from nexrl_core.testing import make_recipe
 
 pytestmark = pytest.mark.timeout(120)  # a deadlock fails the test instead of hanging the suite
 
@@ -38,20 +39,16 @@ def _quiet():
 
 
 def recipe(tmp_path, mode, threshold, validate_freq=3, validate_before_train=True, step_time=0.02):
-    return {
-        "run_dir": str(tmp_path / "run"),
-        "logger": {"backend": [], "level": "WARNING"},
-        "data": {"type": "inline", "rows": TRAIN_ROWS},
-        "validate": {"validate_before_train": validate_before_train, "n_samples": 2,
-                     "data": {"type": "inline", "rows": VAL_ROWS}},
-        "rollout_worker": {"num_workers": 4, "evaluator": {"type": "exact_match"}},
-        "trajectory_pool": {"batch_size": 4, "group_size": 2, "key_list": ["uid"]},
-        "trainer": {"type": "mock", "total_train_steps": STEPS, "step_time_s": step_time},
-        "weight": {"sync_mode": mode, "staleness_threshold": threshold, "validate_freq": validate_freq},
-        "service": {"inference_service": {"backend": "mock", "mode": "sum", "learn_steps": 4, "delay_s": 0.003}},
-        "runtime_monitor": {"stop_timeout": 10, "health_check": {"check_interval": 0.5, "timeout": 2.0},
-                            "exception_handling": {"check_interval": 0.05}},
-    }
+    return make_recipe(
+        run_dir=str(tmp_path / "run"), logger={"backend": []},
+        data={"type": "inline", "rows": TRAIN_ROWS},
+        validate={"validate_before_train": validate_before_train, "n_samples": 2,
+                  "data": {"type": "inline", "rows": VAL_ROWS}},
+        rollout_worker={"num_workers": 4, "evaluator": {"type": "exact_match"}},
+        trajectory_pool={"key_list": ["uid"]},
+        trainer={"total_train_steps": STEPS, "step_time_s": step_time},
+        weight={"sync_mode": mode, "staleness_threshold": threshold, "validate_freq": validate_freq},
+        service={"inference_service": {"backend": "mock", "mode": "sum", "learn_steps": 4, "delay_s": 0.003}})
 
 
 class Instrumented:

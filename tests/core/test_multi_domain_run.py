@@ -17,6 +17,7 @@ import pytest
 
 from nexrl_core import ConfigError, EvaluationRunResult, Evaluator, hookimpl
 from nexrl_core.builtins.mock import mock_sum_threshold
+from nexrl_core.testing import make_recipe
 
 GROUP = 2
 BATCH = 8  # 4 groups: sum 1, mixed 2, flat 1
@@ -59,7 +60,8 @@ def sum_row(a, b):
 
 
 def recipe(steps=STEPS, dynamic=True, **extra):
-    return {
+    """The kit's mock recipe over three domains; each of ``extra`` replaces its whole section."""
+    return {**make_recipe(**{
         "data": {"type": "multi_domain",
                  "domain_interleave_probs": {"sum": 0.25, "mixed": 0.5, "flat": 0.25},
                  "domains": {"sum": {"type": "inline", "rows": [sum_row(a, b) for a, b in SUMS]},
@@ -81,8 +83,7 @@ def recipe(steps=STEPS, dynamic=True, **extra):
         "trainer": {"type": "mock", "total_train_steps": steps},
         "weight": {"rollout_limit": "batch"},
         "service": {"inference_service": {"backend": "mock", "mode": "sum", "learn_steps": LEARN_STEPS}},
-        **extra,
-    }
+    }), **extra}
 
 
 def metrics_rows(run_dir):
@@ -243,11 +244,7 @@ def test_bad_multi_domain_recipes_are_one_line_in_validate_and_run(change, expec
     from nexrl_core.config.preflight import validate_recipe
     from nexrl_core.config.recipe import load_recipe
 
-    def merge(a, b):
-        return {**a, **{k: merge(a[k], v) if isinstance(v, dict) and isinstance(a.get(k), dict) else v
-                        for k, v in b.items()}}
-
-    bad = merge(recipe(), change)
+    bad = make_recipe(recipe(), **change)
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump({"run_dir": str(tmp_path / "run"), **bad}, sort_keys=False))
     problems = validate_recipe(load_recipe(str(path)), pm)

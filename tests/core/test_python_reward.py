@@ -15,6 +15,7 @@ import yaml
 from nexrl_core.builtins.python_reward import as_result
 from nexrl_core.cli import main
 from nexrl_core.evaluation import EvaluationRunResult
+from nexrl_core.testing import make_recipe
 
 REWARD = textwrap.dedent('''
     import re
@@ -64,13 +65,8 @@ REWARD = textwrap.dedent('''
 
 
 def _recipe(tmp_path, evaluator, steps=2):
-    return {
-        "data": {"type": "arithmetic", "num_rows": 16, "max_value": 9},
-        "rollout_worker": {"num_workers": 2, "evaluator": evaluator},
-        "service": {"inference_service": {"backend": "mock", "mode": "sum", "learn_steps": 3}},
-        "trainer": {"type": "mock", "total_train_steps": steps},
-        "trajectory_pool": {"batch_size": 4, "group_size": 2},
-    }
+    return make_recipe(rollout_worker={"evaluator": evaluator}, trainer={"total_train_steps": steps},
+                       service={"inference_service": {"backend": "mock", "mode": "sum", "learn_steps": 3}})
 
 
 @pytest.fixture

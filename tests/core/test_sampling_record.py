@@ -12,32 +12,27 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
 from nexrl_core import ConfigError
 from nexrl_core.builtins.mock import MockInferenceClient
 from nexrl_core.config.recipe import check_config, load_recipe
 from nexrl_core.controller import NexRLController
 from nexrl_core.inference import SamplingParams
+from nexrl_core.testing import make_recipe, write_recipe
 
 SAMPLING = {"max_tokens": 8, "temperature": 0.5, "top_p": 0.9, "top_k": 3, "stop": ["\n\n"]}
 
 
 def _recipe(tmp_path: Path, fast_monitor, **worker) -> Path:
-    recipe = {
-        "run_dir": str(tmp_path / "run"), "runtime_monitor": fast_monitor,
-        "logger": {"backend": [], "level": "WARNING"},
-        "data": {"type": "inline", "rows": [{"prompt": f"{a} + 1"} for a in range(4)]},
-        "validate": {"validate_before_train": True, "data": {"type": "inline", "rows": [{"prompt": "9 + 1"}]}},
-        "rollout_worker": {"num_workers": 2, "validate_temperature": 0, "sampling": SAMPLING,
-                           "evaluator": {"type": "exact_match"}, **worker},
-        "trajectory_pool": {"batch_size": 4, "group_size": 2, "key_list": ["uid"]},
-        "trainer": {"type": "mock", "total_train_steps": 2},
-        "service": {"inference_service": {"backend": "mock", "mode": "echo"}},
-    }
-    path = tmp_path / "recipe.yaml"
-    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
-    return path
+    recipe = make_recipe(
+        run_dir=str(tmp_path / "run"), runtime_monitor=fast_monitor, logger={"backend": []},
+        data={"type": "inline", "rows": [{"prompt": f"{a} + 1"} for a in range(4)]},
+        validate={"validate_before_train": True, "data": {"type": "inline", "rows": [{"prompt": "9 + 1"}]}},
+        rollout_worker={"validate_temperature": 0, "sampling": SAMPLING, "evaluator": {"type": "exact_match"},
+                        **worker},
+        trajectory_pool={"key_list": ["uid"]}, trainer={"total_train_steps": 2},
+        service={"inference_service": {"backend": "mock", "mode": "echo"}})
+    return Path(write_recipe(recipe, tmp_path / "recipe.yaml"))
 
 
 def test_trajectories_carry_the_parameters_the_backend_received(tmp_path, fast_monitor, core_pm, reset_loguru):

@@ -17,7 +17,16 @@ import nexrl_core.plugins as plugins
 from nexrl_core import EvaluationRunResult, Evaluator, Option
 from nexrl_core.cli import main
 from nexrl_core.plugins import PluginManager
-from nexrl_core.testing import check_evaluator, plugin_manager, run_recipe, use_plugins
+from nexrl_core.testing import (
+    MOCK_RECIPE,
+    QUICK_MONITOR,
+    check_evaluator,
+    make_recipe,
+    plugin_manager,
+    run_recipe,
+    use_plugins,
+    write_recipe,
+)
 
 PLUGIN = '''
 from nexrl_core import EvaluationRunResult, Evaluator, hookimpl
@@ -94,6 +103,21 @@ def test_run_recipe_refuses_a_bad_recipe_as_nexrl_run_does(tmp_path):
 
     with pytest.raises(RecipeProblems, match="rollout_worker.evaluator.type: unknown evaluator 'ends_with'"):
         run_recipe({"rollout_worker": {"evaluator": {"type": "ends_with"}}}, str(tmp_path / "run"))
+
+
+def test_make_recipe_merges_sections_and_write_recipe_loads_as_nexrl_run_does(tmp_path):
+    from nexrl_core.config.recipe import load_recipe
+
+    recipe = make_recipe(trainer={"total_train_steps": 3}, rollout_worker={"evaluator": {"type": "exact_match"}},
+                         service={"inference_service": {"backend": "mock", "mode": "echo"}})
+    assert recipe["trainer"] == {"type": "mock", "total_train_steps": 3}  # merged key by key
+    assert recipe["rollout_worker"] == {"num_workers": 2, "evaluator": {"type": "exact_match"}}  # named: replaced
+    assert recipe["service"]["inference_service"] == {"backend": "mock", "mode": "echo"}
+    recipe["runtime_monitor"]["stop_timeout"] = 1  # a copy: the kit's constants stay as they are
+    assert MOCK_RECIPE["runtime_monitor"] == QUICK_MONITOR and QUICK_MONITOR["stop_timeout"] == 10
+    assert make_recipe(None, seed=3) == {"seed": 3}
+    cfg = load_recipe(write_recipe({**recipe, "run_dir": str(tmp_path / "run")}, tmp_path / "r.yaml"))
+    assert cfg.trainer.total_train_steps == 3 and cfg.service.inference_service.mode == "echo"
 
 
 # ----------------------------------------------------------------------------- conformance

@@ -36,34 +36,19 @@ import yaml
 
 from nexrl_core.config.recipe import load_recipe
 from nexrl_core.controller import NexRLController
-from tests.support.letters import grpo_plugin_manager
+from tests.support.letters import grpo_plugin_manager, tiny_grpo_recipe
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 STEPS = 8
 SAVE_FREQ = 3  # checkpoints at steps 3 and 6, and at the last step (8)
-GROUP = 8
-PROMPTS = ["the quick", "what is", "count: one", "hello world"]  # one batch: every step sees them all
+GROUP = 8  # tiny_grpo_recipe: one batch of 4 groups, so every step sees every prompt
 
 
 
 
 def recipe(run_dir: Path, model_dir: str) -> dict:
-    return {
-        "run_dir": str(run_dir),
-        "seed": 42,
-        "logger": {"backend": [], "level": "WARNING"},
-        "data": {"type": "inline", "rows": [{"prompt": p} for p in PROMPTS]},
-        "rollout_worker": {"num_workers": 8, "sampling": {"max_tokens": 6, "temperature": 1.0},
-                           "evaluator": {"type": "letter_share", "letter": "e"}},
-        "trajectory_pool": {"batch_size": 4 * GROUP, "group_size": GROUP, "key_list": ["uid"]},
-        "trainer": {"type": "self_hosted_grpo", "total_train_steps": STEPS, "save_freq": SAVE_FREQ},
-        "algorithm": {"loss_agg_mode": "seq-mean-token-mean"},
-        "weight": {"sync_mode": "sync", "backend": "in_process"},
-        "service": {"train_service": {"model_path": model_dir, "lr": 5e-2, "grad_clip": 1.0, "num_threads": 1},
-                    "inference_service": {"backend": "hf", "model_path": model_dir, "num_threads": 1}},
-        "runtime_monitor": {"stop_timeout": 10, "health_check": {"check_interval": 0.5, "timeout": 10.0},
-                            "exception_handling": {"check_interval": 0.05}},
-    }
+    return tiny_grpo_recipe(run_dir, model_dir, group=GROUP, steps=STEPS, trainer={"save_freq": SAVE_FREQ},
+                            algorithm={"loss_agg_mode": "seq-mean-token-mean"})
 
 
 def _same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:

@@ -18,30 +18,14 @@ from nexrl_core.controller import NexRLController
 from nexrl_grpo.engine import HFInferenceEngine
 from nexrl_grpo.modeling import load_causal_lm
 from tests.grpo.test_on_policy import make_trainer, rollouts
-from tests.support.letters import grpo_plugin_manager
+from tests.support.letters import grpo_plugin_manager, tiny_grpo_recipe
 
 STEPS = 6
 GROUP = 4
-PROMPTS = ["the quick", "what is", "count: one", "hello world"]
 
 
 def recipe(run_dir: Path, model_dir: str, algorithm: dict) -> dict:
-    return {
-        "run_dir": str(run_dir),
-        "seed": 5,
-        "logger": {"backend": [], "level": "WARNING"},
-        "data": {"type": "inline", "rows": [{"prompt": p} for p in PROMPTS]},
-        "rollout_worker": {"num_workers": 8, "sampling": {"max_tokens": 6, "temperature": 1.0},
-                           "evaluator": {"type": "letter_share", "letter": "e"}},
-        "trajectory_pool": {"batch_size": 4 * GROUP, "group_size": GROUP, "key_list": ["uid"]},
-        "trainer": {"type": "self_hosted_grpo", "total_train_steps": STEPS},
-        "algorithm": algorithm,
-        "weight": {"sync_mode": "sync", "backend": "in_process"},
-        "service": {"train_service": {"model_path": model_dir, "lr": 5e-2, "grad_clip": 1.0, "num_threads": 1},
-                    "inference_service": {"backend": "hf", "model_path": model_dir, "num_threads": 1}},
-        "runtime_monitor": {"stop_timeout": 10, "health_check": {"check_interval": 0.5, "timeout": 10.0},
-                            "exception_handling": {"check_interval": 0.05}},
-    }
+    return tiny_grpo_recipe(run_dir, model_dir, group=GROUP, steps=STEPS, seed=5, algorithm=algorithm)
 
 
 def run(tmp_path: Path, model_dir: str, algorithm: dict) -> list[dict]:

@@ -2,7 +2,7 @@
 
 - every module's health check can fail: the trajectory pool, the validator and the data loaders
   when a call of theirs hangs (a lock held), a data loader that failed to draw a task, the
-  weight-sync controller when a weight push failed (the Tinker client: tests/tinker);
+  weight-sync controller when a weight push failed (the Tinker client: tests/tinker_plugin);
 - ``resume.on_failure: restart``: a run a failed module stops starts again from its newest
   checkpoint, counts the restart in run.json, trains every step exactly once, and gives up
   after ``resume.max_restarts``.

@@ -21,6 +21,8 @@ import ray
 import ray.exceptions
 from loguru import logger
 
+from ...config.bound import declared_value
+from ...config.schema import LOGGER
 from ...errors import NexRLError
 from ...redaction import known_secrets
 from ...types import NexRLRole
@@ -112,9 +114,10 @@ class RayResourceManager(ResourceManager):
         for plan in order:
             for role in dict.fromkeys(s.role for s in plan.slots):
                 res = self._settings.resources.get(role, {})
-                plan.num_cpus += float(res.get("num_cpus", 0) or 0)
-                plan.num_gpus += float(res.get("num_gpus", 0) or 0)
-                plan.memory += float(res.get("memory", 0) or 0)
+                # null (the declared default; RaySettings drops it) reserves nothing
+                plan.num_cpus += float(res.get("num_cpus") or 0)
+                plan.num_gpus += float(res.get("num_gpus") or 0)
+                plan.memory += float(res.get("memory") or 0)
                 for key, amount in (res.get("resources") or {}).items():
                     plan.custom[key] = plan.custom.get(key, 0.0) + float(amount)
         return order
@@ -125,7 +128,7 @@ class RayResourceManager(ResourceManager):
         return HostSetup(sys_path=driver_path(), env=actor_env(self._settings, plan.num_cpus or None),
                          load_plugins=os.environ.get("NEXRL_LOAD_PLUGINS"),
                          run_dir=str(cfg.get("run_dir")) if cfg.get("run_dir") else None,
-                         log_level=str(logger_cfg.get("level", "INFO")),
+                         log_level=str(declared_value(logger_cfg, "level", LOGGER, "logger")),
                          seed=int(cfg["seed"]) if cfg.get("seed") is not None else None, niceness=os.nice(0),
                          secrets=known_secrets())
 

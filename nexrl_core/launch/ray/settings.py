@@ -8,8 +8,9 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from ...config.bound import declared_value
 from ...config.options import option_defaults
-from ...config.schema import RAY
+from ...config.schema import RAY, ROLLOUT_WORKER
 
 #: Calls that last as long as the work they do (model load, checkpoint, weight push, waits on
 #: other modules, stop): not bounded by ``ray.call_timeout``. A module that dies still fails
@@ -51,7 +52,7 @@ class RaySettings:
                        for k, v in (section["resources"] or {}).items()},
             max_concurrency=section["max_concurrency"],
             env_vars={str(k): str(v) for k, v in (section["env_vars"] or {}).items()},
-            num_worker_actors=int(workers.get("num_actors", 1) or 1),
+            num_worker_actors=int(declared_value(workers, "num_actors", ROLLOUT_WORKER, "rollout_worker")),
         )
 
 

@@ -22,6 +22,8 @@ from nexrl_core import (
     SamplingParams,
     Trajectory,
     algorithms,
+    bind,
+    component_options,
     trajectory_reward,
     trajectory_segments,
 )
@@ -32,6 +34,7 @@ from .modeling import DEVICE_HELP, compute_response_logprobs, device_problem, po
 from .train_service import BATCH_FORMAT, LocalTorchTrainService, export_model_folder
 
 CRITIC_FOLDER = "critic"  # inside a checkpoint folder, next to the policy's files
+KL_AGG_MODE_WITHOUT_LOSS_MODE = "token-mean"  # the KL term's reduction when the policy loss declares no mode
 
 
 def _record_advantages(trajectories: list[Trajectory], advantages: torch.Tensor, mask: torch.Tensor,
@@ -394,13 +397,15 @@ class SelfHostedGrpoTrainer(SelfHostedTrainer):
                 raise ConfigError(f"algorithm.type '{self.selection.functions['type'].name}' trains a critic in the "
                                   f"trainer's process: service.train_service.world_size must be 1 with it")
             critic = options["critic"]
-            service = getattr(self.train_service, "config", None) or {}  # the policy's settings, as built
+            # The policy's settings, as built (another service: the declared defaults of this plugin's own).
+            policy = self.train_service.config if isinstance(self.train_service, LocalTorchTrainService) else {}
+            service = bind(policy, component_options(LocalTorchTrainService), "service.train_service")
             # Its own optimizer settings; Adam's betas/eps and the micro-batch size default to the policy's.
             config = {"lr": critic["lr"], "weight_decay": critic["weight_decay"], "grad_clip": critic["grad_clip"],
-                      "betas": service.get("betas", [0.9, 0.999]), "eps": service.get("eps", 1e-8),
-                      "dtype": getattr(self.train_service, "dtype", service.get("dtype", "float32")),  # auto resolved
+                      "betas": service["betas"], "eps": service["eps"],
+                      "dtype": getattr(self.train_service, "dtype", service["dtype"]),  # auto resolved
                       "device": critic["device"] or str(self.train_service.device),
-                      "micro_batch_size": critic["micro_batch_size"] or service.get("micro_batch_size")}
+                      "micro_batch_size": critic["micro_batch_size"] or service["micro_batch_size"]}
             self.critic = CriticService(config, model=ValueModel.from_causal_lm(self.train_service.model),
                                         tokenizer=self.train_service.tokenizer)
 
@@ -473,8 +478,8 @@ class SelfHostedGrpoTrainer(SelfHostedTrainer):
         max_response_length = self._max_response_length(batch)
         kl_coef = float(options["kl_loss_coef"]) if options["use_kl_loss"] else 0.0
         kl_kind = str(options["kl_loss_type"])
-        # The KL term reduces like the policy loss when the loss has a mode (a plugin's may not).
-        kl_agg_mode = str(options.get("loss_agg_mode", "token-mean"))
+        # The KL term reduces like the policy loss when the loss declares a mode (a plugin's may not: then per token).
+        kl_agg_mode = str(options["loss_agg_mode"] if "loss_agg_mode" in options else KL_AGG_MODE_WITHOUT_LOSS_MODE)
         if correct and "rollout_log_probs" not in batch.values:
             raise ConfigError("algorithm.rollout_correction.enabled: the rollout returned no log-probs to correct "
                               "with (the inference backend must return per-token log-probs)")

@@ -37,6 +37,7 @@ from loguru import logger
 from omegaconf import DictConfig, OmegaConf
 
 from nexrl_core import (
+    BoundConfig,
     Capabilities,
     CompletionResult,
     ConfigError,
@@ -56,9 +57,8 @@ INSTALL_HINT = ("starting `vllm serve` needs the vllm package: pip install 'nexr
                 "GPU; vLLM pins its own torch), or attach to a running server with `url`, or set `command` to "
                 "your vllm executable")
 
-# The core client's keys this backend passes through, and its own.
-_CLIENT_KEYS = {"url": None, "api_key": None, "model": None, "timeout": 60.0, "max_retries": 3,
-                "retry_backoff": 0.5, "max_retry_time": 120.0}
+# The core client's keys this backend passes through (declared in OpenAICompatibleClient.OPTIONS).
+_CLIENT_KEYS = ("url", "api_key", "model", "timeout", "max_retries", "retry_backoff", "max_retry_time")
 # Typed by their defaults; parse_serve_options checks ranges and choices (validate and run alike).
 _SERVE_OPTIONS = {
     "model_path": Option(None, help="start `vllm serve MODEL_PATH` (excludes url)"),
@@ -84,13 +84,16 @@ _SERVE_OPTIONS = {
 _SERVE_KEYS = {key: opt.default for key, opt in _SERVE_OPTIONS.items()}
 
 
-def _value(config: Any, key: str, default: Any = None) -> Any:
-    if config is None:
-        return default
-    value = config.get(key, default)
-    if isinstance(value, DictConfig) or type(value).__name__ == "ListConfig":
-        return OmegaConf.to_container(value, resolve=True)
-    return default if value is None and default is not None else value
+def _bound(config: Any, section: str) -> BoundConfig:
+    """``config`` as this backend reads it: the core's keys, the OpenAI client's and its own, each
+    declared default filled (the values are never re-defaulted here)."""
+    return VLLMClient.bind_config(config, section)
+
+
+def _value(cfg: BoundConfig, key: str) -> Any:
+    """A declared key's value, a nested mapping as a plain dict."""
+    value = cfg[key]
+    return value.to_dict() if isinstance(value, BoundConfig) else value
 
 
 def _run_dir(config: Any, relative_key: str = "...run_dir") -> str | None:
@@ -101,14 +104,11 @@ def _run_dir(config: Any, relative_key: str = "...run_dir") -> str | None:
     return None
 
 
-def _number(config: Any, key: str, section: str, problems: list[str], kind: type = float, low: float | None = None,
-            high: float | None = None, allow_none: bool = False) -> Any:
-    default = {**_CLIENT_KEYS, **_SERVE_KEYS}.get(key)
-    value = _value(config, key, None)
-    if value is None:
-        if allow_none or default is None:
-            return None
-        value = default
+def _number(cfg: BoundConfig, key: str, section: str, problems: list[str], kind: type = float,
+            low: float | None = None, high: float | None = None, allow_none: bool = False) -> Any:
+    value = _value(cfg, key)
+    if value is None and allow_none:
+        return None
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (kind is float or isinstance(value, int))
     if ok and ((low is not None and value < low) or (high is not None and value > high)):
         ok = False
@@ -117,7 +117,7 @@ def _number(config: Any, key: str, section: str, problems: list[str], kind: type
             (f" >= {low:g}" if low is not None else "")
         problems.append(f"{section}.{key}: expected {'an integer' if kind is int else 'a number'}{bounds}, "
                         f"got {value!r}")
-        return default
+        return None
     return kind(value)
 
 
@@ -125,6 +125,8 @@ def parse_serve_options(config: Any, section: str = "service.inference_service")
                                                                                           list[str]]:
     """The managed-server options (None when attaching by ``url``) and every problem found."""
     problems: list[str] = []
+    run_dir = _run_dir(config)  # off the recipe's node, before binding makes the section a plain one
+    config = _bound(config, section)
     url, model_path = _value(config, "url"), _value(config, "model_path")
     if url and model_path:
         problems.append(f"{section}: set either `url` (attach to a running vLLM server) or `model_path` (start "
@@ -158,9 +160,9 @@ def parse_serve_options(config: Any, section: str = "service.inference_service")
     path = str(model_path)
     if (os.path.isabs(path) or path.startswith(".")) and not os.path.isdir(path):
         problems.append(f"{section}.model_path: '{path}' is not a folder")
-    host = str(_value(config, "host", "127.0.0.1"))
+    host = str(_value(config, "host"))
     port = _number(config, "port", section, problems, int, 1, 65535, allow_none=True)
-    logprobs_mode = str(_value(config, "logprobs_mode", "processed_logprobs"))
+    logprobs_mode = str(_value(config, "logprobs_mode"))
     if logprobs_mode not in LOGPROBS_MODES:
         problems.append(f"{section}.logprobs_mode: '{logprobs_mode}' is not one of {', '.join(LOGPROBS_MODES)} "
                         "(training needs log-probs; processed_logprobs matches the trainer's temperature)")
@@ -172,23 +174,23 @@ def parse_serve_options(config: Any, section: str = "service.inference_service")
     if dev is not None and not isinstance(dev, bool):
         problems.append(f"{section}.dev_endpoints: expected null (on for a loopback host) or a boolean, got {dev!r}")
         dev = None
-    extra = _value(config, "extra_args", [])
+    extra = _value(config, "extra_args")
     if not isinstance(extra, list):
         problems.append(f"{section}.extra_args: expected a list of strings, got {extra!r}")
         extra = []
-    env = _value(config, "env", {})
+    env = _value(config, "env")
     if not isinstance(env, dict):
         problems.append(f"{section}.env: expected a mapping of environment variables, got {env!r}")
         env = {}
     log_file = _value(config, "log_file")
     if not log_file:
-        log_file = os.path.join(_run_dir(config) or ".", "vllm_server.log")
+        log_file = os.path.join(run_dir or ".", "vllm_server.log")
     opts = ServeOptions(
         model_path=path, command=command, host=host, port=port,
         served_model_name=_value(config, "model"),
         tensor_parallel_size=_number(config, "tensor_parallel_size", section, problems, int, 1),
         gpu_memory_utilization=_number(config, "gpu_memory_utilization", section, problems, float, 0.01, 1.0),
-        dtype=str(_value(config, "dtype", "auto")),
+        dtype=str(_value(config, "dtype")),
         max_model_len=_number(config, "max_model_len", section, problems, int, 1, allow_none=True),
         logprobs_mode=logprobs_mode, weight_transfer=transfer,
         # Development routes (pause, reload, weight transfer) change the served weights: only on loopback
@@ -215,9 +217,10 @@ class VLLMClient(OpenAICompatibleClient):
     @classmethod
     def check_config(cls, section: Any, key: str) -> list[str]:
         problems = parse_serve_options(section, key)[1]
+        cfg = _bound(section, key)
         for name, kind, low in (("timeout", float, 0.001), ("max_retries", int, 0), ("retry_backoff", float, 0.0),
                                 ("max_retry_time", float, 0.0)):
-            _number(section, name, key, problems, kind, low)
+            _number(cfg, name, key, problems, kind, low)
         return problems
 
     def __init__(self, config: Any):
@@ -225,6 +228,7 @@ class VLLMClient(OpenAICompatibleClient):
         problems += [p for p in self.check_config(config, "service.inference_service") if p not in problems]
         if problems:
             raise ConfigError("; ".join(problems))
+        config = _bound(config, "service.inference_service")
         self.server: ManagedVLLMServer | None = None
         if opts is not None:
             self.server = ManagedVLLMServer(opts).start()
@@ -234,7 +238,7 @@ class VLLMClient(OpenAICompatibleClient):
             root = root[: -len("/v1")] if root.endswith("/v1") else root
         self.root_url = root
         client_config = {k: _value(config, k) for k in _CLIENT_KEYS if _value(config, k) is not None}
-        client_config.update(url=f"{root}/v1", model_tag=_value(config, "model_tag", "default"),
+        client_config.update(url=f"{root}/v1", model_tag=_value(config, "model_tag"),
                              request_logprobs=True, return_token_ids=True)
         try:
             super().__init__(client_config)

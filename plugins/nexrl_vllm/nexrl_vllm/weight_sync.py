@@ -47,9 +47,9 @@ from urllib.parse import urlparse
 
 from loguru import logger
 
-from nexrl_core import Capabilities, ConfigError, Option, WeightSyncBackend
+from nexrl_core import BoundConfig, Capabilities, ConfigError, Option, WeightSyncBackend
 
-from .client import VLLMClient, _run_dir, _value, require_vllm_client
+from .client import VLLMClient, _run_dir, require_vllm_client
 from .control import PAUSE_MODES, SyncPhaseError, VLLMControl
 from .server import free_port, is_loopback
 from .transport import NcclTransport, TensorTransport
@@ -88,22 +88,22 @@ class _VLLMWeightSync(WeightSyncBackend):
 
     @classmethod
     def check_config(cls, section: Any, key: str = "weight") -> list[str]:
+        cfg = cls.bind_config(section, key)
         problems: list[str] = []
-        mode = _value(section, "pause_mode", "abort")
-        if mode not in PAUSE_MODES:
-            problems.append(f"{key}.pause_mode: '{mode}' is not one of {', '.join(PAUSE_MODES)}")
+        if cfg["pause_mode"] not in PAUSE_MODES:
+            problems.append(f"{key}.pause_mode: '{cfg['pause_mode']}' is not one of {', '.join(PAUSE_MODES)}")
         for name in ("control_timeout", "transfer_timeout"):
-            _option(section, name, key, problems, _VLLMWeightSync.OPTIONS[name].default, float, 0.001)
+            _option(cfg, name, key, problems, float, 0.001)
         return problems
 
     def __init__(self, config: Any):
-        super().__init__(config)
-        problems = self.check_config(config)
+        super().__init__(config)  # self.config: the bound `weight` section
+        problems = self.check_config(self.config)
         if problems:
             raise ConfigError("; ".join(problems))
-        self.pause_mode = str(_value(config, "pause_mode", "abort"))
-        self.control_timeout = float(_value(config, "control_timeout", 60.0))
-        self.transfer_timeout = float(_value(config, "transfer_timeout", 600.0))
+        self.pause_mode = str(self.config["pause_mode"])
+        self.control_timeout = float(self.config["control_timeout"])
+        self.transfer_timeout = float(self.config["transfer_timeout"])
         self.last_timings: dict[str, float] = {}
 
     def sync(self, trainer: Any, inference_client: Any, version: int) -> None:
@@ -144,16 +144,16 @@ class VLLMDiskWeightSync(_VLLMWeightSync):
     @classmethod
     def check_config(cls, section: Any, key: str = "weight") -> list[str]:
         problems = super().check_config(section, key)
-        _option(section, "keep_versions", key, problems, 1, int, 1)
+        _option(cls.bind_config(section, key), "keep_versions", key, problems, int, 1)
         return problems
 
     def __init__(self, config: Any):
         super().__init__(config)
-        sync_dir = _value(config, "sync_dir")
-        if not sync_dir:
+        sync_dir = self.config["sync_dir"]
+        if not sync_dir:  # null: next to the run's other files (the recipe's run_dir, read off its node)
             sync_dir = os.path.join(_run_dir(config, "..run_dir") or ".", "weight_sync")
         self.sync_dir = os.path.abspath(str(sync_dir))
-        self.keep_versions = int(_value(config, "keep_versions", 1))
+        self.keep_versions = int(self.config["keep_versions"])
 
     def _prepare(self, trainer: Any, client: VLLMClient, version: int) -> str:
         try:
@@ -208,18 +208,19 @@ class VLLMNcclWeightSync(_VLLMWeightSync):
     @classmethod
     def check_config(cls, section: Any, key: str = "weight") -> list[str]:
         problems = super().check_config(section, key)
-        port = _value(section, "nccl_master_port")
+        cfg = cls.bind_config(section, key)
+        port = cfg["nccl_master_port"]
         if port is not None and not (isinstance(port, int) and not isinstance(port, bool) and 0 < port < 65536):
             problems.append(f"{key}.nccl_master_port: expected null or a port number, got {port!r}")
-        if not isinstance(_value(section, "nccl_packed", True), bool):
-            problems.append(f"{key}.nccl_packed: expected a boolean, got {_value(section, 'nccl_packed')!r}")
+        if not isinstance(cfg["nccl_packed"], bool):
+            problems.append(f"{key}.nccl_packed: expected a boolean, got {cfg['nccl_packed']!r}")
         return problems
 
     def __init__(self, config: Any):
         super().__init__(config)
-        self.master_address = _value(config, "nccl_master_address")
-        self.master_port = _value(config, "nccl_master_port")
-        self.packed = bool(_value(config, "nccl_packed", True))
+        self.master_address = self.config["nccl_master_address"]
+        self.master_port = self.config["nccl_master_port"]
+        self.packed = bool(self.config["nccl_packed"])
         self.transport: TensorTransport | None = None
         self._init_lock = threading.Lock()
 
@@ -262,14 +263,12 @@ class VLLMNcclWeightSync(_VLLMWeightSync):
         control.finish_weight_update(version)
 
 
-def _option(section: Any, name: str, key: str, problems: list[str], default: Any, kind: type, low: float) -> None:
-    value = _value(section, name)
-    if value is None:
-        return
+def _option(cfg: BoundConfig, name: str, key: str, problems: list[str], kind: type, low: float) -> None:
+    value = cfg[name]
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)) \
             or value < low:
         problems.append(f"{key}.{name}: expected {'an integer' if kind is int else 'a number'} >= {low:g}, "
-                        f"got {value!r} (default {default})")
+                        f"got {value!r}")
 
 
 def _address_towards(host: str) -> str:

@@ -10,7 +10,7 @@ import pytest
 import tinker
 from tinker import types
 
-from tests.tinker.helpers import API_KEY
+from tests.tinker_plugin.helpers import API_KEY
 
 
 def test_the_module_serves_a_model_folder_to_the_sdk(tiny_folder, tmp_path, tokenizer):

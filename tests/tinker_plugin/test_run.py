@@ -14,7 +14,7 @@ import yaml
 from nexrl_tinker.standin import BaseModel, StandinServer
 from tests.reliability.helpers import NEXRL, REPO_ROOT, Run
 from tests.support.tiny_lm import build_model
-from tests.tinker.helpers import MODEL, grpo_recipe, metrics_rows
+from tests.tinker_plugin.helpers import MODEL, grpo_recipe, metrics_rows
 
 pytestmark = pytest.mark.timeout(600)
 RECIPE = str(REPO_ROOT / "recipes" / "tinker_grpo.yaml")

@@ -18,7 +18,7 @@ import pytest
 import nexrl_rewards.sandbox as sandbox_module
 from nexrl_core import BaseEvaluationTarget
 from nexrl_rewards.code_sandbox import CodeSandboxEvaluator
-from tests.rewards.test_code_sandbox import NAMESPACES, _interpreter_for_other_users, fenced, needs_namespaces
+from tests.rewards_plugin.test_code_sandbox import NAMESPACES, _interpreter_for_other_users, fenced, needs_namespaces
 
 REPO = Path(__file__).resolve().parents[2]
 NO_NAMESPACES = REPO / "tests" / "support" / "no_namespaces.py"

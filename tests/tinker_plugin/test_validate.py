@@ -7,24 +7,18 @@ import subprocess
 import sys
 from pathlib import Path
 
-import yaml
+from nexrl_core.testing import make_recipe, write_recipe
 
 NEXRL = str(Path(sys.executable).with_name("nexrl"))
 
 
 def _recipe(tmp_path: Path, tokenizer_path: str) -> Path:
-    recipe = {
-        "run_dir": str(tmp_path / "run"),
-        "data": {"type": "inline", "rows": [{"prompt": "What is 1 + 1?", "answer": "2"}] * 4},
-        "trajectory_pool": {"batch_size": 2, "group_size": 2, "key_list": ["uid"]},
-        "trainer": {"type": "mock", "total_train_steps": 1},
-        "weight": {"backend": "version_only"},
-        "service": {"inference_service": {"backend": "tinker", "base_model": "tiny",
-                                          "tokenizer_path": tokenizer_path}},
-    }
-    path = tmp_path / "recipe.yaml"
-    path.write_text(yaml.safe_dump(recipe))
-    return path
+    recipe = make_recipe(run_dir=str(tmp_path / "run"),
+                         data={"type": "inline", "rows": [{"prompt": "What is 1 + 1?", "answer": "2"}] * 4},
+                         trajectory_pool={"batch_size": 2, "key_list": ["uid"]}, weight={"backend": "version_only"},
+                         service={"inference_service": {"backend": "tinker", "base_model": "tiny",
+                                                        "tokenizer_path": tokenizer_path}})
+    return Path(write_recipe(recipe, tmp_path / "recipe.yaml"))
 
 
 def test_a_missing_key_is_reported_by_validate_and_stops_run_before_it_starts(tmp_path, tiny_folder):
@@ -47,7 +41,7 @@ def test_a_missing_key_is_reported_by_validate_and_stops_run_before_it_starts(tm
 
 import pytest  # noqa: E402
 
-from tests.tinker.helpers import grpo_recipe  # noqa: E402
+from tests.tinker_plugin.helpers import grpo_recipe  # noqa: E402
 
 
 @pytest.fixture
@@ -68,9 +62,8 @@ def cli(monkeypatch, capfd, reset_loguru, tmp_path):
     monkeypatch.setattr(plugins, "_DEFAULT", pm)
 
     def call(command: str, recipe: dict, *overrides: str):
-        path = tmp_path / "recipe.yaml"
-        path.write_text(yaml.safe_dump(recipe, sort_keys=False))
-        code = main([command, str(path), *overrides])
+        path = write_recipe(recipe, tmp_path / "recipe.yaml")
+        code = main([command, path, *overrides])
         _, err = capfd.readouterr()
         assert "Traceback" not in err
         return code, [line for line in err.splitlines() if line.startswith("error: ")]

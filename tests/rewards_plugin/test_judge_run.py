@@ -10,8 +10,7 @@ import shutil
 import subprocess
 import sys
 
-import yaml
-
+from nexrl_core.testing import make_recipe, write_recipe
 from tests.support.judge import judge_service
 
 # The mock policy echoes the prompt, so each row's prompt is the reply the judge sees; its
@@ -34,26 +33,18 @@ def _nexrl() -> list[str]:
 
 
 def test_judge_failures_are_failed_samples_not_zero_rewards(judge_server, tmp_path):
-    recipe = {
-        "run_dir": str(tmp_path / "run"),
-        "logger": {"backend": ["console"], "level": "WARNING"},
-        "runtime_monitor": {"stop_timeout": 10, "health_check": {"check_interval": 0.5, "timeout": 2.0},
-                            "exception_handling": {"check_interval": 0.05}},
-        "data": {"type": "inline", "shuffle": False,
-                 "rows": [{"prompt": p, "data_source": "judge"} for p, _ in ROWS]},
-        "trajectory_pool": {"batch_size": len(ROWS) * GROUP, "group_size": GROUP},
-        "trainer": {"type": "mock", "total_train_steps": 1},
-        "rollout_worker": {
-            "num_workers": 3,
-            "evaluator": {"type": "llm_judge", "service": judge_service(judge_server),
-                          "prompt_template": "Judge this reply: {response}", "max_retries": MAX_RETRIES},
-        },
-        "validate": {"validate_before_train": True, "n_samples": 1,
-                     "data": {"type": "inline", "rows": [{"prompt": p, "data_source": "judge"} for p, _ in ROWS]}},
-        "service": {"inference_service": {"backend": "mock", "mode": "echo"}},
-    }
-    path = tmp_path / "recipe.yaml"
-    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    recipe = make_recipe(
+        run_dir=str(tmp_path / "run"),
+        data={"type": "inline", "shuffle": False, "rows": [{"prompt": p, "data_source": "judge"} for p, _ in ROWS]},
+        trajectory_pool={"batch_size": len(ROWS) * GROUP, "group_size": GROUP},
+        trainer={"total_train_steps": 1},
+        rollout_worker={"num_workers": 3,
+                        "evaluator": {"type": "llm_judge", "service": judge_service(judge_server),
+                                      "prompt_template": "Judge this reply: {response}", "max_retries": MAX_RETRIES}},
+        validate={"validate_before_train": True, "n_samples": 1,
+                  "data": {"type": "inline", "rows": [{"prompt": p, "data_source": "judge"} for p, _ in ROWS]}},
+        service={"inference_service": {"backend": "mock", "mode": "echo"}})
+    path = write_recipe(recipe, tmp_path / "recipe.yaml")
     # Only this plugin besides the core's built-ins (found through its entry point, as installed).
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "NEXRL_LOAD_PLUGINS": "nexrl-rewards"}
     checked = subprocess.run(_nexrl() + ["validate", str(path)], capture_output=True, text=True, env=env)

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from tests.support.letters import PROMPTS, letters_recipe
+
+__all__ = ["API_KEY", "MODEL", "PROMPTS", "grpo_recipe", "metrics_rows", "sft_datum", "tinker_plugin_manager"]
+
 API_KEY = "tml-test-0123456789"
 MODEL = "tiny"
 
@@ -19,34 +23,22 @@ def sft_datum(tokenizer, text: str, prompt_len: int = 3):
                        loss_fn_inputs={"target_tokens": np.asarray(ids[1:], dtype=np.int64), "weights": weights})
 
 
-PROMPTS = ["the quick", "what is", "count: one", "hello world"]
-
-
 def grpo_recipe(run_dir, url: str, tokenizer_path: str, *, steps: int, group: int, lr: float = 2e-2,
                 workers: int = 4, **sections) -> dict:
-    """A remote_api_grpo recipe on the tiny model behind the stand-in at ``url``: every prompt of
-    :data:`PROMPTS` once per step, rewarded by the share of the letter 'e' in the reply (dense, so
-    groups are rarely flat). ``sections`` replace whole top-level sections."""
+    """A remote_api_grpo recipe on the tiny model behind the stand-in at ``url``, over the shared
+    letter-share part (:func:`tests.support.letters.letters_recipe`). ``sections`` replace whole
+    top-level sections."""
     connection = {"base_url": url, "api_key": API_KEY}
-    recipe = {
-        "run_dir": str(run_dir),
-        "seed": 42,
-        "logger": {"backend": [], "level": "WARNING"},
-        "data": {"type": "inline", "rows": [{"prompt": p} for p in PROMPTS]},
-        "rollout_worker": {"num_workers": workers, "sampling": {"max_tokens": 6, "temperature": 1.0},
-                           "evaluator": {"type": "letter_share", "letter": "e"}},
-        "trajectory_pool": {"batch_size": len(PROMPTS) * group, "group_size": group, "key_list": ["uid"]},
-        "trainer": {"type": "remote_api_grpo", "total_train_steps": steps},
-        "algorithm": {"type": "grpo", "loss_fn": "importance_sampling"},
-        "weight": {"sync_mode": "sync", "backend": "tinker"},
-        "service": {"train_service": {"backend": "tinker", "base_model": MODEL, "lora_rank": 8, "lr": lr,
-                                      **connection},
-                    "inference_service": {"backend": "tinker", "tokenizer_path": tokenizer_path, **connection}},
-        "runtime_monitor": {"stop_timeout": 20, "health_check": {"check_interval": 0.5, "timeout": 20.0},
-                            "exception_handling": {"check_interval": 0.05}},
-    }
-    recipe.update(sections)
-    return recipe
+    recipe = letters_recipe(
+        run_dir, group=group, workers=workers,
+        trainer={"type": "remote_api_grpo", "total_train_steps": steps},
+        algorithm={"type": "grpo", "loss_fn": "importance_sampling"},
+        weight={"sync_mode": "sync", "backend": "tinker"},
+        service={"train_service": {"backend": "tinker", "base_model": MODEL, "lora_rank": 8, "lr": lr, **connection},
+                 "inference_service": {"backend": "tinker", "tokenizer_path": tokenizer_path, **connection}},
+        runtime_monitor={"stop_timeout": 20, "health_check": {"check_interval": 0.5, "timeout": 20.0},
+                         "exception_handling": {"check_interval": 0.05}})
+    return {**recipe, **sections}
 
 
 def tinker_plugin_manager():

@@ -27,7 +27,7 @@ from nexrl_core.controller import NexRLController
 from nexrl_core.launch.parts import build_module
 from nexrl_tinker.standin import BaseModel, Fault, StandinServer
 from tests.support.tiny_lm import build_model
-from tests.tinker.helpers import MODEL, PROMPTS, grpo_recipe, metrics_rows, tinker_plugin_manager
+from tests.tinker_plugin.helpers import MODEL, PROMPTS, grpo_recipe, metrics_rows, tinker_plugin_manager
 
 STEPS = 6
 GROUP = 8

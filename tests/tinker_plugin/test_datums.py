@@ -80,7 +80,7 @@ def test_datum_trains_the_stand_in_on_exactly_the_response(make_standin, tokeniz
     """Through the stand-in: the loss of a cross-entropy datum is the response tokens' negative logprobs."""
     import tinker
 
-    from tests.tinker.helpers import API_KEY, MODEL
+    from tests.tinker_plugin.helpers import API_KEY, MODEL
 
     standin = make_standin()
     client = tinker.ServiceClient(base_url=standin.url, api_key=API_KEY)

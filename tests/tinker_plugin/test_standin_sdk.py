@@ -9,7 +9,7 @@ import torch
 from tinker import types
 
 from nexrl_tinker.standin import Fault
-from tests.tinker.helpers import API_KEY, MODEL, sft_datum
+from tests.tinker_plugin.helpers import API_KEY, MODEL, sft_datum
 
 TEXT = "the quick brown fox jumps over the lazy dog"
 

@@ -15,7 +15,7 @@ from nexrl_tinker.datums import build_datum
 from nexrl_tinker.remote import TinkerRequestError, resolve_connection
 from nexrl_tinker.service import LearningRateSchedule, TinkerTrainService
 from nexrl_tinker.standin import Fault
-from tests.tinker.helpers import API_KEY, MODEL
+from tests.tinker_plugin.helpers import API_KEY, MODEL
 
 TEXTS = [("the quick brown", " fox jumps over the lazy dog"), ("count: one, two,", " three, four, five")]
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.support.tiny_lm import build_model, build_tokenizer
-from tests.tinker.helpers import API_KEY, MODEL
+from tests.tinker_plugin.helpers import API_KEY, MODEL
 
 
 @pytest.fixture(scope="module", autouse=True)

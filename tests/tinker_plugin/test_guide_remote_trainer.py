@@ -11,7 +11,7 @@ import yaml
 
 from nexrl_core.config.recipe import load_recipe
 from nexrl_core.controller import NexRLController
-from tests.tinker.helpers import grpo_recipe, metrics_rows, tinker_plugin_manager
+from tests.tinker_plugin.helpers import grpo_recipe, metrics_rows, tinker_plugin_manager
 
 TRAINER = textwrap.dedent('''
     from typing import Any

@@ -10,7 +10,7 @@ from nexrl_core.plugins import PluginManager
 from nexrl_tinker.datums import build_datum
 from nexrl_tinker.service import TinkerTrainService
 from nexrl_tinker.standin import Fault
-from tests.tinker.helpers import API_KEY, MODEL
+from tests.tinker_plugin.helpers import API_KEY, MODEL
 
 
 @pytest.fixture
