@@ -230,6 +230,11 @@ def _validate(args: Any) -> int:
     note = unused_launch_keys_note(cfg)
     if note:
         print(f"warning: {note}", file=sys.stderr)  # as `nexrl run` logs it
+    from ..config.recipe import network_plan
+
+    if network_plan(cfg, get_plugin_manager()).private:
+        print("note: ray: the run and its local cluster will run in a private network namespace (loopback only)",
+              file=sys.stderr)
     plan = run_dir_plan(cfg)
     if plan:
         print(f"note: {plan}", file=sys.stderr)

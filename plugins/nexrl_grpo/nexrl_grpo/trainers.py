@@ -18,6 +18,7 @@ from nexrl_core import (
     Capabilities,
     ConfigError,
     DataError,
+    InferenceError,
     Option,
     SamplingParams,
     Trajectory,
@@ -354,7 +355,8 @@ class SelfHostedGrpoTrainer(SelfHostedTrainer):
                                needs="algorithm.use_kl_loss"),
         "ref_device": Option(None, (str, None), f"device of the frozen KL reference model (null: the policy's; "
                                                 f"{DEVICE_HELP})", check=device_problem,
-                             needs="algorithm.use_kl_in_reward or algorithm.use_kl_loss"),
+                             needs=("algorithm.use_kl_in_reward or algorithm.use_kl_loss",
+                                    "service.reference_service == null")),
         "max_response_length": Option(None, int, "loss normaliser of the *-norm aggregation modes "
                                                  "(null: rollout_worker.sampling.max_tokens)", ge=1),
         "rollout_correction": Option(options=algorithms.ROLLOUT_CORRECTION_OPTIONS,
@@ -364,6 +366,9 @@ class SelfHostedGrpoTrainer(SelfHostedTrainer):
                                          "before advantages; per domain with domains.<name>"),
     }
     ALGORITHM_SELECTORS = {"type": "advantage_estimator", "policy_loss": "policy_loss"}
+    # The KL reference may be service.reference_service instead of a frozen copy held here; the
+    # keys that make this trainer compute a KL at all (an Option.needs, checked at validate).
+    REFERENCE_SERVICE_NEEDS = "algorithm.use_kl_in_reward or algorithm.use_kl_loss"
     # Values: a critic trained here; its keys are accepted only with an estimator that needs it.
     ALGORITHM_INPUTS = {"values": CRITIC_ALGORITHM_OPTIONS}
 
@@ -373,6 +378,7 @@ class SelfHostedGrpoTrainer(SelfHostedTrainer):
         self._kl_ctrl: Any = None
         self._reward_processor: algorithms.RewardProcessor | None = None
         self._ref_model: torch.nn.Module | None = None
+        self.reference_service: Any = None  # service.reference_service's client, when declared
         self.critic: CriticService | None = None
 
     @property
@@ -389,7 +395,10 @@ class SelfHostedGrpoTrainer(SelfHostedTrainer):
     def initialize_workers(self) -> None:
         options = self.selection.options  # a bad algorithm section fails before the model loads
         super().initialize_workers()
-        if (options["use_kl_in_reward"] or options["use_kl_loss"]) and self._ref_model is None:
+        use_kl = options["use_kl_in_reward"] or options["use_kl_loss"]
+        if use_kl and self.reference_service is None and self._ref_model is None:
+            self.reference_service = self.create_reference_service()
+        if use_kl and self.reference_service is None and self._ref_model is None:
             device = resolve_device(options["ref_device"]) if options["ref_device"] else self.train_service.device
             self._ref_model = self.train_service.frozen_copy(device)
         if self.selection.requires("values") and self.critic is None:
@@ -410,11 +419,35 @@ class SelfHostedGrpoTrainer(SelfHostedTrainer):
                                         tokenizer=self.train_service.tokenizer)
 
     def _ref_log_probs(self, batch: Batch) -> torch.Tensor:
+        if self.reference_service is not None:
+            return self._served_ref_log_probs(batch)
         device = next(self._ref_model.parameters()).device
         v = {k: batch.values[k].to(device) for k in ("input_ids", "attention_mask", "position_ids", "temperature")}
         with torch.no_grad():
             return compute_response_logprobs(self._ref_model, v["input_ids"], v["attention_mask"], v["position_ids"],
                                              batch.values["responses"].shape[1], v["temperature"]).cpu()
+
+    def _served_ref_log_probs(self, batch: Batch) -> torch.Tensor:
+        """The reference service's log-probs of each row's real tokens (its padding dropped), at
+        the row's temperature, in the batch's ``[rows, response_length]`` layout."""
+        v, max_p = batch.values, batch.values["prompts"].shape[1]
+        real = v["attention_mask"].bool()
+        requests = [(v["input_ids"][i, :max_p][real[i, :max_p]].tolist(),
+                     v["input_ids"][i, max_p:][real[i, max_p:]].tolist(), float(v["temperature"][i]))
+                    for i in range(v["input_ids"].shape[0])]
+        scored = self.reference_service.score(requests)
+        out = torch.zeros(v["responses"].shape, dtype=torch.float32)
+        for i, ((_, response, _), lp) in enumerate(zip(requests, scored)):
+            if len(lp) != len(response):
+                raise InferenceError(f"service.reference_service scored {len(lp)} tokens of a {len(response)}-token "
+                                     f"response")
+            out[i, :len(lp)] = torch.tensor(lp, dtype=torch.float32)
+        return out
+
+    def close(self) -> None:
+        if self.reference_service is not None:
+            self.reference_service.close()
+        super().close()
 
     def _prepare_batch(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
         """ROLL's order: sample-level mask -> reward post-processing -> token-level rewards (with

@@ -110,6 +110,11 @@ class RemoteApiTrainer(BaseTrainer):
         provides={TRAINER_CAPABILITY},
         requires={SYNC_CAPABILITY: "it trains on the Tinker service, and without the tinker weight sync rollouts "
                                    "keep sampling the initial model"})
+
+    @classmethod
+    def network_use(cls, recipe: dict[str, Any]) -> str | None:
+        """ray.private_network: the train service it drives is remote."""
+        return "trains on a remote train service (Tinker)"
     ALGORITHM_OPTIONS: dict[str, Option] = {}
 
     def __init__(self, config: Any):
