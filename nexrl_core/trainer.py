@@ -28,8 +28,8 @@ from .types import DEFAULT_MODEL_TAG, Trajectory, trajectory_reward
 
 _BATCH_WAIT_S = 0.1
 # What samples.jsonl keeps of a trajectory (logger.samples_every).
-SAMPLE_FIELDS = ("uid", "sample_index", "data_source", "prompt", "response", "reward", "advantage", "score",
-                 "model_version", "sampling", "finish_reason", "failed", "error")
+SAMPLE_FIELDS = ("uid", "sample_index", "data_source", "prompt", "response", "reward", "advantage", "logprob_gap",
+                 "score", "model_version", "sampling", "finish_reason", "failed", "error")
 
 
 @dataclass

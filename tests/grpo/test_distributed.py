@@ -291,3 +291,59 @@ def test_one_rank_through_the_fsdp_code_matches_the_plain_service(tiny_model_dir
         one.close()
     for name, tensor in weights(plain).items():
         torch.testing.assert_close(got[name], tensor, atol=1e-6, rtol=1e-5)
+
+
+def test_per_row_outputs_come_back_in_the_batchs_row_order(tiny_model_dir):
+    """A loss's per-row values (ROW_OUTPUTS) from two ranks (whole groups each, out of row order,
+    micro-batches of 2): rank 0 puts every value back at its row."""
+    from nexrl_grpo.train_service import ROW_OUTPUTS
+
+    def with_rows(log_probs, mb):
+        loss, metrics = loss_fn(log_probs, mb)
+        metrics[ROW_OUTPUTS] = {"first_token": log_probs[:, 0].detach(), "row_sum": mb["input_ids"].sum(-1)}
+        return loss, metrics
+
+    batch = make_batch()
+    shards = shard_rows(batch["prompt_groups"].tolist(), batch["attention_mask"].sum(-1).tolist(), 2)
+    assert [r for rows in shards for r in rows] != list(range(5))  # rank order is not row order
+    want = service(tiny_model_dir, micro_batch_size=2).forward_backward(batch, with_rows)[ROW_OUTPUTS]
+    two = service(tiny_model_dir, micro_batch_size=2, world_size=2)
+    try:
+        got = two.forward_backward(batch, with_rows)[ROW_OUTPUTS]
+    finally:
+        two.close()
+    assert got["row_sum"] == want["row_sum"] == batch["input_ids"].sum(-1).tolist()
+    assert got["first_token"] == pytest.approx(want["first_token"], abs=1e-5)
+    assert len(set(want["first_token"])) == 5
+
+
+def test_two_ranks_record_each_samples_logprob_gap_as_one(tiny_model_dir):
+    """The GRPO trainer on two ranks: every sample gets the same own log-prob gap (and token) as
+    with one rank, in the same order, and both equal the max over its tokens computed here."""
+    from nexrl_grpo.modeling import load_causal_lm
+    from tests.grpo.test_on_policy import expected_gaps, make_trainer, own_logprobs, skewed
+
+    model, _ = load_causal_lm(tiny_model_dir)
+    gen = torch.Generator().manual_seed(7)
+    batch = []
+    for i in range(8):  # prompts of different lengths: ranks get interleaved rows
+        prompt = torch.randint(3, 90, (2 + i % 3 + (i // 2) % 2,), generator=gen).tolist()
+        response = torch.randint(3, 90, (3 + i % 4,), generator=gen).tolist()
+        t = {"uid": f"g{i // 2}", "sample_index": i % 2, "prompt_token_ids": prompt, "response_token_ids": response,
+             "sampling": {"temperature": 1.0, "max_tokens": 8}, "reward": float(i % 3), "model_version": 0}
+        batch.append({**t, "response_logprobs": own_logprobs(model, t)})
+    batch = skewed(batch)
+    want = expected_gaps(model, batch)
+    recorded = {}
+    for world in (1, 2):
+        trajectories = [dict(t) for t in batch]
+        trainer = make_trainer(tiny_model_dir, service={"world_size": world, "micro_batch_size": 3})
+        try:
+            trainer.train(trajectories)
+        finally:
+            trainer.close()
+        recorded[world] = [t["logprob_gap"] for t in trajectories]
+    assert [g["position"] for g in recorded[2]] == [g["position"] for g in recorded[1]] == [p for _, p in want]
+    assert [g["token"] for g in recorded[2]] == [g["token"] for g in recorded[1]]
+    assert [g["max"] for g in recorded[2]] == pytest.approx([g["max"] for g in recorded[1]], abs=1e-5)
+    assert [g["max"] for g in recorded[1]] == pytest.approx([m for m, _ in want], abs=1e-5)

@@ -42,6 +42,9 @@ from .weights import apply_process_options, check_model_section, config_errors, 
 
 LossFn = Callable[[torch.Tensor, dict[str, Any]], tuple[torch.Tensor, dict[str, float]]]
 
+# A loss_fn's metrics may hold, under this key, {name: one value per row of its micro-batch};
+# forward_backward returns them under it too, {name: [value per row of the batch]} in batch order.
+ROW_OUTPUTS = "rows"
 REQUIRED_KEYS = ("input_ids", "attention_mask", "responses", "response_mask")
 CHECKPOINT_FORMAT = 1
 # What save_checkpoint adds to the HF folder for a resume; an export leaves them out.
@@ -302,7 +305,8 @@ class LocalTorchTrainService(TrainService):
         ``loss_fn`` combined over micro-batches by the core's rule
         (:func:`nexrl_core.algorithms.aggregate_metrics`): a name ending in ``_max``/``_min`` is
         the max/min, any other the mean weighted by each micro-batch's share of valid tokens
-        (exact for token means such as ``pg_clipfrac``).
+        (exact for token means such as ``pg_clipfrac``). Per-row values of ``loss_fn`` (under
+        :data:`ROW_OUTPUTS`) come back under that key, one per row of ``batch``, in its order.
         """
         self._check(batch)
         mask = batch["response_mask"]
@@ -318,6 +322,7 @@ class LocalTorchTrainService(TrainService):
         self._forward_model.train()
         total_loss = 0.0
         parts: list[tuple[float, dict[str, float]]] = []
+        row_parts: list[dict[str, Any]] = []  # this rank's rows, in order
         with self._out_of_memory("forward_backward"):
             for p, mb in enumerate(self._micro_batches(mine, passes, empty_from=batch)):
                 with self._autocast():
@@ -327,16 +332,22 @@ class LocalTorchTrainService(TrainService):
                     continue
                 mb.update(shared)
                 loss, mb_metrics = loss_fn(log_probs, mb)
+                if ROW_OUTPUTS in mb_metrics:
+                    mb_metrics = dict(mb_metrics)
+                    row_parts.append(mb_metrics.pop(ROW_OUTPUTS))
                 (loss * scale if scale != 1.0 else loss).backward()
                 total_loss += float(loss.detach())
                 weight = float(mb["response_mask"].sum()) / num_tokens if num_tokens else \
                     mb["input_ids"].shape[0] / num_rows
                 parts.append((weight, mb_metrics))
+        rows = _row_outputs(row_parts)
         if self.ranks is not None:
-            gathered = self.ranks.gather((total_loss, parts))
-            total_loss = sum(loss for loss, _ in gathered)
-            parts = [part for _, rank_parts in gathered for part in rank_parts]
-        return {"loss": total_loss, **algorithms.aggregate_metrics(parts), **self.memory_metrics()}
+            gathered = self.ranks.gather((total_loss, parts, rows))
+            total_loss = sum(loss for loss, _, _ in gathered)
+            parts = [part for _, rank_parts, _ in gathered for part in rank_parts]
+            rows = _in_batch_order([r for _, _, r in gathered], shards, num_rows)
+        out = {"loss": total_loss, **algorithms.aggregate_metrics(parts), **self.memory_metrics()}
+        return {**out, ROW_OUTPUTS: rows} if rows else out
 
     @_every_rank
     def optim_step(self) -> dict[str, float]:
@@ -627,6 +638,23 @@ class LocalTorchTrainService(TrainService):
         np.random.set_state((np_meta["kind"], keys, np_meta["pos"], np_meta["has_gauss"], np_meta["cached_gaussian"]))
         py = meta["python"]
         random.setstate((py["version"], tuple(py["state"]), py["gauss_next"]))
+
+
+def _row_outputs(parts: list[dict[str, Any]]) -> dict[str, list[float]]:
+    """Micro-batches' per-row values (:data:`ROW_OUTPUTS`) joined: {name: one value per row}."""
+    return {name: [x for part in parts for x in torch.as_tensor(part[name]).detach().double().cpu().reshape(-1).tolist()]
+            for name in (parts[0] if parts else {})}
+
+
+def _in_batch_order(ranks: list[dict[str, list[float]]], shards: list[list[int]], rows: int) -> dict[str, list[float]]:
+    """Every rank's per-row values put back at their rows of the batch (a rank without rows gave none)."""
+    names = next((r for r in ranks if r), {})
+    out = {name: [math.nan] * rows for name in names}
+    for values, index in zip(ranks, shards):
+        for name in names:
+            for row, value in zip(index, values.get(name, [])):
+                out[name][row] = value
+    return out
 
 
 def _take(value: Any, index: list[int], rows: int) -> Any:

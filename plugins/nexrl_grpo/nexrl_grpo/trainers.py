@@ -32,7 +32,7 @@ from nexrl_core import (
 from .critic import CRITIC_ALGORITHM_OPTIONS, CriticService, ValueModel
 from .losses import LossContext, agg_loss, kl_loss, masked_mean, value_loss
 from .modeling import DEVICE_HELP, compute_response_logprobs, device_problem, position_ids_from_mask, resolve_device
-from .train_service import BATCH_FORMAT, LocalTorchTrainService, export_model_folder
+from .train_service import BATCH_FORMAT, ROW_OUTPUTS, LocalTorchTrainService, export_model_folder
 
 CRITIC_FOLDER = "critic"  # inside a checkpoint folder, next to the policy's files
 KL_AGG_MODE_WITHOUT_LOSS_MODE = "token-mean"  # the KL term's reduction when the policy loss declares no mode
@@ -51,6 +51,21 @@ def _record_advantages(trajectories: list[Trajectory], advantages: torch.Tensor,
     for traj, total, count in zip(trajectories, sums, counts):
         if count:
             traj["advantage"] = total / count
+
+
+def _record_logprob_gaps(trajectories: list[Trajectory], rows: Mapping[str, list[float]], responses: torch.Tensor,
+                         row_trajectory: list[int], tokenizer: Any) -> None:
+    """``trajectory["logprob_gap"]``: the sample's own largest |trainer - rollout log-prob| over its
+    trained tokens (:func:`nexrl_core.algorithms.sample_logprob_gaps`) with the ``token`` text
+    where it is, from the loss's per-row values."""
+    if "logprob_gap" not in rows or "logprob_gap_position" not in rows:
+        return
+    found = algorithms.sample_logprob_gaps(np.asarray(rows["logprob_gap"]), np.asarray(rows["logprob_gap_position"]),
+                                           row_trajectory)
+    for i, (row, record) in found.items():
+        if tokenizer is not None:
+            record["token"] = tokenizer.decode([int(responses[row, record["position"]])])
+        trajectories[i]["logprob_gap"] = record
 
 
 def _per_token(advantages: Any, mask: torch.Tensor) -> torch.Tensor:
@@ -274,6 +289,9 @@ class SelfHostedTrainer(BaseTrainer):
         # alone would still move the weights).
         skip = not bool(batch.values["response_mask"].any())
         metrics.update({"train/update_skipped": 1.0} if skip else self._update(batch, tensors))
+        if batch.metadata.get(ROW_OUTPUTS):
+            _record_logprob_gaps(trajectories, batch.metadata[ROW_OUTPUTS], batch.values["responses"],
+                                 batch.metadata["row_trajectory"], getattr(self.train_service, "tokenizer", None))
         t2 = time.perf_counter()
         meta = batch.metadata
         trained = float(batch.values["response_mask"].sum())
@@ -291,10 +309,15 @@ class SelfHostedTrainer(BaseTrainer):
         return metrics
 
     def _update(self, batch: Batch, tensors: dict[str, torch.Tensor]) -> dict[str, float]:
-        """``ppo_epochs`` updates of the model on the batch; the last one's metrics, as ``train/*``."""
+        """``ppo_epochs`` updates of the model on the batch; the last one's metrics, as ``train/*``
+        (the loss's per-row values of the first, from the weights the step started with, go to
+        ``batch.metadata[ROW_OUTPUTS]``)."""
         out: dict[str, float] = {}
-        for _ in range(self._ppo_epochs):
+        for epoch in range(self._ppo_epochs):
             out = self.train_service.forward_backward(tensors, self._loss_fn(batch))
+            rows = out.pop(ROW_OUTPUTS, None)
+            if epoch == 0 and rows:
+                batch.metadata[ROW_OUTPUTS] = rows
             out.update(self.train_service.optim_step())
         return {f"train/{k}": float(v) for k, v in out.items()}
 
@@ -526,6 +549,8 @@ class SelfHostedGrpoTrainer(SelfHostedTrainer):
                 trainer_lp, rollout_lp = old.detach().cpu().numpy(), mb["rollout_log_probs"].cpu().numpy()
                 mask_np = mb["response_mask"].cpu().numpy()
                 metrics.update(algorithms.rollout_mismatch_metrics(trainer_lp, rollout_lp, mask_np))
+                gap, position = algorithms.rollout_mismatch_per_row(trainer_lp, rollout_lp, mask_np)
+                metrics[ROW_OUTPUTS] = {"logprob_gap": gap, "logprob_gap_position": position}  # for samples.jsonl
                 if correct:
                     w, tis_metrics = algorithms.truncated_is_weights(trainer_lp, rollout_lp, mask_np, cap)
                     weights = torch.from_numpy(w).to(log_probs)
