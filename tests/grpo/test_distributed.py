@@ -87,6 +87,48 @@ def test_two_ranks_reach_the_weights_of_one(tiny_model_dir, parallel):
     torch.testing.assert_close(logprobs, one.forward(batches[0]), atol=1e-5, rtol=1e-4)
 
 
+def make_packable_batch(seed: int = 0) -> dict:
+    """:func:`make_batch` with each group's rows sharing their prompt, as packing assumes."""
+    batch = make_batch(seed=seed)
+    for first, other in ((0, 1), (3, 4)):
+        batch["input_ids"][other, :4] = batch["input_ids"][first, :4]
+        batch["attention_mask"][other, :4] = batch["attention_mask"][first, :4]
+    batch["position_ids"] = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+    return batch
+
+
+@pytest.mark.parametrize("parallel,micro_batch_size", [("fsdp", None), ("ddp", None), ("fsdp", 2)])
+def test_two_ranks_with_packing_reach_the_weights_of_one(tiny_model_dir, parallel, micro_batch_size):
+    """Packed forwards on 2 ranks whose shards pack into different numbers of sequences (rank 0's
+    rows into 1, rank 1's into 2: rank 0 adds an empty call): the weights, loss and log-probs of one
+    packed process on the same global batches."""
+    from nexrl_grpo.modeling import pack_count
+
+    batches = [make_packable_batch(seed=s) for s in (0, 1)]
+    # eps well above rounding noise: AdamW's first step is about lr * sign(grad), which turns a
+    # gradient of ~1e-8 that summation order flips into a 1e-3 weight difference.
+    options = {"packing": True, "max_tokens_per_pack": 8, "micro_batch_size": micro_batch_size, "eps": 1e-4}
+    shards = shard_rows(batches[0]["prompt_groups"].tolist(), batches[0]["attention_mask"].sum(-1).tolist(), 2)
+    counts = [pack_count(batches[0]["attention_mask"][rows], 3, batches[0]["prompt_groups"][rows], 8) for rows in shards]
+    assert counts == [1, 2]  # the case this test is about
+    one = service(tiny_model_dir, **options)
+    want = [step(one, b) for b in batches]
+    two = service(tiny_model_dir, world_size=2, parallel=parallel, **options)
+    try:
+        assert two.packing == "true"
+        got = [step(two, b) for b in batches]
+        logprobs = two.forward(batches[0])
+        exported = weights(two)
+    finally:
+        two.close()
+    for name, tensor in weights(one).items():
+        torch.testing.assert_close(exported[name], tensor, atol=1e-5, rtol=1e-4, msg=name)
+    for g, w in zip(got, want):
+        assert g["loss"] == pytest.approx(w["loss"], rel=1e-5)
+        assert g["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-4)
+    torch.testing.assert_close(logprobs, one.forward(batches[0]), atol=1e-5, rtol=1e-4)
+
+
 def test_sharded_checkpoint_resumes_exactly_and_on_another_world_size(tiny_model_dir, tmp_path, reset_loguru):
     from nexrl_core.cli.run_log import LOG_FILE, setup_logging
 
