@@ -40,8 +40,6 @@ NOT_RECIPE = {
 
 # (file, key): why ``x.get(key) or L`` / ``x[key] or L`` (L a declared default of key) stays.
 OR_KEPT = {
-    ("plugins/nexrl_grpo/nexrl_grpo/train_service.py", "world_size"): "in flight in another lane",
-    ("plugins/nexrl_grpo/nexrl_grpo/train_service.py", "parallel"): "in flight in another lane",
     ("nexrl_core/builtins/dataloaders.py", "domains"): "multi_domain.domains is required (no default): the check "
                                                        "reads an absent one as empty to say so",
     ("nexrl_core/cli/show.py", "algorithm"): "a finished run's config.yaml (an older run's may lack the section); "

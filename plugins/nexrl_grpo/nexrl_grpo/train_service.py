@@ -144,8 +144,7 @@ class LocalTorchTrainService(TrainService):
                  rank_group: RankGroup | None = None):
         config = bind(config, component_options(type(self)), "service.train_service")  # declared defaults filled
         self.config = config
-        world_size = int(config["world_size"] or 1)
-        parallel = str(config["parallel"] or "auto")
+        world_size, parallel = int(config["world_size"]), str(config["parallel"])
         if parallel == "auto" and world_size > 1:
             parallel = "fsdp"
         if parallel != "auto" and rank_group is None:
