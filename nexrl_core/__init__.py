@@ -11,7 +11,14 @@ from .dataloader import BaseDataLoader
 from .errors import ConfigError, DataError, ErrorReporter, ErrorSeverity, NexRLError, PluginError
 from .evaluation import BaseEvaluationTarget, EvaluationRunResult, Evaluator
 from .inference import CompletionResult, InferenceClient, InferenceError, SamplingParams
-from .launch.processes import StartedProcess, rendezvous_host, start_processes
+from .launch.processes import (
+    StartedProcess,
+    processes_are_actors,
+    rendezvous_host,
+    share,
+    start_objects,
+    start_processes,
+)
 from .markers import hookimpl
 from .plugins import PluginManager, get_plugin_manager
 from .rollout_worker import BaseRolloutWorker, ItemFailure
@@ -54,7 +61,8 @@ __all__ = [
     "ThreadedModule", "TrainService", "Trajectory", "TrajectoryPool", "TrajectoryPoolInstance", "UndeclaredKey", "Validator",
     "WeightSyncBackend", "WeightSyncController", "algorithms", "as_text_messages", "bind", "check_options",
     "component_options", "deferred", "demote_library_log", "execute", "execute_async", "execute_with_timeout",
-    "get_plugin_manager", "hookimpl", "parse_tool_calls", "render_tool_calls", "rendezvous_host", "start_processes",
+    "get_plugin_manager", "hookimpl", "parse_tool_calls", "processes_are_actors", "render_tool_calls", "rendezvous_host",
+    "share", "start_objects", "start_processes",
     "run", "tools_system_prompt", "trajectory_reward", "trajectory_segments",
 ]
 

@@ -188,6 +188,18 @@ class InferenceClient(ABC):
     def complete(self, prompt: str | list[dict[str, Any]], params: SamplingParams) -> CompletionResult:
         """Generate one completion for `prompt` (text, or chat messages)."""
 
+    def score(self, requests: list[tuple[list[int], list[int], float]]) -> list[list[float]]:
+        """Log-probs of given tokens, no generation: for each ``(prompt_ids, response_ids,
+        temperature)`` the log-prob of every response token given the prompt and the response
+        tokens before it, at ``temperature``. What a KL reference service answers
+        (``service.reference_service``); a backend that can serves it by overriding this."""
+        raise NotImplementedError(f"inference backend {type(self).__name__} cannot score given tokens")
+
+    @classmethod
+    def can_score(cls) -> bool:
+        """Whether this backend answers :meth:`score` (checked by ``nexrl validate``)."""
+        return cls.score is not InferenceClient.score
+
     def complete_many(self, requests: list[tuple[Any, SamplingParams]]) -> list[CompletionResult | InferenceError]:
         """:meth:`complete` for several ``(prompt, params)`` at once: one call for a worker's batch of
         tasks (``rollout_worker.tasks_per_call``; one round trip when the client is in another

@@ -28,8 +28,8 @@ from .types import DEFAULT_MODEL_TAG, Trajectory, trajectory_reward
 
 _BATCH_WAIT_S = 0.1
 # What samples.jsonl keeps of a trajectory (logger.samples_every).
-SAMPLE_FIELDS = ("uid", "sample_index", "data_source", "prompt", "response", "reward", "advantage", "score",
-                 "model_version", "sampling", "finish_reason", "failed", "error")
+SAMPLE_FIELDS = ("uid", "sample_index", "data_source", "prompt", "response", "reward", "advantage", "logprob_gap",
+                 "score", "model_version", "sampling", "finish_reason", "failed", "error")
 
 
 @dataclass
@@ -41,6 +41,9 @@ class TrainerParts:
     #: builds the train service ``service.train_service`` selects, for this many training steps
     #: (called by :meth:`BaseTrainer.create_train_service`)
     train_service: Callable[[int], TrainService] | None = None
+    #: builds the KL reference's inference client ``service.reference_service`` declares (None:
+    #: none declared); called by :meth:`BaseTrainer.create_reference_service`
+    reference_service: Callable[[], Any] | None = None
 
 
 class BaseTrainer(ThreadedModule):
@@ -97,6 +100,7 @@ class BaseTrainer(ThreadedModule):
         self._algorithm_registry: AlgorithmRegistry | None = None
         # Handed in by the launcher (set_parts): builds the train service `service.train_service` selects.
         self._train_service_factory: Callable[[int], TrainService] | None = None
+        self._reference_factory: Callable[[], Any] | None = None
 
     def set_module_references(self, trajectory_pool: TrajectoryPoolHandle | None,
                               weight_sync_controller: WeightSyncHandle | None,
@@ -117,6 +121,8 @@ class BaseTrainer(ThreadedModule):
             self._algorithm_registry = parts.algorithm_registry
         if parts.train_service is not None:
             self._train_service_factory = parts.train_service
+        if parts.reference_service is not None:
+            self._reference_factory = parts.reference_service
 
     def set_algorithm_registry(self, registry: AlgorithmRegistry) -> None:
         """The estimators and losses a recipe may select."""
@@ -144,6 +150,11 @@ class BaseTrainer(ThreadedModule):
             raise NexRLError(f"{type(self).__name__} was given no train service: build it with "
                              f"nexrl_core.launch.parts.build_module")
         return self._train_service_factory(self.total_train_steps)
+
+    def create_reference_service(self) -> Any:
+        """The KL reference's inference client (``service.reference_service``; None when the
+        recipe declares none): it scores tokens (``InferenceClient.score``) and receives no weights."""
+        return self._reference_factory() if self._reference_factory is not None else None
 
     # -- to implement -----------------------------------------------------------------
     @abstractmethod

@@ -69,6 +69,8 @@ from .rollout_correction import (
     ROLLOUT_CORRECTION_OPTIONS,
     check_cap,
     rollout_mismatch_metrics,
+    rollout_mismatch_per_row,
+    sample_logprob_gaps,
     truncated_is_weights,
 )
 
@@ -81,6 +83,7 @@ __all__ = [
     "aggregate_metrics", "algorithm_keys", "apply_kl_penalty", "array_namespace", "check_cap",
     "discounted_returns", "dr_grpo", "gae", "get_kl_controller", "group_stats", "grpo", "kl_penalty",
     "masked_whiten", "option_defaults", "reduction", "reinforce_plus_plus", "rloo",
-    "rollout_mismatch_metrics", "scores_to_token_level", "select_algorithms", "truncated_is_weights",
+    "rollout_mismatch_metrics", "rollout_mismatch_per_row", "sample_logprob_gaps", "scores_to_token_level",
+    "select_algorithms", "truncated_is_weights",
     "unknown_name_error",
 ]

@@ -52,6 +52,44 @@ def rollout_mismatch_metrics(trainer_logprob: np.ndarray, rollout_logprob: np.nd
             "rollout_kl_k3": float(k3.mean())}
 
 
+def rollout_mismatch_per_row(trainer_logprob: np.ndarray, rollout_logprob: np.ndarray,
+                             response_mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's own ``rollout_logprob_diff_max`` and where it is: ``(gap [B] float64, position [B]
+    int64)``, the largest ``|logp_trainer - logp_rollout|`` over the row's valid tokens and the
+    index of its first such token; NaN and -1 for a row without a valid token."""
+    trainer, rollout, mask = _masked(trainer_logprob, rollout_logprob, response_mask)
+    diff = np.where(mask, np.abs(trainer - rollout), -np.inf)
+    if diff.ndim != 2 or diff.shape[1] == 0:
+        return np.full(len(diff), np.nan), np.full(len(diff), -1, dtype=np.int64)
+    position = diff.argmax(axis=-1)
+    gap = diff[np.arange(len(diff)), position]
+    valid = mask.any(axis=-1)
+    return np.where(valid, gap, np.nan), np.where(valid, position, -1).astype(np.int64)
+
+
+def sample_logprob_gaps(gaps: np.ndarray, positions: np.ndarray,
+                        row_trajectory: list[int]) -> dict[int, tuple[int, dict[str, float | int]]]:
+    """Each trajectory's own gap from its rows' (:func:`rollout_mismatch_per_row`; a trajectory of
+    several sequences has a row each): ``trajectory -> (its row with the largest gap, record)``,
+    the record ``{"max", "position"}`` plus ``"segment"`` (the row's place among the trajectory's)
+    when it has several. A trajectory without a valid token has none."""
+    best: dict[int, int] = {}
+    slot: list[int] = []
+    count: dict[int, int] = {}
+    for row, traj in enumerate(row_trajectory):
+        slot.append(count.get(traj, 0))
+        count[traj] = slot[-1] + 1
+        if np.isfinite(gaps[row]) and (traj not in best or gaps[row] > gaps[best[traj]]):
+            best[traj] = row
+    out: dict[int, tuple[int, dict[str, float | int]]] = {}
+    for traj, row in best.items():
+        record: dict[str, float | int] = {"max": float(gaps[row]), "position": int(positions[row])}
+        if count[traj] > 1:
+            record["segment"] = slot[row]
+        out[traj] = (row, record)
+    return out
+
+
 def check_cap(cap: float) -> float:
     """``cap`` as a float; TypeError for a non-number, ValueError below 1 (it would down-weight
     on-policy tokens too) or not finite."""

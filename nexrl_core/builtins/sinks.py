@@ -57,6 +57,12 @@ class WandbSink(MetricsSink):
     def check_config(cls, section: dict[str, Any], path: str) -> list[str]:
         return [] if _installed("wandb") else [cls.MISSING]
 
+    @classmethod
+    def network_use(cls, recipe: dict[str, Any]) -> str | None:
+        """What of the network the sink reaches (ray.private_network)."""
+        own = (recipe.get("logger") or {}).get("wandb") or {}
+        return "wandb online (logger.wandb.mode / WANDB_MODE)" if _wandb_mode(own.get("mode")) == "online" else None
+
     def __init__(self, config: Any, run_dir: str | None):
         try:
             import wandb
@@ -65,9 +71,7 @@ class WandbSink(MetricsSink):
         from ..redaction import redact, redact_command
 
         config, own = _bound(config, "wandb", type(self))
-        mode = own["mode"] or os.environ.get("WANDB_MODE") or ("online" if _wandb_key_configured() else "offline")
-        if mode == "dryrun":  # wandb's older name for offline
-            mode = "offline"
+        mode = _wandb_mode(own["mode"])
         resuming = str(config["resume"]["mode"]) != "disable"
         self._id_file = os.path.join(run_dir, WANDB_RUN_FILE) if run_dir else None
         run_id = _read_run_id(self._id_file) if resuming else None
@@ -113,6 +117,11 @@ def _read_run_id(path: str | None) -> str | None:
         logger.warning(f"{path}: unreadable; this run starts a new wandb run")
         return None
     return str(value) if value else None
+
+
+def _wandb_mode(declared: str | None) -> str:
+    mode = declared or os.environ.get("WANDB_MODE") or ("online" if _wandb_key_configured() else "offline")
+    return "offline" if mode == "dryrun" else mode  # dryrun: wandb's older name for offline
 
 
 def _wandb_key_configured() -> bool:

@@ -90,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
                                         "(needs matplotlib: pip install 'nexrl-core[plot]')")
     p_plot.add_argument("run_dir", help="a run directory (run_dir in the recipe)")
     p_plot.add_argument("--out", "-o", help="the PNG to write (default RUN_DIR/metrics.png)")
-    p_show = sub.add_parser("show", help="print a run's latest samples: prompt, reply, reward, advantage",
+    p_show = sub.add_parser("show", help="print a run's latest samples: prompt, reply, reward, advantage, log-prob gap",
                             description="print the samples a run recorded (RUN_DIR/samples.jsonl: the first and last "
                                         "training step and every logger.samples_every steps), or those of a "
                                         "`nexrl eval --out` folder: by default the newest step's")
@@ -230,6 +230,11 @@ def _validate(args: Any) -> int:
     note = unused_launch_keys_note(cfg)
     if note:
         print(f"warning: {note}", file=sys.stderr)  # as `nexrl run` logs it
+    from ..config.recipe import network_plan
+
+    if network_plan(cfg, get_plugin_manager()).private:
+        print("note: ray: the run and its local cluster will run in a private network namespace (loopback only)",
+              file=sys.stderr)
     plan = run_dir_plan(cfg)
     if plan:
         print(f"note: {plan}", file=sys.stderr)

@@ -195,7 +195,8 @@ def recipe_reference(pm: Any, distributions: Iterable[str] | None = None) -> str
            "`python scripts/gen_docs.py`; `tests/docs/test_reference_docs.py` fails when this page is out of date. "
            "`nexrl validate` checks a recipe against the same declarations.", "",
            "A section that selects a component (`data`, `rollout_worker`, `rollout_worker.evaluator`, `trainer`, "
-           "`service.train_service`, `weight`, `service.inference_service`, `validate.data`) also takes the chosen "
+           "`service.train_service`, `weight`, `service.inference_service`, `service.reference_service`, "
+           "`validate.data`) also takes the chosen "
            "component's own keys: "
            "see [Components](#components). `${key}` in a default is an interpolation of another key.", "",
            "## Core keys", ""]

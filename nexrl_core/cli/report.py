@@ -31,7 +31,7 @@ from .plot import (
     validation_keys,
 )
 from .run_log import METRICS_FILE, SAMPLES_FILE, read_jsonl, writable_dir_problem
-from .show import GAP_KEY, LARGE_GAP, _is_number, _number, _prompt_text
+from .show import GAP_KEY, _is_number, _number, _prompt_text, gap_where, large_gap, sample_gap
 
 REPORT_FILE = "report.html"
 _PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
@@ -198,10 +198,13 @@ def _text_cell(text: str, extra: str = "") -> str:
     return f'<td class="text{extra}"><div>{html.escape(text)}</div></td>'
 
 
-def _sample_row(row: dict[str, Any], gaps: dict[int, float], show_gap: bool) -> str:
+def _sample_row(row: dict[str, Any], gaps: dict[int, float], show_gap: bool, large: float) -> str:
     step = row.get("step") if isinstance(row.get("step"), int) else None
     reward = row.get("reward")
-    attrs = f' data-step="{"" if step is None else step}" data-reward="{reward if _is_number(reward) else ""}"'
+    own = sample_gap(row)
+    gap = own["max"] if own is not None else gaps.get(step) if step is not None else None
+    attrs = (f' data-step="{"" if step is None else step}" data-reward="{reward if _is_number(reward) else ""}"'
+             f' data-gap="{"" if gap is None else gap}"')
     cells = [f'<td class="num">{"-" if step is None else step}</td>',
              f'<td class="id">{html.escape(str(row.get("uid")))}#{html.escape(str(row.get("sample_index", 0)))}'
              + (f'<br><small>{html.escape(str(row["data_source"]))}</small>'
@@ -223,34 +226,39 @@ def _sample_row(row: dict[str, Any], gaps: dict[int, float], show_gap: bool) -> 
         note = "\n[cut off at max_tokens]" if row.get("finish_reason") == "length" else ""
         cells.append(_text_cell(reply + note))
     if show_gap:
-        gap = gaps.get(step) if step is not None else None
         if gap is None:
             cells.append('<td class="num">-</td>')
         else:
-            large = gap > LARGE_GAP
-            cells.append(f'<td class="num{" large" if large else ""}">{gap:.3g}{"<br><small>large</small>" if large else ""}'
-                         f'</td>')
+            where = gap_where(own) if own is not None else "the step's"
+            notes = [html.escape(where)] if where else []
+            if gap > large:
+                notes.append("large")
+            cells.append(f'<td class="num{" large" if gap > large else ""}">{gap:.3g}'
+                         f'{"".join(f"<br><small>{n}</small>" for n in notes)}</td>')
     return f"<tr{attrs}>{''.join(cells)}</tr>"
 
 
-def _samples_html(samples: list[dict[str, Any]], found: dict[str, list[tuple[int, float]]]) -> str:
+def _samples_html(samples: list[dict[str, Any]], found: dict[str, list[tuple[int, float]]], large: float) -> str:
     if not samples:
         return (f'<p class="none">no {SAMPLES_FILE} rows: `nexrl run` writes them at the first and the last step '
                 f'and every logger.samples_every steps.</p>')
     gaps = dict(found.get(GAP_KEY, []))
-    show_gap = bool(gaps)
+    show_gap = bool(gaps) or any(sample_gap(r) is not None for r in samples)
     head = ["step", "sample", "reward", "advantage", "prompt", "reply"]
     if show_gap:
         head.append("log-prob gap")
-    gap_note = (f'<p class="note">log-prob gap: the step\'s largest per-token |trainer &minus; rollout log-prob| '
-                f'({html.escape(GAP_KEY)}); above {LARGE_GAP:.2f} (a token twice as likely to one as to the other) '
-                f'it is marked large.</p>') if show_gap else ""
-    body = "".join(_sample_row(r, gaps, show_gap) for r in samples)
+    gap_note = (f'<p class="note">log-prob gap: the sample\'s largest per-token |trainer &minus; rollout log-prob| '
+                f'and the response token where it is (the step\'s largest, {html.escape(GAP_KEY)}, for a sample '
+                f'recorded without its own); above {large:.3g} (ln of algorithm.rollout_correction.cap: a token '
+                f'{math.exp(large):.3g} times as likely to one as to the other) it is marked large.</p>'
+                ) if show_gap else ""
+    gap_filter = '\n<label>log-prob gap &ge; <input id="f-gmin" type="number" step="any"></label>' if show_gap else ""
+    body = "".join(_sample_row(r, gaps, show_gap, large) for r in samples)
     return f"""<div class="filters">
 <label>text <input id="f-text" type="search" placeholder="in prompt or reply"></label>
 <label>step <input id="f-step" placeholder="5, 3-8 or 1,4"></label>
 <label>reward &ge; <input id="f-rmin" type="number" step="any"></label>
-<label>&le; <input id="f-rmax" type="number" step="any"></label>
+<label>&le; <input id="f-rmax" type="number" step="any"></label>{gap_filter}
 <span id="f-count">{len(samples)} of {len(samples)} samples</span>
 </div>{gap_note}
 <table id="samples"><thead><tr>{"".join(f"<th>{h}</th>" for h in head)}</tr></thead>
@@ -258,14 +266,16 @@ def _samples_html(samples: list[dict[str, Any]], found: dict[str, list[tuple[int
 
 
 # The filter: every field narrows the rows shown; the fields are kept in the address's fragment
-# (#text=...&step=...&rmin=...&rmax=...), so a filtered view can be bookmarked or shared.
+# (#text=...&step=...&rmin=...&rmax=...&gmin=...), so a filtered view can be bookmarked or shared.
+# gmin (a least log-prob gap) is there only when the table has the gap column.
 _SCRIPT = """
 (function () {
   var table = document.getElementById("samples");
   if (!table) { return; }
   var rows = Array.prototype.slice.call(table.tBodies[0].rows);
   var texts = rows.map(function (r) { return (r.cells[4].textContent + "\\n" + r.cells[5].textContent).toLowerCase(); });
-  var fields = {text: "f-text", step: "f-step", rmin: "f-rmin", rmax: "f-rmax"};
+  var fields = {text: "f-text", step: "f-step", rmin: "f-rmin", rmax: "f-rmax", gmin: "f-gmin"};
+  if (!document.getElementById(fields.gmin)) { delete fields.gmin; }
   function field(name) { return document.getElementById(fields[name]); }
   function steps(spec) {
     var parts = spec.split(","), tests = [];
@@ -277,12 +287,13 @@ _SCRIPT = """
     return tests;
   }
   function bound(name) {
+    if (!fields[name]) { return null; }
     var v = field(name).value.trim();
     return v === "" || isNaN(Number(v)) ? null : Number(v);
   }
   function apply() {
     var text = field("text").value.trim().toLowerCase(), spec = field("step").value.trim();
-    var ranges = spec ? steps(spec) : null, lo = bound("rmin"), hi = bound("rmax"), shown = 0;
+    var ranges = spec ? steps(spec) : null, lo = bound("rmin"), hi = bound("rmax"), gap = bound("gmin"), shown = 0;
     rows.forEach(function (row, i) {
       var ok = !text || texts[i].indexOf(text) >= 0;
       if (ok && ranges) {
@@ -292,6 +303,10 @@ _SCRIPT = """
       if (ok && (lo !== null || hi !== null)) {
         var v = row.dataset.reward === "" ? NaN : Number(row.dataset.reward);
         ok = !isNaN(v) && (lo === null || v >= lo) && (hi === null || v <= hi);
+      }
+      if (ok && gap !== null) {
+        var g = row.dataset.gap === "" ? NaN : Number(row.dataset.gap);
+        ok = !isNaN(g) && g >= gap;
       }
       row.hidden = !ok;
       if (ok) { shown++; }
@@ -367,7 +382,7 @@ def build_report(run_dir: str) -> str:
 <h2>Metrics</h2>
 <section id="plots">{_plots_html(found)}</section>
 <h2>Samples</h2>
-<section id="sample-table">{_samples_html(samples, found)}</section>
+<section id="sample-table">{_samples_html(samples, found, large_gap(run_dir))}</section>
 <script>{_SCRIPT}</script>
 </body></html>
 """

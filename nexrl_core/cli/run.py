@@ -170,8 +170,9 @@ def stop_notice(cfg: Any, recipe: str, overrides: list[str], signame: str) -> st
 
 def run_command(args: Any) -> int:
     from ..config.preflight import require_runnable, resume_checkpoint
-    from ..config.recipe import load_recipe
+    from ..config.recipe import load_recipe, network_plan
     from ..controller import NexRLController, RunFailed
+    from ..launch.ray import network
     from ..plugins import get_plugin_manager
     from .progress import RunProgress, choose_mode, format_duration
     from .run_info import RunRecord, write_config
@@ -184,6 +185,8 @@ def run_command(args: Any) -> int:
     cfg = load_recipe(recipe, overrides)
     pm = get_plugin_manager()
     require_runnable(cfg, pm)  # before anything is written to run_dir
+    if network_plan(cfg, pm).private and not network.inside():  # the whole run, Ray's driver included
+        return network.rerun_inside(["run", recipe, *overrides])
     prepare_run_dir(cfg)
     run_dir = str(cfg.run_dir)
     resume_from = resume_checkpoint(cfg)

@@ -3,26 +3,64 @@
 Reads ``RUN_DIR/samples.jsonl`` (written by ``nexrl run`` at the first and last step and every
 ``logger.samples_every`` steps) or the ``samples.jsonl`` of a ``nexrl eval --out`` folder, and
 prints each sample readably: the prompt (each chat message with its role), the reply, the reward,
-the advantage where the trainer recorded one, the evaluator's other scores, and the step's
-trainer-vs-rollout log-prob gap where it is large.
+the advantage where the trainer recorded one, the evaluator's other scores, and the sample's
+trainer-vs-rollout log-prob gap where it is large (the step's, for a trainer that records none
+per sample).
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from typing import Any
 
+import yaml
+
+from ..algorithms.rollout_correction import ROLLOUT_CORRECTION_DEFAULTS
 from ..errors import ConfigError
+from .run_info import CONFIG_FILE
 from .run_log import METRICS_FILE, SAMPLES_FILE, read_jsonl
 
 _LABEL = 9  # width of the field names, so every text starts in one column
-#: the per-step metric of the largest per-token |trainer - rollout log-prob| (rollout_mismatch_metrics):
-#: samples.jsonl keeps no per-token log-probs, so a sample is shown with its step's
+#: the per-step metric of the largest per-token |trainer - rollout log-prob| (rollout_mismatch_metrics),
+#: shown for a sample whose trainer recorded no ``logprob_gap`` of its own
 GAP_KEY = "train/rollout_logprob_diff_max"
-#: a gap above this is large: some token was more than twice as likely to one side as to the
-#: other (the default algorithm.rollout_correction.cap)
-LARGE_GAP = math.log(2.0)
+#: a sample's own gap: ``{"max", "position"[, "token", "segment"]}`` (the GRPO trainers record it)
+SAMPLE_GAP = "logprob_gap"
+
+
+def large_gap(folder: str) -> float:
+    """A gap above this is large: ln of the run's ``algorithm.rollout_correction.cap`` (from its
+    config.yaml; the option's default without one), where the correction would cap the token's
+    importance weight: the token was more than ``cap`` times as likely to one side as to the other."""
+    cap = ROLLOUT_CORRECTION_DEFAULTS["cap"]
+    try:
+        with open(os.path.join(folder, CONFIG_FILE), encoding="utf-8") as f:
+            run_cap = ((yaml.safe_load(f) or {}).get("algorithm") or {}).get("rollout_correction", {}).get("cap")
+    except (OSError, AttributeError, yaml.YAMLError):
+        run_cap = None
+    if _is_number(run_cap) and run_cap >= 1:
+        cap = run_cap
+    return math.log(float(cap))
+
+
+def sample_gap(row: dict[str, Any]) -> dict[str, Any] | None:
+    """The row's own log-prob gap record, when it holds a usable one."""
+    gap = row.get(SAMPLE_GAP)
+    return gap if isinstance(gap, dict) and _is_number(gap.get("max")) else None
+
+
+def gap_where(gap: dict[str, Any]) -> str:
+    """``token 5 " the"`` (``segment 1`` first for a trajectory of several): where the gap is largest;
+    the token's text JSON-quoted, so whitespace and control characters show as escapes."""
+    parts = []
+    if isinstance(gap.get("segment"), int):
+        parts.append(f"segment {gap['segment']}")
+    if isinstance(gap.get("position"), int):
+        parts.append(f"token {gap['position']}" + (f" {json.dumps(gap['token'], ensure_ascii=False)}" if isinstance(gap.get("token"), str)
+                                                   else ""))
+    return " ".join(parts)
 
 
 def read_samples(path: str) -> list[dict[str, Any]]:
@@ -63,19 +101,23 @@ def step_gaps(folder: str) -> dict[int, float]:
             if isinstance(r.get("step"), int) and _is_number(r.get(GAP_KEY))}
 
 
-def render(rows: list[dict[str, Any]], source: str, total: int, gaps: dict[int, float] | None = None) -> str:
-    """The text ``nexrl show`` prints for ``rows`` (of ``total`` in ``source``); ``gaps``: each
-    step's log-prob gap (:func:`step_gaps`), shown where large."""
+def render(rows: list[dict[str, Any]], source: str, total: int, gaps: dict[int, float] | None = None,
+           large: float | None = None) -> str:
+    """The text ``nexrl show`` prints for ``rows`` (of ``total`` in ``source``); each sample's own
+    log-prob gap, else ``gaps``: its step's (:func:`step_gaps`), shown above ``large``
+    (:func:`large_gap`)."""
     if not rows:
         return f"{source}: no samples"
     steps = sorted({r["step"] for r in rows if isinstance(r.get("step"), int)})
     where = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]}" if steps else "evaluation"
     blocks = [f"{source}: {len(rows)} of {total} samples ({where})"]
-    blocks += [_sample(r, (gaps or {}).get(r["step"]) if isinstance(r.get("step"), int) else None) for r in rows]
+    large = math.log(ROLLOUT_CORRECTION_DEFAULTS["cap"]) if large is None else large
+    blocks += [_sample(r, (gaps or {}).get(r["step"]) if isinstance(r.get("step"), int) else None, large)
+               for r in rows]
     return "\n\n".join(blocks)
 
 
-def _sample(row: dict[str, Any], gap: float | None = None) -> str:
+def _sample(row: dict[str, Any], step_gap: float | None, large: float) -> str:
     head = []
     if isinstance(row.get("step"), int):
         head.append(f"step {row['step']}")
@@ -87,8 +129,12 @@ def _sample(row: dict[str, Any], gap: float | None = None) -> str:
     head.append(f"reward {_number(row.get('reward'))}")
     if _is_number(row.get("advantage")):
         head.append(f"advantage {row['advantage']:+.3f}")
-    if gap is not None and gap > LARGE_GAP:
-        head.append(f"step's log-prob gap {gap:.3g} (large)")
+    own = sample_gap(row)
+    if own is not None and own["max"] > large:
+        where = gap_where(own)
+        head.append(f"log-prob gap {own['max']:.3g}{f' at {where}' if where else ''} (large)")
+    elif own is None and step_gap is not None and step_gap > large:
+        head.append(f"step's log-prob gap {step_gap:.3g} (large)")
     lines = [" · ".join(head)]
     if row.get("failed"):
         lines.append(_field("failed", str(row.get("error") or "(no message)")))
@@ -130,4 +176,5 @@ def show(where: str, last: int | None = None) -> str:
     """What ``nexrl show WHERE [--last N]`` prints."""
     path = samples_path(where)
     rows = read_samples(path)
-    return render(pick(rows, last), path, len(rows), step_gaps(os.path.dirname(path)))
+    folder = os.path.dirname(path)
+    return render(pick(rows, last), path, len(rows), step_gaps(folder), large_gap(folder))

@@ -242,8 +242,9 @@ KEY_RULES: tuple[KeyRule, ...] = (
     KeyRule("algorithm.batch_size", None, "a step trains on trajectory_pool.batch_size trajectories; "
                                           "service.train_service.micro_batch_size splits the forward passes"),
     KeyRule("algorithm.inference_service", None,
-            "the KL reference is the initial model, held by the trainer; a reference on its own inference service "
-            "is not available"),
+            "a KL reference on its own inference service is declared as service.reference_service (a backend and "
+            "its keys, e.g. hf with model_path), not by a model_tag; without one the trainer holds the initial "
+            "model"),
     # weight sync
     KeyRule("weight.type", None, "the weight-sync backend is weight.backend (set from the inference backend)"),
     KeyRule("weight.sync_method", None, "the weight-sync backend is weight.backend (set from the inference backend)"),

@@ -15,26 +15,29 @@ the experiment before publishing it as a plugin (``nexrl new worker`` / ``nexrl 
 
 What NexRL's ``custom_rollout_worker_module_path`` / ``custom_rollout_worker_class_name`` name
 (``nexrl migrate`` rewrites them so). The section's other keys are the class's options, checked by
-``nexrl validate`` as a registered class's are. The file is imported in the driver's process
-(``launch_mode: local``; ``nexrl validate`` refuses it with ``launch_mode: ray``).
+``nexrl validate`` as a registered class's are. The driver reads the file once and imports that
+text; with ``launch_mode: ray`` the same text travels to the actors (:class:`ClassSource`, never a
+pickled class), which compile it under the file's name, so a traceback there names file:line.
 """
 
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import inspect
+import linecache
 import os
 import sys
 import threading
+import types
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ConfigError
 from .options import REQUIRED, Option
 
 PYTHON = "python"
-_modules: dict[tuple[str, float], Any] = {}  # (absolute path, mtime) -> module: one import per process
+_modules: dict[tuple[str, str], Any] = {}  # (absolute path, digest of its text) -> module: one import per process
 _lock = threading.Lock()
 #: the kinds a recipe may load from a file with ``type: python`` -> the base class they must extend
 KINDS = {"rollout_worker": "nexrl_core.rollout_worker:BaseRolloutWorker", "trainer": "nexrl_core.trainer:BaseTrainer"}
@@ -86,18 +89,29 @@ def class_from_file(path: str, name: str, key: str) -> type:
 def import_file(path: str, key: str) -> Any:
     """The module of the Python file ``path`` (absolute), imported once per process and version of
     the file; a file that does not import is a ConfigError naming ``key`` or ``file:line``."""
-    stamp = (path, os.path.getmtime(path))
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{key}.path: '{path}' cannot be read: {exc}") from None
+    return import_text(path, text, key)
+
+
+def import_text(path: str, text: str, key: str) -> Any:
+    """The module that the Python source ``text`` of file ``path`` defines, compiled under that
+    file's name (tracebacks and ``inspect`` name it; its lines are served from ``text`` where the
+    file is not on disk), once per process and text."""
+    digest = hashlib.sha1(text.encode()).hexdigest()
     with _lock:
-        if stamp in _modules:
-            return _modules[stamp]
+        if (path, digest) in _modules:
+            return _modules[(path, digest)]
         name = f"nexrl_recipe_file_{hashlib.sha1(path.encode()).hexdigest()[:12]}"
-        spec = importlib.util.spec_from_file_location(name, path)
-        if spec is None or spec.loader is None:
-            raise ConfigError(f"{key}.path: '{path}' cannot be imported as Python")
-        module = importlib.util.module_from_spec(spec)
+        module = types.ModuleType(name)
+        module.__file__ = path
         sys.modules[name] = module  # found again by name (pickling a function, a second worker)
+        linecache.cache[path] = (len(text), None, text.splitlines(True), path)
         try:
-            spec.loader.exec_module(module)
+            exec(compile(text, path, "exec", dont_inherit=True), module.__dict__)  # the recipe's own file, as import would
         except SyntaxError as exc:
             sys.modules.pop(name, None)
             raise ConfigError(f"{exc.filename or path}:{exc.lineno}: {exc.msg} (the file of {key}.path)") from None
@@ -108,5 +122,31 @@ def import_file(path: str, key: str) -> Any:
             where = failure_location(exc, os.path.dirname(path))
             raise ConfigError(f"{key}.path: importing {path} raised {type(exc).__name__}: {exc}"
                               f"{f' ({where})' if where else ''}") from None
-        _modules[stamp] = module
+        module.__dict__["__nexrl_source__"] = text  # what ClassSource sends on
+        _modules[(path, digest)] = module
         return module
+
+
+@dataclass(frozen=True)
+class ClassSource:
+    """A class loaded from a recipe's file, as the text the driver imported: how it reaches a
+    process that may not see the file (a Ray actor), without pickling the class."""
+
+    path: str
+    text: str
+    name: str
+
+    @classmethod
+    def of(cls, found: Any) -> ClassSource | None:
+        """The source of ``found`` when it came from a recipe's file (None otherwise)."""
+        module = sys.modules.get(getattr(found, "__module__", ""), None)
+        text = getattr(module, "__nexrl_source__", None)
+        if module is None or not isinstance(found, type) or text is None:
+            return None
+        return cls(str(module.__file__), text, found.__qualname__)
+
+    def load(self) -> type:
+        """The class, compiled here from the text under the file's name."""
+        found = getattr(import_text(self.path, self.text, self.name), self.name)
+        found.source_path = self.path  # as load_component_class marks it: failures point at the user's file
+        return found

@@ -478,9 +478,39 @@ def check_config(cfg: Any, plugin_manager: Any, eval_only: bool = False) -> list
                                     str(trainer_type) if trainer_type else None, root=values)
         problems += _check_train_service(values, trainer_cls, plugin_manager)
         problems += _recipe_check(trainer_cls, values)
+        problems += _check_reference_service(values, checker.found, plugin_manager)
     if not eval_only:
         problems += check_capabilities(checker.found, values, plugin_manager)
+        net = _network_plan(values, checker.found, plugin_manager)
+        problems += [net.problem] if net.problem else []
     return problems
+
+
+def network_plan(cfg: Any, plugin_manager: Any) -> Any:
+    """``ray.private_network`` decided for a recipe (:mod:`nexrl_core.launch.ray.network`), as
+    :func:`check_config` decides it."""
+    from ..launch.ray.network import Plan, requested
+
+    values = plain(cfg)
+    if not requested(values):
+        return Plan()
+    checker = _Checker(plugin_manager, values)
+    options, _ = _core_options(values, plugin_manager)
+    checker.mapping(values, options, "")
+    return _network_plan(values, checker.found, plugin_manager)
+
+
+def _network_plan(values: Mapping[str, Any], found: Mapping[str, type], pm: Any) -> Any:
+    from ..launch.ray.network import plan
+
+    backend = _get(values, "logger.backend")
+    sinks = []
+    for name in [backend] if isinstance(backend, str) else backend if isinstance(backend, list) else []:
+        try:
+            sinks.append(pm.resolve("metrics_sink", name, "logger.backend"))
+        except NexRLError:
+            pass  # reported by check_config
+    return plan(values, found, sinks)
 
 
 def require_valid(cfg: Any, plugin_manager: Any, eval_only: bool = False) -> None:
@@ -678,10 +708,6 @@ def _cross_checks(values: Mapping[str, Any]) -> list[str]:
     if workers and actors and actors > workers > 0:
         problems.append(f"rollout_worker.num_actors ({actors}) exceeds rollout_worker.num_workers ({workers}): "
                         f"every actor hosts at least one worker")
-    for kind in PYTHON_KINDS:
-        if loads_from_file(kind, _get(values, kind)) and _get(values, "launch_mode") == "ray":
-            problems.append(f"{kind}.type: python loads the class from a file in the driver's process; with "
-                            f"launch_mode ray publish it as a plugin package (nexrl new) and select it by name")
     every = _int(_get(values, "weight.model_update_frequency"))
     if every and every > 1:
         mode, lag = _get(values, "weight.sync_mode") or "sync", _int(_get(values, "weight.staleness_threshold")) or 0
@@ -784,6 +810,42 @@ def _check_train_service(values: Mapping[str, Any], trainer_cls: type, plugin_ma
     if not problems:
         problems += component_check(trainer_cls, section, SECTION, "check_train_service")
     return problems
+
+
+REFERENCE_SECTION = "service.reference_service"
+
+
+def _check_reference_service(values: Mapping[str, Any], found: Mapping[str, type], pm: Any) -> list[str]:
+    """``service.reference_service``: a trainer that takes its KL reference from a service, with
+    the keys that make it compute one (its ``REFERENCE_SERVICE_NEEDS``, an ``Option.needs``), and
+    a backend that scores given tokens (``InferenceClient.score``)."""
+    backend_cls, trainer_cls = found.get(REFERENCE_SECTION), found.get("trainer")
+    if backend_cls is None or trainer_cls is None:
+        return []  # not set, or its selection is already reported
+    needs = getattr(trainer_cls, "REFERENCE_SERVICE_NEEDS", None)
+    if not needs:
+        return [f"{REFERENCE_SECTION}: trainer '{_get(values, 'trainer.type')}' computes no KL reference, so the "
+                f"service would do nothing (delete {REFERENCE_SECTION})"]
+    from ..algorithms.registry import algorithm_keys
+
+    algorithm = _get(values, "algorithm")
+    algorithm = dict(algorithm) if isinstance(algorithm, Mapping) else {}
+    try:  # the algorithm's keys with their defaults (an estimator's recommended ones: KL in reinforce++'s reward)
+        declared, _ = algorithm_keys(trainer_cls, algorithm, pm, _get(values, "trainer.type"))
+    except NexRLError:
+        declared = {}
+    filled = {k: opt.default_value() for k, opt in declared.items() if opt.removed is None and opt.options is None}
+    root = {**values, "algorithm": {**filled, **algorithm}}
+    problems = unmet_needs({"reference_service": _get(values, REFERENCE_SECTION)},
+                           {"reference_service": Option(None, (dict, None), needs=needs)}, "service", root)
+    if problems:
+        return problems
+    can_score = getattr(backend_cls, "can_score", None)
+    if not callable(can_score) or not can_score():
+        return [f"{REFERENCE_SECTION}.backend: inference backend '{_get(values, REFERENCE_SECTION + '.backend')}' "
+                f"cannot score given tokens (InferenceClient.score), which a KL reference needs; choose one that "
+                f"can (hf)"]
+    return []
 
 
 # -- do the chosen components fit together? ------------------------------------------------------------

@@ -175,6 +175,11 @@ SERVICE = {
                                       "and that service's own keys"),
     "inference_service": Option(options=INFERENCE_SERVICE, component="inference_backend", selector="backend",
                                 help="the inference service rollouts sample from"),
+    "reference_service": Option(None, (dict, None), "the KL reference on an inference service of its own (null: the "
+                                                    "trainer holds a frozen copy of the initial model): backend and "
+                                                    "its keys, as service.inference_service; it only scores the "
+                                                    "rollouts' tokens and never receives weights",
+                                options=INFERENCE_SERVICE, component="inference_backend", selector="backend"),
 }
 
 VALIDATE = {
@@ -280,6 +285,10 @@ RAY_RESOURCES = {
 RAY = {
     "address": Option(None, str, "a running cluster to attach to ('auto', 'host:6379', 'ray://host:10001'); null: "
                                  "$RAY_ADDRESS, else a local cluster started and stopped by the run"),
+    "private_network": Option(False, bool, "local cluster (on loopback only either way): nexrl run runs itself "
+                                           "and the cluster in a network namespace with only loopback, so no "
+                                           "other process of the machine reaches its ports; the run then reaches "
+                                           "no network (Linux)"),
     "num_cpus": Option(None, float, "local cluster: CPUs it offers (null: the machine's)", ge=0),
     "num_gpus": Option(None, float, "local cluster: GPUs it offers (null: those found)", ge=0),
     "object_store_memory": Option(None, int, "local cluster: bytes of its object store (null: Ray's default)", ge=1),

@@ -8,14 +8,16 @@ never look the manager up (tests/core/test_layers.py).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from ..algorithms.registry import AlgorithmRegistry
-from ..config.bound import bind, bind_recipe
-from ..config.recipe import plain
+from ..config.bound import BoundConfig, bind, bind_recipe
+from ..config.recipe import REFERENCE_SECTION, plain
 from ..config.schema import WEIGHT
 from ..errors import ConfigError
 from ..evaluation import Evaluator
+from ..inference import InferenceClient
 from ..plugins import PluginManager, active_plugin_manager, use_plugin_manager
 from ..rollout_worker import BaseRolloutWorker, RolloutParts
 from ..runtime.activity import ActivityTracker
@@ -70,7 +72,25 @@ def trainer_parts(config: Any, cls: type, pm: PluginManager) -> TrainerParts:
     def build(total_steps: int) -> TrainService:
         return service_cls.from_config(dict(plain(section) or {}), seed=seed, total_steps=total_steps, path=SECTION)
 
-    return TrainerParts(algorithm_registry=registry, train_service=build)
+    return TrainerParts(algorithm_registry=registry, train_service=build,
+                        reference_service=reference_service(config["service"]["reference_service"], pm))
+
+
+def reference_service(section: Any, pm: PluginManager) -> Callable[[], InferenceClient] | None:
+    """Builds the KL reference's client from ``service.reference_service`` (None: not declared),
+    in the trainer's process; never handed to weight sync, so its weights stay the initial ones."""
+    if section is None:
+        return None
+    values = section.to_dict() if isinstance(section, BoundConfig) else plain(section)  # the backend binds its own
+    cls = pm.resolve("inference_backend", values.get("backend"), f"{REFERENCE_SECTION}.backend")
+
+    def build() -> InferenceClient:
+        try:
+            return cls(values)
+        except ConfigError as exc:  # the client names its keys as the rollouts' service's: say where they are
+            raise ConfigError(str(exc).replace("service.inference_service", REFERENCE_SECTION)) from None
+
+    return build
 
 
 # -- rollout workers ------------------------------------------------------------------------------

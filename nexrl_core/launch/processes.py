@@ -31,6 +31,33 @@ def start_processes(target: Callable[..., Any], args: Sequence[tuple], names: Se
     return [_LocalProcess(target, entry, name) for entry, name in zip(args, names)]
 
 
+def start_objects(factory: Callable[..., Any], args: Sequence[tuple], names: Sequence[str], *,
+                  num_gpus: float = 0) -> list[Any]:
+    """One object per entry of ``args``, ``factory(*entry)``, each in a Ray actor of its own (placed
+    as :func:`start_processes` places its actors; ``launch_mode: ray`` only). A returned handle calls
+    the object's methods and waits for them (from any thread: an actor serves many calls at once);
+    it also has ``name``, ``host``, ``pid`` and ``stop()``. An argument made by :func:`share` is
+    sent once to the object store, however many objects take it."""
+    if not processes_are_actors():
+        raise ValueError("objects in processes of their own need launch_mode: ray")
+    from .ray.processes import start_ray_objects
+
+    return start_ray_objects(factory, args, names, num_gpus=num_gpus)
+
+
+def processes_are_actors() -> bool:
+    """Whether :func:`start_processes` and :func:`start_objects` start Ray actors here (inside an
+    actor of a ``launch_mode: ray`` run)."""
+    return bool(os.environ.get(IN_RAY_ACTOR))
+
+
+def share(value: Any) -> Any:
+    """``value`` put in Ray's object store once, to pass to several :func:`start_objects` handles."""
+    from .ray.processes import share_value
+
+    return share_value(value)
+
+
 def rendezvous_host() -> str:
     """The address the processes reach this one at."""
     if os.environ.get(IN_RAY_ACTOR):

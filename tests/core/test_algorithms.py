@@ -253,6 +253,32 @@ def test_mismatch_metrics_match_reference(pairs):
     assert got["rollout_kl_k3"] == pytest.approx(sum(k3s) / len(k3s), abs=TOL)
 
 
+@prop
+@given(logprob_pairs())
+def test_each_rows_own_mismatch_and_where_it_is(pairs):
+    trainer, rollout, mask = pairs
+    gap, position = al.rollout_mismatch_per_row(f64(trainer), f64(rollout), np.array(mask))
+    for row, (trow, rrow, mrow) in enumerate(zip(trainer, rollout, mask)):
+        diffs = [abs(t - r) if m else None for t, r, m in zip(trow, rrow, mrow)]
+        valid = [d for d in diffs if d is not None]
+        if not valid:
+            assert math.isnan(gap[row]) and position[row] == -1
+            continue
+        assert gap[row] == pytest.approx(max(valid), abs=TOL)
+        assert position[row] == diffs.index(max(valid))  # the first token where it is largest
+    if np.array(mask).any():  # the rows' maxima hold the batch's
+        whole = al.rollout_mismatch_metrics(f64(trainer), f64(rollout), np.array(mask))["rollout_logprob_diff_max"]
+        assert np.nanmax(gap) == pytest.approx(whole, abs=TOL)
+
+
+def test_a_samples_gap_is_the_largest_of_its_rows_and_names_the_segment():
+    gaps, positions = np.array([0.2, 0.5, np.nan, 0.1, 0.3]), np.array([0, 4, -1, 2, 1])
+    got = al.sample_logprob_gaps(gaps, positions, [0, 0, 1, 2, 2])  # trajectory 1: no trained token
+    assert got == {0: (1, {"max": 0.5, "position": 4, "segment": 1}), 2: (4, {"max": 0.3, "position": 1, "segment": 1})}
+    assert al.sample_logprob_gaps(gaps[:2], positions[:2], [0, 1]) == {0: (0, {"max": 0.2, "position": 0}),
+                                                                       1: (1, {"max": 0.5, "position": 4})}
+
+
 def test_mismatch_is_zero_on_policy():
     lp = f64([[-1.0, -2.0, -0.5]])
     got = al.rollout_mismatch_metrics(lp, lp.copy(), np.ones((1, 3)))

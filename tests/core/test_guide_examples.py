@@ -153,9 +153,6 @@ def test_a_trainer_class_from_a_file_next_to_the_recipe_trains(guide_files, run_
      "rollout_worker.class: Unfinished in my_worker.py leaves abstract methods unimplemented: step"),
     ({"path": "my_worker.py"}, "rollout_worker.class: required"),
     ({"path": "my_worker.py", "class": "MyRolloutWorker", "colour": "red"}, "rollout_worker.colour: unknown key"),
-    ({"path": "my_worker.py", "class": "MyRolloutWorker", "launch_mode": "ray"},
-     "rollout_worker.type: python loads the class from a file in the driver's process; with launch_mode ray "
-     "publish it as a plugin package"),
 ])
 def test_validate_and_run_agree_on_a_bad_class_from_a_file(section, message, guide_files, core_pm, capfd,
                                                            monkeypatch, reset_loguru):

@@ -328,3 +328,30 @@ def test_bad_ray_settings_are_named(core_pm, tmp_path, capfd, reset_loguru):
                  "rollout_worker.tasks_per_call: expected a positive integer, got 0"]:
         assert line in err, (line, err)
     assert "Traceback" not in err
+
+
+def test_objects_in_actors_of_their_own(ray_cluster, monkeypatch):
+    """start_objects (what engine replicas in actors use): each object in an actor of its own, its
+    methods called through the handle, a shared value sent once to several, and a dead actor's
+    calls failing with one message that names it."""
+    import collections
+
+    from nexrl_core import share, start_objects
+    from nexrl_core.launch.base import IN_RAY_ACTOR
+
+    monkeypatch.setenv(IN_RAY_ACTOR, "1")  # as inside a Ray run's actor
+    first, second = start_objects(collections.Counter, [("aab",), ("b",)], ["nexrl-test-object-0", "nexrl-test-object-1"])
+    try:
+        assert len({first.pid, second.pid, os.getpid()}) == 3 and first.kind == "Ray actor"
+        assert first.most_common(1) == [("a", 2)]
+        letters = share("ccc")
+        first.update(letters)
+        second.update(letters)
+        assert (first.total(), second.total()) == (6, 4)
+        os.kill(second.pid, signal.SIGKILL)
+        with pytest.raises(NexRLError, match=rf"nexrl-test-object-1 \(.+, pid {second.pid}\) stopped: its actor died"):
+            second.total()
+        assert first.total() == 6
+    finally:
+        first.stop()
+        second.stop()

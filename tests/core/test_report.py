@@ -193,7 +193,9 @@ def test_a_secret_in_an_older_record_is_scrubbed_and_out_writes_elsewhere(run_di
     assert SECRET not in text and "raw ***" in text
 
 
-def test_a_large_logprob_gap_is_marked_on_its_steps_samples(run_dir, page, tmp_path, capsys):
+def test_a_large_step_logprob_gap_is_marked_on_its_steps_samples(run_dir, page, tmp_path, capsys):
+    """Samples recorded without a gap of their own (an older run, a trainer that records none) get
+    their step's, said to be the step's."""
     copy = tmp_path / "copy"
     shutil.copytree(run_dir, copy, ignore=shutil.ignore_patterns("report.html"))
     with open(copy / "metrics.jsonl", "a", encoding="utf-8") as f:  # as a trainer with rollout log-probs logs it
@@ -203,7 +205,7 @@ def test_a_large_logprob_gap_is_marked_on_its_steps_samples(run_dir, page, tmp_p
     marked = Page((copy / "report.html").read_text(encoding="utf-8"))
     assert [t for t, _ in marked.tags].count("th") == 7
     by_step = {step: {cells[6] for attrs, cells in marked.rows if attrs["data-step"] == str(step)} for step in (1, 2, 4)}
-    assert by_step == {1: {"0.002"}, 2: {"1.5\nlarge"}, 4: {"-"}}
+    assert by_step == {1: {"0.002\nthe step's"}, 2: {"1.5\nthe step's\nlarge"}, 4: {"-"}}
     # nexrl show says it too, where large only
     from nexrl_core.cli import main
 
@@ -213,6 +215,70 @@ def test_a_large_logprob_gap_is_marked_on_its_steps_samples(run_dir, page, tmp_p
     assert [h.endswith(" · step's log-prob gap 1.5 (large)") for h in heads] == [h.startswith("step 2 ") for h in heads]
     # without the metric (the mock trainer logs none) there is no such column
     assert [t for t, _ in Page(page.read_text()).tags].count("th") == 6
+
+
+def with_sample_gaps(run_dir: Path, copy: Path, cap: float | None = None) -> list[dict]:
+    """A copy of ``run_dir`` whose samples carry their own log-prob gaps, as nexrl_grpo's trainers
+    record them: sample k of the file gets 0.05 * k at token k % 3 (segment 1 for every fifth),
+    so samples 14 and up are above ln 2; with ``cap``, config.yaml sets algorithm.rollout_correction.cap."""
+    shutil.copytree(run_dir, copy, ignore=shutil.ignore_patterns("report.html"))
+    samples = rows(copy / "samples.jsonl")
+    for k, sample in enumerate(samples):
+        sample["logprob_gap"] = {"max": 0.05 * k, "position": k % 3, "token": f" t{k}\n"}
+        if k % 5 == 0:
+            sample["logprob_gap"]["segment"] = 1
+    (copy / "samples.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
+    if cap is not None:
+        import yaml
+
+        config = yaml.safe_load((copy / "config.yaml").read_text())
+        config.setdefault("algorithm", {}).setdefault("rollout_correction", {})["cap"] = cap
+        (copy / "config.yaml").write_text(yaml.safe_dump(config))
+    return samples
+
+
+def _where(k: int) -> str:
+    """Where sample k's gap is, as show and report say it (the token's text JSON-quoted)."""
+    return ("segment 1 " if k % 5 == 0 else "") + f'token {k % 3} " t{k}\\n"'
+
+
+def test_each_samples_own_logprob_gap_is_shown_and_marked_where_large(run_dir, tmp_path, capsys):
+    import math
+
+    from nexrl_core.cli import main
+
+    with_sample_gaps(run_dir, tmp_path / "copy")
+    assert _report(capsys, tmp_path / "copy")[0] == 0
+    marked = Page((tmp_path / "copy" / "report.html").read_text(encoding="utf-8"))
+    assert [t for t, _ in marked.tags].count("th") == 7
+    assert "f-gmin" in marked.texts  # the gap filter, with the column
+    assert len(marked.rows) == 30
+    for k, (attrs, cells) in enumerate(marked.rows):
+        gap = 0.05 * k
+        assert float(attrs["data-gap"]) == pytest.approx(gap)
+        assert cells[6] == f"{gap:.3g}\n{_where(k)}" + ("\nlarge" if gap > math.log(2) else ""), k
+    # nexrl show: the sample's own gap in its head, above ln 2 only
+    assert main(["show", str(tmp_path / "copy"), "--last", "30"]) == 0
+    heads = [block.splitlines()[0] for block in capsys.readouterr().out.strip().split("\n\n")[1:]]
+    assert len(heads) == 30
+    for k, head in enumerate(heads):
+        large = 0.05 * k > math.log(2)
+        assert ("log-prob gap" in head) == large, head
+        assert not large or head.endswith(f" · log-prob gap {0.05 * k:.3g} at {_where(k)} (large)"), head
+    assert sum("log-prob gap" in h for h in heads) == 16 and not any("step's" in h for h in heads)
+
+
+def test_the_runs_own_correction_cap_sets_what_is_large(run_dir, tmp_path, capsys):
+    from nexrl_core.cli import main
+
+    with_sample_gaps(run_dir, tmp_path / "copy", cap=4.0)  # ln 4 = 1.386: samples 28 and 29 only
+    assert main(["show", str(tmp_path / "copy"), "--last", "30"]) == 0
+    heads = capsys.readouterr().out.strip().split("\n\n")[1:]
+    assert [k for k, h in enumerate(heads) if "(large)" in h.splitlines()[0]] == [28, 29]
+    assert _report(capsys, tmp_path / "copy")[0] == 0
+    text = (tmp_path / "copy" / "report.html").read_text(encoding="utf-8")
+    assert "above 1.39 (ln of algorithm.rollout_correction.cap: a token 4 times as likely" in text
+    assert [k for k, (_, cells) in enumerate(Page(text).rows) if cells[6].endswith("\nlarge")] == [28, 29]
 
 
 def test_a_missing_or_empty_run_dir_is_one_line(tmp_path, capsys):
@@ -371,3 +437,21 @@ def test_in_headless_chromium_the_plots_render_the_filter_works_and_nothing_is_f
     # the page asked for nothing: not the junk's image or script, no font, no style sheet
     assert asked_shot == [] and asked_filtered == []
     assert not [r for r in proxy.requests if f"127.0.0.1:{proxy.port}" in r], proxy.requests
+
+
+def test_in_headless_chromium_the_gap_filter_keeps_the_samples_at_or_above_it(run_dir, proxy, tmp_path):
+    browser = _chromium()
+    copy = tmp_path / "copy"
+    samples = with_sample_gaps(run_dir, copy)
+    done = nexrl(copy.parent, "report", copy, env=_env(copy.parent))
+    assert done.returncode == 0, done.stderr
+    proxy.requests.clear()
+    query = {"gmin": "0.7", "step": "1-2"}
+    dom, asked = _browse(browser, f"{(copy / 'report.html').as_uri()}#{urllib.parse.urlencode(query)}", proxy,
+                         tmp_path / "profile", "--dump-dom")
+    shown = Page(dom)
+    visible = [k for k, (attrs, _) in enumerate(shown.rows) if "hidden" not in attrs]
+    want = [k for k, s in enumerate(samples) if 0.05 * k >= 0.7 and s["step"] <= 2]
+    assert visible == want and want == list(range(14, 20))  # step 2's samples from the 15th of the file on
+    assert shown.texts["f-count"] == f"6 of {len(samples)} samples"
+    assert asked == []

@@ -237,7 +237,7 @@ def test_samples_of_the_first_and_last_step_with_their_advantage(grpo_run, capsy
         assert f"advantage {r['advantage']:+.3f}" in out and f"  reply    {first_line}".rstrip() in out
 
 
-def test_report_shows_each_samples_advantage_and_its_steps_logprob_gap(grpo_run, tmp_path, capsys):
+def test_report_shows_each_samples_advantage_and_its_own_logprob_gap(grpo_run, tmp_path, capsys):
     from nexrl_core.cli import main
     from tests.support.html_page import Page
 
@@ -251,7 +251,10 @@ def test_report_shows_each_samples_advantage_and_its_steps_logprob_gap(grpo_run,
     gaps = {step: row["train/rollout_logprob_diff_max"] for step, row in _train_rows(grpo_run).items()}
     for (attrs, cells), row in zip(page.rows, rows):
         assert cells[3] == f"{row['advantage']:+.3f}" and float(attrs["data-reward"]) == row["reward"]
-        assert cells[6] == f"{gaps[row['step']]:.3g}"  # float noise: not marked large
+        own = row["logprob_gap"]  # the sample's own, at most its step's
+        assert 0 <= own["max"] <= gaps[row["step"]] and float(attrs["data-gap"]) == own["max"]
+        # float noise: not marked large
+        assert cells[6] == f"{own['max']:.3g}\ntoken {own['position']} {json.dumps(own['token'])}"
     assert page.count("polyline") >= 3  # reward, its running mean, the gradient norm at least
 
 

@@ -87,6 +87,48 @@ def test_two_ranks_reach_the_weights_of_one(tiny_model_dir, parallel):
     torch.testing.assert_close(logprobs, one.forward(batches[0]), atol=1e-5, rtol=1e-4)
 
 
+def make_packable_batch(seed: int = 0) -> dict:
+    """:func:`make_batch` with each group's rows sharing their prompt, as packing assumes."""
+    batch = make_batch(seed=seed)
+    for first, other in ((0, 1), (3, 4)):
+        batch["input_ids"][other, :4] = batch["input_ids"][first, :4]
+        batch["attention_mask"][other, :4] = batch["attention_mask"][first, :4]
+    batch["position_ids"] = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+    return batch
+
+
+@pytest.mark.parametrize("parallel,micro_batch_size", [("fsdp", None), ("ddp", None), ("fsdp", 2)])
+def test_two_ranks_with_packing_reach_the_weights_of_one(tiny_model_dir, parallel, micro_batch_size):
+    """Packed forwards on 2 ranks whose shards pack into different numbers of sequences (rank 0's
+    rows into 1, rank 1's into 2: rank 0 adds an empty call): the weights, loss and log-probs of one
+    packed process on the same global batches."""
+    from nexrl_grpo.modeling import pack_count
+
+    batches = [make_packable_batch(seed=s) for s in (0, 1)]
+    # eps well above rounding noise: AdamW's first step is about lr * sign(grad), which turns a
+    # gradient of ~1e-8 that summation order flips into a 1e-3 weight difference.
+    options = {"packing": True, "max_tokens_per_pack": 8, "micro_batch_size": micro_batch_size, "eps": 1e-4}
+    shards = shard_rows(batches[0]["prompt_groups"].tolist(), batches[0]["attention_mask"].sum(-1).tolist(), 2)
+    counts = [pack_count(batches[0]["attention_mask"][rows], 3, batches[0]["prompt_groups"][rows], 8) for rows in shards]
+    assert counts == [1, 2]  # the case this test is about
+    one = service(tiny_model_dir, **options)
+    want = [step(one, b) for b in batches]
+    two = service(tiny_model_dir, world_size=2, parallel=parallel, **options)
+    try:
+        assert two.packing == "true"
+        got = [step(two, b) for b in batches]
+        logprobs = two.forward(batches[0])
+        exported = weights(two)
+    finally:
+        two.close()
+    for name, tensor in weights(one).items():
+        torch.testing.assert_close(exported[name], tensor, atol=1e-5, rtol=1e-4, msg=name)
+    for g, w in zip(got, want):
+        assert g["loss"] == pytest.approx(w["loss"], rel=1e-5)
+        assert g["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-4)
+    torch.testing.assert_close(logprobs, one.forward(batches[0]), atol=1e-5, rtol=1e-4)
+
+
 def test_sharded_checkpoint_resumes_exactly_and_on_another_world_size(tiny_model_dir, tmp_path, reset_loguru):
     from nexrl_core.cli.run_log import LOG_FILE, setup_logging
 
@@ -249,3 +291,59 @@ def test_one_rank_through_the_fsdp_code_matches_the_plain_service(tiny_model_dir
         one.close()
     for name, tensor in weights(plain).items():
         torch.testing.assert_close(got[name], tensor, atol=1e-6, rtol=1e-5)
+
+
+def test_per_row_outputs_come_back_in_the_batchs_row_order(tiny_model_dir):
+    """A loss's per-row values (ROW_OUTPUTS) from two ranks (whole groups each, out of row order,
+    micro-batches of 2): rank 0 puts every value back at its row."""
+    from nexrl_grpo.train_service import ROW_OUTPUTS
+
+    def with_rows(log_probs, mb):
+        loss, metrics = loss_fn(log_probs, mb)
+        metrics[ROW_OUTPUTS] = {"first_token": log_probs[:, 0].detach(), "row_sum": mb["input_ids"].sum(-1)}
+        return loss, metrics
+
+    batch = make_batch()
+    shards = shard_rows(batch["prompt_groups"].tolist(), batch["attention_mask"].sum(-1).tolist(), 2)
+    assert [r for rows in shards for r in rows] != list(range(5))  # rank order is not row order
+    want = service(tiny_model_dir, micro_batch_size=2).forward_backward(batch, with_rows)[ROW_OUTPUTS]
+    two = service(tiny_model_dir, micro_batch_size=2, world_size=2)
+    try:
+        got = two.forward_backward(batch, with_rows)[ROW_OUTPUTS]
+    finally:
+        two.close()
+    assert got["row_sum"] == want["row_sum"] == batch["input_ids"].sum(-1).tolist()
+    assert got["first_token"] == pytest.approx(want["first_token"], abs=1e-5)
+    assert len(set(want["first_token"])) == 5
+
+
+def test_two_ranks_record_each_samples_logprob_gap_as_one(tiny_model_dir):
+    """The GRPO trainer on two ranks: every sample gets the same own log-prob gap (and token) as
+    with one rank, in the same order, and both equal the max over its tokens computed here."""
+    from nexrl_grpo.modeling import load_causal_lm
+    from tests.grpo.test_on_policy import expected_gaps, make_trainer, own_logprobs, skewed
+
+    model, _ = load_causal_lm(tiny_model_dir)
+    gen = torch.Generator().manual_seed(7)
+    batch = []
+    for i in range(8):  # prompts of different lengths: ranks get interleaved rows
+        prompt = torch.randint(3, 90, (2 + i % 3 + (i // 2) % 2,), generator=gen).tolist()
+        response = torch.randint(3, 90, (3 + i % 4,), generator=gen).tolist()
+        t = {"uid": f"g{i // 2}", "sample_index": i % 2, "prompt_token_ids": prompt, "response_token_ids": response,
+             "sampling": {"temperature": 1.0, "max_tokens": 8}, "reward": float(i % 3), "model_version": 0}
+        batch.append({**t, "response_logprobs": own_logprobs(model, t)})
+    batch = skewed(batch)
+    want = expected_gaps(model, batch)
+    recorded = {}
+    for world in (1, 2):
+        trajectories = [dict(t) for t in batch]
+        trainer = make_trainer(tiny_model_dir, service={"world_size": world, "micro_batch_size": 3})
+        try:
+            trainer.train(trajectories)
+        finally:
+            trainer.close()
+        recorded[world] = [t["logprob_gap"] for t in trajectories]
+    assert [g["position"] for g in recorded[2]] == [g["position"] for g in recorded[1]] == [p for _, p in want]
+    assert [g["token"] for g in recorded[2]] == [g["token"] for g in recorded[1]]
+    assert [g["max"] for g in recorded[2]] == pytest.approx([g["max"] for g in recorded[1]], abs=1e-5)
+    assert [g["max"] for g in recorded[1]] == pytest.approx([m for m, _ in want], abs=1e-5)

@@ -229,3 +229,25 @@ def test_gae_runs_over_a_trajectorys_trained_tokens_only(tiny_model_dir):
     mask = v["response_mask"].bool()
     want = 0.5 * ((v["old_values"] - v["returns"])[mask] ** 2).mean()
     assert metrics["critic/vf_loss"] == pytest.approx(float(want), rel=1e-4)
+
+
+def test_a_trajectory_of_several_sequences_records_its_largest_gap_and_the_segment(tiny_model_dir):
+    """The sample's own log-prob gap is over all its segments' trained tokens: a larger skew on an
+    untrained (tool) token is not it; the record says which segment and token."""
+    from tests.grpo.test_on_policy import own_logprobs
+
+    trainer = make_trainer(tiny_model_dir)
+    sampling = {"temperature": TEMPERATURE}
+    first = {"prompt_token_ids": PROMPT, "response_token_ids": [60, 61, 62], "loss_mask": [1, 1, 1]}
+    second = {"prompt_token_ids": [30, 31], "response_token_ids": [63, 64, 65, 66], "loss_mask": [1, 0, 0, 1]}
+    for seg, skew in ((first, {1: 0.2}), (second, {1: 0.9, 3: 0.3})):  # token 1 of the second is a tool's
+        lps = own_logprobs(trainer.train_service.model, {**seg, "sampling": sampling})
+        seg["response_logprobs"] = [lp - skew.get(k, 0.0) for k, lp in enumerate(lps)]
+    split = trajectory("g", first["response_token_ids"], 1.0, first["loss_mask"], segments=[first, second])
+    plain = trajectory("g", [70, 71], 0.0)
+    plain["response_logprobs"] = [lp - 0.1 for lp in own_logprobs(trainer.train_service.model, plain)]
+    trainer.train([split, plain])
+    assert split["logprob_gap"]["segment"] == 1 and split["logprob_gap"]["position"] == 3
+    assert split["logprob_gap"]["max"] == pytest.approx(0.3, abs=1e-5)
+    assert split["logprob_gap"]["token"] == trainer.train_service.tokenizer.decode([66])
+    assert "segment" not in plain["logprob_gap"] and plain["logprob_gap"]["max"] == pytest.approx(0.1, abs=1e-5)

@@ -85,6 +85,10 @@ def test_first_step_is_on_policy_at_any_temperature(tiny_model_dir, tmp_path, te
     assert abs(row["train/ppo_kl"]) < 1e-6 and row["train/pg_clipfrac"] == 0.0, row
     assert row["train/rollout_logprob_diff_max"] < 1e-3 and row["train/rollout_kl_k3"] < 1e-6, row
     assert math.isfinite(row["train/loss"]) and row["train/grad_norm"] > 0
+    # samples.jsonl: each sample with its own gap (float noise here), none above the step's
+    samples = [json.loads(x) for x in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 4 and all(set(s["logprob_gap"]) == {"max", "position", "token"} for s in samples)
+    assert all(0 <= s["logprob_gap"]["max"] <= row["train/rollout_logprob_diff_max"] for s in samples)
 
 
 # ---------------------------------------------------------------- the trainer on engine rollouts
@@ -231,3 +235,67 @@ def test_a_bf16_engine_shows_in_the_mismatch_metrics_and_the_correction_weighs_i
     assert metrics["train/rollout_is_weight_mean"] != 1.0
     assert metrics["train/rollout_is_weight_mean"] == pytest.approx(1.0, abs=0.05)
     assert abs(metrics["train/ppo_kl"]) < 1e-6  # the PPO ratio stays the trainer's own
+
+
+# ---------------------------------------------------------------- each sample's own log-prob gap
+
+
+def own_logprobs(model, trajectory: dict) -> list[float]:
+    """The trainer-side log-prob of each response token, computed here one sequence at a time (no
+    padding, no micro-batches) at the trajectory's temperature."""
+    prompt, response = trajectory["prompt_token_ids"], trajectory["response_token_ids"]
+    ids = torch.tensor([prompt + response])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1].float()
+    logp = torch.log_softmax(logits / trajectory["sampling"]["temperature"], dim=-1)
+    return logp[torch.arange(len(response)), torch.tensor(response)].tolist()
+
+
+def skewed(batch: list[dict]) -> list[dict]:
+    """Rollout log-probs off by a different amount at a different token in each sample."""
+    out = []
+    for i, t in enumerate(batch):
+        lps = list(t["response_logprobs"])
+        lps[i % len(lps)] -= 0.05 * (i + 1)
+        out.append({**t, "response_logprobs": lps})
+    return out
+
+
+def expected_gaps(model, batch: list[dict]) -> list[tuple[float, int]]:
+    gaps = []
+    for t in batch:
+        diffs = [abs(a - b) for a, b in zip(own_logprobs(model, t), t["response_logprobs"])]
+        gaps.append((max(diffs), diffs.index(max(diffs))))
+    return gaps
+
+
+@pytest.mark.parametrize("service", [{}, {"micro_batch_size": 3}], ids=["one-pass", "micro-batches"])
+def test_each_sample_records_its_own_largest_logprob_gap(tiny_model_dir, engine, service):
+    model, tokenizer = load_causal_lm(tiny_model_dir)
+    batch = skewed(rollouts(engine, 0.7))
+    want = expected_gaps(model, batch)
+    trainer = make_trainer(tiny_model_dir, service=service)
+    metrics = trainer.train(batch)
+    got = [t["logprob_gap"] for t in batch]
+    assert [g["max"] for g in got] == pytest.approx([m for m, _ in want], abs=1e-5)
+    assert [g["position"] for g in got] == [p for _, p in want] == [i % len(t["response_token_ids"])
+                                                                    for i, t in enumerate(batch)]
+    assert [g["token"] for g in got] == [tokenizer.decode([t["response_token_ids"][g["position"]]])
+                                         for g, t in zip(got, batch)]
+    assert len({round(g["max"], 4) for g in got}) == len(batch)  # each sample its own, not the step's
+    assert max(g["max"] for g in got) == pytest.approx(metrics["train/rollout_logprob_diff_max"], abs=1e-6)
+
+
+def test_several_updates_record_the_gap_of_the_weights_the_step_started_from(tiny_model_dir, engine):
+    model, _ = load_causal_lm(tiny_model_dir)
+    batch = skewed(rollouts(engine, 0.7))
+    want = expected_gaps(model, batch)
+    trainer = make_trainer(tiny_model_dir, service={"lr": 1e-2}, ppo_epochs=2)
+    trainer.train(batch)
+    assert [t["logprob_gap"]["max"] for t in batch] == pytest.approx([m for m, _ in want], abs=1e-5)
+
+
+def test_without_rollout_logprobs_no_sample_records_a_gap(tiny_model_dir, engine):
+    batch = [{**t, "response_logprobs": None} for t in rollouts(engine, 0.7)]
+    make_trainer(tiny_model_dir).train(batch)
+    assert not any("logprob_gap" in t for t in batch)

@@ -62,13 +62,16 @@ def recipe(run_dir: Path, model_dir: str, launch_mode: str, **ray: dict) -> dict
 def run(root: Path, model_dir: str, launch_mode: str, **ray) -> dict:
     path = root / f"{launch_mode}_{len(list(root.iterdir()))}.yaml"
     run_dir = path.with_suffix("")
-    path.write_text(yaml.safe_dump(recipe(run_dir, model_dir, launch_mode, **ray), sort_keys=False))
+    written = recipe(run_dir, model_dir, launch_mode, **ray)
+    path.write_text(yaml.safe_dump(written, sort_keys=False))
     controller = NexRLController(load_recipe(str(path)), plugin_manager=grpo_plugin_manager())
     seen: dict = {}
     release = controller.resource_manager.shutdown
 
     def read_then_release():
         seen["served_version"] = execute(controller.inference_client.model_version)
+        if written["service"]["inference_service"].get("replicas", 1) > 1:
+            seen["replicas"] = execute(controller.inference_client.replica_stats)
         release()
 
     controller.resource_manager.shutdown = read_then_release
@@ -136,3 +139,29 @@ def test_two_trainer_ranks_in_ray_mode(local_run, ray_cluster, tiny_model_dir, t
     assert first_ray["train/grad_norm"] == pytest.approx(first_local["train/grad_norm"], rel=1e-4)
     assert first_ray["train/loss"] == pytest.approx(first_local["train/loss"], rel=1e-4, abs=1e-6)
     assert ray_run["weights"].keys() == local_run["weights"].keys()
+
+
+def test_engine_replicas_in_actors_of_their_own(local_run, ray_cluster, tiny_model_dir, tmp_path, monkeypatch):
+    """`replicas: 2, replica_actors: true` in launch_mode ray: replica 1 is an engine in a Ray actor
+    of its own; both replicas take requests, every push reaches both (the oldest version served is
+    the last push), and the run is the one-engine local run (each request's sampling is seeded, so
+    which replica serves it does not matter)."""
+    monkeypatch.setenv("NEXRL_LOAD_PLUGINS", "nexrl-grpo")
+    original = recipe
+
+    def two_replicas(*args, **kwargs):
+        out = original(*args, **kwargs)
+        out["service"]["inference_service"].update(replicas=2, replica_actors=True)
+        return out
+
+    monkeypatch.setattr(sys.modules[__name__], "recipe", two_replicas)
+    ray_run = run(tmp_path, tiny_model_dir, "ray")
+    assert ray_run["served_version"] == STEPS
+    assert [r["version"] for r in ray_run["replicas"]] == [STEPS, STEPS]  # every push reached both
+    assert all(r["requests"] > 0 for r in ray_run["replicas"]), ray_run["replicas"]
+    log = next(tmp_path.glob("ray_*/run.log")).read_text()
+    assert "replica 1: Ray actor nexrl-engine-replica-1 on " in log
+    local_rows, ray_rows = _comparable(local_run["rows"]), _comparable(ray_run["rows"])
+    assert ray_rows == local_rows
+    for name, tensor in local_run["weights"].items():
+        assert torch.equal(ray_run["weights"][name], tensor), name

@@ -92,8 +92,6 @@ CASES = {
                     "'service.inference_service.max_batch_size'?"),
     "device_name": (["+service.train_service.device=gpu"],
                     "error: service.train_service.device: 'gpu' is not one of auto, cpu, cuda, cuda:N"),
-    "packing_across_ranks": (["+service.train_service.world_size=2", "+service.train_service.packing=true"],
-                             "error: service.train_service.packing: true cannot run with world_size > 1"),
     "kv_share": (["+service.inference_service.gpu_memory_utilization=1.5"],
                  "error: service.inference_service.gpu_memory_utilization:"),
 }

@@ -130,6 +130,20 @@ def test_every_step_logs_the_service_metrics_and_a_negligible_sampler_mismatch(g
         assert row["train/advantages_abs_mean"] > 0
 
 
+def test_each_recorded_sample_carries_its_own_logprob_gap(grpo_run):
+    """samples.jsonl: each sample's own largest gap over its tokens (no token text: this trainer has
+    no tokenizer), at most its step's; `nexrl show` prints them without a crash."""
+    from nexrl_core.cli.show import show
+
+    by_step = {r["step"]: r["train/rollout_logprob_diff_max"] for r in _train_rows(grpo_run)}
+    samples = [json.loads(line) for line in (grpo_run.run_dir / "samples.jsonl").read_text().splitlines()]
+    assert {s["step"] for s in samples} == {1, STEPS}
+    for s in samples:
+        assert set(s["logprob_gap"]) == {"max", "position"} and 0 <= s["logprob_gap"]["position"]
+        assert 0 <= s["logprob_gap"]["max"] <= by_step[s["step"]]
+    assert show(str(grpo_run.run_dir)).startswith(str(grpo_run.run_dir / "samples.jsonl"))
+
+
 def test_forward_backward_and_optim_step_are_submitted_back_to_back_then_awaited(grpo_run):
     one_step = ["submit forward_backward", "submit optim_step", "wait forward_backward", "wait optim_step"]
     assert grpo_run.events == one_step * STEPS

@@ -57,6 +57,20 @@ class Slot:
     config: Any
     kwargs: dict[str, Any] = field(default_factory=dict)
 
+    def __getstate__(self) -> dict[str, Any]:
+        # A class from a recipe's file (type: python) travels as its text, not pickled by a module
+        # name the actor cannot import; the actor compiles it under the file's name.
+        from ...config.python_class import ClassSource
+
+        return {**self.__dict__, "cls": ClassSource.of(self.cls) or self.cls}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        from ...config.python_class import ClassSource
+
+        if isinstance(state["cls"], ClassSource):
+            state = {**state, "cls": state["cls"].load()}
+        self.__dict__.update(state)
+
 
 @dataclass
 class HostSetup:

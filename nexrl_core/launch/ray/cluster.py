@@ -5,20 +5,26 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import ray
+import ray._private.ray_constants as ray_constants
 from loguru import logger
 
 from ...errors import NexRLError
 from ..base import IN_RAY_ACTOR
+from . import network
 from .settings import RaySettings
 
 # Environment every actor gets from the driver (besides ray.env_vars): what decides which
 # plugins load and how libraries behave.
 _PASSED_PREFIXES = ("NEXRL_", "HF_", "TRANSFORMERS_", "TOKENIZERS_", "WANDB_")
 _PASSED_NAMES = ("MKL_NUM_THREADS", "PYTHONHASHSEED", "CUBLAS_WORKSPACE_CONFIG")
+_SINGLE_NODE_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+_LOOPBACK = ("127.0.0.1", "::1", "localhost")
 
 
 @dataclass
@@ -36,6 +42,9 @@ class Cluster:
 
 
 def connect(settings: RaySettings) -> Cluster:
+    if settings.private_network is True and not network.inside():  # `nexrl run` checked the rest
+        raise NexRLError(f"{network.KEY}: true, but the run was not started by `nexrl run`, which isolates "
+                         f"the cluster (or set {network.KEY}: false)")
     if ray.is_initialized():  # a connection this process made (a test's cluster, a user's script)
         return Cluster(started=False, connected=False, address=_gcs_address())
     common: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True, "configure_logging": False}
@@ -45,14 +54,43 @@ def connect(settings: RaySettings) -> Cluster:
             logger.info(f"ray: attached to the cluster at {settings.address}")
             return Cluster(started=False, connected=True, address=_gcs_address())
         # Workers at the driver's priority (Ray's default niceness of 15 starves them on a shared machine).
-        ray.init(num_cpus=settings.num_cpus, num_gpus=settings.num_gpus,
-                 object_store_memory=settings.object_store_memory,
-                 _system_config={"worker_niceness": os.nice(0)}, **common)
+        with _single_node():
+            ray.init(num_cpus=settings.num_cpus, num_gpus=settings.num_gpus,
+                     object_store_memory=settings.object_store_memory,
+                     _system_config={"worker_niceness": os.nice(0)}, **common)
     except (ConnectionError, RuntimeError, ValueError) as exc:
         where = f"the cluster at {settings.address}" if settings.address else "a local cluster"
         raise NexRLError(f"ray: cannot connect to {where}: {exc}") from None
-    logger.info(f"ray: started a local cluster ({ray.cluster_resources().get('CPU', 0):g} CPUs) for this run")
+    cpus = f"{ray.cluster_resources().get('CPU', 0):g} CPUs"
+    where = "in a private network namespace" if network.inside() else "on loopback only"
+    address = _gcs_address()
+    if address.rsplit(":", 1)[0].strip("[]") not in _LOOPBACK:  # a Ray that ignores single-node mode
+        logger.warning(f"ray: the local cluster listens at {address}, not on loopback only (README, 'Ray')")
+        where = "not on loopback only"
+    logger.info(f"ray: started a local cluster ({cpus}) for this run, {where}")
     return Cluster(started=True, connected=True, address=_gcs_address())
+
+
+@contextmanager
+def _single_node() -> Iterator[None]:
+    """Ray's single-node mode (its default on macOS and Windows) while the cluster starts: its node
+    address is 127.0.0.1, and its GCS, raylet and workers listen there only. Ray has no setting
+    for the listening address (it listens on every interface, and replaces a loopback
+    ``_node_ip_address`` with the machine's address); this mode is read from the environment once,
+    when Ray is imported, hence the module's flag too. Restored after: attaching to a multi-node
+    cluster later in this process must advertise this machine's address again."""
+    previous_env = os.environ.get(_SINGLE_NODE_ENV)
+    previous_flag = ray_constants.ENABLE_RAY_CLUSTER
+    os.environ[_SINGLE_NODE_ENV] = "0"  # the cluster's processes read it when they import Ray
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = previous_flag
+        if previous_env is None:
+            os.environ.pop(_SINGLE_NODE_ENV, None)
+        else:
+            os.environ[_SINGLE_NODE_ENV] = previous_env
 
 
 def _gcs_address() -> str:

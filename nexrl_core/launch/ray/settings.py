@@ -34,6 +34,7 @@ class RaySettings:
     max_concurrency: int | None
     env_vars: dict[str, str]
     num_worker_actors: int = 1
+    private_network: bool = False
 
     @classmethod
     def from_config(cls, config: Any) -> RaySettings:
@@ -53,6 +54,7 @@ class RaySettings:
             max_concurrency=section["max_concurrency"],
             env_vars={str(k): str(v) for k, v in (section["env_vars"] or {}).items()},
             num_worker_actors=int(declared_value(workers, "num_actors", ROLLOUT_WORKER, "rollout_worker")),
+            private_network=section["private_network"],
         )
 
 

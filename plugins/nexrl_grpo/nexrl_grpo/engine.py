@@ -45,8 +45,8 @@ from nexrl_core import (CompletionResult, InferenceClient, InferenceError, Optio
                         parse_tool_calls)
 
 from .decoding import kv_budget_tokens, kv_token_bytes, make_session_factory
-from .modeling import (AUTO_FLAG, MODEL_OPTIONS, _auto_flag, log_auto_device, model_from_config,
-                       position_ids_from_mask, resolve_device)
+from .modeling import (AUTO_FLAG, MODEL_OPTIONS, _auto_flag, compute_response_logprobs, log_auto_device,
+                       model_from_config, position_ids_from_mask, resolve_device)
 
 _STOP = object()
 
@@ -256,6 +256,29 @@ class HFInferenceEngine(InferenceClient):
             with self._tokenizer_lock:
                 self._tool_support = (self._renders(user, [tool], probe), self._renders(user + [call], None, probe))
         return self._tool_support
+
+    def score(self, requests: list[tuple[list[int], list[int], float]]) -> list[list[float]]:
+        """Log-probs of the given response tokens (no generation), ``max_batch_size`` rows per
+        forward, laid out as the trainer lays out a batch (prompts left-padded, responses
+        right-padded) and computed by the trainer's own function, so a reference served here
+        equals one held in the trainer's process to float tolerance."""
+        out: list[list[float]] = []
+        for start in range(0, len(requests), self.max_batch_size):
+            chunk = requests[start:start + self.max_batch_size]
+            max_p = max(len(p) for p, _, _ in chunk)
+            max_r = max(max(len(r) for _, r, _ in chunk), 1)
+            ids = torch.full((len(chunk), max_p + max_r), self.pad_token_id, dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for row, (p, r, _) in enumerate(chunk):
+                ids[row, max_p - len(p):max_p + len(r)] = torch.tensor(list(p) + list(r), dtype=torch.long)
+                mask[row, max_p - len(p):max_p + len(r)] = 1
+            temperature = torch.tensor([float(t) for _, _, t in chunk], dtype=torch.float32, device=self.device)
+            ids, mask = ids.to(self.device), mask.to(self.device)
+            with self._model_lock, torch.no_grad():
+                lp = compute_response_logprobs(self.model, ids, mask, position_ids_from_mask(mask), max_r,
+                                               temperature).cpu()
+            out += [lp[row, :len(r)].tolist() for row, (_, r, _) in enumerate(chunk)]
+        return out
 
     def _renders(self, messages: list[dict[str, Any]], tools: Any, marker: str) -> bool:
         try:

@@ -361,7 +361,7 @@ def _attention_per_group(model: torch.nn.Module, blocks: list[tuple[int, int]]):
     from transformers import AttentionInterface
 
     AttentionInterface.register(_GROUP_ATTENTION, _group_sdpa)  # a dict entry: idempotent
-    config = model.config
+    config = getattr(model, "module", model).config  # DDP wraps the model
     previous = config._attn_implementation
     token = _group_blocks.set(blocks)
     config._attn_implementation = _GROUP_ATTENTION
@@ -381,6 +381,7 @@ def compute_response_logprobs_packed(
     prompt_groups: torch.Tensor | None = None,
     temperature: float | torch.Tensor = 1.0,
     max_tokens_per_pack: int = 2048,
+    packs: int = 0,
 ) -> torch.Tensor:
     """:func:`compute_response_logprobs` without computing a single padding token.
 
@@ -395,7 +396,9 @@ def compute_response_logprobs_packed(
     the same bits on every call (no position is gathered twice: on CPU the backward of a repeated
     index adds with atomics, in another order each run).
     Entries past a row's response length are 0. Needs left-padded prompts, right-padded
-    responses and an ``sdpa`` model (:func:`packing_problem`).
+    responses and an ``sdpa`` model (:func:`packing_problem`). ``packs``: at least that many model
+    calls, the missing ones on one token with zero weight (a data-parallel rank with fewer packs
+    joins every call's collectives).
     """
     rows = input_ids.shape[0]
     if response_length <= 0:
@@ -403,25 +406,9 @@ def compute_response_logprobs_packed(
     _check_temperature(temperature)
     device = input_ids.device
     prompt_len = input_ids.shape[1] - response_length
-    groups = torch.arange(rows) if prompt_groups is None else prompt_groups.cpu()
-    _, inverse = torch.unique(groups, return_inverse=True)
     mask = attention_mask.bool().cpu()
     ids, positions = input_ids.cpu(), position_ids.cpu()
-    response_lengths = mask[:, prompt_len:].sum(-1).tolist()
-    members: dict[int, list[int]] = {}
-    for row, group in enumerate(inverse.tolist()):
-        members.setdefault(group, []).append(row)
-
-    # Greedy bins of whole groups, in batch order.
-    bins: list[list[int]] = []
-    used = 0
-    for group, group_rows in members.items():
-        size = int(mask[group_rows[0], :prompt_len].sum()) + sum(response_lengths[r] for r in group_rows)
-        if not bins or used + size > max_tokens_per_pack:
-            bins.append([])
-            used = 0
-        bins[-1].append(group)
-        used += size
+    members, bins, response_lengths = _pack_bins(mask, response_length, prompt_groups, max_tokens_per_pack)
 
     parts, dest_rows, dest_cols = [], [], []
     for bin_groups in bins:
@@ -482,7 +469,48 @@ def compute_response_logprobs_packed(
     if parts:
         values = torch.cat(parts)
         result = result.index_put((torch.tensor(dest_rows, device=device), torch.tensor(dest_cols, device=device)), values)
+    for _ in range(len(parts), packs):
+        # A call on one token whose output weighs 0: the forward and backward still reach every layer.
+        with _attention_per_group(model, [(0, 1)]):
+            out = model(input_ids=ids[:1, -1:].to(device), attention_mask=torch.ones(1, 1, 1, 1, dtype=torch.bool,
+                        device=device), position_ids=torch.zeros(1, 1, dtype=torch.long, device=device),
+                        use_cache=False, logits_to_keep=1)
+        result = result + out.logits.float().sum() * 0.0
     return result
+
+
+def _pack_bins(mask: torch.Tensor, response_length: int, prompt_groups: torch.Tensor | None,
+               max_tokens_per_pack: int) -> tuple[dict[int, list[int]], list[list[int]], list[int]]:
+    """Rows by group, the groups of each packed sequence (greedy bins of whole groups, in batch
+    order) and each row's response length."""
+    prompt_len = mask.shape[1] - response_length
+    groups = torch.arange(mask.shape[0]) if prompt_groups is None else prompt_groups.cpu()
+    _, inverse = torch.unique(groups, return_inverse=True)
+    response_lengths = mask[:, prompt_len:].sum(-1).tolist()
+    members: dict[int, list[int]] = {}
+    for row, group in enumerate(inverse.tolist()):
+        members.setdefault(group, []).append(row)
+    bins: list[list[int]] = []
+    used = 0
+    for group, group_rows in members.items():
+        size = int(mask[group_rows[0], :prompt_len].sum()) + sum(response_lengths[r] for r in group_rows)
+        if not bins or used + size > max_tokens_per_pack:
+            bins.append([])
+            used = 0
+        bins[-1].append(group)
+        used += size
+    return members, bins, response_lengths
+
+
+def pack_count(attention_mask: torch.Tensor, response_length: int, prompt_groups: torch.Tensor | None = None,
+               max_tokens_per_pack: int = 2048) -> int:
+    """Model calls :func:`compute_response_logprobs_packed` makes on these rows (a pack with no
+    response token makes none): what ranks compare to make the same number of calls."""
+    if response_length <= 0:
+        return 0
+    members, bins, lengths = _pack_bins(attention_mask.bool().cpu(), response_length, prompt_groups,
+                                        max_tokens_per_pack)
+    return sum(1 for groups in bins if any(lengths[r] for g in groups for r in members[g]))
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:

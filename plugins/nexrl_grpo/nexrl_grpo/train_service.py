@@ -35,13 +35,16 @@ from nexrl_core import NexRLError, Option, TrainService, algorithms, bind, compo
 
 from .modeling import (AUTO_FLAG, MODEL_OPTIONS, _auto_flag, auto_dtype, auto_flag, compute_response_logprobs,
                        compute_response_logprobs_packed, log_auto_device, log_auto_dtype, model_from_config,
-                       packing_problem, position_ids_from_mask, resolve_device)
+                       pack_count, packing_problem, position_ids_from_mask, resolve_device)
 from . import sharded
 from .distributed import PARALLEL_MODES, GatheredWeights, RankGroup, shard_rows, start_ranks, wrap
 from .weights import apply_process_options, check_model_section, config_errors, resolve_model_path
 
 LossFn = Callable[[torch.Tensor, dict[str, Any]], tuple[torch.Tensor, dict[str, float]]]
 
+# A loss_fn's metrics may hold, under this key, {name: one value per row of its micro-batch};
+# forward_backward returns them under it too, {name: [value per row of the batch]} in batch order.
+ROW_OUTPUTS = "rows"
 REQUIRED_KEYS = ("input_ids", "attention_mask", "responses", "response_mask")
 CHECKPOINT_FORMAT = 1
 # What save_checkpoint adds to the HF folder for a resume; an export leaves them out.
@@ -120,11 +123,7 @@ class LocalTorchTrainService(TrainService):
 
     @staticmethod
     def check_config(section: Any, key: str) -> list[str]:
-        problems = check_model_section(section, key)
-        if int(section.get("world_size") or 1) > 1 and auto_flag(section.get("packing"), "packing") == "true":
-            problems.append(f"{key}.packing: true cannot run with world_size > 1 (every rank must make the same "
-                            f"number of forward passes): use auto or false")
-        return problems
+        return check_model_section(section, key)
 
     @classmethod
     def from_config(cls, config: Any, *, seed: int, total_steps: int,
@@ -185,12 +184,6 @@ class LocalTorchTrainService(TrainService):
         if self.micro_batch_size is not None and self.micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1, got {micro}")
         self.packing = auto_flag(config["packing"], "packing")
-        if self.ranks is not None and self.ranks.world_size > 1:
-            # A packed forward makes as many model calls as its rows need packs; ranks must make the same number.
-            if self.packing == "true":
-                raise ValueError("packing: true cannot run with world_size > 1 (every rank must make the same "
-                                 "number of forward passes): use auto or false")
-            self.packing = "false"
         self.max_tokens_per_pack = int(config["max_tokens_per_pack"])
         if self.max_tokens_per_pack < 1:
             raise ValueError(f"max_tokens_per_pack must be >= 1, got {self.max_tokens_per_pack}")
@@ -248,6 +241,30 @@ class LocalTorchTrainService(TrainService):
         """Forward passes every rank makes: the most micro-batches any rank's rows need (at least one)."""
         return max(1, max(-(-len(rows) // (self.micro_batch_size or max(len(rows), 1))) for rows in shards))
 
+    def _packs_per_pass(self, batch: dict[str, Any], shards: list[list[int]], passes: int) -> list[int] | None:
+        """Model calls each packed pass makes on every rank: the most any rank's rows of that pass
+        pack into (a rank with fewer pads with empty calls, so the collectives inside match). Every
+        rank holds the whole batch, so each works this out alone. None: the batch is not packed."""
+        if self.packing == "false":
+            return None
+        mask, groups, length = batch["attention_mask"], batch.get("prompt_groups"), batch["responses"].shape[1]
+        problem = packing_problem(self.model, mask, length)
+        if problem is not None:
+            if self.packing == "true":
+                raise ValueError(f"packing: true, but this batch cannot be packed: {problem}")
+            return None
+
+        def count(rows: list[int]) -> int:
+            index = torch.tensor(rows or [0], dtype=torch.long)  # an empty pass runs the batch's first row
+            return pack_count(mask[index], length, groups[index] if groups is not None else None,
+                              self.max_tokens_per_pack)
+        most = [0] * passes
+        for rows in shards:
+            size = self.micro_batch_size or max(len(rows), 1)
+            for p in range(passes):
+                most[p] = max(most[p], count(rows[p * size:(p + 1) * size]))
+        return most
+
     # ------------------------------------------------------------------ compute
 
     @_every_rank
@@ -256,12 +273,14 @@ class LocalTorchTrainService(TrainService):
         CPU with the batch's other per-row tensors."""
         self._check(batch)
         self.model.eval()
-        mine, shards, passes = batch, None, None
+        mine, shards, passes, packs = batch, None, None, None
         if self.ranks is not None:
             mine, shards = self._shard(batch)
             passes = self._pass_count(shards)
+            packs = self._packs_per_pass(batch, shards, passes)
         with self._out_of_memory("forward"), torch.no_grad(), self._autocast():
-            parts = [self._logprobs(mb) for mb in self._micro_batches(mine, passes, empty_from=batch)]
+            parts = [self._logprobs(mb, packs[p] if packs else None)
+                     for p, mb in enumerate(self._micro_batches(mine, passes, empty_from=batch))]
         mine_out = torch.cat(parts, dim=0).cpu()[:len(mine["input_ids"])]
         if self.ranks is None:
             return mine_out
@@ -286,40 +305,49 @@ class LocalTorchTrainService(TrainService):
         ``loss_fn`` combined over micro-batches by the core's rule
         (:func:`nexrl_core.algorithms.aggregate_metrics`): a name ending in ``_max``/``_min`` is
         the max/min, any other the mean weighted by each micro-batch's share of valid tokens
-        (exact for token means such as ``pg_clipfrac``).
+        (exact for token means such as ``pg_clipfrac``). Per-row values of ``loss_fn`` (under
+        :data:`ROW_OUTPUTS`) come back under that key, one per row of ``batch``, in its order.
         """
         self._check(batch)
         mask = batch["response_mask"]
         num_tokens = float(mask.sum())
         num_rows = batch["input_ids"].shape[0]
         shared = {"batch_num_seqs": int((mask.sum(-1) > 0).sum()), "batch_num_tokens": num_tokens}
-        mine, passes, scale = batch, None, 1.0
+        mine, passes, packs, scale = batch, None, None, 1.0
         if self.ranks is not None:
             mine, shards = self._shard(batch)
             passes = self._pass_count(shards)
+            packs = self._packs_per_pass(batch, shards, passes)
             scale = float(self.ranks.world_size)  # FSDP and DDP average gradients over ranks: undo it (a sum)
         self._forward_model.train()
         total_loss = 0.0
         parts: list[tuple[float, dict[str, float]]] = []
+        row_parts: list[dict[str, Any]] = []  # this rank's rows, in order
         with self._out_of_memory("forward_backward"):
-            for mb in self._micro_batches(mine, passes, empty_from=batch):
+            for p, mb in enumerate(self._micro_batches(mine, passes, empty_from=batch)):
                 with self._autocast():
-                    log_probs = self._logprobs(mb)
+                    log_probs = self._logprobs(mb, packs[p] if packs else None)
                 if mb.get("_empty"):  # this rank has no rows left: a pass for the collectives only
                     (log_probs.sum() * 0.0).backward()
                     continue
                 mb.update(shared)
                 loss, mb_metrics = loss_fn(log_probs, mb)
+                if ROW_OUTPUTS in mb_metrics:
+                    mb_metrics = dict(mb_metrics)
+                    row_parts.append(mb_metrics.pop(ROW_OUTPUTS))
                 (loss * scale if scale != 1.0 else loss).backward()
                 total_loss += float(loss.detach())
                 weight = float(mb["response_mask"].sum()) / num_tokens if num_tokens else \
                     mb["input_ids"].shape[0] / num_rows
                 parts.append((weight, mb_metrics))
+        rows = _row_outputs(row_parts)
         if self.ranks is not None:
-            gathered = self.ranks.gather((total_loss, parts))
-            total_loss = sum(loss for loss, _ in gathered)
-            parts = [part for _, rank_parts in gathered for part in rank_parts]
-        return {"loss": total_loss, **algorithms.aggregate_metrics(parts), **self.memory_metrics()}
+            gathered = self.ranks.gather((total_loss, parts, rows))
+            total_loss = sum(loss for loss, _, _ in gathered)
+            parts = [part for _, rank_parts, _ in gathered for part in rank_parts]
+            rows = _in_batch_order([r for _, _, r in gathered], shards, num_rows)
+        out = {"loss": total_loss, **algorithms.aggregate_metrics(parts), **self.memory_metrics()}
+        return {**out, ROW_OUTPUTS: rows} if rows else out
 
     @_every_rank
     def optim_step(self) -> dict[str, float]:
@@ -512,19 +540,21 @@ class LocalTorchTrainService(TrainService):
         return {k: v.to(self.device, non_blocking=True) if torch.is_tensor(v) and k != "prompt_groups" else v
                 for k, v in mb.items()}
 
-    def _logprobs(self, mb: dict[str, Any]) -> torch.Tensor:
+    def _logprobs(self, mb: dict[str, Any], packs: int | None = None) -> torch.Tensor:
+        """Response log-probs of a micro-batch; with several ranks, packed only when the whole batch
+        is (``packs``: the model calls every rank makes, :meth:`_packs_per_pass`)."""
         input_ids, attention_mask = mb["input_ids"], mb["attention_mask"]
         position_ids = mb.get("position_ids")
         position_ids = position_ids_from_mask(attention_mask) if position_ids is None else position_ids
         response_length = mb["responses"].shape[1]
         temperature = mb.get("temperature")
         temperature = 1.0 if temperature is None else temperature
-        if self.packing != "false":
+        if self.packing != "false" and (self.ranks is None or packs is not None):
             problem = packing_problem(self.model, attention_mask, response_length)
             if problem is None:
                 return compute_response_logprobs_packed(
                     self._forward_model, input_ids, attention_mask, position_ids, response_length, mb.get("prompt_groups"),
-                    temperature, self.max_tokens_per_pack)
+                    temperature, self.max_tokens_per_pack, packs or 0)
             if self.packing == "true":
                 raise ValueError(f"packing: true, but this batch cannot be packed: {problem}")
         return compute_response_logprobs(self._forward_model, input_ids, attention_mask, position_ids, response_length,
@@ -608,6 +638,23 @@ class LocalTorchTrainService(TrainService):
         np.random.set_state((np_meta["kind"], keys, np_meta["pos"], np_meta["has_gauss"], np_meta["cached_gaussian"]))
         py = meta["python"]
         random.setstate((py["version"], tuple(py["state"]), py["gauss_next"]))
+
+
+def _row_outputs(parts: list[dict[str, Any]]) -> dict[str, list[float]]:
+    """Micro-batches' per-row values (:data:`ROW_OUTPUTS`) joined: {name: one value per row}."""
+    return {name: [x for part in parts for x in torch.as_tensor(part[name]).detach().double().cpu().reshape(-1).tolist()]
+            for name in (parts[0] if parts else {})}
+
+
+def _in_batch_order(ranks: list[dict[str, list[float]]], shards: list[list[int]], rows: int) -> dict[str, list[float]]:
+    """Every rank's per-row values put back at their rows of the batch (a rank without rows gave none)."""
+    names = next((r for r in ranks if r), {})
+    out = {name: [math.nan] * rows for name in names}
+    for values, index in zip(ranks, shards):
+        for name in names:
+            for row, value in zip(index, values.get(name, [])):
+                out[name][row] = value
+    return out
 
 
 def _take(value: Any, index: list[int], rows: int) -> Any:

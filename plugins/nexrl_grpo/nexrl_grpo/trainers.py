@@ -18,6 +18,7 @@ from nexrl_core import (
     Capabilities,
     ConfigError,
     DataError,
+    InferenceError,
     Option,
     SamplingParams,
     Trajectory,
@@ -31,7 +32,7 @@ from nexrl_core import (
 from .critic import CRITIC_ALGORITHM_OPTIONS, CriticService, ValueModel
 from .losses import LossContext, agg_loss, kl_loss, masked_mean, value_loss
 from .modeling import DEVICE_HELP, compute_response_logprobs, device_problem, position_ids_from_mask, resolve_device
-from .train_service import BATCH_FORMAT, LocalTorchTrainService, export_model_folder
+from .train_service import BATCH_FORMAT, ROW_OUTPUTS, LocalTorchTrainService, export_model_folder
 
 CRITIC_FOLDER = "critic"  # inside a checkpoint folder, next to the policy's files
 KL_AGG_MODE_WITHOUT_LOSS_MODE = "token-mean"  # the KL term's reduction when the policy loss declares no mode
@@ -50,6 +51,21 @@ def _record_advantages(trajectories: list[Trajectory], advantages: torch.Tensor,
     for traj, total, count in zip(trajectories, sums, counts):
         if count:
             traj["advantage"] = total / count
+
+
+def _record_logprob_gaps(trajectories: list[Trajectory], rows: Mapping[str, list[float]], responses: torch.Tensor,
+                         row_trajectory: list[int], tokenizer: Any) -> None:
+    """``trajectory["logprob_gap"]``: the sample's own largest |trainer - rollout log-prob| over its
+    trained tokens (:func:`nexrl_core.algorithms.sample_logprob_gaps`) with the ``token`` text
+    where it is, from the loss's per-row values."""
+    if "logprob_gap" not in rows or "logprob_gap_position" not in rows:
+        return
+    found = algorithms.sample_logprob_gaps(np.asarray(rows["logprob_gap"]), np.asarray(rows["logprob_gap_position"]),
+                                           row_trajectory)
+    for i, (row, record) in found.items():
+        if tokenizer is not None:
+            record["token"] = tokenizer.decode([int(responses[row, record["position"]])])
+        trajectories[i]["logprob_gap"] = record
 
 
 def _per_token(advantages: Any, mask: torch.Tensor) -> torch.Tensor:
@@ -273,6 +289,9 @@ class SelfHostedTrainer(BaseTrainer):
         # alone would still move the weights).
         skip = not bool(batch.values["response_mask"].any())
         metrics.update({"train/update_skipped": 1.0} if skip else self._update(batch, tensors))
+        if batch.metadata.get(ROW_OUTPUTS):
+            _record_logprob_gaps(trajectories, batch.metadata[ROW_OUTPUTS], batch.values["responses"],
+                                 batch.metadata["row_trajectory"], getattr(self.train_service, "tokenizer", None))
         t2 = time.perf_counter()
         meta = batch.metadata
         trained = float(batch.values["response_mask"].sum())
@@ -290,10 +309,15 @@ class SelfHostedTrainer(BaseTrainer):
         return metrics
 
     def _update(self, batch: Batch, tensors: dict[str, torch.Tensor]) -> dict[str, float]:
-        """``ppo_epochs`` updates of the model on the batch; the last one's metrics, as ``train/*``."""
+        """``ppo_epochs`` updates of the model on the batch; the last one's metrics, as ``train/*``
+        (the loss's per-row values of the first, from the weights the step started with, go to
+        ``batch.metadata[ROW_OUTPUTS]``)."""
         out: dict[str, float] = {}
-        for _ in range(self._ppo_epochs):
+        for epoch in range(self._ppo_epochs):
             out = self.train_service.forward_backward(tensors, self._loss_fn(batch))
+            rows = out.pop(ROW_OUTPUTS, None)
+            if epoch == 0 and rows:
+                batch.metadata[ROW_OUTPUTS] = rows
             out.update(self.train_service.optim_step())
         return {f"train/{k}": float(v) for k, v in out.items()}
 
@@ -354,7 +378,8 @@ class SelfHostedGrpoTrainer(SelfHostedTrainer):
                                needs="algorithm.use_kl_loss"),
         "ref_device": Option(None, (str, None), f"device of the frozen KL reference model (null: the policy's; "
                                                 f"{DEVICE_HELP})", check=device_problem,
-                             needs="algorithm.use_kl_in_reward or algorithm.use_kl_loss"),
+                             needs=("algorithm.use_kl_in_reward or algorithm.use_kl_loss",
+                                    "service.reference_service == null")),
         "max_response_length": Option(None, int, "loss normaliser of the *-norm aggregation modes "
                                                  "(null: rollout_worker.sampling.max_tokens)", ge=1),
         "rollout_correction": Option(options=algorithms.ROLLOUT_CORRECTION_OPTIONS,
@@ -364,6 +389,9 @@ class SelfHostedGrpoTrainer(SelfHostedTrainer):
                                          "before advantages; per domain with domains.<name>"),
     }
     ALGORITHM_SELECTORS = {"type": "advantage_estimator", "policy_loss": "policy_loss"}
+    # The KL reference may be service.reference_service instead of a frozen copy held here; the
+    # keys that make this trainer compute a KL at all (an Option.needs, checked at validate).
+    REFERENCE_SERVICE_NEEDS = "algorithm.use_kl_in_reward or algorithm.use_kl_loss"
     # Values: a critic trained here; its keys are accepted only with an estimator that needs it.
     ALGORITHM_INPUTS = {"values": CRITIC_ALGORITHM_OPTIONS}
 
@@ -373,6 +401,7 @@ class SelfHostedGrpoTrainer(SelfHostedTrainer):
         self._kl_ctrl: Any = None
         self._reward_processor: algorithms.RewardProcessor | None = None
         self._ref_model: torch.nn.Module | None = None
+        self.reference_service: Any = None  # service.reference_service's client, when declared
         self.critic: CriticService | None = None
 
     @property
@@ -389,7 +418,10 @@ class SelfHostedGrpoTrainer(SelfHostedTrainer):
     def initialize_workers(self) -> None:
         options = self.selection.options  # a bad algorithm section fails before the model loads
         super().initialize_workers()
-        if (options["use_kl_in_reward"] or options["use_kl_loss"]) and self._ref_model is None:
+        use_kl = options["use_kl_in_reward"] or options["use_kl_loss"]
+        if use_kl and self.reference_service is None and self._ref_model is None:
+            self.reference_service = self.create_reference_service()
+        if use_kl and self.reference_service is None and self._ref_model is None:
             device = resolve_device(options["ref_device"]) if options["ref_device"] else self.train_service.device
             self._ref_model = self.train_service.frozen_copy(device)
         if self.selection.requires("values") and self.critic is None:
@@ -410,11 +442,35 @@ class SelfHostedGrpoTrainer(SelfHostedTrainer):
                                         tokenizer=self.train_service.tokenizer)
 
     def _ref_log_probs(self, batch: Batch) -> torch.Tensor:
+        if self.reference_service is not None:
+            return self._served_ref_log_probs(batch)
         device = next(self._ref_model.parameters()).device
         v = {k: batch.values[k].to(device) for k in ("input_ids", "attention_mask", "position_ids", "temperature")}
         with torch.no_grad():
             return compute_response_logprobs(self._ref_model, v["input_ids"], v["attention_mask"], v["position_ids"],
                                              batch.values["responses"].shape[1], v["temperature"]).cpu()
+
+    def _served_ref_log_probs(self, batch: Batch) -> torch.Tensor:
+        """The reference service's log-probs of each row's real tokens (its padding dropped), at
+        the row's temperature, in the batch's ``[rows, response_length]`` layout."""
+        v, max_p = batch.values, batch.values["prompts"].shape[1]
+        real = v["attention_mask"].bool()
+        requests = [(v["input_ids"][i, :max_p][real[i, :max_p]].tolist(),
+                     v["input_ids"][i, max_p:][real[i, max_p:]].tolist(), float(v["temperature"][i]))
+                    for i in range(v["input_ids"].shape[0])]
+        scored = self.reference_service.score(requests)
+        out = torch.zeros(v["responses"].shape, dtype=torch.float32)
+        for i, ((_, response, _), lp) in enumerate(zip(requests, scored)):
+            if len(lp) != len(response):
+                raise InferenceError(f"service.reference_service scored {len(lp)} tokens of a {len(response)}-token "
+                                     f"response")
+            out[i, :len(lp)] = torch.tensor(lp, dtype=torch.float32)
+        return out
+
+    def close(self) -> None:
+        if self.reference_service is not None:
+            self.reference_service.close()
+        super().close()
 
     def _prepare_batch(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
         """ROLL's order: sample-level mask -> reward post-processing -> token-level rewards (with
@@ -493,6 +549,8 @@ class SelfHostedGrpoTrainer(SelfHostedTrainer):
                 trainer_lp, rollout_lp = old.detach().cpu().numpy(), mb["rollout_log_probs"].cpu().numpy()
                 mask_np = mb["response_mask"].cpu().numpy()
                 metrics.update(algorithms.rollout_mismatch_metrics(trainer_lp, rollout_lp, mask_np))
+                gap, position = algorithms.rollout_mismatch_per_row(trainer_lp, rollout_lp, mask_np)
+                metrics[ROW_OUTPUTS] = {"logprob_gap": gap, "logprob_gap_position": position}  # for samples.jsonl
                 if correct:
                     w, tis_metrics = algorithms.truncated_is_weights(trainer_lp, rollout_lp, mask_np, cap)
                     weights = torch.from_numpy(w).to(log_probs)

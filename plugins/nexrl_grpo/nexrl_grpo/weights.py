@@ -8,7 +8,16 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from nexrl_core import Capabilities, ConfigError, Option, WeightSyncBackend, deferred, execute
+from nexrl_core import (
+    Capabilities,
+    ConfigError,
+    InferenceError,
+    Option,
+    WeightSyncBackend,
+    deferred,
+    execute,
+    processes_are_actors,
+)
 
 from .cpu_memory import keep_freed_memory
 from .engine import HFInferenceEngine, copy_weights
@@ -87,6 +96,10 @@ class HFInferenceBackend(HFInferenceEngine):
         "replicas": Option(1, int, "engines serving the rollouts, each with its own copy of the model (on a GPU box "
                                    "replica i takes the i-th GPU from device on); a request goes to the least busy",
                            ge=1),
+        "replica_actors": Option(False, bool, "launch_mode ray: replicas 1..N-1 each in a Ray actor of their own "
+                                              "(a CPU and, on GPUs, one GPU each, in a placement group; weights "
+                                              "reach them through Ray's object store); launch_mode local: "
+                                              "engines in this process, as with false"),
     }
     CAPABILITIES = Capabilities(provides={"inference:load_weights"})
     check_config = staticmethod(check_model_section)
@@ -98,13 +111,19 @@ class HFInferenceBackend(HFInferenceEngine):
         cfg["model_path"] = resolve_model_path(cfg.get("model_path"), cfg.get("gguf_file"))
         cfg.pop("gguf_file", None)
         replicas = int(cfg.pop("replicas", 1) or 1)
+        in_actors = bool(cfg.pop("replica_actors", False)) and replicas > 1 and processes_are_actors()
         apply_process_options(cfg)
         with config_errors("service.inference_service"):
             super().__init__(cfg)
-            # Replica 0 is this engine; the others are engines of their own on the next devices.
-            self.replicas: list[HFInferenceEngine] = [self] + [
-                HFInferenceEngine({**cfg, "device": str(replica_device(self.device, i))}) for i in range(1, replicas)]
+            # Replica 0 is this engine; the others are engines of their own on the next devices, or in actors.
+            self.replicas: list[Any] = [self]
+            if in_actors:
+                self.replicas += _replica_actors(cfg, self.device, replicas)
+            else:
+                self.replicas += [HFInferenceEngine({**cfg, "device": str(replica_device(self.device, i))})
+                                  for i in range(1, replicas)]
         self._busy = [0] * replicas
+        self.served = [0] * replicas  # requests each replica took
         self._busy_lock = threading.Lock()
 
     @contextlib.contextmanager
@@ -113,6 +132,7 @@ class HFInferenceBackend(HFInferenceEngine):
         with self._busy_lock:
             index = min(range(len(self.replicas)), key=lambda i: (self._busy[i], i))
             self._busy[index] += 1
+            self.served[index] += 1
         try:
             yield self.replicas[index]
         finally:
@@ -123,13 +143,17 @@ class HFInferenceBackend(HFInferenceEngine):
         if len(self.replicas) == 1:
             return super().complete(prompt, params)
         with self._replica() as engine:
-            return HFInferenceEngine.complete(engine, prompt, params)
+            return self._on(engine, "complete", prompt, params)
 
     def chat(self, messages: Any, params: Any, tools: Any = None) -> Any:
         if len(self.replicas) == 1:
             return super().chat(messages, params, tools)
         with self._replica() as engine:
-            return HFInferenceEngine.chat(engine, messages, params, tools)
+            return self._on(engine, "chat", messages, params, tools)
+
+    def _on(self, engine: Any, method: str, *args: Any) -> Any:
+        """``engine.method(*args)``: this engine's own (not this class's override), another's, or an actor's."""
+        return getattr(HFInferenceEngine, method)(engine, *args) if engine is self else getattr(engine, method)(*args)
 
     def load_weights(self, state_dict: Any, version: int) -> None:
         """Every replica, in one pass over the tensors (each replica's batch in flight finishes
@@ -137,25 +161,85 @@ class HFInferenceBackend(HFInferenceEngine):
         if len(self.replicas) == 1:
             return super().load_weights(state_dict, version)
         self.check_weights(state_dict)
+        here = [engine for engine in self.replicas if isinstance(engine, HFInferenceEngine)]
+        away = [engine for engine in self.replicas if engine not in here]
+        pushes = []
+        if away:
+            from concurrent.futures import ThreadPoolExecutor
+
+            from nexrl_core import share
+
+            state_dict = dict(state_dict.items())  # gathered whole when sharded
+            shared = share({k: v.detach().cpu() for k, v in state_dict.items()})  # in the object store once
+            pool = ThreadPoolExecutor(len(away))
+            pushes = [pool.submit(engine.load_weights, shared, version) for engine in away]
+            pool.shutdown(wait=False)
         with contextlib.ExitStack() as held:
-            for engine in self.replicas:
+            for engine in here:
                 held.enter_context(engine._model_lock)
-            copy_weights(state_dict, self.replicas)
-            for engine in self.replicas:
+            copy_weights(state_dict, here)
+            for engine in here:
                 engine.set_model_version(version)
+        for push in pushes:
+            push.result()
+
+    def replica_stats(self) -> list[dict[str, int]]:
+        """Each replica's served version and the requests it took so far, in replica order."""
+        return [{"version": self._on(engine, "model_version"), "requests": self.served[i]}
+                for i, engine in enumerate(self.replicas)]
 
     def model_version(self) -> int:
         """The oldest version any replica serves."""
         if len(getattr(self, "replicas", ())) <= 1:
             return super().model_version()
-        return min(HFInferenceEngine.model_version(engine) for engine in self.replicas)
+        return min(self._on(engine, "model_version") for engine in self.replicas)
 
     def health_check(self) -> bool:
-        return all(HFInferenceEngine.health_check(engine) for engine in self.replicas)
+        return all(self._on(engine, "health_check") for engine in self.replicas)
 
     def close(self) -> None:
-        for engine in self.replicas:
-            HFInferenceEngine.close(engine)
+        for i, engine in enumerate(self.replicas):
+            self._on(engine, "close")
+            if not isinstance(engine, (HFInferenceEngine, _ClosedReplica)):
+                self.replicas[i] = _ClosedReplica(engine.model_version())
+                engine.stop()
+
+
+class _ClosedReplica:
+    """A replica whose actor is gone after close: the version it served last; requests fail as a
+    closed engine's do."""
+
+    def __init__(self, version: int):
+        self.version = version
+
+    def model_version(self) -> int:
+        return self.version
+
+    def health_check(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        pass
+
+    def _closed(self, *args: Any) -> Any:
+        raise InferenceError("HFInferenceEngine is closed")
+
+    complete = chat = load_weights = _closed
+
+
+def _replica_actors(cfg: dict[str, Any], device: Any, replicas: int) -> list[Any]:
+    """Replicas 1..N-1 as engines in Ray actors of their own (each sees its one GPU as cuda:0)."""
+    from loguru import logger
+
+    from nexrl_core import start_objects
+
+    on_gpu = device.type == "cuda"
+    names = [f"nexrl-engine-replica-{i}" for i in range(1, replicas)]
+    engines = start_objects(HFInferenceEngine, [({**cfg, "device": "cuda" if on_gpu else str(device)},)
+                                                for _ in names], names, num_gpus=1 if on_gpu else 0)
+    logger.info("inference service: " + ", ".join(f"replica {i}: {e.kind} {e.name} on {e.host} (pid {e.pid})"
+                                                  for i, e in enumerate(engines, start=1)))
+    return engines
 
 
 def replica_device(base: Any, index: int) -> Any:

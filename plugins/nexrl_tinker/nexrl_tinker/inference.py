@@ -93,6 +93,11 @@ class TinkerInferenceClient(InferenceClient):
     }
     CAPABILITIES = Capabilities(provides={SAMPLER_CAPABILITY})
 
+    @classmethod
+    def network_use(cls, recipe: dict[str, Any]) -> str | None:
+        """ray.private_network: sampling goes through the Tinker service (base_url, else the hosted one)."""
+        return "samples through the Tinker service"
+
     def __init__(self, config: Any, section: str = "service.inference_service"):
         super().__init__(config)
         cfg = plain_section(self.config, section)  # bound: declared defaults filled

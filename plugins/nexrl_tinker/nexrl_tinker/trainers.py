@@ -110,6 +110,11 @@ class RemoteApiTrainer(BaseTrainer):
         provides={TRAINER_CAPABILITY},
         requires={SYNC_CAPABILITY: "it trains on the Tinker service, and without the tinker weight sync rollouts "
                                    "keep sampling the initial model"})
+
+    @classmethod
+    def network_use(cls, recipe: dict[str, Any]) -> str | None:
+        """ray.private_network: the train service it drives is remote."""
+        return "trains on a remote train service (Tinker)"
     ALGORITHM_OPTIONS: dict[str, Option] = {}
 
     def __init__(self, config: Any):
@@ -226,6 +231,7 @@ class RemoteApiGrpoTrainer(RemoteApiTrainer):
         super().__init__(config)
         self._selection: algorithms.AlgorithmSelection | None = None
         self._reward_processor: algorithms.RewardProcessor | None = None
+        self._prepared_from: list[Trajectory] = []  # this step's pool trajectories, one per prepared one
 
     @classmethod
     def algorithm_option_problems(cls, options: Mapping[str, Any]) -> list[str]:
@@ -314,6 +320,8 @@ class RemoteApiGrpoTrainer(RemoteApiTrainer):
         # loss (it still counted in its group's statistics above).
         prepared = [{**t, "advantages": row[:len(m)].tolist()}
                     for t, row, m, keep in zip(trajectories, advantages, masks, processed.sample_mask) if keep]
+        # The pool's trajectory behind each prepared one: samples.jsonl records its log-prob gap.
+        self._prepared_from = [t for t, keep in zip(trajectories, processed.sample_mask) if keep]
         _, group_std, _ = algorithms.group_stats(rewards, group_ids)
         valid = mask > 0
         metrics.update({
@@ -326,7 +334,10 @@ class RemoteApiGrpoTrainer(RemoteApiTrainer):
     def _output_metrics(self, trajectories: list[Trajectory], datums: list[Any], result: StepResult
                         ) -> dict[str, float]:
         """The rollout-vs-service log-prob mismatch of the trained tokens (the service's log-probs
-        are those of the weights the step started from)."""
+        are those of the weights the step started from); each sample's own largest gap goes to its
+        pool trajectory's ``logprob_gap`` (as the self-hosted trainers record it, without the token's
+        text: this trainer holds no tokenizer)."""
+        owners = [i for i, t in enumerate(trajectories) for _ in _segments(t)]
         segments = [seg for t in trajectories for seg in _segments(t)]  # one per datum, in order
         if len(result.outputs) != len(datums) or len(segments) != len(datums):
             return {}
@@ -336,7 +347,12 @@ class RemoteApiGrpoTrainer(RemoteApiTrainer):
             trainer.append(response_values(datum, out["logprobs"], r))
             rollout.append(np.asarray(seg["response_logprobs"], dtype=np.float64))
             masks.append(_segment_mask(seg))
-        return algorithms.rollout_mismatch_metrics(_padded(trainer), _padded(rollout), _padded(masks))
+        trainer_lp, rollout_lp, mask = _padded(trainer), _padded(rollout), _padded(masks)
+        gaps, positions = algorithms.rollout_mismatch_per_row(trainer_lp, rollout_lp, mask)
+        if len(self._prepared_from) == len(trajectories):
+            for i, (_, record) in algorithms.sample_logprob_gaps(gaps, positions, owners).items():
+                self._prepared_from[i]["logprob_gap"] = record
+        return algorithms.rollout_mismatch_metrics(trainer_lp, rollout_lp, mask)
 
 
 class RemoteApiCrossEntropyTrainer(RemoteApiTrainer):
