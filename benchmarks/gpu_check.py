@@ -16,7 +16,7 @@ token limit, the heaviest case. Steps, each printed and written to ``OUT/gpu_che
 4. the FSDP2 wrapper's cost: one rank through the data-parallel code (``parallel: fsdp``,
    ``world_size: 1``) against the plain service, forward/backward/AdamW at 32 x 8 x 256
    (``scaling.py --systems 1 1:fsdp``; target <= 1.05x);
-5. the tiny-model tests of the GPU path (``tests/grpo``) on the GPU (``device: auto`` picks it).
+5. the tiny-model tests of the GPU path (``tests/grpo_plugin``) on the GPU (``device: auto`` picks it).
 
 Here, on the CPU, before the call (``.whl`` and ``.gpu_assets`` are ignored by git and carried)::
 
@@ -53,8 +53,8 @@ ASSET_FILES = ("config.json", "generation_config.json", "tokenizer.json", "token
                "special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja")
 SHAPES = {"quickstart": (4, 4, 48), "large": (32, 8, 256)}  # prompts, samples, new tokens
 TARGET_S_PER_STEP = {"quickstart": 0.5, "large": 3.0}
-TEST_SELECTION = ["tests/grpo/test_device.py", "tests/grpo/test_on_policy.py", "tests/grpo/test_engine.py",
-                  "tests/grpo/test_bf16.py"]
+TEST_SELECTION = ["tests/grpo_plugin/test_device.py", "tests/grpo_plugin/test_on_policy.py", "tests/grpo_plugin/test_engine.py",
+                  "tests/grpo_plugin/test_bf16.py"]
 
 
 def prepare(folder: str) -> None:

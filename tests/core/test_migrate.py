@@ -3,7 +3,7 @@ the table in nexrl_core/config/migration_table.py; every key it cannot carry ove
 reason; the result is checked as ``nexrl validate`` checks it; ``nexrl validate`` names nexrl's
 key for a seed key and points at ``nexrl migrate``. Core components only (no torch): the
 algorithm keys and the developer guide's recipe are tested with nexrl-grpo in
-tests/grpo/test_migrate_seed_recipe.py."""
+tests/grpo_plugin/test_migrate_seed_recipe.py."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """``nexrl new worker|trainer|dataloader|weight-sync NAME`` (issue 30, item 4): each scaffold
 installs (``pip install --no-deps --target``, no venv touched), passes its own tests, passes
 ``nexrl plugins check``, and validates in the quickstart recipe when selected there; the trainer
-scaffold trains the tiny model in tests/grpo/test_guide_trainer.py."""
+scaffold trains the tiny model in tests/grpo_plugin/test_guide_trainer.py."""
 
 from __future__ import annotations
 

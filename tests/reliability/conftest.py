@@ -22,10 +22,10 @@ from tests.reliability.helpers import Run  # noqa: E402
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> str:
-    """The tiny Llama + tokenizer of tests/grpo (an HF folder), built once per session."""
+    """The tiny Llama + tokenizer of tests/grpo_plugin (an HF folder), built once per session."""
     pytest.importorskip("torch")
     pytest.importorskip("nexrl_grpo")
-    from tests.grpo.conftest import build_model, build_tokenizer
+    from tests.grpo_plugin.conftest import build_model, build_tokenizer
 
     folder = tmp_path_factory.mktemp("tiny_llama")
     tokenizer = build_tokenizer()

@@ -234,7 +234,7 @@ def test_gae_runs_over_a_trajectorys_trained_tokens_only(tiny_model_dir):
 def test_a_trajectory_of_several_sequences_records_its_largest_gap_and_the_segment(tiny_model_dir):
     """The sample's own log-prob gap is over all its segments' trained tokens: a larger skew on an
     untrained (tool) token is not it; the record says which segment and token."""
-    from tests.grpo.test_on_policy import own_logprobs
+    from tests.grpo_plugin.test_on_policy import own_logprobs
 
     trainer = make_trainer(tiny_model_dir)
     sampling = {"temperature": TEMPERATURE}

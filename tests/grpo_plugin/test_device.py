@@ -26,7 +26,7 @@ from nexrl_grpo.decoding import (
 from nexrl_grpo.engine import HFInferenceEngine, counter_uniform
 from nexrl_grpo.modeling import auto_dtype, device_problem, resolve_device
 from nexrl_grpo.train_service import LocalTorchTrainService
-from tests.grpo.test_decoding import PROMPTS, SCRIPT, TOKENS, run_script, tiny
+from tests.grpo_plugin.test_decoding import PROMPTS, SCRIPT, TOKENS, run_script, tiny
 
 NO_CUDA = not torch.cuda.is_available()
 

@@ -11,8 +11,8 @@ from nexrl_grpo.decoding import FastLlama, HFSession
 from nexrl_grpo.engine import HFInferenceEngine
 from nexrl_grpo.modeling import load_causal_lm
 from nexrl_grpo.train_service import LocalTorchTrainService
-from tests.grpo.test_decoding import PROMPTS, SCRIPT, TOKENS, run_script, tiny
-from tests.grpo.test_train_service import grpo_loss, random_batch
+from tests.grpo_plugin.test_decoding import PROMPTS, SCRIPT, TOKENS, run_script, tiny
+from tests.grpo_plugin.test_train_service import grpo_loss, random_batch
 
 # bf16 keeps 8 bits of mantissa: a logit of magnitude L is off by up to ~L/256 per rounding, and
 # the roundings of 3 layers add up (0.020 measured on the tiny models). Stated as a fraction of the

@@ -22,7 +22,7 @@ from nexrl_core.config.recipe import check_config, load_recipe
 from nexrl_core.controller import NexRLController
 from nexrl_grpo.engine import HFInferenceEngine
 from nexrl_grpo.modeling import load_causal_lm
-from tests.grpo.test_on_policy import make_trainer, recipe, rollouts
+from tests.grpo_plugin.test_on_policy import make_trainer, recipe, rollouts
 from tests.support.letters import grpo_plugin_manager
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

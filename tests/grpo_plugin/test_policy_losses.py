@@ -15,7 +15,7 @@ from nexrl_core import algorithms
 from nexrl_core.plugins import PluginManager
 from nexrl_grpo import losses
 from nexrl_grpo.losses import LossContext
-from tests.grpo.test_losses import ref_agg, t64, token_batches
+from tests.grpo_plugin.test_losses import ref_agg, t64, token_batches
 
 TOL = 1e-6
 prop = settings(max_examples=60, deadline=None)

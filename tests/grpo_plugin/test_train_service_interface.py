@@ -14,7 +14,7 @@ from nexrl_core import StepResult, TrainService, hookimpl
 from nexrl_core.config.recipe import load_recipe
 from nexrl_core.controller import NexRLController
 from nexrl_grpo.train_service import LocalTorchTrainService
-from tests.grpo.test_train_service import grpo_loss, random_batch
+from tests.grpo_plugin.test_train_service import grpo_loss, random_batch
 from tests.support.letters import grpo_plugin_manager
 
 

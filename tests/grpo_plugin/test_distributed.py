@@ -321,7 +321,7 @@ def test_two_ranks_record_each_samples_logprob_gap_as_one(tiny_model_dir):
     """The GRPO trainer on two ranks: every sample gets the same own log-prob gap (and token) as
     with one rank, in the same order, and both equal the max over its tokens computed here."""
     from nexrl_grpo.modeling import load_causal_lm
-    from tests.grpo.test_on_policy import expected_gaps, make_trainer, own_logprobs, skewed
+    from tests.grpo_plugin.test_on_policy import expected_gaps, make_trainer, own_logprobs, skewed
 
     model, _ = load_causal_lm(tiny_model_dir)
     gen = torch.Generator().manual_seed(7)
