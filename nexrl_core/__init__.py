@@ -4,7 +4,7 @@ from typing import TYPE_CHECKING
 
 from . import algorithms
 from .api import run
-from .config.bound import BoundConfig, UndeclaredKey, bind
+from .config.bound import BoundConfig, UndeclaredKey, bind, declared_value
 from .config.options import REQUIRED, Capabilities, Option, check_options, component_options
 from .controller import NexRLController, RunFailed, RunSummary
 from .dataloader import BaseDataLoader
@@ -59,7 +59,7 @@ __all__ = [
     "OpenAICompatibleClient", "Option", "PluginError", "PluginManager", "REQUIRED", "RpcTimeout", "RunFailed",
     "RunSummary", "SamplingParams", "SimpleRolloutWorker", "SimpleTrajectoryStore", "StartedProcess", "StepResult",
     "ThreadedModule", "TrainService", "Trajectory", "TrajectoryPool", "TrajectoryPoolInstance", "UndeclaredKey", "Validator",
-    "WeightSyncBackend", "WeightSyncController", "algorithms", "as_text_messages", "bind", "check_options",
+    "WeightSyncBackend", "WeightSyncController", "algorithms", "as_text_messages", "bind", "check_options", "declared_value",
     "component_options", "deferred", "demote_library_log", "execute", "execute_async", "execute_with_timeout",
     "get_plugin_manager", "hookimpl", "parse_tool_calls", "processes_are_actors", "render_tool_calls", "rendezvous_host",
     "share", "start_objects", "start_processes",

@@ -16,7 +16,8 @@ import subprocess
 import pytest
 
 from nexrl_core.launch.ray.network import network_uses, probe
-from tests.reliability.helpers import NEXRL, REPO_ROOT, write_recipe
+from nexrl_core.testing import write_recipe
+from tests.reliability.helpers import NEXRL, REPO_ROOT
 from tests.reliability.test_ray_processes import mock_recipe
 
 pytest.importorskip("ray")
@@ -100,7 +101,7 @@ def _refused_everywhere(ports: set[int], addresses: set[str]) -> None:
 
 def test_the_local_cluster_listens_on_loopback_only(start_run, tmp_path):
     run_dir = tmp_path / "run"
-    run = start_run(write_recipe(tmp_path / "recipe.yaml", mock_recipe(run_dir)))
+    run = start_run(write_recipe(mock_recipe(run_dir), tmp_path / "recipe.yaml"))
     seen = _wait_for_the_cluster(run, run_dir)
     listeners = [c for c in psutil.net_connections("tcp") if c.status == psutil.CONN_LISTEN and c.pid in seen]
     assert {seen[c.pid] for c in listeners} >= {"gcs_server", "raylet"}, (listeners, seen)
@@ -118,7 +119,7 @@ def test_the_private_cluster_listens_inside_the_runs_namespace_only(start_run, t
     run_dir = tmp_path / "run"
     recipe = mock_recipe(run_dir)
     recipe["ray"]["private_network"] = True
-    run = start_run(write_recipe(tmp_path / "recipe.yaml", recipe))
+    run = start_run(write_recipe(recipe, tmp_path / "recipe.yaml"))
     seen = _wait_for_the_cluster(run, run_dir)
     host_ns = os.readlink("/proc/self/ns/net")
     gcs = next(pid for pid, name in seen.items() if name == "gcs_server")
@@ -149,7 +150,7 @@ def test_true_with_a_network_endpoint_is_refused_by_validate_and_run_alike(tmp_p
     recipe = mock_recipe(tmp_path / "run")
     recipe["service"] = {"inference_service": {"backend": "openai", "url": "http://127.0.0.1:9/v1", "model": "m"}}
     recipe["ray"]["private_network"] = True
-    path = write_recipe(tmp_path / "recipe.yaml", recipe)
+    path = write_recipe(recipe, tmp_path / "recipe.yaml")
     expected = ("error: ray.private_network: true cuts the run off the network, but "
                 "service.inference_service.url is a URL (set ray.private_network: false)")
     validated, ran = _cli("validate", path), _cli("run", path)
@@ -183,6 +184,6 @@ def test_true_refuses_a_run_started_from_python(tmp_path):
 
     recipe = mock_recipe(tmp_path / "run")
     recipe["ray"]["private_network"] = True
-    config = load_recipe(write_recipe(tmp_path / "recipe.yaml", recipe))
+    config = load_recipe(write_recipe(recipe, tmp_path / "recipe.yaml"))
     with pytest.raises(NexRLError, match=r"^ray.private_network: true, but the run was not started by `nexrl run`"):
         NexRLController(config, plugin_manager=get_plugin_manager())

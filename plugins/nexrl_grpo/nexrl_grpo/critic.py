@@ -100,8 +100,9 @@ class CriticService(LocalTorchTrainService):
         # Padded forwards only (packing computes log-probs), and no reseeding of the process's RNGs.
         super().__init__({**config, "packing": False, "seed": None}, model=model, tokenizer=tokenizer)
 
-    def _logprobs(self, mb: dict[str, Any]) -> torch.Tensor:
-        """The critic's per-token output, where the policy's log-probs come from: its values."""
+    def _logprobs(self, mb: dict[str, Any], packs: int | None = None) -> torch.Tensor:
+        """The critic's per-token output, where the policy's log-probs come from: its values (never
+        packed, so ``packs`` is always None)."""
         attention_mask = mb["attention_mask"]
         position_ids = mb.get("position_ids")
         position_ids = position_ids_from_mask(attention_mask) if position_ids is None else position_ids

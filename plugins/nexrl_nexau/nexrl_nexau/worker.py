@@ -32,9 +32,9 @@ from nexrl_core import (
     ItemFailure,
     Option,
     SamplingParams,
+    declared_value,
     execute,
 )
-from nexrl_core.config.bound import declared_value
 
 from .agent_config import load_agent_spec
 from .runner import AgentRunner, AgentRunResult
