@@ -77,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         world, _, parallel = system.partition(":")
         worlds[system] = int(world)
         torch.set_num_threads(max(1, cores // int(world)))
+        # The synthetic rows are all one length: packing would only reorder the same work.
         services[system] = LocalTorchTrainService({
             "model_path": model, "world_size": int(world), "parallel": parallel or "auto", "lr": 1e-6, "seed": 0,
             "device": args.device, "packing": False})
