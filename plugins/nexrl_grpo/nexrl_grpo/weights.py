@@ -110,8 +110,10 @@ class HFInferenceBackend(HFInferenceEngine):
         cfg = OmegaConf.to_container(config, resolve=True) if not isinstance(config, dict) else dict(config)
         cfg["model_path"] = resolve_model_path(cfg.get("model_path"), cfg.get("gguf_file"))
         cfg.pop("gguf_file", None)
-        replicas = int(cfg.pop("replicas", 1) or 1)
-        in_actors = bool(cfg.pop("replica_actors", False)) and replicas > 1 and processes_are_actors()
+        bound = type(self).bind_config(cfg)
+        replicas = int(bound["replicas"])
+        in_actors = bool(bound["replica_actors"]) and replicas > 1 and processes_are_actors()
+        cfg = {k: v for k, v in cfg.items() if k not in ("replicas", "replica_actors")}
         apply_process_options(cfg)
         with config_errors("service.inference_service"):
             super().__init__(cfg)
