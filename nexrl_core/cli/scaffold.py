@@ -333,6 +333,22 @@ License: $license.
 
 COMMON_FILES[".gitignore"] = FILES[".gitignore"]
 
+# The quickstart recipe's data, rollout and pool sections, and its services: the GRPO kinds' recipes share them.
+_QUICKSTART_RUN = '''run_dir: runs/$name
+seed: 7
+data: {type: arithmetic, split: train, num_rows: 300, min_value: 0, max_value: 20}
+rollout_worker:
+  type: simple
+  num_workers: 16
+  sampling: {max_tokens: 16, temperature: 0.7}
+  evaluator: {type: numeric_answer}
+trajectory_pool: {batch_size: 16, group_size: 4, key_list: [uid]}
+'''
+_QUICKSTART_SERVICES = '''service:
+  train_service: {model_path: smollm2-135m-instruct, lr: 1.0e-5, grad_clip: 1.0}
+  inference_service: {backend: hf, model_path: smollm2-135m-instruct}
+'''
+
 _MOCK_RUN = '''
 # Try it in a real nexrl run on nexrl's mock components (no model, a few seconds):
 #   nexrl run recipe.yaml
@@ -510,25 +526,13 @@ KIND_FILES["trainer"]["recipe.yaml"] = '''
 # The quickstart's GRPO run with this trainer (nexrl's recipes/quickstart.yaml; the model is the
 # embedded SmolLM2-135M-Instruct):
 #   nexrl run recipe.yaml
-run_dir: runs/$name
-seed: 7
-data: {type: arithmetic, split: train, num_rows: 300, min_value: 0, max_value: 20}
-rollout_worker:
-  type: simple
-  num_workers: 16
-  sampling: {max_tokens: 16, temperature: 0.7}
-  evaluator: {type: numeric_answer}
-trajectory_pool: {batch_size: 16, group_size: 4, key_list: [uid]}
-trainer:
+''' + _QUICKSTART_RUN + '''trainer:
   type: $name
   advantage_scale: 1.0
   total_train_steps: 30
 algorithm: {type: grpo, loss_agg_mode: seq-mean-token-mean}
 weight: {sync_mode: sync, backend: in_process}
-service:
-  train_service: {model_path: smollm2-135m-instruct, lr: 1.0e-5, grad_clip: 1.0}
-  inference_service: {backend: hf, model_path: smollm2-135m-instruct}
-'''
+''' + _QUICKSTART_SERVICES
 
 # -- data loader ---------------------------------------------------------------------------------------
 
@@ -732,22 +736,10 @@ KIND_FILES["weight-sync"]["recipe.yaml"] = '''
 # The quickstart's GRPO run (nexrl's recipes/quickstart.yaml, the embedded SmolLM2-135M-Instruct)
 # with this backend moving the weights into nexrl-grpo's in-process engine:
 #   nexrl run recipe.yaml
-run_dir: runs/$name
-seed: 7
-data: {type: arithmetic, split: train, num_rows: 300, min_value: 0, max_value: 20}
-rollout_worker:
-  type: simple
-  num_workers: 16
-  sampling: {max_tokens: 16, temperature: 0.7}
-  evaluator: {type: numeric_answer}
-trajectory_pool: {batch_size: 16, group_size: 4, key_list: [uid]}
-trainer: {type: self_hosted_grpo, total_train_steps: 30}
+''' + _QUICKSTART_RUN + '''trainer: {type: self_hosted_grpo, total_train_steps: 30}
 algorithm: {type: grpo, loss_agg_mode: seq-mean-token-mean}
 weight: {sync_mode: sync, backend: $name, log_every: 5}
-service:
-  train_service: {model_path: smollm2-135m-instruct, lr: 1.0e-5, grad_clip: 1.0}
-  inference_service: {backend: hf, model_path: smollm2-135m-instruct}
-'''
+''' + _QUICKSTART_SERVICES
 
 USE = {
     "worker": "rollout_worker:\n  type: $name\n  instruction: \"Answer with a number. \"",

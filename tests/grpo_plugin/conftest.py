@@ -44,3 +44,20 @@ def tiny_model_and_tokenizer(tiny_model_dir):
 def build_tiny_model():
     """``build(tokenizer, seed)``: a fresh tiny model (different seeds give different weights)."""
     return build_model
+
+
+@pytest.fixture
+def cli(monkeypatch, capfd, reset_loguru):
+    """``cli(*argv)`` -> (exit code, stdout, the ``error:`` lines, stderr) of ``nexrl`` with the GRPO
+    plugin and the test letters installed."""
+    import nexrl_core.plugins as plugins
+    from nexrl_core.cli import main
+    from tests.support.letters import grpo_plugin_manager
+
+    monkeypatch.setattr(plugins, "_DEFAULT", grpo_plugin_manager())
+
+    def call(*argv: str):
+        code = main(list(argv))
+        out, err = capfd.readouterr()
+        return code, out, [line for line in err.splitlines() if line.startswith("error: ")], err
+    return call

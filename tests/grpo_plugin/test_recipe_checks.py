@@ -13,9 +13,6 @@ import pytest
 import torch
 import yaml
 
-from nexrl_core.cli import main
-from tests.support.letters import grpo_plugin_manager
-
 
 @pytest.fixture
 def recipe(tmp_path, tiny_model_dir):
@@ -33,19 +30,6 @@ def recipe(tmp_path, tiny_model_dir):
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(data))
     return str(path)
-
-
-@pytest.fixture
-def cli(monkeypatch, capfd, reset_loguru):
-    import nexrl_core.plugins as plugins
-
-    monkeypatch.setattr(plugins, "_DEFAULT", grpo_plugin_manager())
-
-    def call(*argv: str):
-        code = main(list(argv))
-        out, err = capfd.readouterr()
-        return code, out, [line for line in err.splitlines() if line.startswith("error: ")], err
-    return call
 
 
 OPENAI = "service.inference_service={backend: openai, url: 'http://127.0.0.1:9/v1'}"

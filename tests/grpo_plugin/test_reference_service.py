@@ -14,7 +14,6 @@ import yaml
 from omegaconf import OmegaConf
 
 from nexrl_core import SamplingParams
-from nexrl_core.cli import main
 from nexrl_core.config.recipe import load_recipe
 from nexrl_core.controller import NexRLController
 from nexrl_core.launch.parts import build_module
@@ -146,19 +145,6 @@ def test_runs_with_the_served_reference_match_the_held_one_local_and_ray(tiny_mo
                 assert b[name] == pytest.approx(a[name], rel=1e-3, abs=1e-6), (a["step"], name)
 
 
-@pytest.fixture
-def cli(monkeypatch, capfd, reset_loguru):
-    import nexrl_core.plugins as plugins
-
-    monkeypatch.setattr(plugins, "_DEFAULT", grpo_plugin_manager())
-
-    def call(*argv: str):
-        code = main(list(argv))
-        out, err = capfd.readouterr()
-        return code, [line for line in err.splitlines() if line.startswith("error: ")], err
-    return call
-
-
 CASES = {
     "without_a_kl_term": (
         {"algorithm": {}},
@@ -205,11 +191,11 @@ def test_validate_and_run_refuse_with_the_same_line(name, cli, tiny_model_dir, t
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(data))
     results = {command: cli(command, str(path)) for command in ("validate", "run")}
-    for command, (code, errors, err) in results.items():
+    for command, (code, _, errors, err) in results.items():
         assert code == 2, f"{command}: {err}"
         assert any(line.startswith(expected) for line in errors), f"{command}: {expected!r} not in {errors}"
         assert "Traceback" not in err
-    assert results["run"][1] == results["validate"][1]
+    assert results["run"][2] == results["validate"][2]
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
@@ -220,5 +206,5 @@ def test_the_recipe_with_a_reference_service_validates(cli, tiny_model_dir, tmp_
     data["algorithm"] = algorithm
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(data))
-    code, errors, err = cli("validate", str(path))
+    code, _, errors, err = cli("validate", str(path))
     assert code == 0 and not errors, err
