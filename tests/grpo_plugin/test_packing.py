@@ -147,6 +147,34 @@ def test_each_row_is_scored_at_its_own_temperature(tiny_model_and_tokenizer, pac
         compute_response_logprobs(model, ids, mask, pos, resp_w, torch.tensor([1.0, 0.0, 1, 1, 1, 1, 1]))
 
 
+@pytest.mark.parametrize("temperature", [1.0, "per row"])
+def test_the_lm_head_scores_targets_in_place_with_the_numbers_of_full_logits(tiny_model_and_tokenizer, monkeypatch,
+                                                                              temperature):
+    """The packed forward scores its targets inside the LM head (no vocabulary-sized copies); the
+    logprobs and every gradient equal the path through full logits, with rows of one prompt group
+    at different temperatures too (their shared prompt position is scored once per temperature)."""
+    import nexrl_grpo.modeling as modeling
+
+    model, _ = tiny_model_and_tokenizer
+    model.train()
+    ids, mask, pos, resp_w, groups = padded_batch()
+    temps = torch.tensor([0.7, 1.0, 1.3, 0.5, 1.0, 2.0, 0.7]) if temperature == "per row" else temperature
+    response_mask = mask[:, -resp_w:].float()
+    weights = torch.randn(response_mask.shape, generator=torch.Generator().manual_seed(2))
+    assert modeling._fused_head(model) is model.lm_head
+    fused = compute_response_logprobs_packed(model, ids, mask, pos, resp_w, groups, temps)
+    fused_grads = grads_of(model, fused, response_mask, weights)
+    monkeypatch.setattr(modeling, "_fused_head", lambda model: None)
+    full = compute_response_logprobs_packed(model, ids, mask, pos, resp_w, groups, temps)
+    full_grads = grads_of(model, full, response_mask, weights)
+
+    assert torch.equal(fused, full)
+    assert set(fused_grads) == set(full_grads)
+    for name in full_grads:
+        torch.testing.assert_close(fused_grads[name], full_grads[name], atol=1e-5, rtol=1e-5, msg=name)
+    assert "forward" not in vars(model.lm_head)  # the head is itself again after the call
+
+
 def test_packing_problems_are_named(tiny_model_and_tokenizer):
     model, _ = tiny_model_and_tokenizer
     ids, mask, pos, resp_w, _ = padded_batch()
