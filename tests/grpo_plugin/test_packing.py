@@ -175,6 +175,34 @@ def test_the_lm_head_scores_targets_in_place_with_the_numbers_of_full_logits(tin
     assert "forward" not in vars(model.lm_head)  # the head is itself again after the call
 
 
+def test_the_lm_head_matmuls_run_over_vocabulary_slices(tiny_model_and_tokenizer, monkeypatch):
+    """The fused head's vocabulary-wide matmuls run a slice of the vocabulary at a time (faster on the
+    CPU): the same numbers as one matmul over all of it, and the same bits on every call."""
+    import nexrl_grpo.modeling as modeling
+
+    model, _ = tiny_model_and_tokenizer
+    model.train()
+    ids, mask, pos, resp_w, groups = padded_batch()
+    response_mask = mask[:, -resp_w:].float()
+    weights = torch.randn(response_mask.shape, generator=torch.Generator().manual_seed(3))
+    vocab = model.config.vocab_size
+
+    def run(chunk):
+        monkeypatch.setattr(modeling, "_VOCAB_CHUNK", chunk)
+        logprobs = compute_response_logprobs_packed(model, ids, mask, pos, resp_w, groups, 0.8)
+        return logprobs, grads_of(model, logprobs, response_mask, weights)
+
+    assert len(modeling._vocab_chunks(vocab)) == 1
+    whole, whole_grads = run(vocab)
+    monkeypatch.setattr(modeling, "_VOCAB_CHUNK", 7)
+    assert [c.stop - c.start for c in modeling._vocab_chunks(vocab)] == [7] * (vocab // 7) + [vocab % 7] * (vocab % 7 > 0)
+    (sliced, sliced_grads), (again, again_grads) = run(7), run(7)
+    torch.testing.assert_close(sliced, whole, atol=1e-6, rtol=1e-6)
+    for name in whole_grads:
+        torch.testing.assert_close(sliced_grads[name], whole_grads[name], atol=1e-5, rtol=1e-5, msg=name)
+    assert torch.equal(again, sliced) and all(torch.equal(again_grads[n], sliced_grads[n]) for n in sliced_grads)
+
+
 def test_packing_problems_are_named(tiny_model_and_tokenizer):
     model, _ = tiny_model_and_tokenizer
     ids, mask, pos, resp_w, _ = padded_batch()

@@ -512,7 +512,7 @@ class _TargetLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, pick: torch.Tensor, targets: torch.Tensor,
                 temperature: torch.Tensor | None) -> torch.Tensor:
-        logits = torch.matmul(hidden, weight.t()).float()
+        logits = _vocab_chunked_mm(hidden, weight).float()
         if temperature is not None:
             logits.div_(temperature[:, None])
         lse = torch.logsumexp(logits, dim=-1)
@@ -531,8 +531,30 @@ class _TargetLogprobs(torch.autograd.Function):
             logits.div_(temperature[:, None])
         grad_logits = logits.to(weight.dtype)
         grad_hidden = torch.matmul(grad_logits, weight) if ctx.needs_input_grad[0] else None
-        grad_weight = torch.matmul(grad_logits.t(), hidden) if ctx.needs_input_grad[1] else None
+        grad_weight = None
+        if ctx.needs_input_grad[1]:
+            grad_weight = torch.empty_like(weight)
+            for chunk in _vocab_chunks(vocab):
+                torch.mm(grad_logits[:, chunk].t(), hidden, out=grad_weight[chunk])
         return grad_hidden, grad_weight, None, None, None
+
+
+# The LM head's vocabulary-wide matmuls run over slices of this many tokens: MKL runs them 12-27%
+# faster on the CPU than one matmul over SmolLM2's 49k columns, whose output does not stay in cache
+# (both precisions; at those shapes the bits are even the same).
+_VOCAB_CHUNK = 8192
+
+
+def _vocab_chunks(vocab: int) -> list[slice]:
+    return [slice(start, min(start + _VOCAB_CHUNK, vocab)) for start in range(0, vocab, _VOCAB_CHUNK)]
+
+
+def _vocab_chunked_mm(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``hidden @ weight.T`` (``[N, V]``), a slice of the vocabulary at a time."""
+    out = hidden.new_empty((hidden.shape[0], weight.shape[0]))
+    for chunk in _vocab_chunks(weight.shape[0]):
+        torch.mm(hidden, weight[chunk].t(), out=out[:, chunk])
+    return out
 
 
 @contextlib.contextmanager
