@@ -203,6 +203,30 @@ def test_the_lm_head_matmuls_run_over_vocabulary_slices(tiny_model_and_tokenizer
     assert torch.equal(again, sliced) and all(torch.equal(again_grads[n], sliced_grads[n]) for n in sliced_grads)
 
 
+@pytest.mark.parametrize("tied", [True, False])
+def test_the_embedding_gradient_is_dense_and_equal_whether_tied_to_the_head_or_not(build_tiny_model, tied):
+    """A tied embedding gives a sparse gradient inside the packed forward (autograd adds its rows into
+    the head's dense one); an untied one stays dense. Either way the parameter ends with a dense
+    gradient equal to the padded computation's, and AdamW (which refuses sparse gradients) steps."""
+    from tests.support.tiny_lm import build_tokenizer
+
+    model = build_tiny_model(build_tokenizer(), seed=4)
+    if not tied:
+        model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
+    model.train()
+    ids, mask, pos, resp_w, groups = padded_batch()
+    response_mask = mask[:, -resp_w:].float()
+    weights = torch.randn(response_mask.shape, generator=torch.Generator().manual_seed(5))
+    want = grads_of(model, compute_response_logprobs(model, ids, mask, pos, resp_w), response_mask, weights)
+    got = grads_of(model, compute_response_logprobs_packed(model, ids, mask, pos, resp_w, groups), response_mask,
+                   weights)
+    embedding = "model.embed_tokens.weight"
+    assert got[embedding].layout == torch.strided and not model.model.embed_tokens.sparse
+    torch.testing.assert_close(got[embedding], want[embedding], atol=1e-5, rtol=1e-4)
+    torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True).step()
+
+
 def test_packing_problems_are_named(tiny_model_and_tokenizer):
     model, _ = tiny_model_and_tokenizer
     ids, mask, pos, resp_w, _ = padded_batch()
