@@ -147,18 +147,25 @@ def test_each_row_is_scored_at_its_own_temperature(tiny_model_and_tokenizer, pac
         compute_response_logprobs(model, ids, mask, pos, resp_w, torch.tensor([1.0, 0.0, 1, 1, 1, 1, 1]))
 
 
-@pytest.mark.parametrize("temperature", [1.0, "per row"])
+# Rows 0 and 1 (one group) answer with the same first token: a logit their shared prompt position
+# predicts is a target twice.
+SAME_FIRST_TOKEN = [ROWS[0], (0, ROWS[1][1], [20, 25]), *ROWS[2:]]
+
+
+@pytest.mark.parametrize("temperature,rows", [(1.0, ROWS), ("per row", ROWS), (1.0, SAME_FIRST_TOKEN),
+                                              ("per row", SAME_FIRST_TOKEN)])
 def test_the_lm_head_scores_targets_in_place_with_the_numbers_of_full_logits(tiny_model_and_tokenizer, monkeypatch,
-                                                                              temperature):
+                                                                              temperature, rows):
     """The packed forward scores its targets inside the LM head (no vocabulary-sized copies); the
     logprobs and every gradient equal the path through full logits, with rows of one prompt group
-    at different temperatures too (their shared prompt position is scored once per temperature)."""
+    at different temperatures too (their shared prompt position is scored once per temperature),
+    and with one target logit picked by two rows."""
     import nexrl_grpo.modeling as modeling
 
     model, _ = tiny_model_and_tokenizer
     model.train()
-    ids, mask, pos, resp_w, groups = padded_batch()
-    temps = torch.tensor([0.7, 1.0, 1.3, 0.5, 1.0, 2.0, 0.7]) if temperature == "per row" else temperature
+    ids, mask, pos, resp_w, groups = padded_batch(rows)
+    temps = torch.tensor([0.7, 0.7, 1.3, 0.5, 1.0, 2.0, 1.0]) if temperature == "per row" else temperature
     response_mask = mask[:, -resp_w:].float()
     weights = torch.randn(response_mask.shape, generator=torch.Generator().manual_seed(2))
     assert modeling._fused_head(model) is model.lm_head
@@ -173,6 +180,25 @@ def test_the_lm_head_scores_targets_in_place_with_the_numbers_of_full_logits(tin
     for name in full_grads:
         torch.testing.assert_close(fused_grads[name], full_grads[name], atol=1e-5, rtol=1e-5, msg=name)
     assert "forward" not in vars(model.lm_head)  # the head is itself again after the call
+
+
+def test_a_head_whose_forward_is_wrapped_keeps_its_wrapper(tiny_model_and_tokenizer, monkeypatch):
+    """A forward set on the head instance (accelerate's offloading hooks do that) keeps running: the
+    packed forward then scores through the logits."""
+    import nexrl_grpo.modeling as modeling
+
+    model, _ = tiny_model_and_tokenizer
+    ids, mask, pos, resp_w, groups = padded_batch()
+    calls = []
+    plain = model.lm_head.forward
+    monkeypatch.setattr(model.lm_head, "forward", lambda hidden: calls.append(hidden.shape) or plain(hidden))
+    assert modeling._fused_head(model) is None
+    with torch.no_grad():
+        got = compute_response_logprobs_packed(model, ids, mask, pos, resp_w, groups)
+    monkeypatch.undo()
+    assert len(calls) == 1 and modeling._fused_head(model) is model.lm_head
+    with torch.no_grad():
+        torch.testing.assert_close(got, compute_response_logprobs_packed(model, ids, mask, pos, resp_w, groups))
 
 
 def test_the_lm_head_matmuls_run_over_vocabulary_slices(tiny_model_and_tokenizer, monkeypatch):

@@ -498,7 +498,8 @@ def _fused_head(model: torch.nn.Module) -> torch.nn.Linear | None:
     config = getattr(base, "config", None)
     if getattr(config, "model_type", None) not in _PLAIN_HEAD_MODEL_TYPES or type(head) is not torch.nn.Linear:
         return None
-    return head if head.bias is None else None
+    # A forward set on the instance (accelerate's offloading hooks) must keep running.
+    return head if head.bias is None and "forward" not in vars(head) else None
 
 
 class _TargetLogprobs(torch.autograd.Function):
