@@ -7,7 +7,14 @@ import torch
 
 from nexrl_core.cli.run_log import LOG_FILE, setup_logging
 from nexrl_core.inference import SamplingParams
-from nexrl_grpo.decoding import FastLlama, FastLlamaSession, HFSession, fast_path_problem, make_session_factory
+from nexrl_grpo.decoding import (
+    FastLlama,
+    FastLlamaSession,
+    HFSession,
+    decode_attention,
+    fast_path_problem,
+    make_session_factory,
+)
 from nexrl_grpo.engine import HFInferenceEngine, _counter_draw, _generator_draw, _sample
 
 
@@ -97,6 +104,29 @@ def test_a_rows_logits_do_not_depend_on_its_batch(kind):
     where = [1, 3, 3, 2, 2, 0, 0]  # PROMPTS[1]'s second copy: its row in each output
     for step, (b, a, row) in enumerate(zip(batched, alone, where)):
         assert torch.equal(b[row], a[0]), f"output {step}"
+
+
+@pytest.mark.parametrize("context", [31, 88])
+def test_decode_attention_gives_a_row_the_same_bits_beside_any_rows_with_two_threads(context):
+    """SmolLM2's decode attention shapes (3 KV heads of 3 queries, head size 64), two threads: a row's
+    output is the same beside 1 to 31 other rows. torch's CPU SDPA failed this (it divides its work
+    by the batch's size), so seeded rollouts changed with the engine's batching from run to run."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        generator = torch.Generator().manual_seed(context)
+        row = [torch.randn(1, 3, n, 64, generator=generator) for n in (3, context, context)]
+        alone = decode_attention(*row, 0.125)
+        for rows in (2, 3, 4, 8, 16, 32):
+            batch = [torch.randn(rows, 3, n, 64, generator=generator) for n in (3, context, context)]
+            for where in {0, rows // 2, rows - 1}:
+                for part, own in zip(batch, row):
+                    part[where] = own[0]
+                assert torch.equal(decode_attention(*batch, 0.125)[where], alone[0]), (rows, where)
+        torch.testing.assert_close(alone, torch.nn.functional.scaled_dot_product_attention(*row, scale=0.125),
+                                   atol=1e-6, rtol=1e-5)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_cache_grows_past_its_first_capacity():
