@@ -39,8 +39,11 @@ def test_bf16_fast_path_logits_are_close_to_float32_and_batch_invariant(kind):
     assert {g.dtype for g in got} == {torch.bfloat16}
     error = _relative_error(got, reference)
     assert 0 < error <= BF16_LOGIT_TOLERANCE, error
-    # Against transformers' own bf16 forward: the same rounding points (RMSNorm in float32).
-    assert _relative_error(got, run_script(HFSession(half), PROMPTS, SCRIPT, TOKENS)) <= BF16_LOGIT_TOLERANCE / 3
+    # As close to the float32 model as transformers' own bf16 forward (RMSNorm in float32 in both;
+    # the decode step's attention runs in float32 here, so the two round differently there).
+    transformers_bf16 = run_script(HFSession(half), PROMPTS, SCRIPT, TOKENS)
+    assert error <= 1.25 * _relative_error(transformers_bf16, reference)
+    assert _relative_error(got, transformers_bf16) <= BF16_LOGIT_TOLERANCE
 
 
 def test_bf16_engine_greedy_tokens_agree_with_float32(tiny_model_dir):
