@@ -12,6 +12,19 @@ import torch
 
 from tests.support.tiny_lm import CHAT_TEMPLATE, CORPUS, build_model, build_tokenizer  # noqa: E402,F401
 
+# The runtime monitor of an end-to-end run on the tiny model: a generous health timeout, since the
+# suite's other worker shares the two cores.
+TINY_RUN_MONITOR = {"stop_timeout": 10, "health_check": {"check_interval": 0.5, "timeout": 10.0},
+                    "exception_handling": {"check_interval": 0.05}}
+
+
+def tiny_services(model_dir, lr=1e-2):
+    """The ``service`` section of a one-thread run on ``model_dir``: a train service at ``lr`` (None:
+    its declared default) and the ``hf`` engine."""
+    train = {"model_path": model_dir, "num_threads": 1} if lr is None else \
+        {"model_path": model_dir, "lr": lr, "num_threads": 1}
+    return {"train_service": train, "inference_service": {"backend": "hf", "model_path": model_dir, "num_threads": 1}}
+
 
 @pytest.fixture(scope="module", autouse=True)
 def _one_torch_thread():

@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 from nexrl_core.config.recipe import load_recipe
 from nexrl_core.controller import NexRLController
 from nexrl_core.plugins import PluginManager
+from tests.grpo_plugin.conftest import TINY_RUN_MONITOR, tiny_services
 
 TRAINER = textwrap.dedent('''
     import torch
@@ -73,10 +74,8 @@ def test_a_trainer_overriding_only_prepare_batch_trains(tiny_model_dir, tmp_path
         "trainer": {"type": "python", "path": "my_trainer.py", "class": trainer_class,
                     "total_train_steps": STEPS, "save_freq": STEPS},
         "weight": {"sync_mode": "sync", "backend": "in_process"},
-        "service": {"train_service": {"model_path": tiny_model_dir, "lr": 1e-2, "num_threads": 1},
-                    "inference_service": {"backend": "hf", "model_path": tiny_model_dir, "num_threads": 1}},
-        "runtime_monitor": {"stop_timeout": 10, "health_check": {"check_interval": 0.5, "timeout": 10.0},
-                            "exception_handling": {"check_interval": 0.05}},
+        "service": tiny_services(tiny_model_dir),
+        "runtime_monitor": TINY_RUN_MONITOR,
     }
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
@@ -130,10 +129,8 @@ def test_the_trainer_and_weight_sync_scaffolds_train_when_selected(tiny_model_di
         "trajectory_pool": {"batch_size": 4, "group_size": 2},
         "trainer": {"type": "scaled", "advantage_scale": 0.5, "total_train_steps": 2},
         "weight": {"sync_mode": "sync", "backend": "push"},
-        "service": {"train_service": {"model_path": tiny_model_dir, "lr": 1e-2, "num_threads": 1},
-                    "inference_service": {"backend": "hf", "model_path": tiny_model_dir, "num_threads": 1}},
-        "runtime_monitor": {"stop_timeout": 10, "health_check": {"check_interval": 0.5, "timeout": 10.0},
-                            "exception_handling": {"check_interval": 0.05}},
+        "service": tiny_services(tiny_model_dir),
+        "runtime_monitor": TINY_RUN_MONITOR,
     }
     (tmp_path / "reward.py").write_text(REWARD)
     path = tmp_path / "recipe.yaml"

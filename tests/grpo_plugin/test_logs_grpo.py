@@ -4,6 +4,7 @@ unless the plugin asks it to, which loading a model does)."""
 from __future__ import annotations
 
 from nexrl_core.cli.run_log import LOG_FILE, setup_logging
+from tests.grpo_plugin.conftest import tiny_services
 
 
 def test_transformers_warnings_reach_run_log(tmp_path, reset_loguru):
@@ -102,8 +103,7 @@ def test_a_worker_breaking_the_trainers_contract_is_one_message(tiny_model_dir, 
         "trajectory_pool": {"batch_size": 4, "group_size": 2, "key_list": ["uid"]},
         "trainer": {"type": "self_hosted_grpo", "total_train_steps": 2},
         "weight": {"sync_mode": "sync", "backend": "in_process"},
-        "service": {"train_service": {"model_path": tiny_model_dir, "num_threads": 1},
-                    "inference_service": {"backend": "hf", "model_path": tiny_model_dir, "num_threads": 1}},
+        "service": tiny_services(tiny_model_dir, lr=None),
         "runtime_monitor": {"stop_timeout": 10, "exception_handling": {"check_interval": 0.05}},
     }))
     assert main(["run", str(recipe)]) == 1

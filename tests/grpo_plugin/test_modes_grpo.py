@@ -24,6 +24,7 @@ from safetensors.torch import load_file
 
 from nexrl_core.config.recipe import load_recipe
 from nexrl_core.controller import NexRLController
+from tests.grpo_plugin.conftest import TINY_RUN_MONITOR, tiny_services
 from tests.support.letters import grpo_plugin_manager
 
 PROMPTS = ["the quick", "what is", "count: one", "hello world", "jumps over", "two plus"]
@@ -46,10 +47,8 @@ def recipe(run_dir: Path, model_dir: str, steps: int, sync_mode: str = "sync", s
         "trainer": {"type": "self_hosted_grpo", "total_train_steps": steps},
         "algorithm": algorithm or {},
         "weight": {"sync_mode": sync_mode, "staleness_threshold": staleness, "backend": "in_process"},
-        "service": {"train_service": {"model_path": model_dir, "lr": 1e-2, "num_threads": 1},
-                    "inference_service": {"backend": "hf", "model_path": model_dir, "num_threads": 1}},
-        "runtime_monitor": {"stop_timeout": 10, "health_check": {"check_interval": 0.5, "timeout": 10.0},
-                            "exception_handling": {"check_interval": 0.05}},
+        "service": tiny_services(model_dir),
+        "runtime_monitor": TINY_RUN_MONITOR,
     }
 
 

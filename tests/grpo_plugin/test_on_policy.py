@@ -30,6 +30,7 @@ from nexrl_core.launch.parts import build_module
 from nexrl_grpo.engine import HFInferenceEngine
 from nexrl_grpo.modeling import load_causal_lm
 from nexrl_grpo.trainers import SelfHostedGrpoTrainer
+from tests.grpo_plugin.conftest import TINY_RUN_MONITOR, tiny_services
 from tests.support.letters import grpo_plugin_manager
 
 PROMPTS = ["the quick", "what is", "count: one", "hello world"]
@@ -49,10 +50,8 @@ def recipe(run_dir: Path, model_dir: str, temperature: float) -> dict:
         "trajectory_pool": {"batch_size": 2 * GROUP, "group_size": GROUP, "key_list": ["uid"]},
         "trainer": {"type": "self_hosted_grpo", "total_train_steps": 1},
         "weight": {"sync_mode": "sync", "backend": "in_process"},
-        "service": {"train_service": {"model_path": model_dir, "lr": 1e-2, "num_threads": 1},
-                    "inference_service": {"backend": "hf", "model_path": model_dir, "num_threads": 1}},
-        "runtime_monitor": {"stop_timeout": 10, "health_check": {"check_interval": 0.5, "timeout": 10.0},
-                            "exception_handling": {"check_interval": 0.05}},
+        "service": tiny_services(model_dir),
+        "runtime_monitor": TINY_RUN_MONITOR,
     }
 
 

@@ -24,6 +24,7 @@ from nexrl_core import execute
 from nexrl_core.config.recipe import load_recipe
 from nexrl_core.controller import NexRLController
 from nexrl_core.types import NexRLRole
+from tests.grpo_plugin.conftest import TINY_RUN_MONITOR
 from tests.support.letters import grpo_plugin_manager
 from tests.support.metrics import without_clock
 
@@ -53,8 +54,7 @@ def recipe(run_dir: Path, model_dir: str, launch_mode: str, **ray: dict) -> dict
         "weight": {"sync_mode": "sync", "backend": "in_process", "validate_freq": 2, "rollout_limit": "batch"},
         "service": {"train_service": {"model_path": model_dir, "lr": 5e-2, "grad_clip": 1.0, "num_threads": 1},
                     "inference_service": {"backend": "hf", "model_path": model_dir, "num_threads": 1}},
-        "runtime_monitor": {"stop_timeout": 10, "health_check": {"check_interval": 0.5, "timeout": 10.0},
-                            "exception_handling": {"check_interval": 0.05}},
+        "runtime_monitor": TINY_RUN_MONITOR,
         **({"ray": ray} if ray else {}),
     }
 

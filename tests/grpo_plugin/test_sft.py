@@ -17,6 +17,7 @@ from nexrl_core.builtins.workers import pig_latin
 from nexrl_core.config.recipe import load_recipe
 from nexrl_core.controller import NexRLController
 from nexrl_core.plugins import PluginManager
+from tests.grpo_plugin.conftest import TINY_RUN_MONITOR, tiny_services
 
 SENTENCES = ["the quick brown fox", "hello world", "jumps over the lazy dog", "what is two plus three"]
 STEPS = 6
@@ -35,10 +36,8 @@ def test_cross_entropy_on_pig_latin_lowers_nll(tiny_model_dir, tmp_path):
         "trajectory_pool": {"batch_size": len(SENTENCES), "group_size": 1, "key_list": ["uid"]},
         "trainer": {"type": "self_hosted_cross_entropy", "total_train_steps": STEPS, "save_freq": STEPS},
         "weight": {"sync_mode": "sync", "backend": "in_process"},
-        "service": {"train_service": {"model_path": tiny_model_dir, "lr": 1e-2, "num_threads": 1},
-                    "inference_service": {"backend": "hf", "model_path": tiny_model_dir, "num_threads": 1}},
-        "runtime_monitor": {"stop_timeout": 10, "health_check": {"check_interval": 0.5, "timeout": 10.0},
-                            "exception_handling": {"check_interval": 0.05}},
+        "service": tiny_services(tiny_model_dir),
+        "runtime_monitor": TINY_RUN_MONITOR,
     }
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))

@@ -14,6 +14,7 @@ from nexrl_core import StepResult, TrainService, hookimpl
 from nexrl_core.config.recipe import load_recipe
 from nexrl_core.controller import NexRLController
 from nexrl_grpo.train_service import LocalTorchTrainService
+from tests.grpo_plugin.conftest import TINY_RUN_MONITOR
 from tests.grpo_plugin.test_train_service import grpo_loss, random_batch
 from tests.support.letters import grpo_plugin_manager
 
@@ -81,8 +82,7 @@ def test_the_self_hosted_trainer_drives_the_service_the_recipe_names(tiny_model_
         "service": {"train_service": {"backend": "counting_torch", "model_path": tiny_model_dir, "lr": 1e-2,
                                       "num_threads": 1},
                     "inference_service": {"backend": "hf", "model_path": tiny_model_dir, "num_threads": 1}},
-        "runtime_monitor": {"stop_timeout": 10, "health_check": {"check_interval": 0.5, "timeout": 10.0},
-                            "exception_handling": {"check_interval": 0.05}},
+        "runtime_monitor": TINY_RUN_MONITOR,
     }
     path = Path(tmp_path / "recipe.yaml")
     path.write_text(yaml.safe_dump(recipe, sort_keys=False))
