@@ -246,7 +246,7 @@ def test_an_exception_in_an_actors_thread_stops_the_run_as_in_local_mode(build, 
     # check, whichever of the monitor's checks sees it first
     message = str(failed.value)
     assert any(m in message for m in ("the trainer stopped at step 2: RuntimeError: injected failure in process",
-                                      "(policy stop_on_error): trainer/train: RuntimeError: injected failure in",
+                                      "(policy stop_on_error): trainer/train step 2: RuntimeError: injected failure in",
                                       "health check failed: module trainer is dead or hung")), message
     errors = controller._final_errors  # what the tracker (in its actor) recorded
     trainer_pid = controller.resource_manager.actor_of(NexRLRole.TRAINER).pid
