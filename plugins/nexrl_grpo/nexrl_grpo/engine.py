@@ -44,6 +44,7 @@ import torch
 from nexrl_core import (CompletionResult, InferenceClient, InferenceError, Option, SamplingParams, as_text_messages,
                         parse_tool_calls)
 
+from .cpu_threads import release_idle_workers
 from .decoding import kv_budget_tokens, kv_token_bytes, make_session_factory
 from .modeling import (AUTO_FLAG, MODEL_OPTIONS, _auto_flag, compute_response_logprobs, log_auto_device,
                        model_from_config, position_ids_from_mask, resolve_device)
@@ -133,6 +134,7 @@ class HFInferenceEngine(InferenceClient):
         self.num_requests = 0
         self._thread = threading.Thread(target=self._loop, name="hf-inference-engine", daemon=True)
         self._thread.start()
+        release_idle_workers()  # the thread that loaded the model computes no more here
 
     def _kv_budget(self, config: Any) -> int | None:
         """Tokens of KV cache a batch may hold: ``max_kv_tokens``, else on a GPU its
@@ -297,6 +299,7 @@ class HFInferenceEngine(InferenceClient):
         with self._model_lock:
             copy_weights(state_dict, [self])
             self.set_model_version(version)
+        release_idle_workers()  # the caller (the trainer's thread) goes back to its own work
 
     def check_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Names and shapes of ``state_dict`` against the model's (read without touching the tensors)."""
@@ -335,6 +338,7 @@ class HFInferenceEngine(InferenceClient):
                 if self._queue.empty() and not self._arriving:
                     with self._model_lock:
                         self.decoder.release()  # idle: the trainer may use that memory
+                    release_idle_workers()  # and its CPUs, at full speed
         finally:
             # However the loop ended, nobody may stay blocked on a request that will never run.
             with self._submit_lock:

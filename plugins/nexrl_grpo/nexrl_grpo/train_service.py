@@ -37,6 +37,7 @@ from .modeling import (AUTO_FLAG, MODEL_OPTIONS, _auto_flag, auto_dtype, auto_fl
                        compute_response_logprobs_packed, log_auto_device, log_auto_dtype, model_from_config,
                        pack_count, packing_problem, position_ids_from_mask, resolve_device)
 from . import sharded
+from .cpu_threads import release_idle_workers
 from .distributed import PARALLEL_MODES, GatheredWeights, RankGroup, shard_rows, start_ranks, wrap
 from .weights import apply_process_options, check_model_section, config_errors, resolve_model_path
 
@@ -63,13 +64,17 @@ BATCH_FORMAT = "torch_tensors"
 
 def _every_rank(method: Callable[..., Any]) -> Callable[..., Any]:
     """On rank 0 of several, broadcast the call first: every rank runs the method, so the collectives
-    inside it match (see :mod:`nexrl_grpo.distributed`). In one process: the method itself."""
+    inside it match (see :mod:`nexrl_grpo.distributed`). In one process: the method itself. Either
+    way the calling thread's OpenMP workers are paused afterwards (:mod:`nexrl_grpo.cpu_threads`)."""
     @functools.wraps(method)
     def call(self: LocalTorchTrainService, *args: Any, **kwargs: Any) -> Any:
-        if self.ranks is not None and self.ranks.leader:
-            self.ranks.broadcast_call(method.__name__, args, kwargs)
-            return self.ranks.run(lambda: method(self, *args, **kwargs))
-        return method(self, *args, **kwargs)
+        try:
+            if self.ranks is not None and self.ranks.leader:
+                self.ranks.broadcast_call(method.__name__, args, kwargs)
+                return self.ranks.run(lambda: method(self, *args, **kwargs))
+            return method(self, *args, **kwargs)
+        finally:
+            release_idle_workers()  # the caller's thread goes back to other work (cpu_threads)
     return call
 
 
@@ -203,6 +208,7 @@ class LocalTorchTrainService(TrainService):
             # One fused kernel over all parameters; the default on CPU is a per-tensor Python loop.
             fused=(self.ranks is None and all(p.device.type in ("cpu", "cuda") for p in self._params)) or None,
         )
+        release_idle_workers()  # the thread that loaded the model computes no more here
 
     # ------------------------------------------------------------------ ranks
 

@@ -1,0 +1,67 @@
+"""Give a thread's OpenMP workers back when the thread stops computing.
+
+torch's CPU kernels run on OpenMP, and GNU OpenMP (libgomp, which torch's Linux wheels ship) keeps a
+team of worker threads for every thread that ever ran a parallel region, for as long as that thread
+lives. The engine's thread, the trainer's thread and the thread that loaded the models each keep
+one. Once the process holds more OpenMP threads than CPUs, libgomp stops spinning at its barriers
+(100 spins instead of about 300,000) and every parallel region wakes its workers from sleep. A
+float32 decode step of SmolLM2 at 16 rows then measured 92 ms instead of 62 on two cores; its small
+ops (attention, norms) cost 3-4 times as much (``benchmarks/README.md``, issue 32).
+
+A thread that has finished its work pauses its own team (OpenMP 5's ``omp_pause_resource_all``;
+libgomp frees only the calling thread's pool), so only the threads computing hold workers. The
+next parallel region on that thread starts a new team (one thread creation). Results do not change:
+a region runs on the same number of threads either way. Other OpenMP runtimes (LLVM's pauses the
+whole process) and torch builds without OpenMP are left as they are.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from typing import Callable
+
+from loguru import logger
+
+_OMP_PAUSE_SOFT = 1  # omp_pause_resource_t
+
+_lock = threading.Lock()
+_pause: Callable[[int], int] | None = None
+_resolved = False
+
+
+def release_idle_workers() -> None:
+    """Pause the calling thread's OpenMP team, if it has one (cheap when it has none)."""
+    pause = _pause if _resolved else _resolve()
+    if pause is not None:
+        pause(_OMP_PAUSE_SOFT)
+
+
+def _resolve() -> Callable[[int], int] | None:
+    global _pause, _resolved
+    with _lock:
+        if not _resolved:
+            _pause = _find_gomp_pause()
+            _resolved = True
+        return _pause
+
+
+def _find_gomp_pause() -> Callable[[int], int] | None:
+    import torch
+
+    if "OpenMP" not in torch.__config__.parallel_info():
+        return None
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "libgomp" in line.rsplit("/", 1)[-1]}
+    except OSError:  # not Linux: torch ships another OpenMP runtime there
+        return None
+    for path in sorted(paths):
+        try:
+            pause = ctypes.CDLL(path).omp_pause_resource_all
+        except (OSError, AttributeError):  # libgomp before GCC 9
+            continue
+        pause.argtypes, pause.restype = [ctypes.c_int], ctypes.c_int
+        logger.debug(f"OpenMP: a thread's idle workers are paused through {path}")
+        return pause
+    return None
