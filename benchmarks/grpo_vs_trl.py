@@ -12,7 +12,11 @@ no reference model), same optimizer (AdamW, constant ``--lr``, grad clip 1.0), s
 
 nexrl runs through ``NexRLController`` with ``recipes/quickstart.yaml`` plus overrides (the path
 ``nexrl run`` takes); TRL runs ``GRPOTrainer.train()``. Each runs in its own thread and is paused
-between blocks at a step boundary, so only one system computes at a time:
+between blocks at a step boundary, so only one system computes at a time. A held system's thread
+pauses its OpenMP team first, as does the main thread once the systems are built: in one process
+the idle teams of the others would otherwise slow whichever system runs (GNU OpenMP stops spinning
+once the process holds more OpenMP threads than CPUs; ``nexrl_grpo.cpu_threads``), which a system
+alone in its process does not pay:
 
     warm-up (each) -> [TRL-bf16 k steps, TRL-fp32 k steps, nexrl k steps] x blocks   (the order rotates)
 
@@ -103,7 +107,12 @@ class Gate:
             self._cond.notify_all()
 
     def step_end(self) -> None:
-        """Called by the system at the end of each optimizer step: count it, hold if no budget."""
+        """Called by the system at the end of each optimizer step: count it, hold if no budget.
+        A held thread first pauses its OpenMP team: the systems share this process, and idle teams
+        would slow the running one (``nexrl_grpo.cpu_threads``), which separate processes do not."""
+        from nexrl_grpo.cpu_threads import release_idle_workers
+
+        release_idle_workers()
         with self._cond:
             self.done += 1
             self.step_end_times.append(time.perf_counter())
@@ -353,6 +362,9 @@ class NexrlSystem(GatedSystem):
 def run_block(system: Any, n: int) -> tuple[float, float, float]:
     """Run ``n`` steps of ``system``: (start, end) on the wall clock and the process's CPU seconds
     in between (all threads; the other systems are held, so nearly all of it is this one's)."""
+    from nexrl_grpo.cpu_threads import release_idle_workers
+
+    release_idle_workers()  # this thread built the systems; it only waits from here on
     target = system.gate.done + n
     t0, c0 = time.perf_counter(), time.process_time()
     system.gate.allow(n)
