@@ -17,7 +17,7 @@ from nexrl_grpo.engine import HFInferenceEngine
 from nexrl_grpo.train_service import LocalTorchTrainService
 from tests.grpo_plugin.test_train_service import grpo_loss, random_batch
 
-pytestmark = pytest.mark.skipif(cpu_threads._resolve() is None,
+pytestmark = pytest.mark.skipif(not cpu_threads._resolve(),
                                 reason="torch's OpenMP runtime here is not GNU libgomp (nothing to pause)")
 
 

@@ -26,42 +26,42 @@ from loguru import logger
 _OMP_PAUSE_SOFT = 1  # omp_pause_resource_t
 
 _lock = threading.Lock()
-_pause: Callable[[int], int] | None = None
-_resolved = False
+_pauses: list[Callable[[int], int]] | None = None
 
 
 def release_idle_workers() -> None:
     """Pause the calling thread's OpenMP team, if it has one (cheap when it has none)."""
-    pause = _pause if _resolved else _resolve()
-    if pause is not None:
+    for pause in _pauses if _pauses is not None else _resolve():
         pause(_OMP_PAUSE_SOFT)
 
 
-def _resolve() -> Callable[[int], int] | None:
-    global _pause, _resolved
+def _resolve() -> list[Callable[[int], int]]:
+    global _pauses
     with _lock:
-        if not _resolved:
-            _pause = _find_gomp_pause()
-            _resolved = True
-        return _pause
+        if _pauses is None:
+            _pauses = _find_gomp_pauses()
+        return _pauses
 
 
-def _find_gomp_pause() -> Callable[[int], int] | None:
+def _find_gomp_pauses() -> list[Callable[[int], int]]:
+    """``omp_pause_resource_all`` of every libgomp loaded (another library may bring its own copy
+    beside torch's; each copy keeps its own teams)."""
     import torch
 
     if "OpenMP" not in torch.__config__.parallel_info():
-        return None
+        return []
     try:
         with open("/proc/self/maps") as maps:
             paths = {line.split()[-1] for line in maps if "libgomp" in line.rsplit("/", 1)[-1]}
     except OSError:  # not Linux: torch ships another OpenMP runtime there
-        return None
+        return []
+    pauses = []
     for path in sorted(paths):
         try:
             pause = ctypes.CDLL(path).omp_pause_resource_all
         except (OSError, AttributeError):  # libgomp before GCC 9
             continue
         pause.argtypes, pause.restype = [ctypes.c_int], ctypes.c_int
-        logger.debug(f"OpenMP: a thread's idle workers are paused through {path}")
-        return pause
-    return None
+        pauses.append(pause)
+    logger.debug(f"OpenMP: a thread's idle workers are paused through {sorted(paths) if pauses else 'nothing'}")
+    return pauses
