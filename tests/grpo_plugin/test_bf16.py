@@ -93,6 +93,29 @@ def test_bf16_training_keeps_float32_master_weights_and_follows_the_float32_grad
     assert cosine > 0.99, float(cosine)
 
 
+def test_bf16_training_attends_in_float32_on_the_cpu(tiny_model_dir):
+    """CPU flash attention's bf16 backward takes about twice as long as float32's: under bf16
+    autocast the packed forward gives attention float32 inputs, and the rest stays bf16."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen: dict[str, set[torch.dtype]] = {"attention": set(), "mm": set()}
+
+    class Dtypes(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.__name__
+            if "scaled_dot_product" in name:
+                seen["attention"].add(args[0].dtype)
+            elif name.startswith("mm."):
+                seen["mm"].add(args[0].dtype)
+            return func(*args, **(kwargs or {}))
+
+    service = LocalTorchTrainService({"model_path": tiny_model_dir, "lr": 1e-3, "seed": 0, "dtype": "bfloat16"})
+    with Dtypes():
+        service.forward_backward(random_batch(5, rows=8), grpo_loss())
+    assert seen["attention"] == {torch.float32}
+    assert torch.bfloat16 in seen["mm"]  # the projections still ran in bf16
+
+
 def test_float16_training_and_unknown_precisions_are_refused(tiny_model_dir):
     for dtype in ("float16", "fp8"):
         with pytest.raises(ValueError, match="dtype: .* is not one of float32, bfloat16"):

@@ -345,6 +345,13 @@ _group_blocks: contextvars.ContextVar[list[tuple[int, int]] | None] = contextvar
 
 def _group_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: torch.Tensor | None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    if query.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
+        # torch's CPU flash attention runs its backward about twice as long in bf16 as in float32
+        # (SmolLM2, 120 group blocks: 262 against 135 ms); float32 errs no more. The output goes on
+        # in the autocast dtype, as the bf16 kernel's would.
+        with torch.autocast("cpu", enabled=False):
+            out, _ = _group_sdpa(module, query.float(), key.float(), value.float(), attention_mask, **kwargs)
+        return out.to(torch.get_autocast_dtype("cpu")), None
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     blocks = _group_blocks.get()
