@@ -109,7 +109,8 @@ def test_bf16_training_attends_in_float32_on_the_cpu(tiny_model_dir):
                 seen["mm"].add(args[0].dtype)
             return func(*args, **(kwargs or {}))
 
-    service = LocalTorchTrainService({"model_path": tiny_model_dir, "lr": 1e-3, "seed": 0, "dtype": "bfloat16"})
+    service = LocalTorchTrainService({"model_path": tiny_model_dir, "lr": 1e-3, "seed": 0, "dtype": "bfloat16",
+                                      "device": "cpu"})
     with Dtypes():
         service.forward_backward(random_batch(5, rows=8), grpo_loss())
     assert seen["attention"] == {torch.float32}
@@ -135,8 +136,8 @@ def test_auto_precision_is_bf16_only_where_the_cpu_computes_it_natively(tiny_mod
     lines: list[str] = []
     sink = logger.add(lines.append, level="INFO", format="{message}")
     try:
-        service = LocalTorchTrainService({"model_path": tiny_model_dir, "dtype": "auto"})
-        engine = HFInferenceEngine({"model_path": tiny_model_dir, "dtype": "auto"})
+        service = LocalTorchTrainService({"model_path": tiny_model_dir, "dtype": "auto", "device": "cpu"})
+        engine = HFInferenceEngine({"model_path": tiny_model_dir, "dtype": "auto", "device": "cpu"})
         engine.close()
     finally:
         logger.remove(sink)
@@ -162,7 +163,8 @@ def test_the_critic_trains_in_the_policys_resolved_precision(tiny_model_dir, mon
     trainer = build_module(SelfHostedGrpoTrainer, OmegaConf.create({
         "seed": 0, "trainer": {"total_train_steps": 1}, "trajectory_pool": {"batch_size": 4},
         "rollout_worker": {}, "algorithm": {"type": "gae"},
-        "service": {"train_service": {"model_path": tiny_model_dir, "dtype": "auto", "num_threads": 1},
+        "service": {"train_service": {"model_path": tiny_model_dir, "dtype": "auto", "num_threads": 1,
+                                          "device": "cpu"},
                     "inference_service": {}}}), pm=grpo_plugin_manager())
     lines: list[str] = []
     sink = logger.add(lines.append, level="INFO", format="{message}")

@@ -100,16 +100,49 @@ def test_static_session_matches_model_forward(kind, extra):
         torch.testing.assert_close(g, w, atol=2e-5, rtol=1e-5)
 
 
+class _OnDevice:
+    """A session fed the CPU tensors of the decoding scripts, moved to ``device`` first."""
+
+    def __init__(self, session, device):
+        self.session, self.device = session, device
+
+    def prefill(self, ids, mask, pos, capacity=None):
+        return self.session.prefill(ids.to(self.device), mask.to(self.device), pos.to(self.device), capacity)
+
+    def select(self, rows):
+        self.session.select(rows.to(self.device))
+
+    def step(self, tokens, positions):
+        return self.session.step(tokens.to(self.device), positions.to(self.device))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("graphs", [False, True])
+def test_static_session_on_the_gpu_matches_model_forward(graphs):
+    """What a GPU runs: the static layout's decode steps, eager and replayed as CUDA graphs (the
+    next replay overwrites the graph's output), equal the model's own forward on the same card."""
+    model = tiny("llama").cuda()
+    static = StaticLlama(model, rows_hint=4, kv_tokens=4096, graphs=graphs)
+    session = static.session()
+    assert isinstance(session, StaticSession) and static.enabled and static.graphs == graphs
+    got = run_script(_OnDevice(session, "cuda"), PROMPTS, SCRIPT, TOKENS)
+    want = run_script(_OnDevice(HFSession(model), "cuda"), PROMPTS, SCRIPT, TOKENS)
+    assert [g.shape for g in got] == [w.shape for w in want]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+
+
 def test_static_rows_move_in_place_without_a_second_copy():
     """The engine's selections (expand a prompt to its samples, keep an ascending subset) move row
-    blocks inside the pool: the pool is the only KV storage, and the layout shrinks to the live rows."""
+    blocks inside the pool: the pool is the only KV storage, sized up front to the batch's footprint
+    (not the whole budget), and the layout shrinks to the live rows."""
     model = tiny("llama")
     static = StaticLlama(model, kv_tokens=8 * 64)
     ids = torch.tensor([[3, 4, 5], [0, 6, 7]])
     mask = torch.tensor([[1, 1, 1], [0, 1, 1]])
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     with torch.inference_mode():
-        session = static.session()
+        session = static.session(tokens=StaticLlama.footprint(6, 16))  # as the engine: 6 samples of 2 prompts
         session.prefill(ids, mask, pos, capacity=16)
         pool = static.pool.data_ptr()
         session.select(torch.tensor([0, 0, 0, 1, 1, 1]))  # 6 rows: 8 padded
@@ -120,6 +153,25 @@ def test_static_rows_move_in_place_without_a_second_copy():
         assert static.pool.data_ptr() == pool
     with pytest.raises(ValueError, match="needs 1024 tokens of KV cache; the budget holds 512"):
         static.view(16, 64)
+
+
+def test_the_static_pool_fits_the_batch_and_grows_keeping_its_rows():
+    """A small batch under a large budget takes a small pool; a batch that outgrows it (no footprint
+    given up front) gets a larger one with every row's keys where they were."""
+    model = tiny("llama")
+    static = StaticLlama(model, kv_tokens=1 << 20)
+    static.session()  # the self-check's own small batch
+    static.release()
+    per_token = 2 * len(static.layers) * static.num_kv_heads * static.layers[0].head_dim
+    with torch.inference_mode():
+        session = static.session(tokens=StaticLlama.footprint(2, 16))
+        assert static.pool.numel() == 128 * per_token  # 2 rows x 64 columns, not the budget
+        ids, mask = torch.tensor([[3, 4, 5], [0, 6, 7]]), torch.tensor([[1, 1, 1], [0, 1, 1]])
+        session.prefill(ids, mask, (mask.cumsum(-1) - 1).clamp(min=0), capacity=16)
+        before = session.blocks[:2].clone()
+        session.select(torch.tensor([0, 0, 1, 1, 1]))  # 5 rows: 8 padded, 512 tokens
+        assert static.pool.numel() == 512 * per_token
+        torch.testing.assert_close(session.blocks[[0, 2]], before, atol=0, rtol=0)
 
 
 def test_static_refresh_keeps_addresses_and_serves_new_weights():

@@ -35,6 +35,7 @@ generating from wrong numbers.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
@@ -206,8 +207,9 @@ class FastLlama:
         self.num_kv_heads = first.kv_size // first.head_dim
         self._packed_versions = versions
 
-    def session(self) -> "FastLlamaSession | HFSession":
-        """A session for one batch: the fast one, or the HF one if the self-check failed."""
+    def session(self, tokens: int | None = None) -> "FastLlamaSession | HFSession":
+        """A session for one batch: the fast one, or the HF one if the self-check failed. ``tokens``:
+        the batch's :meth:`footprint`, where a decoder reserves its KV cache up front."""
         if self.enabled:
             self._pack_if_stale()
             if not self._checked:
@@ -215,7 +217,8 @@ class FastLlama:
                 self._checked = True
         return self._fast_session() if self.enabled else HFSession(self.model)
 
-    __call__ = session
+    def __call__(self, tokens: int | None = None) -> "FastLlamaSession | HFSession":
+        return self.session(tokens)
 
     def _fast_session(self) -> "FastLlamaSession":
         return FastLlamaSession(self)
@@ -440,11 +443,11 @@ def kv_budget_tokens(device_bytes: int, fraction: float, weight_bytes: int, work
 
 
 class StaticLlama(FastLlama):
-    """The fast path with a static KV cache: one pool of ``kv_tokens`` tokens allocated once (zeroed:
-    masked columns must hold finite numbers), batches laid out in it as ``[rows, 2, layers, kv_heads,
-    capacity, head_dim]`` with rows and capacity rounded up (:func:`static_rows`,
-    :func:`static_capacity`), and a decode step of fixed shape that, with ``graphs``, is captured
-    once per layout as a CUDA graph and replayed.
+    """The fast path with a static KV cache: one pool (zeroed: masked columns must hold finite
+    numbers) sized to the batch's footprint, at most ``kv_tokens`` tokens; batches laid out in it
+    as ``[rows, 2, layers, kv_heads, capacity, head_dim]`` with rows and capacity rounded up
+    (:func:`static_rows`, :func:`static_capacity`), and a decode step of fixed shape that, with
+    ``graphs``, is captured once per layout as a CUDA graph and replayed.
 
     Weight updates are copied into the fused matrices in place, so captured graphs stay valid. With
     ``release`` the pool is freed after each batch (:meth:`release`, the engine calls it when idle:
@@ -501,11 +504,29 @@ class StaticLlama(FastLlama):
         if need > self.kv_tokens:
             raise ValueError(f"a batch of {rows} rows x {capacity} columns needs {need} tokens of KV cache; the "
                              f"budget holds {self.kv_tokens}")
-        if self.pool is None:
-            per_token = 2 * len(self.layers) * self.num_kv_heads * layer.head_dim
-            self.pool = torch.zeros(self.kv_tokens * per_token, dtype=layer.norm_in[0].dtype,
-                                    device=layer.norm_in[0].device)
+        self._room(need)
         return self.pool[:need * block[0] * block[1] * block[2] * block[4]].view(rows, *block)
+
+    def session(self, tokens: int | None = None) -> "FastLlamaSession | HFSession":
+        session = super().session()
+        if tokens is not None and isinstance(session, StaticSession):
+            self._room(min(tokens, self.kv_tokens))  # the batch's rows then move inside one pool
+        return session
+
+    def _room(self, tokens: int) -> None:
+        """A pool of at least ``tokens`` tokens: a power of two (few sizes, so the allocator hands
+        back the same address and captured graphs replay), at most the budget, never the whole
+        budget for a small batch. A smaller pool is replaced with its contents kept (a row's block
+        does not move)."""
+        layer = self.layers[0]
+        per_token = 2 * len(self.layers) * self.num_kv_heads * layer.head_dim
+        if self.pool is not None and self.pool.numel() >= tokens * per_token:
+            return
+        size = min(self.kv_tokens, 1 << max(0, tokens - 1).bit_length())
+        pool = torch.zeros(size * per_token, dtype=layer.norm_in[0].dtype, device=layer.norm_in[0].device)
+        if self.pool is not None:
+            pool[:self.pool.numel()].copy_(self.pool)
+        self.pool = pool
 
     def decode_step(self, rows: int, capacity: int) -> "_DecodeStep":
         """The decode step of this layout over the current pool (captured once per pool address)."""
@@ -515,11 +536,15 @@ class StaticLlama(FastLlama):
         if step is None:
             if any(k[2] != address for k in self._steps):  # graphs of a freed pool must never replay
                 self._steps = {k: v for k, v in self._steps.items() if k[2] == address}
-            if self.graphs and self._graph_memory is None:
-                self._graph_memory = torch.cuda.graph_pool_handle()
-            step = self._steps[key] = _DecodeStep(self, self.view(rows, capacity), self._graph_memory
+            if self.graphs and (self._graph_memory is None or self._graph_memory[0] != address):
+                # Dropped graphs free their memory pool for good: later captures take a new one.
+                self._graph_memory = (address, torch.cuda.graph_pool_handle())
+            step = self._steps[key] = _DecodeStep(self, self.view(rows, capacity), self._graph_memory[1]
                                                   if self.graphs else None)
         return step
+
+
+_CAPTURE_LOCK = threading.Lock()
 
 
 class _DecodeStep:
@@ -546,17 +571,22 @@ class _DecodeStep:
             return self._compute()
         if self.graph is None:
             # Warm-up on a side stream, then capture. Both write the same keys and values the replay
-            # below writes again: the step is idempotent over its buffers.
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                self._compute()
-            torch.cuda.current_stream().wait_stream(side)
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph, pool=self.graph_memory):
-                self.logits = self._compute()
+            # below writes again: the step is idempotent over its buffers. One capture at a time in
+            # the process: entering a capture synchronizes the device, which would break another
+            # engine's capture under way (replicas share a card).
+            with _CAPTURE_LOCK:
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    self._compute()
+                torch.cuda.current_stream().wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                # thread_local: the trainer's thread may allocate on the same card meanwhile.
+                with torch.cuda.graph(graph, pool=self.graph_memory, capture_error_mode="thread_local"):
+                    self.logits = self._compute()
+                self.graph = graph
         self.graph.replay()
-        return self.logits
+        return self.logits.clone()  # the next replay overwrites the graph's output
 
     def _compute(self) -> torch.Tensor:
         o, rows = self.o, self.tokens.shape[0]
@@ -692,7 +722,7 @@ class HFDecoder:
     def __init__(self, model: torch.nn.Module):
         self.model = model
 
-    def __call__(self) -> HFSession:
+    def __call__(self, tokens: int | None = None) -> HFSession:
         return HFSession(self.model)
 
     footprint = staticmethod(FastLlama.footprint)

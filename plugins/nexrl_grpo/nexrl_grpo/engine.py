@@ -89,7 +89,8 @@ class HFInferenceEngine(InferenceClient):
         "gpu_memory_utilization": Option(0.3, float, "on a GPU: the share of its memory the engine may hold (weights, "
                                                      "decode workspace, and the KV cache in what is left)", gt=0, le=1),
         "max_kv_tokens": Option(None, int, "KV-cache budget in tokens (null: from gpu_memory_utilization on a GPU, "
-                                           "unbounded on the CPU); a batch that needs more is decoded in parts", ge=1),
+                                           "unbounded on the CPU): a batch allocates what it needs within it; one that needs "
+                                           "more is decoded in parts", ge=1),
         "release_kv_cache": Option(True, bool, "on a GPU: free the KV cache whenever the engine is idle (the trainer "
                                                "steps in that memory); false keeps it allocated"),
         "cuda_graphs": Option(None, AUTO_FLAG, "on a GPU: replay each decode step as a CUDA graph: auto (on a CUDA "
@@ -156,8 +157,9 @@ class HFInferenceEngine(InferenceClient):
                              f"workspace ({workspace / gib:.2f} GiB): raise it, or lower max_batch_size")
         from loguru import logger
 
-        logger.info(f"inference engine: KV cache of {tokens} tokens ({tokens * kv_token_bytes(self.model) / gib:.2f} "
-                    f"GiB, gpu_memory_utilization {fraction} of {total / gib:.1f} GiB on {self.device})")
+        logger.info(f"inference engine: KV-cache budget of {tokens} tokens ({tokens * kv_token_bytes(self.model) / gib:.2f} "
+                    f"GiB, gpu_memory_utilization {fraction} of {total / gib:.1f} GiB on {self.device}); a batch "
+                    f"takes what it needs")
         return tokens
 
     @staticmethod
@@ -464,9 +466,9 @@ class HFInferenceEngine(InferenceClient):
         finish: list[str] = ["length"] * n
         active = list(range(n))  # batch index of each row still being decoded
 
-        session = self.decoder()
-        logits = session.prefill(input_ids, attention_mask, position_ids,
-                                 capacity=width + max(r.max_new_tokens for r in batch))
+        capacity = width + max(r.max_new_tokens for r in batch)
+        session = self.decoder(tokens=self.decoder.footprint(n, capacity))
+        logits = session.prefill(input_ids, attention_mask, position_ids, capacity=capacity)
         next_pos = position_ids[:, -1] + 1
         if len(prompts) < n:
             idx = torch.tensor(row_prompt, device=device)
