@@ -43,6 +43,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +53,7 @@ QUICKSTART = str(REPO / "recipes" / "quickstart.yaml")
 ASSET_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                "special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja")
 SHAPES = {"quickstart": (4, 4, 48), "large": (32, 8, 256)}  # prompts, samples, new tokens
+MICRO_BATCH = {"quickstart": 0, "large": 32}  # rows per forward/backward: 256 x 296 tokens' activations do not fit at once
 TARGET_S_PER_STEP = {"quickstart": 0.5, "large": 3.0}
 TEST_SELECTION = ["tests/grpo_plugin/test_device.py", "tests/grpo_plugin/test_on_policy.py", "tests/grpo_plugin/test_engine.py",
                   "tests/grpo_plugin/test_bf16.py"]
@@ -93,7 +95,9 @@ def nexrl_run(run_dir: str, model: str, overrides: list[str]) -> list[dict[str, 
                  f"service.inference_service.model_path={model}", "logger.backend=[]", "logger.progress=off",
                  "validate.validate_before_train=false", "weight.validate_freq=0", *overrides])
     if code != 0:
-        raise RuntimeError(f"nexrl run exited {code} ({run_dir}/run.log)")
+        log = Path(run_dir, "run.log")
+        tail = log.read_text(errors="replace").splitlines()[-40:] if log.is_file() else []
+        raise RuntimeError(f"nexrl run exited {code}; the end of run.log:\n" + "\n".join(tail))
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f if line.strip()]
 
@@ -156,6 +160,7 @@ def check_speed(model: str, tmp: str, device: str, shape: str, smoke: bool) -> d
     argv = ["--device", device, "--model", model, "--prompts", str(prompts), "--samples", str(samples),
             "--max-new-tokens", str(tokens), "--nexrl-dtype", "bfloat16", "--trl-precisions", "bf16",
             "--warmup", "1", "--blocks", "2", "--steps-per-block", "1" if smoke else "2", "--roofline-rows", "-1",
+            "--micro-batch", str(0 if smoke else MICRO_BATCH[shape]),
             "--json", path, "--nexrl-override", f"service.inference_service.max_batch_size={prompts * samples}",
             "+algorithm.rollout_correction.enabled=true"]
     if grpo_vs_trl.main(argv) != 0:
@@ -171,6 +176,7 @@ def check_fsdp_overhead(model: str, tmp: str, device: str, smoke: bool) -> dict[
     path = os.path.join(tmp, "fsdp_overhead.json")
     argv = ["--systems", "1", "1:fsdp", "--device", device, "--model", model, "--rows", str(prompts * samples),
             "--prompt", "40", "--response", str(tokens), "--steps", "1" if smoke else "3", "--blocks", "2",
+            "--micro-batch", str(0 if smoke else MICRO_BATCH["large"]),
             "--json", path]
     if scaling.main(argv) != 0:
         raise RuntimeError("scaling.py exited non-zero")
@@ -180,11 +186,12 @@ def check_fsdp_overhead(model: str, tmp: str, device: str, smoke: bool) -> dict[
     return result
 
 
-def run_tests(device: str) -> dict[str, Any]:
+def run_tests(out: str) -> dict[str, Any]:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     started = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", *TEST_SELECTION],
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *TEST_SELECTION],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    Path(out, "tests.log").write_text(proc.stdout + proc.stderr)
     tail = (proc.stdout + proc.stderr).strip().splitlines()[-15:]
     return {"exit_code": proc.returncode, "seconds": round(time.perf_counter() - started, 1), "tail": tail}
 
@@ -216,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smoke", action="store_true", help="toy sizes: check the script itself, not the GPU")
     p.add_argument("--only", nargs="*", default=["on_policy", "resume", "speed", "fsdp", "tests"],
                    choices=("on_policy", "resume", "speed", "fsdp", "tests"))
+    p.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES), help="the speed step's shapes")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     if args.prepare:
@@ -239,16 +247,17 @@ def main(argv: list[str] | None = None) -> int:
             "on_policy": lambda: check_on_policy(model, os.path.join(tmp, "on_policy"), args.device, 2),
             "resume": lambda: check_resume(model, os.path.join(tmp, "resume"), args.device),
             "speed": lambda: {shape: check_speed(model, tmp, args.device, shape, args.smoke) for shape in
-                              (SHAPES if not args.smoke else ["quickstart"])},
+                              (args.shapes if not args.smoke else ["quickstart"])},
             "fsdp": lambda: check_fsdp_overhead(model, tmp, args.device, args.smoke),
-            "tests": lambda: run_tests(args.device),
+            "tests": lambda: run_tests(args.out),
         }
         for name in args.only:
             started = time.perf_counter()
             try:
                 report[name] = steps[name]()
             except Exception as exc:  # noqa: BLE001 - one failed step must not cost the others' figures
-                report[name] = {"error": f"{type(exc).__name__}: {exc}"}
+                report[name] = {"error": f"{type(exc).__name__}: {exc}",
+                                "traceback": traceback.format_exc().splitlines()[-30:]}
             report[name + "_seconds"] = round(time.perf_counter() - started, 1)
             print(f"== {name} ({report[name + '_seconds']} s): {json.dumps(report[name], default=str)[:2000]}",
                   flush=True)

@@ -219,8 +219,9 @@ class TrlSystem(GatedSystem):
         config = GRPOConfig(
             output_dir=out_dir,
             use_cpu=args.device == "cpu", bf16=precision == "bf16", fp16=False,  # bf16: autocast, fp32 masters
-            per_device_train_batch_size=args.prompts * args.samples,  # completions per step
-            gradient_accumulation_steps=1,
+            # completions per step: one generation, then one optimizer step over its micro-batches
+            per_device_train_batch_size=args.micro_batch or args.prompts * args.samples,
+            gradient_accumulation_steps=args.prompts * args.samples // (args.micro_batch or args.prompts * args.samples),
             num_generations=args.samples,
             max_completion_length=args.max_new_tokens,
             temperature=1.0, top_p=1.0, top_k=0,
@@ -260,13 +261,14 @@ class TrlSystem(GatedSystem):
     @property
     def response_tokens(self) -> list[float]:
         """Generated tokens of each step (TRL logs the mean completion length)."""
-        batch = self.trainer.args.per_device_train_batch_size
+        batch = self.trainer.args.per_device_train_batch_size * self.trainer.args.gradient_accumulation_steps
         return [row["completions/mean_length"] * batch for row in self.trainer.state.log_history
                 if "completions/mean_length" in row]
 
     def close(self) -> None:
         self.gate.release_all()
-        self.thread.join(timeout=600)
+        if self.thread.ident is not None:  # a system that failed to build never started
+            self.thread.join(timeout=600)
 
 
 # ----------------------------------------------------------------------------- nexrl
@@ -298,6 +300,10 @@ class NexrlSystem(GatedSystem):
             for key in ("service.train_service.dtype", "service.inference_service.dtype"):
                 present = OmegaConf.select(base, key, default=None) is not None
                 overrides.append(f"{'' if present else '+'}{key}={dtype}")
+        if args.micro_batch:
+            key = "service.train_service.micro_batch_size"
+            present = OmegaConf.select(load_recipe(QUICKSTART), key, default=None) is not None
+            overrides.append(f"{'' if present else '+'}{key}={args.micro_batch}")
         self.config = load_recipe(QUICKSTART, overrides + list(args.nexrl_override))
         service = self.config.service
         # What the two sides compute in (auto resolved on this CPU), and the system's name from it.
@@ -353,7 +359,8 @@ class NexrlSystem(GatedSystem):
 
     def close(self) -> None:
         self.gate.release_all()
-        self.thread.join(timeout=600)
+        if self.thread.ident is not None:  # a system that failed to build never started
+            self.thread.join(timeout=600)
 
 
 # ----------------------------------------------------------------------------- driver
@@ -459,6 +466,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--trl-precisions", nargs="+", choices=("bf16", "fp32"),
                    help="TRL systems to run (bf16: GRPOConfig(bf16=True); fp32: bf16=False)")
     p.add_argument("--nexrl-override", nargs="*", default=[], help="extra nexrl recipe overrides key=value")
+    p.add_argument("--micro-batch", type=int, default=0,
+                   help="rows per forward/backward on both sides (0: the whole step), for batches whose "
+                        "activations do not fit at once; must divide prompts x samples")
     p.add_argument("--trl-gradient-checkpointing", action="store_true",
                    help="run TRL with gradient checkpointing (GRPOConfig's default; off by default here because "
                         "nexrl keeps activations, so both do the same compute)")
@@ -468,6 +478,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.noise is not None and args.noise <= 0:
         p.error(f"--noise must be a positive fraction, got {args.noise}")
+    if args.micro_batch and (args.prompts * args.samples) % args.micro_batch:
+        p.error(f"--micro-batch {args.micro_batch} does not divide {args.prompts} x {args.samples} rows")
     args.mode = "quick" if args.quick else "full"
     for key, value in MODES[args.mode].items():
         if getattr(args, key, None) is None:

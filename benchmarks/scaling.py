@@ -55,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=2, help="updates per block")
     p.add_argument("--blocks", type=int, default=2)
     p.add_argument("--model", help="an HF folder (default: the quickstart's SmolLM2-135M-Instruct)")
+    p.add_argument("--micro-batch", type=int, default=0, help="rows per forward/backward (0: all --rows at once)")
     p.add_argument("--json", help="also write the results to this JSON file")
     args = p.parse_args(argv)
     from loguru import logger
@@ -80,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         # The synthetic rows are all one length: packing would only reorder the same work.
         services[system] = LocalTorchTrainService({
             "model_path": model, "world_size": int(world), "parallel": parallel or "auto", "lr": 1e-6, "seed": 0,
-            "device": args.device, "packing": False})
+            "device": args.device, "packing": False, "micro_batch_size": args.micro_batch or None})
         services[system].forward_backward(data, loss_fn)  # warm-up
         services[system].optim_step()
     times: dict[str, list[float]] = {system: [] for system in args.systems}
