@@ -352,6 +352,11 @@ class NexrlSystem(GatedSystem):
     def rewards(self) -> list[float]:
         return self._series("train/reward_mean")
 
+    def timing_split(self, warmup: int) -> dict[str, float]:
+        """Mean seconds per step of the trainer's phases (metrics' ``timing/*_s``), warm-up steps left out."""
+        keys = ("timing/wait_batch_s", "timing/prepare_s", "timing/update_s", "timing/weight_sync_s")
+        return {key: statistics.mean(series[warmup:] or series) for key in keys if (series := self._series(key))}
+
     @property
     def response_tokens(self) -> list[float]:
         """Generated tokens of each step."""
@@ -571,6 +576,8 @@ def main(argv: list[str] | None = None) -> int:
         rewards = {s.name: s.rewards for s in systems}
         tokens = {s.name: s.response_tokens for s in systems}
         engines = {nx.name: (nx.controller.inference_client, nx.controller.trajectory_pool.counters()) for nx in nexrls}
+        # nexrl's own split of a step (its metrics' timing/*), over the timed steps: where "the rest" goes.
+        trainer_split = {nx.name: nx.timing_split(args.warmup) for nx in nexrls}
 
     n = args.blocks * args.steps_per_block
     sps = {name: n / sum(t) for name, t in times.items()}
@@ -600,6 +607,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {name:<15} per step: generation {gen[name]:6.2f}s, the rest (logprobs, loss, backward, optimizer, "
               f"weight push, framework) {step - gen[name]:6.2f}s")
     print("  (TRL generation = _generate_and_score_completions; nexrl = the engine's batched decode.)")
+    for name, split in trainer_split.items():
+        print(f"  {name} trainer per step: " + ", ".join(f"{key.removeprefix('timing/').removesuffix('_s')} {v:.2f}s"
+                                                      for key, v in split.items()))
     for name, (engine, stats) in engines.items():
         print(f"  {name} engine: {engine.num_batches} batches / {engine.num_requests} requests for "
               f"{len(rewards[name])} steps x {args.prompts * args.samples} trained; pool counters {stats}")
@@ -625,7 +635,8 @@ def main(argv: list[str] | None = None) -> int:
     run = {"date": started, "mode": args.mode, "args": vars(args), "cpu": cpu_name(),
            "torch_threads": torch.get_num_threads(), "load_avg": [load_before, *block_loads],
            "other_load": others, "times": times, "cpu_times": cpu_times, "ratios": ratios,
-           "cpu_ratios": cpu_ratios, "generation_s_per_step": gen, "rewards": rewards, "decode_roofline": rooflines,
+           "cpu_ratios": cpu_ratios, "generation_s_per_step": gen, "nexrl_trainer_split_s": trainer_split, "rewards": rewards,
+           "decode_roofline": rooflines,
            "response_tokens_per_s": tokens_per_s, "peak_memory_gib": peak_gib}
     print(f"\nother jobs' load: about {others:.1f} (1-minute load average {load1(load_before):.1f} before "
           f"the run, up to {max(map(load1, block_loads), default=0.0):.1f} during it with its own "
