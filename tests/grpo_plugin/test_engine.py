@@ -151,6 +151,54 @@ def test_max_tokens_and_stop_strings(make_engine):
     assert len(decode(ids[:-1])) < cut if ids else cut == 0
 
 
+def _byte_level_char(byte: int) -> str:
+    """The character byte-level BPE spells a byte with: printable Latin-1 bytes as themselves, the
+    others shifted past 255 in order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    if byte in printable:
+        return chr(byte)
+    return chr(256 + [b for b in range(256) if b not in printable].index(byte))
+
+
+def test_the_stop_check_after_each_token_fires_where_the_whole_text_first_holds_a_stop():
+    """The engine decodes only a tail of the response after each token: over random responses of a
+    byte-level tokenizer (characters of 1 to 4 bytes, cut between tokens) and stops taken from
+    their text, it fires at the first token whose whole text holds a stop, never earlier."""
+    import random
+    from types import SimpleNamespace
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    corpus = ["plain ascii words and more", "café crème brûlée", "数学 问题 答案", "emoji 🙂🚀 end",
+              "Answer: 42\n\nQuestion: next"] * 8
+    raw = Tokenizer(models.BPE())
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    raw.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=400, show_progress=False,
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    engine = SimpleNamespace(_decode=lambda ids: raw.decode(ids))
+    rng = random.Random(0)
+    vocab = raw.get_vocab_size()
+    checked = 0
+    for case in range(300):
+        line = " ".join(rng.choice(corpus) for _ in range(4))
+        if case % 3 == 0:  # merged tokens
+            ids = raw.encode(line).ids
+        elif case % 3 == 1:  # one token per byte: a character spans up to 4 tokens
+            ids = [raw.token_to_id(_byte_level_char(b)) for b in line.encode()]
+        else:  # any tokens, cut characters included
+            ids = [rng.randrange(vocab) for _ in range(rng.randrange(20, 120))]
+        text = raw.decode(ids)
+        start = rng.randrange(len(text) - 1)
+        # Short stops only: the window must cover the stops' characters, whatever their number.
+        stops = [text[start:start + rng.randrange(1, 6)].strip("\ufffd") or "x", "\u0000"]
+        whole = next((k for k in range(1, len(ids) + 1) if any(s in raw.decode(ids[:k]) for s in stops)), None)
+        tail = next((k for k in range(1, len(ids) + 1) if HFInferenceEngine._has_stop(engine, ids[:k], stops)), None)
+        assert tail == whole, (ids, stops)
+        checked += whole is not None
+    assert checked > 250  # most stops were found, at varied depths
+
+
 def test_eos_finishes_with_stop_and_keeps_eos_token(make_engine):
     engine = make_engine()
     full = engine.complete("hello", SamplingParams(max_tokens=16, temperature=0)).response_token_ids

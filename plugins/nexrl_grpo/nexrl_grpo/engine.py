@@ -506,7 +506,14 @@ class HFInferenceEngine(InferenceClient):
             return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def _has_stop(self, ids: list[int], stops: list[str]) -> bool:
-        text = self._decode(ids)
+        """Whether the text of ``ids`` holds a stop string, checked after every token: the text before
+        the newest token held none, so a new one ends in that token's text. Only a tail is decoded
+        (decoding the whole response every step cost O(length^2): 1.7 s a batch at 256 rows of
+        256 tokens): enough tokens for the longest stop (a character is at most 4 bytes, a token at
+        least one) and a margin for the tail's first token, whose text may differ from its text in
+        the whole (a cut character, a dropped leading space)."""
+        window = 4 * max(len(s) for s in stops) + 4
+        text = self._decode(ids[-window:])
         return any(s and s in text for s in stops)
 
     def _finish(self, ids: list[int], logprobs: list[float], reason: str, stops: list[str]):
