@@ -70,6 +70,25 @@ def test_loads_from_model_path(tiny_model_dir):
         HFInferenceEngine({})
 
 
+def test_a_wave_of_requests_longer_than_a_moment_is_still_one_batch(make_engine):
+    """Rollout workers submit one after another (256 took 0.1 s here, each building its prompt
+    under the GIL): while each comes within batch_wait_ms of the last, they make one batch, for
+    up to batch_wait_max_ms (500). Cut at 50 ms, 256 workers made two serial batches a step,
+    each generating to the token limit."""
+    import time
+
+    engine = make_engine(batch_wait_ms=60)
+    params = SamplingParams(max_tokens=2, temperature=0)
+    results, threads = [], []
+    for _ in range(30):  # 30 arrivals 10 ms apart: 0.3 s
+        threads.append(threading.Thread(target=lambda: results.append(engine.complete("hello", params))))
+        threads[-1].start()
+        time.sleep(0.01)
+    for thread in threads:
+        thread.join()
+    assert len(results) == 30 and engine.num_batches == 1
+
+
 def test_batched_greedy_equals_one_by_one(make_engine):
     params = [SamplingParams(max_tokens=6 + i, temperature=0) for i in range(len(PROMPTS))]
     alone = make_engine(max_batch_size=1)

@@ -81,7 +81,8 @@ class HFInferenceEngine(InferenceClient):
         **MODEL_OPTIONS,
         "max_batch_size": Option(64, int, "most requests decoded together", ge=1),
         "batch_wait_ms": Option(2.0, float, "wait for more requests before a batch starts", ge=0),
-        "batch_wait_max_ms": Option(50.0, float, "longest wait for a batch to fill", ge=0),
+        "batch_wait_max_ms": Option(500.0, float, "longest wait for a batch to fill (it starts sooner once no "
+                                                  "request came for batch_wait_ms and no caller is tokenizing)", ge=0),
         "chat_template": Option(True, bool, "apply the tokenizer's chat template to chat prompts"),
         "seed": Option(None, int, "seed of requests without their own"),
         "fast_path": Option(None, AUTO_FLAG, "fused decoding for Llama-family models: auto | true | false",
