@@ -170,13 +170,12 @@ def test_max_tokens_and_stop_strings(make_engine):
     assert len(decode(ids[:-1])) < cut if ids else cut == 0
 
 
-def _byte_level_char(byte: int) -> str:
-    """The character byte-level BPE spells a byte with: printable Latin-1 bytes as themselves, the
+def _byte_level_chars() -> dict[int, str]:
+    """The characters byte-level BPE spells bytes with: printable Latin-1 bytes as themselves, the
     others shifted past 255 in order."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    if byte in printable:
-        return chr(byte)
-    return chr(256 + [b for b in range(256) if b not in printable].index(byte))
+    others = [b for b in range(256) if b not in printable]
+    return {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(others)}}
 
 
 def test_the_stop_check_after_each_token_fires_where_the_whole_text_first_holds_a_stop():
@@ -198,13 +197,14 @@ def test_the_stop_check_after_each_token_fires_where_the_whole_text_first_holds_
     engine = SimpleNamespace(_decode=lambda ids: raw.decode(ids))
     rng = random.Random(0)
     vocab = raw.get_vocab_size()
+    byte_chars = _byte_level_chars()
     checked = 0
     for case in range(300):
         line = " ".join(rng.choice(corpus) for _ in range(4))
         if case % 3 == 0:  # merged tokens
             ids = raw.encode(line).ids
         elif case % 3 == 1:  # one token per byte: a character spans up to 4 tokens
-            ids = [raw.token_to_id(_byte_level_char(b)) for b in line.encode()]
+            ids = [raw.token_to_id(byte_chars[b]) for b in line.encode()]
         else:  # any tokens, cut characters included
             ids = [rng.randrange(vocab) for _ in range(rng.randrange(20, 120))]
         text = raw.decode(ids)
