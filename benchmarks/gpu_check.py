@@ -16,7 +16,9 @@ token limit, the heaviest case. Steps, each printed and written to ``OUT/gpu_che
 4. the FSDP2 wrapper's cost: one rank through the data-parallel code (``parallel: fsdp``,
    ``world_size: 1``) against the plain service, forward/backward/AdamW at 32 x 8 x 256
    (``scaling.py --systems 1 1:fsdp``; target <= 1.05x);
-5. the tiny-model tests of the GPU path (``tests/grpo_plugin``) on the GPU (``device: auto`` picks it).
+5. the tiny-model tests of the GPU path (``tests/grpo_plugin``) on the GPU (``device: auto`` picks it);
+6. only when named in ``--only``: ``profile``, py-spy over a 3-step run at 32 x 8 x 256: the heaviest
+   frames of the trainer's and the engine's threads and the run's ``timing/*`` split per step.
 
 Here, on the CPU, before the call (``.whl`` and ``.gpu_assets`` are ignored by git and carried)::
 
@@ -87,19 +89,28 @@ def random_model(assets: str, folder: str, seed: int, smoke: bool) -> str:
     return folder
 
 
+def run_argv(run_dir: str, model: str, overrides: list[str]) -> list[str]:
+    """``nexrl`` arguments: run the quickstart recipe on ``model`` in ``run_dir``, no validation or trackers."""
+    return ["run", QUICKSTART, f"run_dir={run_dir}", f"service.train_service.model_path={model}",
+            f"service.inference_service.model_path={model}", "logger.backend=[]", "logger.progress=off",
+            "validate.validate_before_train=false", "weight.validate_freq=0", *overrides]
+
+
+def read_metrics(run_dir: str) -> list[dict[str, Any]]:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
 def nexrl_run(run_dir: str, model: str, overrides: list[str]) -> list[dict[str, Any]]:
     """``nexrl run recipes/quickstart.yaml`` on ``model``, in this process; the metrics rows."""
     from nexrl_core.cli import main
 
-    code = main(["run", QUICKSTART, f"run_dir={run_dir}", f"service.train_service.model_path={model}",
-                 f"service.inference_service.model_path={model}", "logger.backend=[]", "logger.progress=off",
-                 "validate.validate_before_train=false", "weight.validate_freq=0", *overrides])
+    code = main(run_argv(run_dir, model, overrides))
     if code != 0:
         log = Path(run_dir, "run.log")
         tail = log.read_text(errors="replace").splitlines()[-40:] if log.is_file() else []
         raise RuntimeError(f"nexrl run exited {code}; the end of run.log:\n" + "\n".join(tail))
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    return read_metrics(run_dir)
 
 
 def train_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -186,6 +197,48 @@ def check_fsdp_overhead(model: str, tmp: str, device: str, smoke: bool) -> dict[
     return result
 
 
+def check_profile(model: str, tmp: str, device: str, smoke: bool) -> dict[str, Any]:
+    """Where a nexrl step goes at the large shape: ``py-spy`` samples a 3-step bf16 run in a child
+    process (micro-batches of 32, as the speed step); the heaviest frames of the trainer's and the
+    engine's threads (inclusive and own samples) and the run's ``timing/*`` split per step."""
+    prompts, samples, tokens = SHAPES["large"] if not smoke else (2, 2, 8)
+    run_dir, raw = os.path.join(tmp, "profile"), os.path.join(tmp, "profile.txt")
+    overrides = [f"+service.train_service.device={device}", f"+service.inference_service.device={device}",
+                 *precision("bfloat16"), "+algorithm.rollout_correction.enabled=true", "trainer.total_train_steps=3",
+                 "trainer.save_freq=0", f"trajectory_pool.batch_size={prompts * samples}",
+                 f"trajectory_pool.group_size={samples}", f"rollout_worker.num_workers={prompts * samples}",
+                 f"rollout_worker.sampling.max_tokens={tokens}", "rollout_worker.sampling.temperature=1.0",
+                 f"service.inference_service.max_batch_size={prompts * samples}",
+                 f"+service.train_service.micro_batch_size={0 if smoke else MICRO_BATCH['large']}"]
+    if smoke:
+        overrides.pop()  # the whole batch at once
+    child = [sys.executable, "-c", "import sys; from nexrl_core.cli import main; sys.exit(main(sys.argv[1:]))",
+             *run_argv(run_dir, model, overrides)]
+    proc = subprocess.run(["py-spy", "record", "-r", "50", "-f", "raw", "-o", raw, "--threads", "--", *child],
+                          capture_output=True, text=True, timeout=900)
+    if proc.returncode != 0:
+        raise RuntimeError(f"py-spy / nexrl run exited {proc.returncode}: {(proc.stdout + proc.stderr)[-2000:]}")
+    inclusive: dict[str, dict[str, int]] = {}
+    own: dict[str, dict[str, int]] = {}
+    for line in open(raw):
+        stack, _, count = line.rstrip("\n").rpartition(" ")
+        frames = stack.split(";")
+        thread = frames[0].split(": ", 1)[-1]
+        if thread not in ("trainer", "hf-inference-engine"):
+            continue
+        for frame in set(frames[1:]):
+            inclusive.setdefault(thread, {})[frame] = inclusive.setdefault(thread, {}).get(frame, 0) + int(count)
+        own.setdefault(thread, {})[frames[-1]] = own.setdefault(thread, {}).get(frames[-1], 0) + int(count)
+
+    def top(counts: dict[str, int], n: int) -> list[str]:
+        return [f"{c} {frame}" for frame, c in sorted(counts.items(), key=lambda kv: -kv[1])[:n]]
+
+    rows = train_rows(read_metrics(run_dir))[1:] or train_rows(read_metrics(run_dir))
+    split = {key: sum(r[key] for r in rows) / len(rows) for key in rows[0] if key.startswith("timing/")}
+    return {"samples_per_s": 50, "timing_per_step": split,
+            **{thread: {"inclusive": top(inclusive[thread], 40), "own": top(own[thread], 20)} for thread in inclusive}}
+
+
 def run_tests(out: str) -> dict[str, Any]:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     started = time.perf_counter()
@@ -222,7 +275,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda", help="cuda (the check), or cpu with --smoke")
     p.add_argument("--smoke", action="store_true", help="toy sizes: check the script itself, not the GPU")
     p.add_argument("--only", nargs="*", default=["on_policy", "resume", "speed", "fsdp", "tests"],
-                   choices=("on_policy", "resume", "speed", "fsdp", "tests"))
+                   choices=("on_policy", "resume", "speed", "fsdp", "tests", "profile"),
+                   help="steps to run, in order (profile: py-spy over a large-shape run; not by default)")
     p.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES), help="the speed step's shapes")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
@@ -250,6 +304,7 @@ def main(argv: list[str] | None = None) -> int:
                               (args.shapes if not args.smoke else ["quickstart"])},
             "fsdp": lambda: check_fsdp_overhead(model, tmp, args.device, args.smoke),
             "tests": lambda: run_tests(args.out),
+            "profile": lambda: check_profile(model, tmp, args.device, args.smoke),
         }
         for name in args.only:
             started = time.perf_counter()

@@ -19,6 +19,9 @@ for name in "${PACKAGES[@]}"; do SPECS+=("$name==$(version "$name")"); done
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     -d .whl "${SPECS[@]}"
+# gpu_check.py's profile step: a static binary in a py2.py3 wheel (not a dependency of the CPU venv).
+"$PY" -m pip download -q --no-deps --only-binary=:all: --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64 \
+    -d .whl "py-spy==0.4.3"
 # Published as a source archive only (pure Python): built here.
 "$PY" -m pip wheel -q --no-deps -w .whl "antlr4-python3-runtime==$(version antlr4-python3-runtime)"
 du -sh .whl
