@@ -293,3 +293,34 @@ def test_out_of_memory_names_the_keys_to_lower(tiny_model_and_tokenizer):
     assert message.startswith("service.train_service: out of memory on cpu in forward_backward: lower "
                               "micro_batch_size (now 8), or set offload_optimizer: true")
     assert "Traceback" not in message and caught.value.__cause__ is None
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device"))])
+def test_offloaded_optimizer_state_waits_on_the_host_and_steps_as_on_the_device(tiny_model_dir, tmp_path, device):
+    """``offload_optimizer``: AdamW's moments wait on the host between steps, the weights after two
+    steps equal those of a service that keeps them on the device, and a checkpoint saved right
+    after a step holds the moments that step made (the copies to the host are asynchronous)."""
+    from safetensors.torch import load_file
+
+    from tests.grpo_plugin.test_train_service import grpo_loss, random_batch
+
+    services = {offload: LocalTorchTrainService({"model_path": tiny_model_dir, "lr": 1e-3, "seed": 0,
+                                                 "device": device, "offload_optimizer": offload})
+                for offload in (False, True)}
+    for step in range(2):
+        batch = random_batch(step, rows=8)
+        for service in services.values():
+            service.forward_backward(batch, grpo_loss())
+            service.optim_step()
+    kept, offloaded = services[False], services[True]
+    moments = [v for state in offloaded.optimizer.state.values() for k, v in state.items() if k != "step"]
+    assert moments and all(v.device.type == "cpu" for v in moments)
+    for (name, a), (_, b) in zip(kept.model.named_parameters(), offloaded.model.named_parameters()):
+        assert torch.equal(a, b), name
+    offloaded.save_checkpoint(tmp_path / "offloaded")
+    kept.save_checkpoint(tmp_path / "kept")
+    saved = {name: load_file(tmp_path / name / "optimizer.safetensors") for name in ("kept", "offloaded")}
+    assert saved["kept"].keys() == saved["offloaded"].keys()
+    for key, value in saved["kept"].items():
+        assert torch.equal(value, saved["offloaded"][key]), key

@@ -399,11 +399,17 @@ class LocalTorchTrainService(TrainService):
         """AdamW's state tensors to ``device`` (``offload_optimizer``: the host between steps)."""
         if not self.offload_optimizer:
             return
+        moved = False
         for state in self.optimizer.state.values():
             for key, value in state.items():
                 # The step counter is a scalar: it stays where AdamW put it.
                 if torch.is_tensor(value) and key != "step" and value.device != device:
                     state[key] = value.to(device, non_blocking=device.type == "cpu")
+                    moved = True
+        if moved and device.type == "cpu" and self.device.type == "cuda":
+            # The copies land in pinned memory asynchronously: a checkpoint read before they finish
+            # would save whatever the buffers held.
+            torch.cuda.synchronize(self.device)
 
     @contextlib.contextmanager
     def _out_of_memory(self, phase: str):
