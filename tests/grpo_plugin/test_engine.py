@@ -170,6 +170,21 @@ def test_max_tokens_and_stop_strings(make_engine):
     assert len(decode(ids[:-1])) < cut if ids else cut == 0
 
 
+def test_a_stop_string_in_the_final_text_ends_the_response_with_reason_stop(tiny_model_and_tokenizer):
+    """The whole text is checked once more at the end (a stop spread over special tokens, which
+    decode to nothing, can outrun the tail checked after each token): it is cut there and the
+    reason says stop."""
+    from types import SimpleNamespace
+
+    _, tokenizer = tiny_model_and_tokenizer
+    engine = SimpleNamespace(_decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+    ids = tokenizer("the quick brown fox jumps over the lazy dog")["input_ids"]
+    text, reason, kept, logprobs = HFInferenceEngine._finish(engine, ids, [-1.0] * len(ids), "length", ["fox"])
+    assert (text, reason) == ("the quick brown ", "stop")
+    assert kept == ids[:len(kept)] and len(logprobs) == len(kept) and "fox" not in engine._decode(kept[:-1])
+    assert HFInferenceEngine._finish(engine, ids, [-1.0] * len(ids), "length", ["cat"])[1] == "length"
+
+
 def _byte_level_chars() -> dict[int, str]:
     """The characters byte-level BPE spells bytes with: printable Latin-1 bytes as themselves, the
     others shifted past 255 in order."""

@@ -520,8 +520,8 @@ class HFInferenceEngine(InferenceClient):
     def _finish(self, ids: list[int], logprobs: list[float], reason: str, stops: list[str]):
         text = self._decode(ids)
         cut = min((i for i in (text.find(s) for s in stops if s) if i >= 0), default=-1)
-        if cut >= 0:
-            text = text[:cut]
+        if cut >= 0:  # a stop string ends the response, whenever it was seen
+            text, reason = text[:cut], "stop"
             keep = len(ids)
             while keep > 0 and len(self._decode(ids[: keep - 1])) >= cut:
                 keep -= 1
