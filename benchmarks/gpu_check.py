@@ -46,6 +46,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -211,29 +212,26 @@ def check_profile(model: str, tmp: str, device: str, smoke: bool) -> dict[str, A
                  f"trajectory_pool.group_size={samples}", f"rollout_worker.num_workers={prompts * samples}",
                  f"rollout_worker.sampling.max_tokens={tokens}", "rollout_worker.sampling.temperature=1.0",
                  f"service.inference_service.max_batch_size={prompts * samples}",
-                 f"+service.train_service.micro_batch_size={0 if smoke else MICRO_BATCH['large']}"]
-    if smoke:
-        overrides.pop()  # the whole batch at once
+                 *([] if smoke else [f"+service.train_service.micro_batch_size={MICRO_BATCH['large']}"])]
     child = [sys.executable, "-c", "import sys; from nexrl_core.cli import main; sys.exit(main(sys.argv[1:]))",
              *run_argv(run_dir, model, overrides)]
     proc = subprocess.run(["py-spy", "record", "-r", "50", "-f", "raw", "-o", raw, "--threads", "--", *child],
                           capture_output=True, text=True, timeout=900)
     if proc.returncode != 0:
         raise RuntimeError(f"py-spy / nexrl run exited {proc.returncode}: {(proc.stdout + proc.stderr)[-2000:]}")
-    inclusive: dict[str, dict[str, int]] = {}
-    own: dict[str, dict[str, int]] = {}
-    for line in open(raw):
-        stack, _, count = line.rstrip("\n").rpartition(" ")
-        frames = stack.split(";")
-        thread = frames[0].split(": ", 1)[-1]
-        if thread not in ("trainer", "hf-inference-engine"):
-            continue
-        for frame in set(frames[1:]):
-            inclusive.setdefault(thread, {})[frame] = inclusive.setdefault(thread, {}).get(frame, 0) + int(count)
-        own.setdefault(thread, {})[frames[-1]] = own.setdefault(thread, {}).get(frames[-1], 0) + int(count)
+    inclusive: dict[str, Counter[str]] = defaultdict(Counter)
+    own: dict[str, Counter[str]] = defaultdict(Counter)
+    with open(raw) as f:
+        for line in f:
+            stack, _, count = line.rstrip("\n").rpartition(" ")
+            frames = stack.split(";")
+            thread = frames[0].split(": ", 1)[-1]
+            if thread in ("trainer", "hf-inference-engine"):
+                inclusive[thread].update(dict.fromkeys(frames[1:], int(count)))  # a recursive frame once
+                own[thread][frames[-1]] += int(count)
 
-    def top(counts: dict[str, int], n: int) -> list[str]:
-        return [f"{c} {frame}" for frame, c in sorted(counts.items(), key=lambda kv: -kv[1])[:n]]
+    def top(counts: Counter[str], n: int) -> list[str]:
+        return [f"{c} {frame}" for frame, c in counts.most_common(n)]
 
     rows = train_rows(read_metrics(run_dir))[1:] or train_rows(read_metrics(run_dir))
     split = {key: sum(r[key] for r in rows) / len(rows) for key in rows[0] if key.startswith("timing/")}
