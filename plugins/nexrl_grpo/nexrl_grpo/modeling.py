@@ -334,13 +334,87 @@ def packing_problem(model: torch.nn.Module, attention_mask: torch.Tensor, respon
     return None
 
 
-# A packed sequence's tokens attend only within their own GRPO group (prompt and its responses):
-# attention runs per group block, each over its block of the 4-D mask. The dense masked SDPA over the
-# whole sequence computes the same attention (masked columns weigh 0) at several times the work
-# (0.77 against 0.24 s forward and backward over 30 layers of four ~150-token groups).
+# A packed sequence's tokens attend only within their own GRPO group (prompt and its responses), and a
+# response token sees its prompt and its own response only. Attention runs per group block, in one of
+# two layouts (:class:`_GroupBlock`): over the block's whole square (a dense mask; few calls, the cheaper
+# one for short responses) or as the prompt's causal attention plus each response over its prompt and
+# itself, padded to the group's longest response (work ~ rows x response x (prompt + response) instead
+# of (prompt + all responses)^2: 7x less for 8 responses of 256 tokens).
 _GROUP_ATTENTION = "nexrl_group_sdpa"
-_group_blocks: contextvars.ContextVar[list[tuple[int, int]] | None] = contextvars.ContextVar("_group_blocks",
-                                                                                           default=None)
+# When the split layout is taken: for blocks of at least this many query-key pairs, when its work is at
+# most this fraction of the square's. It makes more, smaller calls, which cost more than their arithmetic
+# in short blocks. SmolLM2 on 2 CPU cores, forward and backward: the quickstart's 4 x 4 x 48 groups
+# (square ~17k) 5% slower split; 4 x 8 x 128 (225k, 0.62) 3% faster; 2 x 8 x 256 (1.2M, 0.51) 12% faster.
+_SPLIT_MIN_SQUARE = 1 << 16
+_SPLIT_BELOW = 0.75
+
+
+class _GroupBlock:
+    """One group's ``[start, start + prompt + sum(responses))`` span of a packed sequence: its prompt,
+    then its responses back to back. Masks and indices are built once per device and reused by every
+    layer of the forward."""
+
+    def __init__(self, start: int, prompt: int, responses: list[int]):
+        self.start, self.prompt, self.responses = start, prompt, responses
+        self.end = start + prompt + sum(responses)
+        width = max(responses, default=0)
+        square = (self.end - start) ** 2
+        self.split = bool(responses) and square >= _SPLIT_MIN_SQUARE \
+            and prompt * prompt + len(responses) * width * (prompt + width) <= _SPLIT_BELOW * square
+        self._tensors: dict[torch.device, tuple[torch.Tensor, ...]] = {}
+
+    def tensors(self, device: torch.device) -> tuple[torch.Tensor, ...]:
+        if device not in self._tensors:
+            self._tensors[device] = tuple(t.to(device) for t in (self._split_tensors() if self.split else
+                                                                 (self._square_mask(),)))
+        return self._tensors[device]
+
+    def attend(self, sdpa: Any, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               kwargs: dict[str, Any]) -> torch.Tensor:
+        """This block's attention output, ``[tokens, heads, head_dim]``, from the packed sequence's
+        ``[1, heads, T, head_dim]`` queries, keys and values through transformers' ``sdpa``."""
+        a, p, b = self.start, self.start + self.prompt, self.end
+        if not self.split:
+            (mask,) = self.tensors(query.device)
+            return sdpa(module, query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], mask, **kwargs)[0][0]
+        gather, mask, real = self.tensors(query.device)
+        rows = len(self.responses)
+
+        def padded(x: torch.Tensor) -> torch.Tensor:  # [1, heads, T, d] -> [rows, heads, width, d]
+            out = x[0, :, a:b].index_select(1, gather)
+            return out.view(x.shape[1], rows, -1, x.shape[3]).transpose(0, 1)
+
+        def with_prompt(x: torch.Tensor) -> torch.Tensor:
+            return torch.cat([x[:, :, a:p].expand(rows, -1, -1, -1), padded(x)], dim=2)
+
+        prompt = sdpa(module, query[:, :, a:p], key[:, :, a:p], value[:, :, a:p], None, **kwargs)[0][0]  # causal
+        out = sdpa(module, padded(query), with_prompt(key), with_prompt(value), mask, **kwargs)[0]
+        return torch.cat([prompt, out.reshape(-1, *out.shape[2:]).index_select(0, real)])
+
+    def _square_mask(self) -> torch.Tensor:
+        """``[1, 1, T, T]``: a token sees the earlier tokens of its own segment and its group's prompt."""
+        segment = torch.tensor([-1] * self.prompt + [i for i, n in enumerate(self.responses) for _ in range(n)])
+        index = torch.arange(len(segment))
+        sees = (index[None, :] <= index[:, None]) & ((segment[:, None] == segment[None, :]) | (segment[None, :] < 0))
+        return sees[None, None]
+
+    def _split_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Block positions of each response padded to the longest (``[rows * width]``; padding repeats
+        the row's last token, whose output is dropped), the mask over ``prompt + width`` keys
+        (``[rows, 1, width, prompt + width]``), and where the real outputs sit in the padded ones."""
+        width = max(self.responses)
+        lengths = torch.tensor(self.responses)
+        offsets = self.prompt + torch.cumsum(lengths, 0) - lengths
+        step = torch.arange(width)
+        gather = (offsets[:, None] + torch.minimum(step[None, :], lengths[:, None] - 1)).reshape(-1)
+        column = torch.arange(self.prompt + width)
+        mask = (column[None, :] < self.prompt) | (column[None, :] - self.prompt <= step[:, None])
+        mask = mask[None, None].expand(len(lengths), 1, width, self.prompt + width)
+        real = (torch.arange(len(lengths))[:, None] * width + step[None, :])[step[None, :] < lengths[:, None]]
+        return gather, mask, real
+
+
+_group_blocks: contextvars.ContextVar[list[_GroupBlock] | None] = contextvars.ContextVar("_group_blocks", default=None)
 
 
 def _group_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -355,28 +429,39 @@ def _group_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     blocks = _group_blocks.get()
-    if blocks is None or attention_mask is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    parts = [sdpa_attention_forward(module, query[:, :, a:b], key[:, :, a:b], value[:, :, a:b],
-                                    attention_mask[:, :, a:b, a:b], **kwargs)[0] for a, b in blocks]
-    return torch.cat(parts, dim=1), None  # [batch, tokens, heads, head_dim], as sdpa returns it
+    if blocks is None:
+        raise RuntimeError("nexrl's group attention was called outside a packed forward")
+    parts = [block.attend(sdpa_attention_forward, module, query, key, value, kwargs) for block in blocks]
+    used = _group_calls.get()
+    if used is not None:
+        used.append(1)
+    return torch.cat(parts)[None], None  # [batch, tokens, heads, head_dim], as sdpa returns it
+
+
+_group_calls: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("_group_calls", default=None)
 
 
 @contextlib.contextmanager
-def _attention_per_group(model: torch.nn.Module, blocks: list[tuple[int, int]]):
-    """The model's attention runs per ``[start, end)`` block of the packed sequence while inside."""
+def _attention_per_group(model: torch.nn.Module, blocks: list[_GroupBlock]):
+    """The model's attention runs per group block of the packed sequence while inside. The model gets
+    no mask of its own (a ``[1, 1, 1, 1]`` placeholder): a forward in which no attention layer came
+    through here raises instead of attending with it."""
     from transformers import AttentionInterface
 
     AttentionInterface.register(_GROUP_ATTENTION, _group_sdpa)  # a dict entry: idempotent
     config = getattr(model, "module", model).config  # DDP wraps the model
     previous = config._attn_implementation
-    token = _group_blocks.set(blocks)
+    token, calls = _group_blocks.set(blocks), _group_calls.set([])
     config._attn_implementation = _GROUP_ATTENTION
     try:
         yield
+        if not _group_calls.get():
+            raise RuntimeError(f"{type(model).__name__}'s attention does not go through transformers' attention "
+                               f"interface; packed training cannot run it (set service.train_service.packing: false)")
     finally:
         config._attn_implementation = previous
         _group_blocks.reset(token)
+        _group_calls.reset(calls)
 
 
 def compute_response_logprobs_packed(
@@ -394,15 +479,15 @@ def compute_response_logprobs_packed(
 
     Rows are packed into sequences of at most ``max_tokens_per_pack`` tokens (a group that is
     longer gets a sequence of its own): each distinct prompt (``prompt_groups``; none: every row
-    its own) once, followed by its rows' real response tokens. A 4-D boolean mask lets a token see
-    its own prompt and the earlier tokens of its own segment; positions are the batch's
-    ``position_ids``; attention runs per group (no token sees another group's); the LM head runs
+    its own) once, followed by its rows' real response tokens. A token sees its own prompt and the
+    earlier tokens of its own segment (attention runs per group, :class:`_GroupBlock`); positions
+    are the batch's ``position_ids``; the LM head runs
     only at the positions that predict a response token, each once per temperature (a prompt's
     last position predicts the first token of each of its rows), and for the models of
     ``_PLAIN_HEAD_MODEL_TYPES`` it scores the targets itself (:class:`_TargetLogprobs`).
     Same numbers as the padded computation up to float summation order, gradients included, and
-    the same bits on every call (no position is gathered twice: on CPU the backward of a repeated
-    index adds with atomics, in another order each run).
+    the same bits on every call (no position with a gradient is gathered twice: on CPU the backward
+    of a repeated index adds with atomics, in another order each run).
     Entries past a row's response length are 0. Needs left-padded prompts, right-padded
     responses and an ``sdpa`` model (:func:`packing_problem`). ``packs``: at least that many model
     calls, the missing ones on one token with zero weight (a data-parallel rank with fewer packs
@@ -420,10 +505,10 @@ def compute_response_logprobs_packed(
 
     parts, dest_rows, dest_cols = [], [], []
     for bin_groups in bins:
-        tokens, pos, segment, owner, targets, kept_rows = [], [], [], [], [], []
+        tokens, pos, targets, kept_rows = [], [], [], []
         keep: dict[int, int] = {}  # packed position -> its row in the LM head's output
         pick: list[int] = []  # per target: the LM head row that predicts it
-        blocks: list[tuple[int, int]] = []  # each group's [start, end) in the packed sequence
+        blocks: list[_GroupBlock] = []
         length = 0
         for group in bin_groups:
             group_start = length
@@ -434,8 +519,7 @@ def compute_response_logprobs_packed(
             length += n_prompt
             tokens.append(prompt_tokens)
             pos.append(positions[first, :prompt_len][mask[first, :prompt_len]])
-            segment += [-1 - group] * n_prompt
-            owner += [group] * n_prompt
+            lengths = []
             for row in members[group]:
                 n = response_lengths[row]
                 if n == 0:
@@ -443,8 +527,7 @@ def compute_response_logprobs_packed(
                 start, length = length, length + n
                 tokens.append(ids[row, prompt_len:prompt_len + n])
                 pos.append(positions[row, prompt_len:prompt_len + n])
-                segment += [row] * n
-                owner += [group] * n
+                lengths.append(n)
                 # The prompt's last token predicts response token 0; response token t predicts t+1.
                 for position in [prompt_last, *range(start, start + n - 1)]:
                     pick.append(keep.setdefault(position, len(keep)))
@@ -452,13 +535,9 @@ def compute_response_logprobs_packed(
                 kept_rows += [row] * n
                 dest_rows += [row] * n
                 dest_cols += list(range(n))
-            blocks.append((group_start, length))
+            blocks.append(_GroupBlock(group_start, n_prompt, lengths))
         if not keep:
             continue
-        seg, own = torch.tensor(segment), torch.tensor(owner)
-        index = torch.arange(len(seg))
-        sees = (index[None, :] <= index[:, None]) & ((seg[:, None] == seg[None, :])
-                                                      | ((seg[None, :] < 0) & (own[None, :] == own[:, None])))
         # One temperature per target: that of its row.
         temps = temperature[torch.tensor(kept_rows, device=temperature.device)] if torch.is_tensor(temperature) \
             else temperature
@@ -468,7 +547,7 @@ def compute_response_logprobs_packed(
         with _attention_per_group(model, blocks), scoring, _sparse_tied_embedding(model):
             out = model(
                 input_ids=torch.cat(tokens)[None].to(device),
-                attention_mask=sees[None, None].to(device),
+                attention_mask=torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device),  # the blocks carry it
                 position_ids=torch.cat(pos)[None].to(device),
                 use_cache=False,
                 logits_to_keep=torch.tensor(list(keep), device=device),
@@ -485,7 +564,7 @@ def compute_response_logprobs_packed(
         result = result.index_put((torch.tensor(dest_rows, device=device), torch.tensor(dest_cols, device=device)), values)
     for _ in range(len(parts), packs):
         # A call on one token whose output weighs 0: the forward and backward still reach every layer.
-        with _attention_per_group(model, [(0, 1)]):
+        with _attention_per_group(model, [_GroupBlock(0, 1, [])]):
             out = model(input_ids=ids[:1, -1:].to(device), attention_mask=torch.ones(1, 1, 1, 1, dtype=torch.bool,
                         device=device), position_ids=torch.zeros(1, 1, dtype=torch.long, device=device),
                         use_cache=False, logits_to_keep=1)
