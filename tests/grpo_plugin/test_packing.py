@@ -198,6 +198,10 @@ def test_a_model_whose_attention_bypasses_the_interface_is_refused(tiny_model_an
     with pytest.raises(RuntimeError, match="packing: false"):
         compute_response_logprobs_packed(model, ids, mask, pos, resp_w, groups)
     assert model.config._attn_implementation == "sdpa"
+    monkeypatch.undo()
+    # A layer that attends through plain sdpa with the placeholder fails on its shape.
+    with pytest.raises(RuntimeError):
+        model(input_ids=ids[:1], attention_mask=modeling._placeholder_mask(ids.device))
 
 
 @pytest.mark.parametrize("packed", [False, True])
@@ -342,6 +346,13 @@ def test_packing_problems_are_named(tiny_model_and_tokenizer):
         assert "'eager'" in packing_problem(model, mask, resp_w)
     finally:
         model.config._attn_implementation = "sdpa"
+    named = "activation" if hasattr(model, "activation_checkpointing_enable") else "gradient"  # transformers 5 / 4
+    getattr(model, f"{named}_checkpointing_enable")()
+    try:
+        assert "gradient checkpointing" in packing_problem(model, mask, resp_w)
+    finally:
+        getattr(model, f"{named}_checkpointing_disable")()
+    assert packing_problem(model, mask, resp_w) is None
 
 
 def test_train_service_packs_or_falls_back(tiny_model_and_tokenizer):

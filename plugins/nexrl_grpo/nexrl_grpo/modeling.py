@@ -324,6 +324,13 @@ def packing_problem(model: torch.nn.Module, attention_mask: torch.Tensor, respon
     implementation = getattr(getattr(model, "config", None), "_attn_implementation", None)
     if implementation != "sdpa":
         return f"attention implementation {implementation!r} (packing needs 'sdpa', which honours 4-D masks)"
+    base = getattr(model, "module", model)  # DDP wraps the model
+    # transformers 5 renamed it (the old name warns); 4.x has only the old one.
+    checkpointing = getattr(base, "is_activation_checkpointing", None)
+    if checkpointing is None:
+        checkpointing = getattr(base, "is_gradient_checkpointing", False)
+    if checkpointing:  # its recomputation runs in the backward, outside the packed forward's group attention
+        return "gradient checkpointing is on"
     prompt_len = attention_mask.shape[1] - response_length
     if prompt_len < 1 or not bool(attention_mask[:, prompt_len - 1].all()):
         return "a row has no prompt token right before its response (prompts must be left-padded)"
@@ -441,11 +448,17 @@ def _group_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
 _group_calls: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("_group_calls", default=None)
 
 
+def _placeholder_mask(device: torch.device) -> torch.Tensor:
+    """What the model gets for a mask in a packed forward (the group blocks carry the real one): empty,
+    so an attention layer that bypasses :func:`_group_sdpa` fails on its shape instead of using it."""
+    return torch.ones(1, 1, 0, 0, dtype=torch.bool, device=device)
+
+
 @contextlib.contextmanager
 def _attention_per_group(model: torch.nn.Module, blocks: list[_GroupBlock]):
     """The model's attention runs per group block of the packed sequence while inside. The model gets
-    no mask of its own (a ``[1, 1, 1, 1]`` placeholder): a forward in which no attention layer came
-    through here raises instead of attending with it."""
+    no mask of its own (:func:`_placeholder_mask`), and a forward in which no attention layer came
+    through here raises."""
     from transformers import AttentionInterface
 
     AttentionInterface.register(_GROUP_ATTENTION, _group_sdpa)  # a dict entry: idempotent
@@ -547,7 +560,7 @@ def compute_response_logprobs_packed(
         with _attention_per_group(model, blocks), scoring, _sparse_tied_embedding(model):
             out = model(
                 input_ids=torch.cat(tokens)[None].to(device),
-                attention_mask=torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device),  # the blocks carry it
+                attention_mask=_placeholder_mask(device),
                 position_ids=torch.cat(pos)[None].to(device),
                 use_cache=False,
                 logits_to_keep=torch.tensor(list(keep), device=device),
@@ -565,9 +578,9 @@ def compute_response_logprobs_packed(
     for _ in range(len(parts), packs):
         # A call on one token whose output weighs 0: the forward and backward still reach every layer.
         with _attention_per_group(model, [_GroupBlock(0, 1, [])]):
-            out = model(input_ids=ids[:1, -1:].to(device), attention_mask=torch.ones(1, 1, 1, 1, dtype=torch.bool,
-                        device=device), position_ids=torch.zeros(1, 1, dtype=torch.long, device=device),
-                        use_cache=False, logits_to_keep=1)
+            out = model(input_ids=ids[:1, -1:].to(device), attention_mask=_placeholder_mask(device),
+                        position_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=False,
+                        logits_to_keep=1)
         result = result + out.logits.float().sum() * 0.0
     return result
 
