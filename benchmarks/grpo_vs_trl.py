@@ -611,8 +611,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {name} trainer per step: " + ", ".join(f"{key.removeprefix('timing/').removesuffix('_s')} {v:.2f}s"
                                                       for key, v in split.items()))
     for name, (engine, stats) in engines.items():
+        decoder = getattr(engine, "decoder", None)  # the GPU's static decoder counts KV pools and CUDA graphs
+        static = {key: getattr(decoder, key) for key in ("pool_allocations", "graph_captures") if hasattr(decoder, key)}
         print(f"  {name} engine: {engine.num_batches} batches / {engine.num_requests} requests for "
-              f"{len(rewards[name])} steps x {args.prompts * args.samples} trained; pool counters {stats}")
+              f"{len(rewards[name])} steps x {args.prompts * args.samples} trained; pool counters {stats}"
+              + (f"; decoder {static}" if static else ""))
     steps = min(len(r) for r in rewards.values())
     names = list(rewards)
     print(f"mean reward per step (step: {' / '.join(names)}):")

@@ -172,6 +172,12 @@ def test_the_static_pool_fits_the_batch_and_grows_keeping_its_rows():
         session.select(torch.tensor([0, 0, 1, 1, 1]))  # 5 rows: 8 padded, 512 tokens
         assert static.pool.numel() == 512 * per_token
         torch.testing.assert_close(session.blocks[[0, 2]], before, atol=0, rtol=0)
+        allocated = static.pool_allocations
+        static.session(tokens=StaticLlama.footprint(4, 16))  # fits: the pool stays
+        assert static.pool_allocations == allocated
+        static.release()
+        static.session(tokens=StaticLlama.footprint(4, 16))
+        assert static.pool_allocations == allocated + 1 and static.graph_captures == 0  # no graphs on the CPU
 
 
 def test_static_refresh_keeps_addresses_and_serves_new_weights():

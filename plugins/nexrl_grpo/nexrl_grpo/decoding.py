@@ -470,6 +470,9 @@ class StaticLlama(FastLlama):
         self.pool: torch.Tensor | None = None
         self._steps: dict[tuple[int, int, int], _DecodeStep] = {}
         self._graph_memory: Any = None
+        # Counters for benchmarks: a pool at a new address drops every captured graph.
+        self.pool_allocations = 0
+        self.graph_captures = 0
 
     def _pack_if_stale(self) -> None:
         if self._packed_versions is None and not hasattr(self, "layers"):
@@ -527,6 +530,7 @@ class StaticLlama(FastLlama):
         if self.pool is not None:
             pool[:self.pool.numel()].copy_(self.pool)
         self.pool = pool
+        self.pool_allocations += 1
 
     def decode_step(self, rows: int, capacity: int) -> "_DecodeStep":
         """The decode step of this layout over the current pool (captured once per pool address)."""
@@ -585,6 +589,7 @@ class _DecodeStep:
                 with torch.cuda.graph(graph, pool=self.graph_memory, capture_error_mode="thread_local"):
                     self.logits = self._compute()
                 self.graph = graph
+                self.o.graph_captures += 1
         self.graph.replay()
         return self.logits.clone()  # the next replay overwrites the graph's output
 
