@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -77,6 +79,24 @@ def test_packed_logprobs_and_gradients_equal_padded(tiny_model_and_tokenizer, gr
     for name in want_grads:
         # Gradients sum over every token in another order: an embedding row near 0 moves by ~1e-5.
         torch.testing.assert_close(got_grads[name], want_grads[name], atol=3e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_packing_on_the_gpu_matches_padded(tiny_model_and_tokenizer, layout):
+    """Both attention layouts on CUDA (SDPA picks other kernels there, and the split layout's mask
+    is an expanded view), against the padded computation on the same card."""
+    model = copy.deepcopy(tiny_model_and_tokenizer[0]).cuda()
+    model.train()
+    ids, mask, pos, resp_w, groups = (t.cuda() if torch.is_tensor(t) else t for t in padded_batch())
+    response_mask = mask[:, -resp_w:].float()
+    weights = torch.randn(response_mask.shape, generator=torch.Generator().manual_seed(1)).cuda()
+    want = compute_response_logprobs(model, ids, mask, pos, resp_w)
+    want_grads = grads_of(model, want, response_mask, weights)
+    got = compute_response_logprobs_packed(model, ids, mask, pos, resp_w, groups)
+    got_grads = grads_of(model, got, response_mask, weights)
+    torch.testing.assert_close(got * response_mask, want * response_mask, atol=1e-4, rtol=1e-4)
+    for name in want_grads:
+        torch.testing.assert_close(got_grads[name], want_grads[name], atol=1e-4, rtol=1e-3, msg=name)
 
 
 def test_a_shared_prompt_position_is_scored_once_and_its_gradient_has_the_same_bits_every_call(
