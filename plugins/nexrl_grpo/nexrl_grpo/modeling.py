@@ -421,7 +421,16 @@ class _GroupBlock:
         return gather, mask, real
 
 
-_group_blocks: contextvars.ContextVar[list[_GroupBlock] | None] = contextvars.ContextVar("_group_blocks", default=None)
+class _PackedForward:
+    """The group blocks of the packed forward under way, and how many attention layers used them."""
+
+    def __init__(self, blocks: list[_GroupBlock]):
+        self.blocks = blocks
+        self.layers_attended = 0
+
+
+_packed_forward: contextvars.ContextVar[_PackedForward | None] = contextvars.ContextVar("_packed_forward",
+                                                                                        default=None)
 
 
 def _group_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -435,17 +444,12 @@ def _group_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
         return out.to(torch.get_autocast_dtype("cpu")), None
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    blocks = _group_blocks.get()
-    if blocks is None:
+    packed = _packed_forward.get()
+    if packed is None:
         raise RuntimeError("nexrl's group attention was called outside a packed forward")
-    parts = [block.attend(sdpa_attention_forward, module, query, key, value, kwargs) for block in blocks]
-    used = _group_calls.get()
-    if used is not None:
-        used.append(1)
+    packed.layers_attended += 1
+    parts = [block.attend(sdpa_attention_forward, module, query, key, value, kwargs) for block in packed.blocks]
     return torch.cat(parts)[None], None  # [batch, tokens, heads, head_dim], as sdpa returns it
-
-
-_group_calls: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("_group_calls", default=None)
 
 
 def _placeholder_mask(device: torch.device) -> torch.Tensor:
@@ -464,17 +468,17 @@ def _attention_per_group(model: torch.nn.Module, blocks: list[_GroupBlock]):
     AttentionInterface.register(_GROUP_ATTENTION, _group_sdpa)  # a dict entry: idempotent
     config = getattr(model, "module", model).config  # DDP wraps the model
     previous = config._attn_implementation
-    token, calls = _group_blocks.set(blocks), _group_calls.set([])
+    packed = _PackedForward(blocks)
+    token = _packed_forward.set(packed)
     config._attn_implementation = _GROUP_ATTENTION
     try:
         yield
-        if not _group_calls.get():
+        if not packed.layers_attended:
             raise RuntimeError(f"{type(model).__name__}'s attention does not go through transformers' attention "
                                f"interface; packed training cannot run it (set service.train_service.packing: false)")
     finally:
         config._attn_implementation = previous
-        _group_blocks.reset(token)
-        _group_calls.reset(calls)
+        _packed_forward.reset(token)
 
 
 def compute_response_logprobs_packed(
