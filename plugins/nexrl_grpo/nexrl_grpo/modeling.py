@@ -376,10 +376,12 @@ class _GroupBlock:
                                                                  (self._square_mask(),)))
         return self._tensors[device]
 
-    def attend(self, sdpa: Any, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    def attend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                kwargs: dict[str, Any]) -> torch.Tensor:
         """This block's attention output, ``[tokens, heads, head_dim]``, from the packed sequence's
-        ``[1, heads, T, head_dim]`` queries, keys and values through transformers' ``sdpa``."""
+        ``[1, heads, T, head_dim]`` queries, keys and values through transformers' sdpa attention."""
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward as sdpa
+
         a, p, b = self.start, self.start + self.prompt, self.end
         if not self.split:
             (mask,) = self.tensors(query.device)
@@ -442,13 +444,11 @@ def _group_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
         with torch.autocast("cpu", enabled=False):
             out, _ = _group_sdpa(module, query.float(), key.float(), value.float(), attention_mask, **kwargs)
         return out.to(torch.get_autocast_dtype("cpu")), None
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     packed = _packed_forward.get()
     if packed is None:
         raise RuntimeError("nexrl's group attention was called outside a packed forward")
     packed.layers_attended += 1
-    parts = [block.attend(sdpa_attention_forward, module, query, key, value, kwargs) for block in packed.blocks]
+    parts = [block.attend(module, query, key, value, kwargs) for block in packed.blocks]
     return torch.cat(parts)[None], None  # [batch, tokens, heads, head_dim], as sdpa returns it
 
 
