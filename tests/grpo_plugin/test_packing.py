@@ -11,6 +11,7 @@ from nexrl_grpo import modeling
 from nexrl_grpo.modeling import (
     compute_response_logprobs,
     compute_response_logprobs_packed,
+    pack_count,
     packing_problem,
     position_ids_from_mask,
 )
@@ -205,6 +206,30 @@ def test_long_responses_attend_over_their_prompt_and_themselves_not_the_whole_gr
     ids, mask, pos, resp_w, groups = padded_batch([(0, [5, 6, 7], [20]), (0, [5, 6, 7], [21]), (0, [5, 6, 7], [22])])
     got = compute_response_logprobs_packed(model, ids, mask, pos, resp_w, groups)
     torch.testing.assert_close(got, compute_response_logprobs(model, ids, mask, pos, resp_w), atol=1e-5, rtol=1e-5)
+
+
+def test_a_group_longer_than_a_pack_is_split_with_its_prompt_repeated(tiny_model_and_tokenizer):
+    """``max_tokens_per_pack`` bounds every model call (the memory knob the out-of-memory error names),
+    whatever the group size: a longer group's rows go to several sequences, each with the prompt;
+    only a prompt with one response longer than the bound makes a longer sequence."""
+    model, _ = tiny_model_and_tokenizer
+    model.train()
+    rows = [(0, [5, 6, 7, 8, 9], list(range(20 + 6 * i, 26 + 6 * i))) for i in range(4)]
+    rows.append((1, [10, 11], list(range(50, 70))))  # 2 + 20 tokens: over a bound of 17 even alone
+    ids, mask, pos, resp_w, groups = padded_batch(rows)
+    lengths: list[int] = []
+    hook = model.register_forward_pre_hook(lambda module, args, kwargs: lengths.append(kwargs["input_ids"].shape[1]),
+                                           with_kwargs=True)
+    try:
+        got = compute_response_logprobs_packed(model, ids, mask, pos, resp_w, groups, max_tokens_per_pack=17)
+    finally:
+        hook.remove()
+    # Group 0 (5 + 4 x 6 = 29 tokens) as two sequences of 5 + 2 x 6; group 1 alone, over the bound.
+    assert lengths == [17, 17, 22]
+    assert pack_count(mask, resp_w, groups, max_tokens_per_pack=17) == len(lengths)
+    want = compute_response_logprobs(model, ids, mask, pos, resp_w)
+    response_mask = mask[:, -resp_w:].float()
+    torch.testing.assert_close(got * response_mask, want * response_mask, atol=1e-5, rtol=1e-5)
 
 
 def test_a_model_whose_attention_bypasses_the_interface_is_refused(tiny_model_and_tokenizer, monkeypatch):

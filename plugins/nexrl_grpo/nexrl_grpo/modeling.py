@@ -495,8 +495,8 @@ def compute_response_logprobs_packed(
     """:func:`compute_response_logprobs` without computing a single padding token.
 
     Rows are packed into sequences of at most ``max_tokens_per_pack`` tokens (a group that is
-    longer gets a sequence of its own): each distinct prompt (``prompt_groups``; none: every row
-    its own) once, followed by its rows' real response tokens. A token sees its own prompt and the
+    longer is split, its prompt repeated: :func:`_pack_bins`): each distinct prompt
+    (``prompt_groups``; none: every row its own) once, followed by its rows' real response tokens. A token sees its own prompt and the
     earlier tokens of its own segment (attention runs per group, :class:`_GroupBlock`); positions
     are the batch's ``position_ids``; the LM head runs
     only at the positions that predict a response token, each once per temperature (a prompt's
@@ -711,23 +711,41 @@ def _head_scores(head: torch.nn.Linear, pick: list[int], targets: torch.Tensor,
 
 def _pack_bins(mask: torch.Tensor, response_length: int, prompt_groups: torch.Tensor | None,
                max_tokens_per_pack: int) -> tuple[dict[int, list[int]], list[list[int]], list[int]]:
-    """Rows by group, the groups of each packed sequence (greedy bins of whole groups, in batch
-    order) and each row's response length."""
+    """Rows by segment, the segments of each packed sequence (greedy bins, in batch order) and each
+    row's response length. A segment is a group's prompt with some of its rows: the whole group, or,
+    for a group longer than ``max_tokens_per_pack``, as many of its rows as fit beside the prompt (a
+    row that does not fit beside it even alone gets a segment of its own). So a pack holds at most
+    ``max_tokens_per_pack`` tokens unless one prompt and one response exceed it: the knob bounds the
+    activations of a call whatever the group size."""
     prompt_len = mask.shape[1] - response_length
     groups = torch.arange(mask.shape[0]) if prompt_groups is None else prompt_groups.cpu()
     _, inverse = torch.unique(groups, return_inverse=True)
     response_lengths = mask[:, prompt_len:].sum(-1).tolist()
-    members: dict[int, list[int]] = {}
+    by_group: dict[int, list[int]] = {}
     for row, group in enumerate(inverse.tolist()):
-        members.setdefault(group, []).append(row)
+        by_group.setdefault(group, []).append(row)
+    members: dict[int, list[int]] = {}
+    sizes: list[int] = []
+    for group_rows in by_group.values():
+        prompt = int(mask[group_rows[0], :prompt_len].sum())
+        rows: list[int] = []
+        size = prompt
+        for row in group_rows:
+            if rows and size + response_lengths[row] > max_tokens_per_pack:
+                members[len(members)], rows = rows, []
+                sizes.append(size)
+                size = prompt
+            rows.append(row)
+            size += response_lengths[row]
+        members[len(members)] = rows
+        sizes.append(size)
     bins: list[list[int]] = []
     used = 0
-    for group, group_rows in members.items():
-        size = int(mask[group_rows[0], :prompt_len].sum()) + sum(response_lengths[r] for r in group_rows)
+    for segment, size in enumerate(sizes):
         if not bins or used + size > max_tokens_per_pack:
             bins.append([])
             used = 0
-        bins[-1].append(group)
+        bins[-1].append(segment)
         used += size
     return members, bins, response_lengths
 

@@ -92,7 +92,7 @@ class LocalTorchTrainService(TrainService):
     python RNGs), ``micro_batch_size`` (rows per forward; null: the whole batch), ``packing`` (auto: forward
     and backward run on packed sequences with no padding when the batch and model allow it, see
     :func:`~nexrl_grpo.modeling.compute_response_logprobs_packed`; true: packed or an error;
-    false: padded rows), ``max_tokens_per_pack`` (2048: tokens per packed sequence).
+    false: padded rows), ``max_tokens_per_pack`` (2048: tokens per packed sequence; a longer group is split).
     """
 
     OPTIONS = {
@@ -112,7 +112,8 @@ class LocalTorchTrainService(TrainService):
                                       "(rollout_worker.sampling.temperature): delete this key"),
         "packing": Option(None, AUTO_FLAG, "packed sequences without padding: auto | true | false",
                           check=_auto_flag),
-        "max_tokens_per_pack": Option(2048, int, "tokens per packed sequence", ge=1),
+        "max_tokens_per_pack": Option(2048, int, "tokens per packed sequence (a longer group is split, its prompt "
+                                                 "repeated)", ge=1),
         "world_size": Option(1, int, "data-parallel ranks training this model, one process each (the first is the "
                                      "trainer's; on a GPU box rank r takes cuda:r); see parallel", ge=1),
         "parallel": Option("auto", str, "how ranks share the model: fsdp (FSDP2: parameters, gradients and "
