@@ -13,6 +13,7 @@ from nexrl_grpo.modeling import load_causal_lm
 from nexrl_grpo.train_service import LocalTorchTrainService
 from tests.grpo_plugin.test_decoding import PROMPTS, SCRIPT, TOKENS, run_script, tiny
 from tests.grpo_plugin.test_train_service import grpo_loss, random_batch
+from tests.support.kernels import compiled_kernels
 
 # bf16 keeps 8 bits of mantissa: a logit of magnitude L is off by up to ~L/256 per rounding, and
 # the roundings of 3 layers add up (0.020 measured on the tiny models). Stated as a fraction of the
@@ -22,27 +23,35 @@ BF16_LOGIT_TOLERANCE = 0.04
 GREEDY_AGREEMENT = 0.8
 
 
+def _mean_error(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
+    return float(torch.cat([(g.float() - w.float()).abs().flatten() for g, w in zip(got, want)]).mean())
+
+
 def _relative_error(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
     got, want = torch.cat([g.float() for g in got]), torch.cat([w.float() for w in want])
     return float((got - want).abs().max() / want.abs().max())
 
 
+@pytest.mark.parametrize("way", ["torch-ops", "compiled-kernels"])
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_bf16_fast_path_logits_are_close_to_float32_and_batch_invariant(kind):
+def test_bf16_fast_path_logits_are_close_to_float32_and_batch_invariant(kind, way):
     model = tiny(kind)
     reference = run_script(HFSession(model), PROMPTS, SCRIPT, TOKENS)  # float32, the model's own forward
     half = tiny(kind).to(torch.bfloat16)
-    fast = FastLlama(half, rows_hint=4)
+    kernels = compiled_kernels() if way == "compiled-kernels" else None
+    fast = FastLlama(half, rows_hint=4, kernels=kernels)
     got = run_script(fast.session(), PROMPTS, SCRIPT, TOKENS)
     assert fast.enabled, "the self-check must accept bf16 decoding (else the engine falls back to the slow path)"
+    assert fast.kernels is kernels
     assert fast.batch_invariant
     assert {g.dtype for g in got} == {torch.bfloat16}
     error = _relative_error(got, reference)
     assert 0 < error <= BF16_LOGIT_TOLERANCE, error
     # As close to the float32 model as transformers' own bf16 forward (RMSNorm in float32 in both;
-    # the decode step's attention runs in float32 here, so the two round differently there).
+    # the decode step's attention runs in float32 here, so the two round differently there). On
+    # average: the largest error is one rounding event and moves by half either way.
     transformers_bf16 = run_script(HFSession(half), PROMPTS, SCRIPT, TOKENS)
-    assert error <= 1.25 * _relative_error(transformers_bf16, reference)
+    assert _mean_error(got, reference) <= 1.1 * _mean_error(transformers_bf16, reference)
     assert _relative_error(got, transformers_bf16) <= BF16_LOGIT_TOLERANCE
 
 

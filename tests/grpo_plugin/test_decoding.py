@@ -16,6 +16,13 @@ from nexrl_grpo.decoding import (
     make_session_factory,
 )
 from nexrl_grpo.engine import HFInferenceEngine, _counter_draw, _generator_draw, _sample
+from tests.support.kernels import compiled_kernels
+
+
+@pytest.fixture(params=["torch-ops", "compiled-kernels"])
+def kernels(request):
+    """The fast path's decode steps both ways: torch ops, and the compiled CPU kernels."""
+    return None if request.param == "torch-ops" else compiled_kernels()
 
 
 def tiny(kind: str, vocab: int = 97, seed: int = 0, **extra):
@@ -77,25 +84,25 @@ PROMPTS = [[3, 4, 5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15]]
 
 @pytest.mark.parametrize("kind,extra", [("llama", {}), ("llama", {"tie_word_embeddings": False}),
                                         ("llama", {"attention_bias": True, "mlp_bias": True}), ("qwen2", {})])
-def test_fast_session_matches_model_forward(kind, extra):
+def test_fast_session_matches_model_forward(kind, extra, kernels):
     model = tiny(kind, **extra)
     assert fast_path_problem(model) is None
-    fast = FastLlama(model, rows_hint=4)
+    fast = FastLlama(model, rows_hint=4, kernels=kernels)
     got = run_script(fast.session(), PROMPTS, SCRIPT, TOKENS)
     want = run_script(HFSession(model), PROMPTS, SCRIPT, TOKENS)
-    assert fast.enabled
+    assert fast.enabled and fast.kernels is kernels
     assert [g.shape for g in got] == [w.shape for w in want]
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, atol=2e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_a_rows_logits_do_not_depend_on_its_batch(kind):
+def test_a_rows_logits_do_not_depend_on_its_batch(kind, kernels):
     """Bit for bit: PROMPTS[1] decoded alone, and after a longer and a shorter neighbour, duplicated,
     with rows dropped lazily, then compacted and reordered (what makes seeded rollouts reproducible
     whichever requests the engine batched them with)."""
     model = tiny(kind)
-    fast = FastLlama(model, rows_hint=4)
+    fast = FastLlama(model, rows_hint=4, kernels=kernels)
     script = [[0, 0, 1, 1, 2, 2], None, [1, 2, 3, 5], None, [2, 0], None]
     tokens = [[9 + i] * (len(sel) if sel else n) for i, (sel, n) in enumerate(zip(script, [6, 6, 4, 4, 2, 2]))]
     batched = run_script(fast.session(), PROMPTS, script, tokens)
@@ -132,9 +139,9 @@ def test_decode_attention_gives_a_row_the_same_bits_beside_any_rows_with_two_thr
         torch.set_num_threads(threads)
 
 
-def test_cache_grows_past_its_first_capacity():
+def test_cache_grows_past_its_first_capacity(kernels):
     model = tiny("llama")
-    fast, hf = FastLlama(model).session(), HFSession(model)
+    fast, hf = FastLlama(model, kernels=kernels).session(), HFSession(model)
     steps = 70  # the buffer starts at prompt width + 64 columns
     tokens = [[(7 * i + j) % 90 + 2 for j in range(2)] for i in range(steps)]
     got = run_script(fast, [[3, 4, 5], [6]], [None] * steps, tokens)
@@ -143,10 +150,10 @@ def test_cache_grows_past_its_first_capacity():
     torch.testing.assert_close(torch.stack(got), torch.stack(want), atol=2e-5, rtol=1e-5)
 
 
-def test_weights_changed_in_place_are_repacked():
+def test_weights_changed_in_place_are_repacked(kernels):
     """An optimizer step on a shared model (in-place updates) must reach the next session."""
     model = tiny("llama")
-    fast = FastLlama(model)
+    fast = FastLlama(model, kernels=kernels)
     before = run_script(fast.session(), PROMPTS, SCRIPT[:2], TOKENS[:2])
     with torch.no_grad():
         for p in model.parameters():

@@ -103,7 +103,7 @@ def test_wheel_metadata_matches_pyproject(built, project):
     package = meta["name"].replace("-", "_")
     root = project / package
     for path in root.rglob("*"):
-        if path.is_file() and "__pycache__" not in path.parts and path.suffix in (".py", ".yaml"):
+        if path.is_file() and "__pycache__" not in path.parts and path.suffix in (".py", ".yaml", ".cpp"):
             assert path.relative_to(project).as_posix() in names, f"{path.relative_to(project)} is not in the wheel"
     with tarfile.open(sdist) as tf:
         members = {m.name.split("/", 1)[1] for m in tf.getmembers() if "/" in m.name}

@@ -22,8 +22,11 @@ longer neighbour), so attention runs once per group of rows that share their fir
 over exactly their own keys, with no mask. Decode steps attend through :func:`decode_attention`
 (two matmuls): with two threads torch's CPU ``scaled_dot_product_attention`` gave a row other bits
 beside a different number of rows; the prefill's causal SDPA did not (SmolLM2, 220 cases). (MKL's
-``F.linear`` picks kernels by M: 1, 2-15, 16+; the transformers forward is not batch-invariant.) :class:`FastLlama` checks this property once on
-first use and says so when it does not hold on the machine at hand.
+``F.linear`` picks kernels by M: 1, 2-15, 16+; the transformers forward is not batch-invariant.)
+With the compiled CPU kernels (:mod:`nexrl_grpo.cpu_kernels`, the default where they build) a
+decode step's work between its matmuls is one C++ call per stage, each row computed by one thread
+in its own fixed order. :class:`FastLlama` checks batch invariance once on first use and says so
+when it does not hold on the machine at hand.
 
 :class:`FastLlama` holds the packed weights. It repacks itself when any parameter of the model
 was modified in place since it last packed (tensor version counters), so an optimizer step on a
@@ -42,6 +45,8 @@ import torch
 import torch.nn.functional as F
 from loguru import logger
 
+from .cpu_kernels import DTYPES as KERNEL_DTYPES
+from .cpu_kernels import DecodeKernels, KernelBuildError, decode_kernels
 from .modeling import auto_flag
 
 FAST_MODEL_TYPES = ("llama", "qwen2")
@@ -172,15 +177,38 @@ class _Layer:
         self.down.refresh(mlp.down_proj.weight, mlp.down_proj.bias)
 
 
-class FastLlama:
-    """Packed weights of one Llama-family model; hands out :class:`FastLlamaSession` objects."""
+def kernel_problem(model: torch.nn.Module) -> str | None:
+    """Why the compiled decode kernels (:mod:`nexrl_grpo.cpu_kernels`) cannot run ``model`` on the
+    fast path (None when they can)."""
+    parameter = next(model.parameters())
+    if parameter.device.type != "cpu":
+        return f"the model is on {parameter.device}, the kernels are for the CPU"
+    if parameter.dtype not in KERNEL_DTYPES:
+        return f"dtype {parameter.dtype} (kernels: {', '.join(KERNEL_DTYPES.values())})"
+    inner = model.model
+    probe = torch.linspace(-8, 8, 33)
+    for layer in inner.layers:  # what the activation computes, whatever its class
+        if not torch.allclose(layer.mlp.act_fn(probe), F.silu(probe)):
+            return f"activation {type(layer.mlp.act_fn).__name__} (kernels: SiLU)"
+    attn = inner.layers[0].self_attn
+    inv_freq = getattr(inner.rotary_emb, "inv_freq", None)
+    if attn.head_dim % 2 or inv_freq is None or 2 * inv_freq.numel() != attn.head_dim:
+        return "rotary embedding over part of the head"
+    return None
 
-    def __init__(self, model: torch.nn.Module, rows_hint: int = 16):
+
+class FastLlama:
+    """Packed weights of one Llama-family model; hands out :class:`FastLlamaSession` objects.
+    ``kernels``: decode steps through the compiled CPU kernels (:mod:`nexrl_grpo.cpu_kernels`)
+    instead of torch ops; the self-check turns them off, with a warning, if they disagree."""
+
+    def __init__(self, model: torch.nn.Module, rows_hint: int = 16, kernels: DecodeKernels | None = None):
         problem = fast_path_problem(model)
         if problem:
             raise ValueError(f"fast decoding path unsupported: {problem}")
         self.model = model
         self.rows_hint = rows_hint
+        self.kernels = kernels
         self.enabled = True
         self._packed_versions: tuple[int, ...] | None = None
         self._checked = False
@@ -251,16 +279,22 @@ class FastLlama:
             return torch.stack(out)
 
         both = slice(0, 2)
-        fast, ref = decode(self._fast_session(), both), decode(HFSession(self.model), both)
+        ref = decode(HFSession(self.model), both)
         valid = mask[:, -1].bool()  # every row's last prompt token is real
-        worst = float((fast[:, valid] - ref[:, valid]).abs().max())
         scale = max(float(ref[:, valid].abs().max()), 1.0)
         tolerance = max(SELF_CHECK_TOLERANCE, LOW_PRECISION_ULPS * torch.finfo(ref.dtype).eps)
-        if not worst <= tolerance * scale:
-            self.enabled = False
-            logger.warning(f"fast decoding path disagrees with the model's own forward (max |diff| {worst:.3g} at "
-                           f"logit scale {scale:.3g}); using the transformers forward")
-            return
+        while True:
+            fast = decode(self._fast_session(), both)
+            worst = float((fast[:, valid] - ref[:, valid]).abs().max())
+            if worst <= tolerance * scale:
+                break
+            message = f"disagrees with the model's own forward (max |diff| {worst:.3g} at logit scale {scale:.3g})"
+            if self.kernels is None:
+                self.enabled = False
+                logger.warning(f"fast decoding path {message}; using the transformers forward")
+                return
+            self.kernels = None
+            logger.warning(f"fast decoding path with the compiled CPU kernels {message}; decoding with torch ops")
         self.batch_invariant = torch.equal(decode(self._fast_session(), slice(1, 2))[:, 0], fast[:, 1])
         if not self.batch_invariant:
             logger.warning(f"fast decoding path: a row's logits depend on the other rows of its batch on this machine "
@@ -311,6 +345,8 @@ class FastLlamaSession:
         if self.live is not None:  # finished rows still in the buffer decode a dummy token
             tokens = tokens.new_zeros(self.keys.shape[1]).index_copy_(0, self.live, tokens)
             positions = positions.new_zeros(self.keys.shape[1]).index_copy_(0, self.live, positions)
+        if self.o.kernels is not None:  # decode steps only: a one-token prompt's prefill keeps the torch ops' bits
+            return self._kernel_step(tokens.unsqueeze(-1), positions.unsqueeze(-1), self.live)
         return self._forward(tokens.unsqueeze(-1), positions.unsqueeze(-1), self.live)
 
     def _allocate(self, rows: int, capacity: int, device: torch.device) -> None:
@@ -374,6 +410,31 @@ class FastLlamaSession:
         self.length = end
         last = x[:, -1] if out_rows is None else x[out_rows, -1]
         return o.lm_head(_rms_norm(last, *o.final_norm))
+
+    def _kernel_step(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                     out_rows: torch.Tensor | None) -> torch.Tensor:
+        """:meth:`_forward` of a decode step through the compiled kernels: between two matmuls, one
+        call (attention with rotary and cache write; residual add with the next norm; SiLU times up)."""
+        o, kernels = self.o, self.o.kernels
+        rows, column = input_ids.shape[0], self.length
+        x = o.embed(input_ids[:, 0])
+        cos, sin = o.rotary(x, position_ids)
+        cos, sin = cos.reshape(rows, -1).contiguous(), sin.reshape(rows, -1).contiguous()
+        starts = torch.tensor(self.starts, dtype=torch.int64)
+        first = o.layers[0]
+        normed = torch.empty_like(x)
+        attention = x.new_empty(rows, first.q_size)
+        activation = x.new_empty(rows, first.intermediate)
+        kernels.add_rms_norm(x, None, *first.norm_in, normed)
+        for i, layer in enumerate(o.layers):
+            kernels.attend(layer.qkv(normed), cos, sin, self.keys[i], self.values[i], starts, column, layer.scaling,
+                           attention)
+            kernels.add_rms_norm(x, layer.o(attention), *layer.norm_post, normed)
+            kernels.silu_mul(layer.gate_up(normed), activation)
+            following = o.layers[i + 1].norm_in if i + 1 < len(o.layers) else o.final_norm
+            kernels.add_rms_norm(x, layer.down(activation), *following, normed)
+        self.length = column + 1
+        return o.lm_head(normed if out_rows is None else normed[out_rows])
 
     def _attend(self, layer: int, q: torch.Tensor, runs: list[tuple[int, int, int]], end: int,
                 scaling: float) -> torch.Tensor:
@@ -721,6 +782,27 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
+def cpu_decode_kernels(model: torch.nn.Module, mode: str) -> DecodeKernels | None:
+    """The compiled decode kernels for ``model`` under ``cpu_kernels: mode``, or None (torch ops)."""
+    if mode == "false":
+        return None
+    problem = kernel_problem(model)
+    if problem is None:
+        try:
+            kernels = decode_kernels()
+            logger.info(f"cpu_kernels: decode steps through the compiled kernels ({kernels.path})")
+            return kernels
+        except KernelBuildError as exc:
+            problem = f"they cannot be built here: {exc}"
+            if mode == "auto":
+                logger.warning(f"cpu_kernels: {problem}; decoding with torch ops (slower decode steps)")
+                return None
+    if mode == "true":
+        raise ValueError(f"cpu_kernels: true, but the compiled decode kernels cannot run: {problem}")
+    logger.info(f"cpu_kernels: off ({problem})")
+    return None
+
+
 class HFDecoder:
     """Sessions through the model's own forward (the same interface as :class:`FastLlama`)."""
 
@@ -737,18 +819,22 @@ class HFDecoder:
 
 
 def make_session_factory(model: torch.nn.Module, mode: Any, rows_hint: int, *, kv_tokens: int | None = None,
-                         graphs: Any = "auto", release: bool = True):
+                         graphs: Any = "auto", release: bool = True, cpu_kernels: Any = "auto"):
     """The engine's decoder: called, it gives a session for one batch; ``footprint(rows, capacity)``
     is the KV-cache tokens such a batch holds; ``release()`` frees what it keeps between batches.
 
     ``mode`` is ``auto`` (fast path when the model allows it), ``true`` (fast path or a ValueError
     saying why not) or ``false`` (HF forward). On a GPU the fast path is :class:`StaticLlama` (a
     static cache of ``kv_tokens`` tokens; decode steps as CUDA graphs unless ``graphs`` is false);
-    on the CPU it is :class:`FastLlama`."""
+    on the CPU it is :class:`FastLlama`, with the compiled decode kernels unless ``cpu_kernels`` is
+    false (``true``: a ValueError when they cannot be built or cannot run the model)."""
     mode, graphs = auto_flag(mode, "fast_path"), auto_flag(graphs, "cuda_graphs")
+    cpu_kernels = auto_flag(cpu_kernels, "cpu_kernels")
     on_cuda = next(model.parameters()).is_cuda
     if graphs == "true" and (mode == "false" or not on_cuda):
         raise ValueError("cuda_graphs: true needs the fast decoding path (fast_path: auto or true) on a CUDA device")
+    if cpu_kernels == "true" and (mode == "false" or on_cuda):
+        raise ValueError("cpu_kernels: true needs the fast decoding path (fast_path: auto or true) on the CPU")
     if mode != "false":
         problem = fast_path_problem(model)
         if problem is None:
@@ -756,7 +842,7 @@ def make_session_factory(model: torch.nn.Module, mode: Any, rows_hint: int, *, k
                 if kv_tokens is None:
                     raise ValueError("the static decoding path needs a KV-cache budget (kv_tokens)")
                 return StaticLlama(model, rows_hint, kv_tokens=kv_tokens, graphs=graphs != "false", release=release)
-            return FastLlama(model, rows_hint)
+            return FastLlama(model, rows_hint, kernels=cpu_decode_kernels(model, cpu_kernels))
         if mode == "true":
             raise ValueError(f"fast_path: true, but the fast decoding path cannot run this model: {problem}")
         logger.info(f"fast decoding path off: {problem} (the transformers forward is not batch-invariant: with "

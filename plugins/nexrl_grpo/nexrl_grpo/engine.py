@@ -87,6 +87,10 @@ class HFInferenceEngine(InferenceClient):
         "seed": Option(None, int, "seed of requests without their own"),
         "fast_path": Option(None, AUTO_FLAG, "fused decoding for Llama-family models: auto | true | false",
                             check=_auto_flag),
+        "cpu_kernels": Option(None, AUTO_FLAG, "on the CPU fast path: decode steps through C++ kernels compiled once "
+                                               "per machine with the C++ compiler found (about a fifth faster; other "
+                                               "bits than torch ops, still batch-invariant): auto (when they build) | "
+                                               "true (an error when they cannot) | false", check=_auto_flag),
         "gpu_memory_utilization": Option(0.3, float, "on a GPU: the share of its memory the engine may hold (weights, "
                                                      "decode workspace, and the KV cache in what is left)", gt=0, le=1),
         "max_kv_tokens": Option(None, int, "KV-cache budget in tokens (null: from gpu_memory_utilization on a GPU, "
@@ -124,7 +128,8 @@ class HFInferenceEngine(InferenceClient):
         self.decoder = make_session_factory(self.model, config["fast_path"] or "auto",
                                             rows_hint=min(self.max_batch_size, 16), kv_tokens=self.kv_tokens,
                                             graphs=config["cuda_graphs"],
-                                            release=bool(config["release_kv_cache"]))
+                                            release=bool(config["release_kv_cache"]),
+                                            cpu_kernels=config["cpu_kernels"])
 
         self._queue: queue.Queue = queue.Queue()
         self._model_lock = threading.Lock()  # generation batches and weight loads take turns

@@ -225,8 +225,13 @@ def smollm2_gguf_path() -> str:
     )
 
 
+def nexrl_cache_dir() -> Path:
+    """Where nexrl keeps what it derives once per machine (converted models, compiled kernels)."""
+    return Path(os.environ.get("NEXRL_CACHE_DIR", "~/.cache/nexrl")).expanduser()
+
+
 def default_model_cache_dir() -> Path:
-    return Path(os.environ.get("NEXRL_CACHE_DIR", "~/.cache/nexrl")).expanduser() / "models"
+    return nexrl_cache_dir() / "models"
 
 
 def ensure_safetensors_model(gguf_file: str, cache_dir: str | os.PathLike | None = None) -> str:

@@ -1,0 +1,201 @@
+// CPU kernels for one decode step of a Llama-family model: the work between its matmuls, fused.
+// nexrl_grpo/cpu_kernels.py compiles this file once per machine and calls it through ctypes.
+//
+// Each row (for attention: each row and KV head) is computed by one thread, in an order fixed by
+// that row's own sizes. A row's bits therefore never depend on the other rows of its batch or on
+// the thread count: what keeps runs with many rollout workers reproducible.
+#include <ATen/Parallel.h>
+
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+// 16 floats: one AVX-512 register, or two AVX2 ones (the compiler splits it).
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+
+inline float widen(float v) { return v; }
+inline float widen(uint16_t v) { return __builtin_bit_cast(float, uint32_t(v) << 16); }
+inline void put(float* p, float v) { *p = v; }
+inline void put(uint16_t* p, float v) {  // bf16: round to nearest even, as torch does; a NaN stays one
+  const uint32_t u = __builtin_bit_cast(uint32_t, v);
+  if ((u & 0x7fffffffu) > 0x7f800000u) {
+    *p = uint16_t((u >> 16) | 0x40);
+    return;
+  }
+  *p = uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+template <typename T>
+inline float rounded(float v) {  // v as T holds it
+  T r;
+  put(&r, v);
+  return widen(r);
+}
+template <typename T>
+void widen_row(const T* src, float* dst, long n) {
+  for (long i = 0; i < n; ++i) dst[i] = widen(src[i]);
+}
+
+inline v16 load16(const float* p) {
+  v16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline float total(v16 v) {  // a fixed tree
+  const v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+               __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+// sum of a[i] * b[i]: 16 lanes over the whole blocks of 16, then the tail in order.
+inline float dot(const float* a, const float* b, long n) {
+  const long whole = n / 16 * 16;
+  float sum = 0.0f;
+  if (whole) {
+    v16 acc = load16(a) * load16(b);
+    for (long i = 16; i < whole; i += 16) acc += load16(a + i) * load16(b + i);
+    sum = total(acc);
+  }
+  for (long i = whole; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+// exp as 2^n * p(r), p of degree 6 on |r| <= ln2 / 2 (a few ulp); 0 below -87. Plain arithmetic,
+// so that the compiler vectorizes it; n is rounded by adding and removing 1.5 * 2^23.
+inline float exp_approx(float x) {
+  const float clamped = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+  const float n = (clamped * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  const float r = clamped - n * 0.693145751953125f - n * 1.428606765330187045e-06f;
+  const float p =
+      1.0f + r * (1.0f + r * (0.5f + r * (0.16666667f + r * (0.041666668f + r * (0.008333334f + r * 0.0013888889f)))));
+  const float scale = __builtin_bit_cast(float, (int32_t(n) + 127) << 23);
+  return x < -87.0f ? 0.0f : p * scale;
+}
+
+// Rotary embedding of one head: x * cos + rotate_half(x) * sin.
+inline void rotate(const float* x, const float* cos, const float* sin, float* out, long dim) {
+  const long half = dim / 2;
+  for (long d = 0; d < half; ++d) out[d] = x[d] * cos[d] - x[d + half] * sin[d];
+  for (long d = half; d < dim; ++d) out[d] = x[d] * cos[d] + x[d - half] * sin[d];
+}
+
+// One decode step's attention in one layer. For each row and KV head: rotate the new key and the
+// group's queries, write key and value into the cache at `column`, and attend over the row's own
+// keys, columns [starts[row], column]. qkv rows: [queries | keys | values]; the cache
+// [rows, kv_heads, capacity, dim]; cos and sin [rows, dim]; out [rows, heads * dim].
+template <typename T>
+void attend(const T* qkv, long qkv_stride, const T* cos, const T* sin, T* keys, T* values, const int64_t* starts,
+            long rows, long heads, long kv_heads, long dim, long capacity, long column, float scaling, T* out) {
+  const long group = heads / kv_heads;
+  at::parallel_for(0, rows * kv_heads, 1, [&](long first, long last) {
+    std::vector<float> buffer((4 + 2 * group) * dim + group * (column + 1));
+    float *c = buffer.data(), *s = c + dim, *raw = s + dim, *key = raw + dim, *q = key + dim,
+          *o = q + group * dim, *scores = o + group * dim;
+    for (long task = first; task < last; ++task) {
+      const long row = task / kv_heads, kv = task % kv_heads, start = starts[row], n = column + 1 - start;
+      const T* in = qkv + row * qkv_stride;
+      T* cached_keys = keys + (row * kv_heads + kv) * capacity * dim;
+      T* cached_values = values + (row * kv_heads + kv) * capacity * dim;
+      widen_row(cos + row * dim, c, dim);
+      widen_row(sin + row * dim, s, dim);
+      widen_row(in + (heads + kv) * dim, raw, dim);
+      rotate(raw, c, s, key, dim);
+      for (long d = 0; d < dim; ++d) put(cached_keys + column * dim + d, key[d]);
+      std::memcpy(cached_values + column * dim, in + (heads + kv_heads + kv) * dim, dim * sizeof(T));
+      for (long h = 0; h < group; ++h) {
+        widen_row(in + (kv * group + h) * dim, raw, dim);
+        rotate(raw, c, s, q + h * dim, dim);
+      }
+      for (long j = 0; j < n; ++j) {
+        const float* k = key;
+        if constexpr (std::is_same_v<T, float>) k = cached_keys + (start + j) * dim;
+        else widen_row(cached_keys + (start + j) * dim, key, dim);
+        for (long h = 0; h < group; ++h) scores[h * n + j] = dot(q + h * dim, k, dim) * scaling;
+      }
+      for (long h = 0; h < group; ++h) {
+        float* score = scores + h * n;
+        float top = score[0];  // a maximum is exact in any order
+        for (long j = 1; j < n; ++j) top = top > score[j] ? top : score[j];
+        for (long j = 0; j < n; ++j) score[j] = exp_approx(score[j] - top);
+        float denominator = 0.0f;
+        for (long j = 0; j < n; ++j) denominator += score[j];
+        float* acc = o + h * dim;
+        for (long d = 0; d < dim; ++d) acc[d] = 0.0f;
+        for (long j = 0; j < n; ++j) {
+          const float* v = raw;
+          if constexpr (std::is_same_v<T, float>) v = cached_values + (start + j) * dim;
+          else widen_row(cached_values + (start + j) * dim, raw, dim);
+          const float p = score[j];
+          for (long d = 0; d < dim; ++d) acc[d] += p * v[d];
+        }
+        const float inverse = 1.0f / denominator;
+        T* dst = out + row * heads * dim + (kv * group + h) * dim;
+        for (long d = 0; d < dim; ++d) put(dst + d, acc[d] * inverse);
+      }
+    }
+  });
+}
+
+// x += delta (when given), then out = RMSNorm(x) * weight. A bf16 x is normalized in float32,
+// rounded, then scaled, as transformers' Llama does.
+template <typename T>
+void add_rms_norm(T* x, const T* delta, const T* weight, float eps, T* out, long rows, long hidden) {
+  at::parallel_for(0, rows, 32, [&](long first, long last) {
+    std::vector<float> v(hidden);
+    for (long r = first; r < last; ++r) {
+      T* xr = x + r * hidden;
+      if (delta) {
+        for (long i = 0; i < hidden; ++i) put(xr + i, widen(xr[i]) + widen(delta[r * hidden + i]));
+      }
+      widen_row(xr, v.data(), hidden);
+      const float inverse = 1.0f / __builtin_sqrtf(dot(v.data(), v.data(), hidden) / float(hidden) + eps);
+      for (long i = 0; i < hidden; ++i) put(out + r * hidden + i, rounded<T>(v[i] * inverse) * widen(weight[i]));
+    }
+  });
+}
+
+// out = silu(gate) * up, gate and up the two halves of each row of gate_up.
+template <typename T>
+void silu_mul(const T* gate_up, T* out, long rows, long inter) {
+  at::parallel_for(0, rows, 8, [&](long first, long last) {
+    for (long r = first; r < last; ++r) {
+      const T* gate = gate_up + r * 2 * inter;
+      for (long i = 0; i < inter; ++i) {
+        const float g = widen(gate[i]);
+        put(out + r * inter + i, g / (1.0f + exp_approx(-g)) * widen(gate[inter + i]));
+      }
+    }
+  });
+}
+
+}  // namespace
+
+extern "C" {
+void attend_float32(const float* qkv, long stride, const float* cos, const float* sin, float* keys, float* values,
+                    const int64_t* starts, long rows, long heads, long kv_heads, long dim, long capacity, long column,
+                    float scaling, float* out) {
+  attend(qkv, stride, cos, sin, keys, values, starts, rows, heads, kv_heads, dim, capacity, column, scaling, out);
+}
+void attend_bfloat16(const uint16_t* qkv, long stride, const uint16_t* cos, const uint16_t* sin, uint16_t* keys,
+                     uint16_t* values, const int64_t* starts, long rows, long heads, long kv_heads, long dim,
+                     long capacity, long column, float scaling, uint16_t* out) {
+  attend(qkv, stride, cos, sin, keys, values, starts, rows, heads, kv_heads, dim, capacity, column, scaling, out);
+}
+void add_rms_norm_float32(float* x, const float* delta, const float* weight, float eps, float* out, long rows,
+                          long hidden) {
+  add_rms_norm(x, delta, weight, eps, out, rows, hidden);
+}
+void add_rms_norm_bfloat16(uint16_t* x, const uint16_t* delta, const uint16_t* weight, float eps, uint16_t* out,
+                           long rows, long hidden) {
+  add_rms_norm(x, delta, weight, eps, out, rows, hidden);
+}
+void silu_mul_float32(const float* gate_up, float* out, long rows, long inter) { silu_mul(gate_up, out, rows, inter); }
+void silu_mul_bfloat16(const uint16_t* gate_up, uint16_t* out, long rows, long inter) {
+  silu_mul(gate_up, out, rows, inter);
+}
+}
