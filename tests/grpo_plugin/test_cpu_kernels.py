@@ -188,14 +188,15 @@ def test_a_failing_compiler_is_quoted_and_a_build_is_made_once(fresh_build, monk
     with pytest.raises(cpu_kernels.KernelBuildError, match="exit 3"):  # said once per process, not retried
         cpu_kernels.decode_kernels()
     assert list((fresh_build / "cache" / "kernels").iterdir()) == []  # nothing half-written left
-    # The real compiler through a wrapper that counts its compilations (not its --version calls).
+    # The real compiler through a wrapper that counts its compilations (not its --version calls),
+    # behind a launcher (CXX may hold several words, as with ccache).
     compiler = next(filter(None, map(shutil.which, ("c++", "g++", "clang++"))), None)
     if compiler is None:
         pytest.skip("no C++ compiler on PATH")
     count = fresh_build / "count"
-    monkeypatch.setenv("CXX", _script(fresh_build / "counting",
-                                      f'case "$*" in *decode_step.cpp*) echo x >> {count};; esac\n'
-                                      f'exec {compiler} "$@"\n'))
+    counting = _script(fresh_build / "counting", f'case "$*" in *decode_step.cpp*) echo x >> {count};; esac\n'
+                                                  f'exec {compiler} "$@"\n')
+    monkeypatch.setenv("CXX", f"env {counting}")
     for _ in range(2):
         monkeypatch.setattr(cpu_kernels, "_loaded", None)
         monkeypatch.setattr(cpu_kernels, "_problem", None)

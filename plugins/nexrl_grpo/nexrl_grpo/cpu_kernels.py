@@ -20,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import shlex
 import shutil
 import subprocess
 import threading
@@ -105,17 +106,19 @@ def decode_kernels() -> DecodeKernels:
         return _loaded
 
 
-def _compiler() -> str:
-    named = os.environ.get("CXX")
+def _compiler() -> list[str]:
+    """The compiler's command: ``$CXX`` (which may carry a launcher or flags, ``ccache g++``), else the first of
+    ``c++``, ``g++``, ``clang++`` on PATH."""
+    named = shlex.split(os.environ.get("CXX", ""))
     if named:
-        found = shutil.which(named.split()[0])
+        found = shutil.which(named[0])
         if not found:
-            raise KernelBuildError(f"CXX={named!r} is not an executable on PATH")
-        return found
+            raise KernelBuildError(f"CXX={shlex.join(named)!r} is not an executable on PATH")
+        return [found, *named[1:]]
     for candidate in ("c++", "g++", "clang++"):
         found = shutil.which(candidate)
         if found:
-            return found
+            return [found]
     raise KernelBuildError("no C++ compiler on PATH (c++, g++ or clang++; or set CXX)")
 
 
@@ -135,12 +138,14 @@ def _build() -> Path:
     compiler = _compiler()
     torch_dir = Path(torch.__file__).parent
     try:
-        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
+        version = subprocess.run([*compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
     except (OSError, subprocess.SubprocessError) as exc:
-        raise KernelBuildError(f"{compiler} --version failed: {exc}") from None
+        raise KernelBuildError(f"{shlex.join(compiler)} --version failed: {exc}") from None
+    name = Path(compiler[0]).name
     source = SOURCE.read_bytes()
     key = hashlib.sha256(b"\0".join(
-        [source, torch.__version__.encode(), str(torch_dir).encode(), version.encode(), " ".join(FLAGS).encode(),
+        [source, torch.__version__.encode(), str(torch_dir).encode(), version.encode(),
+         shlex.join([*compiler[1:], *FLAGS]).encode(),
          _cpu_identity().encode()])).hexdigest()[:16]
     folder = nexrl_cache_dir() / "kernels"
     target = folder / f"decode_step-{key}.so"
@@ -149,17 +154,17 @@ def _build() -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     partial = folder / f".decode_step-{key}.{os.getpid()}.{threading.get_ident()}.so"
     lib = torch_dir / "lib"
-    command = [compiler, *FLAGS, f"-I{torch_dir / 'include'}", str(SOURCE), "-o", str(partial), f"-L{lib}",
+    command = [*compiler, *FLAGS, f"-I{torch_dir / 'include'}", str(SOURCE), "-o", str(partial), f"-L{lib}",
                f"-Wl,-rpath,{lib}", "-lc10", "-ltorch_cpu"]
     started = time.perf_counter()
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
     except (OSError, subprocess.SubprocessError) as exc:
-        raise KernelBuildError(f"{Path(compiler).name} did not run: {exc}") from None
+        raise KernelBuildError(f"{name} did not run: {exc}") from None
     if done.returncode != 0:
         partial.unlink(missing_ok=True)
         tail = " | ".join((done.stderr or done.stdout).strip().splitlines()[-3:])
-        raise KernelBuildError(f"{Path(compiler).name} failed (exit {done.returncode}): {tail}")
+        raise KernelBuildError(f"{name} failed (exit {done.returncode}): {tail}")
     os.replace(partial, target)  # atomic: a process building beside this one reads a whole file
     logger.info(f"decode kernels compiled in {time.perf_counter() - started:.1f} s: {target}")
     return target
