@@ -4,7 +4,7 @@ its batch and the thread count, the build and its cache, and what the engine doe
 from __future__ import annotations
 
 import os
-import shutil
+import shlex
 import stat
 
 import pytest
@@ -15,7 +15,7 @@ from nexrl_core.cli.run_log import LOG_FILE, setup_logging
 from nexrl_grpo import cpu_kernels
 from nexrl_grpo.decoding import FastLlama, FastLlamaSession, _rotate, decode_attention, make_session_factory
 from tests.grpo_plugin.test_decoding import PROMPTS, SCRIPT, TOKENS, run_script, tiny
-from tests.support.kernels import compiled_kernels
+from tests.support.kernels import compiled_kernels, compiler_or_skip
 
 # SmolLM2's attention (9 heads over 3 KV heads of 64), and a head of 24 (one block of 16 and a tail).
 SHAPES = [(9, 3, 64), (4, 2, 24)]
@@ -181,6 +181,7 @@ def test_a_machine_without_a_compiler_decodes_with_torch_ops(fresh_build, monkey
 
 
 def test_a_failing_compiler_is_quoted_and_a_build_is_made_once(fresh_build, monkeypatch):
+    compiler = shlex.join(compiler_or_skip())  # the real one, before CXX points elsewhere
     # A compiler that fails: its last lines make the error.
     monkeypatch.setenv("CXX", _script(fresh_build / "broken", 'echo "decode_step.cpp:1: error: no" >&2; exit 3\n'))
     with pytest.raises(cpu_kernels.KernelBuildError, match=r"broken failed \(exit 3\): decode_step.cpp:1: error: no"):
@@ -190,9 +191,6 @@ def test_a_failing_compiler_is_quoted_and_a_build_is_made_once(fresh_build, monk
     assert list((fresh_build / "cache" / "kernels").iterdir()) == []  # nothing half-written left
     # The real compiler through a wrapper that counts its compilations (not its --version calls),
     # behind a launcher (CXX may hold several words, as with ccache).
-    compiler = next(filter(None, map(shutil.which, ("c++", "g++", "clang++"))), None)
-    if compiler is None:
-        pytest.skip("no C++ compiler on PATH")
     count = fresh_build / "count"
     counting = _script(fresh_build / "counting", f'case "$*" in *decode_step.cpp*) echo x >> {count};; esac\n'
                                                   f'exec {compiler} "$@"\n')

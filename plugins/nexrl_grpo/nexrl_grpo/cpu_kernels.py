@@ -106,7 +106,7 @@ def decode_kernels() -> DecodeKernels:
         return _loaded
 
 
-def _compiler() -> list[str]:
+def find_compiler() -> list[str]:
     """The compiler's command: ``$CXX`` (which may carry a launcher or flags, ``ccache g++``), else the first of
     ``c++``, ``g++``, ``clang++`` on PATH."""
     named = shlex.split(os.environ.get("CXX", ""))
@@ -135,7 +135,7 @@ def _cpu_identity() -> str:
 
 
 def _build() -> Path:
-    compiler = _compiler()
+    compiler = find_compiler()
     torch_dir = Path(torch.__file__).parent
     try:
         version = subprocess.run([*compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
