@@ -47,6 +47,7 @@ when other jobs shared the machine).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -418,19 +419,19 @@ def decode_roofline(model_path: str, dtype: str, rows: int, prompt_len: int, ste
             step_times.append(time.perf_counter() - t0)
         weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
         inputs = {w.shape[1]: torch.randn(rows, w.shape[1], generator=gen).to(torch_dtype) for w in weights}
-        # The matmuls alone, two ways: torch's F.linear, and oneDNN with the weight prepacked (what the
-        # fast path calls); the faster one is the reference.
-        packed = [_Linear(w, None, rows) for w in weights]
-        matmul_times: dict[str, list[float]] = {"F.linear": [], "prepacked": []}
+        # The matmuls alone, each way there is: torch's F.linear, oneDNN with the weight prepacked, and
+        # the compiled kernels' packed matmul (float32, where they build); the fastest is the reference.
+        ways = {"F.linear": [functools.partial(F.linear, weight=w) for w in weights],
+                "prepacked": [_Linear([w], None, rows) for w in weights]}
+        if fast.kernels is not None and torch_dtype == torch.float32:
+            ways["compiled"] = [_Linear([w], None, rows, fast.kernels) for w in weights]
+        matmul_times: dict[str, list[float]] = {way: [] for way in ways}
         for _ in range(steps):
-            t0 = time.perf_counter()
-            for w in weights:
-                F.linear(inputs[w.shape[1]], w)
-            t1 = time.perf_counter()
-            for w, linear in zip(weights, packed):
-                linear(inputs[w.shape[1]])
-            matmul_times["F.linear"].append(t1 - t0)
-            matmul_times["prepacked"].append(time.perf_counter() - t1)
+            for way, linears in ways.items():
+                t0 = time.perf_counter()
+                for w, linear in zip(weights, linears):
+                    linear(inputs[w.shape[1]])
+                matmul_times[way].append(time.perf_counter() - t0)
     weight_bytes = sum(w.numel() * w.element_size() for w in weights)
     matmul = {way: statistics.median(t[1:]) for way, t in matmul_times.items()}
     return {"step_s": statistics.median(step_times[steps // 4:]), "matmul_s": min(matmul.values()),

@@ -97,6 +97,56 @@ def test_norm_and_silu_match_the_torch_ops(hidden, dtype):
     torch.testing.assert_close(act.float(), F.silu(gate) * up, **tolerance)
 
 
+# (k, output sizes of the linears packed side by side): SmolLM2's q/k/v; sizes and a k that are not
+# multiples of the 16-column panels, with sources meeting inside a panel; one weight of 49 columns.
+LINEAR_SHAPES = [(576, (576, 192, 192)), (37, (5, 16, 21)), (24, (49,))]
+
+
+@pytest.mark.parametrize("k,sizes", LINEAR_SHAPES)
+def test_the_few_row_matmul_matches_torch(k, sizes):
+    kernels = compiled_kernels()
+    generator = torch.Generator().manual_seed(k)
+    weights = [torch.randn(n, k, generator=generator) * k ** -0.5 for n in sizes]  # outputs of about 1
+    n, full = sum(sizes), torch.cat(weights).double()
+    bias = torch.randn(n, generator=generator)
+    packed = kernels.pack_linear(weights)
+    for rows in (1, 3, 16, 17, 40):  # one chunk of 16 rows, a part of one, several
+        wide = torch.randn(rows, k + 3, generator=generator)
+        for x in (wide[:, :k], wide[:, :k].contiguous()):  # rows apart by their stride, or packed
+            for b in (None, bias):
+                want = F.linear(x.double(), full, None if b is None else b.double())
+                torch.testing.assert_close(kernels.linear(x, packed, n, b).double(), want, atol=1e-5, rtol=1e-5)
+    # New values packed in place (what a weight push does): the same buffer, the new product.
+    address = packed.data_ptr()
+    assert kernels.pack_linear([2 * w for w in weights], packed) is packed and packed.data_ptr() == address
+    x = torch.randn(5, k, generator=generator)
+    torch.testing.assert_close(kernels.linear(x, packed, n, None).double(), 2 * F.linear(x.double(), full),
+                               atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="packed weight holds"):
+        kernels.pack_linear([*weights, torch.zeros(16, k)], packed)
+
+
+def test_a_rows_matmul_bits_do_not_depend_on_its_batch_or_the_thread_count():
+    kernels = compiled_kernels()
+    k, sizes = LINEAR_SHAPES[0]
+    generator = torch.Generator().manual_seed(3)
+    packed = kernels.pack_linear([torch.randn(n, k, generator=generator) for n in sizes])
+    own = torch.randn(k, generator=generator)
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for rows in (1, 2, 5, 8, 9, 16, 17, 33):  # every register layout of the kernel, and several chunks
+            for where in sorted({0, rows // 2, rows - 1}):
+                for count in (1, 2):
+                    torch.set_num_threads(count)
+                    x = torch.randn(rows, k, generator=generator)
+                    x[where] = own
+                    results.append(kernels.linear(x, packed, sum(sizes), None)[where])
+        assert all(torch.equal(got, results[0]) for got in results[1:])
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_rows_bits_do_not_depend_on_its_batch_or_the_thread_count(dtype):
     """A row computed beside 1 to 31 others, at any place, with one and two threads: the same bits."""

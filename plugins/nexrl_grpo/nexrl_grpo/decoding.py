@@ -6,11 +6,13 @@ Two implementations of one interface:
   ``DynamicCache``.
 - :class:`FastLlamaSession` runs Llama-family models (``llama``, ``qwen2`` without sliding
   windows) with its own loop over the model's weights: q/k/v and gate/up fused into one matmul
-  each, a preallocated KV buffer written in place, and — on CPU — weights prepacked for oneDNN.
-  On this kind of machine MKL's fp32 GEMM runs at a third of oneDNN's speed for the few-row
-  matmuls of decoding (16 x 576 x 49152: 22 ms vs 7.7 ms), and a decode step through the HF
-  forward spends about as long in Python and mask building as in matmuls. Same fp32 maths,
-  different summation order: logits agree with the HF forward to ~1e-5.
+  each, a preallocated KV buffer written in place, and — on CPU — weights prepacked: for the
+  compiled kernels' few-row matmul in float32, else for oneDNN. On this kind of machine MKL's fp32
+  GEMM runs at a third of oneDNN's speed for the few-row matmuls of decoding (16 x 576 x 49152:
+  22 ms vs 7.7 ms), and the compiled matmul all of a SmolLM2 decode step's linears at 16 rows in
+  28-33 ms against oneDNN's 35-39; a decode step through the HF forward spends about as long in
+  Python and mask building as in matmuls. Same fp32 maths, different summation order: logits
+  agree with the HF forward to ~1e-5.
 
 **Batch invariance.** A row's logits in :class:`FastLlamaSession` do not depend on the other rows
 of its batch, bit for bit, so a seeded request samples the same tokens with the same logprobs
@@ -25,7 +27,8 @@ beside a different number of rows; the prefill's causal SDPA did not (SmolLM2, 2
 ``F.linear`` picks kernels by M: 1, 2-15, 16+; the transformers forward is not batch-invariant.)
 With the compiled CPU kernels (:mod:`nexrl_grpo.cpu_kernels`, the default where they build) a
 decode step's work between its matmuls is one C++ call per stage, each row computed by one thread
-in its own fixed order. :class:`FastLlama` checks batch invariance once on first use and says so
+in its own fixed order, and a float32 matmul gives each output one multiply-add chain over its
+inputs in order, for any number of rows (one row needs no doubling). :class:`FastLlama` checks batch invariance once on first use and says so
 when it does not hold on the machine at hand.
 
 :class:`FastLlama` holds the packed weights. It repacks itself when any parameter of the model
@@ -113,31 +116,60 @@ def fast_path_problem(model: torch.nn.Module) -> str | None:
 
 
 class _Linear:
-    """``x @ weight.T + bias``; on CPU with oneDNN, with the weight prepacked for ``rows_hint`` rows."""
+    """``x @ weight.T + bias`` for the weights of linears that share their input (their outputs side by
+    side: fused q/k/v, gate/up). On the CPU the weight is prepacked: for the compiled kernels' few-row
+    matmul (float32, when given ``kernels``), else for oneDNN with ``rows_hint`` rows."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, rows_hint: int):
-        weight = weight.detach().contiguous()
+    def __init__(self, weights: list[torch.Tensor], bias: torch.Tensor | None, rows_hint: int,
+                 kernels: DecodeKernels | None = None):
         self.rows_hint = rows_hint
         self.bias = None if bias is None else bias.detach().contiguous()
-        self.packed = weight.device.type == "cpu" and _onednn_available() and weight.dtype in (torch.float32, torch.bfloat16)
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, rows_hint) if self.packed else weight
+        self.out_features = sum(w.shape[0] for w in weights)
+        first = weights[0]
+        self.kernels = kernels if first.device.type == "cpu" and first.dtype == torch.float32 else None
+        self.packed = self.kernels is None and first.device.type == "cpu" and _onednn_available() and \
+            first.dtype in (torch.float32, torch.bfloat16)
+        if self.kernels is not None:
+            self.weight = self.kernels.pack_linear(weights)
+        else:
+            weight = _cat(weights)
+            self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, rows_hint) if self.packed else weight
 
-    def refresh(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def refresh(self, weights: list[torch.Tensor], bias: torch.Tensor | None) -> None:
         """New values, at the same addresses where the layout allows it (what a captured CUDA graph reads)."""
-        if self.packed or self.weight.shape != weight.shape or (self.bias is None) != (bias is None):
-            self.__init__(weight, bias, self.rows_hint)
+        if self.out_features != sum(w.shape[0] for w in weights) or (self.bias is None) != (bias is None):
+            self.__init__(weights, bias, self.rows_hint, self.kernels)
             return
-        for own, new in ((self.weight, weight), (self.bias, bias)):
-            if own is not None and own.data_ptr() != new.data_ptr():
-                own.copy_(new)
+        if self.kernels is not None:
+            self.kernels.pack_linear(weights, self.weight)
+        elif self.packed:
+            self.weight = torch.ops.mkldnn._reorder_linear_weight(_cat(weights), self.rows_hint)
+        else:
+            row = 0
+            for w in weights:
+                if self.weight[row:].data_ptr() != w.data_ptr():
+                    self.weight[row:row + w.shape[0]].copy_(w)
+                row += w.shape[0]
+        if bias is not None and self.bias.data_ptr() != bias.data_ptr():
+            self.bias.copy_(bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None:
+            flat = x.reshape(-1, x.shape[-1])
+            if flat.stride(-1) != 1:
+                flat = flat.contiguous()
+            return self.kernels.linear(flat, self.weight, self.out_features, self.bias).view(
+                *x.shape[:-1], self.out_features)
         if self.packed:
             if x.numel() == x.shape[-1]:  # one row: M = 1 takes another oneDNN kernel (other bits)
                 return torch.ops.mkldnn._linear_pointwise(torch.cat([x, x], dim=-2), self.weight, self.bias,
                                                           "none", [], "")[..., :1, :]
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+
+def _cat(weights: list[torch.Tensor]) -> torch.Tensor:
+    return (weights[0] if len(weights) == 1 else torch.cat(weights)).detach().contiguous()
 
 
 def _onednn_available() -> bool:
@@ -151,30 +183,33 @@ def _cat_bias(*linears: torch.nn.Linear) -> torch.Tensor | None:
 
 
 class _Layer:
-    def __init__(self, layer: torch.nn.Module, rows_hint: int):
+    def __init__(self, layer: torch.nn.Module, rows_hint: int, kernels: DecodeKernels | None = None):
         attn, mlp = layer.self_attn, layer.mlp
         self.q_size, self.kv_size = attn.q_proj.out_features, attn.k_proj.out_features
         self.head_dim = attn.head_dim
         self.scaling = attn.scaling
-        qkv = (attn.q_proj, attn.k_proj, attn.v_proj)
-        self.qkv = _Linear(torch.cat([lin.weight for lin in qkv]), _cat_bias(*qkv), rows_hint)
-        self.o = _Linear(attn.o_proj.weight, attn.o_proj.bias, rows_hint)
         self.intermediate = mlp.gate_proj.out_features
-        gate_up = (mlp.gate_proj, mlp.up_proj)
-        self.gate_up = _Linear(torch.cat([lin.weight for lin in gate_up]), _cat_bias(*gate_up), rows_hint)
-        self.down = _Linear(mlp.down_proj.weight, mlp.down_proj.bias, rows_hint)
         self.act = mlp.act_fn
+        linears = self._linears(layer)
+        self.qkv, self.o, self.gate_up, self.down = (
+            _Linear([lin.weight for lin in group], _cat_bias(*group), rows_hint, kernels) for group in linears)
+        self._alias_norms(layer)
+
+    @staticmethod
+    def _linears(layer: torch.nn.Module) -> tuple[tuple[torch.nn.Linear, ...], ...]:
+        attn, mlp = layer.self_attn, layer.mlp
+        return ((attn.q_proj, attn.k_proj, attn.v_proj), (attn.o_proj,), (mlp.gate_proj, mlp.up_proj),
+                (mlp.down_proj,))
+
+    def _alias_norms(self, layer: torch.nn.Module) -> None:
         self.norm_in = (layer.input_layernorm.weight.detach(), layer.input_layernorm.variance_epsilon)
         self.norm_post = (layer.post_attention_layernorm.weight.detach(), layer.post_attention_layernorm.variance_epsilon)
 
     def refresh(self, layer: torch.nn.Module) -> None:
-        """The layer's current weights into the fused matrices, in place (norms alias the model's own)."""
-        attn, mlp = layer.self_attn, layer.mlp
-        qkv, gate_up = (attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj)
-        self.qkv.refresh(torch.cat([lin.weight for lin in qkv]), _cat_bias(*qkv))
-        self.o.refresh(attn.o_proj.weight, attn.o_proj.bias)
-        self.gate_up.refresh(torch.cat([lin.weight for lin in gate_up]), _cat_bias(*gate_up))
-        self.down.refresh(mlp.down_proj.weight, mlp.down_proj.bias)
+        """The layer's current weights into the fused matrices, in place where the layout allows it."""
+        for fused, group in zip((self.qkv, self.o, self.gate_up, self.down), self._linears(layer)):
+            fused.refresh([lin.weight for lin in group], _cat_bias(*group))
+        self._alias_norms(layer)
 
 
 def kernel_problem(model: torch.nn.Module) -> str | None:
@@ -211,6 +246,7 @@ class FastLlama:
         self.kernels = kernels
         self.enabled = True
         self._packed_versions: tuple[int, ...] | None = None
+        self.layers: list[_Layer] | None = None  # packed on first use
         self._checked = False
         self.batch_invariant = False  # set by the self-check on first use
 
@@ -221,18 +257,26 @@ class FastLlama:
             return None
 
     def _pack_if_stale(self) -> None:
+        """Pack the weights on first use; after that, repack in place (the same buffers) when a
+        parameter was modified since."""
         versions = self._versions()
         if versions is not None and versions == self._packed_versions:
             return
-        inner = self.model.model
+        inner, head = self.model.model, self.model.lm_head
         self.embed = inner.embed_tokens
         self.rotary = inner.rotary_emb
-        self.layers = [_Layer(layer, self.rows_hint) for layer in inner.layers]
         self.final_norm = (inner.norm.weight.detach(), inner.norm.variance_epsilon)
-        head = self.model.lm_head
-        self.lm_head = _Linear(head.weight, head.bias, self.rows_hint)
-        first = self.layers[0]
-        self.num_kv_heads = first.kv_size // first.head_dim
+        head_bias = None if head.bias is None else head.bias.detach()
+        if self.layers is None:
+            kernels = self.kernels
+            self.layers = [_Layer(layer, self.rows_hint, kernels) for layer in inner.layers]
+            self.lm_head = _Linear([head.weight], head_bias, self.rows_hint, kernels)
+            first = self.layers[0]
+            self.num_kv_heads = first.kv_size // first.head_dim
+        else:
+            for fast, layer in zip(self.layers, inner.layers):
+                fast.refresh(layer)
+            self.lm_head.refresh([head.weight], head_bias)
         self._packed_versions = versions
 
     def session(self, tokens: int | None = None) -> "FastLlamaSession | HFSession":
@@ -293,7 +337,8 @@ class FastLlama:
                 self.enabled = False
                 logger.warning(f"fast decoding path {message}; using the transformers forward")
                 return
-            self.kernels = None
+            self.kernels, self.layers, self._packed_versions = None, None, None  # repack for oneDNN
+            self._pack_if_stale()
             logger.warning(f"fast decoding path with the compiled CPU kernels {message}; decoding with torch ops")
         self.batch_invariant = torch.equal(decode(self._fast_session(), slice(1, 2))[:, 0], fast[:, 1])
         if not self.batch_invariant:
@@ -534,19 +579,6 @@ class StaticLlama(FastLlama):
         # Counters for benchmarks: a pool at a new address drops every captured graph.
         self.pool_allocations = 0
         self.graph_captures = 0
-
-    def _pack_if_stale(self) -> None:
-        if self._packed_versions is None and not hasattr(self, "layers"):
-            super()._pack_if_stale()
-            return
-        versions = self._versions()
-        if versions is not None and versions == self._packed_versions:
-            return
-        for fast, layer in zip(self.layers, self.model.model.layers):
-            fast.refresh(layer)
-        head = self.model.lm_head
-        self.lm_head.refresh(head.weight.detach(), None if head.bias is None else head.bias.detach())
-        self._packed_versions = versions
 
     def _fast_session(self) -> "StaticSession":
         return StaticSession(self)

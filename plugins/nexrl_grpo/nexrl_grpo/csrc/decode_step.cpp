@@ -173,6 +173,102 @@ void silu_mul(const T* gate_up, T* out, long rows, long inter) {
   });
 }
 
+// Few-row matmuls (float32) on a packed weight: y[rows, n] = x[rows, k] @ w[n, k]^T (+ bias).
+// A decode step multiplies a few rows by every weight of the model, so it streams all weights
+// from memory once per step. Packed as [panels][k][16] (panel p: output columns 16p..16p+15,
+// zeros past n), a weight is read front to back, one vector of 16 columns per k, while each row's
+// input is broadcast from a transposed copy of the rows (one cache line per k). Every output is
+// one multiply-add chain over k in order, whatever the number of rows or threads: a row keeps
+// its bits beside any others.
+constexpr long kLanes = 16;
+constexpr long kPrefetch = 512;  // floats ahead in a panel's stream (2 KB): what the hardware prefetcher misses
+
+template <int R, int P>
+inline void linear_tile(const float* xt, long k, const float* panel, const float* bias, float* y, long ldy,
+                        long column, long n) {
+  v16 acc[P][R];
+  for (int p = 0; p < P; ++p) {
+    v16 start{};
+    if (bias) {
+      for (long j = 0; j < kLanes && column + p * kLanes + j < n; ++j) start[j] = bias[column + p * kLanes + j];
+    }
+    for (int r = 0; r < R; ++r) acc[p][r] = start;
+  }
+  for (long i = 0; i < k; ++i) {
+    for (int p = 0; p < P; ++p) {
+      const float* w = panel + (p * k + i) * kLanes;
+      __builtin_prefetch(w + kPrefetch, 0, 3);
+      const v16 wv = load16(w);
+      for (int r = 0; r < R; ++r) acc[p][r] += xt[i * kLanes + r] * wv;
+    }
+  }
+  for (int p = 0; p < P; ++p) {
+    const long first = column + p * kLanes, valid = n - first < kLanes ? n - first : kLanes;
+    for (int r = 0; r < R; ++r) std::memcpy(y + r * ldy + first, &acc[p][r], valid * sizeof(float));
+  }
+}
+
+// Panels [first, last) for R rows, P panels at a time (P * R accumulators stay in registers).
+template <int R>
+void linear_panels(const float* xt, long k, const float* packed, const float* bias, float* y, long ldy, long n,
+                   long first, long last) {
+  constexpr int P = R <= 4 ? 4 : (R <= 8 ? 2 : 1);
+  long p = first;
+  for (; p + P <= last; p += P) linear_tile<R, P>(xt, k, packed + p * k * kLanes, bias, y, ldy, p * kLanes, n);
+  for (; p < last; ++p) linear_tile<R, 1>(xt, k, packed + p * k * kLanes, bias, y, ldy, p * kLanes, n);
+}
+
+using LinearPanels = void (*)(const float*, long, const float*, const float*, float*, long, long, long, long);
+constexpr LinearPanels kLinearPanels[kLanes] = {
+    linear_panels<1>, linear_panels<2>,  linear_panels<3>,  linear_panels<4>,  linear_panels<5>,  linear_panels<6>,
+    linear_panels<7>, linear_panels<8>,  linear_panels<9>,  linear_panels<10>, linear_panels<11>, linear_panels<12>,
+    linear_panels<13>, linear_panels<14>, linear_panels<15>, linear_panels<16>};
+
+void linear(const float* x, long ldx, long rows, long k, const float* packed, long n, const float* bias, float* y) {
+  if (rows <= 0 || n <= 0) return;
+  const long chunks = (rows + kLanes - 1) / kLanes, panels = (n + kLanes - 1) / kLanes;
+  std::vector<float> xt(chunks * k * kLanes);  // rows in chunks of 16, each transposed to [k][16]
+  at::parallel_for(0, chunks, 1, [&](long first, long last) {
+    for (long c = first; c < last; ++c) {
+      float* t = xt.data() + c * k * kLanes;
+      for (long r = c * kLanes; r < rows && r < (c + 1) * kLanes; ++r) {
+        for (long i = 0; i < k; ++i) t[i * kLanes + r % kLanes] = x[r * ldx + i];
+      }
+    }
+  });
+  at::parallel_for(0, panels, 1, [&](long first, long last) {
+    // 8 panels at a time for all chunks of rows: their weights stay in cache from one chunk to the next
+    for (long p = first; p < last; p += 8) {
+      const long end = p + 8 < last ? p + 8 : last;
+      for (long c = 0; c < chunks; ++c) {
+        const long r = rows - c * kLanes < kLanes ? rows - c * kLanes : kLanes;
+        kLinearPanels[r - 1](xt.data() + c * k * kLanes, k, packed, bias, y + c * kLanes * n, n, n, p, end);
+      }
+    }
+  });
+}
+
+// Rows of w [n, k] as output columns [column, column + n) of a packed weight of `total` columns;
+// the lanes past `total` in its last panel are zeroed. Several weights packed side by side make
+// the weight of their concatenated outputs.
+void pack_linear(const float* w, long n, long k, float* packed, long column, long total) {
+  const long first_panel = column / kLanes, end_panel = (column + n + kLanes - 1) / kLanes;
+  at::parallel_for(first_panel, end_panel, 1, [&](long first, long last) {
+    for (long p = first; p < last; ++p) {
+      const long lane0 = column > p * kLanes ? column - p * kLanes : 0;
+      const long lane1 = column + n < (p + 1) * kLanes ? column + n - p * kLanes : kLanes;
+      float* out = packed + p * k * kLanes;
+      const float* src = w + (p * kLanes + lane0 - column) * k;
+      for (long i = 0; i < k; ++i) {
+        for (long j = lane0; j < lane1; ++j) out[i * kLanes + j] = src[(j - lane0) * k + i];
+        if (p * kLanes + kLanes > total) {
+          for (long j = total - p * kLanes; j < kLanes; ++j) out[i * kLanes + j] = 0.0f;
+        }
+      }
+    }
+  });
+}
+
 }  // namespace
 
 extern "C" {
@@ -197,5 +293,12 @@ void add_rms_norm_bfloat16(uint16_t* x, const uint16_t* delta, const uint16_t* w
 void silu_mul_float32(const float* gate_up, float* out, long rows, long inter) { silu_mul(gate_up, out, rows, inter); }
 void silu_mul_bfloat16(const uint16_t* gate_up, uint16_t* out, long rows, long inter) {
   silu_mul(gate_up, out, rows, inter);
+}
+void linear_float32(const float* x, long ldx, long rows, long k, const float* packed, long n, const float* bias,
+                    float* y) {
+  linear(x, ldx, rows, k, packed, n, bias, y);
+}
+void pack_linear_float32(const float* w, long n, long k, float* packed, long column, long total) {
+  pack_linear(w, n, k, packed, column, total);
 }
 }
