@@ -104,7 +104,8 @@ def test_bf16_training_keeps_float32_master_weights_and_follows_the_float32_grad
 
 def test_bf16_training_attends_in_float32_on_the_cpu(tiny_model_dir):
     """CPU flash attention's bf16 backward takes about twice as long as float32's: under bf16
-    autocast the packed forward gives attention float32 inputs, and the rest stays bf16."""
+    autocast the packed forward gives attention float32 inputs (whether SDPA or the block's own
+    matmuls run it), and the rest stays bf16."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     seen: dict[str, set[torch.dtype]] = {"attention": set(), "mm": set()}
@@ -112,7 +113,7 @@ def test_bf16_training_attends_in_float32_on_the_cpu(tiny_model_dir):
     class Dtypes(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             name = func.__name__
-            if "scaled_dot_product" in name:
+            if "scaled_dot_product" in name or name.startswith(("bmm.", "baddbmm.")):  # SDPA, or a block's matmuls
                 seen["attention"].add(args[0].dtype)
             elif name.startswith("mm."):
                 seen["mm"].add(args[0].dtype)

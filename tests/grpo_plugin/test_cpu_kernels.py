@@ -71,6 +71,11 @@ def test_attention_matches_the_torch_ops(heads, kv_heads, dim, dtype):
     torch.testing.assert_close(out[5].float().view(kv_heads, -1, dim),
                                values[5, :, column].float()[:, None].expand(kv_heads, heads // kv_heads, dim),
                                atol=1e-6, rtol=2 ** -7)
+    # Some rows only, each at its own cache row (the live rows of a batch): the same bits.
+    live = torch.tensor([4, 1])
+    part = torch.empty(2, heads * dim, dtype=dtype)
+    kernels.attend(qkv[live], cos[live], sin[live], keys, values, starts, column, scaling, part, cache_rows=live)
+    assert torch.equal(part, out[live])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

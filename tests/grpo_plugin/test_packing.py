@@ -135,13 +135,17 @@ def test_attention_runs_per_group_block_and_the_model_keeps_its_attention(tiny_m
     model.train()
     ids, mask, pos, resp_w, groups = padded_batch()
     query_lengths: list[int] = []
-    sdpa = torch.nn.functional.scaled_dot_product_attention
 
-    def recording(query, *args, **kwargs):
-        query_lengths.append(query.shape[-2])
-        return sdpa(query, *args, **kwargs)
+    def recording(attend):
+        def recorded(query, *args, **kwargs):
+            query_lengths.append(query.shape[-2])
+            return attend(query, *args, **kwargs)
+        return recorded
 
-    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
+    # torch's SDPA, and on the CPU the block attention's own matmuls
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        recording(torch.nn.functional.scaled_dot_product_attention))
+    monkeypatch.setattr(modeling, "_square_attention", recording(modeling._square_attention))
     compute_response_logprobs_packed(model, ids, mask, pos, resp_w, groups)
     # Groups in order of first appearance: the prompt once plus every response of the group.
     blocks = [len(p) + sum(len(r) for g2, _, r in ROWS if g2 == g)
@@ -156,6 +160,29 @@ def test_attention_runs_per_group_block_and_the_model_keeps_its_attention(tiny_m
     with pytest.raises(IndexError):
         compute_response_logprobs_packed(model, ids + model.config.vocab_size, mask, pos, resp_w, groups)
     assert model.config._attn_implementation == "sdpa"
+
+
+def test_a_tied_embeddings_rows_are_added_into_the_heads_gradient_in_place(tiny_model_and_tokenizer, monkeypatch):
+    """The embedding's sparse gradient goes into the head's dense one where they meet, not into a
+    copy of it; the sum is the padded computation's (checked above for every parameter)."""
+    model, _ = tiny_model_and_tokenizer
+    assert model.get_input_embeddings().weight is model.get_output_embeddings().weight
+    model.train()
+    met = []
+    backward = modeling._TiedWeight.backward
+
+    def recording(ctx, grad_embedding, grad_head):
+        summed = backward(ctx, grad_embedding, grad_head)
+        met.append((grad_embedding.is_sparse, summed.data_ptr() == grad_head.data_ptr()))
+        return summed
+
+    monkeypatch.setattr(modeling._TiedWeight, "backward", staticmethod(recording))
+    ids, mask, pos, resp_w, groups = padded_batch()
+    model.zero_grad(set_to_none=True)
+    compute_response_logprobs_packed(model, ids, mask, pos, resp_w, groups).sum().backward()
+    assert met == [(True, True)]
+    assert not model.get_input_embeddings().weight.grad.is_sparse
+    assert "forward" not in vars(model.get_input_embeddings())  # the lookup is the module's own again
 
 
 def test_long_responses_attend_over_their_prompt_and_themselves_not_the_whole_group(tiny_model_and_tokenizer,
@@ -179,13 +206,20 @@ def test_long_responses_attend_over_their_prompt_and_themselves_not_the_whole_gr
     calls: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
     sdpa = torch.nn.functional.scaled_dot_product_attention
 
+    square = modeling._square_attention
+
     def recording(query, key, *args, **kwargs):
         calls.append((tuple(query.shape[::2]), tuple(key.shape[::2])))
         return sdpa(query, key, *args, **kwargs)
 
+    def recording_square(query, key, *args):  # one block's [heads, T, d]: as one row
+        calls.append(((1, query.shape[1]), (1, key.shape[1])))
+        return square(query, key, *args)
+
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(modeling, "_SPLIT_MIN_SQUARE", 0)
         patch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
+        patch.setattr(modeling, "_square_attention", recording_square)
         got = compute_response_logprobs_packed(model, ids, mask, pos, resp_w, groups)
     # (rows, query length) and (rows, key length): group 0's prompt, its 4 responses padded to 40 over
     # 2 + 40 keys, then group 1's block whole.

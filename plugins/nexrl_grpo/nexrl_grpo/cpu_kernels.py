@@ -58,8 +58,8 @@ class DecodeKernels:
         self._attend, self._add_rms_norm, self._silu_mul = {}, {}, {}
         for dtype, suffix in DTYPES.items():
             attend = getattr(library, f"attend_{suffix}")
-            attend.argtypes = [pointer, long, pointer, pointer, pointer, pointer, pointer, long, long, long, long,
-                               long, long, single, pointer]
+            attend.argtypes = [pointer, long, pointer, pointer, pointer, pointer, pointer, pointer, long, long, long,
+                               long, long, long, single, pointer]
             norm = getattr(library, f"add_rms_norm_{suffix}")
             norm.argtypes = [pointer, pointer, pointer, single, pointer, long, long]
             silu = getattr(library, f"silu_mul_{suffix}")
@@ -71,17 +71,20 @@ class DecodeKernels:
         self._pack_linear.argtypes = [pointer, long, long, pointer, long, long]
 
     def attend(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,
-               values: torch.Tensor, starts: torch.Tensor, column: int, scaling: float, out: torch.Tensor) -> None:
+               values: torch.Tensor, starts: torch.Tensor, column: int, scaling: float, out: torch.Tensor,
+               cache_rows: torch.Tensor | None = None) -> None:
         """One decode step's attention: ``qkv`` ``[rows, (heads + 2 kv_heads) * dim]`` (queries, keys,
         values), ``cos``/``sin`` ``[rows, dim]``; rotates the new key and the queries, writes key and
-        value into ``keys``/``values`` ``[rows, kv_heads, capacity, dim]`` at ``column``, and writes
-        into ``out`` ``[rows, heads * dim]`` each row's attention over its columns ``starts[row]`` to
-        ``column``."""
-        rows, kv_heads, capacity, dim = keys.shape
-        heads = out.shape[1] // dim
+        value into ``keys``/``values`` ``[cache rows, kv_heads, capacity, dim]`` at ``column``, and
+        writes into ``out`` ``[rows, heads * dim]`` each row's attention over its columns ``starts`` to
+        ``column``. Row r's cache row is ``cache_rows[r]`` (int64; r when None); ``starts`` (int64) is
+        per cache row."""
+        _, kv_heads, capacity, dim = keys.shape
+        rows, heads = qkv.shape[0], out.shape[1] // dim
         self._attend[qkv.dtype](qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), keys.data_ptr(),
-                                values.data_ptr(), starts.data_ptr(), rows, heads, kv_heads, dim, capacity, column,
-                                scaling, out.data_ptr())
+                                values.data_ptr(), starts.data_ptr(),
+                                None if cache_rows is None else cache_rows.data_ptr(), rows, heads, kv_heads, dim,
+                                capacity, column, scaling, out.data_ptr())
 
     def add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
                      out: torch.Tensor) -> None:

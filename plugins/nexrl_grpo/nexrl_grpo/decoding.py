@@ -352,9 +352,9 @@ class FastLlamaSession:
     each row's first key column (its left padding), and the next free column (all rows advance
     together).
 
-    Finished rows are not copied out at once: they stay in the buffer (decoding a few more rows
-    costs little next to streaming the weights) until at most half the rows are live, then the
-    buffer is compacted. Attention runs per run of adjacent buffer rows with the same first key
+    Finished rows are not copied out at once: they stay in the buffer until at most half the rows
+    are live, then the buffer is compacted. Meanwhile the torch ops decode them too (a few more rows
+    cost little next to streaming the weights); the compiled kernels decode the live rows only. Attention runs per run of adjacent buffer rows with the same first key
     column (see the module doc): callers that order rows by prompt length make few runs.
     """
 
@@ -387,11 +387,11 @@ class FastLlamaSession:
     def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         if self.length == self.keys.shape[3]:
             self._grow()
+        if self.o.kernels is not None:  # decode steps only: a one-token prompt's prefill keeps the torch ops' bits
+            return self._kernel_step(tokens, positions)
         if self.live is not None:  # finished rows still in the buffer decode a dummy token
             tokens = tokens.new_zeros(self.keys.shape[1]).index_copy_(0, self.live, tokens)
             positions = positions.new_zeros(self.keys.shape[1]).index_copy_(0, self.live, positions)
-        if self.o.kernels is not None:  # decode steps only: a one-token prompt's prefill keeps the torch ops' bits
-            return self._kernel_step(tokens.unsqueeze(-1), positions.unsqueeze(-1), self.live)
         return self._forward(tokens.unsqueeze(-1), positions.unsqueeze(-1), self.live)
 
     def _allocate(self, rows: int, capacity: int, device: torch.device) -> None:
@@ -456,16 +456,18 @@ class FastLlamaSession:
         last = x[:, -1] if out_rows is None else x[out_rows, -1]
         return o.lm_head(_rms_norm(last, *o.final_norm))
 
-    def _kernel_step(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                     out_rows: torch.Tensor | None) -> torch.Tensor:
-        """:meth:`_forward` of a decode step through the compiled kernels: between two matmuls, one
-        call (attention with rotary and cache write; residual add with the next norm; SiLU times up)."""
+    def _kernel_step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """A decode step of the live rows only (``tokens``/``positions`` ``[rows]``, in the caller's
+        order) through the compiled kernels: between two matmuls, one call (attention with rotary and
+        cache write; residual add with the next norm; SiLU times up). Finished rows still in the
+        buffer cost nothing: the few-row matmul's time grows with its rows."""
         o, kernels = self.o, self.o.kernels
-        rows, column = input_ids.shape[0], self.length
-        x = o.embed(input_ids[:, 0])
-        cos, sin = o.rotary(x, position_ids)
+        rows, column = tokens.shape[0], self.length
+        x = o.embed(tokens)
+        cos, sin = o.rotary(x, positions.unsqueeze(-1))
         cos, sin = cos.reshape(rows, -1).contiguous(), sin.reshape(rows, -1).contiguous()
         starts = torch.tensor(self.starts, dtype=torch.int64)
+        cache_rows = None if self.live is None else self.live.to(torch.int64).contiguous()
         first = o.layers[0]
         normed = torch.empty_like(x)
         attention = x.new_empty(rows, first.q_size)
@@ -473,13 +475,13 @@ class FastLlamaSession:
         kernels.add_rms_norm(x, None, *first.norm_in, normed)
         for i, layer in enumerate(o.layers):
             kernels.attend(layer.qkv(normed), cos, sin, self.keys[i], self.values[i], starts, column, layer.scaling,
-                           attention)
+                           attention, cache_rows)
             kernels.add_rms_norm(x, layer.o(attention), *layer.norm_post, normed)
             kernels.silu_mul(layer.gate_up(normed), activation)
             following = o.layers[i + 1].norm_in if i + 1 < len(o.layers) else o.final_norm
             kernels.add_rms_norm(x, layer.down(activation), *following, normed)
         self.length = column + 1
-        return o.lm_head(normed if out_rows is None else normed[out_rows])
+        return o.lm_head(normed)
 
     def _attend(self, layer: int, q: torch.Tensor, runs: list[tuple[int, int, int]], end: int,
                 scaling: float) -> torch.Tensor:

@@ -87,20 +87,23 @@ inline void rotate(const float* x, const float* cos, const float* sin, float* ou
 // One decode step's attention in one layer. For each row and KV head: rotate the new key and the
 // group's queries, write key and value into the cache at `column`, and attend over the row's own
 // keys, columns [starts[row], column]. qkv rows: [queries | keys | values]; the cache
-// [rows, kv_heads, capacity, dim]; cos and sin [rows, dim]; out [rows, heads * dim].
+// [cache rows, kv_heads, capacity, dim]; cos and sin [rows, dim]; out [rows, heads * dim]. Row r's
+// cache row is cache_rows[r] (r when null); starts is indexed by cache row.
 template <typename T>
 void attend(const T* qkv, long qkv_stride, const T* cos, const T* sin, T* keys, T* values, const int64_t* starts,
-            long rows, long heads, long kv_heads, long dim, long capacity, long column, float scaling, T* out) {
+            const int64_t* cache_rows, long rows, long heads, long kv_heads, long dim, long capacity, long column,
+            float scaling, T* out) {
   const long group = heads / kv_heads;
   at::parallel_for(0, rows * kv_heads, 1, [&](long first, long last) {
     std::vector<float> buffer((4 + 2 * group) * dim + group * (column + 1));
     float *c = buffer.data(), *s = c + dim, *raw = s + dim, *key = raw + dim, *q = key + dim,
           *o = q + group * dim, *scores = o + group * dim;
     for (long task = first; task < last; ++task) {
-      const long row = task / kv_heads, kv = task % kv_heads, start = starts[row], n = column + 1 - start;
+      const long row = task / kv_heads, kv = task % kv_heads, cached = cache_rows ? cache_rows[row] : row;
+      const long start = starts[cached], n = column + 1 - start;
       const T* in = qkv + row * qkv_stride;
-      T* cached_keys = keys + (row * kv_heads + kv) * capacity * dim;
-      T* cached_values = values + (row * kv_heads + kv) * capacity * dim;
+      T* cached_keys = keys + (cached * kv_heads + kv) * capacity * dim;
+      T* cached_values = values + (cached * kv_heads + kv) * capacity * dim;
       widen_row(cos + row * dim, c, dim);
       widen_row(sin + row * dim, s, dim);
       widen_row(in + (heads + kv) * dim, raw, dim);
@@ -273,14 +276,16 @@ void pack_linear(const float* w, long n, long k, float* packed, long column, lon
 
 extern "C" {
 void attend_float32(const float* qkv, long stride, const float* cos, const float* sin, float* keys, float* values,
-                    const int64_t* starts, long rows, long heads, long kv_heads, long dim, long capacity, long column,
-                    float scaling, float* out) {
-  attend(qkv, stride, cos, sin, keys, values, starts, rows, heads, kv_heads, dim, capacity, column, scaling, out);
+                    const int64_t* starts, const int64_t* cache_rows, long rows, long heads, long kv_heads, long dim,
+                    long capacity, long column, float scaling, float* out) {
+  attend(qkv, stride, cos, sin, keys, values, starts, cache_rows, rows, heads, kv_heads, dim, capacity, column, scaling,
+         out);
 }
 void attend_bfloat16(const uint16_t* qkv, long stride, const uint16_t* cos, const uint16_t* sin, uint16_t* keys,
-                     uint16_t* values, const int64_t* starts, long rows, long heads, long kv_heads, long dim,
-                     long capacity, long column, float scaling, uint16_t* out) {
-  attend(qkv, stride, cos, sin, keys, values, starts, rows, heads, kv_heads, dim, capacity, column, scaling, out);
+                     uint16_t* values, const int64_t* starts, const int64_t* cache_rows, long rows, long heads,
+                     long kv_heads, long dim, long capacity, long column, float scaling, uint16_t* out) {
+  attend(qkv, stride, cos, sin, keys, values, starts, cache_rows, rows, heads, kv_heads, dim, capacity, column, scaling,
+         out);
 }
 void add_rms_norm_float32(float* x, const float* delta, const float* weight, float eps, float* out, long rows,
                           long hidden) {
