@@ -28,8 +28,8 @@ beside a different number of rows; the prefill's causal SDPA did not (SmolLM2, 2
 With the compiled CPU kernels (:mod:`nexrl_grpo.cpu_kernels`, the default where they build) a
 decode step's work between its matmuls is one C++ call per stage, each row computed by one thread
 in its own fixed order, and a float32 matmul gives each output one multiply-add chain over its
-inputs in order, for any number of rows (one row needs no doubling). :class:`FastLlama` checks batch invariance once on first use and says so
-when it does not hold on the machine at hand.
+inputs in order, for any number of rows (one row needs no doubling). :class:`FastLlama` checks
+batch invariance once on first use and says so when it does not hold on the machine at hand.
 
 :class:`FastLlama` holds the packed weights. It repacks itself when any parameter of the model
 was modified in place since it last packed (tensor version counters), so an optimizer step on a
@@ -354,8 +354,9 @@ class FastLlamaSession:
 
     Finished rows are not copied out at once: they stay in the buffer until at most half the rows
     are live, then the buffer is compacted. Meanwhile the torch ops decode them too (a few more rows
-    cost little next to streaming the weights); the compiled kernels decode the live rows only. Attention runs per run of adjacent buffer rows with the same first key
-    column (see the module doc): callers that order rows by prompt length make few runs.
+    cost little next to streaming the weights); the compiled kernels decode the live rows only.
+    Attention runs per run of adjacent buffer rows with the same first key column (see the module
+    doc): callers that order rows by prompt length make few runs.
     """
 
     def __init__(self, owner: FastLlama):
