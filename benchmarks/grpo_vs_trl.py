@@ -140,7 +140,7 @@ class Gate:
 def arithmetic_rows(seed: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """The quickstart's training rows (same generator, same config)."""
     from nexrl_core.builtins.dataloaders import ArithmeticDataLoader
-    from nexrl_core.config.recipe import load_recipe
+    from nexrl_core.launch.recipe import load_recipe
 
     cfg = load_recipe(QUICKSTART, [f"seed={seed}"])
     data = cfg.data
@@ -279,8 +279,8 @@ class NexrlSystem(GatedSystem):
     def __init__(self, args: argparse.Namespace, total_steps: int, run_dir: str, dtype: str):
         from omegaconf import OmegaConf
 
-        from nexrl_core.config.recipe import load_recipe
         from nexrl_core.controller import NexRLController
+        from nexrl_core.launch.recipe import load_recipe
 
         overrides = [
             f"run_dir={run_dir}", f"seed={args.seed}",
@@ -523,7 +523,7 @@ def main(argv: list[str] | None = None) -> int:
 
     model_path = args.model = args.model or resolve_model_path("smollm2-135m-instruct")
     if args.lr is None:
-        from nexrl_core.config.recipe import load_recipe
+        from nexrl_core.launch.recipe import load_recipe
 
         args.lr = float(load_recipe(QUICKSTART).service.train_service.lr)
     steps_per_system = args.warmup + args.blocks * args.steps_per_block

@@ -106,8 +106,8 @@ def _quiet_logs() -> None:
 def run_flow(workers: int, batch: int, group: int, steps: int, sync_mode: str = "sync",
              staleness: int = 0, profile: str | None = None, limit: str = "null", launch_mode: str = "local",
              actors: int = 1, tasks_per_call: int = 1) -> dict[str, float]:
-    from nexrl_core.config.recipe import load_recipe
     from nexrl_core.controller import NexRLController
+    from nexrl_core.launch.recipe import load_recipe
     from nexrl_core.runtime.execute import execute
 
     with tempfile.TemporaryDirectory(prefix="nexrl-overhead-") as tmp:
@@ -302,8 +302,8 @@ def _watch_steps(run_dir: str, stop: threading.Event, marks: list[float]) -> Non
 
 
 def run_quickstart(tmp: str, mode: str, steps: int, extra: list[str]) -> dict[str, Any]:
-    from nexrl_core.config.recipe import load_recipe
     from nexrl_core.controller import NexRLController
+    from nexrl_core.launch.recipe import load_recipe
 
     run_dir = os.path.join(tmp, f"{mode}-{time.monotonic_ns()}")
     overrides = [f"run_dir={run_dir}", f"trainer.total_train_steps={steps}", "trainer.save_freq=0",
@@ -395,8 +395,8 @@ class Timers:
 def part_step(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from nexrl_core.config.recipe import load_recipe
     from nexrl_core.controller import NexRLController
+    from nexrl_core.launch.recipe import load_recipe
 
     _quiet_logs()
     print(f"== part 2: real quickstart steps, broken down (torch threads {torch.get_num_threads()}, "

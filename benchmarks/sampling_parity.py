@@ -37,9 +37,9 @@ def main(argv: list[str] | None = None) -> int:
     transformers.logging.set_verbosity_error()
     from nexrl_core.builtins.dataloaders import ArithmeticDataLoader
     from nexrl_core.builtins.evaluators import NumericAnswerEvaluator
-    from nexrl_core.config.recipe import load_recipe
     from nexrl_core.evaluation import BaseEvaluationTarget
-    from nexrl_core.inference import SamplingParams
+    from nexrl_core.launch.recipe import load_recipe
+    from nexrl_core.runtime.inference import SamplingParams
     from nexrl_grpo.engine import HFInferenceEngine
     from nexrl_grpo.modeling import load_causal_lm
     from nexrl_grpo.weights import resolve_model_path

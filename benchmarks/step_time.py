@@ -58,8 +58,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import nexrl_core
     import nexrl_grpo
-    from nexrl_core.config import load_recipe
     from nexrl_core.controller import NexRLController
+    from nexrl_core.launch.recipe import load_recipe
     from nexrl_grpo import engine, train_service
 
     tree = os.path.abspath(args.tree)

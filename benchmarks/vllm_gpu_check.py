@@ -86,7 +86,7 @@ def train(model: str, url: str, backend: str, args: argparse.Namespace, out: Pat
     import yaml
 
     from nexrl_core import NexRLController
-    from nexrl_core.config.recipe import load_recipe
+    from nexrl_core.launch.recipe import load_recipe
 
     path = out / f"{backend}.yaml"
     path.write_text(yaml.safe_dump(recipe(model, url, backend, args, out), sort_keys=False))

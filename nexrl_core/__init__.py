@@ -10,7 +10,6 @@ from .controller import NexRLController, RunFailed, RunSummary
 from .dataloader import BaseDataLoader
 from .errors import ConfigError, DataError, ErrorReporter, ErrorSeverity, NexRLError, PluginError
 from .evaluation import BaseEvaluationTarget, EvaluationRunResult, Evaluator
-from .inference import CompletionResult, InferenceClient, InferenceError, SamplingParams
 from .launch.processes import (
     StartedProcess,
     processes_are_actors,
@@ -32,12 +31,13 @@ from .runtime.execute import (
     execute_async,
     execute_with_timeout,
 )
+from .runtime.inference import CompletionResult, InferenceClient, InferenceError, SamplingParams
 from .runtime.logs import demote_library_log
 from .runtime.module import NexRLModule
 from .runtime.sinks import MetricsSink
 from .runtime.threaded import ThreadedModule
+from .runtime.train_service import StepResult, TrainService
 from .tool_calls import as_text_messages, parse_tool_calls, render_tool_calls, tools_system_prompt
-from .train_service import StepResult, TrainService
 from .trainer import BaseTrainer
 from .trajectory_pool import (
     GroupedTrajectoryStore,
@@ -87,8 +87,4 @@ def __getattr__(name: str):
         value = getattr(importlib.import_module(_LAZY[name]), name)
         globals()[name] = value  # later reads skip this function
         return value
-    from ._moved import MOVED
-
-    if f"{__name__}.{name}" in MOVED:  # `nexrl_core.schema` after `import nexrl_core`: the deprecated alias
-        return importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module 'nexrl_core' has no attribute {name!r}")

@@ -31,13 +31,13 @@ def run(config: str | os.PathLike[str] | Mapping[str, Any], overrides: Sequence[
     command line. A bad recipe raises :class:`~nexrl_core.ConfigError` listing every problem
     ``nexrl validate`` reports; a failed run raises :class:`~nexrl_core.RunFailed`. The run
     directory gets the same files as with ``nexrl run`` (metrics.jsonl, run.log, run.json, ...)."""
-    from .cli.run_info import RunRecord, write_config
-    from .cli.run_log import prepare_run_dir, setup_logging
-    from .config.preflight import require_runnable
-    from .config.recipe import load_recipe
     from .controller import NexRLController
     from .errors import NexRLError, exit_code
+    from .launch.preflight import require_runnable
+    from .launch.recipe import load_recipe
     from .plugins import get_plugin_manager
+    from .runtime.run_info import RunRecord, write_config
+    from .runtime.run_log import prepare_run_dir, setup_logging
 
     if isinstance(config, Mapping):
         from omegaconf import DictConfig, OmegaConf

@@ -17,14 +17,14 @@ from loguru import logger
 from omegaconf import DictConfig
 
 from .checkpoint import find_latest_checkpoint
-from .cli.run_log import prepare_run_dir
-from .config.preflight import dataloader_config, records_config, require_runnable, resume_checkpoint
 from .errors import NexRLError
 from .launch import create_resource_manager
+from .launch.preflight import dataloader_config, records_config, require_runnable, resume_checkpoint
 from .plugins import PluginManager, get_plugin_manager
 from .runtime.activity import ActivityTracker, ActivityTrackerProxy
 from .runtime.execute import execute
 from .runtime.logs import format_traceback
+from .runtime.run_log import prepare_run_dir
 from .trajectory_pool import TrajectoryPool
 from .types import NexRLRole, Trajectory
 from .validator import Validator

@@ -83,7 +83,7 @@ class BaseDataLoader(NexRLModule, ABC):
     @classmethod
     def bind_config(cls, config: Any, is_validate: bool = False) -> Any:
         """``data`` (or ``validate.data``) bound to the core's and this loader's declarations, with the
-        keys the launcher sets (:func:`nexrl_core.config.preflight.dataloader_config`)."""
+        keys the launcher sets (:func:`nexrl_core.launch.preflight.dataloader_config`)."""
         from .config.bound import bind_component
         from .config.options import Option
         from .config.schema import DATA, VALIDATE_DATA

@@ -26,10 +26,10 @@ import pluggy
 if TYPE_CHECKING:  # imported for annotations only; keeps this module dependency-free
     from .dataloader import BaseDataLoader
     from .evaluation import Evaluator
-    from .inference import InferenceClient
     from .rollout_worker import BaseRolloutWorker
+    from .runtime.inference import InferenceClient
     from .runtime.sinks import MetricsSink
-    from .train_service import TrainService
+    from .runtime.train_service import TrainService
     from .trainer import BaseTrainer
     from .weight_sync import WeightSyncBackend
 

@@ -38,9 +38,9 @@ KINDS: dict[str, tuple[str, str]] = {
     "rollout_worker": ("nexrl_rollout_workers", "nexrl_core.rollout_worker:BaseRolloutWorker"),
     "evaluator": ("nexrl_evaluators", "nexrl_core.evaluation:Evaluator"),
     "trainer": ("nexrl_trainers", "nexrl_core.trainer:BaseTrainer"),
-    "train_service": ("nexrl_train_services", "nexrl_core.train_service:TrainService"),
+    "train_service": ("nexrl_train_services", "nexrl_core.runtime.train_service:TrainService"),
     "weight_sync_backend": ("nexrl_weight_sync_backends", "nexrl_core.weight_sync:WeightSyncBackend"),
-    "inference_backend": ("nexrl_inference_backends", "nexrl_core.inference:InferenceClient"),
+    "inference_backend": ("nexrl_inference_backends", "nexrl_core.runtime.inference:InferenceClient"),
     "metrics_sink": ("nexrl_metrics_sinks", ""),
 }
 
@@ -230,7 +230,7 @@ class PluginManager:
         """:meth:`resolve` of the section's ``selector`` (or ``name`` when given; ``key`` is the
         section's), or for a rollout worker or trainer with ``type: python`` the class its ``path``
         and ``class`` name."""
-        from .config.python_class import load_component_class, loads_from_file
+        from .runtime.python_class import load_component_class, loads_from_file
 
         if loads_from_file(kind, section):
             return load_component_class(kind, section, key)
@@ -327,6 +327,6 @@ def active_plugin_manager() -> PluginManager:
 
 def peek_plugin_manager() -> PluginManager:
     """The manager in use (the launch's, else this process's default) without creating the cached
-    default: reading a recipe (:func:`nexrl_core.config.recipe.load_recipe`) must not fix which plugins
+    default: reading a recipe (:func:`nexrl_core.launch.recipe.load_recipe`) must not fix which plugins
     this process loads before the command has chosen its manager."""
     return _ACTIVE.get() or _DEFAULT or PluginManager()

@@ -13,11 +13,11 @@ from typing import Any, cast
 from loguru import logger
 
 from .errors import ErrorSeverity
-from .eval_core import DEFAULT_DATA_SOURCE
 from .evaluation import BaseEvaluationTarget, EvaluationRunResult, Evaluator
-from .inference import InferenceClient, InferenceError
 from .protocols import TaskSource, TrajectorySink, WeightSyncHandle, wired
+from .runtime.eval_core import DEFAULT_DATA_SOURCE
 from .runtime.execute import execute
+from .runtime.inference import InferenceClient, InferenceError
 from .runtime.logs import failure_location, failure_signature, format_traceback
 from .runtime.threaded import ThreadedModule
 from .types import DEFAULT_MODEL_TAG, Trajectory

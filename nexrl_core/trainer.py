@@ -17,12 +17,12 @@ from typing import Any
 from .algorithms.registry import AlgorithmRegistry
 from .checkpoint import read_core_state, write_checkpoint
 from .errors import DataError, NexRLError
-from .eval_core import training_domain_metrics
 from .protocols import TaskSource, TrajectoryPoolHandle, WeightSyncHandle, wired
 from .rollout_worker import failure_detail
+from .runtime.eval_core import training_domain_metrics
 from .runtime.execute import execute
 from .runtime.threaded import ThreadedModule
-from .train_service import TrainService
+from .runtime.train_service import TrainService
 from .trajectory_keys import trajectory_problem
 from .types import DEFAULT_MODEL_TAG, Trajectory, trajectory_reward
 
@@ -55,7 +55,7 @@ class BaseTrainer(ThreadedModule):
     registry (e.g. ``{"type": "advantage_estimator"}``), whose own keys are then accepted too
     (see :mod:`nexrl_core.algorithms.registry`).
 
-    A trainer that drives a train service (:mod:`nexrl_core.train_service`) declares the batch
+    A trainer that drives a train service (:mod:`nexrl_core.runtime.train_service`) declares the batch
     format it builds (``TRAIN_SERVICE_BATCH_FORMAT``) and the service it uses by default
     (``TRAIN_SERVICE_DEFAULT``); :meth:`create_train_service` builds the one
     ``service.train_service.backend`` selects.

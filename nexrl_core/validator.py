@@ -8,8 +8,8 @@ from typing import Any
 from loguru import logger
 
 from .errors import ErrorSeverity
-from .eval_core import DuplicateSampleError, EvalState, SampleRecord, add_sample, summarize
 from .protocols import TaskSource, wired
+from .runtime.eval_core import DuplicateSampleError, EvalState, SampleRecord, add_sample, summarize
 from .runtime.execute import execute
 from .runtime.module import NexRLModule
 from .types import Trajectory

@@ -79,8 +79,8 @@ def run_local(tmp_path, core_pm, reset_loguru):
     it exactly as ``nexrl run`` does and runs a real controller in local mode."""
     import yaml
 
-    from nexrl_core.config.recipe import load_recipe
     from nexrl_core.controller import NexRLController
+    from nexrl_core.launch.recipe import load_recipe
 
     def run(recipe: dict, pm=None, overrides=(), name: str = "recipe.yaml"):
         recipe = {"run_dir": str(tmp_path / "run"), "runtime_monitor": FAST_MONITOR,

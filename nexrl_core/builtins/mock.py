@@ -11,8 +11,8 @@ import time
 from typing import Any
 
 from ..config.options import Capabilities, Option, option_defaults
-from ..inference import CompletionResult, InferenceClient, InferenceError, SamplingParams
 from ..markers import hookimpl
+from ..runtime.inference import CompletionResult, InferenceClient, InferenceError, SamplingParams
 from ..trainer import BaseTrainer
 from ..types import Trajectory
 

@@ -71,8 +71,8 @@ import openai
 from loguru import logger
 
 from ..config.options import Option, option_defaults
-from ..inference import CompletionResult, InferenceClient, InferenceError, SamplingParams
 from ..markers import hookimpl
+from ..runtime.inference import CompletionResult, InferenceClient, InferenceError, SamplingParams
 from ..tool_calls import parse_tool_calls
 
 __all__ = ["OpenAICompatibleClient"]

@@ -30,9 +30,9 @@ from typing import Any
 
 from ..config.bound import bind
 from ..config.options import REQUIRED, Option
-from ..config.python_class import class_from_file, import_file
 from ..errors import ConfigError
 from ..evaluation import BaseEvaluationTarget, EvaluationRunResult, Evaluator
+from ..runtime.python_class import class_from_file, import_file
 
 KEY = "rollout_worker.evaluator"
 

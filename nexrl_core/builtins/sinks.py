@@ -11,10 +11,10 @@ from typing import Any
 
 from loguru import logger
 
-from ..cli.run_log import STEP_LINE
 from ..config.options import Option
 from ..errors import ConfigError
 from ..markers import hookimpl
+from ..runtime.run_log import STEP_LINE
 from ..runtime.sinks import MetricsSink
 
 
@@ -152,7 +152,7 @@ class TensorBoardSink(MetricsSink):
 
     @classmethod
     def check_config(cls, section: dict[str, Any], path: str) -> list[str]:
-        from ..cli.run_log import writable_dir_problem
+        from ..runtime.run_log import writable_dir_problem
 
         if not _installed("tensorboardX"):
             return [cls.MISSING]
@@ -216,7 +216,7 @@ def _bound(config: Any, name: str, cls: type) -> tuple[Any, Any]:
 
 
 def _plain(config: Any) -> Any:
-    from ..cli.run_info import plain_config
+    from ..runtime.run_info import plain_config
 
     try:
         return plain_config(config)

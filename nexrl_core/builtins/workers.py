@@ -10,11 +10,11 @@ from omegaconf import DictConfig, OmegaConf
 
 from ..config.options import Option, option_defaults
 from ..errors import ConfigError
-from ..inference import SamplingParams, sampling_options
 from ..markers import hookimpl
 from ..protocols import wired
 from ..rollout_worker import BaseRolloutWorker, ItemFailure
 from ..runtime.execute import execute
+from ..runtime.inference import SamplingParams, sampling_options
 
 
 class SimpleRolloutWorker(BaseRolloutWorker):

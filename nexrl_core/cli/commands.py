@@ -37,7 +37,7 @@ def version_text() -> str:
     """``nexrl --version``: nexrl-core and every installed plugin distribution (read from metadata)."""
     import importlib.metadata as md
 
-    from .run_info import _version
+    from ..runtime.run_info import _version
 
     lines = [f"nexrl-core {_version('nexrl-core') or 'unknown'}"]
     seen = set()
@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str]) -> int:
     args = parse_args(argv)
     if args.command not in ("plugins", "config", "new", "migrate", "show", "report"):
-        from .run_log import setup_logging
+        from ..runtime.run_log import setup_logging
 
         setup_logging(None, "INFO")  # plugin-loading warnings in the same short format as the run's
     commands = {"run": _run, "validate": _validate, "config": _config, "eval": _eval, "plot": _plot,
@@ -204,7 +204,7 @@ def _print_problems(problems: list[str]) -> None:
 
 
 def _load(args: Any, sources: dict[str, str] | None = None) -> Any:
-    from ..config.recipe import load_recipe
+    from ..launch.recipe import load_recipe
 
     return load_recipe(args.recipe, list(args.overrides), sources=sources)
 
@@ -216,7 +216,7 @@ def _run(args: Any) -> int:
 
 
 def _validate(args: Any) -> int:
-    from ..config.preflight import validate_recipe
+    from ..launch.preflight import validate_recipe
     from ..plugins import get_plugin_manager
 
     cfg = _load(args)
@@ -224,13 +224,13 @@ def _validate(args: Any) -> int:
     if problems:
         _print_problems(problems)
         return 2
-    from ..config.preflight import run_dir_plan
     from ..launch import unused_launch_keys_note
+    from ..launch.preflight import run_dir_plan
 
     note = unused_launch_keys_note(cfg)
     if note:
         print(f"warning: {note}", file=sys.stderr)  # as `nexrl run` logs it
-    from ..config.recipe import network_plan
+    from ..launch.recipe import network_plan
 
     if network_plan(cfg, get_plugin_manager()).private:
         print("note: ray: the run and its local cluster will run in a private network namespace (loopback only)",
@@ -243,9 +243,9 @@ def _validate(args: Any) -> int:
 
 
 def _config(args: Any) -> int:
-    from ..config.recipe import check_config
+    from ..launch.recipe import check_config
     from ..plugins import get_plugin_manager
-    from .run_info import redacted_yaml
+    from ..runtime.run_info import redacted_yaml
 
     sources: dict[str, str] = {}
     cfg = _load(args, sources=sources)
@@ -259,11 +259,11 @@ def _config(args: Any) -> int:
 
 def sourced_yaml(config: Any, sources: Any) -> str:
     """The resolved recipe as YAML with each value's origin as a trailing comment (``# default``,
-    ``# recipe FILE``, ``# override 'key=value'``; see :func:`nexrl_core.config.recipe.load_recipe`):
+    ``# recipe FILE``, ``# override 'key=value'``; see :func:`nexrl_core.launch.recipe.load_recipe`):
     still a recipe ``nexrl run`` accepts."""
-    from ..config.recipe import source_of
+    from ..launch.recipe import source_of
     from ..redaction import redact
-    from .run_info import plain_config
+    from ..runtime.run_info import plain_config
 
     lines: list[str] = []
 
@@ -325,7 +325,7 @@ def _eval(args: Any) -> int:
     from ..controller import NexRLController
     from ..redaction import scrub_values
     from ..runtime.execute import execute
-    from .run_log import setup_logging
+    from ..runtime.run_log import setup_logging
 
     overrides = [o for o in args.overrides if not o.startswith("checkpoint=")]
     checkpoint = [o.split("=", 1)[1] for o in args.overrides if o.startswith("checkpoint=")]
@@ -375,7 +375,7 @@ def _eval(args: Any) -> int:
 def _eval_problem(cfg: Any, total: int, missing: int, failures: list[tuple[str, str]]) -> str | None:
     """Why an evaluation does not count (exit 1): samples are missing, or more of them failed than
     a training run accepts (``runtime_monitor.failed_samples``, the same threshold)."""
-    from ..failure_monitor import most_common_error
+    from ..runtime.failure_monitor import most_common_error
 
     common = f"; most common error: {most_common_error(failures)}" if failures else ""
     if missing:
@@ -391,7 +391,7 @@ def _eval_problem(cfg: Any, total: int, missing: int, failures: list[tuple[str, 
 
 
 def _check_samples_out(path: str) -> None:
-    from ..config.preflight import writable_dir_problem
+    from ..launch.preflight import writable_dir_problem
 
     if os.path.isdir(path):
         raise ConfigError(f"--samples-out: '{path}' is a folder; give a file name "
@@ -402,7 +402,7 @@ def _check_samples_out(path: str) -> None:
 
 
 def _prepare_eval_out(out: str, run_dir: str) -> None:
-    from ..config.preflight import writable_dir_problem
+    from ..launch.preflight import writable_dir_problem
 
     problem = writable_dir_problem(out, "--out")
     if problem:
@@ -455,10 +455,10 @@ def _new(args: Any) -> int:
 
 
 def _migrate(args: Any) -> int:
-    from ..config.migrate import migrate_file, report, to_yaml
-    from ..config.preflight import validate_recipe
-    from ..config.recipe import load_recipe
+    from ..launch.preflight import validate_recipe
+    from ..launch.recipe import load_recipe
     from ..plugins import get_plugin_manager
+    from .migrate import migrate_file, report, to_yaml
 
     out = args.out
     if out is not None:

@@ -185,8 +185,8 @@ def recipe_reference(pm: Any, distributions: Iterable[str] | None = None) -> str
     """Markdown: the core's keys (``nexrl_core.config.schema``), then the options of every component ``pm``
     knows (only those of ``distributions`` when given), by kind."""
     from ..config.options import component_options
-    from ..config.recipe import declared_options
     from ..config.schema import CORE_OPTIONS
+    from ..launch.recipe import declared_options
 
     wanted = set(distributions) if distributions is not None else None
     out = ["# Recipe reference", "",

@@ -13,7 +13,7 @@ from typing import Any
 import yaml
 
 from ..errors import ConfigError, NexRLError
-from .run_log import METRICS_FILE, read_jsonl
+from ..runtime.run_log import METRICS_FILE, read_jsonl
 
 PLOT_FILE = "metrics.png"
 TRAIN_REWARD = "train/reward_mean"

@@ -19,6 +19,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..redaction import scrub, scrub_values
+from ..runtime.run_log import METRICS_FILE, SAMPLES_FILE, read_jsonl, writable_dir_problem
 from .plot import (
     _SMOOTH,
     GRAD_NORM,
@@ -30,7 +31,6 @@ from .plot import (
     update_key,
     validation_keys,
 )
-from .run_log import METRICS_FILE, SAMPLES_FILE, read_jsonl, writable_dir_problem
 from .show import GAP_KEY, _is_number, _number, _prompt_text, gap_where, large_gap, sample_gap
 
 REPORT_FILE = "report.html"

@@ -59,7 +59,7 @@ def _model(cfg: Any) -> str:
 
 def header_lines(cfg: Any, recipe: str, overrides: list[str], pm: Any, resume_from: str | None) -> list[tuple[str, str]]:
     from ..redaction import redact_command
-    from .run_info import versions
+    from ..runtime.run_info import versions
 
     run_dir = str(cfg.run_dir)
     v = versions(pm)
@@ -99,7 +99,7 @@ def footer(cfg: Any, recipe: str, overrides: list[str], outcome: _Outcome, elaps
            plot: tuple[str | None, str | None], exportable: bool = False) -> tuple[str, list[tuple[str, str]]]:
     """The footer's title and lines; ``exportable``: the trainer implements ``export_checkpoint``."""
     from ..checkpoint import find_latest_checkpoint
-    from .run_log import ERRORS_FILE, METRICS_FILE, SAMPLES_FILE
+    from ..runtime.run_log import ERRORS_FILE, METRICS_FILE, SAMPLES_FILE
 
     run_dir = str(cfg.run_dir)
     total = int(cfg.trainer.total_train_steps)
@@ -169,14 +169,14 @@ def stop_notice(cfg: Any, recipe: str, overrides: list[str], signame: str) -> st
 
 
 def run_command(args: Any) -> int:
-    from ..config.preflight import require_runnable, resume_checkpoint
-    from ..config.recipe import load_recipe, network_plan
     from ..controller import NexRLController, RunFailed
+    from ..launch.preflight import require_runnable, resume_checkpoint
     from ..launch.ray import network
+    from ..launch.recipe import load_recipe, network_plan
     from ..plugins import get_plugin_manager
+    from ..runtime.run_info import RunRecord, write_config
+    from ..runtime.run_log import prepare_run_dir, setup_logging
     from .progress import RunProgress, choose_mode, format_duration
-    from .run_info import RunRecord, write_config
-    from .run_log import prepare_run_dir, setup_logging
 
     # nexrl's own display reports progress: Hugging Face's per-file bars (read before transformers is
     # imported) would break the live display and fill CI logs; HF_HUB_DISABLE_PROGRESS_BARS=0 keeps them

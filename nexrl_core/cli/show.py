@@ -19,8 +19,8 @@ import yaml
 
 from ..algorithms.rollout_correction import ROLLOUT_CORRECTION_DEFAULTS
 from ..errors import ConfigError
-from .run_info import CONFIG_FILE
-from .run_log import METRICS_FILE, SAMPLES_FILE, read_jsonl
+from ..runtime.run_info import CONFIG_FILE
+from ..runtime.run_log import METRICS_FILE, SAMPLES_FILE, read_jsonl
 
 _LABEL = 9  # width of the field names, so every text starts in one column
 #: the per-step metric of the largest per-token |trainer - rollout log-prob| (rollout_mismatch_metrics),

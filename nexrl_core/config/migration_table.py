@@ -1,6 +1,6 @@
 """The NexRL (and ROLL) -> nexrl table: recipe keys, values, imports and metric names.
 
-One table, three readers: ``nexrl migrate`` rewrites a recipe with it (:mod:`nexrl_core.config.migrate`),
+One table, three readers: ``nexrl migrate`` rewrites a recipe with it (:mod:`nexrl_core.cli.migrate`),
 ``nexrl validate`` / ``nexrl run`` name the nexrl key when a recipe still holds a seed key
 (:func:`seed_key_hint`), and ``docs/migrating.md`` is generated from it (``scripts/gen_docs.py``),
 so the three never disagree. Standard library only: the option checks import it.
@@ -209,7 +209,7 @@ KEY_RULES: tuple[KeyRule, ...] = (
     KeyRule("validate_dataloader", "validate.data"),
     KeyRule("weight_sync_controller", "weight"),
     KeyRule("trainer.algorithm", "algorithm", "NexRL's repository recipes nest it in trainer"),
-    KeyRule("validator", None, "nexrl has one validator; its metrics are nexrl_core.eval_core's (docs/evaluation.md)"),
+    KeyRule("validator", None, "nexrl has one validator; its metrics are nexrl_core.runtime.eval_core's (docs/evaluation.md)"),
     # data loaders
     *(rule for loader in LOADERS for rule in _loader_rules(loader)),
     KeyRule("validate.data.shuffle", None, "a validation pass goes through the rows in order"),
@@ -253,7 +253,7 @@ KEY_RULES: tuple[KeyRule, ...] = (
                                                "trainer.save_freq"),
     # validation
     KeyRule("validate.eval.validate_freq", "weight.validate_freq", "NexRL's repository recipes put it here"),
-    KeyRule("validate.eval", None, "nexrl has one validator; its metrics are nexrl_core.eval_core's "
+    KeyRule("validate.eval", None, "nexrl has one validator; its metrics are nexrl_core.runtime.eval_core's "
                                    "(docs/evaluation.md)"),
     # services
     KeyRule("service.inference_service.freeze_for_weight_sync", None,

@@ -188,7 +188,7 @@ VALIDATE = {
     "success_threshold": Option(1.0, float, "reward counted as correct for pass@k", needs="validate.data"),
     "data": Option(None, (dict, None), "the validation set (a data loader mapping)", options=VALIDATE_DATA,
                    component="dataloader"),
-    "eval": Option(removed="validation metrics are always computed by nexrl_core.eval_core; delete validate.eval"),
+    "eval": Option(removed="validation metrics are always computed by nexrl_core.runtime.eval_core; delete validate.eval"),
 }
 
 RESUME = {

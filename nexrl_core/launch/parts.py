@@ -13,17 +13,17 @@ from typing import Any
 
 from ..algorithms.registry import AlgorithmRegistry
 from ..config.bound import BoundConfig, bind, bind_recipe, declared_value
-from ..config.recipe import REFERENCE_SECTION, plain
 from ..config.schema import ROLLOUT_WORKER, WEIGHT
 from ..errors import ConfigError
 from ..evaluation import Evaluator
-from ..inference import InferenceClient
 from ..plugins import PluginManager, active_plugin_manager, use_plugin_manager
 from ..rollout_worker import BaseRolloutWorker, RolloutParts
 from ..runtime.activity import ActivityTracker
-from ..train_service import SECTION, TrainService, train_service_class
+from ..runtime.inference import InferenceClient
+from ..runtime.train_service import SECTION, TrainService, train_service_class
 from ..trainer import BaseTrainer, TrainerParts
 from ..weight_sync import WeightSyncBackend, WeightSyncController
+from .recipe import REFERENCE_SECTION, plain
 
 _EVALUATOR_KEY = "rollout_worker.evaluator"
 
@@ -151,8 +151,8 @@ def worker_label(name: Any, cls: type, pm: PluginManager) -> str:
 
 def open_run_recorder(config: Any, pm: PluginManager) -> Any:
     """The run's records for a recipe: files in ``run_dir`` and the ``logger.backend`` sinks."""
-    from ..cli.run_log import RunRecorder
-    from ..failure_monitor import FailedSampleMonitor
+    from ..runtime.failure_monitor import FailedSampleMonitor
+    from ..runtime.run_log import RunRecorder
 
     run_dir = str(config.run_dir) if config.get("run_dir") else None  # None: no files (nexrl eval without --out)
     sinks, labels = [], []

@@ -182,13 +182,13 @@ class ActivityTracker:
 
     # -- the run's records (errors.jsonl, samples.jsonl, resume) ------------------------
     def record_samples(self, step: int, samples: list[dict[str, Any]]) -> None:
-        """Lines of samples.jsonl (see :meth:`nexrl_core.cli.run_log.RunRecorder.record_samples`)."""
+        """Lines of samples.jsonl (see :meth:`nexrl_core.runtime.run_log.RunRecorder.record_samples`)."""
         if self.experiment_logger is not None and hasattr(self.experiment_logger, "record_samples"):
             self.experiment_logger.record_samples(step, samples)
 
     def record_lost_item(self, task: dict[str, Any], cause: str, message: str, validating: bool = False,
                          step: int | None = None, detail: dict[str, Any] | None = None) -> None:
-        """One line of errors.jsonl (see :meth:`nexrl_core.cli.run_log.RunRecorder.record_lost_item`)."""
+        """One line of errors.jsonl (see :meth:`nexrl_core.runtime.run_log.RunRecorder.record_lost_item`)."""
         if self.experiment_logger is not None:
             self.experiment_logger.record_lost_item(task, cause, message, validating, step, detail)
 
@@ -199,7 +199,7 @@ class ActivityTracker:
 
     def failed_samples_verdict(self) -> str | None:
         """Why the run must stop because most recent training samples failed, or None
-        (``runtime_monitor.failed_samples``, see :mod:`nexrl_core.failure_monitor`)."""
+        (``runtime_monitor.failed_samples``, see :mod:`nexrl_core.runtime.failure_monitor`)."""
         monitor = getattr(self.experiment_logger, "failure_monitor", None)
         return monitor.verdict() if monitor is not None else None
 

@@ -105,8 +105,8 @@ def check_evaluator(evaluator: type[Evaluator] | str, options: Mapping[str, Any]
     lives per rollout worker thread) gives the sequential results. Noted: metric names that
     differ between samples, results that differ between two calls, the time per call.
     """
-    from ..config.recipe import component_check, declared_options
     from ..errors import ConfigError
+    from ..launch.recipe import component_check, declared_options
 
     cls = _resolve(evaluator, pm)
     report = ConformanceReport(label or f"evaluator {getattr(cls, '__qualname__', cls)!s}")

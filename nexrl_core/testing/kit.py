@@ -116,8 +116,8 @@ def run_recipe(recipe: Mapping[str, Any], run_dir: str, *plugins: Any, overrides
 
     The recipe is written to ``run_dir/../<name>.recipe.yaml``; outputs go to ``run_dir``.
     """
-    from ..config.recipe import load_recipe
     from ..controller import NexRLController
+    from ..launch.recipe import load_recipe
 
     merged = make_recipe(base, run_dir=str(run_dir), **dict(recipe))
     path = os.path.join(os.path.dirname(os.path.abspath(run_dir)), f"{os.path.basename(run_dir)}.recipe.yaml")

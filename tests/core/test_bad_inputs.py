@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 
 from nexrl_core.cli import main
-from nexrl_core.config.recipe import load_recipe
 from nexrl_core.controller import NexRLController
+from nexrl_core.launch.recipe import load_recipe
 from nexrl_core.plugins import PluginManager
 
 CORPUS = Path(__file__).resolve().parents[1] / "bad_inputs"

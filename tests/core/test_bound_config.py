@@ -16,8 +16,8 @@ import yaml
 from nexrl_core import BaseRolloutWorker, ConfigError, Option, UndeclaredKey, bind, hookimpl
 from nexrl_core.cli.docgen import SECTIONS, flatten_options
 from nexrl_core.config.bound import BoundConfig, bind_component, key_tree
-from nexrl_core.config.recipe import declared_options, effective_options, load_recipe
 from nexrl_core.config.schema import CORE_OPTIONS, ROLLOUT_WORKER, TRAJECTORY_POOL
+from nexrl_core.launch.recipe import declared_options, effective_options, load_recipe
 from nexrl_core.plugins import PluginManager, use_plugin_manager
 from nexrl_core.testing import run_recipe
 
@@ -335,7 +335,7 @@ def test_nexrl_config_shows_component_defaults_and_sources(tmp_path):
 
 
 def test_run_dir_config_yaml_holds_the_component_defaults(tmp_path):
-    from nexrl_core.cli.run_info import write_config  # what `nexrl run` writes
+    from nexrl_core.runtime.run_info import write_config  # what `nexrl run` writes
 
     (tmp_path / "recipe.yaml").write_text("trainer: {type: mock}\n")
     write_config(str(tmp_path / "run"), load_recipe(str(tmp_path / "recipe.yaml")))

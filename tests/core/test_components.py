@@ -14,9 +14,9 @@ from omegaconf import OmegaConf
 from nexrl_core.builtins.dataloaders import FileDataLoader
 from nexrl_core.builtins.mock import MockInferenceClient
 from nexrl_core.builtins.weight_sync import VersionOnlyWeightSync
-from nexrl_core.cli.run_log import RunRecorder
 from nexrl_core.errors import ErrorReporter, ErrorSeverity
 from nexrl_core.runtime.activity import ActivityTracker, ActivityTrackerProxy
+from nexrl_core.runtime.run_log import RunRecorder
 from nexrl_core.trajectory_pool import (
     GroupedTrajectoryStore,
     HierarchicalTrajectoryStore,

@@ -1,4 +1,4 @@
-"""Hydra-style composition of a recipe (nexrl_core.config.compose): the defaults list, `_self_` order,
+"""Hydra-style composition of a recipe (nexrl_core.launch.compose): the defaults list, `_self_` order,
 config groups from the recipe's folder and from the package, `# @package`, nested defaults, and
 group overrides (`g=x`, `+g=x`, `~g`) on the command line."""
 
@@ -8,8 +8,8 @@ import textwrap
 
 import pytest
 
-from nexrl_core.config.recipe import check_config, load_recipe
 from nexrl_core.errors import ConfigError
+from nexrl_core.launch.recipe import check_config, load_recipe
 
 BASE = """\
 data: {type: inline, rows: [{prompt: "1 + 2", answer: "3"}]}

@@ -13,8 +13,8 @@ import textwrap
 import pytest
 
 from nexrl_core.cli import main
-from nexrl_core.config.recipe import check_config, load_recipe
 from nexrl_core.errors import ConfigError
+from nexrl_core.launch.recipe import check_config, load_recipe
 from nexrl_core.testing import make_recipe
 
 GOOD = """\

@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 
 from nexrl_core import Option, hookimpl
 from nexrl_core import algorithms as al
-from nexrl_core.config.recipe import check_algorithm
 from nexrl_core.errors import ConfigError
+from nexrl_core.launch.recipe import check_algorithm
 from nexrl_core.plugins import PluginManager
 from nexrl_core.trainer import BaseTrainer
 

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nexrl_core.eval_core import DuplicateSampleError, EvalState, SampleRecord, add_sample, pass_at_k, summarize
+from nexrl_core.runtime.eval_core import DuplicateSampleError, EvalState, SampleRecord, add_sample, pass_at_k, summarize
 from nexrl_core.validator import Validator
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "evaluation.md"

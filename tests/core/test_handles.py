@@ -12,9 +12,9 @@ import pytest
 
 import nexrl_core.launch
 from nexrl_core.builtins.mock import mock_sum_threshold
-from nexrl_core.config.recipe import load_recipe
 from nexrl_core.controller import NexRLController
 from nexrl_core.errors import ErrorSeverity
+from nexrl_core.launch.recipe import load_recipe
 from nexrl_core.testing import make_recipe, write_recipe
 from nexrl_core.types import NexRLRole
 from tests.support import handles

@@ -35,12 +35,12 @@ def private_imports(source: str, filename: str = "<source>") -> list[str]:
 
 
 def test_the_checker_finds_every_private_import():
-    source = ("import nexrl_core\nfrom nexrl_core import BaseTrainer, execute\nimport nexrl_core.inference\n"
+    source = ("import nexrl_core\nfrom nexrl_core import BaseTrainer, execute\nimport nexrl_core.runtime.inference\n"
               "from nexrl_core.runtime.execute import execute\nfrom nexrl_core import inference\n"
               "def f():\n    from nexrl_core.builtins.mock import MockTrainer\n"
               "from nexrl_core.testing import check_evaluator, kit\nimport nexrl_core.testing\n")
     assert private_imports(source, "x.py") == [
-        "x.py:3: import nexrl_core.inference",
+        "x.py:3: import nexrl_core.runtime.inference",
         "x.py:4: from nexrl_core.runtime.execute import ...",
         "x.py:5: inference is not in nexrl_core.__all__",
         "x.py:8: kit is not in nexrl_core.testing.__all__",
@@ -105,62 +105,6 @@ def test_the_core_imports_and_validates_a_ray_recipe_without_ray(tmp_path):
     assert out.returncode == 2, out.stderr
     assert "launch_mode: 'ray' needs Ray, an optional extra: pip install 'nexrl-core[ray]'" in out.stderr
     assert "Traceback" not in out.stderr
-
-
-def test_every_moved_module_keeps_its_old_path_with_one_warning():
-    """The modules moved into config/ and cli/ still import by their old paths (docs/changelog.md):
-    the same module object, one DeprecationWarning naming the new path; the console script's
-    ``nexrl_core.cli.main`` and the new paths warn not at all."""
-    import json
-    import subprocess
-    import sys
-
-    from nexrl_core._moved import MOVED
-
-    code = (
-        "import importlib, json, sys, warnings\n"
-        "out = {}\n"
-        "with warnings.catch_warnings(record=True) as caught:\n"
-        "    warnings.simplefilter('always')\n"
-        "    import nexrl_core, nexrl_core.config.recipe, nexrl_core.cli.commands\n"
-        "    from nexrl_core.cli import main\n"
-        "    out['new'] = [str(w.message) for w in caught]\n"
-        "    del caught[:]\n"
-        "    for old, new in json.loads(sys.argv[1]).items():\n"
-        "        first = importlib.import_module(old)\n"
-        "        again = importlib.import_module(old)\n"
-        "        out[old] = [first is importlib.import_module(new) is again,\n"
-        "                    [(w.category.__name__, str(w.message)) for w in caught]]\n"
-        "        del caught[:]\n"
-        "    from nexrl_core.config import load_recipe\n"
-        "    from nexrl_core.config import check_config\n"
-        "    from nexrl_core.cli import build_parser\n"
-        "    out['names'] = [load_recipe is nexrl_core.config.recipe.load_recipe,\n"
-        "                    build_parser is nexrl_core.cli.commands.build_parser,\n"
-        "                    [str(w.message).split(';')[0] for w in caught]]\n"
-        "print(json.dumps(out))\n"
-    )
-    proc = subprocess.run([sys.executable, "-c", code, json.dumps(MOVED)], capture_output=True, text=True,
-                          cwd=str(REPO), env={**__import__("os").environ, "NEXRL_LOAD_PLUGINS": ""})
-    assert proc.returncode == 0, proc.stderr
-    out = json.loads(proc.stdout)
-    assert out.pop("new") == []
-    assert out.pop("names") == [True, True, ["nexrl_core.config.load_recipe moved to nexrl_core.config.recipe.load_recipe",
-                                             "nexrl_core.cli.build_parser moved to nexrl_core.cli.commands.build_parser"]]
-    assert len(MOVED) == 15
-    for old, new in MOVED.items():
-        same, warned = out[old]
-        assert same, old
-        assert warned == [["DeprecationWarning", f"{old} moved to {new}; import it from there "
-                                                 f"({old} is a deprecated alias)"]], old
-
-
-def test_the_changelog_lists_every_moved_module():
-    from nexrl_core._moved import MOVED, MOVED_NAMES
-
-    text = (REPO / "docs" / "changelog.md").read_text(encoding="utf-8")
-    for old, new in {**MOVED, **MOVED_NAMES}.items():
-        assert f"| `{old}`" in text and f"`{new}`" in text, old
 
 
 def test_a_broken_builtin_does_not_break_import_nexrl_core():

@@ -10,36 +10,29 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 CORE = REPO / "nexrl_core"
 
-# Bottom to top. A module belongs to the layer of its longest matching prefix; it may import its
-# own layer and those below. Keep in step with the table in docs/architecture.md.
+# Bottom to top. A folder is one layer, named by its prefix; a module at the top of nexrl_core/ is
+# named alone. A module belongs to the layer of its longest matching prefix; it may import its own
+# layer and those below. Keep in step with the table in docs/architecture.md.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("base", ("nexrl_core.errors", "nexrl_core.markers", "nexrl_core.types", "nexrl_core.redaction",
-              "nexrl_core.tool_calls", "nexrl_core.evaluation", "nexrl_core.protocols", "nexrl_core._moved",
+              "nexrl_core.tool_calls", "nexrl_core.evaluation", "nexrl_core.protocols",
               "nexrl_core.trajectory_keys")),
     # what a recipe may hold: imports nothing above it (no component, no plugin manager)
-    ("declarations", ("nexrl_core.config.options", "nexrl_core.config.schema", "nexrl_core.config.migration_table",
-                      "nexrl_core.config.bound")),
+    ("config", ("nexrl_core.config",)),
     ("algorithms", ("nexrl_core.algorithms",)),
-    # what the data path runs on; cli.run_log and cli.run_info are the run directory's records (the tracker writes them)
-    ("runtime", ("nexrl_core.runtime", "nexrl_core.checkpoint", "nexrl_core.failure_monitor",
-                 "nexrl_core.eval_core", "nexrl_core.inference", "nexrl_core.train_service",
-                 "nexrl_core.cli.run_log", "nexrl_core.cli.run_info",
-                 # a class loaded from a file (type: python): for plugins, evaluators and the recipe checks
-                 "nexrl_core.config.python_class")),
+    # what the data path runs on, and the run directory's records
+    ("runtime", ("nexrl_core.runtime", "nexrl_core.checkpoint")),
     # the seed's modules: receive their parts, never look up the plugin manager
     ("components", ("nexrl_core.dataloader", "nexrl_core.rollout_worker", "nexrl_core.trajectory_pool",
                     "nexrl_core.trainer", "nexrl_core.weight_sync", "nexrl_core.validator")),
     ("plugins", ("nexrl_core.hookspecs", "nexrl_core.plugins")),
     ("builtins", ("nexrl_core.builtins",)),
-    # resolve names through the plugin manager: recipe checks, the launcher, the controller
-    ("assembly", ("nexrl_core.config", "nexrl_core.launch", "nexrl_core.controller")),
-    ("surface", ("nexrl_core", "nexrl_core.cli", "nexrl_core.testing")),
+    # resolve names through the plugin manager: compose and check a recipe, build the modules and their parts
+    ("launch", ("nexrl_core.launch",)),
+    ("controller", ("nexrl_core.controller",)),
+    ("surface", ("nexrl_core", "nexrl_core.api", "nexrl_core.cli", "nexrl_core.testing")),
 ]
-# Old paths of moved modules (nexrl_core/_moved.py): each re-exports its new home, whatever layer.
-SHIMS = {"nexrl_core.options", "nexrl_core.schema", "nexrl_core.compose", "nexrl_core.preflight",
-         "nexrl_core.migration_table", "nexrl_core.migrate", "nexrl_core.cli_run", "nexrl_core.run_log",
-         "nexrl_core.run_info", "nexrl_core.progress", "nexrl_core.plot", "nexrl_core.scaffold",
-         "nexrl_core.docgen", "nexrl_core.show", "nexrl_core.export"}
+TOP_MODULES_AT_MOST = 20
 
 
 def module_name(path: Path) -> str:
@@ -93,8 +86,6 @@ def import_graph() -> dict[str, list[tuple[int, str]]]:
 def upward_imports(graph: dict[str, list[tuple[int, str]]]) -> list[str]:
     problems = []
     for module, imports in graph.items():
-        if module in SHIMS:
-            continue
         mine = layer_of(module)
         for line, target in imports:
             theirs = layer_of(target)
@@ -151,9 +142,9 @@ def test_the_checkers_see_function_level_imports_and_circles():
     assert sorted(found) == [(1, "nexrl_core.types"), (3, "nexrl_core.trainer"), (5, "nexrl_core.plugins")]
     graph = {"nexrl_core.config.schema": found, "nexrl_core.trainer": [(1, "nexrl_core.config.schema")]}
     assert upward_imports(graph) == [
-        "nexrl_core/config/schema.py:3: nexrl_core.config.schema (declarations) imports nexrl_core.trainer "
+        "nexrl_core/config/schema.py:3: nexrl_core.config.schema (config) imports nexrl_core.trainer "
         "(components), a layer above it",
-        "nexrl_core/config/schema.py:5: nexrl_core.config.schema (declarations) imports nexrl_core.plugins "
+        "nexrl_core/config/schema.py:5: nexrl_core.config.schema (config) imports nexrl_core.plugins "
         "(plugins), a layer above it"]
     assert import_circles(graph) == [["nexrl_core.config.schema", "nexrl_core.trainer"]]
 
@@ -161,6 +152,33 @@ def test_the_checkers_see_function_level_imports_and_circles():
 def test_every_core_module_has_a_layer():
     for module in import_graph():
         layer_of(module)
+
+
+def test_folders_are_layers():
+    """A prefix is a folder or a module at the top: no folder is split between layers."""
+    folders = {p.name for p in CORE.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    for name, prefixes in LAYERS:
+        for prefix in prefixes:
+            parts = prefix.split(".")
+            assert len(parts) <= 2, f"{prefix} ({name}) names a module inside a folder: a folder is one layer"
+            if len(parts) == 2:
+                assert parts[1] in folders or (CORE / f"{parts[1]}.py").exists(), prefix
+    tops = sorted(p.name for p in CORE.glob("*.py"))
+    assert len(tops) <= TOP_MODULES_AT_MOST, f"{len(tops)} modules at the top of nexrl_core/: {tops}"
+
+
+def test_no_alias_modules():
+    """A module whose body only imports (re-exports another under an old path) is gone: nothing has
+    been released, so nothing needs one. Packages' ``__init__`` files may gather names."""
+    def only_imports(path: Path) -> bool:
+        body = ast.parse(path.read_text(encoding="utf-8")).body
+        if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+            body = body[1:]  # the docstring
+        return all(isinstance(node, (ast.Import, ast.ImportFrom, ast.Expr)) for node in body)
+
+    aliases = [str(p.relative_to(REPO)) for p in CORE.rglob("*.py")
+               if p.name not in {"__init__.py", "__main__.py"} and "__pycache__" not in p.parts and only_imports(p)]
+    assert aliases == []
 
 
 def test_imports_point_down_the_layers():
@@ -177,7 +195,7 @@ def test_no_import_circle():
 def test_components_never_look_up_the_plugin_manager():
     """Evaluators, backends, train services and sinks are handed in by the launcher (launch/parts.py)."""
     graph = import_graph()
-    components = [m for m in graph if LAYERS[layer_of(m)][0] in {"base", "declarations", "algorithms", "runtime",
+    components = [m for m in graph if LAYERS[layer_of(m)][0] in {"base", "config", "algorithms", "runtime",
                                                                     "components"}]
     lookups = [f"{m} imports {t}" for m in components for _, t in graph[m] if t == "nexrl_core.plugins"]
     assert lookups == []

@@ -94,8 +94,8 @@ def finished_run(request, tmp_path_factory):
     call for the 4): the same numbers."""
     from loguru import logger
 
-    from nexrl_core.config.recipe import load_recipe
     from nexrl_core.controller import NexRLController
+    from nexrl_core.launch.recipe import load_recipe
     from nexrl_core.plugins import PluginManager
     from nexrl_core.testing import make_recipe, write_recipe
 

@@ -11,8 +11,8 @@ import textwrap
 from pathlib import Path
 
 from nexrl_core.builtins.openai_client import OpenAICompatibleClient
-from nexrl_core.cli.run_log import LOG_FILE, setup_logging
-from nexrl_core.inference import SamplingParams
+from nexrl_core.runtime.inference import SamplingParams
+from nexrl_core.runtime.run_log import LOG_FILE, setup_logging
 from tests.support.openai_server import FakeOpenAIServer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -40,7 +40,7 @@ def test_standard_logging_and_warnings_of_libraries_reach_run_log(tmp_path):
     # A fresh interpreter: pytest installs its own logging handlers and warning capture.
     script = textwrap.dedent(f"""
         import logging, warnings
-        from nexrl_core.cli.run_log import setup_logging
+        from nexrl_core.runtime.run_log import setup_logging
 
         setup_logging({str(tmp_path)!r}, "INFO")
         logging.getLogger("httpx").warning("connection pool is full")
@@ -77,7 +77,7 @@ def test_a_librarys_routine_warnings_can_be_demoted(tmp_path):
     script = textwrap.dedent(f"""
         import logging
         from nexrl_core import demote_library_log
-        from nexrl_core.cli.run_log import setup_logging
+        from nexrl_core.runtime.run_log import setup_logging
 
         setup_logging({str(tmp_path)!r}, "INFO")
         demote_library_log("some.sdk", "because of try_again")
@@ -96,7 +96,7 @@ def test_every_loguru_sink_leaves_local_variables_out():
     """loguru's ``diagnose`` (on by default) prints every local variable under a traceback: secrets
     and prompts. Each ``logger.add`` of nexrl's code passes ``diagnose=False`` (or
     ``**SINK_SAFETY``, which does)."""
-    from nexrl_core.cli.run_log import SINK_SAFETY
+    from nexrl_core.runtime.run_log import SINK_SAFETY
 
     assert SINK_SAFETY["diagnose"] is False
     sources = [*REPO.glob("nexrl_core/**/*.py"), *REPO.glob("plugins/*/nexrl_*/**/*.py"),

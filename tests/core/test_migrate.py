@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from nexrl_core.cli import main
-from nexrl_core.config.migrate import import_lines, migrate_recipe
+from nexrl_core.cli.migrate import import_lines, migrate_recipe
 from nexrl_core.config.migration_table import KEY_RULES, POINTER, SAME_KEYS, seed_key_hint
 
 REPO = Path(__file__).resolve().parents[2]

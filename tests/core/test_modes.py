@@ -17,8 +17,8 @@ import pytest
 import yaml
 from loguru import logger
 
-from nexrl_core.config.recipe import load_recipe
 from nexrl_core.controller import NexRLController
+from nexrl_core.launch.recipe import load_recipe
 from nexrl_core.plugins import PluginManager
 from nexrl_core.testing import make_recipe
 

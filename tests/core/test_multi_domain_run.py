@@ -241,8 +241,8 @@ def test_two_runs_with_dynamic_sampling_train_on_the_same_batches_in_the_same_or
 def test_bad_multi_domain_recipes_are_one_line_in_validate_and_run(change, expected, pm, tmp_path, run_local):
     import yaml
 
-    from nexrl_core.config.preflight import validate_recipe
-    from nexrl_core.config.recipe import load_recipe
+    from nexrl_core.launch.preflight import validate_recipe
+    from nexrl_core.launch.recipe import load_recipe
 
     bad = make_recipe(recipe(), **change)
     path = tmp_path / "bad.yaml"

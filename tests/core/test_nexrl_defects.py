@@ -25,8 +25,8 @@ from loguru import logger
 
 from nexrl_core import hookimpl
 from nexrl_core.builtins.mock import MockInferenceClient
-from nexrl_core.config.recipe import load_recipe
 from nexrl_core.controller import NexRLController, RunFailed
+from nexrl_core.launch.recipe import load_recipe
 from nexrl_core.plugins import PluginManager
 from nexrl_core.runtime.activity import ActivityTracker
 from nexrl_core.testing import make_recipe, write_recipe

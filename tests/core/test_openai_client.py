@@ -17,7 +17,7 @@ if str(_ROOT) not in sys.path:  # when run without the repo root on sys.path
     sys.path.insert(0, str(_ROOT))
 
 from nexrl_core.builtins.openai_client import OpenAICompatibleClient  # noqa: E402
-from nexrl_core.inference import InferenceError, SamplingParams  # noqa: E402
+from nexrl_core.runtime.inference import InferenceError, SamplingParams  # noqa: E402
 from tests.support.openai_server import (  # noqa: E402
     CHAT_PATH,
     COMPLETIONS_PATH,

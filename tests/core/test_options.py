@@ -20,9 +20,9 @@ from nexrl_core.config.options import (
     option_defaults,
     options_from_signature,
 )
-from nexrl_core.config.recipe import check_config, load_recipe
 from nexrl_core.config.schema import CORE_OPTIONS, core_defaults
-from nexrl_core.inference import sampling_options
+from nexrl_core.launch.recipe import check_config, load_recipe
+from nexrl_core.runtime.inference import sampling_options
 
 OPTS = {
     "steps": Option(10, int, "steps", ge=1),

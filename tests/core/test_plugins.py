@@ -320,7 +320,7 @@ def nexrl_core_version() -> str:
 
 
 def test_importing_nexrl_core_does_not_import_heavy_packages():
-    code = ("import sys, nexrl_core, nexrl_core.cli, nexrl_core.config.recipe, nexrl_core.controller\n"
+    code = ("import sys, nexrl_core, nexrl_core.cli, nexrl_core.launch.recipe, nexrl_core.controller\n"
             "from nexrl_core.plugins import PluginManager\n"
             "pm = PluginManager(); [pm.components(k) for k in ('trainer', 'evaluator', 'inference_backend')]\n"
             "print(sorted(m for m in ('torch', 'transformers', 'vllm', 'ray') if m in sys.modules))\n")
@@ -388,7 +388,7 @@ def test_third_party_evaluator_package_is_used_by_a_real_run(site, write_dist, m
 
 
 def test_unknown_evaluator_option_names_the_accepted_ones(site, write_dist, monkeypatch, tmp_path):
-    from nexrl_core.config.recipe import check_config, load_recipe
+    from nexrl_core.launch.recipe import check_config, load_recipe
 
     mod = _mod()
     write_dist(site, "nexrl-echo-eval", {"echo_eval": mod}, {mod: EVALUATOR_PACKAGE})

@@ -25,11 +25,11 @@ from loguru import logger
 from nexrl_core import hookimpl
 from nexrl_core.builtins.mock import MockInferenceClient
 from nexrl_core.builtins.workers import SimpleRolloutWorker
-from nexrl_core.config.recipe import load_recipe
 from nexrl_core.controller import NexRLController
 from nexrl_core.evaluation import EvaluationRunResult, Evaluator
-from nexrl_core.inference import InferenceError
+from nexrl_core.launch.recipe import load_recipe
 from nexrl_core.plugins import PluginManager
+from nexrl_core.runtime.inference import InferenceError
 from nexrl_core.testing import make_recipe, write_recipe
 from nexrl_core.weight_sync import WeightSyncController
 

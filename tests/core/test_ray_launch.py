@@ -15,8 +15,8 @@ import pytest
 
 from nexrl_core import ModuleUnavailable, NexRLError, RunFailed, execute
 from nexrl_core.builtins.mock import mock_sum_threshold
-from nexrl_core.config.recipe import load_recipe
 from nexrl_core.controller import NexRLController
+from nexrl_core.launch.recipe import load_recipe
 from nexrl_core.plugins import PluginManager
 from nexrl_core.testing import make_recipe, write_recipe
 from nexrl_core.types import NexRLRole

@@ -16,9 +16,9 @@ import traceback
 import pytest
 import yaml
 
-from nexrl_core.config.python_class import ClassSource, class_from_file
-from nexrl_core.config.recipe import load_recipe
 from nexrl_core.controller import NexRLController, RunFailed
+from nexrl_core.launch.recipe import load_recipe
+from nexrl_core.runtime.python_class import ClassSource, class_from_file
 
 WORKER = textwrap.dedent('''
     import os
@@ -114,8 +114,8 @@ def test_an_error_in_an_actor_names_the_users_file_and_line(ray_cluster, files, 
 def test_the_class_travels_as_its_text_not_its_file(files):
     """What an actor receives: the class rebuilt from the text the driver read, under the file's
     name, though the file is gone (another machine of the cluster need not have it)."""
-    from nexrl_core.config import python_class
     from nexrl_core.launch.ray.actors import Slot
+    from nexrl_core.runtime import python_class
 
     path = str(files / "my_worker.py")
     cls = class_from_file(path, "FailingWorker", "rollout_worker")

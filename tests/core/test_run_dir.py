@@ -14,7 +14,7 @@ import textwrap
 import pytest
 
 from nexrl_core.cli import main
-from nexrl_core.failure_monitor import FailedSampleMonitor, most_common_error
+from nexrl_core.runtime.failure_monitor import FailedSampleMonitor, most_common_error
 
 RECIPE = """\
 data:

@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from nexrl_core.cli.run_info import plain_config
-from nexrl_core.config.recipe import load_recipe
+from nexrl_core.launch.recipe import load_recipe
+from nexrl_core.runtime.run_info import plain_config
 
 REPO = Path(__file__).resolve().parents[2]
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
@@ -535,7 +535,7 @@ def test_the_plots_third_panel_is_the_gradient_norm_of_an_rl_run_and_the_loss_of
 
 
 def test_a_train_service_path_is_next_to_the_recipe(tmp_path):
-    from nexrl_core.config.recipe import resolve_recipe_paths
+    from nexrl_core.launch.recipe import resolve_recipe_paths
 
     (tmp_path / "weights").mkdir()
     values = {"trainer": {"type": "self_hosted_grpo"},

@@ -15,9 +15,9 @@ import pytest
 
 from nexrl_core import ConfigError
 from nexrl_core.builtins.mock import MockInferenceClient
-from nexrl_core.config.recipe import check_config, load_recipe
 from nexrl_core.controller import NexRLController
-from nexrl_core.inference import SamplingParams
+from nexrl_core.launch.recipe import check_config, load_recipe
+from nexrl_core.runtime.inference import SamplingParams
 from nexrl_core.testing import make_recipe, write_recipe
 
 SAMPLING = {"max_tokens": 8, "temperature": 0.5, "top_p": 0.9, "top_k": 3, "stop": ["\n\n"]}

@@ -9,8 +9,8 @@ import pytest
 
 import nexrl_core
 from nexrl_core.cli import main
-from nexrl_core.cli.run_log import RunRecorder
-from nexrl_core.eval_core import EvalState, SampleRecord, add_sample, summarize
+from nexrl_core.runtime.eval_core import EvalState, SampleRecord, add_sample, summarize
+from nexrl_core.runtime.run_log import RunRecorder
 from nexrl_core.testing import make_recipe, write_recipe
 
 MOCK = make_recipe(service={"inference_service": {"learn_steps": 3}}, trainer={"total_train_steps": 4})

@@ -99,14 +99,14 @@ def test_the_pytest_fixtures(nexrl_plugins, nexrl_run, tmp_path):
 
 
 def test_run_recipe_refuses_a_bad_recipe_as_nexrl_run_does(tmp_path):
-    from nexrl_core.config.recipe import RecipeProblems
+    from nexrl_core.launch.recipe import RecipeProblems
 
     with pytest.raises(RecipeProblems, match="rollout_worker.evaluator.type: unknown evaluator 'ends_with'"):
         run_recipe({"rollout_worker": {"evaluator": {"type": "ends_with"}}}, str(tmp_path / "run"))
 
 
 def test_make_recipe_merges_sections_and_write_recipe_loads_as_nexrl_run_does(tmp_path):
-    from nexrl_core.config.recipe import load_recipe
+    from nexrl_core.launch.recipe import load_recipe
 
     recipe = make_recipe(trainer={"total_train_steps": 3}, rollout_worker={"evaluator": {"type": "exact_match"}},
                          service={"inference_service": {"backend": "mock", "mode": "echo"}})

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 
 from nexrl_core import REQUIRED, BaseTrainer, Option, StepResult, TrainService, hookimpl
-from nexrl_core.config.recipe import check_config, load_recipe
-from nexrl_core.train_service import result_of
+from nexrl_core.launch.recipe import check_config, load_recipe
+from nexrl_core.runtime.train_service import result_of
 
 
 class _Done:

@@ -18,8 +18,8 @@ import torch
 import yaml
 
 from nexrl_core import ConfigError, algorithms, hookimpl
-from nexrl_core.config.recipe import check_config, load_recipe
 from nexrl_core.controller import NexRLController
+from nexrl_core.launch.recipe import check_config, load_recipe
 from nexrl_grpo.engine import HFInferenceEngine
 from nexrl_grpo.modeling import load_causal_lm
 from tests.grpo_plugin.test_on_policy import make_trainer, recipe, rollouts

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nexrl_core.inference import SamplingParams
+from nexrl_core.runtime.inference import SamplingParams
 from nexrl_grpo.decoding import FastLlama, HFSession
 from nexrl_grpo.engine import HFInferenceEngine
 from nexrl_grpo.modeling import load_causal_lm

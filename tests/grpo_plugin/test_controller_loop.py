@@ -34,8 +34,8 @@ import pytest
 import torch
 import yaml
 
-from nexrl_core.config.recipe import load_recipe
 from nexrl_core.controller import NexRLController
+from nexrl_core.launch.recipe import load_recipe
 from tests.support.letters import grpo_plugin_manager, tiny_grpo_recipe
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

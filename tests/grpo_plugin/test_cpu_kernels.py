@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nexrl_core.cli.run_log import LOG_FILE, setup_logging
+from nexrl_core.runtime.run_log import LOG_FILE, setup_logging
 from nexrl_grpo import cpu_kernels
 from nexrl_grpo.decoding import FastLlama, FastLlamaSession, _rotate, decode_attention, make_session_factory
 from tests.grpo_plugin.test_decoding import PROMPTS, SCRIPT, TOKENS, run_script, tiny

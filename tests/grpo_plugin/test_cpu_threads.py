@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from nexrl_core.inference import SamplingParams
+from nexrl_core.runtime.inference import SamplingParams
 from nexrl_grpo import cpu_threads
 from nexrl_grpo.engine import HFInferenceEngine
 from nexrl_grpo.train_service import LocalTorchTrainService

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nexrl_core.cli.run_log import LOG_FILE, setup_logging
-from nexrl_core.inference import SamplingParams
+from nexrl_core.runtime.inference import SamplingParams
+from nexrl_core.runtime.run_log import LOG_FILE, setup_logging
 from nexrl_grpo.decoding import (
     FastLlama,
     FastLlamaSession,

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from nexrl_core import NexRLError
-from nexrl_core.cli.run_log import LOG_FILE, setup_logging
-from nexrl_core.inference import SamplingParams
+from nexrl_core.runtime.inference import SamplingParams
+from nexrl_core.runtime.run_log import LOG_FILE, setup_logging
 from nexrl_grpo.decoding import (
     FastLlama,
     HFDecoder,

@@ -130,7 +130,7 @@ def test_two_ranks_with_packing_reach_the_weights_of_one(tiny_model_dir, paralle
 
 
 def test_sharded_checkpoint_resumes_exactly_and_on_another_world_size(tiny_model_dir, tmp_path, reset_loguru):
-    from nexrl_core.cli.run_log import LOG_FILE, setup_logging
+    from nexrl_core.runtime.run_log import LOG_FILE, setup_logging
 
     setup_logging(str(tmp_path), level="INFO")
     first, second = make_batch(seed=0), make_batch(seed=1)

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nexrl_core.inference import InferenceError, SamplingParams
+from nexrl_core.runtime.inference import InferenceError, SamplingParams
 from nexrl_grpo.engine import HFInferenceEngine
 from nexrl_grpo.modeling import compute_response_logprobs, position_ids_from_mask
 

@@ -13,8 +13,8 @@ import torch
 import yaml
 
 from nexrl_core import ConfigError
-from nexrl_core.config.recipe import load_recipe
 from nexrl_core.controller import NexRLController
+from nexrl_core.launch.recipe import load_recipe
 from nexrl_grpo.engine import HFInferenceEngine
 from nexrl_grpo.modeling import load_causal_lm
 from tests.grpo_plugin.test_on_policy import make_trainer, rollouts

@@ -3,7 +3,7 @@ unless the plugin asks it to, which loading a model does)."""
 
 from __future__ import annotations
 
-from nexrl_core.cli.run_log import LOG_FILE, setup_logging
+from nexrl_core.runtime.run_log import LOG_FILE, setup_logging
 from tests.grpo_plugin.conftest import tiny_services
 
 

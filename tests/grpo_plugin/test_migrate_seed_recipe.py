@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from nexrl_core.cli import main
-from nexrl_core.config.migrate import migrate_recipe
+from nexrl_core.cli.migrate import migrate_recipe
 from nexrl_core.config.migration_table import IMPORT_RULES
 from tests.support.letters import grpo_plugin_manager
 
@@ -217,8 +217,8 @@ def test_rolls_algorithm_keys(tiny_model_dir, tmp_path):
     assert r["trainer"] == {"type": "self_hosted_grpo", "total_train_steps": 2}
     assert r["service"]["train_service"] == {"model_path": tiny_model_dir, "grad_clip": 0.5}
     assert r["weight"] == {"backend": "in_process"}
-    from nexrl_core.config.preflight import validate_recipe
-    from nexrl_core.config.recipe import load_recipe
+    from nexrl_core.launch.preflight import validate_recipe
+    from nexrl_core.launch.recipe import load_recipe
 
     path = tmp_path / "migrated.yaml"
     assert validate_recipe(load_recipe(str(path), [], raw=r), pm) == []

@@ -22,8 +22,8 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from nexrl_core.config.recipe import load_recipe
 from nexrl_core.controller import NexRLController
+from nexrl_core.launch.recipe import load_recipe
 from tests.grpo_plugin.conftest import TINY_RUN_MONITOR, tiny_services
 from tests.support.letters import grpo_plugin_manager
 

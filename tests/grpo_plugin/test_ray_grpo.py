@@ -21,8 +21,8 @@ import yaml
 from safetensors.torch import load_file
 
 from nexrl_core import execute
-from nexrl_core.config.recipe import load_recipe
 from nexrl_core.controller import NexRLController
+from nexrl_core.launch.recipe import load_recipe
 from nexrl_core.types import NexRLRole
 from tests.grpo_plugin.conftest import TINY_RUN_MONITOR
 from tests.support.letters import grpo_plugin_manager

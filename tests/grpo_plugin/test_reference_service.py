@@ -14,9 +14,9 @@ import yaml
 from omegaconf import OmegaConf
 
 from nexrl_core import SamplingParams
-from nexrl_core.config.recipe import load_recipe
 from nexrl_core.controller import NexRLController
 from nexrl_core.launch.parts import build_module
+from nexrl_core.launch.recipe import load_recipe
 from nexrl_grpo.engine import HFInferenceEngine
 from nexrl_grpo.modeling import load_causal_lm
 from nexrl_grpo.trainers import SelfHostedGrpoTrainer

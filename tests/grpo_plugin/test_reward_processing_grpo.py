@@ -12,9 +12,9 @@ import torch
 import yaml
 from omegaconf import OmegaConf
 
-from nexrl_core.config.preflight import validate_recipe
-from nexrl_core.config.recipe import RecipeProblems, load_recipe
 from nexrl_core.launch.parts import build_module
+from nexrl_core.launch.preflight import validate_recipe
+from nexrl_core.launch.recipe import RecipeProblems, load_recipe
 from nexrl_grpo.trainers import SelfHostedGrpoTrainer
 from tests.support.letters import grpo_plugin_manager
 

@@ -14,8 +14,8 @@ import torch
 import yaml
 
 from nexrl_core.builtins.workers import pig_latin
-from nexrl_core.config.recipe import load_recipe
 from nexrl_core.controller import NexRLController
+from nexrl_core.launch.recipe import load_recipe
 from nexrl_core.plugins import PluginManager
 from tests.grpo_plugin.conftest import TINY_RUN_MONITOR, tiny_services
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from nexrl_core import algorithms
-from nexrl_core.inference import SamplingParams
+from nexrl_core.runtime.inference import SamplingParams
 from nexrl_grpo import losses
 from nexrl_grpo.engine import HFInferenceEngine
 from nexrl_grpo.modeling import load_causal_lm, position_ids_from_mask

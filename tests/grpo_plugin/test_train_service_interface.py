@@ -11,8 +11,8 @@ import torch
 import yaml
 
 from nexrl_core import StepResult, TrainService, hookimpl
-from nexrl_core.config.recipe import load_recipe
 from nexrl_core.controller import NexRLController
+from nexrl_core.launch.recipe import load_recipe
 from nexrl_grpo.train_service import LocalTorchTrainService
 from tests.grpo_plugin.conftest import TINY_RUN_MONITOR
 from tests.grpo_plugin.test_train_service import grpo_loss, random_batch

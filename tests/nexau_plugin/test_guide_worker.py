@@ -11,7 +11,7 @@ import textwrap
 import yaml
 from omegaconf import OmegaConf
 
-from nexrl_core.config.recipe import check_config, load_recipe
+from nexrl_core.launch.recipe import check_config, load_recipe
 from nexrl_core.testing import build_module
 
 from .scripted import Collect, ScriptedChat, tool_call

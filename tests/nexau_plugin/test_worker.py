@@ -10,8 +10,8 @@ import yaml
 from omegaconf import OmegaConf
 
 from nexrl_core import ConfigError
-from nexrl_core.config.recipe import check_config, load_recipe
 from nexrl_core.launch.parts import build_module
+from nexrl_core.launch.recipe import check_config, load_recipe
 from nexrl_nexau import BaseNexAURolloutWorker, DefaultNexAURolloutWorker, NexAUEvaluationTarget
 from nexrl_nexau.worker import _nexau_importable
 

@@ -22,9 +22,9 @@ from nexrl_core import Option, hookimpl
 from nexrl_core.builtins.evaluators import ExactMatchEvaluator
 from nexrl_core.builtins.mock import MockTrainer
 from nexrl_core.builtins.workers import SimpleRolloutWorker
-from nexrl_core.config.recipe import load_recipe
 from nexrl_core.controller import NexRLController, RunFailed
 from nexrl_core.errors import ErrorSeverity
+from nexrl_core.launch.recipe import load_recipe
 from tests.support.openai_server import FakeOpenAIServer
 
 pytestmark = pytest.mark.timeout(120)

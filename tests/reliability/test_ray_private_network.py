@@ -178,8 +178,8 @@ def test_what_counts_as_needing_the_network(tmp_path, monkeypatch):
 
 def test_true_refuses_a_run_started_from_python(tmp_path):
     from nexrl_core import NexRLError
-    from nexrl_core.config.recipe import load_recipe
     from nexrl_core.controller import NexRLController
+    from nexrl_core.launch.recipe import load_recipe
     from nexrl_core.plugins import get_plugin_manager
 
     recipe = mock_recipe(tmp_path / "run")

@@ -27,8 +27,8 @@ from nexrl_core.builtins.dataloaders import InlineDataLoader
 from nexrl_core.builtins.mock import MockTrainer
 from nexrl_core.builtins.workers import SimpleRolloutWorker
 from nexrl_core.cli import main
-from nexrl_core.config.recipe import load_recipe
 from nexrl_core.controller import NexRLController, RunFailed
+from nexrl_core.launch.recipe import load_recipe
 from nexrl_core.testing import use_plugins
 from nexrl_core.weight_sync import WeightSyncBackend, WeightSyncController
 

@@ -9,8 +9,8 @@ import textwrap
 
 import yaml
 
-from nexrl_core.config.recipe import load_recipe
 from nexrl_core.controller import NexRLController
+from nexrl_core.launch.recipe import load_recipe
 from tests.tinker_plugin.helpers import grpo_recipe, metrics_rows, tinker_plugin_manager
 
 TRAINER = textwrap.dedent('''

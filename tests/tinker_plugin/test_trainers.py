@@ -22,9 +22,9 @@ from omegaconf import OmegaConf
 
 from nexrl_core import DataError, RunFailed, SamplingParams
 from nexrl_core.builtins.workers import pig_latin
-from nexrl_core.config.recipe import load_recipe
 from nexrl_core.controller import NexRLController
 from nexrl_core.launch.parts import build_module
+from nexrl_core.launch.recipe import load_recipe
 from nexrl_tinker.standin import BaseModel, Fault, StandinServer
 from tests.support.tiny_lm import build_model
 from tests.tinker_plugin.helpers import MODEL, PROMPTS, grpo_recipe, metrics_rows, tinker_plugin_manager

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from nexrl_core.config.recipe import check_config, load_recipe
+from nexrl_core.launch.recipe import check_config, load_recipe
 from nexrl_core.plugins import PluginManager
 from nexrl_core.testing import make_recipe, write_recipe
 

@@ -13,7 +13,7 @@ import torch
 
 from nexrl_core import hookimpl
 from nexrl_core.builtins.mock import MockTrainer
-from nexrl_core.config.recipe import check_config, load_recipe
+from nexrl_core.launch.recipe import check_config, load_recipe
 from nexrl_core.testing import make_recipe, write_recipe
 from tests.support.vllm_server import LOGITS, served_logprob
 

@@ -60,12 +60,12 @@ class Slot:
     def __getstate__(self) -> dict[str, Any]:
         # A class from a recipe's file (type: python) travels as its text, not pickled by a module
         # name the actor cannot import; the actor compiles it under the file's name.
-        from ...config.python_class import ClassSource
+        from ...runtime.python_class import ClassSource
 
         return {**self.__dict__, "cls": ClassSource.of(self.cls) or self.cls}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        from ...config.python_class import ClassSource
+        from ...runtime.python_class import ClassSource
 
         if isinstance(state["cls"], ClassSource):
             state = {**state, "cls": state["cls"].load()}
@@ -221,8 +221,8 @@ def _process_plugin_manager(setup: HostSetup, in_process: list[tuple[str, Any, s
 def _setup_logging(setup: HostSetup) -> None:
     """As the driver's: the console at the recipe's level (Ray forwards it to the driver's
     console), every line appended to run.log."""
-    from ...cli.run_log import setup_logging
     from ...redaction import add_secret
+    from ...runtime.run_log import setup_logging
 
     for secret in setup.secrets:
         add_secret(secret)

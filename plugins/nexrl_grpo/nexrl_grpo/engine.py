@@ -14,7 +14,7 @@ Conventions of the returned :class:`CompletionResult`:
 - ``response_logprobs[i]`` is ``log_softmax(logits / temperature)[token_i]`` over the **full
   vocabulary** at the request's temperature, even when ``top_k``/``top_p`` truncated the sampling
   distribution; temperature 1 for greedy requests
-  (:attr:`~nexrl_core.inference.SamplingParams.logprob_temperature`). This is exactly what
+  (:attr:`~nexrl_core.runtime.inference.SamplingParams.logprob_temperature`). This is exactly what
   :func:`nexrl_grpo.modeling.compute_response_logprobs` computes at the temperature each
   trajectory carries, so rollout and trainer log-probs differ only by numerics (the trainer
   logs that mismatch every step).

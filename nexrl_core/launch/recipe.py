@@ -3,7 +3,7 @@
 Every key of a recipe is declared somewhere (:mod:`nexrl_core.config.schema` for the core's keys, a
 component's ``OPTIONS`` for its own) and every problem is one line naming the key, so
 ``nexrl validate`` can print them all and ``nexrl run`` refuses to start with the same lines:
-both call :func:`check_config` (and :mod:`nexrl_core.config.preflight` for data, run directory and
+both call :func:`check_config` (and :mod:`nexrl_core.launch.preflight` for data, run directory and
 resume state).
 """
 
@@ -19,10 +19,7 @@ from typing import Any, cast
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from ..errors import ConfigError, NexRLError
-from ..redaction import add_config_secrets, add_secret, is_secret_key
-from .compose import Composer, GroupOverride, deep_merge, read_yaml_file
-from .options import (
+from ..config.options import (
     Option,
     check_value,
     component_capabilities,
@@ -34,10 +31,13 @@ from .options import (
     unknown_key,
     unmet_needs,
 )
-from .python_class import KINDS as PYTHON_KINDS
-from .python_class import OPTIONS as PYTHON_CLASS_OPTIONS
-from .python_class import load_component_class, loads_from_file
-from .schema import CORE_OPTIONS, core_defaults
+from ..config.schema import CORE_OPTIONS, core_defaults
+from ..errors import ConfigError, NexRLError
+from ..redaction import add_config_secrets, add_secret, is_secret_key
+from ..runtime.python_class import KINDS as PYTHON_KINDS
+from ..runtime.python_class import OPTIONS as PYTHON_CLASS_OPTIONS
+from ..runtime.python_class import load_component_class, loads_from_file
+from .compose import Composer, GroupOverride, deep_merge, read_yaml_file
 
 # kind -> words for messages
 KIND_WORDS = {"dataloader": "data loader", "rollout_worker": "rollout worker", "evaluator": "evaluator",
@@ -254,8 +254,8 @@ def _effective_option(value: Any, opt: Option, pm: Any) -> Option:
 def _fill_component_defaults(values: dict[str, Any], selected: Any) -> Any:
     """In place: the defaults of the components ``selected`` (the recipe with its overrides) names.
     Returns the declared keys (:func:`nexrl_core.config.bound.key_tree`)."""
+    from ..config.bound import fill_defaults, key_tree
     from ..plugins import peek_plugin_manager
-    from .bound import fill_defaults, key_tree
 
     if not isinstance(selected, dict):
         return {}
@@ -266,7 +266,7 @@ def _fill_component_defaults(values: dict[str, Any], selected: Any) -> Any:
 
 def _is_declared(tree: Any, dotted: str) -> bool:
     """``dotted`` is a key the declarations hold (a section that is null by default included)."""
-    from .bound import ANY
+    from ..config.bound import ANY
 
     for part in dotted.split("."):
         if not isinstance(tree, dict) or (part not in tree and ANY not in tree):
@@ -460,7 +460,7 @@ def check_config(cfg: Any, plugin_manager: Any, eval_only: bool = False) -> list
 
     Covers the core's keys, every selected component's declared options, cross-key rules and
     whether the trainer, inference backend and weight-sync backend fit together. Files (data,
-    run directory, resume state) are checked by :func:`nexrl_core.config.preflight.check_files`.
+    run directory, resume state) are checked by :func:`nexrl_core.launch.preflight.check_files`.
     """
     values = plain(cfg)
     checker = _Checker(plugin_manager, values, eval_only)
@@ -489,7 +489,7 @@ def check_config(cfg: Any, plugin_manager: Any, eval_only: bool = False) -> list
 def network_plan(cfg: Any, plugin_manager: Any) -> Any:
     """``ray.private_network`` decided for a recipe (:mod:`nexrl_core.launch.ray.network`), as
     :func:`check_config` decides it."""
-    from ..launch.ray.network import Plan, requested
+    from .ray.network import Plan, requested
 
     values = plain(cfg)
     if not requested(values):
@@ -501,7 +501,7 @@ def network_plan(cfg: Any, plugin_manager: Any) -> Any:
 
 
 def _network_plan(values: Mapping[str, Any], found: Mapping[str, type], pm: Any) -> Any:
-    from ..launch.ray.network import plan
+    from .ray.network import plan
 
     backend = _get(values, "logger.backend")
     sinks = []
@@ -759,7 +759,7 @@ def check_algorithm(section: Any, trainer_cls: type, plugin_manager: Any, traine
     """``algorithm``: the trainer's own keys plus those of the estimator and loss the recipe selects
     by name (:func:`nexrl_core.algorithms.algorithm_keys`, which the trainer's selection also uses)."""
     from ..algorithms.registry import algorithm_keys
-    from .options import check_options
+    from ..config.options import check_options
 
     section = section if section is not None else {}
     if not isinstance(section, Mapping):
@@ -776,7 +776,7 @@ def _train_service_declared(section: Mapping[str, Any], trainer_cls: type, plugi
                             trainer_name: str | None = None) -> tuple[dict[str, Option], type | None]:
     """The keys ``service.train_service`` may hold with this trainer, and the registered train
     service the section selects (None for a trainer that drives none: its own declared keys)."""
-    from ..train_service import train_service_class, train_service_options
+    from ..runtime.train_service import train_service_class, train_service_options
 
     own = component_options(trainer_cls, "TRAIN_SERVICE_OPTIONS", "TRAIN_SERVICE_KEYS") or {}
     if not getattr(trainer_cls, "TRAIN_SERVICE_BATCH_FORMAT", None):
@@ -787,9 +787,9 @@ def _train_service_declared(section: Mapping[str, Any], trainer_cls: type, plugi
 
 def _check_train_service(values: Mapping[str, Any], trainer_cls: type, plugin_manager: Any) -> list[str]:
     """``service.train_service``: the keys of the train service it selects (a trainer that drives a
-    registered one, see :mod:`nexrl_core.train_service`), or else the trainer's own declared keys."""
-    from ..train_service import SECTION, selected_backend
-    from .options import check_options
+    registered one, see :mod:`nexrl_core.runtime.train_service`), or else the trainer's own declared keys."""
+    from ..config.options import check_options
+    from ..runtime.train_service import SECTION, selected_backend
 
     section = _get(values, SECTION, {})
     if section is None:

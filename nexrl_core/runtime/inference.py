@@ -16,8 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from .config.options import Option, check_options
-from .errors import ConfigError
+from ..config.options import Option, check_options
+from ..errors import ConfigError
 
 
 @dataclass
@@ -172,8 +172,8 @@ class InferenceClient(ABC):
     def bind_config(cls, config: Any, path: str = "service.inference_service") -> Any:
         """``config`` bound to the core's ``service.inference_service`` keys and this backend's own
         ``OPTIONS``: declared defaults filled, undeclared reads refused (what :attr:`config` holds)."""
-        from .config.bound import bind_component
-        from .config.schema import INFERENCE_SERVICE
+        from ..config.bound import bind_component
+        from ..config.schema import INFERENCE_SERVICE
 
         return bind_component(config, cls, INFERENCE_SERVICE, path)
 
@@ -230,7 +230,7 @@ class InferenceClient(ABC):
         """
         if not tools and not any(m.get("tool_calls") for m in messages):
             return self.complete(messages, params)
-        from .tool_calls import as_text_messages, parse_tool_calls
+        from ..tool_calls import as_text_messages, parse_tool_calls
 
         result = self.complete(as_text_messages(messages, tools), params)
         if tools:

@@ -11,8 +11,8 @@ from typing import Any, cast
 from omegaconf import DictConfig, OmegaConf
 
 from ..checkpoint import CORE_STATE_FILE, find_latest_checkpoint, is_checkpoint, read_core_state
-from ..cli.run_log import _inside, earlier_run, writable_dir_problem
 from ..errors import ConfigError, NexRLError
+from ..runtime.run_log import _inside, earlier_run, writable_dir_problem
 
 DATA_SECTIONS = ("data", "validate.data")
 
@@ -52,8 +52,8 @@ def build_dataloader(cfg: DictConfig, pm: Any, which: str) -> Any:
 def build_evaluator(cfg: DictConfig, pm: Any) -> Any:
     """The evaluator of ``rollout_worker.evaluator`` (and those of ``rollout_worker.domain_evaluators``,
     built and dropped), as each rollout worker builds them."""
-    from ..launch.parts import build_domain_evaluators
-    from ..launch.parts import build_evaluator as build
+    from .parts import build_domain_evaluators
+    from .parts import build_evaluator as build
 
     evaluator = build(cfg.rollout_worker.get("evaluator"), pm)
     build_domain_evaluators(cfg.rollout_worker.get("domain_evaluators"), pm)

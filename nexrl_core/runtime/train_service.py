@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 from difflib import get_close_matches
 from typing import Any
 
-from .config.bound import bind
-from .config.options import Option
-from .errors import ConfigError
+from ..config.bound import bind
+from ..config.options import Option
+from ..errors import ConfigError
 
 SECTION = "service.train_service"
 
@@ -168,7 +168,7 @@ def train_service_class(trainer_cls: type, section: Mapping[str, Any] | None, pl
 def train_service_options(service_cls: type, trainer_cls: type) -> dict[str, Option]:
     """Every key ``service.train_service`` may hold with this service: ``backend`` and the service's
     ``OPTIONS``."""
-    from .config.options import component_options
+    from ..config.options import component_options
 
     return {"backend": _backend_option(trainer_cls), **(component_options(service_cls) or {})}
 

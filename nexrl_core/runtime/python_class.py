@@ -33,8 +33,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ..config.options import REQUIRED, Option
 from ..errors import ConfigError
-from .options import REQUIRED, Option
 
 PYTHON = "python"
 _modules: dict[tuple[str, str], Any] = {}  # (absolute path, digest of its text) -> module: one import per process
@@ -116,7 +116,7 @@ def import_text(path: str, text: str, key: str) -> Any:
             sys.modules.pop(name, None)
             raise ConfigError(f"{exc.filename or path}:{exc.lineno}: {exc.msg} (the file of {key}.path)") from None
         except Exception as exc:
-            from ..runtime.logs import failure_location  # the runtime's own helper (it sits above config)
+            from .logs import failure_location  # the runtime's own helper (it sits above config)
 
             sys.modules.pop(name, None)
             where = failure_location(exc, os.path.dirname(path))

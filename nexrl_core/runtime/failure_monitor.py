@@ -13,8 +13,8 @@ import threading
 from collections import Counter, deque
 from typing import Any
 
-from .config.bound import bind
-from .config.schema import RUNTIME_MONITOR
+from ..config.bound import bind
+from ..config.schema import RUNTIME_MONITOR
 
 
 def most_common_error(failures: list[tuple[str, str]]) -> str:

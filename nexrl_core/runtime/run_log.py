@@ -15,7 +15,7 @@ from typing import Any
 from loguru import logger
 
 from ..redaction import ScrubbedStream, scrub, scrub_values
-from ..runtime.logs import FailureLog, failure_location, failure_signature, format_traceback
+from .logs import FailureLog, failure_location, failure_signature, format_traceback
 
 METRICS_FILE = "metrics.jsonl"
 ERRORS_FILE = "errors.jsonl"
@@ -44,7 +44,7 @@ class RunRecorder:
     """Owns the run directory's record files; safe to call from any thread.
 
     ``run_dir=None`` writes no file (metrics still reach the sinks). ``failure_monitor``
-    (a :class:`~nexrl_core.failure_monitor.FailedSampleMonitor`) is told the outcome of every
+    (a :class:`~nexrl_core.runtime.failure_monitor.FailedSampleMonitor`) is told the outcome of every
     training step: its usable samples and the failed items recorded for it.
     """
 
@@ -268,7 +268,7 @@ def setup_logging(run_dir: str | None, level: str = "INFO", fresh: bool = False,
 
     ``console``: a loguru sink that replaces stderr (the rich progress display prints log lines
     above itself); ``hide_step_lines``: leave the console sink's step lines out of the console."""
-    from ..runtime.logs import route_std_logging
+    from .logs import route_std_logging
 
     route_std_logging()
     logger.remove()

@@ -26,7 +26,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .migration_table import IMPORT_RULES, KEY_RULES, VALUE_RULES, WEIGHT_BACKENDS, Context, KeyRule, get_key, rule_for
+from ..config.migration_table import (
+    IMPORT_RULES,
+    KEY_RULES,
+    VALUE_RULES,
+    WEIGHT_BACKENDS,
+    Context,
+    KeyRule,
+    get_key,
+    rule_for,
+)
 
 _REJECTED = re.compile(r"^(?P<key>[^\s:]+): (?P<why>unknown key.*|no longer a recipe key: .*"
                        r"|expected a mapping, got null.*|does nothing without .*)$")
@@ -72,7 +81,7 @@ class _Context(Context):
         self.current = current
 
     def declares(self, kind: str, name: str, *keys: str) -> bool:
-        from .recipe import declared_options
+        from ..launch.recipe import declared_options
 
         registered = self.pm.components(kind).get(name)
         if registered is None:
@@ -263,7 +272,7 @@ def _drop_rejected(recipe: dict[str, Any], out: Migration, pm: Any, moved: Mappi
     """Take out every key ``nexrl validate`` rejects as unknown (or no longer read), each listed
     with the table's reason, else the check's words (a key moved here is listed under its seed
     name, and no longer as carried over). Returns the keys taken out and their values."""
-    from .recipe import check_config
+    from ..launch.recipe import check_config
 
     taken: dict[str, Any] = {}
     for _ in range(8):  # a key taken out can change what its section's component accepts
@@ -300,7 +309,7 @@ def _reasons(key: str, value: Any, check_why: str) -> list[tuple[str, str]]:
 
 def _order(recipe: dict[str, Any]) -> None:
     """Top-level keys in the order of nexrl's reference (docs/recipe.md)."""
-    from .schema import CORE_OPTIONS
+    from ..config.schema import CORE_OPTIONS
 
     rank = {key: i for i, key in enumerate(CORE_OPTIONS)}
     items = sorted(recipe.items(), key=lambda kv: rank.get(str(kv[0]), len(rank)))
@@ -313,7 +322,7 @@ def _order(recipe: dict[str, Any]) -> None:
 def compose_file(path: str) -> dict[str, Any]:
     """The recipe file with its defaults list merged in (as ``nexrl run`` composes it)."""
     from ..errors import ConfigError
-    from .compose import Composer, deep_merge, read_yaml_file
+    from ..launch.compose import Composer, deep_merge, read_yaml_file
 
     if not os.path.isfile(path):
         raise ConfigError(f"{path}: recipe file not found")
@@ -341,7 +350,7 @@ def migrate_file(path: str, out_path: str, pm: Any) -> Migration:
 def _place_paths(recipe: dict[str, Any], roots: list[str], out_dir: str, pm: Any) -> list[str]:
     """In place: each relative path found under one of ``roots`` becomes relative to ``out_dir``.
     Returns the Python files the recipe names and the NexAU workspace folder (absolute)."""
-    from .recipe import resolve_recipe_paths
+    from ..launch.recipe import resolve_recipe_paths
 
     resolved = copy.deepcopy(recipe)
     for root in roots:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from math import comb
 from typing import Any
 
-from .types import trajectory_reward
+from ..types import trajectory_reward
 
 #: a sample's data source when its row has no ``data_source`` field
 DEFAULT_DATA_SOURCE = "default"

@@ -1,5 +1,0 @@
-"""Deprecated alias of :mod:`nexrl_core.config.migration_table` (moved there; see docs/changelog.md)."""
-
-from ._moved import alias
-
-alias(__name__)
