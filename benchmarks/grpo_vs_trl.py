@@ -15,7 +15,7 @@ nexrl runs through ``NexRLController`` with ``recipes/quickstart.yaml`` plus ove
 between blocks at a step boundary, so only one system computes at a time. A held system's thread
 pauses its OpenMP team first, as does the main thread once the systems are built: in one process
 the idle teams of the others would otherwise slow whichever system runs (GNU OpenMP stops spinning
-once the process holds more OpenMP threads than CPUs; ``nexrl_grpo.cpu_threads``), which a system
+once the process holds more OpenMP threads than CPUs; ``nexrl_torch.cpu_threads``), which a system
 alone in its process does not pay:
 
     warm-up (each) -> [TRL-bf16 k steps, TRL-fp32 k steps, nexrl k steps] x blocks   (the order rotates)
@@ -110,8 +110,8 @@ class Gate:
     def step_end(self) -> None:
         """Called by the system at the end of each optimizer step: count it, hold if no budget.
         A held thread first pauses its OpenMP team: the systems share this process, and idle teams
-        would slow the running one (``nexrl_grpo.cpu_threads``), which separate processes do not."""
-        from nexrl_grpo.cpu_threads import release_idle_workers
+        would slow the running one (``nexrl_torch.cpu_threads``), which separate processes do not."""
+        from nexrl_torch.cpu_threads import release_idle_workers
 
         release_idle_workers()
         with self._cond:
@@ -308,7 +308,7 @@ class NexrlSystem(GatedSystem):
         self.config = load_recipe(QUICKSTART, overrides + list(args.nexrl_override))
         service = self.config.service
         # What the two sides compute in (auto resolved on this CPU), and the system's name from it.
-        from nexrl_grpo.modeling import auto_dtype
+        from nexrl_torch.models import auto_dtype
 
         self.dtypes = (auto_dtype(service.train_service.get("dtype")), auto_dtype(service.inference_service.get("dtype")))
         short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
@@ -375,7 +375,7 @@ class NexrlSystem(GatedSystem):
 def run_block(system: Any, n: int) -> tuple[float, float, float]:
     """Run ``n`` steps of ``system``: (start, end) on the wall clock and the process's CPU seconds
     in between (all threads; the other systems are held, so nearly all of it is this one's)."""
-    from nexrl_grpo.cpu_threads import release_idle_workers
+    from nexrl_torch.cpu_threads import release_idle_workers
 
     release_idle_workers()  # this thread built the systems; it only waits from here on
     target = system.gate.done + n
@@ -399,7 +399,7 @@ def decode_roofline(model_path: str, dtype: str, rows: int, prompt_len: int, ste
     import torch.nn.functional as F
     from transformers import AutoModelForCausalLM
 
-    from nexrl_grpo.decoding import FastLlama, _Linear, cpu_decode_kernels
+    from nexrl_torch.rollout.decoding import FastLlama, _Linear, cpu_decode_kernels
 
     torch_dtype = getattr(torch, dtype)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype, local_files_only=True).eval()
@@ -519,7 +519,7 @@ def main(argv: list[str] | None = None) -> int:
     transformers.logging.set_verbosity_error()
     import trl
 
-    from nexrl_grpo.weights import resolve_model_path
+    from nexrl_torch.models import resolve_model_path
 
     model_path = args.model = args.model or resolve_model_path("smollm2-135m-instruct")
     if args.lr is None:

@@ -339,7 +339,7 @@ def part_ray_step(args: argparse.Namespace) -> list[dict[str, Any]]:
     import ray
 
     _quiet_logs()
-    os.environ.setdefault("NEXRL_LOAD_PLUGINS", "nexrl-grpo")
+    os.environ.setdefault("NEXRL_LOAD_PLUGINS", "nexrl-grpo,nexrl-torch")
     _start_ray(args.ray_cpus)
     modes = ["local", "ray", "ray-apart"]
     print(f"== part 5: quickstart s/step, local vs ray, alternately ({args.real_steps} steps a run, "
@@ -555,13 +555,8 @@ def part_pack(args: argparse.Namespace) -> None:
 
     import torch
 
-    from nexrl_grpo.modeling import (
-        compute_response_logprobs,
-        compute_response_logprobs_packed,
-        load_causal_lm,
-        position_ids_from_mask,
-    )
-    from nexrl_grpo.weights import resolve_model_path
+    from nexrl_torch.logprobs import compute_response_logprobs, compute_response_logprobs_packed, position_ids_from_mask
+    from nexrl_torch.models import load_causal_lm, resolve_model_path
 
     _quiet_logs()
     model, tok = load_causal_lm(resolve_model_path("smollm2-135m-instruct"))

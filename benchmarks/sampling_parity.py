@@ -40,9 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     from nexrl_core.evaluation import BaseEvaluationTarget
     from nexrl_core.launch.recipe import load_recipe
     from nexrl_core.runtime.inference import SamplingParams
-    from nexrl_grpo.engine import HFInferenceEngine
-    from nexrl_grpo.modeling import load_causal_lm
-    from nexrl_grpo.weights import resolve_model_path
+    from nexrl_torch.models import load_causal_lm, resolve_model_path
+    from nexrl_torch.rollout.engine import HFInferenceEngine
 
     evaluator = NumericAnswerEvaluator()
     model, tokenizer = load_causal_lm(resolve_model_path("smollm2-135m-instruct"))

@@ -63,8 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     logger.remove()
     from grpo_vs_trl import cpu_name, loadavg
 
-    from nexrl_grpo.train_service import LocalTorchTrainService
-    from nexrl_grpo.weights import resolve_model_path
+    from nexrl_torch.models import resolve_model_path
+    from nexrl_torch.train.service import LocalTorchTrainService
 
     model = args.model or resolve_model_path("smollm2-135m-instruct")
     data = batch(args.rows, args.prompt, args.response)

@@ -60,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     import nexrl_grpo
     from nexrl_core.controller import NexRLController
     from nexrl_core.launch.recipe import load_recipe
-    from nexrl_grpo import engine, train_service
+    from nexrl_torch.rollout import engine
+    from nexrl_torch.train import service as train_service
 
     tree = os.path.abspath(args.tree)
     for module in (nexrl_core, nexrl_grpo):

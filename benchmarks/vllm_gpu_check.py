@@ -139,7 +139,7 @@ def throughput_vllm(url: str, requests: int, max_tokens: int) -> dict[str, float
 
 def throughput_hf(model: str, requests: int, max_tokens: int) -> dict[str, float]:
     from nexrl_core import SamplingParams
-    from nexrl_grpo.weights import HFInferenceBackend
+    from nexrl_torch.rollout.weights import HFInferenceBackend
 
     engine = HFInferenceBackend({"model_path": model, "max_batch_size": requests})
     try:
@@ -171,8 +171,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from nexrl_grpo.modeling import load_causal_lm
-    from nexrl_grpo.weights import SMOLLM2, resolve_model_path
+    from nexrl_torch.models import load_causal_lm, resolve_model_path
+    from nexrl_torch.rollout.weights import SMOLLM2
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

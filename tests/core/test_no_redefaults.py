@@ -27,7 +27,7 @@ NOT_RECIPE = {
     ("nexrl_core/builtins/openai_client.py", "function"): "a tool call of an OpenAI answer (the wire format)",
     ("nexrl_core/tool_calls.py", "name"): "a tool call's function (the wire format)",
     ("nexrl_core/types.py", "batch_size"): "a Batch's metadata, not trajectory_pool.batch_size",
-    ("plugins/nexrl_grpo/nexrl_grpo/train_service.py", "world_size"): "a checkpoint's saved world size",
+    ("plugins/nexrl_torch/nexrl_torch/train/service.py", "world_size"): "a checkpoint's saved world size",
     ("plugins/nexrl_grpo/nexrl_grpo/trainers.py", "algorithm"): "a checkpoint's saved algorithm state",
     ("plugins/nexrl_tinker/nexrl_tinker/trainers.py", "algorithm"): "a checkpoint's saved algorithm state",
     ("plugins/nexrl_nexau/nexrl_nexau/agent_config.py", "type"): "NexAU's own agent YAML format (and a tool's "

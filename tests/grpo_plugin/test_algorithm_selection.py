@@ -20,8 +20,8 @@ import yaml
 from nexrl_core import ConfigError, algorithms, hookimpl
 from nexrl_core.controller import NexRLController
 from nexrl_core.launch.recipe import check_config, load_recipe
-from nexrl_grpo.engine import HFInferenceEngine
-from nexrl_grpo.modeling import load_causal_lm
+from nexrl_torch.models import load_causal_lm
+from nexrl_torch.rollout.engine import HFInferenceEngine
 from tests.grpo_plugin.test_on_policy import make_trainer, recipe, rollouts
 from tests.support.letters import grpo_plugin_manager
 
@@ -31,7 +31,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 def _nexrl(*args: str) -> subprocess.Popen:
     script = Path(sys.executable).with_name("nexrl")
     cmd = [str(script)] if script.is_file() else [shutil.which("nexrl") or "nexrl"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "NEXRL_LOAD_PLUGINS": "nexrl-grpo"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "NEXRL_LOAD_PLUGINS": "nexrl-grpo,nexrl-torch"}
     return subprocess.Popen(cmd + list(args), cwd=REPO_ROOT, env=env, text=True, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE)
 

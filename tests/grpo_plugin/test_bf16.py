@@ -7,13 +7,13 @@ import pytest
 import torch
 
 from nexrl_core.runtime.inference import SamplingParams
-from nexrl_grpo.decoding import FastLlama, HFSession
-from nexrl_grpo.engine import HFInferenceEngine
-from nexrl_grpo.modeling import load_causal_lm
-from nexrl_grpo.train_service import LocalTorchTrainService
-from tests.grpo_plugin.test_decoding import PROMPTS, SCRIPT, TOKENS, run_script, tiny
+from nexrl_torch.models import load_causal_lm
+from nexrl_torch.rollout.decoding import FastLlama, HFSession
+from nexrl_torch.rollout.engine import HFInferenceEngine
+from nexrl_torch.train.service import LocalTorchTrainService
 from tests.grpo_plugin.test_train_service import grpo_loss, random_batch
 from tests.support.kernels import compiled_kernels
+from tests.torch_plugin.test_decoding import PROMPTS, SCRIPT, TOKENS, run_script, tiny
 
 # bf16 keeps 8 bits of mantissa: a logit of magnitude L is off by up to ~L/256 per rounding, and
 # the roundings of 3 layers add up (0.020 measured on the tiny models). Stated as a fraction of the
@@ -139,7 +139,7 @@ def test_auto_precision_is_bf16_only_where_the_cpu_computes_it_natively(tiny_mod
     choice is said in the log. The CPU's flags are the one thing a test cannot switch: patched."""
     from loguru import logger
 
-    import nexrl_grpo.modeling as modeling
+    import nexrl_torch.models as modeling
 
     monkeypatch.setattr(modeling, "native_bf16", lambda: native)
     expected = "bfloat16" if native else "float32"
@@ -164,7 +164,7 @@ def test_the_critic_trains_in_the_policys_resolved_precision(tiny_model_dir, mon
     from loguru import logger
     from omegaconf import OmegaConf
 
-    import nexrl_grpo.modeling as modeling
+    import nexrl_torch.models as modeling
     from nexrl_core.testing import build_module
     from nexrl_grpo.trainers import SelfHostedGrpoTrainer
     from tests.support.letters import grpo_plugin_manager

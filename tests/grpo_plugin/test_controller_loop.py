@@ -277,13 +277,16 @@ def test_cli_plugins_and_validate_quickstart():
     assert plugins.returncode == 0, err
     info = json.loads(out)
     grpo = [p for p in info["plugins"] if p["distribution"] == "nexrl-grpo"]
-    assert len(grpo) == 1, info
-    components = grpo[0]["components"]
-    assert {"self_hosted_grpo", "self_hosted_cross_entropy"} <= set(components.get("trainer", []))
+    backend = [p for p in info["plugins"] if p["distribution"] == "nexrl-torch"]
+    assert len(grpo) == 1 and len(backend) == 1, info
+    assert {"self_hosted_grpo", "self_hosted_cross_entropy"} <= set(grpo[0]["components"].get("trainer", []))
+    assert {"nexrl_trainers", "nexrl_policy_losses"} <= set(grpo[0]["hooks"])
+    components = backend[0]["components"]
+    assert components.get("train_service") == ["local_torch"]
     assert "hf" in components.get("inference_backend", [])
     assert "in_process" in components.get("weight_sync_backend", [])
-    assert {"nexrl_trainers", "nexrl_inference_backends", "nexrl_weight_sync_backends"} <= set(grpo[0]["hooks"])
-    assert not [f for f in info["failed"] if f["distribution"] == "nexrl-grpo"], info["failed"]
+    assert {"nexrl_train_services", "nexrl_inference_backends", "nexrl_weight_sync_backends"} <= set(backend[0]["hooks"])
+    assert not [f for f in info["failed"] if f["distribution"] in ("nexrl-grpo", "nexrl-torch")], info["failed"]
 
     assert validate.returncode == 0, f"nexrl validate failed:\n{v_out}\n{v_err}"
     assert "ok" in v_out

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from nexrl_core import NexRLError
-from nexrl_grpo.distributed import shard_rows
 from nexrl_grpo.losses import agg_loss, masked_mean
-from nexrl_grpo.train_service import LocalTorchTrainService
+from nexrl_torch.train.distributed import shard_rows
+from nexrl_torch.train.service import LocalTorchTrainService
 
 
 def make_batch(rows: int = 5, prompt: int = 4, response: int = 3, seed: int = 0) -> dict:
@@ -102,7 +102,7 @@ def test_two_ranks_with_packing_reach_the_weights_of_one(tiny_model_dir, paralle
     """Packed forwards on 2 ranks whose shards pack into different numbers of sequences (rank 0's
     rows into 1, rank 1's into 2: rank 0 adds an empty call): the weights, loss and log-probs of one
     packed process on the same global batches."""
-    from nexrl_grpo.modeling import pack_count
+    from nexrl_torch.logprobs import pack_count
 
     batches = [make_packable_batch(seed=s) for s in (0, 1)]
     # eps well above rounding noise: AdamW's first step is about lr * sign(grad), which turns a
@@ -250,8 +250,8 @@ def test_the_engine_loads_sharded_weights_one_at_a_time(tiny_model_dir):
     model), in one pass that the other ranks follow; pickled, it gathers everything first."""
     import pickle
 
-    from nexrl_grpo.distributed import GatheredWeights
-    from nexrl_grpo.engine import HFInferenceEngine
+    from nexrl_torch.rollout.engine import HFInferenceEngine
+    from nexrl_torch.train.distributed import GatheredWeights
 
     one = service(tiny_model_dir)
     step(one, make_batch())
@@ -296,7 +296,7 @@ def test_one_rank_through_the_fsdp_code_matches_the_plain_service(tiny_model_dir
 def test_per_row_outputs_come_back_in_the_batchs_row_order(tiny_model_dir):
     """A loss's per-row values (ROW_OUTPUTS) from two ranks (whole groups each, out of row order,
     micro-batches of 2): rank 0 puts every value back at its row."""
-    from nexrl_grpo.train_service import ROW_OUTPUTS
+    from nexrl_torch.train.service import ROW_OUTPUTS
 
     def with_rows(log_probs, mb):
         loss, metrics = loss_fn(log_probs, mb)
@@ -320,7 +320,7 @@ def test_per_row_outputs_come_back_in_the_batchs_row_order(tiny_model_dir):
 def test_two_ranks_record_each_samples_logprob_gap_as_one(tiny_model_dir):
     """The GRPO trainer on two ranks: every sample gets the same own log-prob gap (and token) as
     with one rank, in the same order, and both equal the max over its tokens computed here."""
-    from nexrl_grpo.modeling import load_causal_lm
+    from nexrl_torch.models import load_causal_lm
     from tests.grpo_plugin.test_on_policy import expected_gaps, make_trainer, own_logprobs, skewed
 
     model, _ = load_causal_lm(tiny_model_dir)

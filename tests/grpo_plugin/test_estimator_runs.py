@@ -15,8 +15,8 @@ import yaml
 from nexrl_core import ConfigError
 from nexrl_core.controller import NexRLController
 from nexrl_core.launch.recipe import load_recipe
-from nexrl_grpo.engine import HFInferenceEngine
-from nexrl_grpo.modeling import load_causal_lm
+from nexrl_torch.models import load_causal_lm
+from nexrl_torch.rollout.engine import HFInferenceEngine
 from tests.grpo_plugin.test_on_policy import make_trainer, rollouts
 from tests.support.letters import grpo_plugin_manager, tiny_grpo_recipe
 

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from nexrl_core.controller import NexRLController
 from nexrl_core.launch.recipe import load_recipe
 from nexrl_core.plugins import PluginManager
-from tests.grpo_plugin.conftest import TINY_RUN_MONITOR, tiny_services
+from tests.support.torch_fixtures import TINY_RUN_MONITOR, tiny_services
 
 TRAINER = textwrap.dedent('''
     import torch
@@ -61,7 +61,7 @@ def test_a_trainer_overriding_only_prepare_batch_trains(tiny_model_dir, tmp_path
     for name, text in (("my_trainer.py", TRAINER), ("my_worker.py", WORKER), ("reward.py", REWARD)):
         (tmp_path / name).write_text(text)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("NEXRL_LOAD_PLUGINS", "nexrl-grpo")
+        mp.setenv("NEXRL_LOAD_PLUGINS", "nexrl-grpo,nexrl-torch")
         pm = PluginManager()
     cfg = {
         "run_dir": str(tmp_path / "run"),
@@ -117,7 +117,7 @@ def test_the_trainer_and_weight_sync_scaffolds_train_when_selected(tiny_model_di
     trainer_plugin = importlib.import_module("nexrl_trainer_scaled.plugin")
     push_plugin = importlib.import_module("nexrl_weight_sync_push.plugin")
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("NEXRL_LOAD_PLUGINS", "nexrl-grpo")
+        mp.setenv("NEXRL_LOAD_PLUGINS", "nexrl-grpo,nexrl-torch")
         pm = PluginManager()
     pm.register(trainer_plugin, name="scaled", distribution="nexrl-trainer-scaled")
     pm.register(push_plugin, name="push", distribution="nexrl-weight-sync-push")

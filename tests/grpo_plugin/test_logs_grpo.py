@@ -4,13 +4,13 @@ unless the plugin asks it to, which loading a model does)."""
 from __future__ import annotations
 
 from nexrl_core.runtime.run_log import LOG_FILE, setup_logging
-from tests.grpo_plugin.conftest import tiny_services
+from tests.support.torch_fixtures import tiny_services
 
 
 def test_transformers_warnings_reach_run_log(tmp_path, reset_loguru):
     from transformers.utils import logging as hf_logging
 
-    from nexrl_grpo.modeling import transformers_logs_to_root
+    from nexrl_torch.models import transformers_logs_to_root
 
     setup_logging(str(tmp_path), "WARNING")
     try:
@@ -33,8 +33,8 @@ def test_decoding_through_the_transformers_forward_warns_nothing(tiny_model_dir)
 
     script = f"""
 import warnings, torch
-from nexrl_grpo.decoding import HFSession
-from nexrl_grpo.modeling import load_causal_lm
+from nexrl_torch.rollout.decoding import HFSession
+from nexrl_torch.models import load_causal_lm
 model, tokenizer = load_causal_lm({tiny_model_dir!r})
 ids = torch.tensor([tokenizer.encode("hello world")])
 session = HFSession(model)

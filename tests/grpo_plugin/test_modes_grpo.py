@@ -24,8 +24,8 @@ from safetensors.torch import load_file
 
 from nexrl_core.controller import NexRLController
 from nexrl_core.launch.recipe import load_recipe
-from tests.grpo_plugin.conftest import TINY_RUN_MONITOR, tiny_services
 from tests.support.letters import grpo_plugin_manager
+from tests.support.torch_fixtures import TINY_RUN_MONITOR, tiny_services
 
 PROMPTS = ["the quick", "what is", "count: one", "hello world", "jumps over", "two plus"]
 GROUP = 4

@@ -27,11 +27,11 @@ from nexrl_core.controller import NexRLController
 from nexrl_core.launch.parts import build_module
 from nexrl_core.launch.recipe import load_recipe
 from nexrl_core.runtime.inference import SamplingParams
-from nexrl_grpo.engine import HFInferenceEngine
-from nexrl_grpo.modeling import load_causal_lm
 from nexrl_grpo.trainers import SelfHostedGrpoTrainer
-from tests.grpo_plugin.conftest import TINY_RUN_MONITOR, tiny_services
+from nexrl_torch.models import load_causal_lm
+from nexrl_torch.rollout.engine import HFInferenceEngine
 from tests.support.letters import grpo_plugin_manager
+from tests.support.torch_fixtures import TINY_RUN_MONITOR, tiny_services
 
 PROMPTS = ["the quick", "what is", "count: one", "hello world"]
 GROUP = 4

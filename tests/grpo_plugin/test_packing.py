@@ -7,15 +7,15 @@ import copy
 import pytest
 import torch
 
-from nexrl_grpo import modeling
-from nexrl_grpo.modeling import (
+from nexrl_torch import logprobs as modeling
+from nexrl_torch.logprobs import (
     compute_response_logprobs,
     compute_response_logprobs_packed,
     pack_count,
     packing_problem,
     position_ids_from_mask,
 )
-from nexrl_grpo.train_service import LocalTorchTrainService
+from nexrl_torch.train.service import LocalTorchTrainService
 
 # (group, prompt tokens, response tokens): uneven prompts, uneven responses, an empty response,
 # and a group whose rows are not next to each other in the batch.
@@ -318,7 +318,7 @@ def test_the_lm_head_scores_targets_in_place_with_the_numbers_of_full_logits(tin
     logprobs and every gradient equal the path through full logits, with rows of one prompt group
     at different temperatures too (their shared prompt position is scored once per temperature),
     and with one target logit picked by two rows."""
-    import nexrl_grpo.modeling as modeling
+    import nexrl_torch.logprobs as modeling
 
     model, _ = tiny_model_and_tokenizer
     model.train()
@@ -343,7 +343,7 @@ def test_the_lm_head_scores_targets_in_place_with_the_numbers_of_full_logits(tin
 def test_a_head_whose_forward_is_wrapped_keeps_its_wrapper(tiny_model_and_tokenizer, monkeypatch):
     """A forward set on the head instance (accelerate's offloading hooks do that) keeps running: the
     packed forward then scores through the logits."""
-    import nexrl_grpo.modeling as modeling
+    import nexrl_torch.logprobs as modeling
 
     model, _ = tiny_model_and_tokenizer
     ids, mask, pos, resp_w, groups = padded_batch()
@@ -362,7 +362,7 @@ def test_a_head_whose_forward_is_wrapped_keeps_its_wrapper(tiny_model_and_tokeni
 def test_the_lm_head_matmuls_run_over_vocabulary_slices(tiny_model_and_tokenizer, monkeypatch):
     """The fused head's vocabulary-wide matmuls run a slice of the vocabulary at a time (faster on the
     CPU): the same numbers as one matmul over all of it, and the same bits on every call."""
-    import nexrl_grpo.modeling as modeling
+    import nexrl_torch.logprobs as modeling
 
     model, _ = tiny_model_and_tokenizer
     model.train()

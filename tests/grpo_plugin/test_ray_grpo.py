@@ -24,9 +24,9 @@ from nexrl_core import execute
 from nexrl_core.controller import NexRLController
 from nexrl_core.launch.recipe import load_recipe
 from nexrl_core.types import NexRLRole
-from tests.grpo_plugin.conftest import TINY_RUN_MONITOR
 from tests.support.letters import grpo_plugin_manager
 from tests.support.metrics import without_clock
+from tests.support.torch_fixtures import TINY_RUN_MONITOR
 
 STEPS = 4
 PROMPTS = ["the quick", "what is", "count: one", "hello world"]
@@ -93,13 +93,13 @@ _comparable = without_clock
 @pytest.fixture(scope="module")
 def local_run(tiny_model_dir, tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("NEXRL_LOAD_PLUGINS", "nexrl-grpo")
+        mp.setenv("NEXRL_LOAD_PLUGINS", "nexrl-grpo,nexrl-torch")
         return run(tmp_path_factory.mktemp("grpo_local"), tiny_model_dir, "local")
 
 
 @pytest.mark.parametrize("placement", ["apart", "together"])
 def test_ray_run_matches_the_local_run(local_run, ray_cluster, tiny_model_dir, tmp_path, monkeypatch, placement):
-    monkeypatch.setenv("NEXRL_LOAD_PLUGINS", "nexrl-grpo")  # the actors load nexrl-grpo (+ the in-process evaluator)
+    monkeypatch.setenv("NEXRL_LOAD_PLUGINS", "nexrl-grpo,nexrl-torch")  # the actors load nexrl-grpo (+ the in-process evaluator)
     ray_run = run(tmp_path, tiny_model_dir, "ray", **({"colocation": {"trainer": None}} if placement == "apart" else {}))
     trainer_actor, engine_actor, worker_actors = ray_run["placement"]
     assert (trainer_actor != engine_actor) == (placement == "apart")
@@ -120,7 +120,7 @@ def test_two_trainer_ranks_in_ray_mode(local_run, ray_cluster, tiny_model_dir, t
     """`service.train_service.world_size: 2` in launch_mode ray: rank 1 is a Ray actor the trainer's
     actor starts in a placement group; the first step matches the one-process local run (later steps
     may sample other tokens once float sums differ: the weights' equivalence is test_distributed's)."""
-    monkeypatch.setenv("NEXRL_LOAD_PLUGINS", "nexrl-grpo")
+    monkeypatch.setenv("NEXRL_LOAD_PLUGINS", "nexrl-grpo,nexrl-torch")
     original = recipe
 
     def two_ranks(*args, **kwargs):
@@ -146,7 +146,7 @@ def test_engine_replicas_in_actors_of_their_own(local_run, ray_cluster, tiny_mod
     of its own; both replicas take requests, every push reaches both (the oldest version served is
     the last push), and the run is the one-engine local run (each request's sampling is seeded, so
     which replica serves it does not matter)."""
-    monkeypatch.setenv("NEXRL_LOAD_PLUGINS", "nexrl-grpo")
+    monkeypatch.setenv("NEXRL_LOAD_PLUGINS", "nexrl-grpo,nexrl-torch")
     original = recipe
 
     def two_replicas(*args, **kwargs):

@@ -39,7 +39,7 @@ CASES = {
         "error: trainer.type: trainer 'self_hosted_grpo' needs 'weight_sync:state_dict' (it trains new weights in "
         "this process, and without a backend that moves them, rollouts keep sampling the initial model), which "
         "neither inference backend 'hf', weight-sync backend 'version_only' provides; it is provided by "
-        "weight.backend: in_process (nexrl-grpo)"),
+        "weight.backend: in_process (nexrl-torch)"),
     "self_hosted_openai_version_only": (
         [OPENAI, "weight.backend=version_only"],
         "error: trainer.type: trainer 'self_hosted_grpo' needs 'weight_sync:state_dict'"),
@@ -47,7 +47,7 @@ CASES = {
         [OPENAI],
         "error: weight.backend: weight-sync backend 'in_process' needs 'inference:load_weights' (it loads them into "
         "an inference engine in this process), which neither trainer 'self_hosted_grpo', inference backend "
-        "'openai' provides; it is provided by service.inference_service.backend: hf (nexrl-grpo)"),
+        "'openai' provides; it is provided by service.inference_service.backend: hf (nexrl-torch)"),
     "nan_learning_rate": (["service.train_service.lr=nan"],
                           "error: service.train_service.lr: expected a finite number, got nan"),
     "inf_learning_rate": (["service.train_service.lr=inf"],
@@ -66,7 +66,7 @@ CASES = {
                              "error: service.inference_service.model_path: '/no/such/model' is not a model folder"),
     "unknown_train_service": (["+service.train_service.backend=tinker"],  # nexrl-tinker not loaded here
                               "error: service.train_service.backend: unknown train service 'tinker'. Available: "
-                              "'local_torch' (nexrl-grpo)"),
+                              "'local_torch' (nexrl-torch)"),
     "bad_packing": (["+service.train_service.packing=maybe"],
                     "error: service.train_service.packing: 'maybe' is not one of auto, true, false"),
     "bad_betas": (["+service.train_service.betas=[0.9,1.5]"],

@@ -17,9 +17,9 @@ from nexrl_core import SamplingParams
 from nexrl_core.controller import NexRLController
 from nexrl_core.launch.parts import build_module
 from nexrl_core.launch.recipe import load_recipe
-from nexrl_grpo.engine import HFInferenceEngine
-from nexrl_grpo.modeling import load_causal_lm
 from nexrl_grpo.trainers import SelfHostedGrpoTrainer
+from nexrl_torch.models import load_causal_lm
+from nexrl_torch.rollout.engine import HFInferenceEngine
 from tests.support.letters import grpo_plugin_manager
 
 KL = {"use_kl_loss": True, "kl_loss_coef": 0.5, "kl_loss_type": "low_var_kl", "use_kl_in_reward": True,
@@ -135,7 +135,7 @@ def test_runs_with_the_served_reference_match_the_held_one_local_and_ray(tiny_mo
     module = controller.trainer
     assert isinstance(module.reference_service, HFInferenceEngine) and module._ref_model is None
     assert module.reference_service.model_version() == 0  # never given weights
-    monkeypatch.setenv("NEXRL_LOAD_PLUGINS", "nexrl-grpo")  # the actors load nexrl-grpo (+ the in-process evaluator)
+    monkeypatch.setenv("NEXRL_LOAD_PLUGINS", "nexrl-grpo,nexrl-torch")  # the actors load nexrl-grpo (+ the in-process evaluator)
     in_ray, _ = run(tmp_path, tiny_model_dir, True, "ray")
     assert [r["step"] for r in held] == [r["step"] for r in served] == [r["step"] for r in in_ray] == [1, 2]
     assert held[-1]["train/kl_loss"] > 0  # the policy moved away from its reference

@@ -17,7 +17,7 @@ from nexrl_core.builtins.workers import pig_latin
 from nexrl_core.controller import NexRLController
 from nexrl_core.launch.recipe import load_recipe
 from nexrl_core.plugins import PluginManager
-from tests.grpo_plugin.conftest import TINY_RUN_MONITOR, tiny_services
+from tests.support.torch_fixtures import TINY_RUN_MONITOR, tiny_services
 
 SENTENCES = ["the quick brown fox", "hello world", "jumps over the lazy dog", "what is two plus three"]
 STEPS = 6
@@ -25,7 +25,7 @@ STEPS = 6
 
 def test_cross_entropy_on_pig_latin_lowers_nll(tiny_model_dir, tmp_path):
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("NEXRL_LOAD_PLUGINS", "nexrl-grpo")
+        mp.setenv("NEXRL_LOAD_PLUGINS", "nexrl-grpo,nexrl-torch")
         pm = PluginManager()
     cfg = {
         "run_dir": str(tmp_path / "run"),

@@ -10,9 +10,10 @@ import torch
 from nexrl_core import algorithms
 from nexrl_core.runtime.inference import SamplingParams
 from nexrl_grpo import losses
-from nexrl_grpo.engine import HFInferenceEngine
-from nexrl_grpo.modeling import load_causal_lm, position_ids_from_mask
-from nexrl_grpo.train_service import LocalTorchTrainService
+from nexrl_torch.logprobs import position_ids_from_mask
+from nexrl_torch.models import load_causal_lm
+from nexrl_torch.rollout.engine import HFInferenceEngine
+from nexrl_torch.train.service import LocalTorchTrainService
 
 PAD = 0
 

@@ -13,10 +13,10 @@ import yaml
 from nexrl_core import StepResult, TrainService, hookimpl
 from nexrl_core.controller import NexRLController
 from nexrl_core.launch.recipe import load_recipe
-from nexrl_grpo.train_service import LocalTorchTrainService
-from tests.grpo_plugin.conftest import TINY_RUN_MONITOR
+from nexrl_torch.train.service import LocalTorchTrainService
 from tests.grpo_plugin.test_train_service import grpo_loss, random_batch
 from tests.support.letters import grpo_plugin_manager
+from tests.support.torch_fixtures import TINY_RUN_MONITOR
 
 
 def test_the_local_service_implements_the_interface(tiny_model_and_tokenizer, tmp_path):

@@ -23,9 +23,9 @@ import torch
 from nexrl_core import SamplingParams, tools_system_prompt
 from nexrl_core.cli import main as nexrl_main
 from nexrl_core.testing import make_recipe, write_recipe
-from nexrl_grpo.engine import HFInferenceEngine
 from nexrl_grpo.trainers import SelfHostedGrpoTrainer
 from nexrl_nexau import AgentRunner, load_agent_spec
+from nexrl_torch.rollout.engine import HFInferenceEngine
 from tests.support.tiny_lm import TOOL_CORPUS, build_byte_tokenizer, build_model
 
 from .conftest import write_agent
@@ -124,7 +124,7 @@ def run(taught, tmp_path_factory):
 
     handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("NEXRL_LOAD_PLUGINS", "nexrl-grpo,nexrl-nexau")
+        mp.setenv("NEXRL_LOAD_PLUGINS", "nexrl-grpo,nexrl-torch,nexrl-nexau")
         mp.setattr("nexrl_core.plugins._DEFAULT", None, raising=False)
         mp.setattr(SelfHostedGrpoTrainer, "train", recording_train)
         try:

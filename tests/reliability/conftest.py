@@ -25,7 +25,7 @@ def tiny_model_dir(tmp_path_factory) -> str:
     """The tiny Llama + tokenizer of tests/grpo_plugin (an HF folder), built once per session."""
     pytest.importorskip("torch")
     pytest.importorskip("nexrl_grpo")
-    from tests.grpo_plugin.conftest import build_model, build_tokenizer
+    from tests.support.torch_fixtures import build_model, build_tokenizer
 
     folder = tmp_path_factory.mktemp("tiny_llama")
     tokenizer = build_tokenizer()

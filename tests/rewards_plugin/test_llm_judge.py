@@ -192,7 +192,7 @@ def test_any_registered_backend_can_judge():
 
 def test_the_in_process_hf_engine_can_judge(tmp_path):
     pytest.importorskip("nexrl_grpo")
-    from tests.grpo_plugin.conftest import build_model, build_tokenizer
+    from tests.support.torch_fixtures import build_model, build_tokenizer
 
     tokenizer = build_tokenizer()
     build_model(tokenizer).save_pretrained(tmp_path)

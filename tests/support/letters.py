@@ -30,11 +30,11 @@ class LetterPlugin:
 
 
 def grpo_plugin_manager() -> PluginManager:
-    """The installed nexrl-grpo (through its entry point, nothing else) + the in-process evaluator."""
+    """The installed nexrl-grpo and nexrl-torch (through their entry points, nothing else) + the in-process evaluator."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("NEXRL_LOAD_PLUGINS", "nexrl-grpo")
+        mp.setenv("NEXRL_LOAD_PLUGINS", "nexrl-grpo,nexrl-torch")
         pm = PluginManager()
-    assert "nexrl-grpo" in {r.distribution for r in pm.records.values()}, pm.failures
+    assert {"nexrl-grpo", "nexrl-torch"} <= {r.distribution for r in pm.records.values()}, pm.failures
     pm.register(LetterPlugin(), name="letters", distribution="nexrl-letters (in-process)")
     return pm
 

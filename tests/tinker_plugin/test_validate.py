@@ -56,7 +56,7 @@ def cli(monkeypatch, capfd, reset_loguru, tmp_path):
     for name in ("TINKER_API_KEY", "TINKER_BASE_URL", "TINKER_CREDENTIAL_CMD"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))
-    monkeypatch.setenv("NEXRL_LOAD_PLUGINS", "nexrl-tinker,nexrl-grpo")
+    monkeypatch.setenv("NEXRL_LOAD_PLUGINS", "nexrl-tinker,nexrl-grpo,nexrl-torch")
     pm = PluginManager()
     pm.register(LetterPlugin(), name="letters", distribution="nexrl-letters (in-process)")
     monkeypatch.setattr(plugins, "_DEFAULT", pm)
@@ -92,7 +92,7 @@ CASES = {
     "local_service_for_a_remote_trainer": (
         ["service.train_service.backend=local_torch", "+service.inference_service.api_key=tml-x"],
         ["error: service.train_service.backend: 'local_torch' is not one of tinker: trainer 'remote_api_grpo' builds "
-         "tinker_datums batches, and train service 'local_torch' (nexrl-grpo) takes torch_tensors batches"]),
+         "tinker_datums batches, and train service 'local_torch' (nexrl-torch) takes torch_tensors batches"]),
     "self_hosted_trainer_on_tinker": (
         ["trainer.type=self_hosted_grpo", "~algorithm.loss_fn", "weight.backend=in_process",
          "service.inference_service.backend=hf", "~service.inference_service.tokenizer_path",

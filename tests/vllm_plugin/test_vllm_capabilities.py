@@ -14,7 +14,7 @@ from nexrl_core.testing import make_recipe, write_recipe
 
 @pytest.fixture
 def pm(monkeypatch):
-    monkeypatch.setenv("NEXRL_LOAD_PLUGINS", "nexrl-grpo,nexrl-vllm")
+    monkeypatch.setenv("NEXRL_LOAD_PLUGINS", "nexrl-grpo,nexrl-torch,nexrl-vllm")
     manager = PluginManager()
     assert {"nexrl-grpo", "nexrl-vllm"} <= {r.distribution for r in manager.records.values()}, manager.failures
     return manager
@@ -36,9 +36,9 @@ def test_vllm_with_a_self_hosted_trainer_needs_a_vllm_weight_sync(tmp_path, pm):
     assert problems(tmp_path, pm, {"backend": "vllm_nccl"}) == []
     [line] = problems(tmp_path, pm, {"backend": "version_only"})
     assert line.startswith("trainer.type: trainer 'self_hosted_grpo' needs 'weight_sync:state_dict'")
-    assert line.endswith("it is provided by weight.backend: in_process (nexrl-grpo), weight.backend: vllm_disk "
+    assert line.endswith("it is provided by weight.backend: in_process (nexrl-torch), weight.backend: vllm_disk "
                          "(nexrl-vllm), weight.backend: vllm_nccl (nexrl-vllm)")
     [line] = problems(tmp_path, pm, {"backend": "in_process"})
     assert line == ("weight.backend: weight-sync backend 'in_process' needs 'inference:load_weights' (it loads them "
                     "into an inference engine in this process), which neither trainer 'self_hosted_grpo', inference "
-                    "backend 'vllm' provides; it is provided by service.inference_service.backend: hf (nexrl-grpo)")
+                    "backend 'vllm' provides; it is provided by service.inference_service.backend: hf (nexrl-torch)")

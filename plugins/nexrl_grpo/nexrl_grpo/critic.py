@@ -5,7 +5,7 @@ The value model is the policy's transformer (without its LM head) and a scalar h
 read at the position that predicts response token ``t`` (the state before it is emitted), the
 position the actor's log-prob of that token comes from. It starts from the policy's initial
 weights with a zero head (every value 0). :class:`CriticService` is a
-:class:`~nexrl_grpo.train_service.LocalTorchTrainService` whose per-token output is the value:
+:class:`~nexrl_torch.train.service.LocalTorchTrainService` whose per-token output is the value:
 the same micro-batching, AdamW step and safetensors checkpoints.
 """
 
@@ -20,10 +20,11 @@ import torch
 from safetensors.torch import save_file
 
 from nexrl_core import Option
+from nexrl_torch.logprobs import position_ids_from_mask
+from nexrl_torch.models import DEVICE_HELP, device_problem
+from nexrl_torch.train.service import LocalTorchTrainService
 
 from .losses import LOSS_AGG_MODES
-from .modeling import DEVICE_HELP, device_problem, position_ids_from_mask
-from .train_service import LocalTorchTrainService
 
 CRITIC_OPTIONS = {
     "lr": Option(1e-5, float, "the critic's AdamW learning rate", gt=0),

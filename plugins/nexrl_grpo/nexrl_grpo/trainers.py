@@ -28,11 +28,12 @@ from nexrl_core import (
     trajectory_reward,
     trajectory_segments,
 )
+from nexrl_torch.logprobs import compute_response_logprobs, position_ids_from_mask
+from nexrl_torch.models import DEVICE_HELP, device_problem, resolve_device
+from nexrl_torch.train.service import BATCH_FORMAT, ROW_OUTPUTS, LocalTorchTrainService, export_model_folder
 
 from .critic import CRITIC_ALGORITHM_OPTIONS, CriticService, ValueModel
 from .losses import LossContext, agg_loss, kl_loss, masked_mean, value_loss
-from .modeling import DEVICE_HELP, compute_response_logprobs, device_problem, position_ids_from_mask, resolve_device
-from .train_service import BATCH_FORMAT, ROW_OUTPUTS, LocalTorchTrainService, export_model_folder
 
 CRITIC_FOLDER = "critic"  # inside a checkpoint folder, next to the policy's files
 KL_AGG_MODE_WITHOUT_LOSS_MODE = "token-mean"  # the KL term's reduction when the policy loss declares no mode

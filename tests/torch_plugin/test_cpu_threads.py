@@ -1,4 +1,4 @@
-"""A thread that has finished its work holds no OpenMP workers (nexrl_grpo.cpu_threads): with more
+"""A thread that has finished its work holds no OpenMP workers (nexrl_torch.cpu_threads): with more
 OpenMP threads in the process than CPUs, libgomp stops spinning and every parallel op of the thread
 that does compute pays a wake-up."""
 
@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from nexrl_core.runtime.inference import SamplingParams
-from nexrl_grpo import cpu_threads
-from nexrl_grpo.engine import HFInferenceEngine
-from nexrl_grpo.train_service import LocalTorchTrainService
+from nexrl_torch import cpu_threads
+from nexrl_torch.rollout.engine import HFInferenceEngine
+from nexrl_torch.train.service import LocalTorchTrainService
 from tests.grpo_plugin.test_train_service import grpo_loss, random_batch
 
 pytestmark = pytest.mark.skipif(not cpu_threads._resolve(),

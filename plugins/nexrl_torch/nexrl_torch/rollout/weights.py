@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 from collections.abc import Iterator
 from typing import Any
 
 from nexrl_core import (
     Capabilities,
-    ConfigError,
     InferenceError,
     Option,
     WeightSyncBackend,
@@ -19,73 +17,8 @@ from nexrl_core import (
     processes_are_actors,
 )
 
-from .cpu_memory import keep_freed_memory
+from ..models import apply_process_options, check_model_section, config_errors, resolve_model_path
 from .engine import HFInferenceEngine, copy_weights
-from .modeling import MODEL_OPTIONS, SMOLLM2, ensure_safetensors_model, smollm2_gguf_path
-
-
-def model_path_problem(model_path: str | None, gguf_file: str | None = None) -> str | None:
-    """Why ``model_path``/``gguf_file`` name no loadable model ("key: why"), or None. Cheap: reads no weights."""
-    if model_path == SMOLLM2 or gguf_file == SMOLLM2:
-        try:
-            smollm2_gguf_path()
-        except FileNotFoundError as exc:
-            return f"model_path: {exc}"
-        return None
-    if gguf_file:
-        gguf = _gguf(model_path, gguf_file)
-        return None if os.path.isfile(gguf) else f"gguf_file: '{gguf}' does not exist"
-    if not model_path:
-        return f"model_path: required (an HF model folder, a global_step_<N> checkpoint, or '{SMOLLM2}')"
-    if not os.path.isfile(os.path.join(str(model_path), "config.json")):
-        return (f"model_path: '{model_path}' is not a model folder (no config.json); use an HF folder, "
-                f"a global_step_<N> checkpoint or '{SMOLLM2}'")
-    return None
-
-
-def _gguf(model_path: str | None, gguf_file: str) -> str:
-    return gguf_file if os.path.isabs(gguf_file) or not model_path else os.path.join(model_path, gguf_file)
-
-
-def resolve_model_path(model_path: str | None, gguf_file: str | None = None) -> str:
-    """An HF folder for ``model_path``; GGUF files (and the SmolLM2 alias) are converted once and cached."""
-    problem = model_path_problem(model_path, gguf_file)
-    if problem:
-        raise ConfigError(problem)
-    if model_path == SMOLLM2 or gguf_file == SMOLLM2:
-        return ensure_safetensors_model(smollm2_gguf_path())
-    if gguf_file:
-        return ensure_safetensors_model(_gguf(model_path, gguf_file))
-    return str(model_path)
-
-
-def check_model_section(section: Any, key: str) -> list[str]:
-    """``check_config`` of a section holding ``model_path``/``gguf_file``."""
-    problem = model_path_problem(section.get("model_path"), section.get("gguf_file"))
-    return [f"{key}.{problem}"] if problem else []
-
-
-
-
-def apply_process_options(section: Any) -> None:
-    """What a model section asks of the whole process: ``num_threads`` (torch) and
-    ``keep_freed_memory`` (:mod:`nexrl_grpo.cpu_memory`)."""
-    if section.get("num_threads"):
-        import torch
-
-        torch.set_num_threads(int(section["num_threads"]))
-    keep = section.get("keep_freed_memory")
-    if MODEL_OPTIONS["keep_freed_memory"].default_value() if keep is None else keep:
-        keep_freed_memory()
-
-
-@contextlib.contextmanager
-def config_errors(section: str) -> Iterator[None]:
-    """A bad value a component rejects (ValueError naming the key) becomes a ConfigError under ``section``."""
-    try:
-        yield
-    except ValueError as exc:
-        raise ConfigError(f"{section}.{exc}") from None
 
 
 class HFInferenceBackend(HFInferenceEngine):

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from nexrl_core import SamplingParams, as_text_messages
-from nexrl_grpo.engine import HFInferenceEngine
+from nexrl_torch.rollout.engine import HFInferenceEngine
 from tests.support.tiny_lm import build_byte_tokenizer, build_model
 
 TOOLS = [{"type": "function", "function": {"name": "add", "description": "Adds two numbers.",

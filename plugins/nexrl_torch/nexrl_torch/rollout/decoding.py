@@ -25,7 +25,7 @@ over exactly their own keys, with no mask. Decode steps attend through :func:`de
 (two matmuls): with two threads torch's CPU ``scaled_dot_product_attention`` gave a row other bits
 beside a different number of rows; the prefill's causal SDPA did not (SmolLM2, 220 cases). (MKL's
 ``F.linear`` picks kernels by M: 1, 2-15, 16+; the transformers forward is not batch-invariant.)
-With the compiled CPU kernels (:mod:`nexrl_grpo.cpu_kernels`, the default where they build) a
+With the compiled CPU kernels (:mod:`nexrl_torch_kernels`, the default where they build) a
 decode step's work between its matmuls is one C++ call per stage, each row computed by one thread
 in its own fixed order, and a float32 matmul gives each output one multiply-add chain over its
 inputs in order, for any number of rows (one row needs no doubling). :class:`FastLlama` checks
@@ -42,15 +42,24 @@ generating from wrong numbers.
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from loguru import logger
 
-from .cpu_kernels import DTYPES as KERNEL_DTYPES
-from .cpu_kernels import DecodeKernels, KernelBuildError, decode_kernels
-from .modeling import auto_flag
+from ..models import auto_flag
+
+if TYPE_CHECKING:
+    from nexrl_torch_kernels import DecodeKernels
+
+# The compiled kernels are an optional distribution (nexrl-torch-kernels): without it, torch ops.
+try:
+    import nexrl_torch_kernels
+except ImportError:
+    nexrl_torch_kernels = None  # type: ignore[assignment]
+KERNELS_MISSING = "not installed (pip install nexrl-torch-kernels)"
+KERNEL_PROBLEMS_SAID: set[str] = set()
 
 FAST_MODEL_TYPES = ("llama", "qwen2")
 SELF_CHECK_TOLERANCE = 1e-3  # max |logit difference| against the HF forward, relative to the logits' scale
@@ -213,13 +222,16 @@ class _Layer:
 
 
 def kernel_problem(model: torch.nn.Module) -> str | None:
-    """Why the compiled decode kernels (:mod:`nexrl_grpo.cpu_kernels`) cannot run ``model`` on the
+    """Why the compiled decode kernels (:mod:`nexrl_torch_kernels`) cannot run ``model`` on the
     fast path (None when they can)."""
+    if nexrl_torch_kernels is None:
+        return KERNELS_MISSING
     parameter = next(model.parameters())
     if parameter.device.type != "cpu":
         return f"the model is on {parameter.device}, the kernels are for the CPU"
-    if parameter.dtype not in KERNEL_DTYPES:
-        return f"dtype {parameter.dtype} (kernels: {', '.join(KERNEL_DTYPES.values())})"
+    dtypes = nexrl_torch_kernels.DTYPES
+    if parameter.dtype not in dtypes:
+        return f"dtype {parameter.dtype} (kernels: {', '.join(dtypes.values())})"
     inner = model.model
     probe = torch.linspace(-8, 8, 33)
     for layer in inner.layers:  # what the activation computes, whatever its class
@@ -234,7 +246,7 @@ def kernel_problem(model: torch.nn.Module) -> str | None:
 
 class FastLlama:
     """Packed weights of one Llama-family model; hands out :class:`FastLlamaSession` objects.
-    ``kernels``: decode steps through the compiled CPU kernels (:mod:`nexrl_grpo.cpu_kernels`)
+    ``kernels``: decode steps through the compiled CPU kernels (:mod:`nexrl_torch_kernels`)
     instead of torch ops; the self-check turns them off, with a warning, if they disagree."""
 
     def __init__(self, model: torch.nn.Module, rows_hint: int = 16, kernels: DecodeKernels | None = None):
@@ -823,14 +835,17 @@ def cpu_decode_kernels(model: torch.nn.Module, mode: str) -> DecodeKernels | Non
         return None
     problem = kernel_problem(model)
     if problem is None:
+        assert nexrl_torch_kernels is not None  # kernel_problem said so
         try:
-            kernels = decode_kernels()
+            kernels = nexrl_torch_kernels.decode_kernels()
             logger.info(f"cpu_kernels: decode steps through the compiled kernels ({kernels.path})")
             return kernels
-        except KernelBuildError as exc:
+        except nexrl_torch_kernels.KernelBuildError as exc:
             problem = f"they cannot be built here: {exc}"
             if mode == "auto":
-                logger.warning(f"cpu_kernels: {problem}; decoding with torch ops (slower decode steps)")
+                if problem not in KERNEL_PROBLEMS_SAID:  # once per process, not per engine or weight push
+                    KERNEL_PROBLEMS_SAID.add(problem)
+                    logger.warning(f"cpu_kernels: {problem}; decoding with torch ops (slower decode steps)")
                 return None
     if mode == "true":
         raise ValueError(f"cpu_kernels: true, but the compiled decode kernels cannot run: {problem}")

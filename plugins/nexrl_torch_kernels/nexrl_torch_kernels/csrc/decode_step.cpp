@@ -1,5 +1,5 @@
 // CPU kernels for one decode step of a Llama-family model: the work between its matmuls, fused.
-// nexrl_grpo/cpu_kernels.py compiles this file once per machine and calls it through ctypes.
+// nexrl_torch_kernels/__init__.py compiles this file once per machine and calls it through ctypes.
 //
 // Each row (for attention: each row and KV head) is computed by one thread, in an order fixed by
 // that row's own sizes. A row's bits therefore never depend on the other rows of its batch or on

@@ -33,13 +33,31 @@ from safetensors.torch import load_file, save_file
 
 from nexrl_core import NexRLError, Option, TrainService, algorithms, bind, component_options
 
-from .modeling import (AUTO_FLAG, MODEL_OPTIONS, _auto_flag, auto_dtype, auto_flag, compute_response_logprobs,
-                       compute_response_logprobs_packed, log_auto_device, log_auto_dtype, model_from_config,
-                       pack_count, packing_problem, position_ids_from_mask, resolve_device)
+from ..cpu_threads import release_idle_workers
+from ..logprobs import (
+    compute_response_logprobs,
+    compute_response_logprobs_packed,
+    pack_count,
+    packing_problem,
+    position_ids_from_mask,
+)
+from ..models import (
+    AUTO_FLAG,
+    MODEL_OPTIONS,
+    _auto_flag,
+    apply_process_options,
+    auto_dtype,
+    auto_flag,
+    check_model_section,
+    config_errors,
+    log_auto_device,
+    log_auto_dtype,
+    model_from_config,
+    resolve_device,
+    resolve_model_path,
+)
 from . import sharded
-from .cpu_threads import release_idle_workers
 from .distributed import PARALLEL_MODES, GatheredWeights, RankGroup, shard_rows, start_ranks, wrap
-from .weights import apply_process_options, check_model_section, config_errors, resolve_model_path
 
 LossFn = Callable[[torch.Tensor, dict[str, Any]], tuple[torch.Tensor, dict[str, float]]]
 
@@ -64,8 +82,8 @@ BATCH_FORMAT = "torch_tensors"
 
 def _every_rank(method: Callable[..., Any]) -> Callable[..., Any]:
     """On rank 0 of several, broadcast the call first: every rank runs the method, so the collectives
-    inside it match (see :mod:`nexrl_grpo.distributed`). In one process: the method itself. Either
-    way the calling thread's OpenMP workers are paused afterwards (:mod:`nexrl_grpo.cpu_threads`)."""
+    inside it match (see :mod:`nexrl_torch.train.distributed`). In one process: the method itself. Either
+    way the calling thread's OpenMP workers are paused afterwards (:mod:`nexrl_torch.cpu_threads`)."""
     @functools.wraps(method)
     def call(self: LocalTorchTrainService, *args: Any, **kwargs: Any) -> Any:
         try:
@@ -91,7 +109,7 @@ class LocalTorchTrainService(TrainService):
     (1e-8), ``grad_clip`` (1.0; <= 0 or null: no clipping), ``seed`` (seeds torch, numpy and
     python RNGs), ``micro_batch_size`` (rows per forward; null: the whole batch), ``packing`` (auto: forward
     and backward run on packed sequences with no padding when the batch and model allow it, see
-    :func:`~nexrl_grpo.modeling.compute_response_logprobs_packed`; true: packed or an error;
+    :func:`~nexrl_torch.logprobs.compute_response_logprobs_packed`; true: packed or an error;
     false: padded rows), ``max_tokens_per_pack`` (2048: tokens per packed sequence; a longer group is split).
     """
 
@@ -156,7 +174,7 @@ class LocalTorchTrainService(TrainService):
         if parallel != "auto" and rank_group is None:
             if model is not None:
                 raise ValueError("world_size: every rank loads the model from model_path (pass no model=)")
-            rank_group = start_ranks({**dict(config), "parallel": parallel}, world_size, parallel)
+            rank_group = start_ranks({**dict(config), "parallel": parallel}, world_size, parallel, _serve_follower)
         self.ranks = rank_group
         seed = config["seed"]
         if seed is not None:
@@ -235,7 +253,7 @@ class LocalTorchTrainService(TrainService):
             self.ranks = None
 
     def _shard(self, batch: dict[str, Any]) -> tuple[dict[str, Any], list[list[int]]]:
-        """This rank's rows of ``batch`` (:func:`~nexrl_grpo.distributed.shard_rows`) and every rank's row indices."""
+        """This rank's rows of ``batch`` (:func:`~nexrl_torch.train.distributed.shard_rows`) and every rank's row indices."""
         rows = batch["input_ids"].shape[0]
         groups = batch.get("prompt_groups")
         groups = groups.tolist() if groups is not None else list(range(rows))
@@ -378,7 +396,7 @@ class LocalTorchTrainService(TrainService):
         """A frozen copy of the model as it is now, on ``device`` (the KL reference). Sharded across
         ranks, the weights are read again from ``model_path`` (the copy is taken before training)."""
         if self.ranks is not None and self.ranks.parallel == "fsdp":
-            from .modeling import load_causal_lm
+            from ..models import load_causal_lm
 
             model, _ = load_causal_lm(self.config["model_path"], dtype="float32", device=device)
         else:
@@ -530,7 +548,7 @@ class LocalTorchTrainService(TrainService):
 
     def _autocast(self) -> torch.autocast:
         """bf16 autocast around the model's forward (its backward follows it); the log-probs it
-        yields are float32 (:func:`~nexrl_grpo.modeling.token_logprobs` upcasts the logits)."""
+        yields are float32 (:func:`~nexrl_torch.logprobs.token_logprobs` upcasts the logits)."""
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.dtype == "bfloat16")
 
     def _micro_batches(self, batch: dict[str, Any], passes: int | None = None, empty_from: Any = None):
@@ -650,6 +668,11 @@ class LocalTorchTrainService(TrainService):
         np.random.set_state((np_meta["kind"], keys, np_meta["pos"], np_meta["has_gauss"], np_meta["cached_gaussian"]))
         py = meta["python"]
         random.setstate((py["version"], tuple(py["state"]), py["gauss_next"]))
+
+
+def _serve_follower(config: dict[str, Any], group: RankGroup) -> None:
+    """A follower rank's whole life: its own service, answering rank 0's calls until ``close``."""
+    LocalTorchTrainService(config, rank_group=group).serve()
 
 
 def _row_outputs(parts: list[dict[str, Any]]) -> dict[str, list[float]]:

@@ -11,7 +11,8 @@ import torch
 from nexrl_core import NexRLError
 from nexrl_core.runtime.inference import SamplingParams
 from nexrl_core.runtime.run_log import LOG_FILE, setup_logging
-from nexrl_grpo.decoding import (
+from nexrl_torch.models import auto_dtype, device_problem, resolve_device
+from nexrl_torch.rollout.decoding import (
     FastLlama,
     HFDecoder,
     HFSession,
@@ -23,10 +24,9 @@ from nexrl_grpo.decoding import (
     static_capacity,
     static_rows,
 )
-from nexrl_grpo.engine import HFInferenceEngine, counter_uniform
-from nexrl_grpo.modeling import auto_dtype, device_problem, resolve_device
-from nexrl_grpo.train_service import LocalTorchTrainService
-from tests.grpo_plugin.test_decoding import PROMPTS, SCRIPT, TOKENS, run_script, tiny
+from nexrl_torch.rollout.engine import HFInferenceEngine, counter_uniform
+from nexrl_torch.train.service import LocalTorchTrainService
+from tests.torch_plugin.test_decoding import PROMPTS, SCRIPT, TOKENS, run_script, tiny
 
 NO_CUDA = not torch.cuda.is_available()
 

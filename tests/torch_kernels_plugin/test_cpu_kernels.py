@@ -1,4 +1,4 @@
-"""The compiled CPU decode kernels (nexrl_grpo.cpu_kernels): each against torch, a row's bits against
+"""The compiled CPU decode kernels (nexrl_torch_kernels): each against torch, a row's bits against
 its batch and the thread count, the build and its cache, and what the engine does without them."""
 
 from __future__ import annotations
@@ -11,11 +11,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import nexrl_torch_kernels as cpu_kernels
 from nexrl_core.runtime.run_log import LOG_FILE, setup_logging
-from nexrl_grpo import cpu_kernels
-from nexrl_grpo.decoding import FastLlama, FastLlamaSession, _rotate, decode_attention, make_session_factory
-from tests.grpo_plugin.test_decoding import PROMPTS, SCRIPT, TOKENS, run_script, tiny
+from nexrl_torch.rollout import decoding
+from nexrl_torch.rollout.decoding import FastLlama, FastLlamaSession, _rotate, decode_attention, make_session_factory
 from tests.support.kernels import compiled_kernels, compiler_or_skip
+from tests.torch_plugin.test_decoding import PROMPTS, SCRIPT, TOKENS, run_script, tiny
 
 # SmolLM2's attention (9 heads over 3 KV heads of 64), and a head of 24 (one block of 16 and a tail).
 SHAPES = [(9, 3, 64), (4, 2, 24)]
@@ -212,6 +213,7 @@ def fresh_build(monkeypatch, tmp_path):
     monkeypatch.setenv("NEXRL_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(cpu_kernels, "_loaded", None)
     monkeypatch.setattr(cpu_kernels, "_problem", None)
+    monkeypatch.setattr(decoding, "KERNEL_PROBLEMS_SAID", set())
     return tmp_path
 
 
@@ -231,14 +233,47 @@ def test_a_machine_without_a_compiler_decodes_with_torch_ops(fresh_build, monkey
     assert decoder.kernels is None
     with torch.inference_mode():
         assert type(decoder.session()) is FastLlamaSession and decoder.enabled
-    assert "WARNING" in (fresh_build / LOG_FILE).read_text()
+    log = (fresh_build / LOG_FILE).read_text()
+    said = [line for line in log.splitlines() if "cpu_kernels: they cannot be built here" in line]
+    assert len(said) == 1 and "WARNING" in said[0] and "decoding with torch ops" in said[0], log
     assert not (fresh_build / "cache").exists()
+
+
+@pytest.mark.parametrize("version,problem", [
+    ("g++ (Ubuntu 11.4.0-1ubuntu1~22.04) 11.4.0\nCopyright (C) 2021 Free Software Foundation, Inc.",
+     "GCC 11.4.0 is older than GCC 12, which the kernels need"),
+    ("g++ (Debian 12.2.0-14+deb12u1) 12.2.0\nCopyright (C) 2022 Free Software Foundation, Inc.", None),
+    ("Debian clang version 14.0.6\nTarget: x86_64-pc-linux-gnu", None),
+])
+def test_the_compiler_version_is_checked_before_a_build(version, problem):
+    assert cpu_kernels.compiler_version_problem(version) == problem
+
+
+def test_a_compiler_too_old_is_named_once_and_the_engine_decodes_with_torch_ops(fresh_build, monkeypatch,
+                                                                                reset_loguru):
+    """g++ 11 cannot build the kernels: the build is not tried, the engine says so once, and the kernel
+    tests of such a machine skip with that reason (tests/support/kernels.py) instead of failing."""
+    setup_logging(str(fresh_build), "INFO")
+    old = _script(fresh_build / "g++", 'case "$*" in --version) echo "g++ (Ubuntu 11.4.0-1ubuntu1~22.04) 11.4.0"; '
+                                        'exit 0;; esac\necho "compiled" >&2; exit 1\n')
+    monkeypatch.setenv("CXX", old)
+    with pytest.raises(cpu_kernels.CompilerUnusable, match="GCC 11.4.0 is older than GCC 12"):
+        cpu_kernels.usable_compiler()
+    with pytest.raises(pytest.skip.Exception, match="GCC 11.4.0 is older than GCC 12"):
+        compiler_or_skip()
+    first = make_session_factory(tiny("llama"), "auto", 4)
+    again = make_session_factory(tiny("llama"), "auto", 4)
+    assert first.kernels is None and again.kernels is None
+    said = [line for line in (fresh_build / LOG_FILE).read_text().splitlines() if "older than GCC 12" in line]
+    assert len(said) == 1 and "WARNING" in said[0], said
+    assert not (fresh_build / "cache" / "kernels").exists() or list((fresh_build / "cache" / "kernels").iterdir()) == []
 
 
 def test_a_failing_compiler_is_quoted_and_a_build_is_made_once(fresh_build, monkeypatch):
     compiler = shlex.join(compiler_or_skip())  # the real one, before CXX points elsewhere
     # A compiler that fails: its last lines make the error.
-    monkeypatch.setenv("CXX", _script(fresh_build / "broken", 'echo "decode_step.cpp:1: error: no" >&2; exit 3\n'))
+    monkeypatch.setenv("CXX", _script(fresh_build / "broken", 'case "$*" in --version) echo "g++ (fake) 12.2.0"; exit 0;; '
+                                                              'esac\necho "decode_step.cpp:1: error: no" >&2; exit 3\n'))
     with pytest.raises(cpu_kernels.KernelBuildError, match=r"broken failed \(exit 3\): decode_step.cpp:1: error: no"):
         cpu_kernels.decode_kernels()
     with pytest.raises(cpu_kernels.KernelBuildError, match="exit 3"):  # said once per process, not retried

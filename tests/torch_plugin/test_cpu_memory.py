@@ -16,7 +16,7 @@ pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the s
 SCRIPT = """
 import json, resource, sys, threading
 import torch
-from nexrl_grpo.weights import apply_process_options
+from nexrl_torch.rollout.weights import apply_process_options
 
 apply_process_options(json.loads(sys.argv[1]))
 faults = []

@@ -1,7 +1,7 @@
 """Data-parallel training: one train service as ``world_size`` ranks over torch.distributed.
 
 Rank 0 lives in the trainer's process and drives; ranks 1..N-1 are processes it spawns, each a
-:class:`~nexrl_grpo.train_service.LocalTorchTrainService` of its own that serves rank 0's calls.
+:class:`~nexrl_torch.train.service.LocalTorchTrainService` of its own that serves rank 0's calls.
 A call (forward, forward_backward, optim_step, weight export, checkpoints) reaches every rank
 through torch.distributed itself: rank 0 broadcasts the method's name and arguments (cloudpickled:
 a loss function is a closure) on a gloo group, then every rank runs the method, and the
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -134,9 +134,11 @@ class RankGroup:
             dist.destroy_process_group()
 
 
-def start_ranks(config: dict[str, Any], world_size: int, parallel: str) -> RankGroup:
+def start_ranks(config: dict[str, Any], world_size: int, parallel: str,
+                serve: Callable[[dict[str, Any], RankGroup], None]) -> RankGroup:
     """Rank 0 of a new group: start ranks 1..N-1 where the launch mode places processes (each
-    builds its own service from ``config``), then meet them at the rendezvous."""
+    runs ``serve(config, its group)``, a module-level function so that it travels by name), then
+    meet them at the rendezvous."""
     from nexrl_core import rendezvous_host, start_processes
 
     if dist.is_initialized():
@@ -147,7 +149,7 @@ def start_ranks(config: dict[str, Any], world_size: int, parallel: str) -> RankG
     group = RankGroup(0, world_size, parallel)
     gpus = 1 if torch.cuda.is_available() else 0
     ranks = range(1, world_size)
-    group.followers = start_processes(_follower_main, [(rank, world_size, host, port, config) for rank in ranks],
+    group.followers = start_processes(_follower_main, [(rank, world_size, host, port, config, serve) for rank in ranks],
                                       [f"nexrl-train-rank-{rank}" for rank in ranks], num_gpus=gpus)
     try:
         _join(group, host, port)
@@ -171,14 +173,13 @@ def _join(group: RankGroup, host: str, port: int) -> None:
         else dist.group.WORLD
 
 
-def _follower_main(rank: int, world_size: int, host: str, port: int, config: dict[str, Any]) -> None:
-    """A follower rank: build the service, serve rank 0's calls until ``close``."""
+def _follower_main(rank: int, world_size: int, host: str, port: int, config: dict[str, Any],
+                   serve: Callable[[dict[str, Any], RankGroup], None]) -> None:
+    """A follower rank: join the group, then serve rank 0's calls until ``close``."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    from .train_service import LocalTorchTrainService
-
     group = RankGroup(rank, world_size, str(config["parallel"]))
     _join(group, host, port)
-    LocalTorchTrainService(config, rank_group=group).serve()
+    serve(config, group)
 
 
 def wrap(model: torch.nn.Module, group: RankGroup, device: torch.device) -> torch.nn.Module:

@@ -3,7 +3,7 @@
 Callers block in :meth:`HFInferenceEngine.complete` on their own event while one scheduler
 thread gathers every queued request (up to ``max_batch_size``, waiting ``batch_wait_ms`` for
 late-comers), left-pads them and decodes them together with a KV cache: through
-:mod:`nexrl_grpo.decoding`'s fast loop for Llama-family models, through the model's own forward
+:mod:`nexrl_torch.rollout.decoding`'s fast loop for Llama-family models, through the model's own forward
 otherwise. Rows leave the batch as soon as they finish.
 
 Conventions of the returned :class:`CompletionResult`:
@@ -15,7 +15,7 @@ Conventions of the returned :class:`CompletionResult`:
   vocabulary** at the request's temperature, even when ``top_k``/``top_p`` truncated the sampling
   distribution; temperature 1 for greedy requests
   (:attr:`~nexrl_core.runtime.inference.SamplingParams.logprob_temperature`). This is exactly what
-  :func:`nexrl_grpo.modeling.compute_response_logprobs` computes at the temperature each
+  :func:`nexrl_torch.logprobs.compute_response_logprobs` computes at the temperature each
   trajectory carries, so rollout and trainer log-probs differ only by numerics (the trainer
   logs that mismatch every step).
 - Finished on an EOS token: ``finish_reason="stop"``; the EOS id is the last response token
@@ -35,19 +35,26 @@ import queue
 import random
 import threading
 import time
-from dataclasses import dataclass, field
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from nexrl_core import (CompletionResult, InferenceClient, InferenceError, Option, SamplingParams, as_text_messages,
-                        parse_tool_calls)
+from nexrl_core import (
+    CompletionResult,
+    InferenceClient,
+    InferenceError,
+    Option,
+    SamplingParams,
+    as_text_messages,
+    parse_tool_calls,
+)
 
-from .cpu_threads import release_idle_workers
+from ..cpu_threads import release_idle_workers
+from ..logprobs import compute_response_logprobs, position_ids_from_mask
+from ..models import AUTO_FLAG, MODEL_OPTIONS, _auto_flag, log_auto_device, model_from_config, resolve_device
 from .decoding import kv_budget_tokens, kv_token_bytes, make_session_factory
-from .modeling import (AUTO_FLAG, MODEL_OPTIONS, _auto_flag, compute_response_logprobs, log_auto_device,
-                       model_from_config, position_ids_from_mask, resolve_device)
 
 _STOP = object()
 

@@ -5,7 +5,7 @@ A float32 decode step of SmolLM2 at 16 rows spent about 15 ms outside its 38 ms 
 dispatch and a pass over memory. The kernels do a layer's work between two matmuls in one call:
 attention with the rotary and the cache write, the residual add with the next RMS norm, and
 SiLU times up. Each row is computed by one thread in an order fixed by that row alone, so a row's
-bits do not depend on its batch (see :mod:`nexrl_grpo.decoding`).
+bits do not depend on its batch (see :mod:`nexrl_torch.rollout.decoding`).
 
 The matmuls of a float32 model go through them too: a decode step streams every weight from memory
 for a few rows, which oneDNN's prepacked matmul did at about 14 GB/s. Packed as panels of 16
@@ -26,6 +26,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -36,8 +37,6 @@ from pathlib import Path
 import torch
 from loguru import logger
 
-from .modeling import nexrl_cache_dir
-
 SOURCE = Path(__file__).with_name("csrc") / "decode_step.cpp"
 COMPILE_TIMEOUT_S = 600
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17", "-shared", "-fPIC")
@@ -47,6 +46,10 @@ LINEAR_LANES = 16  # output columns per panel of a packed weight (kLanes in the 
 
 class KernelBuildError(RuntimeError):
     """The kernels could not be compiled or loaded here; the message says why."""
+
+
+class CompilerUnusable(KernelBuildError):
+    """No C++ compiler here can build the kernels: none, one that does not run, or one too old."""
 
 
 class DecodeKernels:
@@ -155,13 +158,44 @@ def find_compiler() -> list[str]:
     if named:
         found = shutil.which(named[0])
         if not found:
-            raise KernelBuildError(f"CXX={shlex.join(named)!r} is not an executable on PATH")
+            raise CompilerUnusable(f"CXX={shlex.join(named)!r} is not an executable on PATH")
         return [found, *named[1:]]
     for candidate in ("c++", "g++", "clang++"):
         found = shutil.which(candidate)
         if found:
             return [found]
-    raise KernelBuildError("no C++ compiler on PATH (c++, g++ or clang++; or set CXX)")
+    raise CompilerUnusable("no C++ compiler on PATH (c++, g++ or clang++; or set CXX)")
+
+
+MIN_GCC = 12  # the oldest GCC seen to build the source (12.2 here); g++ 11 was seen to fail on it
+
+
+def compiler_version_problem(version: str) -> str | None:
+    """Why the compiler whose ``--version`` printed ``version`` cannot build the kernels, or None."""
+    first = version.strip().splitlines()[0] if version.strip() else ""
+    if "clang" in first.lower():
+        return None
+    numbers = re.findall(r"(\d+)\.(\d+)\.(\d+)", first)
+    if numbers and ("g++" in first or "GCC" in first or "Free Software Foundation" in version):
+        major = int(numbers[-1][0])
+        if major < MIN_GCC:
+            return f"GCC {'.'.join(numbers[-1])} is older than GCC {MIN_GCC}, which the kernels need"
+    return None
+
+
+def usable_compiler() -> tuple[list[str], str]:
+    """The compiler's command and its ``--version`` text; :class:`CompilerUnusable` saying why not."""
+    compiler = find_compiler()
+    try:
+        done = subprocess.run([*compiler, "--version"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise CompilerUnusable(f"{shlex.join(compiler)} --version failed: {exc}") from None
+    if done.returncode != 0:
+        raise CompilerUnusable(f"{shlex.join(compiler)} --version failed (exit {done.returncode})")
+    problem = compiler_version_problem(done.stdout)
+    if problem:
+        raise CompilerUnusable(f"{shlex.join(compiler)}: {problem}")
+    return compiler, done.stdout
 
 
 def _cpu_identity() -> str:
@@ -177,19 +211,16 @@ def _cpu_identity() -> str:
 
 
 def _build() -> Path:
-    compiler = find_compiler()
+    compiler, version = usable_compiler()
     torch_dir = Path(torch.__file__).parent
-    try:
-        version = subprocess.run([*compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
-    except (OSError, subprocess.SubprocessError) as exc:
-        raise KernelBuildError(f"{shlex.join(compiler)} --version failed: {exc}") from None
     name = Path(compiler[0]).name
     source = SOURCE.read_bytes()
     key = hashlib.sha256(b"\0".join(
         [source, torch.__version__.encode(), str(torch_dir).encode(), version.encode(),
          shlex.join([*compiler[1:], *FLAGS]).encode(),
          _cpu_identity().encode()])).hexdigest()[:16]
-    folder = nexrl_cache_dir() / "kernels"
+    # nexrl's per-machine cache (nexrl_torch.models.nexrl_cache_dir), named here so this distribution needs only torch
+    folder = Path(os.environ.get("NEXRL_CACHE_DIR", "~/.cache/nexrl")).expanduser() / "kernels"
     target = folder / f"decode_step-{key}.so"
     if target.exists():
         return target

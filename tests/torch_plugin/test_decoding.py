@@ -7,7 +7,7 @@ import torch
 
 from nexrl_core.runtime.inference import SamplingParams
 from nexrl_core.runtime.run_log import LOG_FILE, setup_logging
-from nexrl_grpo.decoding import (
+from nexrl_torch.rollout.decoding import (
     FastLlama,
     FastLlamaSession,
     HFSession,
@@ -15,7 +15,7 @@ from nexrl_grpo.decoding import (
     fast_path_problem,
     make_session_factory,
 )
-from nexrl_grpo.engine import HFInferenceEngine, _counter_draw, _generator_draw, _sample
+from nexrl_torch.rollout.engine import HFInferenceEngine, _counter_draw, _generator_draw, _sample
 from tests.support.kernels import compiled_kernels
 
 

@@ -1,0 +1,1 @@
+"""Training on torch: the ``local_torch`` train service, its data-parallel ranks and sharded checkpoints."""
