@@ -96,15 +96,24 @@ def run_dir_problems(cfg: DictConfig) -> list[str]:
         problem = writable_dir_problem(str(ckpt), "trainer.checkpoint_path")
         if problem:
             problems.append(problem)
-    if problems or cfg.resume.mode != "disable" or cfg.get("overwrite_run_dir"):
-        return problems
-    found = earlier_run(run_dir, str(ckpt) if ckpt else None)
-    if found:
-        problems.append(f"run_dir: '{run_dir}' holds an earlier run ({found}) and resume.mode is 'disable'. "
-                        f"Choose: resume.mode=auto to continue it, another run_dir, or overwrite_run_dir=true "
-                        f"to move the earlier run aside (to '{run_dir}.old-<time>')"
-                        + _finished_note(cfg, str(ckpt) if ckpt else None))
     return problems
+
+
+def earlier_run_refusal(cfg: DictConfig) -> str | None:
+    """Why ``nexrl run`` refuses ``run_dir`` as it is (an earlier run there, and a fresh run asked
+    for), with the choices; None when it does not. A fact about this machine, not about the recipe:
+    ``nexrl run`` stops on it, ``nexrl validate`` says it as a note (:func:`run_dir_plan`)."""
+    if cfg.resume.mode != "disable" or cfg.get("overwrite_run_dir"):
+        return None
+    run_dir = str(cfg.run_dir)
+    ckpt = cfg.trainer.get("checkpoint_path")
+    found = earlier_run(run_dir, str(ckpt) if ckpt else None)
+    if not found:
+        return None
+    return (f"run_dir: '{run_dir}' holds an earlier run ({found}) and resume.mode is 'disable'. "
+            f"Choose: resume.mode=auto to continue it, another run_dir, or overwrite_run_dir=true "
+            f"to move the earlier run aside (to '{run_dir}.old-<time>')"
+            + _finished_note(cfg, str(ckpt) if ckpt else None))
 
 
 def _finished_note(cfg: DictConfig, checkpoint_path: str | None) -> str:
@@ -124,8 +133,8 @@ def _finished_note(cfg: DictConfig, checkpoint_path: str | None) -> str:
 def run_dir_plan(cfg: DictConfig) -> str | None:
     """What ``nexrl run`` will do with an earlier run in ``run_dir`` (resume, train nothing more, or
     start anew over it) and how to choose otherwise, in words; None for a fresh run_dir. For a
-    recipe whose keys and files are sound (``nexrl validate`` prints it as a note; a run_dir that
-    ``nexrl run`` refuses is a problem of :func:`run_dir_problems` instead)."""
+    recipe whose keys and files are sound (``nexrl validate`` prints it as a note, a refusal of
+    :func:`earlier_run_refusal` included; an unwritable run_dir is a problem of :func:`run_dir_problems`)."""
     run_dir = str(cfg.run_dir)
     ckpt = cfg.trainer.get("checkpoint_path")
     found = earlier_run(run_dir, str(ckpt) if ckpt else None)
@@ -135,7 +144,8 @@ def run_dir_plan(cfg: DictConfig) -> str | None:
             return (f"run_dir '{run_dir}' holds an earlier run ({found}): nexrl run moves it aside to "
                     f"'{run_dir}.old-<time>' (overwrite_run_dir) and starts at step 0; resume.mode=auto "
                     f"continues it instead")
-        return None
+        refusal = earlier_run_refusal(cfg)
+        return f"nexrl run will refuse it as it is: {refusal}" if refusal else None
     try:
         path = resume_checkpoint(cfg)
         step = int(read_core_state(path)["global_step"]) if path else None
@@ -220,10 +230,12 @@ def validate_recipe(cfg: DictConfig, pm: Any, eval_only: bool = False) -> list[s
 
 def require_runnable(cfg: DictConfig, pm: Any, eval_only: bool = False) -> None:
     """What the controller checks before it builds anything (data files come next, when the
-    loaders are built): the same functions, in the same order, as :func:`validate_recipe`."""
+    loaders are built): the same functions, in the same order, as :func:`validate_recipe`, and
+    the earlier run in ``run_dir`` that ``nexrl validate`` only notes."""
     from .recipe import RecipeProblems, require_valid
 
     require_valid(cfg, pm, eval_only=eval_only)
-    problems = [] if eval_only else run_dir_problems(cfg) + resume_problems(cfg, pm)
+    refusal = None if eval_only else earlier_run_refusal(cfg)
+    problems = [] if eval_only else run_dir_problems(cfg) + ([refusal] if refusal else []) + resume_problems(cfg, pm)
     if problems:
         raise RecipeProblems(problems)
