@@ -151,6 +151,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if argv and argv[0] in _RECIPE_COMMANDS and len(argv) == 1:
         sub.choices[argv[0]].error(f"a recipe is required: nexrl {argv[0]} RECIPE.yaml [key=value ...] "
                                    f"(e.g. recipes/quickstart.yaml)")
+    if argv and not argv[0].startswith("-") and argv[0] not in sub.choices:
+        import difflib
+
+        near = difflib.get_close_matches(argv[0], list(sub.choices), n=1)
+        hint = f"; did you mean '{near[0]}'?" if near else ""
+        parser.error(f"unknown command '{argv[0]}'{hint} (commands: {', '.join(sub.choices)})")
     if argv and argv[0] in _INTERMIXED:  # commands with key=value overrides
         args = sub.choices[argv[0]].parse_intermixed_args(argv[1:])
         args.command = argv[0]

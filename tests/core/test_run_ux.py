@@ -546,3 +546,17 @@ def test_a_train_service_path_is_next_to_the_recipe(tmp_path):
                "service": {"train_service": {"backend": "nope", "model_path": "weights"}}}
     resolve_recipe_paths(unknown, str(tmp_path))  # the checks report the backend; paths are left as written
     assert unknown["service"]["train_service"]["model_path"] == "weights"
+
+
+@pytest.mark.parametrize("argv,line", [
+    (["valdate", "recipe.yaml"], "nexrl: error: unknown command 'valdate'; did you mean 'validate'? (commands: run, "),
+    (["frobnicate"], "nexrl: error: unknown command 'frobnicate' (commands: run, validate, "),
+])
+def test_a_misspelled_command_gets_one_line_with_the_nearest(argv, line, capsys):
+    from nexrl_core.cli import main
+
+    with pytest.raises(SystemExit) as stopped:
+        main(argv)
+    assert stopped.value.code == 2
+    [said] = [x for x in capsys.readouterr().err.splitlines() if x.startswith("nexrl: error:")]
+    assert said.startswith(line), said
