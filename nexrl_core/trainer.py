@@ -174,11 +174,19 @@ class BaseTrainer(ThreadedModule):
         """Current weights for an in-process weight sync."""
         raise NotImplementedError(f"{type(self).__name__} has no weights to export")
 
+    def score(self, requests: list[tuple[list[int], list[int], float]]) -> list[list[float]]:
+        """Log-probs of the given ``(prompt ids, response ids, temperature)`` rows under the current
+        weights, as :meth:`nexrl_core.InferenceClient.score` returns them: what the weight-sync
+        controller compares with the inference service after each push (``weight.verify_served``).
+        A trainer that cannot is skipped by that check (raise NotImplementedError)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot score tokens")
+
     @classmethod
-    def export_checkpoint(cls, checkpoint: str, out: str, dtype: str | None = None) -> None:
+    def export_checkpoint(cls, checkpoint: str, out: str, dtype: str | None = None, merged: bool = False) -> None:
         """Write the model of ``checkpoint`` (a ``global_step_<N>`` folder this trainer saved) into
         the existing empty folder ``out`` for inference, without optimizer or RNG state; ``dtype``
-        (float32 | bfloat16 | float16) casts floating-point weights (``nexrl export``).
+        (float32 | bfloat16 | float16) casts floating-point weights (``nexrl export``). A checkpoint
+        of LoRA adapters exports its adapter, or with ``merged`` the model with the adapter merged in.
 
         A trainer whose checkpoints hold a model overrides this; the checkpoint names its trainer
         in ``nexrl_state.json``, so ``nexrl export`` finds the right one.
@@ -284,7 +292,8 @@ class BaseTrainer(ThreadedModule):
         rewards = [trajectory_reward(t) for t in usable]
         version = execute(self._wsc().get_train_model_version, self._model_tag)
         staleness = [version - int(t.get("model_version", version)) for t in usable]
-        sync_s = float(execute(self._wsc().get_sync_stats)["last_sync_s"])
+        sync_stats = execute(self._wsc().get_sync_stats)
+        sync_s = float(sync_stats["last_sync_s"])
         tokens = _response_tokens(usable)
         step_s = wait_s + train_s + sync_s
         if tokens and step_s > 0:  # over the whole step (the last sync stands for this one's)
@@ -300,6 +309,8 @@ class BaseTrainer(ThreadedModule):
             "timing/weight_sync_s": sync_s,
             "timing/train_s": train_s,
         }
+        # the served-version probe of the last push (weight.verify_served), as timing/weight_sync_s is
+        out.update({k: float(v) for k, v in sync_stats.items() if k.startswith("weight/")})
         for name, value in execute(self._pool().counters).items():
             out[f"pool/{name}"] = float(value)
         out.update(_score_means(usable))

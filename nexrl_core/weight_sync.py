@@ -27,7 +27,7 @@ from typing import Any, Literal
 from loguru import logger
 
 from .config.schema import SYNC_MODES, WEIGHT
-from .errors import ConfigError
+from .errors import ConfigError, NexRLError
 from .protocols import TaskSource, TrajectoryPoolHandle
 from .runtime.execute import execute
 from .runtime.module import NexRLModule
@@ -64,6 +64,15 @@ class VersionOnlyWeightSync(WeightSyncBackend):
         execute(inference_client.set_model_version, version)
 
 
+# The served-version probe: fixed token ids every vocabulary has (ids 3..26), scored at temperature 1.
+PROBE: list[tuple[list[int], list[int], float]] = [(list(range(3, 11)), list(range(11, 27)), 1.0)]
+
+
+def _max_gap(a: list[list[float]], b: list[list[float]]) -> float:
+    gaps = [abs(x - y) for row_a, row_b in zip(a, b) for x, y in zip(row_a, row_b)]
+    return max(gaps, default=0.0)
+
+
 class WeightSyncController(NexRLModule):
     """``backend``: the ``weight.backend`` the launcher built (nexrl_core.launch.parts); None: version only."""
 
@@ -82,6 +91,14 @@ class WeightSyncController(NexRLModule):
         self._validate_freq = int(config["validate_freq"])
         self._update_every = int(config["model_update_frequency"])
         self._backend = backend if backend is not None else VersionOnlyWeightSync(section)
+        verify = config["verify_served"]
+        # A backend that moves no weights (version only) has nothing to verify.
+        self._verify = "false" if isinstance(self._backend, VersionOnlyWeightSync) else \
+            ("auto" if verify == "auto" else "true" if verify else "false")
+        self._probe_tolerance = float(config["served_probe_tolerance"])
+        self._probe_said: set[str] = set()
+        self._trainer_probe: list[list[float]] | None = None  # the trainer's probe at the last push
+        self.last_probe: dict[str, float] = {}
         self._cond = threading.Condition()
         self._train_version: dict[ModelTag, int] = {}
         self._rollout_version: dict[ModelTag, int] = {}
@@ -280,7 +297,10 @@ class WeightSyncController(NexRLModule):
             execute(pool.notify_weight_sync_starting, model_tag)
         try:
             if self._inference_client is not None:
+                before = self._served_probe() if self._verify != "false" else None
                 self._backend.sync(self._trainer, self._inference_client, version)
+                if before is not None:
+                    self._verify_served(version, before)
         except Exception as exc:
             # rollouts would go on sampling stale weights: nothing to retry here, the run must stop
             self.mark_faulty(f"pushing weights v{version} to the inference service failed: {type(exc).__name__}: {exc}")
@@ -296,9 +316,68 @@ class WeightSyncController(NexRLModule):
             self._cond.notify_all()
 
     def get_sync_stats(self) -> dict[str, float]:
-        """Pushes so far and how long the last one took (seconds)."""
+        """Pushes so far, how long the last one took (seconds), and its served-version probe
+        (``weight/served_probe_gap``, ``weight/served_version_ok``) when one ran."""
         with self._cond:
-            return {"sync_count": self.sync_count, "last_sync_s": self.last_sync_s}
+            return {"sync_count": self.sync_count, "last_sync_s": self.last_sync_s, **self.last_probe}
+
+    # -- served-version probe (weight.verify_served) -----------------------------------
+    def _probe_unavailable(self, why: str) -> None:
+        if self._verify == "true":
+            raise NexRLError(f"weight.verify_served: true, but {why}; set weight.verify_served: auto or false")
+        if why not in self._probe_said:
+            self._probe_said.add(why)
+            logger.info(f"weight.verify_served: no served-version probe ({why})")
+        self._verify = "false"
+
+    def _served_probe(self) -> list[list[float]] | None:
+        """The inference service's log-probs of :data:`PROBE` as it serves now (None: it cannot score)."""
+        score = getattr(self._inference_client, "score", None)
+        if score is None:
+            self._probe_unavailable(f"the inference service {type(self._inference_client).__name__} cannot score tokens")
+            return None
+        try:
+            return execute(score, PROBE)
+        except NotImplementedError as exc:
+            self._probe_unavailable(f"the inference service cannot score tokens ({exc})")
+            return None
+
+    def _verify_served(self, version: int, before: list[list[float]]) -> None:
+        """After a push: the served model should score :data:`PROBE` as the trainer does (within
+        ``served_probe_tolerance``). Served log-probs that did not move at all while the trainer's
+        moved beyond the tolerance since the last push mean the weights never arrived: the run
+        stops, whatever the mode. (A push of unchanged weights, the first push included, changes
+        nothing served; a bf16 engine scores further from a float32 trainer: neither is an error
+        in ``auto``.)"""
+        score = getattr(self._trainer, "score", None)
+        try:
+            if score is None:
+                raise NotImplementedError(type(self._trainer).__name__)
+            trainer = execute(score, PROBE)
+        except NotImplementedError as exc:
+            self._probe_unavailable(f"the trainer cannot score tokens ({exc})")
+            return
+        after = execute(self._inference_client.score, PROBE)
+        gap = _max_gap(after, trainer)
+        previous, self._trainer_probe = self._trainer_probe, trainer
+        moved = previous is not None and _max_gap(trainer, previous) > self._probe_tolerance
+        lost = moved and _max_gap(after, before) == 0.0
+        with self._cond:
+            self.last_probe = {"weight/served_probe_gap": gap, "weight/served_version_ok": float(not lost)}
+        if gap <= self._probe_tolerance:
+            return
+        what = (f"after pushing weights v{version}, the inference service scores the probe {gap:.3g} away from the "
+                f"trainer (weight.served_probe_tolerance {self._probe_tolerance:g})")
+        if lost:
+            raise NexRLError(f"{what}, and exactly as it did before the push though the trainer's weights moved: "
+                             f"the new weights did not reach it (weight.backend {type(self._backend).__name__})")
+        if self._verify == "true":
+            raise NexRLError(f"{what} (weight.verify_served: true)")
+        if "gap" not in self._probe_said:
+            self._probe_said.add("gap")
+            logger.warning(f"weight.verify_served: {what}; said once: the served model follows the trainer's "
+                           f"pushes, so this is the precision it computes in (a bf16 engine, say); "
+                           f"weight/served_probe_gap is logged each step")
 
     # -- validation -----------------------------------------------------------------
     def request_validation(self) -> None:

@@ -111,6 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
     p_export.add_argument("out", help="the folder to create")
     p_export.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                           help="cast floating-point weights (default: as trained)")
+    p_export.add_argument("--merged", action="store_true",
+                          help="of a LoRA checkpoint: the model with the adapter merged in (default: the adapter, "
+                               "in PEFT's format)")
     p_export.add_argument("--force", action="store_true", help="replace OUT if it exists")
     p_plugins = sub.add_parser("plugins", help="list installed plugins; 'plugins check NAME' checks one")
     p_plugins.add_argument("--json", action="store_true", help="print the list as JSON (with failed plugins and "
@@ -322,7 +325,8 @@ def _export(args: Any) -> int:
     from ..plugins import get_plugin_manager
     from .export import export_checkpoint
 
-    out = export_checkpoint(args.checkpoint, args.out, get_plugin_manager(), dtype=args.dtype, force=args.force)
+    out = export_checkpoint(args.checkpoint, args.out, get_plugin_manager(), dtype=args.dtype, force=args.force,
+                            merged=args.merged)
     print(out)
     return 0
 

@@ -25,12 +25,13 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 
 def export_checkpoint(checkpoint: str, out: str, plugin_manager: Any, dtype: str | None = None,
-                      force: bool = False) -> str:
+                      force: bool = False, merged: bool = False) -> str:
     """Export ``checkpoint`` (a ``global_step_<N>`` folder, or the folder holding them: its newest)
     to the new folder ``out``; returns ``out``.
 
     ``dtype``: cast floating-point weights; ``force``: replace an ``out`` that an earlier export
-    wrote (any other existing folder is refused: nothing the user made is deleted).
+    wrote (any other existing folder is refused: nothing the user made is deleted); ``merged``: of
+    a checkpoint of LoRA adapters, the merged model instead of the adapter.
     """
     if not os.path.isdir(checkpoint):
         raise ConfigError(f"{checkpoint}: no such checkpoint folder")
@@ -61,12 +62,13 @@ def export_checkpoint(checkpoint: str, out: str, plugin_manager: Any, dtype: str
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.normpath(out))}.", dir=parent)
     try:
         try:
-            trainer_cls.export_checkpoint(checkpoint, tmp, dtype=dtype)
+            # merged only when asked: a trainer written before the flag takes no such argument
+            trainer_cls.export_checkpoint(checkpoint, tmp, dtype=dtype, **({"merged": True} if merged else {}))
         except (OSError, ValueError) as exc:  # a damaged or foreign folder: say so, no traceback
             raise DataError(f"{checkpoint}: cannot export: {type(exc).__name__}: {exc}") from None
         with open(os.path.join(tmp, EXPORT_FILE), "w", encoding="utf-8") as f:
             json.dump({"checkpoint": os.path.abspath(checkpoint), "global_step": state.get("global_step"),
-                       "trainer": name, "dtype": dtype, "exported_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")},
+                       "trainer": name, "dtype": dtype, "merged": merged, "exported_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")},
                       f, indent=1)
         make_readable(tmp)
         if os.path.exists(out):

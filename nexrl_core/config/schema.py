@@ -157,6 +157,15 @@ WEIGHT = {
     "model_update_frequency": Option(1, int, "push the trained weights to the inference service every N steps "
                                              "(and before a validation); N > 1 needs an async sync_mode with "
                                              "staleness_threshold >= N", ge=1),
+    "verify_served": Option("auto", (bool, str), "after each push, the served model and the trainer score a fixed probe "
+                                         "(weight/served_probe_gap): auto stops the run when the served log-probs "
+                                         "did not change though the trainer's moved beyond the tolerance (the "
+                                         "weights never arrived) and warns on any other gap beyond it; true stops "
+                                         "on any gap beyond it, and when either side cannot score; false: no probe",
+                            choices=("auto", True, False)),
+    "served_probe_tolerance": Option(1e-3, float, "largest gap (max |log-prob difference| over the probe's tokens) "
+                                                  "between the served model and the trainer that counts as serving "
+                                                  "the trainer's weights", gt=0),
     "rollout_limit": Option("batch", (int, str, None), "sync mode: rollouts started per weight version; 'batch' = "
                                                        "trajectory_pool.batch_size (none wasted, runs reproducible); "
                                                        "N or null (until a batch is ready) start extras, which are "

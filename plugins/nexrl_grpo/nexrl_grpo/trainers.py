@@ -326,6 +326,12 @@ class SelfHostedTrainer(BaseTrainer):
     def export_weights(self) -> dict[str, Any]:
         return self.train_service.export_weights()
 
+    def score(self, requests: list[tuple[list[int], list[int], float]]) -> list[list[float]]:
+        score = getattr(self.train_service, "score", None)
+        if score is None:
+            raise NotImplementedError(f"train service {type(self.train_service).__name__} cannot score tokens")
+        return score(requests)
+
     def close(self) -> None:
         if self.train_service is not None:
             self.train_service.close()  # the other ranks of a data-parallel service leave
@@ -337,8 +343,8 @@ class SelfHostedTrainer(BaseTrainer):
         pass
 
     @classmethod
-    def export_checkpoint(cls, checkpoint: str, out: str, dtype: str | None = None) -> None:
-        export_model_folder(checkpoint, out, dtype)
+    def export_checkpoint(cls, checkpoint: str, out: str, dtype: str | None = None, merged: bool = False) -> None:
+        export_model_folder(checkpoint, out, dtype, merged=merged)
 
     def save_model_state(self, folder: str) -> None:
         self.train_service.save_checkpoint(folder, extra_state={"algorithm": self.algorithm_state()})

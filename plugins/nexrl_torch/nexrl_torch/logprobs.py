@@ -598,3 +598,18 @@ def pack_count(attention_mask: torch.Tensor, response_length: int, prompt_groups
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """Positions that skip left padding: 0 at the first real token of each row."""
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def scoring_batch(requests: list[tuple[list[int], list[int], float]], pad_token_id: int) -> dict[str, torch.Tensor]:
+    """``(prompt ids, response ids, temperature)`` rows as a batch in the trainer's layout (prompts
+    left-padded, responses right-padded): what ``score`` on either side of the backend computes."""
+    max_p = max(len(p) for p, _, _ in requests)
+    max_r = max(max(len(r) for _, r, _ in requests), 1)
+    ids = torch.full((len(requests), max_p + max_r), pad_token_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, (p, r, _) in enumerate(requests):
+        ids[row, max_p - len(p):max_p + len(r)] = torch.tensor(list(p) + list(r), dtype=torch.long)
+        mask[row, max_p - len(p):max_p + len(r)] = 1
+    return {"input_ids": ids, "attention_mask": mask, "position_ids": position_ids_from_mask(mask),
+            "responses": ids[:, max_p:], "response_mask": mask[:, max_p:].float(),
+            "temperature": torch.tensor([float(t) for _, _, t in requests], dtype=torch.float32)}

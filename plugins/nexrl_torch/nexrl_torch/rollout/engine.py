@@ -52,7 +52,7 @@ from nexrl_core import (
 )
 
 from ..cpu_threads import release_idle_workers
-from ..logprobs import compute_response_logprobs, position_ids_from_mask
+from ..logprobs import compute_response_logprobs, position_ids_from_mask, scoring_batch
 from ..models import AUTO_FLAG, MODEL_OPTIONS, _auto_flag, log_auto_device, model_from_config, resolve_device
 from .decoding import kv_budget_tokens, kv_token_bytes, make_session_factory
 
@@ -283,18 +283,11 @@ class HFInferenceEngine(InferenceClient):
         out: list[list[float]] = []
         for start in range(0, len(requests), self.max_batch_size):
             chunk = requests[start:start + self.max_batch_size]
-            max_p = max(len(p) for p, _, _ in chunk)
-            max_r = max(max(len(r) for _, r, _ in chunk), 1)
-            ids = torch.full((len(chunk), max_p + max_r), self.pad_token_id, dtype=torch.long)
-            mask = torch.zeros_like(ids)
-            for row, (p, r, _) in enumerate(chunk):
-                ids[row, max_p - len(p):max_p + len(r)] = torch.tensor(list(p) + list(r), dtype=torch.long)
-                mask[row, max_p - len(p):max_p + len(r)] = 1
-            temperature = torch.tensor([float(t) for _, _, t in chunk], dtype=torch.float32, device=self.device)
-            ids, mask = ids.to(self.device), mask.to(self.device)
+            batch = {k: v.to(self.device) for k, v in scoring_batch(chunk, self.pad_token_id).items()}
             with self._model_lock, torch.no_grad():
-                lp = compute_response_logprobs(self.model, ids, mask, position_ids_from_mask(mask), max_r,
-                                               temperature).cpu()
+                lp = compute_response_logprobs(self.model, batch["input_ids"], batch["attention_mask"],
+                                               batch["position_ids"], batch["responses"].shape[1],
+                                               batch["temperature"]).cpu()
             out += [lp[row, :len(r)].tolist() for row, (_, r, _) in enumerate(chunk)]
         return out
 

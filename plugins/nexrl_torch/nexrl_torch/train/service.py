@@ -40,6 +40,7 @@ from ..logprobs import (
     pack_count,
     packing_problem,
     position_ids_from_mask,
+    scoring_batch,
 )
 from ..models import (
     AUTO_FLAG,
@@ -58,6 +59,7 @@ from ..models import (
 )
 from . import sharded
 from .distributed import PARALLEL_MODES, GatheredWeights, RankGroup, shard_rows, start_ranks, wrap
+from .lora import ADAPTER_FOLDER, LORA_OPTIONS, add_adapters, load_adapter, merged_state, save_adapter
 
 LossFn = Callable[[torch.Tensor, dict[str, Any]], tuple[torch.Tensor, dict[str, float]]]
 
@@ -142,6 +144,9 @@ class LocalTorchTrainService(TrainService):
         "offload_optimizer": Option(False, bool, "keep AdamW's state in host memory between steps (moved to the "
                                                  "device for the step only): less device memory, a copy each way "
                                                  "per step"),
+        "lora": Option(None, (dict, None), "train LoRA adapters (peft) on the frozen base instead of every weight: "
+                                           "{rank, alpha, dropout, target_modules}; the engine is sent the merged "
+                                           "weights; null: full fine-tuning", options=LORA_OPTIONS),
     }
     BATCH_FORMAT = BATCH_FORMAT
 
@@ -198,6 +203,11 @@ class LocalTorchTrainService(TrainService):
                                              model, tokenizer, self.device)
         if any(p.is_floating_point() and p.dtype != torch.float32 for p in model.parameters()):
             model = model.float()
+        self.adapters = None  # the PeftModel wrapper when lora trains adapters (the model itself is adapted in place)
+        if config["lora"] is not None:
+            if self.ranks is not None:
+                raise ValueError("lora: adapters train in one process for now (world_size 1, parallel auto)")
+            self.adapters = add_adapters(model, config["lora"])
         self.model = model
         # What a forward pass calls: the model, or DDP's wrapper around it (FSDP2 shards it in place).
         self._forward_model = model if self.ranks is None else wrap(model, self.ranks, self.device)
@@ -395,8 +405,8 @@ class LocalTorchTrainService(TrainService):
     def frozen_copy(self, device: torch.device) -> torch.nn.Module:
         """A frozen copy of the model as it is now, on ``device`` (the KL reference). Sharded across
         ranks, the weights are read again from ``model_path`` (the copy is taken before training)."""
-        if self.ranks is not None and self.ranks.parallel == "fsdp":
-            from ..models import load_causal_lm
+        if (self.ranks is not None and self.ranks.parallel == "fsdp") or self.adapters is not None:
+            from ..models import load_causal_lm  # with adapters: the base, as the adapters start from it
 
             model, _ = load_causal_lm(self.config["model_path"], dtype="float32", device=device)
         else:
@@ -451,6 +461,16 @@ class LocalTorchTrainService(TrainService):
                              f"{', '.join(hints)}; on a GPU shared with the engine, also "
                              f"service.inference_service.gpu_memory_utilization") from None
 
+    def score(self, requests: list[tuple[list[int], list[int], float]]) -> list[list[float]]:
+        """Log-probs of the given response tokens under the current weights (no grad), computed as
+        :meth:`forward` computes a batch's: what the served-version probe compares an engine with."""
+        out = self.forward(scoring_batch(requests, self._pad_token_id()))
+        return [out[row, :len(r)].tolist() for row, (_, r, _) in enumerate(requests)]
+
+    def _pad_token_id(self) -> int:
+        pad = getattr(self.tokenizer, "pad_token_id", None)
+        return int(pad if pad is not None else (getattr(self.tokenizer, "eos_token_id", None) or 0))
+
     def sampling_client(self) -> dict[str, torch.Tensor]:
         """The current weights as tensors by name (live, see :meth:`export_weights`): what an
         in-process weight sync loads into the engine rollouts sample from."""
@@ -463,6 +483,9 @@ class LocalTorchTrainService(TrainService):
         Without ``copy`` they alias the live parameters: consume them (e.g. ``load_weights`` of
         the in-process engine copies them) before the next ``optim_step``.
         """
+        if self.adapters is not None:  # the merged weights: the engine serves them at full decode speed
+            merged = merged_state(self.model)
+            return {k: v.clone() for k, v in merged.items()} if copy else merged
         state = self.model.state_dict()
         if self.ranks is not None and self.ranks.parallel == "fsdp":
             return GatheredWeights(state)  # gathered weight by weight as the consumer copies them
@@ -489,7 +512,12 @@ class LocalTorchTrainService(TrainService):
             if self.ranks is not None and self.ranks.parallel == "fsdp":
                 sharded.save(self, tmp)  # every rank writes its shards (collectives)
             elif leader:
-                self.model.save_pretrained(tmp)
+                if self.adapters is not None:
+                    # A from_pretrained folder of the merged model, and the adapter in PEFT's format.
+                    self.model.save_pretrained(tmp, state_dict=merged_state(self.model))
+                    save_adapter(self.adapters, tmp / ADAPTER_FOLDER)
+                else:
+                    self.model.save_pretrained(tmp)
                 self._save_optimizer(tmp)
             if leader:
                 self.tokenizer.save_pretrained(tmp)
@@ -625,6 +653,16 @@ class LocalTorchTrainService(TrainService):
         self.optimizer.load_state_dict({"state": state, "param_groups": groups})
 
     def _load_model(self, folder: Path) -> None:
+        has_adapter = (folder / ADAPTER_FOLDER).is_dir()
+        if self.adapters is not None or has_adapter:
+            if self.adapters is None:
+                raise ValueError(f"{folder}: the checkpoint holds a LoRA adapter; resume with the "
+                                 f"service.train_service.lora it was trained with")
+            if not has_adapter:
+                raise ValueError(f"{folder}: the checkpoint holds no LoRA adapter (a full fine-tune); resume "
+                                 f"without service.train_service.lora, or start a fresh run")
+            load_adapter(self.adapters, folder / ADAPTER_FOLDER)  # the base stays model_path's
+            return
         loaded = sharded.model_tensors(folder)
         own = self.model.state_dict()
         unknown = sorted(set(loaded) - set(own))
@@ -714,16 +752,25 @@ def _write_json(path: Path, data: Any) -> None:
     path.write_text(json.dumps(data, indent=1, sort_keys=True))
 
 
-def export_model_folder(checkpoint: str | os.PathLike, out: str | os.PathLike, dtype: str | None = None) -> None:
+def export_model_folder(checkpoint: str | os.PathLike, out: str | os.PathLike, dtype: str | None = None,
+                        merged: bool = False) -> None:
     """Copy the HF model folder inside a :meth:`LocalTorchTrainService.save_checkpoint` folder to
     the existing folder ``out``: model, config and tokenizer files, not the training state
     (:data:`TRAINING_STATE_FILES`) nor the core's ``nexrl_*`` files. ``dtype`` casts the
-    floating-point weights and records the new dtype in ``config.json``."""
+    floating-point weights and records the new dtype in ``config.json``. Of a LoRA checkpoint:
+    the adapter (PEFT's files) and the tokenizer, or with ``merged`` the merged model."""
     src, dst = Path(checkpoint), Path(out)
     if not (src / "config.json").is_file():
         raise FileNotFoundError(f"{src}: no config.json: not a checkpoint of a self-hosted trainer")
     target = _DTYPES[dtype] if dtype is not None else None
+    adapter = src / ADAPTER_FOLDER
+    only_adapter = adapter.is_dir() and not merged
+    sources = sorted(adapter.iterdir()) if only_adapter else []
     for path in sorted(src.iterdir()):
+        if only_adapter and (path.suffix == ".safetensors" or path.name in ("config.json", "generation_config.json")):
+            continue  # the merged model's files: the adapter stands in for them
+        sources.append(path)
+    for path in sources:
         if not path.is_file() or path.name in TRAINING_STATE_FILES or path.name.startswith("nexrl_"):
             continue
         if target is not None and path.suffix == ".safetensors":
@@ -732,7 +779,7 @@ def export_model_folder(checkpoint: str | os.PathLike, out: str | os.PathLike, d
                       str(dst / path.name), metadata={"format": "pt"})
         else:
             shutil.copy2(path, dst / path.name)
-    if dtype is not None:
+    if dtype is not None and (dst / "config.json").is_file():  # an adapter has no model config to record it in
         config = json.loads((dst / "config.json").read_text())
         keys = [k for k in ("dtype", "torch_dtype") if k in config] or ["dtype"]
         for key in keys:

@@ -1,0 +1,105 @@
+"""LoRA adapters on a frozen base, through ``peft``.
+
+The train service keeps its model a plain transformers model: peft injects its adapter layers into
+the model's linears in place (``get_peft_model``), so the packed forward, the log-prob convention
+and the engine see the same module tree as without adapters. Only the adapters train (the base
+weights are frozen, float32 as the masters of a full fine-tune are).
+
+What leaves the service is always the merged model (each adapted weight ``W + alpha / rank * B A``,
+under the plain names): the in-process engine loads it as it loads a full fine-tune's weights and
+decodes at full speed, with no adapter work per token. A checkpoint holds both the merged model (a
+``from_pretrained`` folder, as every checkpoint of this service) and the adapter in PEFT's own format
+in :data:`ADAPTER_FOLDER` (``PeftModel.from_pretrained(base, folder / "adapter")`` loads it); a resume
+reads the adapter only, onto the base from ``model_path``, so it is bit-exact.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nexrl_core import Option
+
+ADAPTER_FOLDER = "adapter"  # inside a checkpoint: PEFT's adapter_config.json + adapter_model.safetensors
+ADAPTER_NAME = "default"  # peft's name of the one adapter a model gets without naming it
+
+LORA_OPTIONS = {
+    "rank": Option(16, int, "adapter rank r: each adapted weight W learns a B A of rank r", ge=1),
+    "alpha": Option(32.0, float, "the update is scaled by alpha / rank", gt=0),
+    "dropout": Option(0.0, float, "dropout on an adapter's input while training", ge=0, lt=1),
+    "target_modules": Option("all-linear", (str, list[str]),
+                             "the linears that get adapters: all-linear (every linear of the decoder, not the LM "
+                             "head) or a list of module names (e.g. [q_proj, k_proj, v_proj, o_proj])"),
+}
+
+
+def add_adapters(model: torch.nn.Module, section: Any) -> Any:
+    """Inject LoRA adapters into ``model`` in place and freeze its base weights; returns the
+    ``PeftModel`` wrapper (for saving and loading the adapter in PEFT's format)."""
+    from peft import LoraConfig, get_peft_model
+
+    targets = section["target_modules"]
+    config = LoraConfig(r=int(section["rank"]), lora_alpha=float(section["alpha"]),
+                        lora_dropout=float(section["dropout"]),
+                        target_modules=targets if isinstance(targets, str) else list(targets),
+                        bias="none", task_type="CAUSAL_LM")
+    try:
+        wrapped = get_peft_model(model, config)
+    except ValueError as exc:  # e.g. target modules the model does not have
+        raise ValueError(f"lora.target_modules: {exc}") from None
+    if wrapped.base_model.model is not model:
+        raise ValueError("lora: peft did not adapt the model in place")
+    return wrapped
+
+
+def _adapted_layers(model: torch.nn.Module) -> dict[str, Any]:
+    from peft.tuners.lora import LoraLayer
+
+    return {name: module for name, module in model.named_modules() if isinstance(module, LoraLayer)}
+
+
+def merged_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's tensors under their plain names, each adapted weight merged with its adapter:
+    what a model without adapters would hold. Weights without an adapter are the live tensors
+    (detached); merged ones are new tensors."""
+    layers = _adapted_layers(model)
+    state: dict[str, torch.Tensor] = {}
+    for name, tensor in model.state_dict().items():
+        owner = next((layer for layer in layers if name.startswith(layer + ".")), None)
+        if owner is None:
+            state[name] = tensor.detach()
+            continue
+        rest = name[len(owner) + 1:]
+        if not rest.startswith("base_layer."):
+            continue  # lora_A / lora_B / dropout: folded in below
+        plain = f"{owner}.{rest[len('base_layer.'):]}"
+        if rest == "base_layer.weight":
+            with torch.no_grad():
+                delta = layers[owner].get_delta_weight(ADAPTER_NAME)
+                state[plain] = tensor.detach() + delta.to(tensor.dtype)
+        else:
+            state[plain] = tensor.detach()  # the bias
+    return state
+
+
+def save_adapter(wrapped: Any, folder: Path) -> None:
+    """The adapter in PEFT's format: ``folder/adapter_config.json`` and ``adapter_model.safetensors``."""
+    wrapped.save_pretrained(str(folder), safe_serialization=True)
+
+
+def load_adapter(wrapped: Any, folder: Path) -> None:
+    """Load an adapter :func:`save_adapter` wrote into ``wrapped``'s adapter, exactly."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    weights = folder / "adapter_model.safetensors"
+    if not weights.is_file():
+        raise ValueError(f"{folder}: no adapter_model.safetensors (not an adapter this service saved)")
+    result = set_peft_model_state_dict(wrapped, load_file(str(weights)), adapter_name=ADAPTER_NAME)
+    unexpected = list(getattr(result, "unexpected_keys", []) or [])
+    missing = [k for k in getattr(result, "missing_keys", []) or [] if "lora_" in k]
+    if unexpected or missing:
+        raise ValueError(f"{folder}: the adapter does not fit this model's lora settings (unexpected "
+                         f"{unexpected[:3]}, missing {missing[:3]})")
