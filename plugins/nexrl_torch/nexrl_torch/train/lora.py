@@ -15,6 +15,7 @@ reads the adapter only, onto the base from ``model_path``, so it is bit-exact.
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +47,11 @@ def add_adapters(model: torch.nn.Module, section: Any) -> Any:
                         target_modules=targets if isinstance(targets, str) else list(targets),
                         bias="none", task_type="CAUSAL_LM")
     try:
-        wrapped = get_peft_model(model, config)
+        with warnings.catch_warnings():
+            # peft asks transformers a deprecated question on every model (transformers 5.x warns)
+            warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated",
+                                    category=FutureWarning)
+            wrapped = get_peft_model(model, config)
     except ValueError as exc:  # e.g. target modules the model does not have
         raise ValueError(f"lora.target_modules: {exc}") from None
     if wrapped.base_model.model is not model:
