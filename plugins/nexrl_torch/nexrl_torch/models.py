@@ -277,11 +277,55 @@ def model_path_problem(model_path: str | None, gguf_file: str | None = None) -> 
         gguf = _gguf(model_path, gguf_file)
         return None if os.path.isfile(gguf) else f"gguf_file: '{gguf}' does not exist"
     if not model_path:
-        return f"model_path: required (an HF model folder, a global_step_<N> checkpoint, or '{SMOLLM2}')"
-    if not os.path.isfile(os.path.join(str(model_path), "config.json")):
+        return (f"model_path: required (an HF model folder, a Hugging Face Hub id, a global_step_<N> checkpoint, "
+                f"or '{SMOLLM2}')")
+    if os.path.isfile(os.path.join(str(model_path), "config.json")):
+        return None
+    if os.path.exists(str(model_path)) or not is_hub_id(str(model_path)):
         return (f"model_path: '{model_path}' is not a model folder (no config.json); use an HF folder, "
-                f"a global_step_<N> checkpoint or '{SMOLLM2}'")
-    return None
+                f"a Hugging Face Hub id, a global_step_<N> checkpoint or '{SMOLLM2}'")
+    if hub_snapshot(str(model_path), download=False) is not None or not hub_offline():
+        return None  # cached, or fetched into the cache when the run loads it
+    return (f"model_path: '{model_path}' is no local folder, and the Hugging Face Hub model of that id is not in "
+            f"the cache ({hub_cache_dir()}) while HF_HUB_OFFLINE is set: fetch it once online with "
+            f"`hf download {model_path}`, or give a model folder")
+
+
+# What a model load reads from a Hub repo: config, safetensors weights, tokenizer and chat template
+# (not the .bin/.pth/.gguf copies many repos also hold).
+HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
+
+
+def is_hub_id(text: str) -> bool:
+    """Whether ``text`` reads as a Hugging Face Hub model id (``org/name`` or ``name``)."""
+    return bool(_HUB_ID.match(text)) and ".." not in text
+
+
+def hub_offline() -> bool:
+    """``HF_HUB_OFFLINE`` as huggingface_hub reads it, at call time (a test or a run may set it late)."""
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def hub_cache_dir() -> str:
+    """Where huggingface_hub keeps Hub models: ``HF_HUB_CACHE``, else ``HF_HOME/hub``, else ~/.cache/huggingface/hub."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return os.environ["HF_HUB_CACHE"]
+    return os.path.join(os.environ.get("HF_HOME") or os.path.expanduser("~/.cache/huggingface"), "hub")
+
+
+def hub_snapshot(repo_id: str, download: bool) -> str | None:
+    """The local folder of Hub model ``repo_id``: its cached snapshot, fetched first when ``download``
+    and online; None when it is not cached (and not fetched)."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        folder = snapshot_download(repo_id, cache_dir=hub_cache_dir(), local_files_only=not download or hub_offline(),
+                                   allow_patterns=HUB_FILES)
+    except LocalEntryNotFoundError:
+        return None
+    return str(folder) if os.path.isfile(os.path.join(str(folder), "config.json")) else None
 
 
 def _gguf(model_path: str | None, gguf_file: str) -> str:
@@ -297,6 +341,11 @@ def resolve_model_path(model_path: str | None, gguf_file: str | None = None) -> 
         return ensure_safetensors_model(smollm2_gguf_path())
     if gguf_file:
         return ensure_safetensors_model(_gguf(model_path, gguf_file))
+    if not os.path.isfile(os.path.join(str(model_path), "config.json")):  # a Hub id (model_path_problem said so)
+        folder = hub_snapshot(str(model_path), download=True)
+        if folder is None:
+            raise ConfigError(f"model_path: the Hugging Face Hub model '{model_path}' has no config.json")
+        return folder
     return str(model_path)
 
 
