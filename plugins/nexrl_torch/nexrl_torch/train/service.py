@@ -69,8 +69,9 @@ ROW_OUTPUTS = "rows"
 REQUIRED_KEYS = ("input_ids", "attention_mask", "responses", "response_mask")
 CHECKPOINT_FORMAT = 1
 # What save_checkpoint adds to the HF folder for a resume; an export leaves them out.
+SCHEDULER_FILE = "scheduler.json"  # the lr schedule's position (steps taken)
 TRAINING_STATE_FILES = ("optimizer.safetensors", "optimizer.json", "rng.safetensors", "rng.json", "extra_state.json",
-                        "distributed.json")
+                        "distributed.json", SCHEDULER_FILE)
 DISTRIBUTED_FILE = "distributed.json"  # the world size and parallel mode that wrote a checkpoint
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Compute precisions of training. bfloat16 is mixed precision: the model's matmuls and attention run
@@ -144,6 +145,13 @@ class LocalTorchTrainService(TrainService):
         "offload_optimizer": Option(False, bool, "keep AdamW's state in host memory between steps (moved to the "
                                                  "device for the step only): less device memory, a copy each way "
                                                  "per step"),
+        "lr_scheduler": Option("constant", str, "how the learning rate moves over the run (transformers' schedulers): "
+                                                "constant, linear (to 0 at the last step) or cosine (to 0), each "
+                                                "after the warm-up", choices=("constant", "linear", "cosine")),
+        "warmup_steps": Option(0, int, "optimizer steps of linear warm-up from 0 to lr", ge=0),
+        "warmup_ratio": Option(0.0, float, "warm-up as a share of total_steps (instead of warmup_steps)", ge=0, le=1),
+        "total_steps": Option(None, int, "optimizer steps a decaying lr_scheduler spans (default: the run's "
+                                         "trainer.total_train_steps)", ge=1),
         "lora": Option(None, (dict, None), "train LoRA adapters (peft) on the frozen base instead of every weight: "
                                            "{rank, alpha, dropout, target_modules}; the engine is sent the merged "
                                            "weights; null: full fine-tuning", options=LORA_OPTIONS),
@@ -165,6 +173,8 @@ class LocalTorchTrainService(TrainService):
         cfg.pop("gguf_file", None)
         if cfg.get("seed") is None:
             cfg["seed"] = int(seed)
+        if cfg.get("total_steps") is None:
+            cfg["total_steps"] = int(total_steps)
         apply_process_options(cfg)
         with config_errors(path):
             return cls(cfg)
@@ -237,6 +247,7 @@ class LocalTorchTrainService(TrainService):
             # One fused kernel over all parameters; the default on CPU is a per-tensor Python loop.
             fused=(self.ranks is None and all(p.device.type in ("cpu", "cuda") for p in self._params)) or None,
         )
+        self.scheduler = _lr_scheduler(self.optimizer, config)
         release_idle_workers()  # the thread that loaded the model computes no more here
 
     # ------------------------------------------------------------------ ranks
@@ -394,13 +405,16 @@ class LocalTorchTrainService(TrainService):
         with self._out_of_memory("optim_step"):
             grad_norm = float(torch.nn.utils.clip_grad_norm_(grads, self.grad_clip if self.grad_clip else math.inf,
                                                              foreach=False if on_cpu else None))
+            lr = float(self.optimizer.param_groups[0]["lr"])  # what this step uses
             if math.isfinite(grad_norm):
                 self._move_optimizer_state(self.device)
                 self.optimizer.step()
                 if self.offload_optimizer:
                     self._move_optimizer_state(torch.device("cpu"))
         self.optimizer.zero_grad(set_to_none=True)
-        return {"grad_norm": grad_norm, "lr": float(self.optimizer.param_groups[0]["lr"])}
+        if self.scheduler is not None:
+            self.scheduler.step()  # a skipped step counts too: the schedule follows the run's steps
+        return {"grad_norm": grad_norm, "lr": lr}
 
     def frozen_copy(self, device: torch.device) -> torch.nn.Module:
         """A frozen copy of the model as it is now, on ``device`` (the KL reference). Sharded across
@@ -522,6 +536,9 @@ class LocalTorchTrainService(TrainService):
             if leader:
                 self.tokenizer.save_pretrained(tmp)
                 self._save_rng(tmp)
+                if self.scheduler is not None:
+                    _write_json(tmp / SCHEDULER_FILE, {"last_epoch": self.scheduler.last_epoch,
+                                                       "step_count": self.scheduler._step_count})
                 _write_json(tmp / "extra_state.json", extra_state or {})
                 _write_json(tmp / DISTRIBUTED_FILE, {"world_size": self.ranks.world_size if self.ranks else 1,
                                                      "parallel": self.ranks.parallel if self.ranks else None})
@@ -557,6 +574,7 @@ class LocalTorchTrainService(TrainService):
         else:
             self._load_optimizer(folder)
         self._load_rng(folder)
+        self._load_scheduler(folder)
         return json.loads((folder / "extra_state.json").read_text())
 
     # The train-service interface's names for the two above.
@@ -652,6 +670,22 @@ class LocalTorchTrainService(TrainService):
             group["betas"] = tuple(group["betas"])
         self.optimizer.load_state_dict({"state": state, "param_groups": groups})
 
+    def _load_scheduler(self, folder: Path) -> None:
+        """The schedule's position; the learning rate itself came back with the optimizer's groups."""
+        saved = folder / SCHEDULER_FILE
+        if self.scheduler is None:
+            if saved.is_file():
+                raise ValueError(f"{folder}: the checkpoint was trained with an lr_scheduler; resume with the "
+                                 f"lr_scheduler and warm-up it was trained with")
+            return
+        if not saved.is_file():
+            raise ValueError(f"{folder}: the checkpoint was trained with a constant lr; resume without "
+                             f"lr_scheduler/warm-up, or start a fresh run")
+        state = json.loads(saved.read_text())
+        self.scheduler.last_epoch = int(state["last_epoch"])
+        self.scheduler._step_count = int(state["step_count"])
+        self.scheduler._last_lr = [float(group["lr"]) for group in self.optimizer.param_groups]
+
     def _load_model(self, folder: Path) -> None:
         has_adapter = (folder / ADAPTER_FOLDER).is_dir()
         if self.adapters is not None or has_adapter:
@@ -706,6 +740,26 @@ class LocalTorchTrainService(TrainService):
         np.random.set_state((np_meta["kind"], keys, np_meta["pos"], np_meta["has_gauss"], np_meta["cached_gaussian"]))
         py = meta["python"]
         random.setstate((py["version"], tuple(py["state"]), py["gauss_next"]))
+
+
+def _lr_scheduler(optimizer: torch.optim.Optimizer, config: Any) -> Any:
+    """transformers' scheduler for ``lr_scheduler`` with its warm-up; None for a constant lr without one."""
+    name, steps = str(config["lr_scheduler"]), config["total_steps"]
+    warmup, ratio = int(config["warmup_steps"]), float(config["warmup_ratio"])
+    if warmup and ratio:
+        raise ValueError("warmup_steps and warmup_ratio: set one of them")
+    if ratio or name != "constant":
+        if steps is None:
+            raise ValueError(f"lr_scheduler: {name} with warm-up or decay needs total_steps (the run's "
+                             f"trainer.total_train_steps, given when the trainer builds this service)")
+        warmup = warmup or math.ceil(ratio * int(steps))
+    if name == "constant" and not warmup:
+        return None
+    from transformers import get_scheduler
+
+    kind = "constant_with_warmup" if name == "constant" else name
+    return get_scheduler(kind, optimizer, num_warmup_steps=warmup,
+                         num_training_steps=int(steps) if steps is not None else None)
 
 
 def _serve_follower(config: dict[str, Any], group: RankGroup) -> None:
