@@ -8,7 +8,7 @@ from typing import Any, Literal
 from ..config.options import Option
 from ..evaluation import BaseEvaluationTarget, EvaluationRunResult, Evaluator
 from ..markers import hookimpl
-from .python_reward import PythonFunctionEvaluator
+from .python_reward import PythonFunctionEvaluator, RewardFunctionsEvaluator
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
@@ -88,4 +88,4 @@ class NumericAnswerEvaluator(Evaluator):
 @hookimpl
 def nexrl_evaluators():
     return {"exact_match": ExactMatchEvaluator, "numeric_answer": NumericAnswerEvaluator,
-            "python": PythonFunctionEvaluator}
+            "python": PythonFunctionEvaluator, "reward_funcs": RewardFunctionsEvaluator}

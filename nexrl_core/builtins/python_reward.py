@@ -155,3 +155,97 @@ def as_result(value: Any, name: str) -> EvaluationRunResult:
                                    metrics=metrics, extra_info=extra)
     raise TypeError(f"{name} returned {type(value).__name__}; expected a number, a bool, a dict with 'reward' "
                     f"or an EvaluationRunResult")
+
+
+class RewardFunctionsEvaluator(Evaluator):
+    """TRL-style reward functions (``rollout_worker.evaluator.type: reward_funcs``): each
+    ``file.py:name`` of ``functions`` is called as TRL calls a reward function,
+    ``name(prompts=[prompt], completions=[completion], **columns)`` with every other column of the
+    data row as a one-item list, and returns a list with one score (or None: no score from this
+    function for this sample). The reward is the ``weights``-weighted sum of the scores; each
+    function's score is logged as the metric of its name.
+
+    A conversational prompt (a list of messages) gets its completion as TRL gives it,
+    ``[{"role": "assistant", "content": text}]``. Calls are per sample, from every rollout worker
+    thread at once: keep the functions free of shared mutable state."""
+
+    OPTIONS = {
+        "functions": Option(REQUIRED, list[str], "the reward functions, each 'file.py:name' (a file next to the "
+                                                 "recipe, or relative to the current folder)", path=True),
+        "weights": Option(None, (list[float], None), "weight of each function's score in the reward (default: 1 "
+                                                     "each)"),
+    }
+
+    @classmethod
+    def check_config(cls, section: Mapping[str, Any], key: str) -> list[str]:
+        bound = bind(section, cls.OPTIONS, key)
+        try:
+            _load_reward_functions(list(bound["functions"]), bound["weights"], key)
+        except ConfigError as exc:
+            return [str(exc)]
+        return []
+
+    def __init__(self, functions: list[str], weights: list[float] | None = None):
+        self._functions = _load_reward_functions(list(functions), weights, KEY)
+        self.source_path = os.path.abspath(self._functions[0][2]) if self._functions else None
+
+    def evaluate(self, data: dict[str, Any], evaluation_target: BaseEvaluationTarget) -> EvaluationRunResult:
+        prompt = data.get("prompt")
+        text = evaluation_target.final_answer
+        completion: Any = [{"role": "assistant", "content": text}] if isinstance(prompt, list) else text
+        columns = {k: [v] for k, v in data.items() if k not in ("prompt", "prompts", "completions")}
+        reward, metrics, scored = 0.0, {}, 0
+        for name, function, path, weight in self._functions:
+            try:
+                out = function(prompts=[prompt], completions=[completion], **columns)
+            except TypeError as exc:
+                raise TypeError(f"reward function {name} of {path}: {exc} (it is called with prompts, completions "
+                                f"and the data row's columns: {', '.join(sorted(columns)) or 'none'})") from None
+            if not isinstance(out, (list, tuple)) or len(out) != 1:
+                raise TypeError(f"reward function {name} of {path} returned {out!r}; expected a list with one score "
+                                f"per completion (one here)")
+            score = out[0]
+            if score is None:
+                continue
+            if not isinstance(score, (bool, int, float)):
+                raise TypeError(f"reward function {name} of {path} returned score {score!r}, not a number")
+            metrics[name] = float(score)
+            reward += weight * float(score)
+            scored += 1
+        if not scored:
+            raise ValueError("every reward function returned None for this sample: no reward")
+        return EvaluationRunResult(reward=reward, metrics=metrics)
+
+
+def _load_reward_functions(specs: list[str], weights: list[float] | None,
+                           key: str) -> list[tuple[str, Callable[..., Any], str, float]]:
+    """(name, function, file, weight) of each ``file.py:name``, checked to take TRL's keywords."""
+    if not specs:
+        raise ConfigError(f"{key}.functions: name at least one reward function ('file.py:name')")
+    if weights is not None and len(weights) != len(specs):
+        raise ConfigError(f"{key}.weights: {len(weights)} weights for {len(specs)} functions")
+    out, names = [], set()
+    for i, spec in enumerate(specs):
+        path, sep, name = str(spec).rpartition(":")
+        if not sep or not path or not name:
+            raise ConfigError(f"{key}.functions[{i}]: '{spec}' is not 'file.py:name'")
+        if not os.path.isfile(path):
+            raise ConfigError(f"{key}.functions[{i}]: '{path}' is {'a folder' if os.path.isdir(path) else 'not found'} "
+                              f"(a Python file that defines {name}())")
+        module = import_file(os.path.abspath(path), key)
+        function = getattr(module, name, None)
+        if not callable(function):
+            raise ConfigError(f"{key}.functions[{i}]: {path} defines no function '{name}'")
+        try:
+            parameters = list(inspect.signature(function).parameters.values())
+        except ValueError:  # no signature to inspect (a builtin): call it and see
+            parameters = []
+        takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+        if parameters and not takes_any and "completions" not in {p.name for p in parameters}:
+            raise ConfigError(f"{key}.functions[{i}]: {name}{inspect.signature(function)} in {path} takes no "
+                              f"'completions' (TRL's reward functions are name(prompts, completions, **kwargs))")
+        if name in names:
+            raise ConfigError(f"{key}.functions[{i}]: two functions named '{name}': their metrics would collide")
+        names.add(name)
+        out.append((name, function, path, float(weights[i]) if weights is not None else 1.0))
+    return out

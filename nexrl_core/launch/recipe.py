@@ -159,7 +159,12 @@ def _recipe_path(value: Any, recipe_dir: str) -> Any:
     if not isinstance(value, str) or not value or os.path.isabs(value) or "${" in value or value.startswith("~"):
         return value
     candidate = os.path.normpath(os.path.join(recipe_dir, value))
-    return candidate if os.path.exists(candidate) else value
+    if os.path.exists(candidate):
+        return candidate
+    file, sep, name = value.rpartition(":")  # 'rewards.py:accuracy': a function of a file (reward_funcs)
+    if sep and file.endswith(".py") and os.path.isfile(os.path.join(recipe_dir, file)):
+        return f"{os.path.normpath(os.path.join(recipe_dir, file))}:{name}"
+    return value
 
 
 def _selected_class(opt: Option, values: Any, pm: Any) -> type | None:

@@ -110,6 +110,10 @@ def import_text(path: str, text: str, key: str) -> Any:
         module.__file__ = path
         sys.modules[name] = module  # found again by name (pickling a function, a second worker)
         linecache.cache[path] = (len(text), None, text.splitlines(True), path)
+        folder = os.path.dirname(path)
+        if folder and os.path.isdir(folder) and folder not in sys.path:
+            # a module beside the file imports as it would for `python file.py` (last: installed packages win)
+            sys.path.append(folder)
         try:
             exec(compile(text, path, "exec", dont_inherit=True), module.__dict__)  # the recipe's own file, as import would
         except SyntaxError as exc:
