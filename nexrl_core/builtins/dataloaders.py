@@ -56,6 +56,110 @@ class FileDataLoader(BaseDataLoader):
         return rows
 
 
+class HuggingFaceDataLoader(BaseDataLoader):
+    """Rows of a data set read with the Hugging Face ``datasets`` library (``data.type: huggingface``):
+    a Hub name (``openai/gsm8k``, from the datasets cache; fetched when online), a folder written by
+    ``save_to_disk``, or a Parquet, JSON/JSONL or CSV file. Its columns map onto a row's ``prompt``,
+    ``answer`` and ``data_source``; every other column stays in the row (an evaluator or a reward
+    function reads it). Shuffling and the resume position are the base loader's, as for files."""
+
+    OPTIONS = {
+        "path": Option(REQUIRED, str, "a Hub data set name, a save_to_disk folder, or a .parquet/.json/.jsonl/.csv "
+                                      "file", path=True),
+        "name": Option(None, str, "the data set's configuration (e.g. 'main' for openai/gsm8k)"),
+        "split": Option("train", str, "which split to read (a file has one: train)"),
+        "prompt_column": Option("prompt", str, "column that holds the prompt (text, or a list of chat messages)"),
+        "answer_column": Option(None, str, "column copied into the row's answer (what exact_match, numeric_answer "
+                                           "and math_rule compare with)"),
+        "data_source_column": Option(None, str, "column copied into the row's data_source (validation metrics per "
+                                                "source: val/<data_source>_<score>)"),
+        "streaming": Option(False, bool, "read a Hub data set as a stream, stopping after max_rows (a part of a set "
+                                         "too large to download)", needs=".max_rows"),
+        "max_rows": Option(None, int, "read at most this many rows", ge=1),
+    }
+
+    @classmethod
+    def check_config(cls, section: Any, key: str) -> list[str]:
+        try:
+            import datasets  # noqa: F401
+        except ImportError:
+            return [f"{key}.type: huggingface needs the datasets library: pip install 'nexrl-core[datasets]'"]
+        return []
+
+    def __init__(self, config: Any, is_validate: bool = False):
+        config = self.bind_config(config, is_validate)
+        self._key = _section(is_validate)
+        self._path = str(config["path"])
+        self._name = config["name"]
+        self._split = str(config["split"])
+        self._columns = {"prompt": str(config["prompt_column"]), "answer": config["answer_column"],
+                         "data_source": config["data_source_column"]}
+        self._streaming = bool(config["streaming"])
+        self._max_rows = config["max_rows"]
+        super().__init__(config, is_validate)
+
+    def describe(self) -> str:
+        return f"{self._path} ({self._split})"
+
+    def load_rows(self) -> list[dict[str, Any]]:
+        table = self._open()
+        rows: list[dict[str, Any]] = []
+        for i, example in enumerate(table):
+            if self._max_rows is not None and i >= int(self._max_rows):
+                break
+            rows.append(self._row(dict(example), i))
+        if not rows:
+            raise DataError(f"{self._key}.path: {self._path} ({self._split}) holds no rows")
+        return rows
+
+    def _open(self) -> Any:
+        import datasets
+
+        path, where = self._path, f"{self._key}.path: '{self._path}'"
+        try:
+            if os.path.isdir(path) and any(os.path.isfile(os.path.join(path, f))
+                                           for f in ("dataset_info.json", "state.json", "dataset_dict.json")):
+                loaded = datasets.load_from_disk(path)
+                if isinstance(loaded, datasets.DatasetDict):
+                    if self._split not in loaded:
+                        raise DataError(f"{self._key}.split: '{self._split}' is not a split of {path} (splits: "
+                                        f"{', '.join(loaded)})")
+                    loaded = loaded[self._split]
+                return loaded
+            builder = {".parquet": "parquet", ".json": "json", ".jsonl": "json", ".csv": "csv"}.get(
+                os.path.splitext(path)[1].lower())
+            if os.path.isfile(path):
+                if builder is None:
+                    raise DataError(f"{where} is a file the datasets library cannot read by its extension "
+                                    f"(.parquet, .json, .jsonl, .csv)")
+                return datasets.load_dataset(builder, data_files=path, split="train")
+            if os.path.isabs(path) or path.startswith("."):
+                raise DataError(f"{where} does not exist")
+            return datasets.load_dataset(path, self._name, split=self._split, streaming=self._streaming)
+        except DataError:
+            raise
+        except Exception as exc:  # the library's own errors: offline and not cached, an unknown split...
+            text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            offline = os.environ.get("HF_DATASETS_OFFLINE") == "1" or os.environ.get("HF_HUB_OFFLINE") == "1"
+            hint = (" (offline: only a data set in the datasets cache loads; fetch it once online, or give a "
+                    "save_to_disk folder or a data file)") if offline else ""
+            raise DataError(f"{where} could not be loaded with the datasets library: {type(exc).__name__}: "
+                            f"{text}{hint}") from None
+
+    def _row(self, row: dict[str, Any], index: int) -> dict[str, Any]:
+        columns = list(row)
+        for field_name, column in self._columns.items():
+            if column is None:
+                continue
+            if column not in columns:
+                raise DataError(f"{self._key}.{field_name}_column: '{column}' is not a column of {self._path} "
+                                f"(columns: {', '.join(map(str, columns))})")
+            row[field_name] = row[column]
+        if row.get("prompt") in (None, "", []):
+            raise DataError(f"{self._path}: row {index + 1} has no prompt in column '{self._columns['prompt']}'")
+        return row
+
+
 def _section(is_validate: bool) -> str:
     return "validate.data" if is_validate else "data"
 
@@ -391,4 +495,4 @@ class MultiDomainDataLoader(BaseDataLoader):
 @hookimpl
 def nexrl_dataloaders():
     return {"file": FileDataLoader, "inline": InlineDataLoader, "arithmetic": ArithmeticDataLoader,
-            "multi_domain": MultiDomainDataLoader}
+            "multi_domain": MultiDomainDataLoader, "huggingface": HuggingFaceDataLoader}
