@@ -65,10 +65,11 @@ MODEL_OPTIONS = {
                     choices=("float32", "bfloat16", "float16", "auto")),
     "device": Option("auto", str, f"where the model lives: {DEVICE_HELP}", check=device_problem),
     "num_threads": Option(None, int, "torch CPU threads", ge=1),
-    "keep_freed_memory": Option(True, bool, "keep the memory torch frees in the process for reuse (glibc malloc: "
-                                            "one arena, no mmap, no trimming) instead of faulting it back in every "
-                                            "step; same numbers, the process keeps its peak size. Process-wide: "
-                                            "any part that asks applies it"),
+    "keep_freed_memory": Option(False, bool, "opt-in tuning of the whole process: keep the memory torch frees for "
+                                             "reuse (glibc malloc: one arena, no mmap, no trimming) instead of "
+                                             "faulting it back in every step (about 8% of a CPU quickstart step); "
+                                             "same numbers, the process keeps its peak size, for the rest of its "
+                                             "life, whichever part asked (the quickstart and the benchmarks do)"),
 }
 AUTO_FLAG = (bool, str, None)  # auto | true | false
 
