@@ -93,7 +93,27 @@ def packing_problem(model: torch.nn.Module, attention_mask: torch.Tensor, respon
     lengths = response.sum(-1, keepdim=True)
     if not torch.equal(response, torch.arange(response_length, device=response.device) < lengths):
         return "a response mask is not a prefix (responses must be right-padded)"
+    window = sliding_window(model)
+    longest = int(attention_mask.sum(-1).max()) if attention_mask.numel() else 0
+    if window is not None and longest > window:
+        # the group attention attends over a row's whole prompt and response: no window
+        return f"sliding-window attention (window {window}) over rows of up to {longest} tokens"
     return None
+
+
+def sliding_window(model: torch.nn.Module) -> int | None:
+    """The attention window of a model some of whose layers attend over a sliding window (Gemma 3's
+    sliding layers, Mistral with ``sliding_window``, Qwen with ``use_sliding_window``), else None."""
+    config = getattr(getattr(model, "module", model), "config", None)
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return int(window) if any("sliding" in str(kind) for kind in layer_types) else None
+    if getattr(config, "use_sliding_window", True) is False:
+        return None
+    return int(window)
 
 
 # A packed sequence's tokens attend only within their own GRPO group (prompt and its responses), and a

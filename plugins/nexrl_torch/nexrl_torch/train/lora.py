@@ -65,27 +65,31 @@ def _adapted_layers(model: torch.nn.Module) -> dict[str, Any]:
     return {name: module for name, module in model.named_modules() if isinstance(module, LoraLayer)}
 
 
+def _plain_name(name: str) -> str:
+    """A tensor's name in the model without adapters: peft moves a wrapped module under ``base_layer``
+    (twice for a MoE's experts, whose two fused parameters are wrapped one inside the other)."""
+    return name.replace(".base_layer", "")
+
+
 def merged_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The model's tensors under their plain names, each adapted weight merged with its adapter:
-    what a model without adapters would hold. Weights without an adapter are the live tensors
+    what a model without adapters would hold. Tensors without an adapter are the live ones
     (detached); merged ones are new tensors."""
-    layers = _adapted_layers(model)
     state: dict[str, torch.Tensor] = {}
     for name, tensor in model.state_dict().items():
-        owner = next((layer for layer in layers if name.startswith(layer + ".")), None)
-        if owner is None:
-            state[name] = tensor.detach()
-            continue
-        rest = name[len(owner) + 1:]
-        if not rest.startswith("base_layer."):
-            continue  # lora_A / lora_B / dropout: folded in below
-        plain = f"{owner}.{rest[len('base_layer.'):]}"
-        if rest == "base_layer.weight":
-            with torch.no_grad():
-                delta = layers[owner].get_delta_weight(ADAPTER_NAME)
-                state[plain] = tensor.detach() + delta.to(tensor.dtype)
-        else:
-            state[plain] = tensor.detach()  # the bias
+        if ".lora_" not in name:  # the adapters' own factors are folded in below
+            state[_plain_name(name)] = tensor.detach()
+    with torch.no_grad():
+        for owner, layer in _adapted_layers(model).items():
+            # A linear's adapter is on its weight; one on a bare parameter names it (MoE experts).
+            target = f"{_plain_name(owner)}.{getattr(layer, 'parameter_name', None) or 'weight'}"
+            if target not in state:
+                raise ValueError(f"lora: the adapter of {owner} targets {target}, which the model does not hold")
+            base, delta = state[target], layer.get_delta_weight(ADAPTER_NAME)
+            if delta.shape != base.shape:
+                raise ValueError(f"lora: the adapter of {owner} gives a {tuple(delta.shape)} update for {target} "
+                                 f"{tuple(base.shape)}")
+            state[target] = base + delta.to(base.dtype)
     return state
 
 
