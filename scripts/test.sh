@@ -4,6 +4,21 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/scripts/setup_env.sh"
 cd "$ROOT"
+# Debian's chromium, for the test that opens `nexrl report`'s page in a real headless browser
+# (tests/core/test_report.py skips without it): tried once per venv, only as root with apt-get,
+# quietly; the tests go on when it fails. Here, not in setup_env.sh: the quickstart installs no system package.
+CHROMIUM_TRIED="$VENV/.nexrl-chromium-tried"
+if ! command -v chromium >/dev/null 2>&1 && [ ! -e "$CHROMIUM_TRIED" ] && [ "$(id -u)" = 0 ] \
+    && command -v apt-get >/dev/null 2>&1; then
+  touch "$CHROMIUM_TRIED"
+  echo "test.sh: installing chromium (apt-get) for the browser test of nexrl report" >&2
+  if ! { DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium \
+         || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+              --no-install-recommends chromium; }; } >/dev/null 2>&1; then
+    echo "test.sh: could not install chromium; the browser test of nexrl report will skip" >&2
+  fi
+fi
+
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 # Lint first (config: pyproject.toml [tool.ruff]): CI (.ci/run) fails on a finding before any test runs.
 "$VENV/bin/ruff" check --quiet "$ROOT"
