@@ -345,3 +345,22 @@ def test_objects_in_actors_of_their_own(ray_cluster, monkeypatch):
     finally:
         first.stop()
         second.stop()
+
+
+def test_a_resource_request_no_node_has_fails_at_once_naming_the_role(ray_cluster, core_pm, tmp_path, reset_loguru):
+    """Ray itself waits for ever for a node with a GPU (``recipes/ray_multi_gpu.yaml`` on a CPU
+    machine): nexrl says which actor asked for what, and what the nodes have, before creating any."""
+    import time
+
+    from nexrl_core.errors import NexRLError
+
+    path = write_recipe(_recipe(tmp_path, ray={"resources": {"trainer": {"num_gpus": 1}}}), tmp_path / "gpu.yaml")
+    started = time.monotonic()
+    with pytest.raises(NexRLError) as failed:
+        controller = NexRLController(load_recipe(path), plugin_manager=core_pm)
+        controller.run()
+    assert time.monotonic() - started < 60
+    message = str(failed.value)
+    assert "ray.resources: the actor of trainer, inference_service asks for GPU 1, which no node of the cluster has (nodes: GPU 0)" in \
+        message, message
+    assert not [a for a in __import__("ray").util.list_named_actors() if a.startswith("nexrl-trainer")]

@@ -152,10 +152,35 @@ class RayResourceManager(ResourceManager):
             self.shutdown()
             raise
 
+    def _unschedulable(self, plans: list[ActorPlan]) -> list[str]:
+        """Actors that no node of the cluster has the resources for, one line each: Ray would wait
+        for such a node for ever (printing a warning every half minute)."""
+        nodes = [node.get("Resources", {}) for node in ray.nodes() if node.get("Alive")]
+        problems = []
+        for plan in plans:
+            asked = {"CPU": plan.num_cpus, "GPU": plan.num_gpus, "memory": plan.memory, **plan.custom}
+            asked = {k: v for k, v in asked.items() if v}
+            if any(all(node.get(k, 0.0) >= v for k, v in asked.items()) for node in nodes):
+                continue
+            roles = ", ".join(dict.fromkeys(s.role for s in plan.slots))
+            wants = ", ".join(f"{k} {v:g}" for k, v in asked.items())
+            have = "; ".join(", ".join(f"{k} {node.get(k, 0.0):g}" for k in asked) for node in nodes) or "no node"
+            problems.append(f"ray.resources: the actor of {roles} asks for {wants}, which no node of the cluster "
+                            f"has (nodes: {have})")
+        return problems
+
     def _start_actors(self) -> None:
         concurrency, in_process = self._concurrency(), self._in_process_plugins()
         pending = []
-        for plan in self._plan():
+        plans = self._plan()
+        problems = self._unschedulable(plans)
+        if problems and self._cluster is not None and self._cluster.connected and not self._cluster.started:
+            # a cluster attached by address may add nodes (an autoscaler): said, then waited for
+            for problem in problems:
+                logger.warning(f"{problem}; waiting for one to join")
+        elif problems:
+            raise NexRLError("; ".join(problems))
+        for plan in plans:
             roles: dict[str, list[str]] = {}
             for slot in plan.slots:
                 roles.setdefault(slot.role, public_methods(slot.cls))
