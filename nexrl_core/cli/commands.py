@@ -11,11 +11,12 @@ import argparse
 import json
 import os
 import sys
+import time
 from typing import Any
 
 from ..errors import ConfigError, NexRLError, exit_code
 
-EVAL_FILES = ("metrics.json", "samples.jsonl", "errors.jsonl", "eval.log")
+EVAL_FILES = ("metrics.json", "samples.jsonl", "errors.jsonl", "eval.log", "eval.json")
 _SIGPIPE_EXIT = 141  # what a shell reports for a command killed by SIGPIPE
 
 OVERRIDE_HELP = """\
@@ -351,6 +352,9 @@ def _eval(args: Any) -> int:
     if out is not None:
         _prepare_eval_out(out, str(cfg.run_dir))
         setup_logging(out, "WARNING", fresh=True, log_file="eval.log")
+    model = checkpoint[-1] if checkpoint else _served_model(cfg)
+    print(f"eval: {args.recipe}: scoring validate.data with {model}", file=sys.stderr)  # stdout holds the JSON
+    started = time.monotonic()
     controller = NexRLController(cfg, eval_only=True, eval_out=out)
     if checkpoint:
         # global_step_<N> holds weight version N: serve it as N, so samples carry the version that
@@ -370,9 +374,17 @@ def _eval(args: Any) -> int:
         with open(samples_out, "w", encoding="utf-8") as f:
             for row in samples:
                 f.write(json.dumps(scrub_values(json.loads(json.dumps(row, default=str)))) + "\n")
+    seconds = time.monotonic() - started
+    print(f"eval: {len(samples)} samples scored in {seconds:.1f} s", file=sys.stderr)
     if out:
         with open(os.path.join(out, "metrics.json"), "w", encoding="utf-8") as f:
             json.dump(metrics, f, sort_keys=True, indent=1)
+        with open(os.path.join(out, "eval.json"), "w", encoding="utf-8") as f:  # what was scored, and how
+            json.dump({"recipe": os.path.abspath(args.recipe), "model": model,
+                       "checkpoint": os.path.abspath(checkpoint[-1]) if checkpoint else None,
+                       "overrides": [scrub_values(o) for o in overrides], "num_samples": len(samples),
+                       "seconds": round(seconds, 3), "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}, f,
+                      indent=1)
     print(json.dumps(metrics, sort_keys=True))
     failures = [(str(t.get("error_cause") or "failed"), str(t.get("error") or ""))
                 for t in controller.evaluation_samples if t.get("failed")]
@@ -380,6 +392,12 @@ def _eval(args: Any) -> int:
     if problem:
         raise _Failed(problem)
     return 0
+
+
+def _served_model(cfg: Any) -> str:
+    """What an evaluation's inference service serves, in words: its model path, else its backend."""
+    section = cfg.service.inference_service
+    return str(section.get("model_path") or section.get("model") or f"the {section.get('backend')} backend")
 
 
 def _eval_problem(cfg: Any, total: int, missing: int, failures: list[tuple[str, str]]) -> str | None:

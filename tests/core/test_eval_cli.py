@@ -121,6 +121,13 @@ def test_eval_prints_one_json_summary_and_writes_samples(tmp_path):
     assert len(errors) == N_SAMPLES and all(e["validation"] for e in errors)
     assert not (tmp_path / "run").exists()
     assert json.loads((out / "metrics.json").read_text()) == metrics
+    # it says what it scores and when it is done (stderr), and records what it scored
+    said = [line for line in proc.stderr.splitlines() if line.startswith("eval: ")]
+    assert said[0].startswith(f"eval: {recipe}: scoring validate.data with ") and \
+        said[-1].startswith(f"eval: {n_rows * N_SAMPLES} samples scored in "), proc.stderr
+    record = json.loads((out / "eval.json").read_text())
+    assert record["recipe"] == str(Path(recipe).resolve()) and record["checkpoint"] is None
+    assert record["num_samples"] == n_rows * N_SAMPLES and record["model"]
     assert (out / "samples.jsonl").exists() is False  # --samples-out named another file
     # a second evaluation into the same folder replaces its outputs, never appends
     again = nexrl("eval", recipe, "--out", out)
