@@ -15,6 +15,7 @@ from nexrl_core.controller import NexRLController, RunFailed
 from nexrl_core.launch.recipe import load_recipe
 from nexrl_torch.train.lora import ADAPTER_FOLDER
 from tests.support.letters import grpo_plugin_manager, tiny_grpo_recipe
+from tests.support.weights import same_weights
 
 STEPS = 6
 GROUP = 8
@@ -38,8 +39,7 @@ def run(tmp_path: Path, cfg: dict, name: str = "recipe.yaml", *overrides: str):
     def checking_load_weights(state_dict, version):
         load_weights(state_dict, version)
         merged = trainer.train_service.export_weights()
-        served.append(engine.model.state_dict().keys() == merged.keys()
-                      and all(torch.equal(engine.model.state_dict()[k], merged[k]) for k in merged))
+        served.append(same_weights(engine.model.state_dict(), merged))
 
     engine.load_weights = checking_load_weights
     controller.run()
@@ -73,7 +73,7 @@ def test_a_lora_run_resumed_from_its_checkpoint_ends_bit_identical(tiny_model_di
     for a, b in zip(whole_rows[3:], resumed_rows[-3:]):
         assert a["train/reward_mean"] == b["train/reward_mean"] and a["train/grad_norm"] == b["train/grad_norm"]
     want, got = whole.train_service.export_weights(), resumed.train_service.export_weights()
-    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    assert same_weights(want, got)
 
 
 def test_nexrl_export_writes_the_adapter_or_the_merged_model(tiny_model_dir, tmp_path, capsys):

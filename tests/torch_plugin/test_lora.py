@@ -14,6 +14,7 @@ from nexrl_torch.rollout.engine import HFInferenceEngine
 from nexrl_torch.train.lora import ADAPTER_FOLDER
 from nexrl_torch.train.service import LocalTorchTrainService
 from tests.grpo_plugin.test_train_service import random_batch, train_step
+from tests.support.weights import same_weights
 
 LORA = {"rank": 4, "alpha": 8.0, "dropout": 0.0, "target_modules": "all-linear"}
 
@@ -29,8 +30,7 @@ def test_only_the_adapters_train_and_the_merged_weights_move(tiny_model_dir):
     assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
     assert service.optimizer.param_groups[0]["params"] == [p for p in service.model.parameters() if p.requires_grad]
     before = service.export_weights(copy=True)
-    assert before.keys() == base.keys()  # the plain names a model without adapters has
-    assert all(torch.equal(before[k], base[k]) for k in base)  # B starts at zero: the merged model is the base
+    assert same_weights(before, base)  # plain names, and B starts at zero: the merged model is the base
 
     for seed in range(3):
         metrics = train_step(service, random_batch(seed))
@@ -101,10 +101,7 @@ def test_a_checkpoint_holds_the_adapter_in_peft_format_and_resumes_bit_exact(tin
     torch.set_rng_state(state)
     for batch in batches[2:]:
         train_step(fresh, batch)
-    got = fresh.export_weights()
-    assert expected.keys() == got.keys()
-    for name in expected:
-        assert torch.equal(expected[name], got[name]), name
+    assert same_weights(expected, fresh.export_weights())
 
 
 def test_a_checkpoint_and_a_recipe_that_disagree_on_lora_are_refused(tiny_model_dir, tmp_path):
