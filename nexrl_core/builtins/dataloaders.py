@@ -33,9 +33,15 @@ class FileDataLoader(BaseDataLoader):
 
     @classmethod
     def check_config(cls, section: Any, key: str) -> list[str]:
-        if not section.get("path") and not section.get("dataset_paths"):
+        """A missing path, or a file that does not exist (with the nearest file of its folder): said
+        before a run creates anything, as ``nexrl validate`` says it."""
+        name = "path" if section.get("path") else "dataset_paths"
+        paths = section.get(name)
+        if not paths:
             return [f"{key}.path: required (a JSONL or Parquet file, or a list of them)"]
-        return []
+        listed = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
+        return [f"{key}.{name}: '{p}': data file not found{_near_miss(str(p))}" for p in listed
+                if isinstance(p, (str, os.PathLike)) and "${" not in str(p) and not os.path.exists(p)]
 
     def __init__(self, config: Any, is_validate: bool = False):
         config = self.bind_config(config, is_validate)
@@ -158,6 +164,19 @@ class HuggingFaceDataLoader(BaseDataLoader):
         if row.get("prompt") in (None, "", []):
             raise DataError(f"{self._path}: row {index + 1} has no prompt in column '{self._columns['prompt']}'")
         return row
+
+
+def _near_miss(path: str) -> str:
+    """``; did you mean 'x'?`` naming the file of ``path``'s folder whose name is nearest, or ''."""
+    import difflib
+
+    folder = os.path.dirname(path) or "."
+    try:
+        names = [n for n in os.listdir(folder) if os.path.isfile(os.path.join(folder, n))]
+    except OSError:
+        return ""
+    near = difflib.get_close_matches(os.path.basename(path), names, n=1, cutoff=0.75)
+    return f"; did you mean '{os.path.join(os.path.dirname(path), near[0])}'?" if near else ""
 
 
 def _section(is_validate: bool) -> str:

@@ -160,8 +160,10 @@ CASES: dict[str, Case] = {
     "validate_freq_without_data": case("error: weight.validate_freq: validation every 2 steps is requested but "
                                        "validate.data is not set", recipe=GOOD, overrides=("weight.validate_freq=2",)),
     # files
-    "missing_data_file": case("error: data/no_such_file.jsonl: data file not found"),
-    "missing_val_file": case("error: data/no_such_val.jsonl: data file not found"),
+    "missing_data_file": case("error: data.path: 'data/no_such_file.jsonl': data file not found"),
+    "missing_val_file": case("error: validate.data.path: 'data/no_such_val.jsonl': data file not found"),
+    "misspelled_data_file": case("error: data.path: 'data/mixd.jsonl': data file not found; did you mean "
+                                 "'data/mixed.jsonl'?", recipe="missing_data_file", overrides=("data.path=data/mixd.jsonl",)),
     "data_without_path": case("error: data.path: required (a JSONL or Parquet file, or a list of them)"),
     "empty_data_file": case("error: data/empty.jsonl: the file holds no rows"),
     "blank_data_file": case("error: data/blank_lines.jsonl: the file holds no rows"),
@@ -191,7 +193,7 @@ CASES: dict[str, Case] = {
 # cases whose input has one defect that must give exactly one line (no follow-on complaints)
 ONE_LINE = ("run_dir_under_proc", "run_dir_under_sys", "checkpoint_path_under_proc", "delete_a_needed_key",
             "delete_a_needed_section", "unknown_backend_with_its_keys", "unknown_weight_backend_with_its_keys",
-            "unknown_trainer", "run_dir_under_a_file")
+            "unknown_trainer", "run_dir_under_a_file", "missing_data_file", "misspelled_data_file")
 # recipes exercised by the plugin tests below
 PLUGIN_RECIPES = {"good", "uses_bad_class", "evaluator_wrong_result_type", "evaluator_raises_on_some",
                   "evaluator_nan_reward", "evaluator_option_wrong_type", "evaluator_always_raises"}
