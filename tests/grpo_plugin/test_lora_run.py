@@ -70,6 +70,7 @@ def test_a_lora_run_resumed_from_its_checkpoint_ends_bit_identical(tiny_model_di
     resumed_rows, _, resumed = run(tmp_path, lora_recipe(tmp_path / "cut", tiny_model_dir), "resumed.yaml",
                                    "resume.mode=auto")
     assert [r["step"] for r in resumed_rows][-3:] == [4, 5, 6]
+    assert all(r["train/grad_norm"] > 0 for r in whole_rows)  # the weights compared below did move
     for a, b in zip(whole_rows[3:], resumed_rows[-3:]):
         assert a["train/reward_mean"] == b["train/reward_mean"] and a["train/grad_norm"] == b["train/grad_norm"]
     want, got = whole.train_service.export_weights(), resumed.train_service.export_weights()
@@ -99,23 +100,8 @@ def test_nexrl_export_writes_the_adapter_or_the_merged_model(tiny_model_dir, tmp
         assert torch.allclose(merged(input_ids=ids).logits, want, atol=1e-5)
 
 
-class LostPush:
-    """A weight-sync backend whose pushes never arrive: it moves the version number only (the bug
-    users of several peers report for adapters)."""
-
-    CAPABILITIES = None  # set below, to InProcessWeightSync's: it claims to move the tensors
-
-    def __init__(self, config):
-        pass
-
-    def sync(self, trainer, inference_client, version):
-        from nexrl_core import execute
-
-        execute(inference_client.set_model_version, version)
-
-
 def test_the_served_probe_passes_each_push_and_stops_a_run_whose_pushes_never_arrive(tiny_model_dir, tmp_path):
-    from nexrl_core import WeightSyncBackend, hookimpl
+    from nexrl_core import WeightSyncBackend, execute, hookimpl
     from nexrl_torch.rollout.weights import InProcessWeightSync
 
     rows, _, _ = run(tmp_path, lora_recipe(tmp_path / "ok", tiny_model_dir, steps=3), "ok.yaml")
@@ -123,12 +109,20 @@ def test_the_served_probe_passes_each_push_and_stops_a_run_whose_pushes_never_ar
     assert [r["step"] for r in probed] == [1, 2, 3]  # each step pushes, and its row carries that push's probe
     assert all(r["weight/served_version_ok"] == 1.0 and r["weight/served_probe_gap"] < 1e-4 for r in probed)
 
-    lost = type("LostPush", (LostPush, WeightSyncBackend), {"CAPABILITIES": InProcessWeightSync.CAPABILITIES})
+    class LostPush(WeightSyncBackend):
+        """Claims to move the tensors, moves the version number only (the bug users of several peers
+        report for adapters)."""
+
+        CAPABILITIES = InProcessWeightSync.CAPABILITIES
+
+        def sync(self, trainer, inference_client, version):
+            execute(inference_client.set_model_version, version)
+
 
     class Plugin:
         @hookimpl
         def nexrl_weight_sync_backends(self):
-            return {"lost_push": lost}
+            return {"lost_push": LostPush}
 
     pm = grpo_plugin_manager()
     pm.register(Plugin(), name="lost", distribution="nexrl-lost (in-process)")

@@ -79,8 +79,8 @@ def test_a_checkpoint_holds_the_adapter_in_peft_format_and_resumes_bit_exact(tin
 
     batches = [random_batch(seed) for seed in range(4)]
     service = lora_service(tiny_model_dir, micro_batch_size=4)
-    for batch in batches[:2]:
-        train_step(service, batch)
+    for batch in batches[:2]:  # the adapters move: equal weights below are not untrained ones
+        assert train_step(service, batch)["grad_norm"] > 0
     ckpt = tmp_path / "global_step_2"
     service.save_checkpoint(ckpt, {"global_step": 2})
     state = torch.get_rng_state()

@@ -70,6 +70,7 @@ REQUIRED_KEYS = ("input_ids", "attention_mask", "responses", "response_mask")
 CHECKPOINT_FORMAT = 1
 # What save_checkpoint adds to the HF folder for a resume; an export leaves them out.
 SCHEDULER_FILE = "scheduler.json"  # the lr schedule's position (steps taken)
+SCHEDULER_STATE = ("last_epoch", "_step_count", "base_lrs", "_last_lr")  # what torch's LR schedulers keep
 TRAINING_STATE_FILES = ("optimizer.safetensors", "optimizer.json", "rng.safetensors", "rng.json", "extra_state.json",
                         "distributed.json", SCHEDULER_FILE)
 DISTRIBUTED_FILE = "distributed.json"  # the world size and parallel mode that wrote a checkpoint
@@ -536,9 +537,9 @@ class LocalTorchTrainService(TrainService):
             if leader:
                 self.tokenizer.save_pretrained(tmp)
                 self._save_rng(tmp)
-                if self.scheduler is not None:
-                    _write_json(tmp / SCHEDULER_FILE, {"last_epoch": self.scheduler.last_epoch,
-                                                       "step_count": self.scheduler._step_count})
+                if self.scheduler is not None:  # its numbers only (its lr functions are code)
+                    _write_json(tmp / SCHEDULER_FILE, {k: v for k, v in self.scheduler.state_dict().items()
+                                                       if k in SCHEDULER_STATE})
                 _write_json(tmp / "extra_state.json", extra_state or {})
                 _write_json(tmp / DISTRIBUTED_FILE, {"world_size": self.ranks.world_size if self.ranks else 1,
                                                      "parallel": self.ranks.parallel if self.ranks else None})
@@ -681,10 +682,7 @@ class LocalTorchTrainService(TrainService):
         if not saved.is_file():
             raise ValueError(f"{folder}: the checkpoint was trained with a constant lr; resume without "
                              f"lr_scheduler/warm-up, or start a fresh run")
-        state = json.loads(saved.read_text())
-        self.scheduler.last_epoch = int(state["last_epoch"])
-        self.scheduler._step_count = int(state["step_count"])
-        self.scheduler._last_lr = [float(group["lr"]) for group in self.optimizer.param_groups]
+        self.scheduler.load_state_dict({**self.scheduler.state_dict(), **json.loads(saved.read_text())})
 
     def _load_model(self, folder: Path) -> None:
         has_adapter = (folder / ADAPTER_FOLDER).is_dir()
