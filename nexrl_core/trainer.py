@@ -174,6 +174,12 @@ class BaseTrainer(ThreadedModule):
         """Current weights for an in-process weight sync."""
         raise NotImplementedError(f"{type(self).__name__} has no weights to export")
 
+    def export_adapter(self, folder: str) -> None:
+        """Write the LoRA adapter being trained, in PEFT's format (``adapter_config.json``,
+        ``adapter_model.safetensors``), into the existing folder ``folder``: what an adapter-only
+        weight sync sends (vLLM's ``vllm_lora``). NotImplementedError when no adapter trains."""
+        raise NotImplementedError(f"{type(self).__name__} trains no LoRA adapter")
+
     def score(self, requests: list[tuple[list[int], list[int], float]]) -> list[list[float]]:
         """Log-probs of the given ``(prompt ids, response ids, temperature)`` rows under the current
         weights, as :meth:`nexrl_core.InferenceClient.score` returns them: what the weight-sync

@@ -482,8 +482,9 @@ def check_config(cfg: Any, plugin_manager: Any, eval_only: bool = False) -> list
         problems += check_algorithm(values.get("algorithm"), trainer_cls, plugin_manager,
                                     str(trainer_type) if trainer_type else None, root=values)
         problems += _check_train_service(values, trainer_cls, plugin_manager)
-        problems += _recipe_check(trainer_cls, values)
         problems += _check_reference_service(values, checker.found, plugin_manager)
+    for path, cls in checker.found.items():  # each component's rules across sections, the trainer's included
+        problems += _recipe_check(path, cls, values)
     if not eval_only:
         problems += check_capabilities(checker.found, values, plugin_manager)
         net = _network_plan(values, checker.found, plugin_manager)
@@ -621,17 +622,17 @@ def component_check(cls: type, values: Mapping[str, Any], path: str, hook: str =
         return [f"{path}: {cls.__name__}.{hook} raised {type(exc).__name__}: {exc}"]
 
 
-def _recipe_check(trainer_cls: type, values: Mapping[str, Any]) -> list[str]:
-    """A trainer's rules across sections (it is built with the whole recipe):
-    ``cls.check_recipe(recipe) -> ["<key>: why", ...]``, optional; it must cope with values of the
-    wrong type, which the key checks report."""
-    check = getattr(trainer_cls, "check_recipe", None)
+def _recipe_check(path: str, cls: type, values: Mapping[str, Any]) -> list[str]:
+    """A component's rules across sections (a trainer is built with the whole recipe; an inference
+    backend may depend on the sampling it serves): ``cls.check_recipe(recipe) -> ["<key>: why", ...]``,
+    optional; it must cope with values of the wrong type, which the key checks report."""
+    check = getattr(cls, "check_recipe", None)
     if not callable(check):
         return []
     try:
         return [str(p) for p in check(values) or []]
     except Exception as exc:  # a plugin bug must not hide the recipe's problems behind a traceback
-        return [f"trainer: {trainer_cls.__name__}.check_recipe raised {type(exc).__name__}: {exc}"]
+        return [f"{path}: {cls.__name__}.check_recipe raised {type(exc).__name__}: {exc}"]
 
 
 def declared_options(kind: str, cls: type) -> dict[str, Option] | None:

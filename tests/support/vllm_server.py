@@ -34,6 +34,7 @@ finished after the resume with the new weights (``keep``).
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import socket
@@ -81,6 +82,8 @@ class _VLLMHandler(_Handler):
     def do_POST(self) -> None:  # noqa: N802
         owner: FakeVLLMServer = self.server.owner
         path = self._path()
+        if path == "/v1/completions" and self._scored():
+            return
         if path in GENERATION_PATHS:
             try:
                 super().do_POST()
@@ -113,6 +116,46 @@ class _VLLMHandler(_Handler):
             self._send(status, raw=b"")
         else:
             self._send(status, payload)
+
+    def _read_body(self) -> tuple[Any, bool]:
+        raw = getattr(self, "_body_bytes", None)
+        if raw is None:
+            return super()._read_body()
+        del self._body_bytes  # read once, by _scored: the JSON of it again
+        if not raw:
+            return None, True
+        try:
+            return json.loads(raw), True
+        except ValueError:
+            return raw.decode("utf-8", errors="replace"), False
+
+    def _scored(self) -> bool:
+        """vLLM's ``prompt_logprobs`` for token-id prompts (what VLLMClient.score sends): each given
+        token's log-prob under the loaded logits, -1.0 each before any weights were loaded."""
+        owner: FakeVLLMServer = self.server.owner
+        length = int(self.headers.get("Content-Length") or 0)
+        raw = self.rfile.read(length) if length else b""
+        self._body_bytes = raw
+        try:
+            body = json.loads(raw or b"{}")
+        except ValueError:
+            body = None
+        if not isinstance(body, dict) or body.get("prompt_logprobs") is None:
+            return False
+        prompts = body.get("prompt")
+        if not isinstance(prompts, list) or not all(isinstance(p, list) for p in prompts):
+            self._error(400, "prompt_logprobs: the fake takes token-id prompts only", param="prompt")
+            return True
+        logits = owner.logits()
+
+        def logprob(token: int) -> float:
+            return served_logprob(logits, token % len(logits)) if logits else -1.0
+
+        choices = [{"index": i, "text": "", "finish_reason": "length",
+                    "prompt_logprobs": [None] + [{str(t): {"logprob": logprob(t), "rank": 1}} for t in p[1:]]}
+                   for i, p in enumerate(prompts)]
+        self._send(200, {"object": "text_completion", "model": body.get("model"), "choices": choices})
+        return True
 
     def _dev_route_ok(self, path: str) -> bool:
         owner: FakeVLLMServer = self.server.owner

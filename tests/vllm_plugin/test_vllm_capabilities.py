@@ -37,7 +37,7 @@ def test_vllm_with_a_self_hosted_trainer_needs_a_vllm_weight_sync(tmp_path, pm):
     [line] = problems(tmp_path, pm, {"backend": "version_only"})
     assert line.startswith("trainer.type: trainer 'self_hosted_grpo' needs 'weight_sync:state_dict'")
     assert line.endswith("it is provided by weight.backend: in_process (nexrl-torch), weight.backend: vllm_disk "
-                         "(nexrl-vllm), weight.backend: vllm_nccl (nexrl-vllm)")
+                         "(nexrl-vllm), weight.backend: vllm_lora (nexrl-vllm), weight.backend: vllm_nccl (nexrl-vllm)")
     [line] = problems(tmp_path, pm, {"backend": "in_process"})
     assert line == ("weight.backend: weight-sync backend 'in_process' needs 'inference:load_weights' (it loads them "
                     "into an inference engine in this process), which neither trainer 'self_hosted_grpo', inference "

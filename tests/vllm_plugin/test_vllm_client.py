@@ -119,10 +119,10 @@ def test_managed_serve_without_vllm_says_how_to_install(monkeypatch):
     import nexrl_vllm.client as client_module
 
     monkeypatch.setattr(client_module.shutil, "which", lambda name: None)
-    monkeypatch.setattr(client_module.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(client_module, "vllm_version", lambda: None)
     problems = VLLMClient.check_config({"model_path": "."}, "service.inference_service")
     assert problems == [f"service.inference_service: {client_module.INSTALL_HINT}"]
-    assert "pip install 'nexrl-vllm[serve]'" in problems[0]
+    assert "pip install 'nexrl-vllm[cpu]'" in problems[0] and "'nexrl-vllm[serve]'" in problems[0]
 
 
 def test_development_routes_only_on_loopback_unless_asked():

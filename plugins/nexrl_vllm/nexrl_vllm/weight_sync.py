@@ -4,6 +4,9 @@
   ``<sync_dir>/v<version>/model.safetensors`` (a folder the server can read), then the server
   reloads them (``/reload_weights``). Works with any vLLM on a shared filesystem; no GPU in the
   trainer process needed.
+- ``vllm_lora``: only the trainer's LoRA adapter (``trainer.export_adapter()``, PEFT format) is
+  written under ``<sync_dir>/v<version>/`` and loaded into a server started with LoRA on
+  (``/v1/load_lora_adapter``) under a new name per version; requests then name that adapter.
 - ``vllm_nccl``: vLLM's native weight-transfer API. Once: ``/get_world_size`` and
   ``/init_weight_transfer_engine`` while the trainer joins the NCCL group as rank 0. Per update:
   ``/start_weight_update``, ``/update_weights`` (the tensors' names, dtypes and shapes) while
@@ -23,9 +26,9 @@ Options (``weight.<key>``; the controller passes the ``weight`` section):
 ``control_timeout``   60         seconds for each control call (pause, resume, start, ...)
                                  and for in-flight requests to end after the pause
 ``transfer_timeout``  600        seconds for the weights to move (reload / broadcast + update)
-``sync_dir``          null       vllm_disk: folder shared with the server
+``sync_dir``          null       vllm_disk, vllm_lora: folder shared with the server
                                  (default ``<run_dir>/weight_sync``)
-``keep_versions``     1          vllm_disk: weight folders kept (the newest ones)
+``keep_versions``     1          vllm_disk, vllm_lora: weight folders kept (the newest ones)
 ``nccl_master_address`` null     vllm_nccl: address the server's workers reach the trainer at
                                  (default: this host's address towards the server)
 ``nccl_master_port``  null       vllm_nccl: rendezvous port (default: a free port)
@@ -51,7 +54,7 @@ from nexrl_core import BoundConfig, Capabilities, ConfigError, Option, WeightSyn
 
 from .client import VLLMClient, _run_dir, require_vllm_client
 from .control import PAUSE_MODES, SyncPhaseError, VLLMControl
-from .server import free_port, is_loopback
+from .server import WORKER_EXTENSION, free_port, is_loopback
 from .transport import NcclTransport, TensorTransport
 
 WEIGHTS_FILE = "model.safetensors"
@@ -105,6 +108,7 @@ class _VLLMWeightSync(WeightSyncBackend):
         self.control_timeout = float(self.config["control_timeout"])
         self.transfer_timeout = float(self.config["transfer_timeout"])
         self.last_timings: dict[str, float] = {}
+        self.served_as = ""  # how the version is served, when not as the model itself (a LoRA adapter's name)
 
     def sync(self, trainer: Any, inference_client: Any, version: int) -> None:
         client = require_vllm_client(inference_client, self.NAME)
@@ -116,10 +120,12 @@ class _VLLMWeightSync(WeightSyncBackend):
             with client.weight_update(version, self.pause_mode, self.control_timeout) as control:
                 self._transfer(staged, control, version)
         except SyncPhaseError as exc:
-            raise SyncPhaseError(exc.phase, f"vLLM weight sync to version {version} failed in {exc}") from None
+            gone = client.server_exit()  # the likely cause, said first
+            raise SyncPhaseError(exc.phase, f"{gone + ': ' if gone else ''}vLLM weight sync to version {version} "
+                                            f"failed in {exc}") from None
         done = time.perf_counter()
         self.last_timings = {"prepare_s": prepared - started, "update_s": done - prepared}
-        logger.info(f"{self.NAME}: vLLM serves weight version {version} (prepared in {prepared - started:.2f}s, "
+        logger.info(f"{self.NAME}: vLLM serves weight version {version}{self.served_as} (prepared in {prepared - started:.2f}s, "
                     f"generation held {done - prepared:.2f}s)")
 
     def _prepare(self, trainer: Any, client: VLLMClient, version: int) -> Any:
@@ -131,10 +137,9 @@ class _VLLMWeightSync(WeightSyncBackend):
         raise NotImplementedError
 
 
-class VLLMDiskWeightSync(_VLLMWeightSync):
-    """``vllm_disk``: safetensors on a shared folder, reloaded by the server."""
+class _VLLMFolderSync(_VLLMWeightSync):
+    """Weights written as a folder the server can read, one per version under ``sync_dir``."""
 
-    NAME = "vllm_disk"
     OPTIONS = {
         "sync_dir": Option(None, help="folder the server can read, for the weight files (default: "
                                       "<run_dir>/weight_sync)"),
@@ -157,21 +162,22 @@ class VLLMDiskWeightSync(_VLLMWeightSync):
 
     def _prepare(self, trainer: Any, client: VLLMClient, version: int) -> str:
         try:
-            return self.write(trainer.export_weights(), version)
+            return self.write_folder(lambda folder: self._fill(trainer, folder, version), version)
         except OSError as exc:
             raise SyncPhaseError("write_safetensors", f"phase 'write_safetensors': cannot write the weights under "
                                                       f"{self.sync_dir} ({exc})") from None
 
-    def write(self, state: Mapping[str, Any], version: int) -> str:
-        """``<sync_dir>/v<version>/model.safetensors``, assembled aside and renamed into place."""
-        from safetensors.torch import save_file
+    def _fill(self, trainer: Any, folder: str, version: int) -> None:
+        """Write version ``version``'s files into the new folder ``folder``."""
+        raise NotImplementedError
 
+    def write_folder(self, fill: Callable[[str], None], version: int) -> str:
+        """``<sync_dir>/v<version>/``, filled aside and renamed into place."""
         os.makedirs(self.sync_dir, exist_ok=True)
         final = os.path.join(self.sync_dir, f"v{version:06d}")
         tmp = tempfile.mkdtemp(prefix=f".v{version:06d}.", dir=self.sync_dir)
         try:
-            tensors = {name: t.cpu().contiguous() for name, t in unique_tensors(state)}
-            save_file(tensors, os.path.join(tmp, WEIGHTS_FILE), metadata={"format": "pt", "nexrl_version": str(version)})
+            fill(tmp)
             os.chmod(tmp, 0o755)  # the server may run as another user
             if os.path.exists(final):
                 shutil.rmtree(final)
@@ -181,14 +187,90 @@ class VLLMDiskWeightSync(_VLLMWeightSync):
             raise
         return final
 
-    def _transfer(self, staged: str, control: VLLMControl, version: int) -> None:
-        control.reload_weights(staged, timeout=self.transfer_timeout)
-        self._prune(version)
-
     def _prune(self, version: int) -> None:
         names = sorted(n for n in os.listdir(self.sync_dir) if n.startswith("v") and n[1:].isdigit())
         for name in names[:-self.keep_versions]:
             shutil.rmtree(os.path.join(self.sync_dir, name), ignore_errors=True)
+
+
+class VLLMDiskWeightSync(_VLLMFolderSync):
+    """``vllm_disk``: safetensors on a shared folder, reloaded by the server."""
+
+    NAME = "vllm_disk"
+    _said_no_extension = False
+
+    def _fill(self, trainer: Any, folder: str, version: int) -> None:
+        write_weights(trainer.export_weights(), folder, version)
+
+    def write(self, state: Mapping[str, Any], version: int) -> str:
+        """``<sync_dir>/v<version>/model.safetensors`` holding ``state``."""
+        return self.write_folder(lambda folder: write_weights(state, folder, version), version)
+
+    def _transfer(self, staged: str, control: VLLMControl, version: int) -> None:
+        control.reload_weights(staged, timeout=self.transfer_timeout)
+        if control.refresh_tied_output() is None and not self._said_no_extension:
+            self._said_no_extension = True
+            logger.info("vllm_disk: the server runs without nexrl's worker extension (--worker-extension-cls "
+                        f"{WORKER_EXTENSION}); a vLLM CPU server then keeps an output layer tied to the embedding "
+                        "as it was before the reload (weight/served_probe_gap shows it)")
+        self._prune(version)
+
+
+def write_weights(state: Mapping[str, Any], folder: str, version: int) -> None:
+    from safetensors.torch import save_file
+
+    tensors = {name: t.cpu().contiguous() for name, t in unique_tensors(state)}
+    save_file(tensors, os.path.join(folder, WEIGHTS_FILE), metadata={"format": "pt", "nexrl_version": str(version)})
+
+
+class VLLMLoraWeightSync(_VLLMFolderSync):
+    """``vllm_lora``: only the LoRA adapter travels. Each push writes the adapter (PEFT format) and
+    loads it into the server under a new name, ``<served model>-lora-v<version>``; requests from then
+    on name that adapter. The adapter before it stays loaded one more push (requests kept across a
+    ``pause_mode: keep`` update still use it), older ones are unloaded."""
+
+    NAME = "vllm_lora"
+    CAPABILITIES = Capabilities(
+        provides={"weight_sync:state_dict"},
+        requires={"trainer:state_dict": "it sends the adapter a trainer in this process exports",
+                  "inference:vllm": "it loads the adapter through a vLLM server's LoRA routes"})
+
+    def __init__(self, config: Any):
+        super().__init__(config)
+        self._client: VLLMClient | None = None
+        self._base_model: str | None = None
+        self._loaded: list[str] = []
+
+    def _fill(self, trainer: Any, folder: str, version: int) -> None:
+        try:
+            trainer.export_adapter(folder)
+        except NotImplementedError as exc:
+            raise SyncPhaseError("export_adapter", f"phase 'export_adapter': weight.backend vllm_lora sends a LoRA "
+                                                   f"adapter, and the trainer has none ({exc}): set "
+                                                   "service.train_service.lora, or use weight.backend vllm_disk") from None
+
+    def _prepare(self, trainer: Any, client: VLLMClient, version: int) -> str:
+        self._client = client
+        if self._base_model is None:
+            self._base_model = client._served_model()
+        return super()._prepare(trainer, client, version)
+
+    def _transfer(self, staged: str, control: VLLMControl, version: int) -> None:
+        assert self._client is not None
+        name = f"{self._base_model}-lora-v{version}"
+        try:
+            control.load_lora_adapter(name, staged, timeout=self.transfer_timeout)
+        except SyncPhaseError as exc:
+            hint = ("" if self._client.lora_enabled else
+                    "; the server must serve LoRA adapters: service.inference_service.enable_lora: true (a server "
+                    "nexrl starts), or start yours with --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True")
+            raise SyncPhaseError(exc.phase, f"{exc}{hint}") from None
+        self._client.model = name  # requests from now on are served by the new adapter
+        self.served_as = f" as LoRA adapter '{name}'"
+        self._loaded.append(name)
+        while len(self._loaded) > 2:
+            control.unload_lora_adapter(self._loaded.pop(0))
+        self._prune(version)
 
 
 class VLLMNcclWeightSync(_VLLMWeightSync):

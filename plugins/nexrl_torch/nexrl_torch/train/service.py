@@ -506,6 +506,13 @@ class LocalTorchTrainService(TrainService):
             return GatheredWeights(state)  # gathered weight by weight as the consumer copies them
         return {k: v.detach().clone() if copy else v.detach() for k, v in state.items()}
 
+    def export_adapter(self, folder: str | os.PathLike) -> None:
+        """The LoRA adapter as it is now, in PEFT's format, into ``folder`` (what a vLLM server loads
+        with ``load_lora_adapter``); NotImplementedError when this service trains every weight."""
+        if self.adapters is None:
+            raise NotImplementedError("the train service trains every weight (no service.train_service.lora)")
+        save_adapter(self.adapters, Path(folder))
+
     # ------------------------------------------------------------------ checkpoints
 
     @_every_rank
