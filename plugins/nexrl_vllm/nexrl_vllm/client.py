@@ -28,6 +28,7 @@ import contextlib
 import importlib.util
 import os
 import shutil
+import subprocess
 import sys
 import threading
 import types
@@ -459,9 +460,15 @@ class VLLMClient(OpenAICompatibleClient):
             return [self._attempts[key] for key in self._in_flight if key in self._attempts]
 
     # ------------------------------------------------------------------ health, shutdown
-    def server_exit(self) -> str | None:
-        """"the vLLM server (pid N) exited with code C" when the server nexrl started is gone, else None."""
-        if self.server is None or self.server.alive():
+    def server_exit(self, wait: float = 0.0) -> str | None:
+        """"the vLLM server (pid N) exited with code C" when the server nexrl started is gone (given up
+        to ``wait`` seconds to finish dying: a request may fail while it is being killed), else None."""
+        if self.server is None:
+            return None
+        if wait and self.server.alive():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.server.proc.wait(wait)
+        if self.server.alive():
             return None
         return f"the vLLM server (pid {self.server.pid}) exited with code {self.server.proc.returncode}"
 

@@ -120,7 +120,7 @@ class _VLLMWeightSync(WeightSyncBackend):
             with client.weight_update(version, self.pause_mode, self.control_timeout) as control:
                 self._transfer(staged, control, version)
         except SyncPhaseError as exc:
-            gone = client.server_exit()  # the likely cause, said first
+            gone = client.server_exit(wait=3.0)  # the likely cause, said first
             raise SyncPhaseError(exc.phase, f"{gone + ': ' if gone else ''}vLLM weight sync to version {version} "
                                             f"failed in {exc}") from None
         done = time.perf_counter()
