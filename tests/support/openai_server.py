@@ -308,7 +308,11 @@ class _Handler(BaseHTTPRequestHandler):
     # -- plumbing
     def _read_body(self) -> tuple[Any, bool]:
         length = int(self.headers.get("Content-Length") or 0)
-        raw = self.rfile.read(length) if length else b""
+        return self._parse_body(self.rfile.read(length) if length else b"")
+
+    @staticmethod
+    def _parse_body(raw: bytes) -> tuple[Any, bool]:
+        """The body as JSON (and True), or as text (and False) when it is not JSON."""
         if not raw:
             return None, True
         try:

@@ -122,12 +122,7 @@ class _VLLMHandler(_Handler):
         if raw is None:
             return super()._read_body()
         del self._body_bytes  # read once, by _scored: the JSON of it again
-        if not raw:
-            return None, True
-        try:
-            return json.loads(raw), True
-        except ValueError:
-            return raw.decode("utf-8", errors="replace"), False
+        return self._parse_body(raw)
 
     def _scored(self) -> bool:
         """vLLM's ``prompt_logprobs`` for token-id prompts (what VLLMClient.score sends): each given
