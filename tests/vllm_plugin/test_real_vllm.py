@@ -46,10 +46,12 @@ def real_vllm(tmp_path_factory):
                          "enable_lora": True, "max_lora_rank": 16, "extra_args": QUICK, "env": SERVER_ENV,
                          "log_file": str(log), "startup_timeout": 300.0, "timeout": 120.0})
     model = AutoModelForCausalLM.from_pretrained(resolve_model_path("smollm2-135m-instruct"), dtype=torch.float32)
+    group = client.server.pid
     try:
         yield client, model.eval()
     finally:
-        client.close()
+        client.close()  # what a run's end (or its SIGTERM) does: the whole group stops
+    assert len(group_members := _group(group)) == 0, f"vLLM processes left: {group_members}"
 
 
 def reference_logprobs(model, prompt: list[int], response: list[int], temperature: float = 1.0) -> torch.Tensor:
