@@ -82,6 +82,9 @@ def test_two_ranks_reach_the_weights_of_one(tiny_model_dir, parallel):
         torch.testing.assert_close(exported[name], tensor, atol=1e-5, rtol=1e-4, msg=name)
     for g, w in zip(got, want):
         assert g["loss"] == pytest.approx(w["loss"], rel=1e-5)
+        # Equal weights after AdamW do not show equal gradients: Adam divides each gradient by its
+        # running scale, so halved gradients (a wrong world-size average) give nearly the same update.
+        # The gradient norm is what catches that.
         assert g["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-4)
         assert g["nll"] == pytest.approx(w["nll"], rel=1e-5)
     torch.testing.assert_close(logprobs, one.forward(batches[0]), atol=1e-5, rtol=1e-4)
@@ -125,7 +128,7 @@ def test_two_ranks_with_packing_reach_the_weights_of_one(tiny_model_dir, paralle
         torch.testing.assert_close(exported[name], tensor, atol=1e-5, rtol=1e-4, msg=name)
     for g, w in zip(got, want):
         assert g["loss"] == pytest.approx(w["loss"], rel=1e-5)
-        assert g["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-4)
+        assert g["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-4)  # AdamW hides gradient scale: see above
     torch.testing.assert_close(logprobs, one.forward(batches[0]), atol=1e-5, rtol=1e-4)
 
 
