@@ -313,6 +313,7 @@ class VLLMClient(OpenAICompatibleClient):
         self._attempts: dict[int, Any] = {}
         self._broken: str | None = None
         # vLLM 0.32 on the CPU crashes scoring several prompts in one call when LoRA is on: one per call then.
+        # True for a server started with LoRA, and once vllm_lora pushed an adapter to an attached one.
         self.lora_enabled = bool(opts and opts.max_lora_rank)
         self._closed = False
         self._death_reported = False
@@ -344,7 +345,8 @@ class VLLMClient(OpenAICompatibleClient):
         return result
 
     def score(self, requests: list[tuple[list[int], list[int], float]]) -> list[list[float]]:
-        """Log-probs of given tokens through vLLM's ``prompt_logprobs`` (all requests in one call).
+        """Log-probs of given tokens through vLLM's ``prompt_logprobs``: all requests in one call, or
+        one call each while LoRA is on (:attr:`lora_enabled`).
 
         vLLM takes prompt log-probs from the raw logits whatever the request's temperature
         (measured: at T = 0.7 they equal the trainer's T = 1 log-probs within 1e-6 and miss its

@@ -266,6 +266,7 @@ class VLLMLoraWeightSync(_VLLMFolderSync):
                     "nexrl starts), or start yours with --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True")
             raise SyncPhaseError(exc.phase, f"{exc}{hint}") from None
         self._client.model = name  # requests from now on are served by the new adapter
+        self._client.lora_enabled = True  # an attached server serves adapters too: score one prompt per call
         self.served_as = f" as LoRA adapter '{name}'"
         self._loaded.append(name)
         while len(self._loaded) > 2:
