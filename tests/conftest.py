@@ -105,3 +105,10 @@ def ray_cluster():
     cluster = start_cluster(num_cpus=2)
     yield cluster
     stop_cluster(cluster)
+
+
+def pytest_collection_modifyitems(config, items):
+    """The minutes-long tests (``slow``, ``vllm``) first, in their order: pytest-xdist hands them to
+    the first worker and the others steal the short tests around them, where at the end of the list
+    they would leave one worker finishing them alone (and a module's vLLM server is started once)."""
+    items.sort(key=lambda item: not (item.get_closest_marker("slow") or item.get_closest_marker("vllm")))

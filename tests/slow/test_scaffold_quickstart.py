@@ -1,8 +1,8 @@
 """A scaffold trains the quickstart when selected (issue 30 item 4): ``nexrl new worker NAME``
 writes a package, pip installs it (``--no-deps --target``), and ``nexrl run
-recipes/quickstart.yaml rollout_worker.type=NAME`` trains the real SmolLM2-135M-Instruct for 2
-steps with it: the entry point is found in a fresh process, every sampled prompt carries the
-worker's instruction, and the steps train (finite loss, on-policy first step). Skips as
+recipes/quickstart.yaml rollout_worker.type=NAME`` trains the real SmolLM2-135M-Instruct for a
+step with it: the entry point is found in a fresh process, every sampled prompt carries the
+worker's instruction, and the step trains (finite loss, on-policy). Skips as
 tests/slow/test_quickstart.py does when the model wheel or nexrl-grpo is missing."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from nexrl_core.cli.scaffold import names
 from tests.slow.test_quickstart import REPO_ROOT, _nexrl_cmd, _skip_reason
 from tests.support.metrics import read_metrics
 
-STEPS = 2
+STEPS = 1  # the entry point, the instruction and an on-policy step show in one
 INSTRUCTION = "Reply with the number only. "
 
 
@@ -42,7 +42,8 @@ def test_a_scaffolded_worker_trains_the_quickstart(tmp_path):
     run_dir = tmp_path / "run"
     overrides = [f"rollout_worker.type={n['name']}", f"+rollout_worker.instruction='{INSTRUCTION}'",
                  f"trainer.total_train_steps={STEPS}", "validate.validate_before_train=false", f"run_dir={run_dir}",
-                 "+service.train_service.num_threads=1", "+service.inference_service.num_threads=1"]
+                 "rollout_worker.num_workers=16", "+service.train_service.num_threads=1",
+                 "+service.inference_service.num_threads=1"]
     env = {k: v for k, v in os.environ.items() if k not in ("NEXRL_LOAD_PLUGINS", "PYTHONPATH")}
     env.update(PYTHONPATH=str(site), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1")
     proc = subprocess.run(_nexrl_cmd() + ["run", "recipes/quickstart.yaml", *overrides], cwd=REPO_ROOT, env=env,

@@ -17,6 +17,7 @@ import yaml
 
 from nexrl_core import InferenceError, SamplingParams
 from nexrl_vllm import ServerStartError, VLLMClient
+from tests.support.metrics import read_metrics
 from tests.vllm_plugin.conftest import pid_alive, serve_config, wait_gone
 
 pytestmark = pytest.mark.timeout(120)
@@ -215,3 +216,32 @@ def test_validate_and_run_agree_on_sampling_vllm_reports_other_log_probs_of(tmp_
         assert "rollout_worker.sampling.top_p: 0.9: vLLM's processed log-probs" in done.stderr
         assert "Traceback" not in done.stderr
     assert not (tmp_path / "fake.json").exists()  # no server was started
+
+
+def test_a_killed_server_is_named_and_the_run_restarts_with_a_new_one(tmp_path):
+    """The server's group dies mid-run (SIGKILL, as the OOM killer would): run.log names the server
+    and its exit code, and with resume.on_failure: restart the run goes on from its newest
+    checkpoint with a server of its own. (test_real_vllm.py kills a real vLLM's process tree.)"""
+    recipe = _endless_recipe(tmp_path)
+    recipe["trainer"].update(save_freq=1, step_time_s=0.2)
+    recipe["resume"] = {"on_failure": "restart", "restart_backoff": 0}
+    run = _run_nexrl(tmp_path, recipe)
+    run_dir = tmp_path / "run"
+    trained = lambda: [r["step"] for r in read_metrics(run_dir) if "train/reward_mean" in r]  # noqa: E731
+    try:
+        _wait_for(lambda: (run_dir / "checkpoints" / "global_step_2").is_dir() and (tmp_path / "fake.json").exists())
+        first = record(tmp_path)
+        os.killpg(first["pid"], signal.SIGKILL)
+        last = max(trained())
+        _wait_for(lambda: record(tmp_path)["pid"] != first["pid"] and max(trained()) > last + 1)
+        second = record(tmp_path)
+        log = (run_dir / "run.log").read_text()
+        assert f"the vLLM server (pid {first['pid']}) exited with code -9" in log, log[-3000:]
+        assert "resumed from" in log and sorted(set(trained())) == list(range(1, max(trained()) + 1))
+        assert wait_gone(first["pid"], first["child_pid"]) == [] and pid_alive(second["pid"])
+        run.send_signal(signal.SIGTERM)
+        assert run.wait(60) == 130, (tmp_path / "nexrl.out").read_text()[-3000:]
+    finally:
+        if run.poll() is None:
+            run.kill()
+    assert wait_gone(second["pid"], second["child_pid"]) == []
