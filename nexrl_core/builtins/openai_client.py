@@ -65,15 +65,17 @@ import threading
 import time
 import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
-import openai
 from loguru import logger
 
 from ..config.options import Option, option_defaults
 from ..markers import hookimpl
 from ..runtime.inference import CompletionResult, InferenceClient, InferenceError, SamplingParams
 from ..tool_calls import parse_tool_calls
+
+if TYPE_CHECKING:
+    import openai
 
 __all__ = ["OpenAICompatibleClient"]
 
@@ -117,6 +119,7 @@ class OpenAICompatibleClient(InferenceClient):
         return []
 
     def __init__(self, config: Any):
+        import openai  # here: `nexrl validate` and runs without this client skip its 1 s import
         super().__init__(config)
         config = self.config
         url = config["url"] or config["base_url"]
@@ -202,6 +205,7 @@ class OpenAICompatibleClient(InferenceClient):
 
     def _post(self, chat: bool, model: str, payload: Any, params: SamplingParams, timeout: float,
               tools: list[dict[str, Any]] | None = None) -> Any:
+        import openai
         kwargs: dict[str, Any] = {
             "model": model,
             "max_tokens": int(params.max_tokens),
@@ -262,6 +266,7 @@ class OpenAICompatibleClient(InferenceClient):
             return self.model
 
     def _with_retries(self, what: str, attempt: Callable[[float], T]) -> T:
+        import openai
         start = time.monotonic()
         deadline = start + self.max_retry_time
         attempts = 0

@@ -27,12 +27,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from tinker import types
 
 from nexrl_core import DataError, trajectory_segments
+
+if TYPE_CHECKING:  # tinker's import takes a second: only a run that uses it pays
+    from tinker import types
 
 RL_LOSSES = ("importance_sampling", "ppo")
 LOSSES = ("cross_entropy",) + RL_LOSSES
@@ -72,6 +74,8 @@ def build_datum(prompt_ids: Sequence[int], response_ids: Sequence[int], loss_fn:
             adv = _per_token(advantages, r, name, "advantages")
         inputs["logprobs"] = _place(_per_token(sampling_logprobs, r, name, "response_logprobs"), n, r)
         inputs["advantages"] = _place(adv * mask, n, r)
+    from tinker import types
+
     return types.Datum(model_input=types.ModelInput.from_ints(full[:-1]), loss_fn_inputs=inputs)
 
 

@@ -30,15 +30,17 @@ import math
 import os
 import threading
 from collections.abc import Mapping
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 from loguru import logger
-from tinker import types
 
 from nexrl_core import REQUIRED, ConfigError, DataError, Option, StepResult, TrainService, bind, check_options
 
 from .remote import CONNECTION_OPTIONS, RemoteCalls, TinkerRequestError, plain_section, resolve_connection
+
+if TYPE_CHECKING:  # tinker's import takes a second: only a run that uses it pays
+    from tinker import types
 
 LR_SCHEDULES = ("constant", "linear", "cosine")
 STATE_FILE = "tinker_state.json"
@@ -229,6 +231,8 @@ class TinkerTrainService(TrainService):
         """Submit one AdamW step at the scheduled learning rate (the step counter moves on submission)."""
         training = self.training_client
         lr = self.schedule(self.optimizer_steps)
+        from tinker import types
+
         params = types.AdamParams(learning_rate=lr, **self.adam)
         request = f"optim_step {self.optimizer_steps + 1} (lr {lr:.3g}) of {training.model_id}"
         future = self._calls.run(request, lambda: training.optim_step(params))
