@@ -494,3 +494,29 @@ def test_bad_speed_flag_in_a_recipe_is_one_clean_error(tiny_model_dir, tmp_path,
     assert message in err
     assert "Traceback" not in err and "Traceback" not in out
 
+
+
+@pytest.mark.parametrize("temperature,rows", [(1.0, ROWS), ("per row", SAME_FIRST_TOKEN)])
+def test_above_its_budget_the_head_scores_row_slices_with_the_numbers_of_full_logits(
+        tiny_model_and_tokenizer, monkeypatch, temperature, rows):
+    """A budget of 3 rows of logits: the fused head goes through the rows 3 at a time and its backward
+    computes each slice's logits again; log-probs and every gradient equal the path through full
+    logits (a target picked by two rows and per-row temperatures included)."""
+    import nexrl_torch.logprobs as modeling
+
+    model, _ = tiny_model_and_tokenizer
+    model.train()
+    ids, mask, pos, resp_w, groups = padded_batch(rows)
+    temps = torch.tensor([0.7, 0.7, 1.3, 0.5, 1.0, 2.0, 1.0]) if temperature == "per row" else temperature
+    response_mask = mask[:, -resp_w:].float()
+    weights = torch.randn(response_mask.shape, generator=torch.Generator().manual_seed(4))
+    monkeypatch.setattr(modeling, "_SAVED_LOGITS_BUDGET", 3 * 4 * model.config.vocab_size)
+    sliced = compute_response_logprobs_packed(model, ids, mask, pos, resp_w, groups, temps)
+    sliced_grads = grads_of(model, sliced, response_mask, weights)
+    monkeypatch.setattr(modeling, "_fused_head", lambda model: None)
+    full = compute_response_logprobs_packed(model, ids, mask, pos, resp_w, groups, temps)
+    full_grads = grads_of(model, full, response_mask, weights)
+    torch.testing.assert_close(sliced, full, atol=1e-6, rtol=1e-6)
+    assert set(sliced_grads) == set(full_grads)
+    for name in full_grads:
+        torch.testing.assert_close(sliced_grads[name], full_grads[name], atol=1e-5, rtol=1e-5, msg=name)

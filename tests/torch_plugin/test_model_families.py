@@ -124,3 +124,58 @@ def test_lora_adapters_train_on_each_family(family, family_dirs):
     service.model.eval()
     with torch.no_grad():
         assert torch.allclose(plain(input_ids=ids).logits, service.model(input_ids=ids).logits, atol=1e-4)
+
+
+def _largest_saved_activation(model, run) -> tuple[int, object]:
+    """Bytes of the largest tensor autograd keeps for the backward while ``run()`` runs (parameters
+    and views of them left out: what a forward holds on to until its backward), and what it returned."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    largest = 0
+
+    def pack(tensor):
+        nonlocal largest
+        if tensor.untyped_storage().data_ptr() not in params:
+            largest = max(largest, tensor.numel() * tensor.element_size())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        out = run()
+    return largest, out
+
+
+def test_a_qwen3_vocabulary_never_keeps_token_by_vocabulary_logits(tmp_path, monkeypatch):
+    """Qwen3's 151,936-word head over 512 scored positions: float32 logits [512, V] would be 311 MB
+    kept from the forward to the backward. The packed forward keeps none above its budget (256 MiB):
+    the rows go through in slices and the backward computes them again; log-probs and gradients
+    are those of the path that keeps them."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import nexrl_torch.logprobs as modeling
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("qwen3", vocab_size=151936, **{**COMMON, "num_hidden_layers": 1})
+    model = AutoModelForCausalLM.from_config(config).train()
+    g = torch.Generator().manual_seed(3)
+    rows, prompt, response = 8, 16, 64
+    ids = torch.randint(3, 151936, (rows, prompt + response), generator=g)
+    mask = torch.ones_like(ids)
+    pos = position_ids_from_mask(mask)
+    weights = torch.randn(rows, response, generator=g)
+    logits_bytes = rows * response * 151936 * 4
+    assert logits_bytes > modeling._SAVED_LOGITS_BUDGET and len(modeling._row_slices(rows * response, 151936)) == 2
+
+    def run():
+        model.zero_grad(set_to_none=True)
+        logprobs = compute_response_logprobs_packed(model, ids, mask, pos, response, temperature=0.9)
+        (logprobs * weights).sum().backward()
+        return logprobs.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    sliced_largest, (sliced, sliced_grads) = _largest_saved_activation(model, run)
+    assert sliced_largest < modeling._SAVED_LOGITS_BUDGET, sliced_largest
+    monkeypatch.setattr(modeling, "_SAVED_LOGITS_BUDGET", 2 * logits_bytes)
+    kept_largest, (kept, kept_grads) = _largest_saved_activation(model, run)
+    assert kept_largest >= logits_bytes  # the check sees the logits when they are kept
+    torch.testing.assert_close(sliced, kept, atol=1e-5, rtol=1e-5)
+    assert set(sliced_grads) == set(kept_grads)
+    for name, grad in kept_grads.items():
+        torch.testing.assert_close(sliced_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)

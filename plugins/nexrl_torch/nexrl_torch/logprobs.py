@@ -410,33 +410,90 @@ class _TargetLogprobs(torch.autograd.Function):
     :func:`token_logprobs`, without the vocabulary-sized copies in between: the backward turns the
     saved float32 logits into the softmax in place and adds each target's one-hot there (the LM
     head's output gradient), where autograd would allocate, zero and gather several ``[N, V]``
-    tensors. On SmolLM2 that is 7% of a GRPO step's forward and backward (fp32 and bf16)."""
+    tensors. On SmolLM2 that is 7% of a GRPO step's forward and backward (fp32 and bf16).
+
+    Logits larger than :data:`_SAVED_LOGITS_BUDGET` are never kept: the rows go through in slices,
+    only each row's log-sum-exp is saved, and the backward computes each slice's logits again."""
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, pick: torch.Tensor, targets: torch.Tensor,
                 temperature: torch.Tensor | None) -> torch.Tensor:
-        logits, lse = _logits_and_logsumexp(hidden, weight, temperature)
-        result = logits[pick, targets] - lse[pick]
-        ctx.save_for_backward(hidden, weight, pick, targets, temperature, logits, lse)
+        slices = _row_slices(hidden.shape[0], weight.shape[0])
+        if len(slices) == 1:
+            logits, lse = _logits_and_logsumexp(hidden, weight, temperature)
+            ctx.save_for_backward(hidden, weight, pick, targets, temperature, logits, lse)
+            return logits[pick, targets] - lse[pick]
+        lse = hidden.new_empty(hidden.shape[0], dtype=torch.float32)
+        result = hidden.new_empty(pick.shape[0], dtype=torch.float32)
+        for rows in slices:
+            logits, slice_lse = _logits_and_logsumexp(hidden[rows], weight, _part(temperature, rows))
+            lse[rows] = slice_lse
+            here = _in_slice(pick, rows)
+            result[here] = logits[pick[here] - rows.start, targets[here]] - lse[pick[here]]
+        ctx.save_for_backward(hidden, weight, pick, targets, temperature, None, lse)
         return result
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        hidden, weight, pick, targets, temperature, logits, lse = ctx.saved_tensors
-        rows, vocab = logits.shape
-        per_row = grad.new_zeros(rows).index_add_(0, pick, grad)  # d/d lse: every target of the row
-        logits = logits.sub_(lse[:, None]).exp_().mul_(-per_row[:, None])
-        logits.view(-1).index_add_(0, pick * vocab + targets, grad)
-        if temperature is not None:
-            logits.div_(temperature[:, None])
-        grad_logits = logits.to(weight.dtype)
-        grad_hidden = torch.matmul(grad_logits, weight) if ctx.needs_input_grad[0] else None
-        grad_weight = None
-        if ctx.needs_input_grad[1]:
-            grad_weight = torch.empty_like(weight)
-            for chunk in _vocab_chunks(vocab):
-                torch.mm(grad_logits[:, chunk].t(), hidden, out=grad_weight[chunk])
+        hidden, weight, pick, targets, temperature, saved_logits, lse = ctx.saved_tensors
+        per_row = grad.new_zeros(hidden.shape[0]).index_add_(0, pick, grad)  # d/d lse: every target of the row
+        if saved_logits is not None:
+            grad_logits = _head_output_grad(saved_logits, lse, per_row, pick, targets, grad, temperature, weight.dtype)
+            grad_hidden = torch.matmul(grad_logits, weight) if ctx.needs_input_grad[0] else None
+            grad_weight = None
+            if ctx.needs_input_grad[1]:
+                grad_weight = torch.empty_like(weight)
+                for chunk in _vocab_chunks(weight.shape[0]):
+                    torch.mm(grad_logits[:, chunk].t(), hidden, out=grad_weight[chunk])
+            return grad_hidden, grad_weight, None, None, None
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        # float32 sums over the slices: a bf16 accumulator would round once per slice
+        grad_weight_sum = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
+        for rows in _row_slices(hidden.shape[0], weight.shape[0]):
+            logits, _ = _logits_and_logsumexp(hidden[rows], weight, _part(temperature, rows), logsumexp=False)
+            here = _in_slice(pick, rows)
+            grad_logits = _head_output_grad(logits, lse[rows], per_row[rows], pick[here] - rows.start, targets[here],
+                                            grad[here], _part(temperature, rows), weight.dtype)
+            if grad_hidden is not None:
+                torch.matmul(grad_logits, weight, out=grad_hidden[rows])
+            if grad_weight_sum is not None:
+                grad_weight_sum.addmm_(grad_logits.t().float(), hidden[rows].float())
+        grad_weight = None if grad_weight_sum is None else grad_weight_sum.to(weight.dtype)
         return grad_hidden, grad_weight, None, None, None
+
+
+def _head_output_grad(logits: torch.Tensor, lse: torch.Tensor, per_row: torch.Tensor, pick: torch.Tensor,
+                      targets: torch.Tensor, grad: torch.Tensor, temperature: torch.Tensor | None,
+                      dtype: torch.dtype) -> torch.Tensor:
+    """The LM head's output gradient, made in place of ``logits`` (float32 ``[rows, V]``): each row's
+    softmax times minus its targets' summed gradient, plus each target's own gradient."""
+    vocab = logits.shape[1]
+    logits = logits.sub_(lse[:, None]).exp_().mul_(-per_row[:, None])
+    logits.view(-1).index_add_(0, pick * vocab + targets, grad)
+    if temperature is not None:
+        logits.div_(temperature[:, None])
+    return logits.to(dtype)
+
+
+# The most float32 logits the fused LM head keeps for its backward (bytes). Above it the rows go
+# through in slices and the backward computes them again (one more head matmul) rather than keep
+# [tokens, vocab]: 4,096 tokens at Qwen3's 151,936 words would be 2.5 GB. SmolLM2's quickstart
+# steps stay under it and keep the faster path.
+_SAVED_LOGITS_BUDGET = 256 * 2**20
+
+
+def _row_slices(rows: int, vocab: int) -> list[slice]:
+    per_slice = max(1, _SAVED_LOGITS_BUDGET // (4 * vocab))
+    return [slice(start, min(start + per_slice, rows)) for start in range(0, max(rows, 1), per_slice)]
+
+
+def _part(temperature: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
+    return None if temperature is None else temperature[rows]
+
+
+def _in_slice(pick: torch.Tensor, rows: slice) -> torch.Tensor:
+    """Indices of the targets whose row is in ``rows``."""
+    return ((pick >= rows.start) & (pick < rows.stop)).nonzero().squeeze(-1)
 
 
 class _TiedHead:
@@ -516,11 +573,11 @@ def _vocab_chunks(vocab: int) -> list[slice]:
     return [slice(start, min(start + _VOCAB_CHUNK, vocab)) for start in range(0, vocab, _VOCAB_CHUNK)]
 
 
-def _logits_and_logsumexp(hidden: torch.Tensor, weight: torch.Tensor,
-                          temperature: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _logits_and_logsumexp(hidden: torch.Tensor, weight: torch.Tensor, temperature: torch.Tensor | None,
+                          logsumexp: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """float32 ``hidden @ weight.T / temperature`` (``[N, V]``) and its log-sum-exp per row, a slice of
     the vocabulary at a time: each slice's log-sum-exp is taken while the slice is still in cache (18 ms
-    of SmolLM2's 40 ms for 400 rows), then the slices' are combined."""
+    of SmolLM2's 40 ms for 400 rows), then the slices' are combined. Without ``logsumexp``: None."""
     logits = hidden.new_empty((hidden.shape[0], weight.shape[0]), dtype=torch.float32)
     parts = []
     for chunk in _vocab_chunks(weight.shape[0]):
@@ -531,8 +588,9 @@ def _logits_and_logsumexp(hidden: torch.Tensor, weight: torch.Tensor,
             piece.copy_(torch.mm(hidden, weight[chunk].t()))
         if temperature is not None:
             piece.div_(temperature[:, None])
-        parts.append(torch.logsumexp(piece, dim=-1))
-    return logits, torch.logsumexp(torch.stack(parts, dim=-1), dim=-1)
+        if logsumexp:
+            parts.append(torch.logsumexp(piece, dim=-1))
+    return logits, torch.logsumexp(torch.stack(parts, dim=-1), dim=-1) if logsumexp else None
 
 
 @contextlib.contextmanager
