@@ -6,6 +6,7 @@ from . import algorithms
 from .api import run
 from .config.bound import BoundConfig, UndeclaredKey, bind, declared_value
 from .config.options import REQUIRED, Capabilities, Option, check_options, component_options
+from .config.settings import Settings, setting
 from .controller import NexRLController, RunFailed, RunSummary
 from .dataloader import BaseDataLoader
 from .errors import ConfigError, DataError, ErrorReporter, ErrorSeverity, NexRLError, PluginError
@@ -57,13 +58,13 @@ __all__ = [
     "GroupedTrajectoryStore", "HierarchicalTrajectoryStore", "InferenceClient", "InferenceError", "ItemFailure", "MetricsSink",
     "ModelTag", "ModuleUnavailable", "NexRLController", "NexRLError", "NexRLModule", "NexRLRole",
     "OpenAICompatibleClient", "Option", "PluginError", "PluginManager", "REQUIRED", "RpcTimeout", "RunFailed",
-    "RunSummary", "SamplingParams", "SimpleRolloutWorker", "SimpleTrajectoryStore", "StartedProcess", "StepResult",
+    "RunSummary", "SamplingParams", "Settings", "SimpleRolloutWorker", "SimpleTrajectoryStore", "StartedProcess", "StepResult",
     "ThreadedModule", "TrainService", "Trajectory", "TrajectoryPool", "TrajectoryPoolInstance", "UndeclaredKey", "Validator",
     "WeightSyncBackend", "WeightSyncController", "algorithms", "as_text_messages", "bind", "check_options", "declared_value",
     "component_options", "deferred", "demote_library_log", "execute", "execute_async", "execute_with_timeout",
     "get_plugin_manager", "hookimpl", "parse_tool_calls", "processes_are_actors", "render_tool_calls", "rendezvous_host",
     "share", "start_objects", "start_processes",
-    "run", "tools_system_prompt", "trajectory_reward", "trajectory_segments",
+    "run", "setting", "tools_system_prompt", "trajectory_reward", "trajectory_segments",
 ]
 
 # Built-ins (and the `openai` package the client needs) load on first use: a broken built-in

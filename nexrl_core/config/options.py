@@ -168,11 +168,15 @@ _warned_legacy: set[str] = set()
 
 
 def component_options(cls: type, attr: str = "OPTIONS", legacy: str = "CONFIG_KEYS") -> dict[str, Option] | None:
-    """The options ``cls`` declares (``OPTIONS``, or the older ``CONFIG_KEYS``), merged along
-    its class hierarchy. None when no class in the hierarchy declares any."""
+    """The options ``cls`` declares (a typed ``SETTINGS`` class, ``OPTIONS``, or the older
+    ``CONFIG_KEYS``), merged along its class hierarchy. None when no class in the hierarchy declares any."""
     merged: dict[str, Option] = {}
     found = False
     for klass in reversed(cls.__mro__):
+        settings = klass.__dict__.get("SETTINGS") if attr == "OPTIONS" else None
+        if settings is not None:  # a typed settings class (nexrl_core.Settings): its fields are the options
+            found = True
+            merged.update(settings.options())
         own = klass.__dict__.get(attr)
         old = klass.__dict__.get(legacy) if legacy else None
         if old is not None:
@@ -486,8 +490,10 @@ class _Spec:
         if k in words:
             return words[k]
         if k == "list":
-            return "a list" if self.item is None or self.item.kind == "any" else \
-                f"a list of {_plural(self.item.describe())}"
+            if self.item is None or self.item.kind == "any":
+                return "a list"
+            kinds = [_plural(p.describe()) for p in (self.item.parts if self.item.kind == "union" else (self.item,))]
+            return f"a list of {' or '.join(kinds)}"
         if k == "dict":
             return "a mapping"
         if k == "literal":

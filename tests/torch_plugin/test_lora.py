@@ -117,3 +117,65 @@ def test_a_checkpoint_and_a_recipe_that_disagree_on_lora_are_refused(tiny_model_
 def test_bad_lora_settings_name_the_key(tiny_model_dir):
     with pytest.raises(ValueError, match="lora.target_modules"):
         LocalTorchTrainService({"model_path": tiny_model_dir, "lora": {**LORA, "target_modules": ["no_such_proj"]}})
+
+
+def test_a_bfloat16_base_halves_the_frozen_weights_and_the_float32_adapters_train(tiny_model_dir, tmp_path):
+    """``lora.base_dtype: bfloat16`` (with the service's bf16 autocast): the frozen base weighs half
+    of the float32 one, the adapters and what AdamW holds stay float32, the step trains them, the
+    engine is sent the merged model in bf16, and a resume from a checkpoint is bit-exact."""
+    def service(**extra):
+        return LocalTorchTrainService({"model_path": tiny_model_dir, "lr": 1e-2, "seed": 3, "dtype": "bfloat16",
+                                       "micro_batch_size": 4, "lora": {**LORA, **extra}})
+
+    def frozen_bytes(svc):
+        return sum(p.numel() * p.element_size() for p in svc.model.parameters() if not p.requires_grad)
+
+    half, full = service(base_dtype="bfloat16"), service()
+    assert frozen_bytes(half) * 2 == frozen_bytes(full)
+    assert {p.dtype for p in half.model.parameters() if not p.requires_grad} == {torch.bfloat16}
+    trainable = [p for p in half.model.parameters() if p.requires_grad]
+    assert trainable and {p.dtype for p in trainable} == {torch.float32}
+    base = full.export_weights(copy=True)
+
+    batches = [random_batch(seed) for seed in range(4)]
+    for batch in batches[:2]:
+        assert train_step(half, batch)["grad_norm"] > 0
+    merged = half.export_weights()
+    assert merged["model.layers.0.self_attn.q_proj.weight"].dtype == torch.bfloat16
+    assert not torch.equal(merged["model.layers.0.self_attn.q_proj.weight"].float(),
+                           base["model.layers.0.self_attn.q_proj.weight"].to(torch.bfloat16).float())
+    assert torch.equal(merged["model.norm.weight"], base["model.norm.weight"].to(torch.bfloat16))  # not adapted
+
+    half.save_checkpoint(tmp_path / "ckpt", {"global_step": 2})
+    state = torch.get_rng_state()
+    for batch in batches[2:]:
+        train_step(half, batch)
+    resumed = service(base_dtype="bfloat16")
+    resumed.load_checkpoint(tmp_path / "ckpt")
+    torch.set_rng_state(state)
+    for batch in batches[2:]:
+        train_step(resumed, batch)
+    assert same_weights(half.export_weights(), resumed.export_weights())
+
+
+def test_a_bfloat16_base_needs_the_bf16_autocast(tiny_model_dir):
+    with pytest.raises(ValueError, match=r"lora.base_dtype: bfloat16 needs dtype: bfloat16"):
+        LocalTorchTrainService({"model_path": tiny_model_dir, "lora": {**LORA, "base_dtype": "bfloat16"}})
+
+
+def test_validate_and_run_refuse_a_bfloat16_base_without_the_bf16_autocast(tiny_model_dir, tmp_path, capsys):
+    import yaml
+
+    from nexrl_core.cli import main
+    from tests.support.letters import tiny_grpo_recipe
+
+    recipe = tiny_grpo_recipe(tmp_path / "run", tiny_model_dir, group=2, steps=1,
+                              service={"train_service": {"lora": {"base_dtype": "bfloat16"}}})
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    for command in ("validate", "run"):
+        assert main([command, str(path)]) == 2
+        err = capsys.readouterr().err
+        assert "service.train_service.lora.base_dtype: does nothing without service.train_service.dtype: bfloat16" \
+            in err, err
+    assert not (tmp_path / "run").exists()

@@ -100,13 +100,14 @@ def test_closed_client_refuses_requests(fake_vllm):
     ({"url": "127.0.0.1:8000"}, "url: expected an http(s) URL"),
     ({"url": "http://127.0.0.1:1", "tensor_parallel_size": 2}, "tensor_parallel_size only apply"),
     ({"model_path": "/no/such/folder", "command": "fake"}, "model_path: '/no/such/folder' is not a folder"),
-    ({"model_path": ".", "command": "fake", "tensor_parallel_size": 0}, "tensor_parallel_size: expected an integer"),
+    ({"model_path": ".", "command": "fake", "tensor_parallel_size": 0}, "tensor_parallel_size: expected a positive integer"),
     ({"model_path": ".", "command": "fake", "gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
     ({"model_path": ".", "command": "fake", "logprobs_mode": "raw_logits"}, "logprobs_mode: 'raw_logits'"),
     ({"model_path": ".", "command": "fake", "weight_transfer": "rdma"}, "weight_transfer: 'rdma'"),
     ({"model_path": ".", "command": [], "port": 1}, "command: the command is empty"),
     ({"model_path": ".", "command": "fake", "port": 70000}, "port: expected an integer"),
-    ({"model_path": ".", "command": "fake", "dev_endpoints": "yes"}, "dev_endpoints: expected null"),
+    ({"model_path": ".", "command": "fake", "dev_endpoints": "yes"}, "dev_endpoints: expected a boolean or null"),
+    ({"model_path": ".", "command": "fake", "extra_args": "--enforce-eager"}, "extra_args: expected a list of strings"),
 ])
 def test_bad_config_is_one_clear_error(config, wording):
     problems = VLLMClient.check_config(config, "service.inference_service")

@@ -19,12 +19,13 @@ format, the retries and the answer checks); this class adds what is vLLM's own:
   after the update and carries the new version.
 
 Config (``service.inference_service`` with ``backend: vllm``): ``url`` to attach, or
-``model_path`` to serve; the other keys are in :data:`VLLMClient.OPTIONS` and docs/vllm.md.
+``model_path`` to serve; the other keys are in :class:`VLLMServeSettings` and docs/vllm.md.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import os
 import shutil
@@ -33,6 +34,7 @@ import sys
 import threading
 import types
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from loguru import logger
@@ -45,9 +47,11 @@ from nexrl_core import (
     ConfigError,
     InferenceError,
     OpenAICompatibleClient,
-    Option,
     SamplingParams,
+    Settings,
+    check_options,
     declared_value,
+    setting,
 )
 
 from .control import PAUSE_MODES, SyncPhaseError, VLLMControl
@@ -64,33 +68,37 @@ INSTALL_HINT = ("starting `vllm serve` needs vLLM: pip install 'nexrl-vllm[cpu]'
 
 # The core client's keys this backend passes through (declared in OpenAICompatibleClient.OPTIONS).
 _CLIENT_KEYS = ("url", "api_key", "model", "timeout", "max_retries", "retry_backoff", "max_retry_time")
-# Typed by their defaults; parse_serve_options checks ranges and choices (validate and run alike).
-_SERVE_OPTIONS = {
-    "model_path": Option(None, help="start `vllm serve MODEL_PATH` (excludes url): a model folder, a Hub id, or the "
-                                    "embedded smollm2-135m-instruct (converted once, with nexrl-torch)"),
-    "command": Option(None, help="the executable and subcommand, a string or a list (default: vllm serve)"),
-    "host": Option("127.0.0.1", help="where a managed server listens"),
-    "port": Option(None, help="its port (default: a free one)"),
-    "tensor_parallel_size": Option(1, help="vLLM's --tensor-parallel-size"),
-    "gpu_memory_utilization": Option(0.9, help="vLLM's --gpu-memory-utilization, in (0, 1]"),
-    "dtype": Option("auto", help="vLLM's --dtype"),
-    "max_model_len": Option(None, help="vLLM's --max-model-len (default: vLLM's)"),
-    "logprobs_mode": Option("processed_logprobs", help="--logprobs-mode: log-probs of the distribution sampled "
-                                                       "from (processed_logprobs) or of the raw logits"),
-    "weight_transfer": Option(None, help="nccl: start with vLLM's NCCL weight-transfer engine (for weight.backend: "
-                                         "vllm_nccl)"),
-    "dev_endpoints": Option(None, help="vLLM's development routes (pause, reload, weight transfer); null: on only "
-                                       "when host is a loopback address"),
-    "enable_lora": Option(False, help="serve LoRA adapters (--enable-lora, runtime adapter loading): for weight.backend "
-                                      "vllm_lora, which pushes only the adapter"),
-    "max_lora_rank": Option(16, help="vLLM's --max-lora-rank: the largest adapter rank it accepts (with enable_lora)"),
-    "extra_args": Option([], help="more `vllm serve` arguments"),
-    "env": Option({}, help="environment variables of the server process"),
-    "startup_timeout": Option(900.0, help="seconds for the server to answer /health and /v1/models"),
-    "shutdown_grace": Option(15.0, help="seconds between SIGTERM and SIGKILL at shutdown"),
-    "log_file": Option(None, help="the server's output (default: <run_dir>/vllm_server.log)"),
-}
-_SERVE_KEYS = {key: opt.default for key, opt in _SERVE_OPTIONS.items()}
+@dataclass(frozen=True, kw_only=True)
+class VLLMServeSettings(Settings):
+    """The keys of a server nexrl starts itself (``model_path``), next to the OpenAI client's own."""
+
+    model_path: str | None = setting(None, "start `vllm serve MODEL_PATH` (excludes url): a model folder, a Hub id, "
+                                           "or the embedded smollm2-135m-instruct (converted once, with nexrl-torch)")
+    command: str | list[str] | None = setting(None, "the executable and subcommand, a string or a list (default: "
+                                                    "vllm serve)")
+    host: str = setting("127.0.0.1", "where a managed server listens")
+    port: int | None = setting(None, "its port (default: a free one)", ge=1, le=65535)
+    tensor_parallel_size: int = setting(1, "vLLM's --tensor-parallel-size", ge=1)
+    gpu_memory_utilization: float = setting(0.9, "vLLM's --gpu-memory-utilization", ge=0.01, le=1.0)
+    dtype: str = setting("auto", "vLLM's --dtype")
+    max_model_len: int | None = setting(None, "vLLM's --max-model-len (default: vLLM's)", ge=1)
+    logprobs_mode: str = setting("processed_logprobs", "--logprobs-mode: log-probs of the distribution sampled from "
+                                                       "(processed_logprobs) or of the raw logits; training needs "
+                                                       "log-probs, and processed_logprobs matches the trainer's "
+                                                       "temperature", choices=LOGPROBS_MODES)
+    weight_transfer: str | None = setting(None, "nccl: start with vLLM's NCCL weight-transfer engine (for "
+                                                "weight.backend: vllm_nccl)", choices=WEIGHT_TRANSFER_BACKENDS)
+    dev_endpoints: bool | None = setting(None, "vLLM's development routes (pause, reload, weight transfer); null: "
+                                               "on only when host is a loopback address")
+    enable_lora: bool = setting(False, "serve LoRA adapters (--enable-lora, runtime adapter loading): for "
+                                       "weight.backend vllm_lora, which pushes only the adapter")
+    max_lora_rank: int = setting(16, "vLLM's --max-lora-rank: the largest adapter rank it accepts (with "
+                                     "enable_lora)", ge=1)
+    extra_args: list[str | int | float] = setting([], "more `vllm serve` arguments")
+    env: dict[str, str | int | float | bool] = setting({}, "environment variables of the server process")
+    startup_timeout: float = setting(900.0, "seconds for the server to answer /health and /v1/models", ge=0.1)
+    shutdown_grace: float = setting(15.0, "seconds between SIGTERM and SIGKILL at shutdown", ge=0)
+    log_file: str | None = setting(None, "the server's output (default: <run_dir>/vllm_server.log)")
 
 
 def _bound(config: Any, section: str) -> BoundConfig:
@@ -119,120 +127,73 @@ def _run_dir(config: Any, relative_key: str = "...run_dir") -> str | None:
     return None
 
 
-def _number(cfg: BoundConfig, key: str, section: str, problems: list[str], kind: type = float,
-            low: float | None = None, high: float | None = None, allow_none: bool = False) -> Any:
-    value = _value(cfg, key)
-    if value is None and allow_none:
-        return None
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (kind is float or isinstance(value, int))
-    if ok and ((low is not None and value < low) or (high is not None and value > high)):
-        ok = False
-    if not ok:
-        bounds = f" in [{low:g}, {high:g}]" if low is not None and high is not None else \
-            (f" >= {low:g}" if low is not None else "")
-        problems.append(f"{section}.{key}: expected {'an integer' if kind is int else 'a number'}{bounds}, "
-                        f"got {value!r}")
-        return None
-    return kind(value)
-
-
 def parse_serve_options(config: Any, section: str = "service.inference_service") -> tuple[ServeOptions | None,
                                                                                           list[str]]:
     """The managed-server options (None when attaching by ``url``) and every problem found."""
-    problems: list[str] = []
     run_dir = _run_dir(config)  # off the recipe's node, before binding makes the section a plain one
     config = _bound(config, section)
-    url, model_path = _value(config, "url"), _value(config, "model_path")
-    if url and model_path:
+    own = {key: _value(config, key) for key in VLLMServeSettings.options()}
+    problems = VLLMServeSettings.check(own, section)
+    if problems:
+        return None, problems
+    serve, defaults = VLLMServeSettings.of(own), VLLMServeSettings()
+    url = _value(config, "url")
+    if url and serve.model_path:
         problems.append(f"{section}: set either `url` (attach to a running vLLM server) or `model_path` (start "
                         "`vllm serve`), not both")
-    if not url and not model_path:
+    if not url and not serve.model_path:
         problems.append(f"{section}: the vllm backend needs `url` (a running vLLM server, e.g. http://127.0.0.1:8000)"
                         " or `model_path` (a model folder or id to start `vllm serve` with)")
     if url and not str(url).startswith(("http://", "https://")):
         problems.append(f"{section}.url: expected an http(s) URL, got {url!r}")
-    served = [k for k in _SERVE_KEYS if k != "model_path" and _value(config, k) not in (None, [], {})
-              and _value(config, k) != _SERVE_KEYS[k]]
+    served = [key for key in own if key != "model_path" and getattr(serve, key) not in (None, [], {})
+              and getattr(serve, key) != getattr(defaults, key)]
     if url and served:
         problems.append(f"{section}: {', '.join(served)} only apply when nexrl starts the server (`model_path`); "
                         "with `url` set, configure the running server itself")
-    if not model_path or url:
+    if not serve.model_path or url:
         return None, problems
 
-    command_value = _value(config, "command")
     command, ours = ["vllm", "serve"], False
-    if command_value is not None:
+    if serve.command is not None:
         try:
-            command = parse_command(command_value, f"{section}.command")
+            command = parse_command(serve.command, f"{section}.command")
         except ValueError as exc:
             problems.append(str(exc))
     elif vllm_version() is not None:  # the vLLM next to nexrl, whichever distribution brought it
         command, ours = [sys.executable, "-m", "nexrl_vllm.vllm_cli", "serve"], True
     elif shutil.which("vllm") is None:
         problems.append(f"{section}: {INSTALL_HINT}")
-    path = str(model_path)
+    path = serve.model_path
     if path == EMBEDDED_MODEL:
         if importlib.util.find_spec("nexrl_torch") is None:
             problems.append(f"{section}.model_path: '{path}' is nexrl's embedded model, converted by nexrl-torch: "
                             "pip install nexrl-torch, or give a model folder or Hub id")
     elif (os.path.isabs(path) or path.startswith(".")) and not os.path.isdir(path):
         problems.append(f"{section}.model_path: '{path}' is not a folder")
-    enable_lora = _value(config, "enable_lora")
-    if not isinstance(enable_lora, bool):
-        problems.append(f"{section}.enable_lora: expected a boolean, got {enable_lora!r}")
-        enable_lora = False
-    max_lora_rank = _number(config, "max_lora_rank", section, problems, int, 1)
-    host = str(_value(config, "host"))
-    port = _number(config, "port", section, problems, int, 1, 65535, allow_none=True)
-    logprobs_mode = str(_value(config, "logprobs_mode"))
-    if logprobs_mode not in LOGPROBS_MODES:
-        problems.append(f"{section}.logprobs_mode: '{logprobs_mode}' is not one of {', '.join(LOGPROBS_MODES)} "
-                        "(training needs log-probs; processed_logprobs matches the trainer's temperature)")
-    transfer = _value(config, "weight_transfer")
-    if transfer is not None and transfer not in WEIGHT_TRANSFER_BACKENDS:
-        problems.append(f"{section}.weight_transfer: '{transfer}' is not one of null, "
-                        f"{', '.join(WEIGHT_TRANSFER_BACKENDS)}")
-    dev = _value(config, "dev_endpoints")
-    if dev is not None and not isinstance(dev, bool):
-        problems.append(f"{section}.dev_endpoints: expected null (on for a loopback host) or a boolean, got {dev!r}")
-        dev = None
-    extra = _value(config, "extra_args")
-    if not isinstance(extra, list):
-        problems.append(f"{section}.extra_args: expected a list of strings, got {extra!r}")
-        extra = []
-    env = _value(config, "env")
-    if not isinstance(env, dict):
-        problems.append(f"{section}.env: expected a mapping of environment variables, got {env!r}")
-        env = {}
-    log_file = _value(config, "log_file")
-    if not log_file:
-        log_file = os.path.join(run_dir or ".", "vllm_server.log")
     opts = ServeOptions(
-        model_path=path, command=command, host=host, port=port,
-        served_model_name=_value(config, "model"),
-        tensor_parallel_size=_number(config, "tensor_parallel_size", section, problems, int, 1),
-        gpu_memory_utilization=_number(config, "gpu_memory_utilization", section, problems, float, 0.01, 1.0),
-        dtype=str(_value(config, "dtype")), max_lora_rank=max_lora_rank if enable_lora else None,
+        model_path=path, command=command, host=serve.host, port=serve.port,
+        served_model_name=_value(config, "model"), tensor_parallel_size=serve.tensor_parallel_size,
+        gpu_memory_utilization=serve.gpu_memory_utilization, dtype=serve.dtype,
+        max_lora_rank=serve.max_lora_rank if serve.enable_lora else None,
         worker_extension=ours,  # the vLLM next to nexrl can import nexrl_vllm's worker extension
-        max_model_len=_number(config, "max_model_len", section, problems, int, 1, allow_none=True),
-        logprobs_mode=logprobs_mode, weight_transfer=transfer,
+        max_model_len=serve.max_model_len, logprobs_mode=serve.logprobs_mode, weight_transfer=serve.weight_transfer,
         # Development routes (pause, reload, weight transfer) change the served weights: only on loopback
         # unless the recipe asks for them.
-        dev_endpoints=is_loopback(host) if dev is None else dev,
-        extra_args=[str(a) for a in extra], env={str(k): str(v) for k, v in env.items()},
-        api_key=_value(config, "api_key"),
-        startup_timeout=_number(config, "startup_timeout", section, problems, float, 0.1),
-        shutdown_grace=_number(config, "shutdown_grace", section, problems, float, 0.0),
-        log_file=str(log_file))
+        dev_endpoints=is_loopback(serve.host) if serve.dev_endpoints is None else serve.dev_endpoints,
+        extra_args=[str(a) for a in serve.extra_args], env={k: str(v) for k, v in serve.env.items()},
+        api_key=_value(config, "api_key"), startup_timeout=serve.startup_timeout,
+        shutdown_grace=serve.shutdown_grace,
+        log_file=serve.log_file or os.path.join(run_dir or ".", "vllm_server.log"))
     return opts, problems
 
 
 class VLLMClient(OpenAICompatibleClient):
     # Loads new weights through vLLM's weight-update routes (only a vLLM weight sync drives them).
-    CAPABILITIES = Capabilities(provides={"inference:vllm"})
+    CAPABILITIES = Capabilities(provides=frozenset({"inference:vllm"}))
     """The ``vllm`` inference backend. See the module docstring."""
 
-    OPTIONS = _SERVE_OPTIONS  # next to the OpenAI client's own (url, api_key, model, timeout, retries)
+    SETTINGS = VLLMServeSettings  # next to the OpenAI client's OPTIONS (url, api_key, model, timeout, retries)
     # Compatibility declaration: the weight transports this service can receive (weight-sync
     # backends declare WEIGHT_TRANSPORT; `vllm_disk` and `vllm_nccl` say "vllm").
     ACCEPTS_WEIGHT_TRANSPORTS = ("vllm",)
@@ -241,10 +202,8 @@ class VLLMClient(OpenAICompatibleClient):
     def check_config(cls, section: Any, key: str) -> list[str]:
         problems = parse_serve_options(section, key)[1]
         cfg = _bound(section, key)
-        for name, kind, low in (("timeout", float, 0.001), ("max_retries", int, 0), ("retry_backoff", float, 0.0),
-                                ("max_retry_time", float, 0.0)):
-            _number(cfg, name, key, problems, kind, low)
-        return problems
+        client = {name: OpenAICompatibleClient.OPTIONS[name] for name in _CLIENT_KEYS}
+        return problems + check_options({name: _value(cfg, name) for name in _CLIENT_KEYS}, client, key)
 
     @classmethod
     def check_recipe(cls, recipe: Any) -> list[str]:
@@ -262,7 +221,8 @@ class VLLMClient(OpenAICompatibleClient):
         temperature, top_p, top_k = params.temperature, params.top_p, params.top_k
         service = _get(recipe, "service", "inference_service")
         try:
-            mode = declared_value(service if isinstance(service, Mapping) else None, "logprobs_mode", cls.OPTIONS)
+            mode = declared_value(service if isinstance(service, Mapping) else None, "logprobs_mode",
+                                  VLLMServeSettings.options())
         except ConfigError:
             return []
         if mode == "raw_logprobs" and temperature not in (0, 1):
@@ -377,8 +337,11 @@ class VLLMClient(OpenAICompatibleClient):
                     for i, (prompt_ids, response_ids, _) in enumerate(rows)]
 
         calls = [[row] for row in requests] if self.lora_enabled else [list(requests)]
-        return [scores for rows in calls for scores in self._with_retries(
-            "POST /completions (prompt_logprobs)", lambda timeout, rows=rows: attempt(rows, timeout))]
+        scored: list[list[float]] = []
+        for rows in calls:
+            scored += self._with_retries("POST /completions (prompt_logprobs)",
+                                         functools.partial(attempt, rows))
+        return scored
 
     def _given_token_logprobs(self, choice: Any, prompt_ids: list[int], response_ids: list[int]) -> list[float]:
         entries = choice.get("prompt_logprobs") if isinstance(choice, dict) else None
@@ -465,21 +428,23 @@ class VLLMClient(OpenAICompatibleClient):
     def server_exit(self, wait: float = 0.0) -> str | None:
         """"the vLLM server (pid N) exited with code C" when the server nexrl started is gone (given up
         to ``wait`` seconds to finish dying: a request may fail while it is being killed), else None."""
-        if self.server is None:
+        server = self.server
+        if server is None or server.proc is None:
             return None
-        if wait and self.server.alive():
+        if wait and server.alive():
             with contextlib.suppress(subprocess.TimeoutExpired):
-                self.server.proc.wait(wait)
-        if self.server.alive():
+                server.proc.wait(wait)
+        if server.alive():
             return None
-        return f"the vLLM server (pid {self.server.pid}) exited with code {self.server.proc.returncode}"
+        return f"the vLLM server (pid {server.pid}) exited with code {server.proc.returncode}"
 
     def health_check(self) -> bool:
         gone = self.server_exit()
         if gone:
-            if not self._death_reported:
+            if not self._death_reported and self.server is not None:
                 self._death_reported = True
-                logger.error(f"{gone}; last lines of {self.server.opts.log_file}:\n{log_tail(self.server.opts.log_file)}")
+                log_file = self.server.opts.log_file
+                logger.error(f"{gone}; last lines of {log_file}:\n{log_tail(log_file)}")
             return False
         try:
             return self.control.call("health", "GET", "/health", timeout=5.0) is not NotImplemented

@@ -59,7 +59,7 @@ def request(base_url: str, method: str, path: str, *, body: Any = None, params: 
     """One HTTP request on a fresh connection (stdlib only; no proxy, whatever the environment says)."""
     url = urlparse(base_url)
     conn_cls = http.client.HTTPSConnection if url.scheme == "https" else http.client.HTTPConnection
-    conn = conn_cls(url.hostname, url.port, timeout=timeout)
+    conn = conn_cls(url.hostname or "", url.port, timeout=timeout)
     target = (url.path.rstrip("/") + path) + (f"?{urlencode(params)}" if params else "")
     data = json.dumps(body).encode() if body is not None else None
     all_headers = {"Content-Type": "application/json", **(headers or {})} if data is not None else dict(headers or {})

@@ -227,6 +227,7 @@ class ManagedVLLMServer:
         deadline = time.monotonic() + float(self.opts.startup_timeout)
         headers = {"Authorization": f"Bearer {self.opts.api_key}"} if self.opts.api_key else {}
         last = "no answer yet"
+        assert self.proc is not None  # started
         while True:
             code = self.proc.poll()
             if code is not None:

@@ -76,7 +76,7 @@ def unique_tensors(state: Mapping[str, Any]) -> list[tuple[str, Any]]:
 
 class _VLLMWeightSync(WeightSyncBackend):
     CAPABILITIES = Capabilities(
-        provides={"weight_sync:state_dict"},
+        provides=frozenset({"weight_sync:state_dict"}),
         requires={"trainer:state_dict": "it sends the tensors a trainer in this process exports",
                   "inference:vllm": "it loads them through a vLLM server's weight-update routes"})
     NAME = ""
@@ -231,7 +231,7 @@ class VLLMLoraWeightSync(_VLLMFolderSync):
 
     NAME = "vllm_lora"
     CAPABILITIES = Capabilities(
-        provides={"weight_sync:state_dict"},
+        provides=frozenset({"weight_sync:state_dict"}),
         requires={"trainer:state_dict": "it sends the adapter a trainer in this process exports",
                   "inference:vllm": "it loads the adapter through a vLLM server's LoRA routes"})
 

@@ -2,8 +2,9 @@
 
 The train service keeps its model a plain transformers model: peft injects its adapter layers into
 the model's linears in place (``get_peft_model``), so the packed forward, the log-prob convention
-and the engine see the same module tree as without adapters. Only the adapters train (the base
-weights are frozen, float32 as the masters of a full fine-tune are).
+and the engine see the same module tree as without adapters. Only the adapters train. The frozen
+base weights are float32 as the masters of a full fine-tune are, or bfloat16 (``base_dtype``) under
+the service's bf16 autocast, at half their memory; the adapters stay float32 either way.
 
 What leaves the service is always the merged model (each adapted weight ``W + alpha / rank * B A``,
 under the plain names): the in-process engine loads it as it loads a full fine-tune's weights and
@@ -16,34 +17,40 @@ reads the adapter only, onto the base from ``model_path``, so it is bit-exact.
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
-from nexrl_core import Option
+from nexrl_core import Settings, setting
 
 ADAPTER_FOLDER = "adapter"  # inside a checkpoint: PEFT's adapter_config.json + adapter_model.safetensors
 ADAPTER_NAME = "default"  # peft's name of the one adapter a model gets without naming it
 
-LORA_OPTIONS = {
-    "rank": Option(16, int, "adapter rank r: each adapted weight W learns a B A of rank r", ge=1),
-    "alpha": Option(32.0, float, "the update is scaled by alpha / rank", gt=0),
-    "dropout": Option(0.0, float, "dropout on an adapter's input while training", ge=0, lt=1),
-    "target_modules": Option("all-linear", (str, list[str]),
-                             "the linears that get adapters: all-linear (every linear of the decoder, not the LM "
-                             "head) or a list of module names (e.g. [q_proj, k_proj, v_proj, o_proj])"),
-}
+@dataclass(frozen=True, kw_only=True)
+class LoraSettings(Settings):
+    """``service.train_service.lora``."""
+
+    rank: int = setting(16, "adapter rank r: each adapted weight W learns a B A of rank r", ge=1)
+    alpha: float = setting(32.0, "the update is scaled by alpha / rank", gt=0)
+    dropout: float = setting(0.0, "dropout on an adapter's input while training", ge=0, lt=1)
+    target_modules: str | list[str] = setting("all-linear", "the linears that get adapters: all-linear (every "
+                                                            "linear of the decoder, not the LM head) or a list of "
+                                                            "module names (e.g. [q_proj, k_proj, v_proj, o_proj])")
+    base_dtype: Literal["float32", "bfloat16"] = setting(
+        "float32", "precision of the frozen base weights: bfloat16 halves their memory (its matmuls run in bf16 "
+                   "under the service's bf16 autocast anyway); the adapters and their optimizer state stay float32",
+        needs="service.train_service.dtype == bfloat16")
 
 
-def add_adapters(model: torch.nn.Module, section: Any) -> Any:
+def add_adapters(model: torch.nn.Module, settings: LoraSettings) -> Any:
     """Inject LoRA adapters into ``model`` in place and freeze its base weights; returns the
     ``PeftModel`` wrapper (for saving and loading the adapter in PEFT's format)."""
     from peft import LoraConfig, get_peft_model
 
-    targets = section["target_modules"]
-    config = LoraConfig(r=int(section["rank"]), lora_alpha=float(section["alpha"]),
-                        lora_dropout=float(section["dropout"]),
+    targets = settings.target_modules
+    config = LoraConfig(r=settings.rank, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
                         target_modules=targets if isinstance(targets, str) else list(targets),
                         bias="none", task_type="CAUSAL_LM")
     try:
@@ -56,6 +63,10 @@ def add_adapters(model: torch.nn.Module, section: Any) -> Any:
         raise ValueError(f"lora.target_modules: {exc}") from None
     if wrapped.base_model.model is not model:
         raise ValueError("lora: peft did not adapt the model in place")
+    if settings.base_dtype == "bfloat16":
+        for parameter in model.parameters():
+            if not parameter.requires_grad and parameter.is_floating_point():
+                parameter.data = parameter.data.to(torch.bfloat16)
     return wrapped
 
 

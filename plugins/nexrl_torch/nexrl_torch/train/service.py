@@ -59,7 +59,7 @@ from ..models import (
 )
 from . import sharded
 from .distributed import PARALLEL_MODES, GatheredWeights, RankGroup, shard_rows, start_ranks, wrap
-from .lora import ADAPTER_FOLDER, LORA_OPTIONS, add_adapters, load_adapter, merged_state, save_adapter
+from .lora import ADAPTER_FOLDER, LoraSettings, add_adapters, load_adapter, merged_state, save_adapter
 
 LossFn = Callable[[torch.Tensor, dict[str, Any]], tuple[torch.Tensor, dict[str, float]]]
 
@@ -154,8 +154,8 @@ class LocalTorchTrainService(TrainService):
         "total_steps": Option(None, int, "optimizer steps a decaying lr_scheduler spans (default: the run's "
                                          "trainer.total_train_steps)", ge=1),
         "lora": Option(None, (dict, None), "train LoRA adapters (peft) on the frozen base instead of every weight: "
-                                           "{rank, alpha, dropout, target_modules}; the engine is sent the merged "
-                                           "weights; null: full fine-tuning", options=LORA_OPTIONS),
+                                           "{rank, alpha, dropout, target_modules, base_dtype}; the engine is sent "
+                                           "the merged weights; null: full fine-tuning", options=LoraSettings.options()),
     }
     BATCH_FORMAT = BATCH_FORMAT
 
@@ -216,9 +216,13 @@ class LocalTorchTrainService(TrainService):
             model = model.float()
         self.adapters = None  # the PeftModel wrapper when lora trains adapters (the model itself is adapted in place)
         if config["lora"] is not None:
+            lora = LoraSettings.of(config["lora"], "lora")
             if self.ranks is not None:
                 raise ValueError("lora: adapters train in one process for now (world_size 1, parallel auto)")
-            self.adapters = add_adapters(model, config["lora"])
+            if lora.base_dtype == "bfloat16" and self.dtype != "bfloat16":
+                raise ValueError("lora.base_dtype: bfloat16 needs dtype: bfloat16 (bf16 autocast runs the frozen "
+                                 "base's matmuls; without it a float32 input meets bf16 weights)")
+            self.adapters = add_adapters(model, lora)
         self.model = model
         # What a forward pass calls: the model, or DDP's wrapper around it (FSDP2 shards it in place).
         self._forward_model = model if self.ranks is None else wrap(model, self.ranks, self.device)

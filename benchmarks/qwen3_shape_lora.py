@@ -1,0 +1,152 @@
+"""A model of Qwen3-0.6B's exact shape (151,936 words, 28 layers, 596M parameters; random weights
+built from its config, so nothing is downloaded) trained for 2 GRPO steps through the ordinary
+``nexrl run recipes/quickstart.yaml``, three ways, alternated in one run of this script:
+
+- ``full``: every weight trains (float32 masters, AdamW state for all 596M);
+- ``lora``: rank-16 adapters (peft) on the frozen float32 base;
+- ``lora_bf16``: the same adapters on a bfloat16 base (``lora.base_dtype``, under bf16 autocast).
+
+Per run: the peak RSS of the ``nexrl run`` process (trainer and in-process engine together: the
+engine holds its own float32 copy of the model), each step's wall time and its parts (generation
+while waiting for the batch, the update, the weight push). The quickstart's data (16 samples of at
+most 16 tokens a step) and SmolLM2's tokenizer. A random model never answers right, so the reward is
+the reply's length (a TRL-style function): the advantages, and so the gradients, are not zero
+(each run's ``grad_norm`` is recorded). The figures are of the work, not of learning.
+
+    python benchmarks/qwen3_shape_lora.py [--rounds 1] [--out benchmarks/results/qwen3_shape_lora]
+
+Needs about 14 GB free for ``full``; run it on an otherwise idle machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Qwen/Qwen3-0.6B's config.json, less what only matters for its own tokenizer.
+QWEN3_0_6B = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                  num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
+                  rms_norm_eps=1e-6, rope_theta=1_000_000.0, tie_word_embeddings=True, attention_bias=False,
+                  hidden_act="silu", initializer_range=0.02)
+
+CONFIGS = {
+    "full": [],
+    "lora": ["service.train_service.lr=2e-4", "+service.train_service.lora.rank=16",
+             "+service.train_service.lora.alpha=32"],
+    "lora_bf16": ["service.train_service.lr=2e-4", "+service.train_service.lora.rank=16",
+                  "+service.train_service.lora.alpha=32", "+service.train_service.lora.base_dtype=bfloat16",
+                  "service.train_service.dtype=bfloat16"],
+}
+
+
+def build_model(folder: Path) -> int:
+    """Save a random model of Qwen3-0.6B's shape with SmolLM2's tokenizer into ``folder``; its parameter count."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from nexrl_torch.models import resolve_model_path
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("smollm2-135m-instruct"))
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("qwen3", bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                                  **QWEN3_0_6B)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return sum(p.numel() for p in model.parameters())
+
+
+def peak_rss(pid: int, stop: threading.Event, out: list[int]) -> None:
+    """The process's resident high-water mark (VmHWM), read until it exits."""
+    while not stop.is_set():
+        try:
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    out[0] = max(out[0], int(line.split()[1]) * 1024)
+        except OSError:
+            return
+        stop.wait(0.2)
+
+
+def run_once(name: str, model_dir: Path, work: Path) -> dict:
+    run_dir = work / f"{name}-{time.monotonic_ns()}"
+    rewards = work / "rewards.py"
+    rewards.write_text("def length(completions, **kwargs):\n    return [len(c) / 64.0 for c in completions]\n")
+    overrides = [f"run_dir={run_dir}", "trainer.total_train_steps=2", "trainer.save_freq=0",
+                 "rollout_worker.evaluator.type=reward_funcs", f"+rollout_worker.evaluator.functions=['{rewards}:length']",
+                 "validate.validate_before_train=false", "weight.validate_freq=0",
+                 f"service.train_service.model_path={model_dir}", f"service.inference_service.model_path={model_dir}",
+                 *CONFIGS[name]]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    cli = [sys.executable, "-c", "import sys; from nexrl_core.cli import main; sys.exit(main())"]
+    started = time.monotonic()
+    proc = subprocess.Popen([*cli, "run", "recipes/quickstart.yaml", *overrides], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    stop, peak = threading.Event(), [0]
+    watcher = threading.Thread(target=peak_rss, args=(proc.pid, stop, peak), daemon=True)
+    watcher.start()
+    output = proc.communicate()[0]
+    stop.set()
+    watcher.join()
+    if proc.returncode != 0:
+        raise SystemExit(f"{name}: nexrl run exited {proc.returncode}\n{output[-4000:]}")
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "train/loss" in r]
+    assert [r["step"] for r in steps] == [1, 2], steps
+    parts = {key: [round(r.get(f"timing/{key}", 0.0), 2) for r in steps] for key in PARTS}
+    return {"config": name, "peak_rss_gb": round(peak[0] / 1e9, 2), "run_s": round(time.monotonic() - started, 1),
+            "step_s": [round(sum(parts[k][i] for k in PARTS), 2) for i in range(len(steps))], **parts,
+            "grad_norm": [round(r["train/grad_norm"], 4) for r in steps]}
+
+
+PARTS = ("wait_batch_s", "train_s", "weight_sync_s")  # generation while waiting for the batch, update, push
+
+
+def cpu_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown CPU"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=1, help="times each configuration runs, alternated")
+    parser.add_argument("--configs", default=",".join(CONFIGS), help="which of " + ", ".join(CONFIGS))
+    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "qwen3_shape_lora"))
+    args = parser.parse_args()
+    names = [n for n in args.configs.split(",") if n]
+    with tempfile.TemporaryDirectory(prefix="qwen3-shape-") as tmp:
+        work = Path(tmp)
+        params = build_model(work / "model")
+        results = [run_once(name, work / "model", work) for _ in range(args.rounds) for name in names]
+    machine = f"{cpu_name()}, {os.cpu_count()} cores"
+    lines = [f"Qwen3-0.6B shape ({params / 1e6:.0f}M parameters, random weights), 2 GRPO steps of the quickstart "
+             f"(16 samples, <= 16 tokens); {machine}; torch {__import__('torch').__version__}",
+             f"{'config':<10} {'peak RSS':>9} {'step 1':>7} {'step 2':>7}  step 2 = generation + update + push (s)"
+             f"  grad_norm"]
+    for r in results:
+        split = " + ".join(f"{r[k][1]:.1f}" for k in PARTS)
+        lines.append(f"{r['config']:<10} {r['peak_rss_gb']:>7.2f}GB {r['step_s'][0]:>6.1f}s {r['step_s'][1]:>6.1f}s  "
+                     f"{split:<38} {r['grad_norm'][0]:.3g}, {r['grad_norm'][1]:.3g}")
+    print("\n".join(lines))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".txt").write_text("\n".join(lines) + "\n")
+    out.with_suffix(".json").write_text(json.dumps({"machine": machine, "parameters": params, "runs": results},
+                                                   indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
