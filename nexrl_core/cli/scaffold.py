@@ -371,31 +371,36 @@ keys docs/extending.md lists (the simple worker below sets all of them).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
-from nexrl_core import Option, SimpleRolloutWorker, hookimpl
+from nexrl_core import Settings, SimpleRolloutWorker, hookimpl, setting
+
+
+@dataclass(frozen=True, kw_only=True)
+class ${cls}Settings(Settings):
+    """The recipe keys this worker adds to the simple worker's: `nexrl validate` checks them (type,
+    range, typos), and your code reads them typed."""
+
+    instruction: str = setting("", "text put before every prompt")
 
 
 class $cls(SimpleRolloutWorker):
     """The simple worker (one completion per task, scored by the recipe's evaluator) with an
     instruction put before every prompt. Edit `step` to shape your rollout."""
 
-    # The recipe keys this worker takes (the simple worker's and its own): `nexrl validate` checks them.
-    OPTIONS = {
-        **SimpleRolloutWorker.OPTIONS,
-        "instruction": Option("", str, "text put before every prompt"),
-    }
+    SETTINGS = ${cls}Settings
 
     def __init__(self, config: Any):
         super().__init__(config)
-        self.instruction = str(self._config["instruction"])  # declared below: its default is filled in
+        self.settings = ${cls}Settings.own(self._config)  # the recipe's values, defaults filled in
 
     def step(self, task: dict[str, Any]) -> str | None:
         # task: the data item (a row of the data file plus uid, sample_index, ...). Read it, do not
         # change it: the samples of a group share it.
         prompt = task.get(self._prompt_key)
-        if self.instruction and isinstance(prompt, str):
-            task = {**task, self._prompt_key: self.instruction + prompt}
+        if self.settings.instruction and isinstance(prompt, str):
+            task = {**task, self._prompt_key: self.settings.instruction + prompt}
         return super().step(task)
 
 

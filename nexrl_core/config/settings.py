@@ -87,9 +87,13 @@ class Settings:
         return cls.of({key: value for key, value in values.items() if key in cls.options()}, path)
 
     @classmethod
-    def check(cls, section: Mapping[str, Any] | None, path: str = "") -> list[str]:
-        """Every problem of a recipe section against these settings, one line each (none: :meth:`of` builds them)."""
-        return check_options(_to_plain(section), cls.options(), path)
+    def check(cls, section: Mapping[str, Any] | None, path: str = "", own: bool = False) -> list[str]:
+        """Every problem of a recipe section against these settings, one line each (none: :meth:`of`
+        builds them). ``own``: only the keys this class declares (as :meth:`own` reads them)."""
+        values = _to_plain(section)
+        if own:
+            values = {key: value for key, value in values.items() if key in cls.options()}
+        return check_options(values, cls.options(), path)
 
     @classmethod
     def _build(cls: type[S], values: Mapping[str, Any]) -> S:

@@ -310,6 +310,23 @@ def test_each_row_is_scored_at_its_own_temperature(tiny_model_and_tokenizer, pac
 SAME_FIRST_TOKEN = [ROWS[0], (0, ROWS[1][1], [20, 25]), *ROWS[2:]]
 
 
+def _fused_and_full_logits(model, monkeypatch, rows, temperature, seed):
+    """The packed forward's log-probs and gradients through the fused LM head, then through full
+    logits (``temperature``: a number, or "per row")."""
+    import nexrl_torch.logprobs as modeling
+
+    model.train()
+    ids, mask, pos, resp_w, groups = padded_batch(rows)
+    temps = torch.tensor([0.7, 0.7, 1.3, 0.5, 1.0, 2.0, 1.0]) if temperature == "per row" else temperature
+    response_mask = mask[:, -resp_w:].float()
+    weights = torch.randn(response_mask.shape, generator=torch.Generator().manual_seed(seed))
+    fused = compute_response_logprobs_packed(model, ids, mask, pos, resp_w, groups, temps)
+    fused_grads = grads_of(model, fused, response_mask, weights)
+    monkeypatch.setattr(modeling, "_fused_head", lambda model: None)
+    full = compute_response_logprobs_packed(model, ids, mask, pos, resp_w, groups, temps)
+    return (fused, fused_grads), (full, grads_of(model, full, response_mask, weights))
+
+
 @pytest.mark.parametrize("temperature,rows", [(1.0, ROWS), ("per row", ROWS), (1.0, SAME_FIRST_TOKEN),
                                               ("per row", SAME_FIRST_TOKEN)])
 def test_the_lm_head_scores_targets_in_place_with_the_numbers_of_full_logits(tiny_model_and_tokenizer, monkeypatch,
@@ -321,17 +338,8 @@ def test_the_lm_head_scores_targets_in_place_with_the_numbers_of_full_logits(tin
     import nexrl_torch.logprobs as modeling
 
     model, _ = tiny_model_and_tokenizer
-    model.train()
-    ids, mask, pos, resp_w, groups = padded_batch(rows)
-    temps = torch.tensor([0.7, 0.7, 1.3, 0.5, 1.0, 2.0, 1.0]) if temperature == "per row" else temperature
-    response_mask = mask[:, -resp_w:].float()
-    weights = torch.randn(response_mask.shape, generator=torch.Generator().manual_seed(2))
     assert modeling._fused_head(model) is model.lm_head
-    fused = compute_response_logprobs_packed(model, ids, mask, pos, resp_w, groups, temps)
-    fused_grads = grads_of(model, fused, response_mask, weights)
-    monkeypatch.setattr(modeling, "_fused_head", lambda model: None)
-    full = compute_response_logprobs_packed(model, ids, mask, pos, resp_w, groups, temps)
-    full_grads = grads_of(model, full, response_mask, weights)
+    (fused, fused_grads), (full, full_grads) = _fused_and_full_logits(model, monkeypatch, rows, temperature, seed=2)
 
     assert torch.equal(fused, full)
     assert set(fused_grads) == set(full_grads)
@@ -505,17 +513,8 @@ def test_above_its_budget_the_head_scores_row_slices_with_the_numbers_of_full_lo
     import nexrl_torch.logprobs as modeling
 
     model, _ = tiny_model_and_tokenizer
-    model.train()
-    ids, mask, pos, resp_w, groups = padded_batch(rows)
-    temps = torch.tensor([0.7, 0.7, 1.3, 0.5, 1.0, 2.0, 1.0]) if temperature == "per row" else temperature
-    response_mask = mask[:, -resp_w:].float()
-    weights = torch.randn(response_mask.shape, generator=torch.Generator().manual_seed(4))
     monkeypatch.setattr(modeling, "_SAVED_LOGITS_BUDGET", 3 * 4 * model.config.vocab_size)
-    sliced = compute_response_logprobs_packed(model, ids, mask, pos, resp_w, groups, temps)
-    sliced_grads = grads_of(model, sliced, response_mask, weights)
-    monkeypatch.setattr(modeling, "_fused_head", lambda model: None)
-    full = compute_response_logprobs_packed(model, ids, mask, pos, resp_w, groups, temps)
-    full_grads = grads_of(model, full, response_mask, weights)
+    (sliced, sliced_grads), (full, full_grads) = _fused_and_full_logits(model, monkeypatch, rows, temperature, seed=4)
     torch.testing.assert_close(sliced, full, atol=1e-6, rtol=1e-6)
     assert set(sliced_grads) == set(full_grads)
     for name in full_grads:

@@ -294,8 +294,8 @@ def test_nccl_without_vllm_in_the_trainer_says_how_to_install():
 @pytest.mark.parametrize(("cls", "config", "wording"), [
     (VLLMDiskWeightSync, {"pause_mode": "later"}, "weight.pause_mode: 'later' is not one of abort, wait, keep"),
     (VLLMDiskWeightSync, {"control_timeout": 0}, "weight.control_timeout: expected a number >= 0.001"),
-    (VLLMDiskWeightSync, {"keep_versions": 0}, "weight.keep_versions: expected an integer >= 1"),
-    (VLLMNcclWeightSync, {"nccl_master_port": "x"}, "weight.nccl_master_port: expected null or a port number"),
+    (VLLMDiskWeightSync, {"keep_versions": 0}, "weight.keep_versions: expected a positive integer, got 0"),
+    (VLLMNcclWeightSync, {"nccl_master_port": "x"}, "weight.nccl_master_port: expected an integer or null"),
     (VLLMNcclWeightSync, {"nccl_packed": "yes"}, "weight.nccl_packed: expected a boolean"),
 ])
 def test_bad_weight_options(cls, config, wording):

@@ -45,12 +45,13 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlparse
 
 from loguru import logger
 
-from nexrl_core import BoundConfig, Capabilities, ConfigError, Option, WeightSyncBackend
+from nexrl_core import Capabilities, Settings, WeightSyncBackend, setting
 
 from .client import VLLMClient, _run_dir, require_vllm_client
 from .control import PAUSE_MODES, SyncPhaseError, VLLMControl
@@ -74,6 +75,38 @@ def unique_tensors(state: Mapping[str, Any]) -> list[tuple[str, Any]]:
     return out
 
 
+@dataclass(frozen=True, kw_only=True)
+class VLLMSyncSettings(Settings):
+    """The ``weight`` keys of every vLLM weight sync."""
+
+    pause_mode: str = setting("abort", "requests in flight at the pause: abort (retried with the new weights), "
+                                       "wait (finish first) or keep (finished with the new weights)",
+                              choices=PAUSE_MODES)
+    control_timeout: float = setting(60.0, "seconds for each control call (pause, resume, reset, start, finish)",
+                                     ge=0.001)
+    transfer_timeout: float = setting(600.0, "seconds for the weights to move (reload, or broadcast and update)",
+                                      ge=0.001)
+
+
+@dataclass(frozen=True, kw_only=True)
+class VLLMFolderSyncSettings(VLLMSyncSettings):
+    """``vllm_disk`` and ``vllm_lora``: weights written to a folder the server reads."""
+
+    sync_dir: str | None = setting(None, "folder the server can read, for the weight files (default: "
+                                         "<run_dir>/weight_sync)")
+    keep_versions: int = setting(1, "weight folders kept on disk", ge=1)
+
+
+@dataclass(frozen=True, kw_only=True)
+class VLLMNcclSyncSettings(VLLMSyncSettings):
+    """``vllm_nccl``."""
+
+    nccl_master_address: str | None = setting(None, "where vLLM's workers reach the trainer (default: this host's "
+                                                    "address towards the server)")
+    nccl_master_port: int | None = setting(None, "rendezvous port (default: a free one)", ge=1, le=65535)
+    nccl_packed: bool = setting(True, "batch the tensors into packed buffers")
+
+
 class _VLLMWeightSync(WeightSyncBackend):
     CAPABILITIES = Capabilities(
         provides=frozenset({"weight_sync:state_dict"}),
@@ -82,31 +115,18 @@ class _VLLMWeightSync(WeightSyncBackend):
     NAME = ""
     # Compatibility declaration: the transport this backend speaks (see VLLMClient.ACCEPTS_WEIGHT_TRANSPORTS).
     WEIGHT_TRANSPORT = "vllm"
-    OPTIONS = {
-        "pause_mode": Option("abort", help="requests in flight at the pause: abort (retried with the new weights), "
-                                           "wait (finish first) or keep (finished with the new weights)"),
-        "control_timeout": Option(60.0, help="seconds for each control call (pause, resume, reset, start, finish)"),
-        "transfer_timeout": Option(600.0, help="seconds for the weights to move (reload, or broadcast and update)"),
-    }
+    SETTINGS: type[VLLMSyncSettings] = VLLMSyncSettings
 
     @classmethod
     def check_config(cls, section: Any, key: str = "weight") -> list[str]:
-        cfg = cls.bind_config(section, key)
-        problems: list[str] = []
-        if cfg["pause_mode"] not in PAUSE_MODES:
-            problems.append(f"{key}.pause_mode: '{cfg['pause_mode']}' is not one of {', '.join(PAUSE_MODES)}")
-        for name in ("control_timeout", "transfer_timeout"):
-            _option(cfg, name, key, problems, float, 0.001)
-        return problems
+        return cls.SETTINGS.check(cls.bind_config(section, key), key, own=True)
 
     def __init__(self, config: Any):
         super().__init__(config)  # self.config: the bound `weight` section
-        problems = self.check_config(self.config)
-        if problems:
-            raise ConfigError("; ".join(problems))
-        self.pause_mode = str(self.config["pause_mode"])
-        self.control_timeout = float(self.config["control_timeout"])
-        self.transfer_timeout = float(self.config["transfer_timeout"])
+        self.settings = self.SETTINGS.own(self.config, "weight")
+        self.pause_mode = self.settings.pause_mode
+        self.control_timeout = self.settings.control_timeout
+        self.transfer_timeout = self.settings.transfer_timeout
         self.last_timings: dict[str, float] = {}
         self.served_as = ""  # how the version is served, when not as the model itself (a LoRA adapter's name)
 
@@ -140,25 +160,16 @@ class _VLLMWeightSync(WeightSyncBackend):
 class _VLLMFolderSync(_VLLMWeightSync):
     """Weights written as a folder the server can read, one per version under ``sync_dir``."""
 
-    OPTIONS = {
-        "sync_dir": Option(None, help="folder the server can read, for the weight files (default: "
-                                      "<run_dir>/weight_sync)"),
-        "keep_versions": Option(1, help="weight folders kept on disk"),
-    }
-
-    @classmethod
-    def check_config(cls, section: Any, key: str = "weight") -> list[str]:
-        problems = super().check_config(section, key)
-        _option(cls.bind_config(section, key), "keep_versions", key, problems, int, 1)
-        return problems
+    SETTINGS: type[VLLMFolderSyncSettings] = VLLMFolderSyncSettings
+    settings: VLLMFolderSyncSettings
 
     def __init__(self, config: Any):
         super().__init__(config)
-        sync_dir = self.config["sync_dir"]
+        sync_dir = self.settings.sync_dir
         if not sync_dir:  # null: next to the run's other files (the recipe's run_dir, read off its node)
             sync_dir = os.path.join(_run_dir(config, "..run_dir") or ".", "weight_sync")
         self.sync_dir = os.path.abspath(str(sync_dir))
-        self.keep_versions = int(self.config["keep_versions"])
+        self.keep_versions = self.settings.keep_versions
 
     def _prepare(self, trainer: Any, client: VLLMClient, version: int) -> str:
         try:
@@ -278,32 +289,17 @@ class VLLMNcclWeightSync(_VLLMWeightSync):
     """``vllm_nccl``: vLLM's weight-transfer engine, tensors broadcast over NCCL from the trainer."""
 
     NAME = "vllm_nccl"
-    OPTIONS = {
-        "nccl_master_address": Option(None, help="where vLLM's workers reach the trainer (default: this host's "
-                                                 "address towards the server)"),
-        "nccl_master_port": Option(None, help="rendezvous port (default: a free one)"),
-        "nccl_packed": Option(True, help="batch the tensors into packed buffers"),
-    }
+    SETTINGS: type[VLLMNcclSyncSettings] = VLLMNcclSyncSettings
+    settings: VLLMNcclSyncSettings
     # The tensor path (a GPU piece); tests put a CPU stand-in here to drive the HTTP phases.
     # Called with the device of the trainer's tensors (None when they live on the host).
     transport_factory: Callable[[Any], TensorTransport] = NcclTransport
 
-    @classmethod
-    def check_config(cls, section: Any, key: str = "weight") -> list[str]:
-        problems = super().check_config(section, key)
-        cfg = cls.bind_config(section, key)
-        port = cfg["nccl_master_port"]
-        if port is not None and not (isinstance(port, int) and not isinstance(port, bool) and 0 < port < 65536):
-            problems.append(f"{key}.nccl_master_port: expected null or a port number, got {port!r}")
-        if not isinstance(cfg["nccl_packed"], bool):
-            problems.append(f"{key}.nccl_packed: expected a boolean, got {cfg['nccl_packed']!r}")
-        return problems
-
     def __init__(self, config: Any):
         super().__init__(config)
-        self.master_address = self.config["nccl_master_address"]
-        self.master_port = self.config["nccl_master_port"]
-        self.packed = bool(self.config["nccl_packed"])
+        self.master_address = self.settings.nccl_master_address
+        self.master_port = self.settings.nccl_master_port
+        self.packed = self.settings.nccl_packed
         self.transport: TensorTransport | None = None
         self._init_lock = threading.Lock()
 
@@ -344,14 +340,6 @@ class VLLMNcclWeightSync(_VLLMWeightSync):
                   server=lambda: control.update_weights(update_info, timeout=self.transfer_timeout + 5.0),
                   trainer=lambda: transport.send(staged, self.packed))
         control.finish_weight_update(version)
-
-
-def _option(cfg: BoundConfig, name: str, key: str, problems: list[str], kind: type, low: float) -> None:
-    value = cfg[name]
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)) \
-            or value < low:
-        problems.append(f"{key}.{name}: expected {'an integer' if kind is int else 'a number'} >= {low:g}, "
-                        f"got {value!r}")
 
 
 def _address_towards(host: str) -> str:
