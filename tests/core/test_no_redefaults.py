@@ -5,7 +5,7 @@ declared default of that key (the bound section already holds it). Components re
 :func:`nexrl_core.config.bound.declared_value`.
 
 Static (no plugin imported, no torch): the declared keys are those written ``"key": Option(...)``
-anywhere in the scanned sources. A ``.get`` on a mapping that is not a recipe section (a checkpoint's
+or ``key: T = setting(...)`` anywhere in the scanned sources. A ``.get`` on a mapping that is not a recipe section (a checkpoint's
 state, a wire message, a data row) may carry a literal: such reads are listed below with why."""
 
 from __future__ import annotations
@@ -54,17 +54,25 @@ def _parse(path: Path) -> ast.AST:
     return ast.parse(path.read_text(), str(path))
 
 
+def declarations(path: Path):
+    """``(key, Option or setting call)`` of each declaration in ``path``: ``"key": Option(...)`` (dict
+    literals and ``OPTIONS = {...}`` alike) and ``key: T = setting(...)`` (a typed settings class)."""
+    for node in ast.walk(_parse(path)):
+        if isinstance(node, ast.Dict):
+            for k, v in zip(node.keys, node.values):
+                if isinstance(k, ast.Constant) and isinstance(k.value, str) and _called(v) == "Option":
+                    yield k.value, v
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and _called(node.value) == "setting":
+            yield node.target.id, node.value
+
+
+def _called(node: ast.expr | None) -> str | None:
+    return getattr(node.func, "id", getattr(node.func, "attr", None)) if isinstance(node, ast.Call) else None
+
+
 def declared_keys(files: list[Path]) -> set[str]:
-    """Every ``"key": Option(...)`` in ``files`` (dict literals and ``OPTIONS = {...}`` alike)."""
-    keys: set[str] = set()
-    for path in files:
-        for node in ast.walk(_parse(path)):
-            if isinstance(node, ast.Dict):
-                for k, v in zip(node.keys, node.values):
-                    if isinstance(k, ast.Constant) and isinstance(k.value, str) and isinstance(v, ast.Call) \
-                            and getattr(v.func, "id", getattr(v.func, "attr", None)) == "Option":
-                        keys.add(k.value)
-    return keys
+    """Every key declared in ``files``."""
+    return {key for path in files for key, _ in declarations(path)}
 
 
 _NO_VALUE = object()
@@ -79,19 +87,15 @@ def _value(node: ast.expr | None) -> object:
 
 
 def declared_defaults(files: list[Path]) -> dict[str, list[object]]:
-    """key -> the literal defaults of its ``"key": Option(default, ...)`` declarations in ``files``."""
+    """key -> the literal defaults of its declarations in ``files`` (``Option(default, ...)``, ``setting(default, ...)``)."""
     out: dict[str, list[object]] = {}
     for path in files:
-        for node in ast.walk(_parse(path)):
-            if isinstance(node, ast.Dict):
-                for k, v in zip(node.keys, node.values):
-                    if isinstance(k, ast.Constant) and isinstance(k.value, str) and isinstance(v, ast.Call) \
-                            and getattr(v.func, "id", getattr(v.func, "attr", None)) == "Option":
-                        default = v.args[0] if v.args else next((kw.value for kw in v.keywords
-                                                                 if kw.arg == "default"), None)
-                        value = _value(default)
-                        if value is not _NO_VALUE:
-                            out.setdefault(k.value, []).append(value)
+        for key, call in declarations(path):
+            default = call.args[0] if call.args else next((kw.value for kw in call.keywords
+                                                           if kw.arg == "default"), None)
+            value = _value(default)
+            if value is not _NO_VALUE:
+                out.setdefault(key, []).append(value)
     return out
 
 

@@ -39,19 +39,40 @@ needs_namespaces = pytest.mark.skipif(not NAMESPACES, reason="this kernel does n
 
 
 def sandbox_processes() -> list[str]:
-    """Command lines of live processes that belong to a sandbox run (launcher or solution)."""
+    """Command lines of live processes that belong to a sandbox run (launcher or solution), less those
+    another pytest worker started and still runs (its own tests check those): an orphan counts."""
+    ours = {os.getpid(), *_ancestors(os.getpid())}
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or int(entry) == os.getpid():
             continue
         try:
-            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            cmdline = _cmdline(int(entry))
             state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
         except OSError:
             continue
-        if state != "Z" and (LAUNCHER in cmdline or "solution.py" in cmdline or "nexrl-sandbox-marker" in cmdline):
+        if state != "Z" and (LAUNCHER in cmdline or "solution.py" in cmdline or "nexrl-sandbox-marker" in cmdline) \
+                and not any(pid not in ours and "xdist" in _cmdline(pid) for pid in _ancestors(int(entry))):
             found.append(f"{entry}: {cmdline}")
     return found
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _ancestors(pid: int) -> list[int]:
+    chain = []
+    while pid > 1:
+        try:
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except OSError:
+            break
+        chain.append(pid)
+    return chain
 
 
 @pytest.fixture(autouse=True)

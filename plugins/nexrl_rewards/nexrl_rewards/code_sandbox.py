@@ -14,7 +14,7 @@ from typing import Any
 
 from nexrl_core import BaseEvaluationTarget, ConfigError, EvaluationRunResult, Evaluator
 
-from .options import KEY, choice, number
+from .options import KEY, choice, number, whole
 from .sandbox import ISOLATION_MODES, CaseRun, Limits, NamespacesRefused, Sandbox
 
 REWARD_MODES = ("fraction", "all_or_nothing")
@@ -103,12 +103,12 @@ class CodeSandboxEvaluator(Evaluator):
         limits = Limits(
             wall_s=number(timeout_s, "timeout_s", positive=True),
             cpu_s=number(cpu_time_s, "cpu_time_s", positive=True),
-            memory_mb=number(memory_mb, "memory_mb", integer=True, low=32),
-            max_processes=number(max_processes, "max_processes", integer=True, low=1),
+            memory_mb=whole(memory_mb, "memory_mb", low=32),
+            max_processes=whole(max_processes, "max_processes", low=1),
             # python itself opens a dozen files before it runs a line
-            max_open_files=number(max_open_files, "max_open_files", integer=True, low=16),
-            max_output_bytes=number(max_output_kb, "max_output_kb", integer=True, low=1) * 1024,
-            max_file_mb=number(max_file_mb, "max_file_mb", integer=True, low=1))
+            max_open_files=whole(max_open_files, "max_open_files", low=16),
+            max_output_bytes=whole(max_output_kb, "max_output_kb", low=1) * 1024,
+            max_file_mb=whole(max_file_mb, "max_file_mb", low=1))
         self.sandbox = Sandbox(python=python, isolation=choice(isolation, "isolation", ISOLATION_MODES),
                                limits=limits)
         try:  # decided here, so that `nexrl validate` refuses what `nexrl run` would

@@ -28,7 +28,7 @@ from nexrl_core import (
 )
 
 from .options import KEY as _KEY
-from .options import number
+from .options import number, whole
 
 DEFAULT_TEMPLATE = (
     "You are grading an answer to a question against a reference answer.\n\n"
@@ -225,8 +225,8 @@ class LLMJudgeEvaluator(Evaluator):
         self.verdicts = {" ".join(str(k).lower().split()): float(v) for k, v in table.items()}
         self.json_key = json_key
         self.pass_threshold = number(pass_threshold, "pass_threshold")
-        self.max_retries = number(max_retries, "max_retries", integer=True, low=0)
-        self.max_tokens = number(max_tokens, "max_tokens", integer=True, low=1)
+        self.max_retries = whole(max_retries, "max_retries", low=0)
+        self.max_tokens = whole(max_tokens, "max_tokens", low=1)
         self.temperature = number(temperature, "temperature", low=0)
         self.retry_temperature = number(retry_temperature, "retry_temperature", low=0)
         self.client = judge_client(dict(service))

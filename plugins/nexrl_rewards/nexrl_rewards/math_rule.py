@@ -13,7 +13,7 @@ from typing import Any
 from nexrl_core import BaseEvaluationTarget, ConfigError, EvaluationRunResult, Evaluator
 
 from .extract import EXTRACTORS, as_math, extract_answer
-from .options import KEY, number
+from .options import KEY, number, whole
 from .verify_pool import shared_pool
 
 # Why a reply scored 0 (extra_info["reason"]); None when it is correct.
@@ -73,8 +73,8 @@ class MathRuleEvaluator(Evaluator):
         self.extract_order = order
         self.format_reward = number(format_reward, "format_reward")
         self.timeout_s = number(timeout_s, "timeout_s", positive=True)
-        self.verify_workers = number(verify_workers, "verify_workers", integer=True, low=1)
-        self.verify_memory_mb = number(verify_memory_mb, "verify_memory_mb", integer=True, low=256)
+        self.verify_workers = whole(verify_workers, "verify_workers", low=1)
+        self.verify_memory_mb = whole(verify_memory_mb, "verify_memory_mb", low=256)
 
     def evaluate(self, data: dict[str, Any], evaluation_target: BaseEvaluationTarget) -> EvaluationRunResult:
         if data.get(self.answer_key) in (None, ""):

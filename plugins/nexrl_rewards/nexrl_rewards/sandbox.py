@@ -147,7 +147,8 @@ def _stop_launcher(proc: subprocess.Popen, asked_to_stop: bool) -> None:
             proc.wait()
     finally:
         for stream in (proc.stdin, proc.stdout, proc.stderr):
-            stream.close()
+            if stream is not None:
+                stream.close()
 
 
 def base_interpreter() -> str:
@@ -245,6 +246,8 @@ class RunCgroup:
 
     def oom_kills(self) -> int:
         folder = self.folders.get("memory") or self.folders.get("unified")
+        if folder is None:
+            return 0
         for file in ("memory.events", "memory.oom_control"):
             try:
                 with open(os.path.join(folder, file)) as f:
@@ -446,7 +449,7 @@ class Sandbox:
         proc = subprocess.Popen([base_interpreter(), "-I", "-S", "-B", LAUNCHER], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={}, close_fds=True,
                                 start_new_session=True)  # its own process group: one killpg ends it all
-        complete = []  # set once the launcher said "done": it is exiting by itself
+        complete: list[bool] = []  # set once the launcher said "done": it is exiting by itself
         try:
             return self._collect(proc, json.dumps(request).encode(), len(inputs), keep_going, complete, cgroup)
         finally:
@@ -457,6 +460,7 @@ class Sandbox:
     def _collect(self, proc: subprocess.Popen, request: bytes, n_inputs: int,
                  keep_going: Callable[[CaseRun], bool] | None, complete: list,
                  cgroup: RunCgroup | None) -> list[CaseRun]:
+        assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None  # all PIPE
         try:
             proc.stdin.write(request)
             proc.stdin.close()

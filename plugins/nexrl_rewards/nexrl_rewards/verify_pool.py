@@ -46,9 +46,11 @@ class _Worker:
 
     def ask(self, request: dict[str, Any], hard_timeout: float) -> dict[str, Any] | None:
         """The worker's answer, or None when it died or missed the hard deadline (then it is dead)."""
+        stdin = self.proc.stdin
+        assert stdin is not None  # started with stdin=PIPE
         try:
-            self.proc.stdin.write((json.dumps(request) + "\n").encode())
-            self.proc.stdin.flush()
+            stdin.write((json.dumps(request) + "\n").encode())
+            stdin.flush()
         except OSError:
             self.kill()
             return None
@@ -59,7 +61,9 @@ class _Worker:
         return json.loads(line)
 
     def _read_line(self, deadline: float) -> bytes | None:
-        fd = self.proc.stdout.fileno()
+        stdout = self.proc.stdout
+        assert stdout is not None  # started with stdout=PIPE
+        fd = stdout.fileno()
         while b"\n" not in self._buffer:
             remaining = deadline - time.monotonic()
             if remaining <= 0 or not select.select([fd], [], [], remaining)[0]:
@@ -78,7 +82,8 @@ class _Worker:
         self.proc.wait()
         for stream in (self.proc.stdin, self.proc.stdout):
             try:
-                stream.close()
+                if stream is not None:
+                    stream.close()
             except OSError:
                 pass
 
