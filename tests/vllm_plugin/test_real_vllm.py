@@ -277,7 +277,7 @@ def test_quickstart_lora_through_vllm_verifies_every_push(real_vllm, tmp_path):
     steps = 1  # v0 is pushed before step 1, so step 1's push is the first a probe compares
     run = _start_run(run_dir, f"trainer.total_train_steps={steps}", "weight.validate_freq=0",
                      f"trainer.save_freq={steps}", "validate.validate_before_train=false",
-                     recipe="quickstart_vllm_lora.yaml", attach_to=client)
+                     "trajectory_pool.batch_size=8", recipe="quickstart_vllm_lora.yaml", attach_to=client)
     try:
         output = run.communicate(timeout=500)[0]
     finally:
@@ -316,11 +316,10 @@ def test_quickstart_with_its_own_server_verifies_a_push_and_a_killed_run_leaves_
     its vLLM server goes too, the API server, its engine core and its workers. (A killed server, the
     restart that follows and SIGTERM are tested with the fake server in test_vllm_managed_server.py.)"""
     run_dir = tmp_path / "run"
-    run = _start_run(run_dir, "trainer.total_train_steps=200", "trainer.save_freq=1", "weight.validate_freq=0",
-                     "validate.validate_before_train=false")
+    run = _start_run(run_dir, "trainer.total_train_steps=200", "weight.validate_freq=0",
+                     "validate.validate_before_train=false", "trajectory_pool.batch_size=8")
     try:
-        _wait(lambda: (run_dir / "checkpoints" / "global_step_1").is_dir()
-              and any("weight/served_version_ok" in m for m in _metrics(run_dir)), run)
+        _wait(lambda: any("weight/served_version_ok" in m for m in _metrics(run_dir)), run)
         server = _server_pid(run_dir)
         assert server and len(_group(server)) >= 2  # the API server and its engine process
         (step,) = [m for m in _metrics(run_dir) if m["step"] == 1 and "weight/served_version_ok" in m]
