@@ -73,27 +73,29 @@ class Settings:
     def of(cls: type[S], section: Mapping[str, Any] | None, path: str = "") -> S:
         """The settings of a recipe section (a mapping; keys it leaves out get their defaults).
         ConfigError naming every bad key, as ``nexrl validate`` words them."""
-        values = _to_plain(section)
-        problems = check_options(values, cls.options(), path)
-        if problems:
+        settings, problems = cls.parse(section, path)
+        if settings is None:
             raise ConfigError("; ".join(problems))
-        return cls._build(values)
+        return settings
 
     @classmethod
     def own(cls: type[S], section: Mapping[str, Any] | None, path: str = "") -> S:
         """:meth:`of` the keys this class declares, of a section that holds others' too (a
         component's section holds the core's keys beside its own; the recipe check saw them all)."""
-        values = _to_plain(section)
-        return cls.of({key: value for key, value in values.items() if key in cls.options()}, path)
+        return cls.of(cls._own_values(section), path)
 
     @classmethod
-    def check(cls, section: Mapping[str, Any] | None, path: str = "", own: bool = False) -> list[str]:
-        """Every problem of a recipe section against these settings, one line each (none: :meth:`of`
-        builds them). ``own``: only the keys this class declares (as :meth:`own` reads them)."""
-        values = _to_plain(section)
-        if own:
-            values = {key: value for key, value in values.items() if key in cls.options()}
-        return check_options(values, cls.options(), path)
+    def parse(cls: type[S], section: Mapping[str, Any] | None, path: str = "",
+              own: bool = False) -> tuple[S | None, list[str]]:
+        """The settings and no problems, or None and every problem, one line each. ``own``: only the
+        keys this class declares (as :meth:`own` reads them)."""
+        values = cls._own_values(section) if own else _to_plain(section)
+        problems = check_options(values, cls.options(), path)
+        return (None, problems) if problems else (cls._build(values), [])
+
+    @classmethod
+    def _own_values(cls, section: Mapping[str, Any] | None) -> dict[str, Any]:
+        return {key: value for key, value in _to_plain(section).items() if key in cls.options()}
 
     @classmethod
     def _build(cls: type[S], values: Mapping[str, Any]) -> S:

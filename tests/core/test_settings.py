@@ -67,7 +67,8 @@ def test_a_bad_section_is_one_error_naming_every_key():
         "service.inference_service.port: expected an integer or null, got a string ('80'); "
         "service.inference_service.dtype: 'fp8' is not one of auto, float32, bfloat16; "
         "service.inference_service.model_path: required (the model folder)")
-    assert Server.check({"model_path": "m"}) == []
+    assert Server.parse({"model_path": "m"}) == (Server(model_path="m"), [])
+    assert Server.parse({"model_path": "m", "backend": "x"}, own=True)[1] == []
 
 
 def test_own_reads_a_components_keys_of_a_section_that_holds_the_cores_too():

@@ -132,11 +132,10 @@ def parse_serve_options(config: Any, section: str = "service.inference_service")
     """The managed-server options (None when attaching by ``url``) and every problem found."""
     run_dir = _run_dir(config)  # off the recipe's node, before binding makes the section a plain one
     config = _bound(config, section)
-    own = {key: _value(config, key) for key in VLLMServeSettings.options()}
-    problems = VLLMServeSettings.check(own, section)
-    if problems:
+    parsed, problems = VLLMServeSettings.parse(config, section, own=True)
+    if parsed is None:
         return None, problems
-    serve, defaults = VLLMServeSettings.of(own), VLLMServeSettings()
+    serve, defaults = parsed, VLLMServeSettings()
     url = _value(config, "url")
     if url and serve.model_path:
         problems.append(f"{section}: set either `url` (attach to a running vLLM server) or `model_path` (start "
@@ -146,7 +145,8 @@ def parse_serve_options(config: Any, section: str = "service.inference_service")
                         " or `model_path` (a model folder or id to start `vllm serve` with)")
     if url and not str(url).startswith(("http://", "https://")):
         problems.append(f"{section}.url: expected an http(s) URL, got {url!r}")
-    served = [key for key in own if key != "model_path" and getattr(serve, key) not in (None, [], {})
+    served = [key for key in VLLMServeSettings.options() if key != "model_path"
+              and getattr(serve, key) not in (None, [], {})
               and getattr(serve, key) != getattr(defaults, key)]
     if url and served:
         problems.append(f"{section}: {', '.join(served)} only apply when nexrl starts the server (`model_path`); "

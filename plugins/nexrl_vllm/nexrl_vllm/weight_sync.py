@@ -119,7 +119,7 @@ class _VLLMWeightSync(WeightSyncBackend):
 
     @classmethod
     def check_config(cls, section: Any, key: str = "weight") -> list[str]:
-        return cls.SETTINGS.check(cls.bind_config(section, key), key, own=True)
+        return cls.SETTINGS.parse(cls.bind_config(section, key), key, own=True)[1]
 
     def __init__(self, config: Any):
         super().__init__(config)  # self.config: the bound `weight` section
