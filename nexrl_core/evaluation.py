@@ -27,3 +27,17 @@ class Evaluator(ABC):
     @abstractmethod
     def evaluate(self, data: dict[str, Any], evaluation_target: BaseEvaluationTarget) -> EvaluationRunResult:
         """Score `evaluation_target` against the data item it answered."""
+
+    def evaluate_many(self, items: list[tuple[dict[str, Any], BaseEvaluationTarget]]
+                      ) -> list[EvaluationRunResult | Exception]:
+        """Score several ``(data, evaluation_target)`` at once: a worker that took several tasks in
+        one call (``rollout_worker.tasks_per_call``) asks this once for them. Each item gets its
+        result, or the exception scoring it raised. This default scores them one by one; an
+        evaluator whose scoring batches (TRL-style reward functions, a judge model) overrides it."""
+        out: list[EvaluationRunResult | Exception] = []
+        for data, target in items:
+            try:
+                out.append(self.evaluate(data, target))
+            except Exception as exc:
+                out.append(exc)
+        return out

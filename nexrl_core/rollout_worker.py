@@ -7,7 +7,7 @@ import os
 import sys
 import zlib
 from abc import abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
 from loguru import logger
@@ -17,7 +17,7 @@ from .evaluation import BaseEvaluationTarget, EvaluationRunResult, Evaluator
 from .protocols import TaskSource, TrajectorySink, WeightSyncHandle, wired
 from .runtime.eval_core import DEFAULT_DATA_SOURCE
 from .runtime.execute import execute
-from .runtime.inference import InferenceClient, InferenceError
+from .runtime.inference import CompletionResult, InferenceClient, InferenceError, SamplingParams
 from .runtime.logs import failure_location, failure_signature, format_traceback
 from .runtime.threaded import ThreadedModule
 from .types import DEFAULT_MODEL_TAG, Trajectory
@@ -87,6 +87,11 @@ class BaseRolloutWorker(ThreadedModule):
         self._held: list[tuple[int, Any, Trajectory]] | None = None
         self._task_number = 0
         self._task_in_hand: dict[str, Any] | None = None  # what a plain-dict trajectory is filled in from
+        self._calls_this_task = 0  # model calls made for the task in hand (each gets its own seed)
+        # id(task) -> (prompt, params, answer) of a first call asked in advance (prepare_tasks)
+        self._prepared: dict[int, tuple[Any, SamplingParams, CompletionResult | Exception]] = {}
+        # id(task) -> (evaluator, reply, result) scored with the other tasks of a call (evaluate_in_advance)
+        self._evaluated: dict[int, tuple[Evaluator, str, EvaluationRunResult | Exception]] = {}
         self._last_completion: dict[str, Any] | None = None  # the seed-style call's answer, for the same
 
     def set_parts(self, parts: RolloutParts) -> None:
@@ -204,7 +209,7 @@ class BaseRolloutWorker(ThreadedModule):
         # what a failed attempt is stamped with, and what seeds its sampling
         self._task_version = self._current_version() if version is None else version
         self._puts_this_task = 0
-        self._task_in_hand, self._last_completion = task, None
+        self._task_in_hand, self._last_completion, self._calls_this_task = task, None, 0
         try:
             result = self.step(task)
             if result != "re-rollout" and self._puts_this_task == 0:
@@ -232,8 +237,21 @@ class BaseRolloutWorker(ThreadedModule):
     # -- subclass API -----------------------------------------------------------------------
     def prepare_tasks(self, tasks: list[dict[str, Any]]) -> None:
         """Called before :meth:`step` runs on each of several tasks taken in one call
-        (``tasks_per_call`` > 1), e.g. to ask the inference service for all of them at once.
-        :meth:`sampling_seed` already gives their seeds here."""
+        (``tasks_per_call`` > 1), e.g. to ask the inference service for all of them at once
+        (:meth:`prepare_first_calls`). :meth:`sampling_seed` already gives their seeds here."""
+
+    def prepare_first_calls(self, requests: list[tuple[dict[str, Any], str | list[dict[str, Any]]]]) -> None:
+        """Ask for each ``(task, prompt)``'s first completion in one ``complete_many`` call; the
+        task's first :meth:`complete` with that prompt and the worker's sampling gets the answer
+        from here (any other first call asks the model itself)."""
+        asked = []
+        for task, prompt in requests:
+            self._calls_this_task = 0  # each as its own first call: the seed step() would give it
+            asked.append((prompt, self._call_params(task, None)))
+        self._calls_this_task = 0
+        answers = execute(wired(self._llm_client, "inference client").complete_many, asked)
+        self._prepared = {id(task): (prompt, params, answer)
+                          for (task, _), (prompt, params), answer in zip(requests, asked, answers)}
 
     @abstractmethod
     def step(self, task: dict[str, Any]) -> str | None:
@@ -304,6 +322,92 @@ class BaseRolloutWorker(ThreadedModule):
     def _is_validation_task(self, trajectory: Trajectory) -> bool:
         return bool(trajectory.get("is_validation"))
 
+    # -- the model call ------------------------------------------------------------------------
+    def complete(self, prompt: str | list[dict[str, Any]], sampling: SamplingParams | dict[str, Any] | None = None,
+                 *, tools: list[dict[str, Any]] | None = None) -> CompletionResult:
+        """One completion of ``prompt`` (text, or chat messages) from the inference service, for the
+        task in hand: the worker's sampling (:meth:`sampling_params`) with ``sampling``'s keys over
+        it, seeded per task and call (the same task at the same weights samples the same text; a
+        second call of the task gets a seed of its own), at the validation temperature for a
+        validation task. ``tools`` (OpenAI ``tools`` entries) ask for a chat reply that may call
+        them (``result.tool_calls``). Call it from :meth:`step` as often as the rollout needs.
+
+        Returns a :class:`CompletionResult`: ``text``, ``finish_reason``, the token ids and
+        log-probs, ``model_version`` and ``sampling`` (the record of what it was asked with).
+        :meth:`completion_trajectory` turns one into the trajectory a trainer reads. A failed call
+        raises :class:`InferenceError` (the task becomes a failed trajectory, ``rollout_failure``).
+        """
+        task = self._task_in_hand or {}
+        first_call = self._calls_this_task == 0
+        params = self._call_params(task, sampling)
+        prepared = self._prepared.pop(id(task), None) if first_call else None
+        client = wired(self._llm_client, "inference client")
+        if prepared is not None and not tools and prepared[0] == prompt and prepared[1] == params:
+            answer = prepared[2]  # asked with the other tasks of the call (prepare_tasks)
+            if isinstance(answer, Exception):
+                raise answer
+            result = answer
+        elif tools:
+            if not isinstance(prompt, list):
+                prompt = [{"role": "user", "content": str(prompt)}]
+            result = execute(client.chat, prompt, params, tools)
+        else:
+            result = execute(client.complete, prompt, params)
+        result.sampling = params.as_record()
+        self._last_completion = {"response": result.text, "prompt_token_ids": result.prompt_token_ids,
+                                 "response_token_ids": result.response_token_ids,
+                                 "response_logprobs": result.response_logprobs, "sampling": result.sampling,
+                                 "model_version": result.model_version}
+        return result
+
+    def sampling_params(self, task: dict[str, Any]) -> SamplingParams:
+        """The sampling a call for ``task`` starts from (a seed set here is kept; else each call gets
+        its own): the defaults here; the simple worker's are the recipe's ``rollout_worker.sampling``
+        (per domain, at the validation temperature for a validation task)."""
+        return SamplingParams()
+
+    def _call_params(self, task: dict[str, Any], sampling: SamplingParams | dict[str, Any] | None) -> SamplingParams:
+        """What the next call for ``task`` is sampled with, its seed included (and counts the call)."""
+        if isinstance(sampling, SamplingParams):
+            params = sampling
+        else:
+            params = self.sampling_params(task)
+            if sampling:
+                unknown = sorted(set(sampling) - set(SamplingParams.__dataclass_fields__))
+                if unknown:
+                    raise TypeError(f"complete(sampling=...): unknown sampling keys {unknown} (those of "
+                                    f"SamplingParams: {sorted(SamplingParams.__dataclass_fields__)})")
+                params = replace(params, **sampling)
+        call, self._calls_this_task = self._calls_this_task, self._calls_this_task + 1
+        if params.seed is None:
+            seed = self.sampling_seed(task)
+            params = replace(params, seed=seed if call == 0 else zlib.crc32(f"{seed}|call {call}".encode()))
+        return params.check()
+
+    def completion_trajectory(self, task: dict[str, Any], prompt: str | list[dict[str, Any]],
+                              result: CompletionResult) -> Trajectory:
+        """The trajectory of one completion: the task's ids (:meth:`base_trajectory`), the prompt, the
+        reply with its token ids, log-probs, ``sampling`` and ``model_version``, and the reward and
+        metrics of the task's evaluator on the reply. Hand it on with :meth:`_put_trajectory`
+        (after adding keys of your own, if any)."""
+        evaluation = self.evaluate(task, result.text)
+        trajectory = self.base_trajectory(task)
+        trajectory.update(cast(Trajectory, {  # a backend may leave token ids out: the trainer says so
+            "prompt": prompt,
+            "response": result.text,
+            "finish_reason": result.finish_reason,
+            "prompt_token_ids": result.prompt_token_ids,
+            "response_token_ids": result.response_token_ids,
+            "response_logprobs": result.response_logprobs,
+            "sampling": result.sampling,  # what produced these tokens: the trainer scores with it
+            "model_version": result.model_version if result.model_version >= 0 else self._current_version(),
+            "reward": float(evaluation.reward),
+            "ground_truth": evaluation.ground_truth,
+            "score": {"reward": float(evaluation.reward), **{k: float(v) for k, v in evaluation.metrics.items()}},
+            "extra_info": evaluation.extra_info,
+        }))
+        return trajectory
+
     # -- helpers for subclasses -------------------------------------------------------------
     def sampling_seed(self, task: dict[str, Any]) -> int:
         """Per-request seed: the same task at the same weights samples the same text (the weights
@@ -320,6 +424,24 @@ class BaseRolloutWorker(ThreadedModule):
             return self._domain_evaluators[domain]
         return self._evaluator
 
+    def evaluate_in_advance(self, replies: list[tuple[dict[str, Any], str]]) -> None:
+        """Score each ``(task, reply)`` now, one ``evaluate_many`` call per evaluator (a batch for
+        TRL-style reward functions); :meth:`evaluate` of that task and reply then takes the result
+        from here (and checks it as it checks any)."""
+        by_evaluator: dict[int, tuple[Evaluator, list[tuple[dict[str, Any], str]]]] = {}
+        for task, reply in replies:
+            evaluator = self.evaluator_for(task)
+            if evaluator is not None:
+                by_evaluator.setdefault(id(evaluator), (evaluator, []))[1].append((task, reply))
+        self._evaluated = {}
+        for evaluator, items in by_evaluator.values():
+            try:
+                results = evaluator.evaluate_many([(t, BaseEvaluationTarget(final_answer=r)) for t, r in items])
+            except Exception:  # each task is scored on its own in evaluate(), where a failure is recorded
+                continue
+            for (task, reply), result in zip(items, results):
+                self._evaluated[id(task)] = (evaluator, reply, result)
+
     def evaluate(self, task: dict[str, Any], final_answer: str | BaseEvaluationTarget) -> EvaluationRunResult:
         """Score ``final_answer`` (a string, or a richer target such as an agent's) with the task's
         evaluator."""
@@ -331,8 +453,14 @@ class BaseRolloutWorker(ThreadedModule):
         target = final_answer if isinstance(final_answer, BaseEvaluationTarget) else \
             BaseEvaluationTarget(final_answer=final_answer)
         reply: Any = getattr(final_answer, "final_answer", final_answer)  # the text kept with a failure
+        ahead = self._evaluated.pop(id(task), None)
         try:
-            result = evaluator.evaluate(task, target)
+            if ahead is not None and ahead[0] is evaluator and ahead[1] == reply and isinstance(reply, str):
+                result = ahead[2]  # scored with the other tasks of the call (evaluate_in_advance)
+                if isinstance(result, Exception):
+                    raise result
+            else:
+                result = evaluator.evaluate(task, target)
         except Exception as exc:
             where = failure_location(exc, _code_folder(evaluator))
             raise ItemFailure("evaluator_exception", f"{label} raised {type(exc).__name__}: {exc}"

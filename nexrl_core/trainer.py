@@ -88,6 +88,7 @@ class BaseTrainer(ThreadedModule):
         self.batch_size = int(config["trajectory_pool"]["batch_size"])
         self.checkpoint_path = self._config["checkpoint_path"]
         self.save_freq = int(self._config["save_freq"])
+        self.save_final = bool(self._config["save_final"])
         self.remove_previous_ckpt = bool(self._config["remove_previous_ckpt"])
         logger_section = config["logger"]
         self.samples_every = int(logger_section["samples_every"])
@@ -259,9 +260,15 @@ class BaseTrainer(ThreadedModule):
         if self._samples_due():
             self._activity_tracker.record_samples(self.global_step, self._pick_samples(trajectories))
         self._first_step_done = True
-        if self.save_freq > 0 and (self.global_step % self.save_freq == 0 or self.is_done()):
+        if self._checkpoint_due():
             self.save_checkpoint()
         execute(self._wsc().train_worker_notify_weight_update, self._module_name, self._model_tag)
+
+    def _checkpoint_due(self) -> bool:
+        """Every ``save_freq`` steps, and after the last step when ``save_freq`` or ``save_final`` asks."""
+        if self.is_done():
+            return self.save_freq > 0 or self.save_final
+        return self.save_freq > 0 and self.global_step % self.save_freq == 0
 
     def check_trajectory(self, trajectory: Trajectory) -> None:
         """The pool boundary: a trajectory lacking a key this trainer reads

@@ -166,8 +166,9 @@ class RewardFunctionsEvaluator(Evaluator):
     function's score is logged as the metric of its name.
 
     A conversational prompt (a list of messages) gets its completion as TRL gives it,
-    ``[{"role": "assistant", "content": text}]``. Calls are per sample, from every rollout worker
-    thread at once: keep the functions free of shared mutable state."""
+    ``[{"role": "assistant", "content": text}]``. Calls are per sample, or once for the samples a
+    worker took together (``rollout_worker.tasks_per_call``; lists of that many), from every
+    rollout worker thread at once: keep the functions free of shared mutable state."""
 
     OPTIONS = {
         "functions": Option(REQUIRED, list[str], "the reward functions, each 'file.py:name' (a file next to the "
@@ -190,31 +191,56 @@ class RewardFunctionsEvaluator(Evaluator):
         self.source_path = os.path.abspath(self._functions[0][2]) if self._functions else None
 
     def evaluate(self, data: dict[str, Any], evaluation_target: BaseEvaluationTarget) -> EvaluationRunResult:
-        prompt = data.get("prompt")
-        text = evaluation_target.final_answer
-        completion: Any = [{"role": "assistant", "content": text}] if isinstance(prompt, list) else text
-        columns = {k: [v] for k, v in data.items() if k not in ("prompt", "prompts", "completions")}
-        reward, metrics, scored = 0.0, {}, 0
+        result = self.evaluate_many([(data, evaluation_target)])[0]
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    def evaluate_many(self, items: list[tuple[dict[str, Any], BaseEvaluationTarget]]
+                      ) -> list[EvaluationRunResult | Exception]:
+        """Each function called once for all ``items``, as TRL calls it for a batch (lists of N); a
+        call that raises is retried sample by sample, so only the samples it fails on fail."""
+        if len(items) > 1:
+            try:
+                return list(self._score([d for d, _ in items], [t.final_answer for _, t in items]))
+            except Exception:  # find the sample(s) it fails on
+                pass
+        out: list[EvaluationRunResult | Exception] = []
+        for data, target in items:
+            try:
+                out.extend(self._score([data], [target.final_answer]))
+            except Exception as exc:
+                out.append(exc)
+        return out
+
+    def _score(self, rows: list[dict[str, Any]], texts: list[str]) -> list[EvaluationRunResult]:
+        prompts = [row.get("prompt") for row in rows]
+        completions: list[Any] = [[{"role": "assistant", "content": text}] if isinstance(prompt, list) else text
+                                  for prompt, text in zip(prompts, texts)]
+        names = dict.fromkeys(k for row in rows for k in row if k not in ("prompt", "prompts", "completions"))
+        columns = {k: [row.get(k) for row in rows] for k in names}
+        rewards, scored = [0.0] * len(rows), [0] * len(rows)
+        metrics: list[dict[str, float]] = [{} for _ in rows]
         for name, function, path, weight in self._functions:
             try:
-                out = function(prompts=[prompt], completions=[completion], **columns)
+                out = function(prompts=prompts, completions=completions, **columns)
             except TypeError as exc:
                 raise TypeError(f"reward function {name} of {path}: {exc} (it is called with prompts, completions "
                                 f"and the data row's columns: {', '.join(sorted(columns)) or 'none'})") from None
-            if not isinstance(out, (list, tuple)) or len(out) != 1:
+            if not isinstance(out, (list, tuple)) or len(out) != len(rows):
                 raise TypeError(f"reward function {name} of {path} returned {out!r}; expected a list with one score "
-                                f"per completion (one here)")
-            score = out[0]
-            if score is None:
-                continue
-            if not isinstance(score, (bool, int, float)):
-                raise TypeError(f"reward function {name} of {path} returned score {score!r}, not a number")
-            metrics[name] = float(score)
-            reward += weight * float(score)
-            scored += 1
-        if not scored:
+                                f"per completion ({len(rows)} here)")
+            for i, score in enumerate(out):
+                if score is None:
+                    continue
+                if not isinstance(score, (bool, int, float)):
+                    raise TypeError(f"reward function {name} of {path} returned score {score!r}, not a number")
+                metrics[i][name] = float(score)
+                rewards[i] += weight * float(score)
+                scored[i] += 1
+        if not all(scored):
             raise ValueError("every reward function returned None for this sample: no reward")
-        return EvaluationRunResult(reward=reward, metrics=metrics)
+        return [EvaluationRunResult(reward=r, metrics=m) for r, m in zip(rewards, metrics)]
 
 
 def _load_reward_functions(specs: list[str], weights: list[float] | None,

@@ -11,10 +11,8 @@ from omegaconf import DictConfig, OmegaConf
 from ..config.options import Option, option_defaults
 from ..errors import ConfigError
 from ..markers import hookimpl
-from ..protocols import wired
 from ..rollout_worker import BaseRolloutWorker, ItemFailure
-from ..runtime.execute import execute
-from ..runtime.inference import SamplingParams, sampling_options
+from ..runtime.inference import CompletionResult, SamplingParams, sampling_options
 
 
 class SimpleRolloutWorker(BaseRolloutWorker):
@@ -45,7 +43,6 @@ class SimpleRolloutWorker(BaseRolloutWorker):
         self._domain_sampling = {str(domain): SamplingParams.from_config(sampling)
                                  for domain, sampling in _domain_sampling(config).items()}
         self._validate_temperature = config["validate_temperature"]
-        self._answers: dict[int, Any] = {}  # id(task) -> prepared completion (prepare_tasks)
 
     @classmethod
     def check_config(cls, section: Any, key: str = "rollout_worker") -> list[str]:
@@ -71,47 +68,31 @@ class SimpleRolloutWorker(BaseRolloutWorker):
         messages = [{"role": "system", "content": self._system_prompt}] if self._system_prompt else []
         return messages + [{"role": "user", "content": str(prompt)}]
 
-    def _request(self, task: dict[str, Any]) -> tuple[Any, SamplingParams]:
-        prompt = self.build_prompt(task)
+    def sampling_params(self, task: dict[str, Any]) -> SamplingParams:
+        """``rollout_worker.sampling``, with the task's domain's changes (``domain_sampling``) and
+        ``validate_temperature`` for a validation task."""
         domain = task.get("domain")
-        base = self._sampling if domain is None else self._domain_sampling.get(domain, self._sampling)
-        params = replace(base, seed=self.sampling_seed(task))
+        params = self._sampling if domain is None else self._domain_sampling.get(domain, self._sampling)
         if self._task_is_validation and self._validate_temperature is not None:
-            params.temperature = float(self._validate_temperature)
-        return prompt, params
+            params = replace(params, temperature=float(self._validate_temperature))
+        return params
 
     def prepare_tasks(self, tasks: list[dict[str, Any]]) -> None:
-        """One ``complete_many`` call for the tasks' requests; :meth:`step` takes its answer from here."""
+        """The tasks' first requests in one ``complete_many`` call (:meth:`prepare_first_calls`), and,
+        when :meth:`step` is this class's (the first answer is the trajectory's), their scoring in
+        one call per evaluator (:meth:`evaluate_in_advance`)."""
         asked = [t for t in tasks if t.get(self._prompt_key) not in (None, "")]
-        results = execute(wired(self._llm_client, "inference client").complete_many, [self._request(t) for t in asked])
-        self._answers = {id(t): r for t, r in zip(asked, results)}
+        self.prepare_first_calls([(t, self.build_prompt(t)) for t in asked])
+        if type(self).step is SimpleRolloutWorker.step:
+            self.evaluate_in_advance([(t, answer.text) for t in asked
+                                      if isinstance(answer := self._prepared[id(t)][2], CompletionResult)])
 
     def step(self, task: dict[str, Any]) -> str | None:
         if task.get(self._prompt_key) in (None, ""):
             raise ItemFailure("missing_prompt", f"task has no '{self._prompt_key}' field")
-        prompt, params = self._request(task)
-        result = self._answers.pop(id(task), None)
-        if result is None:
-            result = execute(wired(self._llm_client, "inference client").complete, prompt, params)
-        elif isinstance(result, Exception):
-            raise result
-        evaluation = self.evaluate(task, result.text)
-        trajectory = self.base_trajectory(task)
-        trajectory.update({
-            "prompt": prompt,
-            "response": result.text,
-            "finish_reason": result.finish_reason,
-            "prompt_token_ids": result.prompt_token_ids,
-            "response_token_ids": result.response_token_ids,
-            "response_logprobs": result.response_logprobs,
-            "sampling": params.as_record(),  # what produced these tokens: the trainer scores with it
-            "model_version": result.model_version if result.model_version >= 0 else self._current_version(),
-            "reward": float(evaluation.reward),
-            "ground_truth": evaluation.ground_truth,
-            "score": {"reward": float(evaluation.reward), **{k: float(v) for k, v in evaluation.metrics.items()}},
-            "extra_info": evaluation.extra_info,
-        })
-        return self._put_trajectory(trajectory)
+        prompt = self.build_prompt(task)
+        result = self.complete(prompt)
+        return self._put_trajectory(self.completion_trajectory(task, prompt, result))
 
 
 def _plain(value: Any) -> Any:

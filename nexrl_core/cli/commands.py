@@ -86,11 +86,17 @@ def build_parser() -> argparse.ArgumentParser:
     p_eval.add_argument("--samples-out", help="write per-sample results to this JSONL file")
     p_eval.add_argument("--out", help="folder for this evaluation's outputs: metrics.json, samples.jsonl, "
                                       "errors.jsonl (failed samples), eval.log")
-    p_plot = sub.add_parser("plot", help="draw a run's training reward and validation metrics to a PNG",
-                            description="draw RUN_DIR/metrics.jsonl (training reward, validation, loss) to a PNG "
+    p_plot = sub.add_parser("plot", help="draw a run's training reward and validation metrics to a PNG, or "
+                                         "compare several runs",
+                            description="draw RUN_DIR/metrics.jsonl (training reward, validation, loss) to a PNG; "
+                                        "with several RUN_DIRs, one panel per metric with a line for each run "
+                                        "(named by its folder), written to the first run's folder as "
+                                        "comparison.png unless -o is given "
                                         "(needs matplotlib: pip install 'nexrl-core[plot]')")
-    p_plot.add_argument("run_dir", help="a run directory (run_dir in the recipe)")
-    p_plot.add_argument("--out", "-o", help="the PNG to write (default RUN_DIR/metrics.png)")
+    p_plot.add_argument("run_dir", nargs="+", metavar="RUN_DIR",
+                        help="a run directory (run_dir in the recipe); several to compare them")
+    p_plot.add_argument("--out", "-o", help="the PNG to write (default RUN_DIR/metrics.png; with several runs "
+                                            "FIRST_RUN_DIR/comparison.png)")
     p_show = sub.add_parser("show", help="print a run's latest samples: prompt, reply, reward, advantage, log-prob gap",
                             description="print the samples a run recorded (RUN_DIR/samples.jsonl: the first and last "
                                         "training step and every logger.samples_every steps), or those of a "
@@ -235,11 +241,11 @@ def _validate(args: Any) -> int:
         _print_problems(problems)
         return 2
     from ..launch import unused_launch_keys_note
-    from ..launch.preflight import run_dir_plan
+    from ..launch.preflight import run_dir_plan, unkept_weights_warning
 
-    note = unused_launch_keys_note(cfg)
-    if note:
-        print(f"warning: {note}", file=sys.stderr)  # as `nexrl run` logs it
+    for warning in (unused_launch_keys_note(cfg), unkept_weights_warning(cfg, get_plugin_manager())):
+        if warning:
+            print(f"warning: {warning}", file=sys.stderr)  # as `nexrl run` says it
     from ..launch.recipe import network_plan
 
     if network_plan(cfg, get_plugin_manager()).private:
@@ -248,6 +254,10 @@ def _validate(args: Any) -> int:
     plan = run_dir_plan(cfg)
     if plan:
         print(f"note: {plan}", file=sys.stderr)
+    epochs = cfg.trainer.get("num_train_epochs")
+    if epochs is not None:  # check_files set the steps they give
+        print(f"note: trainer.num_train_epochs={epochs:g}: {cfg.trainer.total_train_steps} training steps",
+              file=sys.stderr)
     print(f"{args.recipe}: ok")
     return 0
 
@@ -298,11 +308,19 @@ def _flow(value: Any) -> str:
 
 
 def _plot(args: Any) -> int:
-    from .plot import plot_run
+    from .plot import comparison_out, plot_run, plot_runs
 
-    if not os.path.isdir(args.run_dir):
-        raise ConfigError(f"{args.run_dir}: no such run directory")
-    print(plot_run(args.run_dir, args.out))
+    if len(args.run_dir) > 1:
+        out = plot_runs(args.run_dir, args.out)
+        if args.out is None:
+            print(f"note: {len(args.run_dir)} runs compared in {comparison_out(args.run_dir)} (the first run's "
+                  f"folder; -o FILE.png to write it elsewhere)", file=sys.stderr)
+        print(out)
+        return 0
+    run_dir = args.run_dir[0]
+    if not os.path.isdir(run_dir):
+        raise ConfigError(f"{run_dir}: no such run directory")
+    print(plot_run(run_dir, args.out))
     return 0
 
 

@@ -1,13 +1,15 @@
 """``metrics.png`` of a run directory: training reward (and each domain's), validation scores and
 the update (gradient norm of an RL run, loss of a supervised one) by step.
 
-Written at the end of ``nexrl run`` and on demand by ``nexrl plot RUN_DIR``. Needs matplotlib
-(the ``plot`` extra: ``pip install 'nexrl-core[plot]'``); everything else here is plain Python.
+Written at the end of ``nexrl run`` and on demand by ``nexrl plot RUN_DIR``. ``nexrl plot RUN_DIR
+RUN_DIR ...`` compares runs instead: one panel per metric, one line per run (:func:`plot_runs`). Needs
+matplotlib (the ``plot`` extra: ``pip install 'nexrl-core[plot]'``); everything else here is plain Python.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Any
 
 import yaml
@@ -16,6 +18,7 @@ from ..errors import ConfigError, NexRLError
 from ..runtime.run_log import METRICS_FILE, read_jsonl
 
 PLOT_FILE = "metrics.png"
+COMPARISON_FILE = "comparison.png"  # several runs' default: in the first run's folder
 TRAIN_REWARD = "train/reward_mean"
 LOSS_KEYS = ("train/loss", "train/pg_loss")
 GRAD_NORM = "train/grad_norm"
@@ -145,6 +148,179 @@ def plot_run(run_dir: str, out: str | None = None, title: str | None = None) -> 
     axes[-1, 0].set_xlabel("step")
     fig.suptitle(title or _title(run_dir))
     fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+# ----------------------------------------------------------------------------- several runs
+
+
+@dataclass(frozen=True)
+class Line:
+    """One run's values of a panel's metric: raw (step, value) points; ``smooth`` steps of running
+    mean drawn over them (0: drawn as they are)."""
+
+    run: str
+    points: list[tuple[int, float]]
+    smooth: int = 0
+
+
+@dataclass(frozen=True)
+class Panel:
+    """One metric of a comparison: a line for each run that recorded it, in the runs' order."""
+
+    metric: str
+    ylabel: str
+    lines: list[Line]
+
+
+class RunProblems(ConfigError):
+    """Run folders that cannot be compared; ``problems`` holds one line each (the CLI prints each)."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = list(problems)
+        super().__init__("; ".join(problems))
+
+
+def _mergeable(keys_by_run: list[list[str]]) -> list[str]:
+    """The union of each run's keys, in the order they first appear."""
+    return list(dict.fromkeys(k for keys in keys_by_run for k in keys))
+
+
+def run_labels(run_dirs: list[str]) -> list[str]:
+    """Each run's legend name: its folder's name, or as many trailing path parts as tell it apart
+    from the others' (``a/run``, ``b/run``); the same folder given twice gets `` (2)``."""
+    parts = [os.path.normpath(os.path.abspath(d)).split(os.sep) for d in run_dirs]
+    parts = [[p for p in ps if p] or [os.sep] for ps in parts]
+    depth = [1] * len(parts)
+
+    def label(i: int) -> str:
+        return "/".join(parts[i][-depth[i]:])
+
+    while True:
+        groups: dict[str, list[int]] = {}
+        for i in range(len(parts)):
+            groups.setdefault(label(i), []).append(i)
+        grow = [i for same in groups.values() if len(same) > 1 for i in same if depth[i] < len(parts[i])]
+        if not grow:
+            break
+        for i in grow:
+            depth[i] += 1
+    labels: list[str] = []
+    seen: dict[str, int] = {}
+    for i in range(len(parts)):
+        name = label(i)
+        seen[name] = seen.get(name, 0) + 1
+        labels.append(name if seen[name] == 1 else f"{name} ({seen[name]})")
+    return labels
+
+
+def read_runs(run_dirs: list[str]) -> list[tuple[str, dict[str, list[tuple[int, float]]]]]:
+    """(legend name, :func:`series`) of each run, in the order given. A folder that is not there,
+    has no metrics.jsonl or no metrics yet is one problem line naming it (all of them, one error)."""
+    problems, found = [], []
+    for run_dir in run_dirs:
+        if not os.path.isdir(run_dir):
+            problems.append(f"{run_dir}: no such run directory")
+        elif not os.path.isfile(os.path.join(run_dir, METRICS_FILE)):
+            problems.append(f"{run_dir}: no {METRICS_FILE} here (is it a run directory? `run_dir` in the recipe)")
+        else:
+            metrics = series(read_metrics(run_dir))
+            if not metrics:
+                problems.append(f"{os.path.join(run_dir, METRICS_FILE)}: no metrics recorded yet")
+            found.append(metrics)
+    if problems:
+        raise RunProblems(problems)
+    return list(zip(run_labels(run_dirs), found))
+
+
+def comparison_panels(runs: list[tuple[str, dict[str, list[tuple[int, float]]]]]) -> list[Panel]:
+    """The panels comparing ``runs`` ((name, :func:`series`) each): the union of what each run's own
+    plot draws, one metric a panel (training reward, each domain's, each validation score, the
+    gradient norm or loss), with a line for each run that recorded the metric."""
+    metrics = [TRAIN_REWARD] if any(TRAIN_REWARD in found for _, found in runs) else []
+    metrics += sorted(_mergeable([domain_reward_keys(found) for _, found in runs]))
+    metrics += _mergeable([validation_keys(found) for _, found in runs])
+    updates = {name: update_key(found) for name, found in runs}
+    metrics += _mergeable([[key] for key in updates.values() if key is not None])
+    panels = []
+    for metric in metrics:
+        update = metric in updates.values()  # a line for the runs whose own plot draws it (not an RL surrogate)
+        reward = metric == TRAIN_REWARD or metric.endswith("/reward_mean")
+        if metric == TRAIN_REWARD:
+            ylabel = "training reward"
+        elif reward:
+            ylabel = f"{metric.split('/')[1]} training reward"
+        elif metric.startswith("val/"):
+            ylabel = "validation"
+        else:
+            ylabel = "gradient norm" if metric == GRAD_NORM else "loss"
+        lines = [Line(name, found[metric], _SMOOTH if reward else 0) for name, found in runs
+                 if metric in found and (not update or updates[name] == metric)]
+        panels.append(Panel(metric, ylabel, lines))
+    return panels
+
+
+def comparison_figure(panels: list[Panel], title: str) -> Any:
+    """The matplotlib figure of ``panels``: run i in colour ``C<i>`` on every panel; a smoothed
+    line's raw values faint behind it. Each panel's labelled lines are its runs, in order."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display needed; must precede pyplot
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    colours: dict[str, str] = {}
+    for panel in panels:
+        for line in panel.lines:
+            colours.setdefault(line.run, f"C{len(colours)}")
+    fig, axes = plt.subplots(len(panels), 1, figsize=(8, 2.4 * len(panels) + 0.8), sharex=True, squeeze=False)
+    for ax, panel in zip(axes[:, 0], panels):
+        for line in panel.lines:
+            steps, values = zip(*line.points)
+            colour = colours[line.run]
+            if line.smooth:
+                ax.plot(steps, values, color=colour, alpha=0.25, linewidth=1)
+                ax.plot(steps, _running_mean(list(values), line.smooth), color=colour, linewidth=2, label=line.run)
+            else:
+                ax.plot(steps, values, color=colour, linewidth=1.5, label=line.run,
+                        marker="o" if panel.metric.startswith("val/") else None, markersize=4)
+        window = max(ln.smooth for ln in panel.lines)
+        ax.set_title(panel.metric + (f" (running mean, {window} steps)" if window else ""), fontsize=9)
+        ax.set_ylabel(panel.ylabel)
+        ax.grid(True, alpha=0.3)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.legend(loc="best", fontsize=8)
+    axes[-1, 0].set_xlabel("step")
+    fig.suptitle(title)
+    fig.tight_layout()
+    return fig
+
+
+def comparison_out(run_dirs: list[str]) -> str:
+    """Where a comparison goes without ``-o``: ``comparison.png`` in the first run's folder."""
+    return os.path.join(run_dirs[0], COMPARISON_FILE)
+
+
+def plot_runs(run_dirs: list[str], out: str | None = None) -> str:
+    """Draw the runs' metrics on shared axes (:func:`comparison_panels`) to ``out`` (default
+    :func:`comparison_out`); returns the path."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # no display needed; must precede pyplot
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise MissingMatplotlib("the plot needs matplotlib: pip install 'nexrl-core[plot]'") from None
+    runs = read_runs(run_dirs)
+    panels = comparison_panels(runs)
+    if not panels:
+        raise ConfigError(f"none of {', '.join(run_dirs)} recorded {TRAIN_REWARD}, validation scores or a loss yet")
+    names = [name for name, _ in runs]
+    fig = comparison_figure(panels, " vs ".join(names) if len(names) <= 3 else f"{len(names)} runs")
+    out = out or comparison_out(run_dirs)
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     fig.savefig(out, dpi=110)
     plt.close(fig)

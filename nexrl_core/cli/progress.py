@@ -82,6 +82,8 @@ class StepStats:
         self.failed_last = 0
         self.split: tuple[float, float, float] | None = None  # generate (waiting for the batch), train, weight sync
         self.memory: tuple[float, float] | None = None  # device GiB: allocated, peak of the step
+        self.flat_groups: float | None = None  # share of the step's rows in groups whose rewards all tied
+        self.no_signal = False  # the step could not move the weights (every group tied, or nothing trained)
 
     def add(self, metrics: dict[str, Any], step: int) -> str | None:
         """Fold one row in; returns its kind: 'train', 'val' or None (neither)."""
@@ -121,6 +123,11 @@ class StepStats:
         self.failed_total += self.failed_last
         if "timing/train_s" in m:
             self.split = tuple(float(m.get(k, 0.0) or 0.0) for k in STEP_SPLIT)  # type: ignore[assignment]
+        flat = m.get("train/rows_in_flat_groups")
+        self.flat_groups = float(flat) if flat is not None else None
+        grad_norm = m.get("train/grad_norm")
+        self.no_signal = bool(m.get("train/update_skipped")) or flat == 1.0 or (grad_norm is not None
+                                                                                and float(grad_norm) == 0.0)
         if "train/memory_peak_gib" in m:
             self.memory = (float(m.get("train/memory_allocated_gib", 0.0)), float(m["train/memory_peak_gib"]))
 
@@ -153,6 +160,10 @@ class StepStats:
                ("staleness", "-" if self.staleness_mean is None else
                 f"{self.staleness_mean:.2f} (max {self.staleness_max:.0f})"),
                ("failed", f"{self.failed_total}" + (f" (+{self.failed_last})" if self.failed_last else ""))]
+        if self.flat_groups is not None or self.no_signal:
+            parts = [] if self.flat_groups is None else [f"{self.flat_groups:.0%}"]
+            parts += ["(no learning signal this step: grad norm 0)"] if self.no_signal else []
+            out.append(("flat groups", " ".join(parts)))
         if self.split is not None:
             out.append(("split", "gen {:.2f} s / train {:.2f} s / sync {:.2f} s".format(*self.split)))
         if self.memory is not None:

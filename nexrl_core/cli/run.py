@@ -44,10 +44,9 @@ def resume_command(recipe: str, overrides: list[str]) -> str:
     return run_command_line(recipe, overrides, _RESUME_KEYS, ("resume.mode=auto",))
 
 
-def continue_command(recipe: str, overrides: list[str], total_steps: int) -> str:
-    """Train a finished run further: resume with more steps."""
-    return run_command_line(recipe, overrides, _RESUME_KEYS + ("trainer.total_train_steps",),
-                            ("resume.mode=auto", f"trainer.total_train_steps={2 * total_steps}"))
+def continue_command(recipe: str, overrides: list[str], more: str) -> str:
+    """Train a finished run further: resume with ``more`` (``key=value``: more steps or epochs)."""
+    return run_command_line(recipe, overrides, _RESUME_KEYS + (override_key(more),), ("resume.mode=auto", more))
 
 
 def _model(cfg: Any) -> str:
@@ -67,12 +66,16 @@ def header_lines(cfg: Any, recipe: str, overrides: list[str], pm: Any, resume_fr
     section = cfg.rollout_worker.get("evaluator")  # null: no evaluator
     evaluator = section["type"] if section is not None else "none"
     weight = cfg.weight
+    epochs = cfg.trainer.get("num_train_epochs")
     schedule = [f"{cfg.trainer.total_train_steps} steps of {cfg.trajectory_pool.batch_size} samples "
-                f"({cfg.trajectory_pool.group_size} per prompt)", f"{weight.sync_mode} mode"]
+                f"({cfg.trajectory_pool.group_size} per prompt{f', {epochs:g} epochs' if epochs else ''})",
+                f"{weight.sync_mode} mode"]
     if int(weight.validate_freq) and cfg.validate.get("data") is not None:
         schedule.append(f"validate every {weight.validate_freq}")
     if int(cfg.trainer.save_freq):
         schedule.append(f"checkpoint every {cfg.trainer.save_freq}")
+    elif cfg.trainer.save_final:
+        schedule.append("checkpoint at the end")
     lines = [
         ("recipe", " ".join([recipe, *redact_command(overrides)])),
         ("run_dir", f"{run_dir}  (config.yaml, run.json, metrics.jsonl, samples.jsonl, errors.jsonl, run.log)"),
@@ -99,6 +102,7 @@ def footer(cfg: Any, recipe: str, overrides: list[str], outcome: _Outcome, elaps
            plot: tuple[str | None, str | None], exportable: bool = False) -> tuple[str, list[tuple[str, str]]]:
     """The footer's title and lines; ``exportable``: the trainer implements ``export_checkpoint``."""
     from ..checkpoint import find_latest_checkpoint
+    from ..launch.preflight import keeps_no_checkpoint, train_on_override
     from ..runtime.run_log import ERRORS_FILE, METRICS_FILE, SAMPLES_FILE
 
     run_dir = str(cfg.run_dir)
@@ -117,8 +121,8 @@ def footer(cfg: Any, recipe: str, overrides: list[str], outcome: _Outcome, elaps
         count = sum(1 for n in os.listdir(str(root)) if n.startswith("global_step_"))
         lines.append(("checkpoints", f"{latest}  ({count} in {root})"))
     else:
-        lines.append(("checkpoints", "none saved (trainer.save_freq: 0)" if not int(cfg.trainer.save_freq)
-                      else "none saved yet"))
+        lines.append(("checkpoints", "none saved (trainer.save_freq: 0, trainer.save_final: false)"
+                      if keeps_no_checkpoint(cfg) else "none saved yet"))
     files = [os.path.join(run_dir, METRICS_FILE)]
     for name in (SAMPLES_FILE, ERRORS_FILE):
         path = os.path.join(run_dir, name)
@@ -137,7 +141,7 @@ def footer(cfg: Any, recipe: str, overrides: list[str], outcome: _Outcome, elaps
         lines.append(("export", shlex.join(["nexrl", "export", latest, os.path.join(run_dir, "model")])))
     if outcome.status == "finished":
         if latest:
-            lines.append(("train on", continue_command(recipe, overrides, total)))
+            lines.append(("train on", continue_command(recipe, overrides, train_on_override(cfg))))
     elif outcome.code != 2:
         lines.append(("resume", resume_command(recipe, overrides) if latest else
                       "no checkpoint to resume from: a rerun starts at step 0 (set trainer.save_freq, or "
@@ -170,7 +174,7 @@ def stop_notice(cfg: Any, recipe: str, overrides: list[str], signame: str) -> st
 
 def run_command(args: Any) -> int:
     from ..controller import NexRLController, RunFailed
-    from ..launch.preflight import require_runnable, resume_checkpoint
+    from ..launch.preflight import require_runnable, resume_checkpoint, unkept_weights_warning
     from ..launch.ray import network
     from ..launch.recipe import load_recipe, network_plan
     from ..plugins import get_plugin_manager
@@ -185,6 +189,9 @@ def run_command(args: Any) -> int:
     cfg = load_recipe(recipe, overrides)
     pm = get_plugin_manager()
     require_runnable(cfg, pm)  # before anything is written to run_dir
+    unkept = unkept_weights_warning(cfg, pm)
+    if unkept:
+        print(f"warning: {unkept}", file=sys.stderr)  # as nexrl validate says it
     if network_plan(cfg, pm).private and not network.inside():  # the whole run, Ray's driver included
         return network.rerun_inside(["run", recipe, *overrides])
     prepare_run_dir(cfg)
@@ -202,10 +209,24 @@ def run_command(args: Any) -> int:
     outcome = _Outcome()
     controller: Any = None
 
+    interrupted: list[int] = []  # signals while the run was being built (or waiting to restart)
+
     def interrupt(signum: int, _frame: Any) -> None:
-        # while the run is being built: nothing to drain yet (exit 130)
-        progress.notice(stop_notice(cfg, recipe, overrides, signal.Signals(signum).name))
+        # while the run is being built: nothing to drain yet (exit 130). The first signal stops the
+        # build, which then releases what it started (its actors, a cluster it started: seconds);
+        # a second is acknowledged, a third stops at once (run.json is written either way).
+        name = signal.Signals(signum).name
+        interrupted.append(signum)
+        if len(interrupted) == 1:
+            progress.notice(stop_notice(cfg, recipe, overrides, name))
+        elif len(interrupted) == 2:
+            progress.notice(f"{name} again: still releasing the run's actors (once more to stop at once)")
+            return
         raise KeyboardInterrupt
+
+    def finishing(signum: int, _frame: Any) -> None:
+        # the run is over: run.json and the footer are being written (a moment); not left half done
+        progress.notice(f"{signal.Signals(signum).name}: the run has stopped; writing its records")
 
     def on_signal(signum: int, _frame: Any) -> None:
         # SIGINT/SIGTERM: stop cleanly (workers drained, trainer.save_on_stop honoured), exit 130
@@ -255,16 +276,23 @@ def run_command(args: Any) -> int:
         outcome.error = f"{type(exc).__name__}: {exc}"
         raise
     finally:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        progress.close()
-        if outcome.step is None:
-            outcome.step = progress.stats.step
-        plot = _plot(run_dir) if outcome.code != 2 else (None, None)
-        title, lines = footer(cfg, recipe, overrides, outcome, format_duration(record.elapsed()), plot,
-                              _exportable(pm, str(cfg.trainer.type)))
-        progress.print_block(title, lines)
-        record.finish(outcome.status, outcome.code, outcome.step, outcome.error)
+        signal.signal(signal.SIGINT, finishing)
+        signal.signal(signal.SIGTERM, finishing)
+        try:
+            progress.close()
+            if outcome.step is None:
+                outcome.step = progress.stats.step
+            elapsed = format_duration(record.elapsed())
+        finally:  # first: a run.json left saying "running" would describe a run that is over
+            record.finish(outcome.status, outcome.code, outcome.step, outcome.error)
+        try:
+            plot = _plot(run_dir) if outcome.code != 2 else (None, None)
+            title, lines = footer(cfg, recipe, overrides, outcome, elapsed, plot,
+                                  _exportable(pm, str(cfg.trainer.type)))
+            progress.print_block(title, lines)
+        finally:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
     print(json.dumps({"global_step": summary.global_step, "stopped_by": summary.stopped_by,
                       "run_dir": run_dir, "validation": summary.validation}, default=float))
     return outcome.code

@@ -364,9 +364,10 @@ KIND_FILES["worker"]["$package/plugin.py"] = '''
 """The $name rollout worker, registered with nexrl through the entry point in pyproject.toml.
 
 nexrl builds `rollout_worker.num_workers` of them with the recipe's `rollout_worker` section and
-calls `step(task)` once per task, each worker in its own thread. `step` hands each trajectory on
-with `self._put_trajectory(...)`; the base class fills in the task's ids, and a trainer reads the
-keys docs/extending.md lists (the simple worker below sets all of them).
+calls `step(task)` once per task, each worker in its own thread. `step` asks the model with
+`self.complete(prompt)` (as often as the rollout needs) and hands each trajectory on with
+`self._put_trajectory(...)`; `self.completion_trajectory(...)` builds one that carries every key a
+trainer reads (docs/extending.md lists them).
 """
 
 from __future__ import annotations
@@ -386,8 +387,8 @@ class ${cls}Settings(Settings):
 
 
 class $cls(SimpleRolloutWorker):
-    """The simple worker (one completion per task, scored by the recipe's evaluator) with an
-    instruction put before every prompt. Edit `step` to shape your rollout."""
+    """One completion per task, scored by the recipe's evaluator, with an instruction put before
+    every prompt. Edit `step` to shape your rollout."""
 
     SETTINGS = ${cls}Settings
 
@@ -398,10 +399,13 @@ class $cls(SimpleRolloutWorker):
     def step(self, task: dict[str, Any]) -> str | None:
         # task: the data item (a row of the data file plus uid, sample_index, ...). Read it, do not
         # change it: the samples of a group share it.
-        prompt = task.get(self._prompt_key)
-        if self.settings.instruction and isinstance(prompt, str):
-            task = {**task, self._prompt_key: self.settings.instruction + prompt}
-        return super().step(task)
+        text = task.get(self._prompt_key)
+        if self.settings.instruction and isinstance(text, str):
+            task = {**task, self._prompt_key: self.settings.instruction + text}
+        prompt = self.build_prompt(task)  # chat messages (the recipe's system_prompt first)
+        # the recipe's rollout_worker.sampling, this task's seed; pass {"max_tokens": ...} to change a key
+        result = self.complete(prompt)
+        return self._put_trajectory(self.completion_trajectory(task, prompt, result))
 
 
 @hookimpl

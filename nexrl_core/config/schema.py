@@ -138,11 +138,20 @@ TRAJECTORY_POOL = {
 TRAINER = {
     "type": Option(REQUIRED, str, "registered trainer (nexrl plugins lists them; mock: a stand-in that trains "
                                   "nothing, for trying the plumbing)"),
-    "total_train_steps": Option(10, int, "training steps of the run", ge=1),
+    "total_train_steps": Option(10, int, "training steps of the run (replaced by what num_train_epochs gives "
+                                         "when that is set)", ge=1),
+    "num_train_epochs": Option(None, (float, None), "passes over the training data instead of a step count: "
+                                                    "total_train_steps becomes ceil(epochs x data rows / prompts "
+                                                    "per step), prompts per step = trajectory_pool.batch_size / "
+                                                    "group_size (null: total_train_steps decides)", gt=0),
     "checkpoint_path": Option("${run_dir}/checkpoints", (str, None), "folder of global_step_<N> checkpoints"),
-    "save_freq": Option(0, int, "checkpoint every N steps and after the last one (0: never)", ge=0),
+    "save_freq": Option(0, int, "checkpoint every N steps and after the last one (0: only what save_final and "
+                                "save_on_stop say)", ge=0),
+    "save_final": Option(True, bool, "checkpoint after the last step even with save_freq 0: the trained weights "
+                                     "for nexrl export and a run that trains on (false: keep them only when "
+                                     "save_freq says so)"),
     "remove_previous_ckpt": Option(False, bool, "keep only the newest checkpoint",
-                                   needs="trainer.save_freq > 0 or trainer.save_on_stop"),
+                                   needs="trainer.save_freq > 0 or trainer.save_final or trainer.save_on_stop"),
     "save_on_stop": Option(False, bool, "checkpoint when stopped by a signal"),
 }
 
@@ -304,6 +313,10 @@ RAY = {
     "call_timeout": Option(300.0, (float, None), "seconds a call to an actor may take (null: no limit); calls that "
                                                  "last as long as their work (model load, checkpoint, weight push, "
                                                  "stop) are not limited", gt=0),
+    "placement_timeout": Option(300.0, (float, None), "seconds an actor may wait for a node with the resources it "
+                                                      "asks for (ray.resources) and for its process to start; then "
+                                                      "the run fails naming it and what the nodes have (null: no "
+                                                      "limit, e.g. for an autoscaler that adds nodes slowly)", gt=0),
     "max_concurrency": Option(None, int, "calls one actor serves at once (null: one per rollout worker + 32)", ge=1),
     "colocation": Option(options={
         role.value: Option(group, (str, None), f"co-location group of the {role.value.replace('_', ' ')}",

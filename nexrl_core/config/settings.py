@@ -112,7 +112,7 @@ class Settings:
         return cls(**kwargs)
 
     def to_dict(self) -> dict[str, Any]:
-        """Recipe-shaped plain data (what ``nexrl config`` shows for these keys)."""
+        """The settings as recipe-shaped plain data (nested settings as mappings)."""
         return dataclasses.asdict(self)  # type: ignore[call-overload]
 
 

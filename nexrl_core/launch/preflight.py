@@ -5,6 +5,7 @@ data file), the evaluator, the run directory and the resume state.
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any, cast
 
@@ -70,13 +71,16 @@ def records_config(cfg: DictConfig, out: str | None) -> DictConfig:
 
 def check_files(cfg: DictConfig, pm: Any, eval_only: bool = False) -> list[str]:
     """Problems a recipe with sound keys can still have: the run directory, the resume
-    checkpoint, every data file (the loaders are built and dropped), the evaluator's options."""
+    checkpoint, every data file (the loaders are built and dropped), the evaluator's options.
+    Sets the steps ``trainer.num_train_epochs`` gives (:func:`apply_num_train_epochs`)."""
     problems = [] if eval_only else run_dir_problems(cfg) + resume_problems(cfg, pm)
     for which in DATA_SECTIONS:
         if eval_only and which == "data":
             continue
         try:
-            build_dataloader(cfg, pm, which)
+            loader = build_dataloader(cfg, pm, which)
+            if which == "data":
+                apply_num_train_epochs(cfg, pm, loader)
         except NexRLError as exc:
             problems.append(str(exc))
     try:
@@ -84,6 +88,30 @@ def check_files(cfg: DictConfig, pm: Any, eval_only: bool = False) -> list[str]:
     except NexRLError as exc:
         problems.append(str(exc))
     return problems
+
+
+def train_on_override(cfg: DictConfig) -> str:
+    """The override that trains a finished run as long again: twice the epochs when
+    ``trainer.num_train_epochs`` sets the steps, else twice the steps."""
+    epochs = cfg.trainer.get("num_train_epochs")
+    if epochs is not None:
+        return f"trainer.num_train_epochs={2 * float(epochs):g}"
+    return f"trainer.total_train_steps={2 * int(cfg.trainer.total_train_steps)}"
+
+
+def apply_num_train_epochs(cfg: DictConfig, pm: Any, loader: Any = None) -> str | None:
+    """With ``trainer.num_train_epochs`` set: ``trainer.total_train_steps`` becomes the steps that
+    many passes over the training data take (set in ``cfg``; the training loader is built unless
+    given), and what was done is returned in words; None without it."""
+    epochs = cfg.trainer.get("num_train_epochs")
+    if epochs is None:
+        return None
+    rows = (loader if loader is not None else build_dataloader(cfg, pm, "data")).num_rows()
+    prompts = max(1, int(cfg.trajectory_pool.batch_size) // max(1, int(cfg.trajectory_pool.group_size)))
+    steps = max(1, math.ceil(float(epochs) * rows / prompts - 1e-9))  # 2 epochs of 8 rows at 4 a step: 4, not 5
+    OmegaConf.update(cfg, "trainer.total_train_steps", steps)
+    return (f"trainer.total_train_steps: {steps} (trainer.num_train_epochs={epochs:g} over {rows} rows of data, "
+            f"{prompts} prompts a step)")
 
 
 # -- run directory -------------------------------------------------------------------------------
@@ -127,7 +155,30 @@ def _finished_note(cfg: DictConfig, checkpoint_path: str | None) -> str:
     if step is None or step < total:
         return ""
     return (f". It finished (step {step} of trainer.total_train_steps={total}): resume.mode=auto trains on only "
-            f"with more steps, e.g. trainer.total_train_steps={2 * total}")
+            f"with more steps, e.g. {train_on_override(cfg)}")
+
+
+#: a run this long that keeps no checkpoint is warned about (minutes of training lost when it ends)
+UNKEPT_RUN_WARN_STEPS = 10
+
+
+def keeps_no_checkpoint(cfg: DictConfig) -> bool:
+    """No checkpoint is due in the whole run (a signal may still save one: trainer.save_on_stop)."""
+    return not int(cfg.trainer.save_freq) and not cfg.trainer.save_final
+
+
+def unkept_weights_warning(cfg: DictConfig, pm: Any) -> str | None:
+    """What ``nexrl validate`` and ``nexrl run`` warn when a run of a trainer with weights keeps
+    none of them (``save_final: false`` and ``save_freq: 0``) for ``UNKEPT_RUN_WARN_STEPS`` steps or more."""
+    steps = int(cfg.trainer.total_train_steps)
+    if not keeps_no_checkpoint(cfg) or steps < UNKEPT_RUN_WARN_STEPS:
+        return None
+    cls = getattr(pm.components("trainer").get(str(cfg.trainer.type)), "cls", None)
+    if cls is None or getattr(cls, "NO_MODEL_STATE", False):
+        return None
+    return (f"trainer.save_final: false and trainer.save_freq: 0: this run of {steps} steps keeps no checkpoint, "
+            f"so its trained weights are gone when it ends (nothing to export or to train on from); "
+            f"drop save_final: false, or set trainer.save_freq")
 
 
 def run_dir_plan(cfg: DictConfig) -> str | None:
@@ -161,7 +212,7 @@ def run_dir_plan(cfg: DictConfig) -> str | None:
     if step is not None and step >= total:
         return (f"run_dir '{run_dir}' holds a finished run ({path}, step {step} of trainer.total_train_steps="
                 f"{total}): nexrl run resumes from it (resume.mode={mode}) and trains no further step; "
-                f"trainer.total_train_steps={2 * total} trains on, {anew}, or give another run_dir")
+                f"{train_on_override(cfg)} trains on, {anew}, or give another run_dir")
     return (f"nexrl run resumes from {path} at step {step} of {total} (resume.mode={mode}); {anew}, or give "
             f"another run_dir")
 
@@ -235,6 +286,8 @@ def require_runnable(cfg: DictConfig, pm: Any, eval_only: bool = False) -> None:
     from .recipe import RecipeProblems, require_valid
 
     require_valid(cfg, pm, eval_only=eval_only)
+    if not eval_only:
+        apply_num_train_epochs(cfg, pm)  # a data file it cannot read is said here, as validate says it
     refusal = None if eval_only else earlier_run_refusal(cfg)
     problems = [] if eval_only else run_dir_problems(cfg) + ([refusal] if refusal else []) + resume_problems(cfg, pm)
     if problems:

@@ -85,6 +85,9 @@ def load_recipe(path: str, overrides: list[str] | None = None, raw: Any = None,
     layers = composer.layers(raw)
     for layer in layers:
         recipe = deep_merge(recipe, layer)
+    for _, ov in value_overrides:  # `section={}`: the section as its defaults (merging {} would keep the recipe's)
+        if not ov.is_delete() and _plain_value(ov.value()) == {}:
+            _pop_key(recipe, ov.key_or_group)
     recipe_dir = os.path.dirname(os.path.abspath(path))
     resolve_recipe_paths(recipe, recipe_dir)
     merged = deep_merge(core_defaults(), recipe)
@@ -375,6 +378,15 @@ def _apply_overrides(cfg: DictConfig, overrides: list[Any], strict: bool = True,
         OmegaConf.update(cfg, key, value, merge=True, force_add=True)
 
 
+def _pop_key(values: Any, key: str) -> None:
+    """Remove dotted ``key`` from plain nested mappings, if there."""
+    *parents, leaf = key.split(".")
+    for part in parents:
+        values = values.get(part) if isinstance(values, dict) else None
+    if isinstance(values, dict):
+        values.pop(leaf, None)
+
+
 def _section_override_message(text: str, key: str, value: Any) -> str:
     opt = _option_at(key)
     hint = f"set one of its keys, e.g. {key}.{opt.selector}={value}" if opt is not None and opt.component \
@@ -427,7 +439,7 @@ def _delete(cfg: DictConfig, key: str, text: str) -> None:
     else:
         default = opt.default_value()
         if opt.options is not None:
-            example = f"{key}.<key>=<value>"
+            example = f"{key}.<key>=<value>, or {key}={{}} for its defaults"
         elif default is None:
             example = f"{key}=<value>"
         else:
@@ -435,6 +447,8 @@ def _delete(cfg: DictConfig, key: str, text: str) -> None:
 
             example = f"{key}={yaml.safe_dump(default, default_flow_style=True, width=1000).strip()}".removesuffix(
                 "\n...").strip()
+        if default == {}:
+            example += " (its defaults)"
         raise ConfigError(f"override '{text}': {key} is needed by every run ({opt.help or 'a core key'}), so it "
                           f"cannot be deleted; set it instead, e.g. {example}")
 

@@ -155,6 +155,9 @@ class CompletionResult:
     # "function", "function": {"name", "arguments": JSON text}}; a call the backend could not read
     # out of the model's text also has an "error" key. None: no call.
     tool_calls: list[dict[str, Any]] | None = None
+    # What it was asked with (SamplingParams.as_record()): set by BaseRolloutWorker.complete, so
+    # a trajectory built from it records how its tokens were sampled. None from a backend.
+    sampling: dict[str, Any] | None = None
 
 
 class InferenceError(RuntimeError):

@@ -136,3 +136,22 @@ def test_the_quickstart_composes_like_before():
     cfg = load_recipe("recipes/quickstart.yaml")
     assert cfg.trainer.type == "self_hosted_grpo" and cfg.weight.backend == "in_process"
     assert cfg.data.seed == 7 and cfg.trainer.checkpoint_path == "runs/quickstart/checkpoints"
+
+
+def test_an_empty_mapping_override_sets_a_section_back_to_its_defaults(folder):
+    """`algorithm={}` is what the refusal of `~algorithm` suggests: it must clear the recipe's keys
+    of the section (a mapping override merges key by key, and an empty one would change nothing)."""
+    root = folder({"r.yaml": BASE + "logger: {samples_every: 7, samples_per_step: 2}\n"
+                                    "runtime_monitor: {stop_timeout: 9}\n"})
+    plain = load_recipe(str(root / "r.yaml"))
+    assert (plain.logger.samples_every, plain.logger.samples_per_step) == (7, 2)
+    cfg = load_recipe(str(root / "r.yaml"), ["logger={}"])
+    folder({"no_logger.yaml": BASE + "runtime_monitor: {stop_timeout: 9}\n"})
+    default = load_recipe(str(root / "no_logger.yaml"))
+    assert cfg.logger == default.logger and cfg.logger.samples_every != 7  # the declared defaults
+    assert cfg.runtime_monitor.stop_timeout == 9  # other sections keep the recipe's values
+    with pytest.raises(ConfigError) as info:
+        load_recipe(str(root / "r.yaml"), ["~algorithm"])
+    assert "cannot be deleted; set it instead, e.g. algorithm={} (its defaults)" in str(info.value)
+    # a later override in the same command still applies over the defaults
+    assert load_recipe(str(root / "r.yaml"), ["logger={}", "logger.samples_every=5"]).logger.samples_every == 5

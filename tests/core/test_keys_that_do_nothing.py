@@ -47,9 +47,9 @@ class Plugin:
 # name -> (overrides, the error line); the same keys with what they need come in ACCEPTED
 CASES = {
     "remove_previous_ckpt_without_saves": (
-        ["trainer.remove_previous_ckpt=true"],
-        "error: trainer.remove_previous_ckpt: does nothing without trainer.save_freq > 0 or trainer.save_on_stop: "
-        "true (set that, or delete trainer.remove_previous_ckpt)"),
+        ["trainer.remove_previous_ckpt=true", "trainer.save_final=false"],
+        "error: trainer.remove_previous_ckpt: does nothing without trainer.save_freq > 0 or trainer.save_final: "
+        "true or trainer.save_on_stop: true (set that, or delete trainer.remove_previous_ckpt)"),
     "success_threshold_without_validation": (
         ["validate.success_threshold=0.5"],
         "error: validate.success_threshold: does nothing without validate.data: true"),
@@ -96,7 +96,8 @@ CASES = {
 }
 
 ACCEPTED = {
-    "remove_previous_ckpt_without_saves": ["trainer.remove_previous_ckpt=true", "trainer.save_freq=1"],
+    "remove_previous_ckpt_without_saves": ["trainer.remove_previous_ckpt=true", "trainer.save_final=false",
+                                           "trainer.save_freq=1"],
     "success_threshold_without_validation": ["validate.success_threshold=0.5", "validate.n_samples=2", VAL],
     "staleness_in_sync_mode": ["weight.staleness_threshold=2", "weight.sync_mode=batch-async"],
     "max_replacements_without_dynamic_sampling": ["trajectory_pool.dynamic_sampling.max_replacements=5",

@@ -121,3 +121,58 @@ def test_a_bad_reward_function_is_one_line_from_validate_and_run(functions, weig
         err = capfd.readouterr().err
         assert f"error: {line.format(d=reward_dir)}" in err.splitlines(), err
         assert "Traceback" not in err
+
+
+BATCHED = textwrap.dedent('''
+    import json
+    import os
+
+    CALLS = os.path.join(os.path.dirname(__file__), "calls.jsonl")
+
+
+    def accuracy_logged(completions, answer, **kwargs):
+        with open(CALLS, "a") as f:
+            f.write(json.dumps(len(completions)) + "\\n")
+        return [float(c.strip() == str(a)) for c, a in zip(completions, answer)]
+
+
+    def fails_on_seven(completions, answer, **kwargs):
+        if "7" in [str(a) for a in answer]:
+            raise RuntimeError("cannot score 7")
+        return [1.0 for _ in completions]
+''')
+
+
+def _calls(folder):
+    path = folder / "calls.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_a_worker_that_takes_several_tasks_calls_each_function_once_for_them(tmp_path, run_local):
+    """tasks_per_call: 4 makes one call with lists of 4 (TRL's batch); the rewards are those of
+    per-sample calls (tasks_per_call: 1, lists of 1)."""
+    rewards = {}
+    for per_call in (1, 4):
+        folder = tmp_path / f"per_call_{per_call}"
+        folder.mkdir()
+        (folder / "rewards.py").write_text(BATCHED)
+        recipe = make_recipe(rollout_worker={"num_workers": 1, "tasks_per_call": per_call, "evaluator": {
+            "type": "reward_funcs", "functions": [f"{folder}/rewards.py:accuracy_logged"]}},
+            trainer={"total_train_steps": 2}, run_dir=str(folder / "run"),
+            service={"inference_service": {"backend": "mock", "mode": "sum", "learn_steps": 3}})
+        controller, summary = run_local(recipe)
+        assert summary.global_step == 2
+        trained = [t for batch in controller.trainer.batches for t in batch]
+        rewards[per_call] = sorted((t["uid"], t["sample_index"], t["response"], t["reward"]) for t in trained)
+        assert set(_calls(folder)) == {per_call}, _calls(folder)
+    assert rewards[1] == rewards[4]
+    assert {r[-1] for r in rewards[4]} == {0.0, 1.0}
+
+
+def test_in_a_batch_only_the_samples_a_function_fails_on_fail(tmp_path):
+    (tmp_path / "rewards.py").write_text(BATCHED)
+    evaluator = RewardFunctionsEvaluator([f"{tmp_path}/rewards.py:fails_on_seven"])
+    items = [({"prompt": f"{a} + 0", "answer": str(a)}, BaseEvaluationTarget(str(a))) for a in (5, 7, 9)]
+    results = evaluator.evaluate_many(items)
+    assert [r.reward for r in (results[0], results[2])] == [1.0, 1.0]
+    assert isinstance(results[1], RuntimeError) and str(results[1]) == "cannot score 7"

@@ -560,3 +560,18 @@ def test_a_misspelled_command_gets_one_line_with_the_nearest(argv, line, capsys)
     assert stopped.value.code == 2
     [said] = [x for x in capsys.readouterr().err.splitlines() if x.startswith("nexrl: error:")]
     assert said.startswith(line), said
+
+
+def test_a_step_without_learning_signal_says_so_on_the_progress_line():
+    """Every group tied (grad norm 0): the line says the step could not move the weights; a step
+    with signal shows the share of rows in tied groups only."""
+    from nexrl_core.cli.progress import StepStats
+
+    stats = StepStats(total_steps=3)
+    base = {"train/num_trajectories": 16, "train/reward_mean": 1.0, "timing/train_s": 1.0}
+    stats.add({**base, "train/rows_in_flat_groups": 1.0, "train/grad_norm": 0.0}, 1)
+    assert dict(stats.fields())["flat groups"] == "100% (no learning signal this step: grad norm 0)"
+    stats.add({**base, "train/rows_in_flat_groups": 0.25, "train/grad_norm": 0.7}, 2)
+    assert dict(stats.fields())["flat groups"] == "25%"
+    stats.add({**base, "train/update_skipped": 1.0}, 3)  # a trainer without the share
+    assert dict(stats.fields())["flat groups"] == "(no learning signal this step: grad norm 0)"

@@ -58,11 +58,11 @@ from nexrl_core.builtins.workers import SimpleRolloutWorker
 
 
 class Unrecorded(SimpleRolloutWorker):
-    """Leaves out the sampling record the trainer scores each row with."""
+    """Drops the sampling record the trainer scores each row with (after the base class filled it in)."""
 
-    def _put_trajectory(self, trajectory):
+    def _check_trajectory(self, trajectory):
         secret_prompt = trajectory.pop("sampling", None)
-        return super()._put_trajectory(trajectory)
+        return super()._check_trajectory(trajectory)
 
 
 @hookimpl

@@ -4,7 +4,9 @@ this process already has), or start a local one that the run stops again."""
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -49,18 +51,22 @@ def connect(settings: RaySettings) -> Cluster:
         return Cluster(started=False, connected=False, address=_gcs_address())
     common: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True, "configure_logging": False}
     try:
-        if settings.address:
-            ray.init(address=settings.address, **common)
-            logger.info(f"ray: attached to the cluster at {settings.address}")
-            return Cluster(started=False, connected=True, address=_gcs_address())
-        # Workers at the driver's priority (Ray's default niceness of 15 starves them on a shared machine).
-        with _single_node():
-            ray.init(num_cpus=settings.num_cpus, num_gpus=settings.num_gpus,
-                     object_store_memory=settings.object_store_memory,
-                     _system_config={"worker_niceness": os.nice(0)}, **common)
+        with _own_sigterm_handler():
+            if settings.address:
+                ray.init(address=settings.address, **common)
+                logger.info(f"ray: attached to the cluster at {settings.address}")
+                return Cluster(started=False, connected=True, address=_gcs_address())
+            # Workers at the driver's priority (Ray's default niceness of 15 starves them on a shared machine).
+            with _single_node():
+                ray.init(num_cpus=settings.num_cpus, num_gpus=settings.num_gpus,
+                         object_store_memory=settings.object_store_memory,
+                         _system_config={"worker_niceness": os.nice(0)}, **common)
     except (ConnectionError, RuntimeError, ValueError) as exc:
         where = f"the cluster at {settings.address}" if settings.address else "a local cluster"
         raise NexRLError(f"ray: cannot connect to {where}: {exc}") from None
+    except BaseException:  # a signal (KeyboardInterrupt) while connecting: no process of a half-started cluster stays
+        _release_partial_init()
+        raise
     cpus = f"{ray.cluster_resources().get('CPU', 0):g} CPUs"
     where = "in a private network namespace" if network.inside() else "on loopback only"
     address = _gcs_address()
@@ -69,6 +75,37 @@ def connect(settings: RaySettings) -> Cluster:
         where = "not on loopback only"
     logger.info(f"ray: started a local cluster ({cpus}) for this run, {where}")
     return Cluster(started=True, connected=True, address=_gcs_address())
+
+
+@contextmanager
+def _own_sigterm_handler() -> Iterator[None]:
+    """ray.init replaces the process's SIGTERM handler with its own (``sys.exit(15)``); a handler
+    the process had (``nexrl run``'s: stop, record the run as stopped by the signal) is put back
+    after, and a SIGTERM during ray.init is handed to it, as if it had been in place."""
+    in_main = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGTERM) if in_main else None
+    if not callable(previous):  # the default or no handler: Ray's stays (it exits cleanly)
+        yield
+        return
+    try:
+        yield
+    except SystemExit as exc:
+        if exc.code != signal.SIGTERM:
+            raise
+        signal.signal(signal.SIGTERM, previous)
+        previous(signal.SIGTERM, None)  # nexrl run's raises KeyboardInterrupt
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _release_partial_init() -> None:
+    """After ray.init was interrupted: disconnect, and stop what it started of a local cluster
+    (ray.shutdown does both, and nothing when ray.init got nowhere)."""
+    try:
+        ray.shutdown()
+    except Exception as exc:
+        logger.debug(f"ray: shutdown after a failed start: {exc}")
 
 
 @contextmanager

@@ -158,8 +158,7 @@ class RayResourceManager(ResourceManager):
         nodes = [node.get("Resources", {}) for node in ray.nodes() if node.get("Alive")]
         problems = []
         for plan in plans:
-            asked = {"CPU": plan.num_cpus, "GPU": plan.num_gpus, "memory": plan.memory, **plan.custom}
-            asked = {k: v for k, v in asked.items() if v}
+            asked = _asked(plan)
             if any(all(node.get(k, 0.0) >= v for k, v in asked.items()) for node in nodes):
                 continue
             roles = ", ".join(dict.fromkeys(s.role for s in plan.slots))
@@ -169,6 +168,32 @@ class RayResourceManager(ResourceManager):
                             f"has (nodes: {have})")
         return problems
 
+    def _wait_placed(self, pending: list[tuple[ActorPlan, Any, Any]]) -> None:
+        """Until every actor runs on a node, at most ``ray.placement_timeout`` s: Ray waits for ever
+        for a node with the resources an actor asks for (a cluster attached by address that never
+        gets one; actors that fit a node alone but not together). An actor still starting then
+        (placed, or a node has room for it: its process is slow to come up) is left to its build."""
+        limit = self._settings.placement_timeout
+        refs = [ready for _, _, ready in pending]
+        # a ready ref is done when the actor's process started, or when the actor died (its build says why)
+        _, waiting = ray.wait(refs, num_returns=len(refs), timeout=limit) if refs else ([], [])
+        if not waiting:
+            return
+        nodes = _nodes()
+        unplaced = [plan for plan, handle, ready in pending
+                    if ready in waiting and not _has_worker(handle) and not _room_for(_asked(plan), nodes)]
+        if not unplaced:
+            return
+        asked = [(", ".join(dict.fromkeys(s.role for s in plan.slots)), _asked(plan)) for plan in unplaced]
+        keys = list(dict.fromkeys(["CPU", "GPU", *(k for _, want in asked for k in want)]))
+        actors = "; ".join(f"the actor of {roles} asks for "
+                           f"{', '.join(f'{k} {_amount(k, v)}' for k, v in want.items()) or 'nothing'}"
+                           for roles, want in asked)
+        have = "; ".join(f"{name}: " + ", ".join(_have(k, total, free) for k in keys)
+                         for name, total, free in nodes) or "none alive"
+        raise NexRLError(f"ray: not placed on any node within {limit:g}s (ray.placement_timeout): {actors}; "
+                         f"nodes of the cluster: {have}")
+
     def _start_actors(self) -> None:
         concurrency, in_process = self._concurrency(), self._in_process_plugins()
         pending = []
@@ -176,8 +201,11 @@ class RayResourceManager(ResourceManager):
         problems = self._unschedulable(plans)
         if problems and self._cluster is not None and self._cluster.connected and not self._cluster.started:
             # a cluster attached by address may add nodes (an autoscaler): said, then waited for
+            # (at most ray.placement_timeout)
+            limit = self._settings.placement_timeout
+            until = f"up to {limit:g}s (ray.placement_timeout)" if limit else "without limit (ray.placement_timeout: null)"
             for problem in problems:
-                logger.warning(f"{problem}; waiting for one to join")
+                logger.warning(f"{problem}; waiting {until} for one to join")
         elif problems:
             raise NexRLError("; ".join(problems))
         for plan in plans:
@@ -200,11 +228,13 @@ class RayResourceManager(ResourceManager):
             info = ActorInfo(plan.name, plan.group, [(s.role, s.index) for s in plan.slots], actor)
             self._actors.append(info)
             payload = ray.cloudpickle.dumps(HostPayload(plan.slots, in_process))
-            pending.append((info, plan, roles, actor.build.remote(self._setup(plan), payload)))
+            ready = actor.__ray_ready__.remote()  # done once the actor's process is up on a node
+            pending.append((info, plan, roles, actor.build.remote(self._setup(plan), payload), ready))
             logger.debug(f"ray: actor {plan.name} hosts {', '.join(f'{r}[{i}]' for r, i in info.roles)} "
                          f"(cpus {plan.num_cpus:g}, gpus {plan.num_gpus:g})")
+        self._wait_placed([(plan, info.handle, ready) for info, plan, _, _, ready in pending])
         timeout, unbounded = self._settings.call_timeout, UNBOUNDED_METHODS
-        for info, plan, roles, ref in pending:
+        for info, plan, roles, ref, _ in pending:
             try:
                 built = ray.get(ref)  # model loads take as long as they take; a failure raises here
             except ray.exceptions.RayTaskError as exc:
@@ -269,3 +299,54 @@ class RayResourceManager(ResourceManager):
                     logger.warning(f"ray: actor {info.name} still answers {timeout:g}s after it was killed")
                     return
                 time.sleep(0.05)
+
+
+def _asked(plan: ActorPlan) -> dict[str, float]:
+    """What an actor reserves, by Ray's resource names (nothing asked: not named)."""
+    asked = {"CPU": plan.num_cpus, "GPU": plan.num_gpus, "memory": plan.memory, **plan.custom}
+    return {k: v for k, v in asked.items() if v}
+
+
+def _amount(key: str, value: float) -> str:
+    return f"{value / 2 ** 30:.3g} GiB" if key in ("memory", "object_store_memory") else f"{value:g}"
+
+
+def _have(key: str, total: dict[str, float], free: dict[str, float] | None) -> str:
+    """``CPU 2 (1 free)``: what a node has of ``key`` and, where it has some and Ray says, how much is free."""
+    amount = float(total.get(key, 0.0))
+    if free is None or not amount:
+        return f"{key} {_amount(key, amount)}"
+    return f"{key} {_amount(key, amount)} ({_amount(key, float(free.get(key, 0.0)))} free)"
+
+
+def _has_worker(handle: Any) -> bool:
+    """Whether Ray gave the actor a worker process on a node (its table entry has the worker's
+    address); False where that cannot be read (a private API)."""
+    try:
+        info = ray._private.state.actors(actor_id=handle._actor_id.hex())
+        address = info.get("Address") or {}
+        return bool(address.get("IPAddress")) and bool(address.get("Port"))
+    except Exception:
+        return False
+
+
+def _room_for(asked: dict[str, float], nodes: list[tuple[str, dict[str, float], dict[str, float] | None]]) -> bool:
+    """Whether a live node has ``asked`` free now (its totals, where Ray does not say what is free)."""
+    return any(all(float((free if free is not None else total).get(k, 0.0)) >= v for k, v in asked.items())
+               for _, total, free in nodes)
+
+
+def _nodes() -> list[tuple[str, dict[str, float], dict[str, float] | None]]:
+    """(address, resources, free resources or None where Ray does not say) of each live node."""
+    try:
+        free_by_node: dict[str, dict[str, float]] | None = ray._private.state.available_resources_per_node()
+    except Exception:  # a private API: the totals alone then
+        free_by_node = None
+    nodes = []
+    for node in ray.nodes():
+        if not node.get("Alive"):
+            continue
+        node_id = str(node.get("NodeID", ""))
+        free = free_by_node.get(node_id, {}) if free_by_node is not None else None
+        nodes.append((str(node.get("NodeManagerAddress") or node_id[:8]), dict(node.get("Resources", {})), free))
+    return nodes

@@ -35,6 +35,7 @@ class RaySettings:
     env_vars: dict[str, str]
     num_worker_actors: int = 1
     private_network: bool = False
+    placement_timeout: float | None = None
 
     @classmethod
     def from_config(cls, config: Any) -> RaySettings:
@@ -55,6 +56,7 @@ class RaySettings:
             env_vars={str(k): str(v) for k, v in section["env_vars"].items()},
             num_worker_actors=int(declared_value(workers, "num_actors", ROLLOUT_WORKER, "rollout_worker")),
             private_network=section["private_network"],
+            placement_timeout=section["placement_timeout"],
         )
 
 
