@@ -45,7 +45,7 @@ def loadavg() -> str:
 
 def overrides(estimator: str, run_dir: Path, args: argparse.Namespace) -> list[str]:
     out = [f"run_dir={run_dir}", "overwrite_run_dir=true", f"trainer.total_train_steps={args.steps}",
-           "trainer.save_freq=0", "validate.validate_before_train=false", "weight.validate_freq=0",
+           "trainer.save_freq=0", "trainer.save_final=false", "validate.validate_before_train=false", "weight.validate_freq=0",
            "logger.level=WARNING", f"algorithm.type={estimator}", f"data.num_rows={args.rows}"]
     if estimator == "gae":
         out.append(f"+algorithm.critic.lr={args.critic_lr}")

@@ -126,7 +126,7 @@ def precision(dtype: str) -> list[str]:
 
 def check_on_policy(model: str, tmp: str, device: str, steps: int) -> dict[str, Any]:
     common = [f"+service.train_service.device={device}", f"+service.inference_service.device={device}",
-              f"trainer.total_train_steps={steps}", "trainer.save_freq=0"]
+              f"trainer.total_train_steps={steps}", "trainer.save_freq=0", "trainer.save_final=false"]
     fp32 = train_rows(nexrl_run(os.path.join(tmp, "fp32"), model, common + precision("float32")))
     bf16 = train_rows(nexrl_run(os.path.join(tmp, "bf16"), model, common + precision("bfloat16") + [
         "+algorithm.rollout_correction.enabled=true"]))
@@ -208,7 +208,7 @@ def check_profile(model: str, tmp: str, device: str, smoke: bool) -> dict[str, A
     run_dir, raw = os.path.join(tmp, "profile"), os.path.join(tmp, "profile.txt")
     overrides = [f"+service.train_service.device={device}", f"+service.inference_service.device={device}",
                  *precision("bfloat16"), "+algorithm.rollout_correction.enabled=true", "trainer.total_train_steps=3",
-                 "trainer.save_freq=0", f"trajectory_pool.batch_size={prompts * samples}",
+                 "trainer.save_freq=0", "trainer.save_final=false", f"trajectory_pool.batch_size={prompts * samples}",
                  f"trajectory_pool.group_size={samples}", f"rollout_worker.num_workers={prompts * samples}",
                  f"rollout_worker.sampling.max_tokens={tokens}", "rollout_worker.sampling.temperature=1.0",
                  f"service.inference_service.max_batch_size={prompts * samples}",

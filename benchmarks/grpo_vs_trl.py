@@ -284,7 +284,7 @@ class NexrlSystem(GatedSystem):
 
         overrides = [
             f"run_dir={run_dir}", f"seed={args.seed}",
-            f"trainer.total_train_steps={total_steps}", "trainer.save_freq=0",
+            f"trainer.total_train_steps={total_steps}", "trainer.save_freq=0", "trainer.save_final=false",
             "validate.validate_before_train=false", "weight.validate_freq=0", "logger.backend=[]",
             f"trajectory_pool.batch_size={args.prompts * args.samples}", f"trajectory_pool.group_size={args.samples}",
             f"rollout_worker.num_workers={args.workers or args.prompts * args.samples}",

@@ -73,6 +73,7 @@ trainer:
   type: mock
   total_train_steps: {steps}
   save_freq: 0
+  save_final: false
 weight:
   sync_mode: {sync_mode}
   staleness_threshold: {staleness}
@@ -306,7 +307,7 @@ def run_quickstart(tmp: str, mode: str, steps: int, extra: list[str]) -> dict[st
     from nexrl_core.launch.recipe import load_recipe
 
     run_dir = os.path.join(tmp, f"{mode}-{time.monotonic_ns()}")
-    overrides = [f"run_dir={run_dir}", f"trainer.total_train_steps={steps}", "trainer.save_freq=0",
+    overrides = [f"run_dir={run_dir}", f"trainer.total_train_steps={steps}", "trainer.save_freq=0", "trainer.save_final=false",
                  "validate.validate_before_train=false", "weight.validate_freq=0", "logger.backend=[]",
                  f"launch_mode={'local' if mode == 'local' else 'ray'}"]
     if mode == "ray-apart":

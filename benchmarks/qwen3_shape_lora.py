@@ -82,7 +82,7 @@ def run_once(name: str, model_dir: Path, work: Path) -> dict:
     run_dir = work / f"{name}-{time.monotonic_ns()}"
     rewards = work / "rewards.py"
     rewards.write_text("def length(completions, **kwargs):\n    return [len(c) / 64.0 for c in completions]\n")
-    overrides = [f"run_dir={run_dir}", "trainer.total_train_steps=2", "trainer.save_freq=0",
+    overrides = [f"run_dir={run_dir}", "trainer.total_train_steps=2", "trainer.save_freq=0", "trainer.save_final=false",
                  "rollout_worker.evaluator.type=reward_funcs", f"+rollout_worker.evaluator.functions=['{rewards}:length']",
                  "validate.validate_before_train=false", "weight.validate_freq=0",
                  f"service.train_service.model_path={model_dir}", f"service.inference_service.model_path={model_dir}",

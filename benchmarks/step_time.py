@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="nexrl-step-time-") as tmp:
         overrides = [
             f"run_dir={tmp}/run", f"seed={args.seed}", f"trainer.total_train_steps={args.steps}",
-            "trainer.save_freq=0", "validate.validate_before_train=false", "weight.validate_freq=0",
+            "trainer.save_freq=0", "trainer.save_final=false", "validate.validate_before_train=false", "weight.validate_freq=0",
             "logger.backend=[]", "trajectory_pool.batch_size=16", "trajectory_pool.group_size=4",
             "rollout_worker.num_workers=16", "rollout_worker.sampling.max_tokens=48",
             "rollout_worker.sampling.temperature=1.0", "service.train_service.grad_clip=1.0",

@@ -72,7 +72,7 @@ def recipe(model: str, url: str, backend: str, args: argparse.Namespace, out: Pa
         "rollout_worker": {"type": "simple", "num_workers": 16,
                            "sampling": {"max_tokens": 16, "temperature": 1.0}, "evaluator": {"type": "numeric_answer"}},
         "trajectory_pool": {"batch_size": 16, "group_size": 4, "key_list": ["uid"]},
-        "trainer": {"type": "self_hosted_grpo", "total_train_steps": args.steps, "save_freq": 0},
+        "trainer": {"type": "self_hosted_grpo", "total_train_steps": args.steps, "save_freq": 0, "save_final": False},
         "algorithm": {"loss_agg_mode": "seq-mean-token-mean", "clip_ratio_low": 0.2, "clip_ratio_high": 0.2},
         "weight": {"sync_mode": "sync", "rollout_limit": "batch", "backend": backend,
                    **({"sync_dir": str(out / backend / "weights")} if backend == "vllm_disk" else {})},

@@ -90,7 +90,7 @@ def step_seconds(recipe: str, steps: int) -> float:
     with tempfile.TemporaryDirectory() as run_dir:
         cmd = [sys.executable, "-c", "import sys; from nexrl_core.cli import main; sys.exit(main())", "run",
                os.path.join(REPO, "recipes", recipe), f"run_dir={run_dir}", f"trainer.total_train_steps={steps}",
-               "weight.validate_freq=0", "validate.validate_before_train=false", "trainer.save_freq=0"]
+               "weight.validate_freq=0", "validate.validate_before_train=false", "trainer.save_freq=0", "trainer.save_final=false"]
         done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=3600)
         if done.returncode != 0:
             raise RuntimeError(f"{recipe}: nexrl run failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
