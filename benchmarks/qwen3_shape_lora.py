@@ -14,6 +14,10 @@ the reply's length (a TRL-style function): the advantages, and so the gradients,
 (each run's ``grad_norm`` is recorded). The figures are of the work, not of learning.
 
     python benchmarks/qwen3_shape_lora.py [--rounds 1] [--out benchmarks/results/qwen3_shape_lora]
+    python benchmarks/qwen3_shape_lora.py --plan-only   # nexrl plan's prediction for the recorded runs
+
+Each run also records ``nexrl plan``'s prediction for the same recipe and overrides next to its
+measured peak (target: within 20%).
 
 Needs about 14 GB free for ``full``; run it on an otherwise idle machine.
 """
@@ -49,8 +53,9 @@ CONFIGS = {
 }
 
 
-def build_model(folder: Path) -> int:
-    """Save a random model of Qwen3-0.6B's shape with SmolLM2's tokenizer into ``folder``; its parameter count."""
+def build_model(folder: Path, weights: bool = True) -> int:
+    """Save a random model of Qwen3-0.6B's shape with SmolLM2's tokenizer into ``folder`` (only its
+    config and tokenizer when not ``weights``: what ``nexrl plan`` reads); its parameter count."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -60,9 +65,13 @@ def build_model(folder: Path) -> int:
     torch.manual_seed(0)
     config = AutoConfig.for_model("qwen3", bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                                   **QWEN3_0_6B)
+    tokenizer.save_pretrained(folder)
+    if not weights:
+        config.save_pretrained(folder)
+        with torch.device("meta"):
+            return sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
     return sum(p.numel() for p in model.parameters())
 
 
@@ -78,17 +87,33 @@ def peak_rss(pid: int, stop: threading.Event, out: list[int]) -> None:
         stop.wait(0.2)
 
 
-def run_once(name: str, model_dir: Path, work: Path) -> dict:
-    run_dir = work / f"{name}-{time.monotonic_ns()}"
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+CLI = [sys.executable, "-c", "import sys; from nexrl_core.cli import main; sys.exit(main())"]
+
+
+def overrides_of(name: str, model_dir: Path, work: Path) -> list[str]:
     rewards = work / "rewards.py"
     rewards.write_text("def length(completions, **kwargs):\n    return [len(c) / 64.0 for c in completions]\n")
-    overrides = [f"run_dir={run_dir}", "trainer.total_train_steps=2", "trainer.save_freq=0", "trainer.save_final=false",
-                 "rollout_worker.evaluator.type=reward_funcs", f"+rollout_worker.evaluator.functions=['{rewards}:length']",
-                 "validate.validate_before_train=false", "weight.validate_freq=0",
-                 f"service.train_service.model_path={model_dir}", f"service.inference_service.model_path={model_dir}",
-                 *CONFIGS[name]]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    cli = [sys.executable, "-c", "import sys; from nexrl_core.cli import main; sys.exit(main())"]
+    return ["trainer.total_train_steps=2", "trainer.save_freq=0", "trainer.save_final=false",
+            "rollout_worker.evaluator.type=reward_funcs", f"+rollout_worker.evaluator.functions=['{rewards}:length']",
+            "validate.validate_before_train=false", "weight.validate_freq=0",
+            f"service.train_service.model_path={model_dir}", f"service.inference_service.model_path={model_dir}",
+            *CONFIGS[name]]
+
+
+def planned_bytes(name: str, model_dir: Path, work: Path) -> int:
+    """``nexrl plan``'s total for the CPU, for the same recipe and overrides as the run."""
+    out = subprocess.run([*CLI, "plan", "recipes/quickstart.yaml", *overrides_of(name, model_dir, work), "--json"],
+                         cwd=REPO, env=ENV, capture_output=True, text=True)
+    if out.returncode not in (0, 1):
+        raise SystemExit(f"{name}: nexrl plan exited {out.returncode}\n{out.stderr[-4000:]}")
+    return int(json.loads(out.stdout)["devices"]["cpu"]["total"])
+
+
+def run_once(name: str, model_dir: Path, work: Path) -> dict:
+    run_dir = work / f"{name}-{time.monotonic_ns()}"
+    overrides = [f"run_dir={run_dir}", *overrides_of(name, model_dir, work)]
+    env, cli = ENV, CLI
     started = time.monotonic()
     proc = subprocess.Popen([*cli, "run", "recipes/quickstart.yaml", *overrides], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -104,7 +129,9 @@ def run_once(name: str, model_dir: Path, work: Path) -> dict:
     steps = [r for r in rows if "train/loss" in r]
     assert [r["step"] for r in steps] == [1, 2], steps
     parts = {key: [round(r.get(f"timing/{key}", 0.0), 2) for r in steps] for key in PARTS}
-    return {"config": name, "peak_rss_gb": round(peak[0] / 1e9, 2), "run_s": round(time.monotonic() - started, 1),
+    return {"config": name, "peak_rss_gb": round(peak[0] / 1e9, 2), "plan_gb": round(planned_bytes(name, model_dir,
+                                                                                                   work) / 1e9, 2),
+            "run_s": round(time.monotonic() - started, 1),
             "step_s": [round(sum(parts[k][i] for k in PARTS), 2) for i in range(len(steps))], **parts,
             "grad_norm": [round(r["train/grad_norm"], 4) for r in steps]}
 
@@ -119,28 +146,46 @@ def cpu_name() -> str:
     return platform.processor() or "unknown CPU"
 
 
+TARGET_PLAN_ERROR = 0.20  # nexrl plan within 20% of the measured peak (issue 43)
+
+
+def plan_column(r: dict) -> str:
+    error = r["plan_gb"] / r["peak_rss_gb"] - 1
+    return f"{r['plan_gb']:>6.2f}GB {error:+6.1%} {'met' if abs(error) <= TARGET_PLAN_ERROR else 'MISSED'}"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=1, help="times each configuration runs, alternated")
     parser.add_argument("--configs", default=",".join(CONFIGS), help="which of " + ", ".join(CONFIGS))
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "qwen3_shape_lora"))
+    parser.add_argument("--plan-only", action="store_true",
+                        help="run no training: recompute nexrl plan's prediction for the runs recorded in OUT.json "
+                             "(their measured peaks kept) and rewrite OUT.txt/.json")
     args = parser.parse_args()
     names = [n for n in args.configs.split(",") if n]
+    out = Path(args.out)
     with tempfile.TemporaryDirectory(prefix="qwen3-shape-") as tmp:
         work = Path(tmp)
-        params = build_model(work / "model")
-        results = [run_once(name, work / "model", work) for _ in range(args.rounds) for name in names]
-    machine = f"{cpu_name()}, {os.cpu_count()} cores"
+        if args.plan_only:
+            recorded = json.loads(out.with_suffix(".json").read_text())
+            params = build_model(work / "model", weights=False)
+            machine, results = recorded["machine"], recorded["runs"]
+            for r in results:
+                r["plan_gb"] = round(planned_bytes(r["config"], work / "model", work) / 1e9, 2)
+        else:
+            params = build_model(work / "model")
+            machine = f"{cpu_name()}, {os.cpu_count()} cores"
+            results = [run_once(name, work / "model", work) for _ in range(args.rounds) for name in names]
     lines = [f"Qwen3-0.6B shape ({params / 1e6:.0f}M parameters, random weights), 2 GRPO steps of the quickstart "
              f"(16 samples, <= 16 tokens); {machine}; torch {__import__('torch').__version__}",
              f"{'config':<10} {'peak RSS':>9} {'step 1':>7} {'step 2':>7}  step 2 = generation + update + push (s)"
-             f"  grad_norm"]
+             f"  grad_norm     nexrl plan (target within {TARGET_PLAN_ERROR:.0%} of the peak)"]
     for r in results:
         split = " + ".join(f"{r[k][1]:.1f}" for k in PARTS)
         lines.append(f"{r['config']:<10} {r['peak_rss_gb']:>7.2f}GB {r['step_s'][0]:>6.1f}s {r['step_s'][1]:>6.1f}s  "
-                     f"{split:<38} {r['grad_norm'][0]:.3g}, {r['grad_norm'][1]:.3g}")
+                     f"{split:<38} {r['grad_norm'][0]:.3g}, {r['grad_norm'][1]:.3g}   {plan_column(r)}")
     print("\n".join(lines))
-    out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".txt").write_text("\n".join(lines) + "\n")
     out.with_suffix(".json").write_text(json.dumps({"machine": machine, "parameters": params, "runs": results},

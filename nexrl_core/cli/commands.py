@@ -86,6 +86,12 @@ def build_parser() -> argparse.ArgumentParser:
     p_eval.add_argument("--samples-out", help="write per-sample results to this JSONL file")
     p_eval.add_argument("--out", help="folder for this evaluation's outputs: metrics.json, samples.jsonl, "
                                       "errors.jsonl (failed samples), eval.log")
+    p_plan = recipe_command("plan", "the run's memory per device before it starts (weights, gradients, optimizer "
+                                    "state, activations, KV cache), whether it fits, and what to change when it "
+                                    "does not; exit 0 fits, 1 does not")
+    p_plan.add_argument("--device-memory", metavar="SIZE",
+                        help="what each device has, e.g. 24GiB or 80GB (default: what the machine reports)")
+    p_plan.add_argument("--json", action="store_true", help="print the plan as JSON (bytes per item and device)")
     p_plot = sub.add_parser("plot", help="draw a run's training reward and validation metrics to a PNG, or "
                                          "compare several runs",
                             description="draw RUN_DIR/metrics.jsonl (training reward, validation, loss) to a PNG; "
@@ -134,8 +140,10 @@ def build_parser() -> argparse.ArgumentParser:
     p_migrate = sub.add_parser(
         "migrate", help="rewrite a NexRL (or ROLL) recipe as a nexrl recipe",
         description="rewrite a NexRL (or ROLL) recipe as a nexrl recipe: list what was carried over and each key "
-                    "that was not (with the reason), the NexRL imports to change in the Python files it names, "
-                    "and check the result as nexrl validate does (exit 2 when it does not pass). The table it "
+                    "that was not (with the reason), each NexRL value nexrl refuses and the nearest one written "
+                    "instead, the NexRL imports to change in the Python files it names, and check the result as "
+                    "nexrl validate does: exit 0 when it passes up to what only the machine that runs it "
+                    "supplies (data files, model folders, keys: listed), 2 when it does not. The table it "
                     "follows: docs/migrating.md")
     p_migrate.add_argument("recipe", help="the NexRL or ROLL recipe YAML")
     p_migrate.add_argument("-o", "--out", help="the nexrl recipe to write (default: print it)")
@@ -200,7 +208,7 @@ def _main(argv: list[str]) -> int:
         from ..runtime.run_log import setup_logging
 
         setup_logging(None, "INFO")  # plugin-loading warnings in the same short format as the run's
-    commands = {"run": _run, "validate": _validate, "config": _config, "eval": _eval, "plot": _plot,
+    commands = {"run": _run, "validate": _validate, "config": _config, "eval": _eval, "plan": _plan, "plot": _plot,
                 "show": _show, "report": _report, "export": _export, "plugins": _plugins, "new": _new, "migrate": _migrate}
     try:
         return commands[args.command](args)
@@ -223,6 +231,12 @@ def _load(args: Any, sources: dict[str, str] | None = None) -> Any:
     from ..launch.recipe import load_recipe
 
     return load_recipe(args.recipe, list(args.overrides), sources=sources)
+
+
+def _plan(args: Any) -> int:
+    from .plan import plan_command
+
+    return plan_command(args)
 
 
 def _run(args: Any) -> int:
@@ -501,40 +515,9 @@ def _new(args: Any) -> int:
 
 
 def _migrate(args: Any) -> int:
-    from ..launch.preflight import validate_recipe
-    from ..launch.recipe import load_recipe
-    from ..plugins import get_plugin_manager
-    from .migrate import migrate_file, report, to_yaml
+    from .migrate import command
 
-    out = args.out
-    if out is not None:
-        if os.path.abspath(out) == os.path.abspath(args.recipe):
-            raise ConfigError(f"-o: '{out}' is the recipe being migrated; write the nexrl recipe to a new file")
-        if os.path.exists(out) and not args.force:
-            raise ConfigError(f"-o: '{out}' exists (--force replaces it)")
-    pm = get_plugin_manager()
-    placed = out if out is not None else os.path.join(os.getcwd(), "migrated.yaml")
-    migration = migrate_file(args.recipe, placed, pm)
-    text = to_yaml(migration.recipe, os.path.basename(args.recipe))
-    if out is None:
-        sys.stdout.write(text)
-    else:
-        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-        with open(out, "w", encoding="utf-8") as f:
-            f.write(text)
-    for line in [f"{args.recipe} -> {out or 'stdout'}", *report(migration)]:
-        print(line, file=sys.stderr)
-    try:
-        problems = validate_recipe(load_recipe(placed, [], raw=migration.recipe), pm)
-    except NexRLError as exc:
-        problems = list(getattr(exc, "problems", None) or [str(exc)])
-    name = out or "the result"
-    if problems:
-        print(f"nexrl validate {name}: {len(problems)} problem{'s' if len(problems) > 1 else ''}:", file=sys.stderr)
-        _print_problems(problems)
-        return 2
-    print(f"nexrl validate {name}: ok", file=sys.stderr)
-    return 0
+    return command(args)
 
 
 def _plugins_check(args: Any) -> int:

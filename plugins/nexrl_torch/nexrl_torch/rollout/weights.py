@@ -37,6 +37,13 @@ class HFInferenceBackend(HFInferenceEngine):
     CAPABILITIES = Capabilities(provides={"inference:load_weights"})
     check_config = staticmethod(check_model_section)
 
+    @classmethod
+    def memory_plan(cls, section: Any, inputs: Any) -> Any:
+        """What ``nexrl plan`` counts for this engine (:func:`nexrl_torch.plan.engine_plan`)."""
+        from ..plan import engine_plan
+
+        return engine_plan(section, inputs)
+
     def __init__(self, config: Any):
         from omegaconf import OmegaConf
 

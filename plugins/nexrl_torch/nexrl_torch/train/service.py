@@ -164,6 +164,13 @@ class LocalTorchTrainService(TrainService):
         return check_model_section(section, key)
 
     @classmethod
+    def memory_plan(cls, section: Any, inputs: Any) -> Any:
+        """What ``nexrl plan`` counts for this service (:func:`nexrl_torch.plan.train_service_plan`)."""
+        from ..plan import train_service_plan
+
+        return train_service_plan(section, inputs)
+
+    @classmethod
     def from_config(cls, config: Any, *, seed: int, total_steps: int,
                     path: str = "service.train_service") -> LocalTorchTrainService:
         """From the recipe's section: model paths resolved (GGUF converted once), ``seed`` defaulting

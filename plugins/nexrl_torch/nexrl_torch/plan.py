@@ -1,0 +1,230 @@
+"""Memory plans (``nexrl plan``) of the local train service and the ``hf`` engine, from the model's
+config alone: the model is built on the ``meta`` device (no weights read, exact parameter counts for
+any family, LoRA adapters included), the data's prompts are tokenized for their length.
+
+What each term counts, in bytes (P parameters, T trainable ones, L layers, h hidden size):
+
+- train service: float32 master weights (P x 4; a LoRA base in bf16: x 2), gradients and AdamW's
+  two moments of the trainable ones (T x 4 and T x 8), bf16 autocast's cached copies of the trained
+  linear weights (x 2), a frozen KL reference when the recipe needs one, the activations its
+  backward keeps (tokens x L x (10 h + 4 kv + 4 intermediate) elements, bf16 under autocast), the LM
+  head's float32 logits (capped as the fused head caps them) and their gradient, and with LoRA the
+  merged weights built at each push;
+- engine: its weights in its dtype, the KV cache of the requests it decodes at once, and the decode
+  step's logits.
+
+Checked against measured peaks in ``benchmarks/qwen3_shape_lora.py`` (CPU: the process's peak RSS).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from nexrl_core.runtime.memory_plan import MemoryItem, MemoryPlan, PlanInputs, Saving
+
+from .logprobs import _SAVED_LOGITS_BUDGET
+from .models import auto_dtype, resolve_device, resolve_model_path
+
+_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass
+class ModelShape:
+    params: int  # every parameter, a tied embedding once
+    linear_params: int  # weights of the decoder's linears (what autocast casts and LoRA merges)
+    vocab: int
+    hidden: int
+    layers: int
+    kv_dim: int  # key/value width: kv heads x head dim
+    intermediate: int  # the MLP width one token goes through (a MoE: its active experts')
+    model: Any  # the model on the meta device
+
+
+_SHAPES: dict[str, ModelShape] = {}
+
+
+def model_shape(section: Any) -> ModelShape:
+    """The model of ``section`` (``model_path``/``gguf_file``), measured on the meta device (cached)."""
+    path = resolve_model_path(section.get("model_path"), section.get("gguf_file"))
+    if path not in _SHAPES:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = AutoConfig.from_pretrained(path)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        text = getattr(config, "text_config", None) or config
+        heads = int(text.num_attention_heads)
+        head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
+        kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
+        active_experts = getattr(text, "num_experts_per_tok", None)
+        moe_width = getattr(text, "moe_intermediate_size", None)
+        intermediate = int(active_experts * moe_width) if active_experts and moe_width else int(text.intermediate_size)
+        head = model.get_output_embeddings()
+        linear = sum(m.weight.numel() for m in model.modules()
+                     if isinstance(m, torch.nn.Linear) and m is not head)
+        _SHAPES[path] = ModelShape(
+            params=sum(p.numel() for p in model.parameters()), linear_params=linear, vocab=int(text.vocab_size),
+            hidden=int(text.hidden_size), layers=int(text.num_hidden_layers), kv_dim=kv_heads * head_dim,
+            intermediate=intermediate, model=model)
+    return _SHAPES[path]
+
+
+def _adapter_params(shape: ModelShape, lora: Any) -> int:
+    """Parameters of the adapters ``lora`` adds to the model (peft on a fresh meta copy)."""
+    from transformers import AutoModelForCausalLM
+
+    from .train.lora import add_adapters
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(shape.model.config)
+    add_adapters(model, lora)
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def prompt_tokens(section: Any, inputs: PlanInputs) -> int:
+    """The longest prompt of the data in tokens, chat template applied as the engine applies it."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(section.get("model_path"), section.get("gguf_file")))
+    longest = 1
+    for prompt in inputs.prompts:
+        if isinstance(prompt, list) and getattr(tokenizer, "chat_template", None):
+            ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+            count = len(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        else:
+            text = prompt if isinstance(prompt, str) else " ".join(str(m.get("content", "")) for m in prompt)
+            count = len(tokenizer(text)["input_ids"])
+        longest = max(longest, count)
+    return longest
+
+
+def _plain(value: Any) -> Any:
+    from omegaconf import DictConfig, OmegaConf
+
+    return OmegaConf.to_container(value, resolve=True) if isinstance(value, DictConfig) else value
+
+
+def _device(section: Any) -> str:
+    device = resolve_device(section.get("device"))
+    return "cpu" if device.type == "cpu" else f"{device.type}:{device.index or 0}"
+
+
+def _capacity(device: str) -> dict[str, int]:
+    if device == "cpu":
+        try:
+            with open("/proc/meminfo") as f:
+                total = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:"))
+            return {"cpu": total}
+        except (OSError, StopIteration):
+            return {}
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return {device: int(torch.cuda.get_device_properties(int(device.split(":")[1])).total_memory)}
+    return {}
+
+
+def _trained_tokens(inputs: PlanInputs, prompt: int, packed: bool, rows: int) -> int:
+    """Tokens one forward of ``rows`` rows runs: packed, a group's prompt once."""
+    response = inputs.max_new_tokens
+    if packed:
+        return math.ceil(rows / max(1, inputs.group_size)) * prompt + rows * response
+    return rows * (prompt + response)
+
+
+def train_service_plan(section: Any, inputs: PlanInputs) -> MemoryPlan:
+    """``LocalTorchTrainService.memory_plan``: one rank (``world_size`` ranks each hold this, FSDP's
+    sharded parts divided among them)."""
+    from .train.lora import LoraSettings
+
+    shape = model_shape(section)
+    device = _device(section)
+    role = "train service"
+    dtype = auto_dtype(section.get("dtype"), resolve_device(section.get("device")))
+    autocast = dtype == "bfloat16"
+    lora = LoraSettings.of(_plain(section["lora"]), "service.train_service.lora") if section.get("lora") else None
+    world = int(section.get("world_size") or 1)
+    shard = world if world > 1 and str(section.get("parallel") or "auto") in ("auto", "fsdp") else 1
+    if lora is not None:
+        trainable = _adapter_params(shape, lora)
+        base = shape.params
+        base_bytes = _BYTES[lora.base_dtype]
+        weights = base * base_bytes + trainable * 4
+        what = f"weights ({base / 1e6:.0f}M frozen {lora.base_dtype}, {trainable / 1e6:.1f}M adapter float32)"
+    else:
+        trainable = shape.params
+        weights = trainable * 4
+        what = f"weights ({trainable / 1e6:.0f}M, float32 masters)"
+    items = [MemoryItem(device, role, what, weights // shard),
+             MemoryItem(device, role, "gradients (float32)", trainable * 4 // shard)]
+    adam = trainable * 8 // shard
+    offload = bool(section.get("offload_optimizer")) and device != "cpu"
+    items.append(MemoryItem("cpu" if offload else device, role, "AdamW state (2 float32 moments)", adam,
+                            "offload_optimizer: on the host between steps" if offload else ""))
+    if autocast and lora is None:
+        items.append(MemoryItem(device, role, "bf16 copies of the weights (autocast's cache)",
+                                shape.linear_params * 2 // shard))
+    if inputs.frozen_reference:
+        items.append(MemoryItem(device, role, "frozen KL reference (a copy of the model)",
+                                shape.params * (2 if autocast and lora is None else 4)))
+    prompt = prompt_tokens(section, inputs)
+    rows = min(inputs.batch_size, int(section.get("micro_batch_size") or inputs.batch_size))
+    packed = section.get("packing") is not False
+    tokens = _trained_tokens(inputs, prompt, packed, rows)
+    per_token = shape.layers * (10 * shape.hidden + 4 * shape.kv_dim + 4 * shape.intermediate) * (2 if autocast else 4)
+    activations = tokens * per_token
+    items.append(MemoryItem(device, role, "activations kept for the backward", activations,
+                            f"{tokens} tokens a forward{' (packed)' if packed else ''}: prompts of up to {prompt}, "
+                            f"responses of up to {inputs.max_new_tokens}"))
+    logits = min(tokens * shape.vocab * 4, _SAVED_LOGITS_BUDGET)
+    items.append(MemoryItem(device, role, "LM head logits (float32) and their gradient", 2 * logits))
+    if lora is not None:
+        items.append(MemoryItem(device, role, "merged weights built at each push", shape.linear_params * base_bytes,
+                                "W + BA of every adapted linear, sent to the engine"))
+    savings = []
+    if lora is None:  # gradients, moments (and autocast's copies) of the base go; adapters and the merge come
+        adapters = _adapter_params(shape, LoraSettings())
+        lora_cost = adapters * 16 + shape.linear_params * 4
+        saved = trainable * 12 // shard + (shape.linear_params * 2 // shard if autocast else 0) - lora_cost
+        if saved > 0:
+            savings.append(Saving(device, "train LoRA adapters instead of every weight (service.train_service.lora: "
+                                          "{rank: 16})", saved))
+    elif lora.base_dtype == "float32":
+        savings.append(Saving(device, "a bf16 base (service.train_service.dtype: bfloat16 and lora.base_dtype: "
+                                      "bfloat16)", shape.params * 2))
+    if device != "cpu" and not offload:
+        savings.append(Saving(device, "service.train_service.offload_optimizer: true", adam))
+    if rows > max(1, inputs.group_size):
+        smaller = max(1, inputs.group_size)
+        saved = activations - _trained_tokens(inputs, prompt, packed, smaller) * per_token
+        savings.append(Saving(device, f"service.train_service.micro_batch_size: {smaller}", saved))
+    return MemoryPlan(items=items, savings=savings, capacity=_capacity(device))
+
+
+def engine_plan(section: Any, inputs: PlanInputs) -> MemoryPlan:
+    """The ``hf`` backend's plan: each replica holds this (replica i on the i-th device from ``device``)."""
+    shape = model_shape(section)
+    device = _device(section)
+    role = "inference engine"
+    dtype = auto_dtype(section.get("dtype"), resolve_device(section.get("device")))
+    size = _BYTES[dtype]
+    prompt = prompt_tokens(section, inputs)
+    at_once = min(int(section.get("max_batch_size") or 64), inputs.concurrent_requests)
+    kv_tokens = at_once * (prompt + inputs.max_new_tokens)
+    if section.get("max_kv_tokens"):
+        kv_tokens = min(kv_tokens, int(section["max_kv_tokens"]))
+    kv = kv_tokens * shape.layers * 2 * shape.kv_dim * size
+    items = [MemoryItem(device, role, f"weights ({shape.params / 1e6:.0f}M, {dtype})", shape.params * size),
+             MemoryItem(device, role, "KV cache", kv, f"{at_once} requests at once x {prompt + inputs.max_new_tokens} "
+                                                     f"tokens"),
+             MemoryItem(device, role, "decode step logits (float32)", at_once * shape.vocab * 4 * 3)]
+    savings = []
+    if dtype == "float32":
+        savings.append(Saving(device, "service.inference_service.dtype: bfloat16 (the engine's weights in bf16)",
+                              shape.params * 2))
+    replicas = int(section.get("replicas") or 1)
+    if replicas > 1:
+        items.append(MemoryItem(device, role, f"(each of {replicas} replicas holds this on its own device)", 0))
+    return MemoryPlan(items=items, savings=savings, capacity=_capacity(device))

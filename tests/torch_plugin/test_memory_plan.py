@@ -1,0 +1,112 @@
+"""``nexrl plan`` (issue #43 item 3): the memory a run holds per device, before it starts, from the
+model's config alone. Parameter counts match the real model and a real peft wrap; the prediction
+agrees with the peaks measured by benchmarks/qwen3_shape_lora.py within 20%; a run that does not
+fit says so (exit 1) with what to change."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from nexrl_core.runtime.memory_plan import parse_size
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _recipe(tmp_path, model_dir, **train):
+    recipe = {
+        "run_dir": str(tmp_path / "run"),
+        "data": {"type": "inline", "rows": [{"prompt": "what is one plus one?", "answer": "2"},
+                                            {"prompt": "a longer question, about letters and words", "answer": "x"}]},
+        "rollout_worker": {"num_workers": 4, "sampling": {"max_tokens": 8}, "evaluator": {"type": "exact_match"}},
+        "trajectory_pool": {"batch_size": 8, "group_size": 4},
+        "trainer": {"type": "self_hosted_grpo", "total_train_steps": 1},
+        "weight": {"backend": "in_process"},
+        "service": {"train_service": {"model_path": model_dir, **train},
+                    "inference_service": {"backend": "hf", "model_path": model_dir}},
+    }
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return str(path)
+
+
+def _plan(cli, *argv):
+    code, out, errors, err = cli("plan", *argv, "--json")
+    assert code in (0, 1), err
+    return code, json.loads(out)["devices"]
+
+
+def _items(devices):
+    return {f"{i['role']}: {i['what'].split(' (')[0]}": i["bytes"] for i in devices["cpu"]["items"]}
+
+
+def test_counts_are_those_of_the_real_model_and_a_real_peft_wrap(cli, tmp_path, tiny_model_dir,
+                                                                 tiny_model_and_tokenizer):
+    from nexrl_torch.train.lora import LoraSettings, add_adapters
+
+    model, _ = tiny_model_and_tokenizer
+    params = sum(p.numel() for p in model.parameters())
+    _, full = _plan(cli, _recipe(tmp_path, tiny_model_dir))
+    items = _items(full)
+    assert items["train service: weights"] == 4 * params
+    assert items["train service: gradients"] == 4 * params and items["train service: AdamW state"] == 8 * params
+    assert items["inference engine: weights"] == 4 * params
+    add_adapters(model, LoraSettings(rank=4))
+    adapters = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    _, lora = _plan(cli, _recipe(tmp_path, tiny_model_dir, lora={"rank": 4}))
+    items = _items(lora)
+    assert items["train service: gradients"] == 4 * adapters and items["train service: AdamW state"] == 8 * adapters
+    assert items["train service: weights"] == 4 * (params + adapters)
+
+
+def test_a_run_that_does_not_fit_says_what_to_change(cli, tmp_path, tiny_model_dir):
+    recipe = _recipe(tmp_path, tiny_model_dir)
+    _, devices = _plan(cli, recipe)
+    total = devices["cpu"]["total"]
+    code, out, errors, err = cli("plan", recipe, f"--device-memory={total // 2}")
+    assert code == 1, err
+    assert "does NOT fit in" in out
+    lora = [line for line in out.splitlines() if "service.train_service.lora" in line]
+    engine = [line for line in out.splitlines() if "service.inference_service.dtype: bfloat16" in line]
+    assert len(lora) == 1 and len(engine) == 1 and "MiB" in engine[0], out
+    code, out, errors, err = cli("plan", recipe, f"--device-memory={total * 2}")
+    assert code == 0 and "fits in" in out, out
+    code, out, errors, err = cli("plan", recipe, "--device-memory=lots")
+    assert code == 2 and errors == ["error: --device-memory: 'lots' is not a memory size (e.g. 24GiB, 80GB, 512MiB)"]
+
+
+def test_memory_sizes():
+    assert parse_size("24GiB") == 24 << 30 and parse_size("80GB") == 80 * 10**9 and parse_size("512 MiB") == 512 << 20
+    assert parse_size("1e9") == 10**9
+    with pytest.raises(ValueError, match="'24 gigs' is not a memory size"):
+        parse_size("24 gigs")
+
+
+def test_the_plan_is_within_20_percent_of_the_measured_qwen3_shape_peaks(cli, tmp_path):
+    """The three runs of benchmarks/results/qwen3_shape_lora.json (full fine-tune, LoRA, LoRA on a
+    bf16 base; peak RSS of `nexrl run` on this kind of machine), planned from the same recipe and
+    overrides with a config-only model folder of the same shape."""
+    pytest.importorskip("nexrl_torch")
+    try:
+        from nexrl_torch.models import resolve_model_path
+
+        resolve_model_path("smollm2-135m-instruct")  # the benchmark's tokenizer
+    except Exception as exc:
+        pytest.skip(f"the quickstart's model is not installed: {exc}")
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import qwen3_shape_lora as bench
+    finally:
+        sys.path.pop(0)
+    bench.build_model(tmp_path / "model", weights=False)
+    recorded = json.loads((REPO / "benchmarks" / "results" / "qwen3_shape_lora.json").read_text())["runs"]
+    assert {r["config"] for r in recorded} == {"full", "lora", "lora_bf16"}
+    for run in recorded:
+        code, devices = _plan(cli, str(REPO / "recipes" / "quickstart.yaml"),
+                              *bench.overrides_of(run["config"], tmp_path / "model", tmp_path))
+        planned = devices["cpu"]["total"] / 1e9
+        assert abs(planned / run["peak_rss_gb"] - 1) <= 0.20, (run["config"], planned, run["peak_rss_gb"])
