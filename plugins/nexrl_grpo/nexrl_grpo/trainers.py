@@ -87,6 +87,24 @@ def _prompt_groups(prompts: list[list[int]]) -> torch.Tensor:
     return torch.tensor([ids.setdefault(tuple(p), len(ids)) for p in prompts], dtype=torch.long)
 
 
+def served_log_probs(client: Any, batch: Batch, section: str = "service.reference_service") -> torch.Tensor:
+    """``client.score`` (:meth:`nexrl_core.InferenceClient.score`) of each row's real tokens (its
+    padding dropped), at the row's temperature, in the batch's ``[rows, response_length]`` layout:
+    a KL reference's or a teacher's log-probs of the tokens the policy sampled."""
+    v, max_p = batch.values, batch.values["prompts"].shape[1]
+    real = v["attention_mask"].bool()
+    requests = [(v["input_ids"][i, :max_p][real[i, :max_p]].tolist(),
+                 v["input_ids"][i, max_p:][real[i, max_p:]].tolist(), float(v["temperature"][i]))
+                for i in range(v["input_ids"].shape[0])]
+    scored = client.score(requests)
+    out = torch.zeros(v["responses"].shape, dtype=torch.float32)
+    for i, ((_, response, _), lp) in enumerate(zip(requests, scored)):
+        if len(lp) != len(response):
+            raise InferenceError(f"{section} scored {len(lp)} tokens of a {len(response)}-token response")
+        out[i, :len(lp)] = torch.tensor(lp, dtype=torch.float32)
+    return out
+
+
 class TrajectoryView:
     """Rows (token sequences) <-> trajectories. A trajectory's rows are laid end to end, padding
     included (``[T, k * R]`` for at most ``k`` rows of width ``R`` per trajectory), so per-token
@@ -464,21 +482,7 @@ class SelfHostedGrpoTrainer(SelfHostedTrainer):
                                              batch.values["responses"].shape[1], v["temperature"]).cpu()
 
     def _served_ref_log_probs(self, batch: Batch) -> torch.Tensor:
-        """The reference service's log-probs of each row's real tokens (its padding dropped), at
-        the row's temperature, in the batch's ``[rows, response_length]`` layout."""
-        v, max_p = batch.values, batch.values["prompts"].shape[1]
-        real = v["attention_mask"].bool()
-        requests = [(v["input_ids"][i, :max_p][real[i, :max_p]].tolist(),
-                     v["input_ids"][i, max_p:][real[i, max_p:]].tolist(), float(v["temperature"][i]))
-                    for i in range(v["input_ids"].shape[0])]
-        scored = self.reference_service.score(requests)
-        out = torch.zeros(v["responses"].shape, dtype=torch.float32)
-        for i, ((_, response, _), lp) in enumerate(zip(requests, scored)):
-            if len(lp) != len(response):
-                raise InferenceError(f"service.reference_service scored {len(lp)} tokens of a {len(response)}-token "
-                                     f"response")
-            out[i, :len(lp)] = torch.tensor(lp, dtype=torch.float32)
-        return out
+        return served_log_probs(self.reference_service, batch)
 
     def close(self) -> None:
         if self.reference_service is not None:
