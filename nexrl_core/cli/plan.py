@@ -12,34 +12,40 @@ from typing import Any
 
 #: prompts of the training data read for their length (the longest decides)
 PROMPTS_READ = 512
+DEFAULT_PROMPT_KEY = "prompt"  # where a worker without prompt_key finds the prompt (the data loaders' column)
 
 
 def plan_inputs(cfg: Any, pm: Any) -> Any:
     """What the recipe says about the work (:class:`PlanInputs`), the data's prompts included."""
+    from omegaconf import OmegaConf
+
     from ..launch.preflight import build_dataloader
     from ..runtime.inference import SamplingParams
     from ..runtime.memory_plan import PlanInputs
 
     worker = cfg.rollout_worker
-    sampling = worker.get("sampling") or {}
-    max_tokens = int(sampling.get("max_tokens") or SamplingParams().max_tokens)
+    # The simple worker's keys, where the recipe's worker declares them (load_recipe filled them in).
+    max_tokens = OmegaConf.select(cfg, "rollout_worker.sampling.max_tokens")
+    if max_tokens is None:  # a worker with sampling of its own making
+        max_tokens = SamplingParams().max_tokens
     loader = build_dataloader(cfg, pm, "data")
-    prompt_key = str(worker.get("prompt_key") or "prompt")
-    system = worker.get("system_prompt")
+    prompt_key = str(OmegaConf.select(cfg, "rollout_worker.prompt_key") or DEFAULT_PROMPT_KEY)
+    system = OmegaConf.select(cfg, "rollout_worker.system_prompt")
+    chat = OmegaConf.select(cfg, "rollout_worker.use_chat") is not False
     prompts: list[Any] = []
     for row in loader.rows()[:PROMPTS_READ]:
         prompt = row.get(prompt_key)
-        if isinstance(prompt, str) and worker.get("use_chat", True):  # as the simple worker sends it
+        if isinstance(prompt, str) and chat:  # as the simple worker sends it
             prompt = ([{"role": "system", "content": str(system)}] if system else []) + \
                 [{"role": "user", "content": prompt}]
         if prompt:
             prompts.append(prompt)
-    algorithm = cfg.get("algorithm") or {}
+    algorithm = cfg.algorithm
     uses_kl = bool(algorithm.get("use_kl_loss") or algorithm.get("use_kl_in_reward"))
-    return PlanInputs(prompts=prompts, max_new_tokens=max_tokens, batch_size=int(cfg.trajectory_pool.batch_size),
+    return PlanInputs(prompts=prompts, max_new_tokens=int(max_tokens), batch_size=int(cfg.trajectory_pool.batch_size),
                       group_size=int(cfg.trajectory_pool.group_size),
-                      concurrent_requests=int(worker.num_workers) * int(worker.get("tasks_per_call") or 1),
-                      frozen_reference=uses_kl and cfg.service.get("reference_service") is None)
+                      concurrent_requests=int(worker.num_workers) * int(worker.tasks_per_call),
+                      frozen_reference=uses_kl and cfg.service.reference_service is None)
 
 
 def component_plans(cfg: Any, pm: Any, inputs: Any) -> tuple[Any, list[str]]:

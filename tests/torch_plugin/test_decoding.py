@@ -41,6 +41,17 @@ def tiny(kind: str, vocab: int = 97, seed: int = 0, **extra):
                 for lin in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     lin.bias.normal_(0, 0.5)
         return model
+    if kind in ("qwen3", "mistral"):  # qwen3: per-head q/k norms (given non-trivial weights here)
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        head = {"head_dim": 12} if kind == "qwen3" else {"sliding_window": None}
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(kind, **common, **head, **extra)).eval()
+        if kind == "qwen3":
+            with torch.no_grad():
+                for layer in model.model.layers:
+                    layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
+                    layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
+        return model
     raise ValueError(kind)
 
 
@@ -82,11 +93,20 @@ TOKENS = [[5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16], [17, 18, 19, 20, 21], [
 PROMPTS = [[3, 4, 5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15]]
 
 
+def _kernels_for(model, kernels):
+    """The compiled kernels where they can run the model (not Qwen3's q/k norms: torch ops then)."""
+    from nexrl_torch.rollout.decoding import kernel_problem
+
+    return kernels if kernels is None or kernel_problem(model) is None else None
+
+
 @pytest.mark.parametrize("kind,extra", [("llama", {}), ("llama", {"tie_word_embeddings": False}),
-                                        ("llama", {"attention_bias": True, "mlp_bias": True}), ("qwen2", {})])
+                                        ("llama", {"attention_bias": True, "mlp_bias": True}), ("qwen2", {}),
+                                        ("qwen3", {}), ("mistral", {})])
 def test_fast_session_matches_model_forward(kind, extra, kernels):
     model = tiny(kind, **extra)
     assert fast_path_problem(model) is None
+    kernels = _kernels_for(model, kernels)
     fast = FastLlama(model, rows_hint=4, kernels=kernels)
     got = run_script(fast.session(), PROMPTS, SCRIPT, TOKENS)
     want = run_script(HFSession(model), PROMPTS, SCRIPT, TOKENS)
@@ -96,13 +116,13 @@ def test_fast_session_matches_model_forward(kind, extra, kernels):
         torch.testing.assert_close(g, w, atol=2e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral"])
 def test_a_rows_logits_do_not_depend_on_its_batch(kind, kernels):
     """Bit for bit: PROMPTS[1] decoded alone, and after a longer and a shorter neighbour, duplicated,
     with rows dropped lazily, then compacted and reordered (what makes seeded rollouts reproducible
     whichever requests the engine batched them with)."""
     model = tiny(kind)
-    fast = FastLlama(model, rows_hint=4, kernels=kernels)
+    fast = FastLlama(model, rows_hint=4, kernels=_kernels_for(model, kernels))
     script = [[0, 0, 1, 1, 2, 2], None, [1, 2, 3, 5], None, [2, 0], None]
     tokens = [[9 + i] * (len(sel) if sel else n) for i, (sel, n) in enumerate(zip(script, [6, 6, 4, 4, 2, 2]))]
     batched = run_script(fast.session(), PROMPTS, script, tokens)

@@ -145,8 +145,8 @@ def train_service_plan(section: Any, inputs: PlanInputs) -> MemoryPlan:
     dtype = auto_dtype(section.get("dtype"), resolve_device(section.get("device")))
     autocast = dtype == "bfloat16"
     lora = LoraSettings.of(_plain(section["lora"]), "service.train_service.lora") if section.get("lora") else None
-    world = int(section.get("world_size") or 1)
-    shard = world if world > 1 and str(section.get("parallel") or "auto") in ("auto", "fsdp") else 1
+    world = int(section["world_size"])
+    shard = world if world > 1 and str(section["parallel"]) in ("auto", "fsdp") else 1
     if lora is not None:
         trainable = _adapter_params(shape, lora)
         base = shape.params
@@ -211,7 +211,7 @@ def engine_plan(section: Any, inputs: PlanInputs) -> MemoryPlan:
     dtype = auto_dtype(section.get("dtype"), resolve_device(section.get("device")))
     size = _BYTES[dtype]
     prompt = prompt_tokens(section, inputs)
-    at_once = min(int(section.get("max_batch_size") or 64), inputs.concurrent_requests)
+    at_once = min(int(section["max_batch_size"]), inputs.concurrent_requests)
     kv_tokens = at_once * (prompt + inputs.max_new_tokens)
     if section.get("max_kv_tokens"):
         kv_tokens = min(kv_tokens, int(section["max_kv_tokens"]))
@@ -224,7 +224,7 @@ def engine_plan(section: Any, inputs: PlanInputs) -> MemoryPlan:
     if dtype == "float32":
         savings.append(Saving(device, "service.inference_service.dtype: bfloat16 (the engine's weights in bf16)",
                               shape.params * 2))
-    replicas = int(section.get("replicas") or 1)
+    replicas = int(section["replicas"])
     if replicas > 1:
         items.append(MemoryItem(device, role, f"(each of {replicas} replicas holds this on its own device)", 0))
     return MemoryPlan(items=items, savings=savings, capacity=_capacity(device))

@@ -4,8 +4,8 @@ Two implementations of one interface:
 
 - :class:`HFSession` drives any transformers causal LM through its own forward and
   ``DynamicCache``.
-- :class:`FastLlamaSession` runs Llama-family models (``llama``, ``qwen2`` without sliding
-  windows) with its own loop over the model's weights: q/k/v and gate/up fused into one matmul
+- :class:`FastLlamaSession` runs Llama-family models (``llama``, ``qwen2``, ``qwen3`` with its
+  per-head q/k norms, ``mistral``; none with sliding windows) with its own loop over the model's weights: q/k/v and gate/up fused into one matmul
   each, a preallocated KV buffer written in place, and — on CPU — weights prepacked: for the
   compiled kernels' few-row matmul in float32, else for oneDNN. On this kind of machine MKL's fp32
   GEMM runs at a third of oneDNN's speed for the few-row matmuls of decoding (16 x 576 x 49152:
@@ -61,7 +61,10 @@ except ImportError:
 KERNELS_MISSING = "not installed (pip install nexrl-torch-kernels)"
 KERNEL_PROBLEMS_SAID: set[str] = set()
 
-FAST_MODEL_TYPES = ("llama", "qwen2")
+FAST_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+# Per-head RMS norms of the queries and keys before the rotary embedding (Qwen3): the torch-op
+# paths apply them; the compiled kernels do not (they rotate inside their attention call).
+HEAD_NORMS = ("q_norm", "k_norm")
 SELF_CHECK_TOLERANCE = 1e-3  # max |logit difference| against the HF forward, relative to the logits' scale
 # In bf16 two correct implementations differ by a few units in the last place of the logits (0.6 of
 # 30 measured on SmolLM2); a wrong one by the logits' scale.
@@ -114,9 +117,13 @@ def fast_path_problem(model: torch.nn.Module) -> str | None:
             return "unexpected MLP layout"
         if getattr(attn, "sliding_window", None):
             return "sliding-window attention"
-        extra = {n for n, _ in attn.named_children()} - {"q_proj", "k_proj", "v_proj", "o_proj"}
-        if extra:  # e.g. per-head q/k norms
+        extra = {n for n, _ in attn.named_children()} - {"q_proj", "k_proj", "v_proj", "o_proj", *HEAD_NORMS}
+        if extra:
             return f"attention has extra modules {sorted(extra)}"
+        norms = [n for n in HEAD_NORMS if hasattr(attn, n)]
+        if norms and (len(norms) != 2 or any(getattr(getattr(attn, n), "weight", None) is None or
+                                             getattr(attn, n).weight.numel() != attn.head_dim for n in norms)):
+            return "q/k norms that are not per-head RMS norms"
     if getattr(config, "pretraining_tp", 1) not in (None, 1):
         return "pretraining_tp > 1"
     if any(p.is_meta for p in model.parameters()):
@@ -213,6 +220,18 @@ class _Layer:
     def _alias_norms(self, layer: torch.nn.Module) -> None:
         self.norm_in = (layer.input_layernorm.weight.detach(), layer.input_layernorm.variance_epsilon)
         self.norm_post = (layer.post_attention_layernorm.weight.detach(), layer.post_attention_layernorm.variance_epsilon)
+        attn = layer.self_attn
+        self.q_norm, self.k_norm = ((attn.q_norm.weight.detach(), attn.q_norm.variance_epsilon),
+                                    (attn.k_norm.weight.detach(), attn.k_norm.variance_epsilon)) \
+            if hasattr(attn, "q_norm") else (None, None)
+
+    def heads(self, q: torch.Tensor, k: torch.Tensor, rows: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Queries and keys ``[rows, width, heads * head_dim]`` as ``[rows, heads, width, head_dim]``,
+        each head RMS-normed where the model does it (Qwen3), before the rotary embedding."""
+        q, k = q.view(rows, width, -1, self.head_dim), k.view(rows, width, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = _rms_norm(q, *self.q_norm), _rms_norm(k, *self.k_norm)
+        return q.transpose(1, 2), k.transpose(1, 2)
 
     def refresh(self, layer: torch.nn.Module) -> None:
         """The layer's current weights into the fused matrices, in place where the layout allows it."""
@@ -233,6 +252,8 @@ def kernel_problem(model: torch.nn.Module) -> str | None:
     if parameter.dtype not in dtypes:
         return f"dtype {parameter.dtype} (kernels: {', '.join(dtypes.values())})"
     inner = model.model
+    if hasattr(inner.layers[0].self_attn, "q_norm"):
+        return "per-head q/k norms (Qwen3): the kernels' attention call rotates without them"
     probe = torch.linspace(-8, 8, 33)
     for layer in inner.layers:  # what the activation computes, whatever its class
         if not torch.allclose(layer.mlp.act_fn(probe), F.silu(probe)):
@@ -455,8 +476,7 @@ class FastLlamaSession:
         for i, layer in enumerate(o.layers):
             h = _rms_norm(x, *layer.norm_in)
             q, k, v = layer.qkv(h).split((layer.q_size, layer.kv_size, layer.kv_size), dim=-1)
-            q = q.view(rows, width, -1, layer.head_dim).transpose(1, 2)
-            k = k.view(rows, width, -1, layer.head_dim).transpose(1, 2)
+            q, k = layer.heads(q, k, rows, width)
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
             self.keys[i, :, :, start:end] = k
             self.values[i, :, :, start:end] = v.view(rows, width, -1, layer.head_dim).transpose(1, 2)
@@ -712,8 +732,8 @@ class _DecodeStep:
         for i, layer in enumerate(o.layers):
             h = _rms_norm(x, *layer.norm_in)
             q, k, v = layer.qkv(h).split((layer.q_size, layer.kv_size, layer.kv_size), dim=-1)
-            q = _rotate(q.view(rows, 1, -1, layer.head_dim).transpose(1, 2), cos, sin)
-            k = _rotate(k.view(rows, 1, -1, layer.head_dim).transpose(1, 2), cos, sin)
+            q, k = layer.heads(q, k, rows, 1)
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
             self.keys[i].index_copy_(2, self.column, k)
             self.values[i].index_copy_(2, self.column, v.view(rows, 1, -1, layer.head_dim).transpose(1, 2))
             # A KV head's query heads attend as one group of queries (no copy of keys per query head).

