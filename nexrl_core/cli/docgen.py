@@ -289,17 +289,26 @@ def migration_reference() -> str:
            "`nexrl migrate` and the hints of `nexrl validate`, so the three agree.", "",
            "## Running it", "", "```bash", "nexrl migrate recipe/my_task/my_task.yaml -o my_task.nexrl.yaml",
            "```", "",
-           "The recipe's defaults list is composed first (as `nexrl run` composes one). Then, in this order: "
-           "keys move to nexrl's ([Keys](#keys)), values become nexrl's ([Values](#values)), keys whose value "
-           "needs converting are converted, what the rest of the recipe decides is set "
-           "([Set from the rest of the recipe](#set-from-the-rest-of-the-recipe)), `${...}` references follow "
-           "the keys they name (one to a key that is not carried over becomes its value), and every key nexrl "
-           "still rejects is taken out. Relative paths that name files next to the old recipe (or under "
-           "`$NEXRL_PATH`, where NexRL looked) are rewritten for the new file's folder.", "",
-           "On stderr it lists what was carried over, what was set, each key not carried over with the reason, "
-           "and each import of NexRL in the Python files the recipe names with nexrl's "
-           "([Imports and classes](#imports-and-classes)); it changes no Python file. Last it checks the result "
-           "as `nexrl validate` does: exit 0 when it passes, 2 with the problems when it does not (the file is "
+           "The recipe's defaults list is composed first (as `nexrl run` composes one; NexRL 1.x's "
+           "`defaults: [common, _self_]`), and NexRL 1.x's named train services (`service.train_service.main_actor`, "
+           "`.student`, `.teacher`) become the train service and the reference service. Then, in this order: "
+           "keys move to nexrl's ([Keys](#keys)), values become nexrl's ([Values](#values)), the weight-sync "
+           "backend is chosen, keys whose value needs converting are converted, what the rest of the recipe "
+           "decides is set ([Set from the rest of the recipe](#set-from-the-rest-of-the-recipe)), `${...}` "
+           "references follow the keys they name (one to a key that is not carried over becomes its value; "
+           "`${oc.env:...}` is kept as written), every key nexrl still rejects is taken out, and a value nexrl "
+           "refuses becomes the nearest one it accepts ([Changed to a value nexrl accepts]"
+           "(#changed-to-a-value-nexrl-accepts)). Relative paths that name files next to the old recipe (or under "
+           "`$NEXRL_PATH`, where NexRL looked) are rewritten for the new file's folder. What each of NexRL's "
+           "public recipe layouts becomes: [NexRL 1.x recipe layouts](#nexrl-1x-recipe-layouts).", "",
+           "On stderr it lists what was carried over, what was set, each value changed (one line: what and why), "
+           "each key not carried over with the reason, each import of NexRL in the Python files the recipe names "
+           "with nexrl's ([Imports and classes](#imports-and-classes)); it changes no Python file. NexRL's "
+           "`environment.setup_script` is named with the variables it exports (source it before `nexrl run`), "
+           "in the report and at the top of the new file. Last it checks the result as `nexrl validate` does, "
+           "an unset `${oc.env:NAME}` standing for itself: exit 0 when it passes up to what only the machine "
+           "that runs it supplies (environment variables, data files, model and tokenizer folders, keys, a "
+           "package a workspace file imports: listed), 2 with the problems when it does not (the file is "
            "written either way). Without `-o` the recipe goes to stdout; `--force` replaces an existing `-o` "
            "file.", "",
            "`nexrl validate` and `nexrl run` name nexrl's key when a recipe still holds a key of this table:", "",
@@ -315,6 +324,18 @@ def migration_reference() -> str:
     out += [f"| `{key}` | {_cell(text)} |" for key, text in t.DERIVED]
     out += ["", "## Values", "", "| key | NexRL value | nexrl value | note |", "|---|---|---|---|"]
     out += [f"| `{r.key}` | {code(r.seed)} | {code(r.nexrl)} | {_cell(r.why)} |" for r in t.VALUE_RULES]
+    out += ["", "### Changed to a value nexrl accepts", "",
+            "A NexRL value `nexrl validate` refuses is replaced by the nearest one it accepts, and the report says "
+            "so in one line.", "", "| key | nexrl writes | why |", "|---|---|---|"]
+    out += [f"| `{r.key}` | {code(r.nexrl)} | {_cell(r.why)} |" for r in t.ADJUSTMENTS]
+    out += ["", "## NexRL 1.x recipe layouts", "",
+            "NexRL 1.4's `recipe/<task>/` folders, and what `nexrl migrate` makes of each "
+            "(`tests/grpo_plugin/test_migrate_nexrl_layouts.py` migrates and validates a recipe of each shape). "
+            "Each exits 0, with what the machine that runs it supplies listed; the agent folders once their "
+            "workspace's Python files import nexrl's names instead of NexRL's (exit 2 until then: the report "
+            "lists each line to change).",
+            "", "| layout | NexRL | nexrl |", "|---|---|---|"]
+    out += [f"| {_cell(r.name)} | {_cell(r.shape)} | {_cell(r.becomes)} |" for r in t.LAYOUTS]
     out += ["", "## Imports and classes", "",
             "`nexrl migrate` lists each of these it finds in the Python files a recipe names (an evaluator's, "
             "a worker's, the NexAU workspace's).", "", "| NexRL | nexrl | note |", "|---|---|---|"]

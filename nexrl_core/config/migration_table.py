@@ -34,6 +34,15 @@ class Context:
         """A component ``name`` of ``kind`` is registered and declares every one of ``keys``."""
         return False
 
+    def registered(self, kind: str, name: str) -> bool:
+        """A component ``name`` of ``kind`` is registered."""
+        return False
+
+    def pushes_weights(self, trainer: str) -> bool:
+        """Trainer ``trainer`` trains new weights in this process, which a weight-sync backend must
+        bring to the inference service (NexRL's self-hosted trainers)."""
+        return False
+
 
 @dataclass(frozen=True)
 class KeyRule:
@@ -51,6 +60,28 @@ class ValueRule:
     seed: Any                    # the seed's value
     nexrl: Any                   # nexrl's
     why: str = ""
+    # only where this holds of the seed recipe (the why says when); the first rule that applies wins
+    when: Callable[[Mapping[str, Any], Context], bool] | None = field(default=None, compare=False)
+
+
+@dataclass(frozen=True)
+class Adjustment:
+    """A NexRL value nexrl refuses, replaced by the nearest one it accepts (the report says so in
+    one line): where ``nexrl validate`` reports a problem matching ``problem`` on ``key``."""
+
+    key: str
+    problem: str                 # a regular expression of the problem's text
+    nexrl: Any                   # the value written instead
+    why: str
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One of NexRL 1.x's public recipe layouts and what ``nexrl migrate`` makes of it."""
+
+    name: str                    # NexRL's recipe folder and files
+    shape: str                   # what marks the layout
+    becomes: str                 # the nexrl recipe
 
 
 @dataclass(frozen=True)
@@ -170,6 +201,64 @@ def _flag(target: str, when_true: Any) -> Convert:
     return convert
 
 
+def _to(target: str) -> Convert:
+    """The value, unchanged, at ``target`` (a key whose documentation depends on the plugins installed)."""
+    def convert(value: Any, recipe: Mapping[str, Any], ctx: Context) -> dict[str, Any] | str:
+        return {target: value}
+    return convert
+
+
+# -- NexRL 1.x layouts (recipe/<task>/{common,self_hosted,tinker}.yaml) ----------------------------
+
+def _rollout_repeat_n(value: Any, recipe: Mapping[str, Any], ctx: Context) -> dict[str, Any] | str:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        return f"expected a positive integer, got {value!r}"
+    group = get_key(ctx.current, "trajectory_pool.group_size")
+    if group not in (None, 1, value):
+        return f"trajectory_pool.group_size is already {group!r} (kept)"
+    out: dict[str, Any] = {"trajectory_pool.group_size": value}
+    if value > 1 and get_key(ctx.current, "trajectory_pool.key_list") == []:
+        out["trajectory_pool.key_list"] = ["uid"]  # NexRL grouped by uid in its trainer; nexrl's pool does
+    return out
+
+
+def _agent_cls(value: Any, recipe: Mapping[str, Any], ctx: Context) -> dict[str, Any] | str:
+    if value == "single_turn_math":
+        return {}  # rollout_worker.type agent -> simple (Values), the math evaluator (Set from the rest)
+    return (f"NexRL's agent class {value!r} has no counterpart: rollout_worker.type simple runs single-turn "
+            f"tasks, nexau tool-using agents")
+
+
+def _judge_mode(value: Any, recipe: Mapping[str, Any], ctx: Context) -> dict[str, Any] | str:
+    if value == "rule":
+        return {}  # read with agent_cls: the rule-based math evaluator
+    return (f"judge_mode {value!r}: the migrated recipe scores with the rule-based math evaluator; an LLM judge "
+            f"is rollout_worker.evaluator type llm_judge with its own service (docs/rewards.md)")
+
+
+def _tinker_loss(value: Any, recipe: Mapping[str, Any], ctx: Context) -> dict[str, Any] | str:
+    if value in ("importance_sampling", "ppo"):
+        return {"algorithm.loss_fn": value}
+    if value == "cross_entropy":
+        return "the loss of trainer remote_api_cross_entropy, which takes no algorithm.loss_fn"
+    return f"the Tinker trainers' losses are importance_sampling and ppo (algorithm.loss_fn), not {value!r}"
+
+
+def _betas(value: Any, recipe: Mapping[str, Any], ctx: Context) -> dict[str, Any] | str:
+    beta2 = get_key(recipe, "service.train_service.config.beta2")
+    return {"service.train_service.betas": [value, 0.999 if beta2 is None else beta2]}
+
+
+def _beta2(value: Any, recipe: Mapping[str, Any], ctx: Context) -> dict[str, Any] | str:
+    if get_key(recipe, "service.train_service.config.beta1") is not None:
+        return {}  # carried with beta1
+    return {"service.train_service.betas": [0.9, value]}
+
+
+def _opd_clip_range(value: Any, recipe: Mapping[str, Any], ctx: Context) -> dict[str, Any] | str:
+    return {"algorithm.clip.ratio_low": value, "algorithm.clip.ratio_high": value}
+
+
 # -- keys -----------------------------------------------------------------------------------------
 
 def _move_up(loader: str) -> Convert:
@@ -247,7 +336,8 @@ KEY_RULES: tuple[KeyRule, ...] = (
             "model"),
     # weight sync
     KeyRule("weight.type", None, "the weight-sync backend is weight.backend (set from the inference backend)"),
-    KeyRule("weight.sync_method", None, "the weight-sync backend is weight.backend (set from the inference backend)"),
+    KeyRule("weight.sync_method", None, "the weight-sync backend is weight.backend, set from the inference backend "
+                                        "(see Set from the rest of the recipe)"),
     KeyRule("weight.sync_weight_path", "weight.sync_dir", "with weight.backend vllm_disk", convert=_sync_dir),
     KeyRule("weight.checkpoint_manager", None, "checkpoints are the trainer's: trainer.checkpoint_path, "
                                                "trainer.save_freq"),
@@ -282,6 +372,90 @@ KEY_RULES: tuple[KeyRule, ...] = (
     KeyRule("service.train_service.actor", None, "the rest of NexTrainer's actor settings (FSDP, sequence "
                                                  "parallelism, offload) have no counterpart in local_torch"),
     KeyRule("multi_model", None, "one policy per run"),
+    # NexRL 1.x's layouts (recipe/<task>/common.yaml + self_hosted.yaml / tinker.yaml)
+    KeyRule("data.rollout_repeat_n", "trajectory_pool.group_size",
+            "samples per prompt; key_list [] becomes [uid] (nexrl's pool groups them for GRPO)",
+            convert=_rollout_repeat_n, replaces=("trajectory_pool.group_size", "trajectory_pool.key_list")),
+    KeyRule("data.keep_batch_order", None, "with weight.sync_mode sync, weight.rollout_limit batch (the default) "
+                                           "starts one batch of rollouts per weight version, as keep_batch_order did"),
+    KeyRule("data.max_response_length", None, "responses are cut at rollout_worker.sampling.max_tokens "
+                                              "(NexRL's rollout_worker.max_response_length)"),
+    KeyRule("rollout_worker.agent_cls", "rollout_worker.type: simple, with a math evaluator",
+            "single_turn_math (NexRL's only agent class): the simple worker and the rule-based math evaluator",
+            convert=_agent_cls),
+    KeyRule("rollout_worker.agent.math.judge_mode", "rollout_worker.evaluator",
+            "rule: math_rule (numeric_answer where nexrl-rewards is not installed)", convert=_judge_mode),
+    KeyRule("rollout_worker.need_llm_inference", None, "a nexrl worker calls the inference service when it needs "
+                                                       "to (pig_latin never does)"),
+    KeyRule("rollout_worker.tokenizer", None, "prompts are tokenized by the inference service, with its model's "
+                                              "tokenizer"),
+    KeyRule("rollout_worker.resource", None, "NexRL's Kubernetes pods of agent workers: nexrl's rollout workers are "
+                                             "threads of the run (launch_mode ray spreads them over "
+                                             "rollout_worker.num_actors)"),
+    KeyRule("resume.resume_dataloader", None, "a resumed run always continues the data where its checkpoint left it"),
+    KeyRule("logger.enable_feishu_logging", None, "no Feishu sink: logger.backend's sinks are console, wandb and "
+                                                  "tensorboard (a plugin may add others)"),
+    KeyRule("logger.feishu_url", None, "no Feishu sink: logger.backend's sinks are console, wandb and tensorboard "
+                                       "(a plugin may add others)"),
+    KeyRule("environment.setup_script", None, "NexRL's launcher sourced it before the run; nexrl reads the "
+                                              "environment it is started in (nexrl migrate names the script and "
+                                              "what it exports)"),
+    KeyRule("environment.require_setup_script", None, "nexrl reads the environment it is started in"),
+    KeyRule("runtime_monitor.rollout_progress_monitor", None, "nexrl run shows the progress on stderr "
+                                                              "(logger.progress)"),
+    KeyRule("validate.max_response_length", None, "validation samples as training does (rollout_worker.sampling; "
+                                                  "rollout_worker.validate_temperature for its temperature)"),
+    KeyRule("service.inference_service.max_tokens", None, "responses are cut at rollout_worker.sampling.max_tokens "
+                                                          "(NexRL's rollout_worker.max_response_length)"),
+    KeyRule("service.inference_service.tokenizer", None, "prompts are tokenized with the inference service's model's "
+                                                         "tokenizer (the tinker backend: its tokenizer_path)"),
+    KeyRule("service.inference_service.resource", None, "NexRL's Kubernetes replicas of the inference server: "
+                                                        "nexrl attaches to a server (url) or starts vLLM itself "
+                                                        "(model_path, tensor_parallel_size: docs/vllm.md)"),
+    KeyRule("service.tinker_service.lora_rank", "service.train_service.lora_rank"),
+    KeyRule("service.tinker_service.api_key", "service.train_service.api_key", "the rollouts' sampling client "
+                                                                              "shares it"),
+    KeyRule("service.tinker_service.base_url", "service.train_service.base_url", "the rollouts' sampling client "
+                                                                                "shares it"),
+    KeyRule("service.train_service.role", None, "the train service is the policy's; a teacher (role teacher) is "
+                                                "service.reference_service"),
+    KeyRule("service.train_service.resource", None, "NexRL's Kubernetes pods of the train service: local_torch "
+                                                    "trains in this process (service.train_service.world_size ranks "
+                                                    "on this machine's GPUs)"),
+    KeyRule("service.train_service.config.loss_fn", "algorithm.loss_fn", "importance_sampling or ppo (the "
+                                                                         "remote_api_grpo trainer's)",
+            convert=_tinker_loss),
+    KeyRule("service.train_service.config.learning_rate", "service.train_service.lr"),
+    KeyRule("service.train_service.config.beta1", "service.train_service.betas", "[beta1, beta2]", convert=_betas),
+    KeyRule("service.train_service.config.beta2", "service.train_service.betas", "read with beta1", convert=_beta2),
+    KeyRule("service.train_service.config.eps", "service.train_service.eps"),
+    KeyRule("service.train_service.config", None, "the rest of NexRL's Tinker optimizer settings have no "
+                                                  "counterpart in the tinker train service"),
+    KeyRule("service.train_service.actor.micro_batch_size", "service.train_service.micro_batch_size"),
+    KeyRule("service.train_service.actor.optim.lr_warmup_steps_ratio", "service.train_service.warmup_ratio",
+            "NexRL's learning rate is constant after the warm-up whatever warmup_style says: lr_scheduler constant"),
+    # on-policy distillation (trainer.type self_hosted_opd): NexRL's trainer.algorithm, once moved
+    KeyRule("algorithm.distillation_coeff", "algorithm.kl_coef", convert=_to("algorithm.kl_coef")),
+    KeyRule("algorithm.distillation_epochs", "algorithm.ppo_epochs", convert=_to("algorithm.ppo_epochs")),
+    KeyRule("algorithm.use_distillation_clipping", "algorithm.clip.enabled", convert=_to("algorithm.clip.enabled")),
+    KeyRule("algorithm.distillation_cliprange_low", "algorithm.clip.ratio_low",
+            convert=_to("algorithm.clip.ratio_low")),
+    KeyRule("algorithm.distillation_cliprange_high", "algorithm.clip.ratio_high",
+            convert=_to("algorithm.clip.ratio_high")),
+    KeyRule("algorithm.distillation_cliprange", "algorithm.clip.ratio_low, algorithm.clip.ratio_high",
+            "where distillation_cliprange_low / _high do not say otherwise", convert=_opd_clip_range),
+    KeyRule("algorithm.train_token_start_pct", "algorithm.token_range.start",
+            convert=_to("algorithm.token_range.start")),
+    KeyRule("algorithm.train_token_end_pct", "algorithm.token_range.end", convert=_to("algorithm.token_range.end")),
+    KeyRule("algorithm.advantage_start_pct", "algorithm.kl_quantile_range.start",
+            convert=_to("algorithm.kl_quantile_range.start")),
+    KeyRule("algorithm.advantage_end_pct", "algorithm.kl_quantile_range.end",
+            convert=_to("algorithm.kl_quantile_range.end")),
+    KeyRule("algorithm.do_old_student_log_prob_compute", None, "the student's old log-probs are computed when an "
+                                                               "update needs them (ppo_epochs > 1, kl_quantile_range)"),
+    KeyRule("algorithm.entropy_coeff", None, "nexrl's losses have no entropy term"),
+    KeyRule("algorithm.temperature", None, "log-probs are scored at the rollouts' sampling temperature "
+                                           "(rollout_worker.sampling.temperature)"),
     # ROLL's pipeline config (rlvr_config.py), top level
     KeyRule("exp_name", "experiment_name", source="ROLL"),
     KeyRule("max_steps", "trainer.total_train_steps", source="ROLL"),
@@ -378,21 +552,106 @@ VALUE_RULES: tuple[ValueRule, ...] = (
     ValueRule("rollout_worker.type", "single_turn_math", "simple",
               "with a math evaluator (math_rule where nexrl-rewards is installed, else numeric_answer) when the "
               "recipe names none"),
+    ValueRule("rollout_worker.type", "agent", "simple",
+              "NexRL's agent worker with agent_cls single_turn_math (its default): with a math evaluator, as for "
+              "single_turn_math"),
     ValueRule("trajectory_pool.check_batch_ready_function", "batch_size_reached", "batch_size"),
-    ValueRule("service.train_service.backend", "nextrainer", "local_torch", "the policy trains in this process "
-                                                                            "(nexrl-grpo)"),
+    *(ValueRule("service.train_service.backend", seed, "local_torch", "the policy trains in this process "
+                                                                      "(nexrl-grpo)")
+      for seed in ("nextrainer", "direct-zmq", "http")),
+    ValueRule("service.inference_service.backend", "sglang", "vllm",
+              "with a trainer that trains in this process (self_hosted_*): nexrl pushes new weights to vLLM servers, "
+              "not SGLang (weight.backend vllm_disk, as NexRL's sync_method disk); base_url becomes url",
+              when=lambda seed, ctx: ctx.pushes_weights(str(get_key(seed, "trainer.type")))),
     ValueRule("service.inference_service.backend", "sglang", "openai",
-              "SGLang's OpenAI-compatible server; weight pushes to SGLang are not available"),
+              "otherwise: SGLang's OpenAI-compatible server; weight pushes to SGLang are not available"),
+)
+
+# NexRL values nexrl refuses, and the nearest it accepts.
+ADJUSTMENTS: tuple[Adjustment, ...] = (
+    Adjustment("rollout_worker.sampling.temperature", r"^rollout_worker\.sampling\.temperature: .*temperature 1 only",
+               1.0, "the Tinker service scores tokens at temperature 1 only, so at another temperature the "
+                    "importance ratio of its loss would compare two different distributions"),
 )
 
 # Where the seed's recipe leaves a nexrl key unset and the rest of the recipe decides it.
 WEIGHT_BACKENDS = {"hf": "in_process", "vllm": "vllm_disk", "tinker": "tinker"}
 DERIVED = (
     ("weight.backend", "from service.inference_service.backend when the recipe names none: "
-                       + ", ".join(f"{k} -> {v}" for k, v in WEIGHT_BACKENDS.items())),
-    ("service.train_service.model_path", "service.inference_service.model_path when the train service is "
-                                         "local_torch and names none (NexRL serves the model it trains)"),
-    ("rollout_worker.evaluator", "math_rule (or numeric_answer) for rollout_worker.type single_turn_math"),
+                       + ", ".join(f"{k} -> {v}" for k, v in WEIGHT_BACKENDS.items())
+                       + "; NexRL's weight.sync_method (disk, network, tinker) is read no further"),
+    ("service.inference_service", "{backend: hf, model_path: ${service.train_service.model_path}} (weight.backend "
+                                  "in_process) when a trainer that trains in this process has none (NexRL's "
+                                  "pig_latin worker samples nothing, but nexrl pushes the trained weights to an "
+                                  "inference service)"),
+    ("service.train_service.model_path", "the model is named once: ${service.inference_service.model_path} when the "
+                                         "inference backend loads that model itself (hf, a vLLM server nexrl "
+                                         "starts); else the model moves there from service.inference_service (a "
+                                         "server at url serves it under its model name)"),
+    ("service.train_service.base_model", "NexRL's service.inference_service.model with the tinker backend: the "
+                                         "Tinker model is named once, where it trains (the tinker weight sync "
+                                         "hands the rollouts its sampler)"),
+    ("service.inference_service.tokenizer_path", "tinker backend: data.tokenizer_path when it names a local folder, "
+                                                 "else ??? (nexrl tokenizes prompts from a local folder, NexRL "
+                                                 "fetched the tokenizer by name): set it on the command line"),
+    ("service.inference_service.api_key, base_url", "tinker backend: ${service.train_service.api_key} / base_url, "
+                                                    "where the train service names them"),
+    ("service.reference_service", "{backend: hf, model_path} from NexRL's train service with role teacher "
+                                  "(on-policy distillation: the teacher only scores the student's tokens)"),
+    ("rollout_worker.evaluator", "math_rule (or numeric_answer) for rollout_worker.type single_turn_math, and for "
+                                 "the agent worker with agent_cls single_turn_math; it reads each row's answer "
+                                 "(rollout_worker.evaluator.answer_key), where NexRL read reward_model.ground_truth"),
+    ("rollout_worker.prompt_key", "data.prompt_key when it is not prompt and the worker reads one"),
+)
+
+# NexRL 1.x's public recipe layouts (recipe/<task>/ of NexRL 1.4), and what each becomes.
+LAYOUTS: tuple[Layout, ...] = (
+    Layout("math: self_hosted.yaml (defaults: [common, _self_])",
+           "rollout_worker.type agent, agent_cls single_turn_math; trainer self_hosted_grpo; SGLang at "
+           "${oc.env:INFERENCE_BASE_URL}; weight.sync_method disk with sync_weight_path; "
+           "service.train_service.main_actor",
+           "rollout_worker.type simple with evaluator math_rule; trainer self_hosted_grpo on local_torch "
+           "(model_path ${oc.env:NEXRL_MODEL_PATH}/..., named once); a vLLM server at url "
+           "${oc.env:INFERENCE_BASE_URL}; weight.backend vllm_disk, sync_dir from sync_weight_path; "
+           "trajectory_pool.group_size from data.rollout_repeat_n"),
+    Layout("math: tinker.yaml",
+           "trainer remote_api_grpo; service.inference_service.model names the Tinker model; service.tinker_service; "
+           "main_actor.config (loss_fn, learning_rate, beta1, beta2, eps)",
+           "rollout_worker.type simple with evaluator math_rule; trainer remote_api_grpo; "
+           "service.train_service {backend: tinker, base_model, lora_rank, api_key: ${oc.env:TINKER_API_KEY}, lr, "
+           "betas, eps}; algorithm.loss_fn; service.inference_service {backend: tinker, tokenizer_path: ???}; "
+           "weight.backend tinker"),
+    Layout("pig_latin: self_hosted.yaml",
+           "rollout_worker.type pig_latin (need_llm_inference false); trainer self_hosted_cross_entropy; no "
+           "inference service; the model in main_actor.actor.model.path",
+           "the same worker and trainer on local_torch; service.inference_service {backend: hf, model_path: "
+           "${service.train_service.model_path}} with weight.backend in_process; rollout_worker.prompt_key from "
+           "data.prompt_key"),
+    Layout("pig_latin: tinker.yaml",
+           "rollout_worker.type pig_latin; trainer remote_api_cross_entropy; loss_fn cross_entropy",
+           "the same worker and trainer on the tinker services (as math: tinker.yaml, without algorithm.loss_fn)"),
+    Layout("nexau_news: self_hosted.yaml / tinker.yaml (environment.setup_script *.env.sh)",
+           "rollout_worker.type nexau with custom_rollout_worker_module_path agent_workspace/news_rollout_worker.py, "
+           "nexau_agent_config_path agent_workspace/agent_config.yaml, evaluator_module_path "
+           "agent_workspace/evaluator.py:NewsEvaluator; temperature 0.7",
+           "rollout_worker.type python (the news worker's file and class, on nexrl-nexau's worker keys) with "
+           "evaluator python (path, class), placed for the new file's folder (the agent YAML by ${recipe_dir}/..., "
+           "as the worker reads it from the current folder); the env script named (source it before nexrl run) "
+           "with what it exports; the self-hosted and Tinker services as for math; with Tinker, "
+           "rollout_worker.sampling.temperature 0.7 -> 1.0"),
+    Layout("nexau_deepsearch: self_hosted.yaml / tinker.yaml",
+           "rollout_worker.type nexau with nexau_agent_workspace agent_workspace (agent_config.yaml, tools/*.yaml, "
+           "web_tool.py, evaluator.py:DeepResearchEvaluator); temperature 0.7",
+           "rollout_worker.type nexau with the workspace and agent YAML (by ${recipe_dir}/...) and the evaluator "
+           "placed for the new file's folder (the tools YAML and module stay next to the agent YAML that names "
+           "them); the env script named; the services as for math; with Tinker, "
+           "rollout_worker.sampling.temperature 0.7 -> 1.0"),
+    Layout("on_policy_distill: self_hosted_opd_*.yaml (no defaults list)",
+           "trainer self_hosted_opd with trainer.algorithm type distillation; service.train_service.student (role "
+           "actor) and .teacher (role teacher); weight.sync_method network",
+           "trainer self_hosted_opd: algorithm kl_coef, ppo_epochs, clip, token_range, kl_quantile_range from "
+           "NexRL's distillation keys; the teacher is service.reference_service {backend: hf, model_path}; "
+           "weight.backend vllm_disk (NexRL's network sync is internal; disk is its open-source counterpart)"),
 )
 
 # -- imports and classes --------------------------------------------------------------------------
@@ -406,7 +665,10 @@ IMPORT_RULES: tuple[ImportRule, ...] = (
     ImportRule("nexrl.rollout_worker.BaseEvaluationTarget", "nexrl_core.BaseEvaluationTarget"),
     ImportRule("nexrl.rollout_worker.EvaluationRunResult", "nexrl_core.EvaluationRunResult"),
     ImportRule("nexrl.rollout_worker.NexAUEvaluationTarget", "nexrl_nexau.NexAUEvaluationTarget"),
-    ImportRule("nexrl.rollout_worker.BaseNexAURolloutWorker", "nexrl_nexau.BaseNexAURolloutWorker"),
+    ImportRule("nexrl.rollout_worker.BaseNexAURolloutWorker", "nexrl_nexau.BaseNexAURolloutWorker",
+               "it runs the agent itself; a subclass overrides format_task_query (the task's query), "
+               "get_train_loss_mask or execute_agent, not run_agent with NexRL's load_agent_from_config "
+               "(docs/agents.md)"),
     ImportRule("nexrl.rollout_worker.DefaultNexAURolloutWorker", "nexrl_nexau.DefaultNexAURolloutWorker"),
     ImportRule("nexrl.rollout_worker.AgentRolloutWorker", None,
                "rollout_worker.type nexau runs tool-using agents (nexrl-nexau)"),

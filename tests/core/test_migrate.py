@@ -40,9 +40,11 @@ def test_the_validation_guides_sections_move_to_nexrls(core_pm):
     }, core_pm)
     assert recipe == {
         "data": {"type": "file", "shuffle": True, "path": ["train.jsonl"], "prompt_key": "question"},
+        "rollout_worker": {"prompt_key": "question"},  # the worker reads the prompt from the row's field
         "weight": {"validate_freq": 5, "sync_mode": "batch-async", "staleness_threshold": 1},
         "validate": {"data": {"type": "file", "path": ["val.jsonl"]}},
     }
+    assert changes["rollout_worker.prompt_key"].why.startswith("data.prompt_key")
     assert changes["dataloader"].nexrl == "data" and changes["validate_dataloader"].nexrl == "validate.data"
     assert changes["weight_sync_controller"].nexrl == "weight"
     assert changes["data.data_config.dataset_paths"].nexrl == "data.path"
@@ -177,12 +179,15 @@ def test_nexrls_own_key_wins_over_the_seeds_and_the_clash_is_listed(core_pm):
 
 
 def test_keys_nexrl_does_not_know_are_listed_with_the_checks_words(core_pm):
-    recipe, _, dropped = _migrate({"data": {"type": "file", "path": "a.jsonl", "keep_batch_order": True},
+    recipe, _, dropped = _migrate({"data": {"type": "file", "path": "a.jsonl", "cache_rows": 4},
                                    "multi_model": "false", "environment": {"setup_script": ""}, "service": None,
                                    "trainer": {"type": "mock", "algorithm": None}}, core_pm)
-    assert dropped == {"data.keep_batch_order": "unknown key in nexrl (data loader 'file' accepts: path, "
-                                                "dataset_paths, prompt_key)",
-                       "multi_model": "one policy per run", "environment": "unknown key in nexrl",
+    assert dropped == {"data.cache_rows": "unknown key in nexrl (data loader 'file' accepts: path, "
+                                          "dataset_paths, prompt_key)",
+                       "multi_model": "one policy per run",
+                       "environment.setup_script": "NexRL's launcher sourced it before the run; nexrl reads the "
+                                                   "environment it is started in (nexrl migrate names the script "
+                                                   "and what it exports)",
                        "service": "null: nexrl's defaults apply",
                        "trainer.algorithm (as algorithm)": "null: nexrl's defaults apply"}
     assert recipe == {"data": {"type": "file", "path": "a.jsonl"}, "trainer": {"type": "mock"}}
@@ -311,10 +316,10 @@ def test_the_nexau_workspace_is_placed_and_its_imports_listed(seed_dir, cli, tmp
     (seed_dir / "seed.yaml").write_text(yaml.safe_dump(seed))
     code, stdout, err = cli("migrate", str(seed_dir / "seed.yaml"), "-o", str(tmp_path / "new.yaml"))
     worker = yaml.safe_load((tmp_path / "new.yaml").read_text())["rollout_worker"]
-    assert worker["nexau_agent_workspace"] == "recipe/ws"
-    assert worker["nexau_agent_config_path"] == "recipe/ws/agent.yaml"
+    assert worker["nexau_agent_workspace"] == "${recipe_dir}/recipe/ws"  # the worker reads them from the current
+    assert worker["nexau_agent_config_path"] == "${recipe_dir}/recipe/ws/agent.yaml"  # folder: next to the recipe
     assert ("  recipe/ws/my_worker.py:1: from nexrl.rollout_worker import BaseNexAURolloutWorker -> from nexrl_nexau "
-            "import BaseNexAURolloutWorker\n") in err
+            "import BaseNexAURolloutWorker (it runs the agent itself; a subclass overrides format_task_query") in err
     assert err.count("recipe/ws/evaluator.py:2: from nexrl.rollout_worker import Evaluator ->") == 1  # listed once
 
 

@@ -64,8 +64,8 @@ def test_the_guides_recipe_migrates_and_passes_validate(seed, cli, tmp_path):
     assert recipe["algorithm"] == {"type": "grpo", "use_kl_in_reward": False}
     assert recipe["weight"] == {"sync_mode": "sync", "staleness_threshold": 0, "validate_freq": 2,
                                 "backend": "in_process"}
-    assert recipe["service"] == {
-        "train_service": {"backend": "local_torch", "model_path": "smollm2-135m-instruct"},
+    assert recipe["service"] == {  # the model named once: the engine loads it, the trainer names it by reference
+        "train_service": {"backend": "local_torch", "model_path": "${service.inference_service.model_path}"},
         "inference_service": {"backend": "hf", "model_path": "smollm2-135m-instruct", "model_tag": "default"}}
     assert "trajectory_pool" in recipe and "type" not in recipe["trajectory_pool"]
     # each key not carried over, with its reason
@@ -130,7 +130,9 @@ def test_a_migrated_recipe_trains_the_quickstart_model(seed, cli, tmp_path):
     out = seed / "nexrl.yaml"
     code, _, err = cli("migrate", str(seed / "recipe.yaml"), "-o", str(out))
     assert code == 0, err
-    assert yaml.safe_load(out.read_text())["service"]["train_service"]["model_path"] == "smollm2-135m-instruct"
+    services = yaml.safe_load(out.read_text())["service"]
+    assert services["inference_service"]["model_path"] == "smollm2-135m-instruct"
+    assert services["train_service"]["model_path"] == "${service.inference_service.model_path}"
     run_dir = tmp_path / "run"
     code, _, err = cli("run", str(out), f"run_dir={run_dir}", f"trainer.checkpoint_path={run_dir / 'ckpt'}",
                        "trainer.total_train_steps=1", "weight.validate_freq=1", "+rollout_worker.sampling={max_tokens: 8}",
@@ -176,13 +178,15 @@ def test_nexrls_repository_recipe_shape(tiny_model_dir):
                               "clip_ratio_low": 0.2, "clip_ratio_high": 0.28, "loss_agg_mode": "token-mean",
                               "use_kl_loss": True, "kl_loss_type": "low_var_kl", "kl_loss_coef": 0.001,
                               "ppo_epochs": 1}
-    assert r["service"]["train_service"] == {"backend": "local_torch", "model_path": tiny_model_dir, "lr": 2.0e-6,
-                                             "grad_clip": 0.5, "micro_batch_size": 2}
+    assert r["service"]["train_service"] == {"backend": "local_torch", "lr": 2.0e-6, "grad_clip": 0.5,
+                                             "micro_batch_size": 2,
+                                             "model_path": "${service.inference_service.model_path}"}
+    assert r["service"]["inference_service"]["model_path"] == tiny_model_dir  # named once
     assert r["weight"] == {"validate_freq": 2, "backend": "in_process"}
     dropped = m.dropped()
     assert dropped["service.train_service.actor (model.use_remove_padding, fsdp_config.param_offload)"] \
         .startswith("the rest of NexTrainer's actor settings")
-    assert dropped["data.rollout_repeat_n"].startswith("unknown key in nexrl")
+    assert [c.nexrl for c in m.changes if c.seed == "data.rollout_repeat_n"] == ["trajectory_pool.group_size"]
     assert "algorithm.kl_ctrl.kl_reward_coef" in dropped and "rollout_worker.max_prompt_length" in dropped
     assert [c.nexrl for c in m.changes if c.seed == "algorithm.adv_estimator"] == ["algorithm.type"]
 
@@ -215,7 +219,8 @@ def test_rolls_algorithm_keys(tiny_model_dir, tmp_path):
     assert r["rollout_worker"] == {"sampling": {"max_tokens": 8, "temperature": 0.8, "top_p": 0.95, "top_k": 20}}
     assert r["trajectory_pool"] == {"batch_size": 4, "group_size": 2}
     assert r["trainer"] == {"type": "self_hosted_grpo", "total_train_steps": 2}
-    assert r["service"]["train_service"] == {"model_path": tiny_model_dir, "grad_clip": 0.5}
+    assert r["service"]["train_service"] == {"model_path": "${service.inference_service.model_path}", "grad_clip": 0.5}
+    assert r["service"]["inference_service"] == {"backend": "hf", "model_path": tiny_model_dir}
     assert r["weight"] == {"backend": "in_process"}
     from nexrl_core.launch.preflight import validate_recipe
     from nexrl_core.launch.recipe import load_recipe
