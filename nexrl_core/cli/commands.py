@@ -268,6 +268,10 @@ def _validate(args: Any) -> int:
     plan = run_dir_plan(cfg)
     if plan:
         print(f"note: {plan}", file=sys.stderr)
+    from ..launch.preflight import component_notes
+
+    for note in component_notes(cfg, get_plugin_manager()):
+        print(f"note: {note}", file=sys.stderr)
     epochs = cfg.trainer.get("num_train_epochs")
     if epochs is not None:  # check_files set the steps they give
         print(f"note: trainer.num_train_epochs={epochs:g}: {cfg.trainer.total_train_steps} training steps",

@@ -174,7 +174,7 @@ def stop_notice(cfg: Any, recipe: str, overrides: list[str], signame: str) -> st
 
 def run_command(args: Any) -> int:
     from ..controller import NexRLController, RunFailed
-    from ..launch.preflight import require_runnable, resume_checkpoint, unkept_weights_warning
+    from ..launch.preflight import component_notes, require_runnable, resume_checkpoint, unkept_weights_warning
     from ..launch.ray import network
     from ..launch.recipe import load_recipe, network_plan
     from ..plugins import get_plugin_manager
@@ -192,6 +192,8 @@ def run_command(args: Any) -> int:
     unkept = unkept_weights_warning(cfg, pm)
     if unkept:
         print(f"warning: {unkept}", file=sys.stderr)  # as nexrl validate says it
+    for note in component_notes(cfg, pm):
+        print(f"note: {note}", file=sys.stderr)
     if network_plan(cfg, pm).private and not network.inside():  # the whole run, Ray's driver included
         return network.rerun_inside(["run", recipe, *overrides])
     prepare_run_dir(cfg)

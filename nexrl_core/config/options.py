@@ -34,6 +34,7 @@ import types
 import typing
 import warnings
 from collections.abc import Callable, Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from difflib import get_close_matches
 from typing import Any
@@ -149,7 +150,7 @@ class Capabilities:
     :param requires: capability -> why it is needed (shown when it is missing).
     """
 
-    provides: frozenset[str] = frozenset()
+    provides: AbstractSet[str] = frozenset()  # any set of names; kept as a frozenset
     requires: Mapping[str, str] = None  # type: ignore[assignment]
 
     def __post_init__(self) -> None:

@@ -26,8 +26,8 @@ several token sequences: one datum each, see :func:`nexrl_core.trajectory_segmen
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -67,9 +67,10 @@ def build_datum(prompt_ids: Sequence[int], response_ids: Sequence[int], loss_fn:
         if advantages is None:
             raise DataError(f"{name}: loss '{loss_fn}' needs advantages")
         if _is_scalar(advantages):
-            if not math.isfinite(float(advantages)):
+            scalar = float(cast(float, advantages))
+            if not math.isfinite(scalar):
                 raise DataError(f"{name}: advantages is not finite ({advantages})")
-            adv = np.full(r, float(advantages), dtype=np.float32)
+            adv = np.full(r, scalar, dtype=np.float32)
         else:
             adv = _per_token(advantages, r, name, "advantages")
         inputs["logprobs"] = _place(_per_token(sampling_logprobs, r, name, "response_logprobs"), n, r)
@@ -79,7 +80,7 @@ def build_datum(prompt_ids: Sequence[int], response_ids: Sequence[int], loss_fn:
     return types.Datum(model_input=types.ModelInput.from_ints(full[:-1]), loss_fn_inputs=inputs)
 
 
-def trajectory_to_datums(trajectory: dict[str, Any], loss_fn: str) -> list[types.Datum]:
+def trajectory_to_datums(trajectory: Mapping[str, Any], loss_fn: str) -> list[types.Datum]:
     """One datum per token sequence of ``trajectory`` (:func:`nexrl_core.trajectory_segments`):
     one for a single-turn sample, several for an agent rollout whose turns did not merge into one
     sequence. Each sequence brings its own ``loss_mask`` and log-probs. ``advantages`` (one number,

@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from loguru import logger
 
@@ -97,7 +97,7 @@ def plain_section(section: Any, path: str) -> dict[str, Any]:
         from omegaconf.errors import OmegaConfBaseException
 
         try:
-            return dict(OmegaConf.to_container(section, resolve=True))
+            return dict(cast(dict[str, Any], OmegaConf.to_container(section, resolve=True)))
         except OmegaConfBaseException as exc:
             key = getattr(exc, "full_key", None) or getattr(exc, "key", None)
             detail = str(exc).splitlines()[0]

@@ -20,7 +20,7 @@ import random
 import time
 from abc import abstractmethod
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 from loguru import logger
@@ -266,13 +266,18 @@ class RemoteApiGrpoTrainer(RemoteApiTrainer):
             self._selection = selection
         return self._selection
 
+    @property
+    def reward_processor(self) -> algorithms.RewardProcessor:
+        """The reward post-processing of ``algorithm``, with its running state (built with :attr:`selection`)."""
+        self.selection  # noqa: B018 - builds it
+        assert self._reward_processor is not None
+        return self._reward_processor
+
     def algorithm_state(self) -> dict[str, Any]:
-        self.selection  # noqa: B018 - builds the reward processor
-        return {"reward_running": self._reward_processor.state_dict()}
+        return {"reward_running": self.reward_processor.state_dict()}
 
     def load_algorithm_state(self, state: dict[str, Any]) -> None:
-        self.selection  # noqa: B018
-        self._reward_processor.load_state_dict(state.get("reward_running", {}))
+        self.reward_processor.load_state_dict(state.get("reward_running", {}))
 
     def initialize_workers(self) -> None:
         self.selection  # noqa: B018 - a bad algorithm section fails before the service is built
@@ -306,12 +311,12 @@ class RemoteApiGrpoTrainer(RemoteApiTrainer):
         mask = _padded(masks)
         rewards = np.asarray([trajectory_reward(t) for t in trajectories], dtype=np.float64)
         group_ids = [t.get("uid") for t in trajectories]
-        estimate = self.selection.bound("type")  # (also builds the reward processor)
+        estimate = self.selection.bound("type")
         # The seed's order, as in self_hosted_grpo: sample-level mask -> reward post-processing (per
         # domain) -> token-level reward -> advantages.
-        processed = self._reward_processor(
-            rewards, group_ids, [algorithms.response_truncated(t, len(t.get("response_token_ids") or []))
-                                 for t in trajectories], [t.get("domain") for t in trajectories])
+        truncated = np.asarray([algorithms.response_truncated(t, len(t.get("response_token_ids") or []))
+                                for t in trajectories], dtype=bool)
+        processed = self.reward_processor(rewards, group_ids, truncated, [t.get("domain") for t in trajectories])
         metrics.update({f"train/{k}": float(x) for k, x in processed.metrics.items()})
         token_rewards = algorithms.scores_to_token_level(processed.rewards, mask)
         advantages, _ = estimate(algorithms.AdvantageInputs(token_rewards, mask, group_ids))
@@ -329,7 +334,7 @@ class RemoteApiGrpoTrainer(RemoteApiTrainer):
             "train/group_reward_std_mean": float(group_std.mean()) if len(group_std) else 0.0,
             "train/rows_in_flat_groups": float((group_std == 0).mean()) if len(group_std) else 0.0,
         })
-        return prepared
+        return cast(list[Trajectory], prepared)
 
     def _output_metrics(self, trajectories: list[Trajectory], datums: list[Any], result: StepResult
                         ) -> dict[str, float]:
@@ -351,7 +356,7 @@ class RemoteApiGrpoTrainer(RemoteApiTrainer):
         gaps, positions = algorithms.rollout_mismatch_per_row(trainer_lp, rollout_lp, mask)
         if len(self._prepared_from) == len(trajectories):
             for i, (_, record) in algorithms.sample_logprob_gaps(gaps, positions, owners).items():
-                self._prepared_from[i]["logprob_gap"] = record
+                cast(dict[str, Any], self._prepared_from[i])["logprob_gap"] = record
         return algorithms.rollout_mismatch_metrics(trainer_lp, rollout_lp, mask)
 
 

@@ -237,11 +237,12 @@ class BaseModel:
                         logits_to_keep=0 if want_prompt_lps else 1, **{self._cache_kwarg: cache})
         prompt_lps: dict[int, list[float]] = {}
         for index, s in enumerate(inputs):
-            p = prompt_of[index]
-            if s.prompt_logprobs and p not in prompt_lps:
-                n = len(prompts[p])
-                full = torch.log_softmax(out.logits[p, width - n:].float(), dim=-1)
-                prompt_lps[p] = [math.nan] + full[:-1].gather(-1, ids[p, width - n + 1:].unsqueeze(-1)).squeeze(-1).tolist()
+            row = prompt_of[index]
+            if s.prompt_logprobs and row not in prompt_lps:
+                n = len(prompts[row])
+                full = torch.log_softmax(out.logits[row, width - n:].float(), dim=-1)
+                prompt_lps[row] = [math.nan] + full[:-1].gather(
+                    -1, ids[row, width - n + 1:].unsqueeze(-1)).squeeze(-1).tolist()
 
         # One row per sample: the prompt's row of the prefill, repeated.
         row_request = [index for index, s in enumerate(inputs) for _ in range(s.num_samples)]
@@ -286,9 +287,9 @@ class BaseModel:
         results = []
         first = 0
         for index, s in enumerate(inputs):
-            rows = range(first, first + s.num_samples)
+            samples = range(first, first + s.num_samples)
             first += s.num_samples
-            results.append(([(tokens[r], logprobs[r], reasons[r]) for r in rows],
+            results.append(([(tokens[r], logprobs[r], reasons[r]) for r in samples],
                             prompt_lps.get(prompt_of[index]) if s.prompt_logprobs else None))
         return results
 

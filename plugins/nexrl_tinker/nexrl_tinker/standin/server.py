@@ -135,7 +135,7 @@ class StandinServer:
     @property
     def url(self) -> str:
         host, port = self._httpd.server_address[:2]
-        return f"http://{host}:{port}"
+        return f"http://{host if isinstance(host, str) else host.decode()}:{port}"
 
     def start(self) -> StandinServer:
         self._worker.start()
@@ -333,7 +333,7 @@ class StandinServer:
                 fault: Fault | None = None, proto: bool = False, extra: dict[str, Any] | None = None) -> dict:
         """Register a future for ``job``, run on the worker thread. ``seq``: (owner id, seq_id): a re-sent
         request gets the first one's future and, when ``ordered``, the owner's requests run in seq_id order."""
-        key = seq if seq is not None and seq[1] is not None else None
+        key = (seq[0], seq[1]) if seq is not None and seq[1] is not None else None
         with self._lock:
             if key is not None and key in self._seen_seq:  # a re-sent request: same future
                 return {"request_id": self._seen_seq[key], **(extra or {})}
@@ -361,9 +361,9 @@ class StandinServer:
         if key is None or not ordered:
             self._jobs.put(run)
         else:
-            owner, seq = key
+            owner, number = key
             with self._lock:
-                self._pending.setdefault(owner, {})[seq] = run
+                self._pending.setdefault(owner, {})[number] = run
                 expected = self._next_seq.setdefault(owner, 1)
                 while expected in self._pending[owner]:
                     self._jobs.put(self._pending[owner].pop(expected))
@@ -702,7 +702,7 @@ def _handler_class(server: StandinServer) -> type[BaseHTTPRequestHandler]:
 
         def _read_body(self) -> bytes:
             if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
-                parts = []
+                parts: list[bytes] = []
                 while True:
                     size = int(self.rfile.readline().strip().split(b";")[0], 16)
                     if size == 0:

@@ -69,6 +69,15 @@ SELF_CHECK_TOLERANCE = 1e-3  # max |logit difference| against the HF forward, re
 # In bf16 two correct implementations differ by a few units in the last place of the logits (0.6 of
 # 30 measured on SmolLM2); a wrong one by the logits' scale.
 LOW_PRECISION_ULPS = 8
+# The compiled kernels are checked on batches of these sizes (the first row of the 1-row batch is the
+# bigger batches' row 1, left-padded): 33 rows cross every blocking of theirs (the matmul's chunks of
+# 16 rows, the norm's tasks of 32, SiLU's of 8), 17 is one row past a chunk, 1 is a row alone.
+KERNEL_CHECK_BATCHES = (33, 17, 1)
+# ... and in float32 within this many units of float32 rounding (eps) of the logits' scale: a correct
+# decode differs from the HF forward by up to ~50 (SmolLM2-135M, 33 rows: 6.2e-6 through the kernels,
+# 4.6e-6 through the torch ops), a SiLU off by 0.03% by 2,300 or more (2.8e-4 to 9.1e-4 of the scale
+# on SmolLM2 and the tests' tiny models), where 1e-3 let it pass.
+KERNEL_CHECK_ULPS = 512
 
 
 class HFSession:
@@ -97,6 +106,32 @@ class HFSession:
         out = self.model(input_ids=tokens.unsqueeze(-1), attention_mask=self.attention_mask,
                          position_ids=positions.unsqueeze(-1), past_key_values=self.cache, use_cache=True)
         return out.logits[:, -1, :]
+
+
+def config_fast_path_problem(model_path: str | None, gguf_file: str | None = None) -> str | None:
+    """What :func:`fast_path_problem` will say, read from the model's config.json before any weight
+    is loaded (None: the fast path should serve it, or the config cannot be read here)."""
+    import json
+    import os
+
+    from ..models import SMOLLM2, hub_snapshot, is_hub_id
+
+    if not model_path or gguf_file or model_path == SMOLLM2:
+        return None  # a GGUF is converted from a Llama-family file; nothing to read before that
+    folder = str(model_path)
+    if not os.path.isfile(os.path.join(folder, "config.json")) and is_hub_id(folder):
+        folder = hub_snapshot(folder, download=False) or ""
+    try:
+        with open(os.path.join(folder, "config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return None
+    model_type = config.get("model_type")
+    if model_type not in FAST_MODEL_TYPES:
+        return f"model_type {model_type!r} is not on the fast decoding path ({', '.join(FAST_MODEL_TYPES)})"
+    if config.get("sliding_window") and config.get("use_sliding_window", True):
+        return f"sliding-window attention (window {config['sliding_window']}) is not on the fast decoding path"
+    return None
 
 
 def fast_path_problem(model: torch.nn.Module) -> str | None:
@@ -338,15 +373,19 @@ class FastLlama:
 
     @torch.inference_mode()
     def _self_check(self) -> None:
-        """Compare prefill + two steps against the HF forward on a left-padded toy batch, and the
-        padded row against itself decoded alone (batch invariance, bit for bit)."""
+        """Compare prefill + two steps against the HF forward on a left-padded batch, and a padded
+        row decoded alone against itself in the batch (batch invariance, bit for bit). The torch ops
+        are checked on 2 rows within :data:`SELF_CHECK_TOLERANCE` of the logits' scale; the compiled
+        kernels on :data:`KERNEL_CHECK_BATCHES` of 33 rows, each row against the HF forward's, within
+        :data:`KERNEL_CHECK_ULPS` of float32 rounding (a bf16 model: :data:`LOW_PRECISION_ULPS`)."""
         vocab = self.model.config.vocab_size
+        rows = max(KERNEL_CHECK_BATCHES) if self.kernels is not None else 2
         generator = torch.Generator().manual_seed(0)
-        ids = torch.randint(0, vocab, (2, 6), generator=generator).to(self.model.device)
+        ids = torch.randint(0, vocab, (rows, 6), generator=generator).to(self.model.device)
         mask = torch.ones_like(ids)
-        mask[1, :2] = 0  # one left-padded row
+        mask[1::2, :2] = 0  # every other row left-padded
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        nxt = torch.randint(0, vocab, (2, 2), generator=generator).to(self.model.device)
+        nxt = torch.randint(0, vocab, (rows, 2), generator=generator).to(self.model.device)
 
         def decode(session, rows: slice) -> torch.Tensor:
             keep = int(mask[rows].sum(-1).max())  # without the columns that are padding in every row
@@ -355,17 +394,23 @@ class FastLlama:
                 out.append(session.step(nxt[rows, t], positions[rows, -1] + 1 + t))
             return torch.stack(out)
 
-        both = slice(0, 2)
-        ref = decode(HFSession(self.model), both)
-        valid = mask[:, -1].bool()  # every row's last prompt token is real
-        scale = max(float(ref[:, valid].abs().max()), 1.0)
-        tolerance = max(SELF_CHECK_TOLERANCE, LOW_PRECISION_ULPS * torch.finfo(ref.dtype).eps)
+        def batch(n: int) -> slice:
+            return slice(1, 2) if n == 1 else slice(0, n)  # alone: the padded row 1
+
+        ref = decode(HFSession(self.model), slice(0, rows))  # every row's last prompt token is real
+        scale = max(float(ref.abs().max()), 1.0)
         while True:
-            fast = decode(self._fast_session(), both)
-            worst = float((fast[:, valid] - ref[:, valid]).abs().max())
+            sizes = KERNEL_CHECK_BATCHES if self.kernels is not None else (rows,)
+            if self.kernels is not None and ref.dtype == torch.float32:
+                tolerance = KERNEL_CHECK_ULPS * torch.finfo(torch.float32).eps
+            else:
+                tolerance = max(SELF_CHECK_TOLERANCE, LOW_PRECISION_ULPS * torch.finfo(ref.dtype).eps)
+            fast = {n: decode(self._fast_session(), batch(n)) for n in sizes}
+            worst = max(float((out - ref[:, batch(n)]).abs().max()) for n, out in fast.items())
             if worst <= tolerance * scale:
                 break
-            message = f"disagrees with the model's own forward (max |diff| {worst:.3g} at logit scale {scale:.3g})"
+            message = (f"disagrees with the model's own forward (max |diff| {worst:.3g} at logit scale {scale:.3g}, "
+                       f"allowed {tolerance * scale:.3g}; batches of {'/'.join(map(str, sizes))} rows)")
             if self.kernels is None:
                 self.enabled = False
                 logger.warning(f"fast decoding path {message}; using the transformers forward")
@@ -373,7 +418,8 @@ class FastLlama:
             self.kernels, self.layers, self._packed_versions = None, None, None  # repack for oneDNN
             self._pack_if_stale()
             logger.warning(f"fast decoding path with the compiled CPU kernels {message}; decoding with torch ops")
-        self.batch_invariant = torch.equal(decode(self._fast_session(), slice(1, 2))[:, 0], fast[:, 1])
+        alone = fast[1] if 1 in fast else decode(self._fast_session(), batch(1))
+        self.batch_invariant = torch.equal(alone[:, 0], fast[max(fast)][:, 1])
         if not self.batch_invariant:
             logger.warning(f"fast decoding path: a row's logits depend on the other rows of its batch on this machine "
                            f"({'GPU kernels pick their algorithm by shape' if ids.is_cuda else 'no oneDNN?'}); runs "

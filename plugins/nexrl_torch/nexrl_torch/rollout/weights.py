@@ -38,6 +38,20 @@ class HFInferenceBackend(HFInferenceEngine):
     check_config = staticmethod(check_model_section)
 
     @classmethod
+    def recipe_notes(cls, section: Any) -> list[str]:
+        """What ``nexrl validate`` and ``nexrl run`` say about this engine before it loads: a model
+        its fast decoding path cannot serve (from the model's config.json)."""
+        from .decoding import config_fast_path_problem
+
+        if section.get("fast_path") is False or str(section.get("fast_path")).lower() == "false":
+            return []
+        problem = config_fast_path_problem(section.get("model_path"), section.get("gguf_file"))
+        if problem is None:
+            return []
+        return [f"service.inference_service: {problem}: the engine decodes through the transformers forward, "
+                f"slower, and runs with several rollout workers are not bit-reproducible (unless max_batch_size: 1)"]
+
+    @classmethod
     def memory_plan(cls, section: Any, inputs: Any) -> Any:
         """What ``nexrl plan`` counts for this engine (:func:`nexrl_torch.plan.engine_plan`)."""
         from ..plan import engine_plan
