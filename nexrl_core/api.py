@@ -31,13 +31,10 @@ def run(config: str | os.PathLike[str] | Mapping[str, Any], overrides: Sequence[
     command line. A bad recipe raises :class:`~nexrl_core.ConfigError` listing every problem
     ``nexrl validate`` reports; a failed run raises :class:`~nexrl_core.RunFailed`. The run
     directory gets the same files as with ``nexrl run`` (metrics.jsonl, run.log, run.json, ...)."""
-    from .controller import NexRLController
     from .errors import NexRLError, exit_code
-    from .launch.preflight import require_runnable
+    from .launch.prologue import library_argv, start_run
     from .launch.recipe import load_recipe
     from .plugins import get_plugin_manager
-    from .runtime.run_info import RunRecord, write_config
-    from .runtime.run_log import prepare_run_dir, setup_logging
 
     if isinstance(config, Mapping):
         from omegaconf import DictConfig, OmegaConf
@@ -47,22 +44,39 @@ def run(config: str | os.PathLike[str] | Mapping[str, Any], overrides: Sequence[
     else:
         recipe = os.fspath(config)
         cfg = load_recipe(recipe, list(overrides))
-    pm = plugin_manager or get_plugin_manager()
-    require_runnable(cfg, pm)  # before anything is written to run_dir
-    prepare_run_dir(cfg)
-    run_dir = str(cfg.run_dir)
-    setup_logging(run_dir, str(cfg.logger.level), fresh=cfg.resume.mode == "disable")
-    record = RunRecord(run_dir, recipe, list(overrides), argv=[f"nexrl_core.run({recipe})", *overrides],
-                       plugin_manager=pm, config=cfg)
-    record.write_start(keep_previous=cfg.resume.mode != "disable")
-    write_config(run_dir, cfg)
-    controller: Any = None
+    started = start_run(cfg, plugin_manager or get_plugin_manager(), recipe, list(overrides),
+                        argv=library_argv(recipe, list(overrides)))
     try:
-        controller = NexRLController(cfg, pm, listeners=list(listeners))
-        summary = controller.run()
+        summary = run_started(started, listeners)
     except BaseException as exc:
         message = str(exc) if isinstance(exc, NexRLError) else f"{type(exc).__name__}: {exc}"
-        record.finish("failed", exit_code(exc), controller.final_step() if controller is not None else None, message)
+        started.record.finish("failed", exit_code(exc), started.final_step(), message)
         raise
-    record.finish(summary.stopped_by, 0, summary.global_step, None)
+    started.record.finish(summary.stopped_by, 0, summary.global_step, None)
     return summary
+
+
+def run_started(started: Any, listeners: Sequence[Any] = (), *, on_controller: Any = None,
+                on_restart: Any = None) -> Any:
+    """The controller over a started run (:func:`nexrl_core.launch.prologue.start_run`) to its end;
+    after a failure, with ``resume.on_failure: restart``, again from the newest checkpoint, as often
+    as ``resume.max_restarts`` allows. ``on_controller(controller)``: called with each attempt's
+    controller once it is built (``nexrl run`` installs its signal handlers there);
+    ``on_restart(error, delay)``: before the wait for the next attempt."""
+    import time
+
+    from .controller import NexRLController, RunFailed
+
+    while True:
+        started.controller = NexRLController(started.cfg, started.pm, listeners=list(listeners), started=True)
+        if on_controller is not None:
+            on_controller(started.controller)
+        try:
+            return started.controller.run()
+        except RunFailed as exc:
+            if not started.restarts.allowed():
+                raise
+            delay = started.restarts.next(started.controller.final_step(), str(exc), started.record)
+            if on_restart is not None:
+                on_restart(str(exc), delay)
+            time.sleep(delay)

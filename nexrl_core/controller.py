@@ -51,9 +51,14 @@ class RunSummary:
 
 class NexRLController:
     def __init__(self, config: DictConfig, plugin_manager: PluginManager | None = None,
-                 eval_only: bool = False, eval_out: str | None = None, listeners: list[Any] | None = None):
+                 eval_only: bool = False, eval_out: str | None = None, listeners: list[Any] | None = None,
+                 started: bool = False):
         """``eval_only``: build for ``nexrl eval`` (no trainer, no training data), recording failed
         samples in ``eval_out`` (None: nowhere), never in the training run's run_dir.
+
+        ``started``: the run's prologue (``nexrl run``, ``nexrl_core.run()``) already checked the
+        recipe and prepared ``run_dir``; without it (a seed-style ``NexRLController(cfg).run()``) the
+        controller does both.
 
         ``listeners``: objects with ``log(metrics, step)`` (a metrics sink's interface) that follow the
         run in this process (the driver), whatever the launch mode: every metrics row (with its
@@ -62,9 +67,10 @@ class NexRLController:
         self._pm = plugin_manager or get_plugin_manager()
         self._eval_only = eval_only
         self._eval_out = eval_out
-        require_runnable(config, self._pm, eval_only=eval_only)  # what `nexrl validate` checks, before any file
-        if not eval_only:
-            prepare_run_dir(config)
+        if not started:  # a run the prologue started was checked there, once (launch/prologue.py)
+            require_runnable(config, self._pm, eval_only=eval_only)  # what `nexrl validate` checks, before any file
+            if not eval_only:
+                prepare_run_dir(config)
         random.seed(int(config.seed))
         self._stop_requested = threading.Event()
         self._stop_reason = ""

@@ -8,7 +8,6 @@ import os
 import shlex
 import signal
 import sys
-import time
 from typing import Any
 
 from ..errors import NexRLError, exit_code
@@ -173,13 +172,13 @@ def stop_notice(cfg: Any, recipe: str, overrides: list[str], signame: str) -> st
 
 
 def run_command(args: Any) -> int:
-    from ..controller import NexRLController, RunFailed
+    from ..api import run_started
+    from ..controller import RunFailed
     from ..launch.preflight import component_notes, require_runnable, resume_checkpoint, unkept_weights_warning
+    from ..launch.prologue import start_run
     from ..launch.ray import network
     from ..launch.recipe import load_recipe, network_plan
     from ..plugins import get_plugin_manager
-    from ..runtime.run_info import RunRecord, write_config
-    from ..runtime.run_log import prepare_run_dir, setup_logging
     from .progress import RunProgress, choose_mode, format_duration
 
     # nexrl's own display reports progress: Hugging Face's per-file bars (read before transformers is
@@ -196,17 +195,13 @@ def run_command(args: Any) -> int:
         print(f"note: {note}", file=sys.stderr)
     if network_plan(cfg, pm).private and not network.inside():  # the whole run, Ray's driver included
         return network.rerun_inside(["run", recipe, *overrides])
-    prepare_run_dir(cfg)
-    run_dir = str(cfg.run_dir)
     resume_from = resume_checkpoint(cfg)
     start_step = _checkpoint_global_step(resume_from)
     mode = choose_mode(str(cfg.logger.progress), sys.stderr)
     progress = RunProgress(mode, int(cfg.trainer.total_train_steps), start_step)
-    setup_logging(run_dir, str(cfg.logger.level), fresh=cfg.resume.mode == "disable",
-                  console=progress.log_sink if mode == "rich" else None, hide_step_lines=mode != "off")
-    record = RunRecord(run_dir, recipe, overrides, plugin_manager=pm, config=cfg)
-    record.write_start(keep_previous=cfg.resume.mode != "disable")
-    write_config(run_dir, cfg)
+    started = start_run(cfg, pm, recipe, overrides, console=progress.log_sink if mode == "rich" else None,
+                        hide_step_lines=mode != "off", checked=True)
+    run_dir, record = started.run_dir, started.record
     progress.print_block(f"nexrl run · {cfg.experiment_name}", header_lines(cfg, recipe, overrides, pm, resume_from))
     outcome = _Outcome()
     controller: Any = None
@@ -240,33 +235,29 @@ def run_command(args: Any) -> int:
             progress.notice(stop_notice(cfg, recipe, overrides, name))
         controller.request_stop(name)
 
+    def running(built: Any) -> None:
+        nonlocal controller
+        controller = built
+        signal.signal(signal.SIGINT, on_signal)
+        signal.signal(signal.SIGTERM, on_signal)
+        progress.start("running")  # once built: model loading prints its own progress bars
+
+    def restarting(error: str, delay: float) -> None:
+        signal.signal(signal.SIGINT, interrupt)  # a signal while waiting to restart ends the run
+        signal.signal(signal.SIGTERM, interrupt)
+        progress.notice(f"{started.restarts.describe()}: {error}\n  restarting from the newest checkpoint in "
+                        f"{delay:g}s (resume.on_failure: restart)")
+
     signal.signal(signal.SIGINT, interrupt)
     signal.signal(signal.SIGTERM, interrupt)
     summary = None
-    restarts = Restarts(cfg)
     try:
-        while True:
-            controller = NexRLController(cfg, pm, listeners=[progress])
-            signal.signal(signal.SIGINT, on_signal)
-            signal.signal(signal.SIGTERM, on_signal)
-            progress.start("running")  # once built: model loading prints its own progress bars
-            try:
-                summary = controller.run()
-                break
-            except RunFailed as exc:
-                if not restarts.allowed():
-                    raise
-                signal.signal(signal.SIGINT, interrupt)  # a signal while waiting to restart ends the run
-                signal.signal(signal.SIGTERM, interrupt)
-                delay = restarts.next(controller.final_step(), str(exc), record)
-                progress.notice(f"{restarts.describe()}: {exc}\n  restarting from the newest checkpoint in "
-                                f"{delay:g}s (resume.on_failure: restart)")
-                time.sleep(delay)
+        summary = run_started(started, [progress], on_controller=running, on_restart=restarting)
         outcome.status, outcome.step = summary.stopped_by, summary.global_step
         outcome.code = 130 if summary.stopped_by == "signal" else 0
     except RunFailed as exc:
         outcome.error, outcome.code = str(exc), exit_code(exc)
-        outcome.step = controller.final_step() if controller is not None else start_step
+        outcome.step = started.final_step(start_step)
         raise
     except NexRLError as exc:
         outcome.error, outcome.code = str(exc), exit_code(exc)
@@ -298,34 +289,6 @@ def run_command(args: Any) -> int:
     print(json.dumps({"global_step": summary.global_step, "stopped_by": summary.stopped_by,
                       "run_dir": run_dir, "validation": summary.validation}, default=float))
     return outcome.code
-
-
-class Restarts:
-    """``resume.on_failure: restart``: how many restarts are left, the wait before the next (doubled
-    each time, at most ``restart_backoff_max``), and their record in run.json (``restarts``)."""
-
-    def __init__(self, cfg: Any):
-        self.cfg = cfg
-        resume = cfg.resume
-        self.enabled = resume.on_failure == "restart"
-        self.max, self.backoff, self.backoff_max = (int(resume.max_restarts), float(resume.restart_backoff),
-                                                    float(resume.restart_backoff_max))
-        self.count = 0
-
-    def allowed(self) -> bool:
-        return self.enabled and self.count < self.max
-
-    def describe(self) -> str:
-        return f"the run failed (restart {self.count} of {self.max})"
-
-    def next(self, step: int | None, error: str, record: Any) -> float:
-        """Count a restart, record it, make the recipe resume from the newest checkpoint; the wait."""
-        self.count += 1
-        record.note_restart(step, error)
-        resume = self.cfg.resume
-        resume.mode, resume.resume_path = "auto", None  # the newest checkpoint: the failed attempt's own
-        self.cfg.overwrite_run_dir = False  # the failed attempt's records are continued, not moved aside
-        return min(self.backoff * 2 ** (self.count - 1), self.backoff_max)
 
 
 def _exportable(pm: Any, trainer: str) -> bool:

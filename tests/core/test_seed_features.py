@@ -90,7 +90,10 @@ def test_a_post_to_a_backend_the_recipe_does_not_log_to_is_said_once(tmp_path, c
     assert sink.rows == []
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
     err = capfd.readouterr().err
-    assert err.count("experiment_logger_post: backend 'wandb' is not in logger.backend (console)") == 1
+    said = [line for line in err.splitlines()
+            if "experiment_logger_post: backend 'wandb' is not in logger.backend (console)" in line]
+    # once as a warning; a DEBUG sink another test of this process left may show the repeat as DEBUG
+    assert [line for line in said if "WARNING" in line or "DEBUG" not in line] == said[:1] and said
 
 
 # -- validation grouped by tag ---------------------------------------------------------------------

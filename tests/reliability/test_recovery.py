@@ -272,7 +272,7 @@ def test_without_on_failure_restart_a_failure_stops_the_run(nexrl, tmp_path):
 
 
 def test_the_wait_before_a_restart_doubles_up_to_its_maximum():
-    from nexrl_core.cli.run import Restarts
+    from nexrl_core.launch.prologue import Restarts
 
     class Record:
         def note_restart(self, step, error):
@@ -287,3 +287,41 @@ def test_the_wait_before_a_restart_doubles_up_to_its_maximum():
         waits.append(restarts.next(0, "boom", Record()))
     assert waits == [2.0, 4.0, 5.0, 5.0]
     assert cfg.resume.mode == "auto" and cfg.resume.resume_path is None  # the newest checkpoint, not the path
+
+
+# -- one prologue for `nexrl run` and nexrl_core.run() (issue #42 step 3) ------------------------------
+
+def test_the_library_call_restarts_as_nexrl_run_does(tmp_path, reset_loguru, monkeypatch):
+    """nexrl_core.run() shares `nexrl run`'s prologue, restart-on-failure included (it had none)."""
+    import nexrl_core
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("NEXRL_LOAD_PLUGINS", "")
+    FAULTS.update(trainer=1, trainer_at=4)
+    with use_plugins(Plugin()):
+        summary = nexrl_core.run({"run_dir": str(tmp_path / "run"), **RECIPE}, RESTART)
+    assert summary.global_step == 6 and summary.stopped_by == "finished"
+    run = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert run["restarts"] == 1 and "injected trainer fault at step 4" in run["restart_causes"][0]["error"]
+    assert run["command"][0].startswith("nexrl_core.run(")
+    assert _train_steps(tmp_path / "run") == [1, 2, 3, 4, 5, 6]
+
+
+@pytest.mark.parametrize("how", ["nexrl run", "nexrl_core.run()"])
+def test_a_recipe_is_checked_once_per_run(how, nexrl, tmp_path, monkeypatch):
+    """The recipe's checks run once, in the prologue; the controller (each attempt's, after a
+    restart too) receives a started run and checks nothing."""
+    import nexrl_core
+    import nexrl_core.launch.recipe as recipe_module
+
+    calls = []
+    check = recipe_module.check_config
+    monkeypatch.setattr(recipe_module, "check_config", lambda *a, **k: calls.append(1) or check(*a, **k))
+    FAULTS.update(trainer=1, trainer_at=2)
+    if how == "nexrl run":
+        code, run, err = nexrl(*RESTART)
+        assert code == 0, err
+    else:
+        with use_plugins(Plugin()):
+            run = nexrl_core.run({"run_dir": str(tmp_path / "run"), **RECIPE}, RESTART)
+    assert calls == [1]

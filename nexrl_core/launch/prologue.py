@@ -1,0 +1,91 @@
+"""What every run does before its controller starts, once, whether it was asked for by ``nexrl
+run`` or by ``nexrl_core.run()``: the recipe checked as ``nexrl validate`` checks it, the run
+directory prepared, run.log opened, run.json and config.yaml written. And the rule for a run that
+fails: ``resume.on_failure: restart`` (:class:`Restarts`). The controller then receives a started
+run and checks nothing again (``NexRLController(..., started=True)``)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..runtime.run_info import RunRecord, write_config
+from ..runtime.run_log import prepare_run_dir, setup_logging
+from .preflight import require_runnable, resume_checkpoint
+
+
+@dataclass
+class StartedRun:
+    """A run whose recipe passed every check and whose records are open."""
+
+    cfg: Any
+    pm: Any
+    recipe: str
+    overrides: list[str]
+    record: RunRecord
+    resume_from: str | None  # the checkpoint it resumes from (None: a fresh start)
+    restarts: Restarts = field(init=False)
+    controller: Any = None  # the attempt running now (api.run_started sets it)
+
+    def __post_init__(self) -> None:
+        self.restarts = Restarts(self.cfg)
+
+    @property
+    def run_dir(self) -> str:
+        return str(self.cfg.run_dir)
+
+    def final_step(self, otherwise: int | None = None) -> int | None:
+        """The last step the run reached (``otherwise`` before any attempt was built)."""
+        return self.controller.final_step() if self.controller is not None else otherwise
+
+
+def start_run(cfg: Any, pm: Any, recipe: str, overrides: list[str], *, argv: list[str] | None = None,
+              console: Any = None, hide_step_lines: bool = False, checked: bool = False) -> StartedRun:
+    """Check ``cfg`` (RecipeProblems listing every problem, before anything is written; ``checked``:
+    the caller just did, with :func:`require_runnable`), prepare ``run_dir``, open run.log
+    (``console``/``hide_step_lines``: how the console shows it) and write run.json and config.yaml."""
+    if not checked:
+        require_runnable(cfg, pm)
+    prepare_run_dir(cfg)
+    run_dir = str(cfg.run_dir)
+    resume_from = resume_checkpoint(cfg)
+    setup_logging(run_dir, str(cfg.logger.level), fresh=cfg.resume.mode == "disable", console=console,
+                  hide_step_lines=hide_step_lines)
+    record = RunRecord(run_dir, recipe, overrides, argv=argv, plugin_manager=pm, config=cfg)
+    record.write_start(keep_previous=cfg.resume.mode != "disable")
+    write_config(run_dir, cfg)
+    return StartedRun(cfg, pm, recipe, list(overrides), record, resume_from)
+
+
+class Restarts:
+    """``resume.on_failure: restart``: how many restarts are left, the wait before the next (doubled
+    each time, at most ``restart_backoff_max``), and their record in run.json (``restarts``)."""
+
+    def __init__(self, cfg: Any):
+        self.cfg = cfg
+        resume = cfg.resume
+        self.enabled = resume.on_failure == "restart"
+        self.max, self.backoff, self.backoff_max = (int(resume.max_restarts), float(resume.restart_backoff),
+                                                    float(resume.restart_backoff_max))
+        self.count = 0
+
+    def allowed(self) -> bool:
+        return self.enabled and self.count < self.max
+
+    def describe(self) -> str:
+        return f"the run failed (restart {self.count} of {self.max})"
+
+    def next(self, step: int | None, error: str, record: Any) -> float:
+        """Count a restart, record it, make the recipe resume from the newest checkpoint; the wait."""
+        self.count += 1
+        record.note_restart(step, error)
+        resume = self.cfg.resume
+        resume.mode, resume.resume_path = "auto", None  # the newest checkpoint: the failed attempt's own
+        self.cfg.overwrite_run_dir = False  # the failed attempt's records are continued, not moved aside
+        return min(self.backoff * 2 ** (self.count - 1), self.backoff_max)
+
+
+def library_argv(recipe: str, overrides: list[str]) -> list[str]:
+    """What run.json records as the command of a run started from Python."""
+    return [f"nexrl_core.run({os.fspath(recipe)})", *overrides]
