@@ -35,7 +35,8 @@ faster counts): the ratio says how close decoding runs to what the matmuls alone
 Every run ends by comparing its ratios with the recorded reference of its mode
 (``benchmarks/results/grpo_vs_trl.json``, ``grpo_vs_trl_quick.json``; ``--record`` rewrites it) and
 prints ``SLOWER by X%`` (exit status 1) where a ratio fell by more than the noise threshold (wider
-when other jobs shared the machine).
+when other jobs shared the machine), on any CPU: a ratio is nexrl against TRL in the same run, and a
+reference from another CPU is said so.
 
     pip install -c constraints-cpu.txt -r benchmarks/requirements.txt
     python benchmarks/grpo_vs_trl.py                      # defaults: ~10-15 min on 2 CPU cores
@@ -252,8 +253,8 @@ class TrlSystem(GatedSystem):
 
         self.trainer.remove_callback(PrinterCallback)  # no per-step log dicts on stdout
         # Time generation (+ reward) separately, for the breakdown.
-        self.trainer._generate_and_score_completions = timed(self.trainer._generate_and_score_completions,
-                                                             self.gen_intervals)
+        self.trainer._generate_and_score_completions = timed(  # type: ignore[method-assign]
+            self.trainer._generate_and_score_completions, self.gen_intervals)
         self.thread = threading.Thread(target=self._run, name=self.name, daemon=True)
 
     def work(self) -> None:
@@ -392,7 +393,7 @@ def overlap(intervals: list[tuple[float, float]], windows: list[tuple[float, flo
     return sum(max(0.0, min(b, wb) - max(a, wa)) for a, b in intervals for wa, wb in windows)
 
 
-def decode_roofline(model_path: str, dtype: str, rows: int, prompt_len: int, steps: int) -> dict[str, float]:
+def decode_roofline(model_path: str, dtype: str, rows: int, prompt_len: int, steps: int) -> dict[str, Any]:
     """Median seconds of one fast-path decode step at ``rows`` rows against the median of the bare
     ``F.linear`` time of the same weights (every projection and the LM head, ``rows`` rows, same dtype)."""
     import torch
@@ -421,7 +422,7 @@ def decode_roofline(model_path: str, dtype: str, rows: int, prompt_len: int, ste
         inputs = {w.shape[1]: torch.randn(rows, w.shape[1], generator=gen).to(torch_dtype) for w in weights}
         # The matmuls alone, each way there is: torch's F.linear, oneDNN with the weight prepacked, and
         # the compiled kernels' packed matmul (float32, where they build); the fastest is the reference.
-        ways = {"F.linear": [functools.partial(F.linear, weight=w) for w in weights],
+        ways: dict[str, list[Any]] = {"F.linear": [functools.partial(F.linear, weight=w) for w in weights],
                 "prepacked": [_Linear([w], None, rows) for w in weights]}
         if fast.kernels is not None and torch_dtype == torch.float32:
             ways["compiled"] = [_Linear([w], None, rows, fast.kernels) for w in weights]
@@ -566,13 +567,13 @@ def main(argv: list[str] | None = None) -> int:
                     t0, t1, cpu = run_block(s, args.steps_per_block)
                     if args.device != "cpu":
                         peak_gib[s.name] = max(peak_gib[s.name], torch.cuda.max_memory_allocated() / (1 << 30))
-                    t = t1 - t0
-                    times[s.name].append(t)
+                    took = t1 - t0
+                    times[s.name].append(took)
                     cpu_times[s.name].append(cpu)
                     windows[s.name].append((t0, t1))
                     block_loads.append(loadavg())
-                    print(f"block {b + 1} {s.name:<15}: {args.steps_per_block} steps in {t:7.1f}s "
-                          f"= {t / args.steps_per_block:6.2f} s/step, CPU {cpu:6.1f}s   "
+                    print(f"block {b + 1} {s.name:<15}: {args.steps_per_block} steps in {took:7.1f}s "
+                          f"= {took / args.steps_per_block:6.2f} s/step, CPU {cpu:6.1f}s   "
                           f"(load avg {block_loads[-1]})", flush=True)
         finally:
             for s in systems:
@@ -651,6 +652,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{torch.get_num_threads()} threads): {'busy' if others >= 1.0 else 'quiet'} machine, "
           f"noise threshold {noise:.0%}")
     verdict: list[str] | None = None
+    judged_ref: dict[str, Any] | None = None
     for mode in dict.fromkeys([args.mode, *MODES]):  # its own mode's reference first: the only one judged
         ref = load_reference(REFERENCES[mode])
         if ref is None and mode != args.mode:
@@ -658,7 +660,7 @@ def main(argv: list[str] | None = None) -> int:
         lines, slower = compare_to_reference(run, ref, noise, os.path.relpath(REFERENCES[mode], REPO))
         print("\n".join(lines))
         if mode == args.mode:
-            verdict = slower
+            verdict, judged_ref = slower, ref
     for path in ([args.json] if args.json else []) + ([REFERENCES[args.mode]] if args.record else []):
         with open(path, "w") as f:
             json.dump(run, f, indent=1)
@@ -667,10 +669,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"recorded as the {args.mode} reference: {os.path.relpath(REFERENCES[args.mode], REPO)}"
               + (f" (WARNING: other jobs ran alongside, load about {others:.1f}: record again on a quiet machine)"
                  if others >= 1.0 else ""))
+    line, status = guard_outcome(args.mode, run["cpu"], verdict, noise, judged_ref)
+    print(line)
+    return status
+
+
+def guard_outcome(mode: str, cpu: str, verdict: list[str] | None, noise: float,
+                  ref: dict[str, Any] | None) -> tuple[str, int]:
+    """The guard's last line and the exit status: 1 when a ratio fell by more than ``noise`` against
+    the reference (``verdict``: the slowdowns, None when nothing was judged), on any CPU; the line
+    says when the reference ratio came from another CPU."""
     outcome = ("not judged (see above)" if verdict is None else f"SLOWER: {', '.join(verdict)}" if verdict
                else f"no ratio fell by more than {noise:.0%}")
-    print(f"guard ({args.mode} mode, CPU {run['cpu']}): {outcome}")
-    return 1 if verdict else 0
+    if verdict is not None and ref is not None and ref.get("cpu") != cpu:
+        outcome += f" (the reference ratio came from another CPU: {ref.get('cpu', '?')})"
+    return f"guard ({mode} mode, CPU {cpu}): {outcome}", 1 if verdict else 0
 
 
 def load1(load: str) -> float:
@@ -705,19 +718,22 @@ def load_reference(path: str) -> dict[str, Any] | None:
 def compare_to_reference(run: dict[str, Any], ref: dict[str, Any] | None, noise: float,
                          label: str) -> tuple[list[str], list[str] | None]:
     """Lines comparing ``run``'s ratios (nexrl steps/s over TRL steps/s) with the recorded ``ref``, and
-    the slowdowns: each ratio below the reference's by more than ``noise`` (a fraction). None when
-    nothing can be judged: no reference, or one from another CPU or other workload settings (then
-    the changes are shown, and the lines say why they are not judged)."""
+    the slowdowns: each ratio below the reference's by more than ``noise`` (a fraction). Judged on
+    any CPU: each ratio is nexrl against TRL measured in the same run, so the machine's own speed
+    cancels out; a reference from another CPU is said so (how much the pair's ratio moves between
+    CPUs is in benchmarks/README.md, "The guard"). None when nothing can be judged: no reference,
+    or one taken with other workload settings (another measurement; the changes are shown)."""
     if ref is None:
         return [f"no reference at {label} yet: record one on a quiet machine with --record"], None
     ref_args = ref.get("args", {})
     other = [f"{key} {ref_args.get(key)!r} -> {run['args'].get(key)!r}" for key in WORKLOAD_ARGS
              if ref_args.get(key) != run["args"].get(key)]
-    why_not = (["the CPU differs"] if ref.get("cpu") != run["cpu"] else []) + (
-        [f"other settings: {', '.join(other)}"] if other else [])
     lines = [f"against {label} ({ref.get('date', 'undated')}, CPU {ref.get('cpu', '?')}):"]
-    if why_not:
-        lines.append(f"  not judged ({'; '.join(why_not)})")
+    if other:
+        lines.append(f"  not judged (other settings: {', '.join(other)})")
+    elif ref.get("cpu") != run["cpu"]:
+        lines.append(f"  judged on this run's ratios against TRL, with the reference ratio from another CPU "
+                     f"(this one: {run['cpu']}): a change beyond noise may be the CPU's as well as the code's")
     slower = []
     for key, now in run["ratios"].items():
         then = ref["ratios"].get(key)
@@ -725,7 +741,7 @@ def compare_to_reference(run: dict[str, Any], ref: dict[str, Any] | None, noise:
             lines.append(f"  {key}: {now:.2f}x, none recorded")
             continue
         change = now / then - 1
-        if why_not:
+        if other:
             verdict = f"{change:+.1%}"
         elif change < -noise:
             verdict = f"SLOWER by {-change:.1%}"
@@ -739,7 +755,7 @@ def compare_to_reference(run: dict[str, Any], ref: dict[str, Any] | None, noise:
             verdict += (f"   (CPU seconds: {cpu_now:.2f}x now, {cpu_then:.2f}x recorded, "
                         f"{cpu_now / cpu_then - 1:+.1%})")
         lines.append(f"  {key}: {now:.2f}x now, {then:.2f}x recorded: {verdict}")
-    return lines, None if why_not else slower
+    return lines, None if other else slower
 
 
 def cpu_name() -> str:

@@ -17,6 +17,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "grpo_vs_trl.py"
 @pytest.fixture(scope="module")
 def bench():
     spec = importlib.util.spec_from_file_location("grpo_vs_trl", SCRIPT)
+    assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)  # stdlib only at import: TRL and torch load inside main()
     return module
@@ -70,15 +71,51 @@ def test_a_drop_beyond_the_threshold_is_flagged_and_a_small_one_is_not(bench):
     assert slower == [] and "  nexrl-fp32 / TRL-bf16: 2.50x now, 2.00x recorded: faster by 25.0%" in lines
 
 
-def test_not_judged_against_another_cpu_or_other_settings(bench):
+def test_judged_against_a_reference_from_another_cpu_and_says_so(bench):
+    """The ratio is nexrl against TRL in the same run: judged on any CPU, at the same threshold."""
     ref = run_like(bench, {"nexrl-fp32 / TRL-bf16": 2.5})
     other_cpu = run_like(bench, {"nexrl-fp32 / TRL-bf16": 1.5}, cpu="Other CPU")
     lines, slower = bench.compare_to_reference(other_cpu, ref, 0.1, "ref.json")
-    assert slower is None and lines[1:] == ["  not judged (the CPU differs)",
-                                            "  nexrl-fp32 / TRL-bf16: 1.50x now, 2.50x recorded: -40.0%"]
-    other_steps = run_like(bench, {"nexrl-fp32 / TRL-bf16": 1.5}, blocks=2)
+    assert slower == ["nexrl-fp32 / TRL-bf16 by 40.0%"]
+    assert lines[1:] == ["  judged on this run's ratios against TRL, with the reference ratio from another CPU (this "
+                         "one: Other CPU): a change beyond noise may be the CPU's as well as the code's",
+                         "  nexrl-fp32 / TRL-bf16: 1.50x now, 2.50x recorded: SLOWER by 40.0%"]
+    same = run_like(bench, {"nexrl-fp32 / TRL-bf16": 2.4}, cpu="Other CPU")
+    assert bench.compare_to_reference(same, ref, 0.1, "ref.json")[1] == []
+
+
+def test_other_settings_are_another_measurement_and_not_judged(bench):
+    ref = run_like(bench, {"nexrl-fp32 / TRL-bf16": 2.5})
+    other_steps = run_like(bench, {"nexrl-fp32 / TRL-bf16": 1.5}, blocks=2, cpu="Other CPU")
     lines, slower = bench.compare_to_reference(other_steps, ref, 0.1, "ref.json")
-    assert slower is None and "  not judged (other settings: blocks 3 -> 2)" in lines
+    assert slower is None and lines[1:] == ["  not judged (other settings: blocks 3 -> 2)",
+                                            "  nexrl-fp32 / TRL-bf16: 1.50x now, 2.50x recorded: -40.0%"]
+
+
+@pytest.mark.parametrize("cpu", ["Test CPU (family 1 model 2, 2 cores, native bf16)", "Other CPU"])
+def test_a_20_percent_slower_nexrl_step_fails_the_guard_on_a_quiet_machine_whatever_the_cpu(bench, cpu):
+    """nexrl's step 20% longer, TRL's unchanged: the ratio falls to 1/1.2 of the reference (-16.7%),
+    beyond the quiet threshold (exit status 1); on a busy machine (40%) it passes as noise."""
+    ref = run_like(bench, {"nexrl-fp32 / TRL-bf16": 2.78})
+    slowed = run_like(bench, {"nexrl-fp32 / TRL-bf16": 2.78 / 1.2}, cpu=cpu)
+    _, slower = bench.compare_to_reference(slowed, ref, bench.NOISE["quiet"], "ref.json")
+    assert slower == ["nexrl-fp32 / TRL-bf16 by 16.7%"]
+    line, status = bench.guard_outcome("quick", cpu, slower, bench.NOISE["quiet"], ref)
+    assert status == 1 and line.startswith(f"guard (quick mode, CPU {cpu}): SLOWER: nexrl-fp32 / TRL-bf16 by 16.7%")
+    assert line.endswith("(the reference ratio came from another CPU: Test CPU (family 1 model 2, 2 cores, "
+                         "native bf16))") == (cpu == "Other CPU")
+    _, slower = bench.compare_to_reference(slowed, ref, bench.NOISE["busy"], "ref.json")
+    line, status = bench.guard_outcome("quick", cpu, slower, bench.NOISE["busy"], ref)
+    assert status == 0 and "no ratio fell by more than 40%" in line
+
+
+def test_the_guard_passes_only_what_it_judged(bench):
+    ref = run_like(bench, {"nexrl-fp32 / TRL-bf16": 2.5})
+    assert bench.guard_outcome("quick", "Other CPU", [], 0.1, ref) == (
+        "guard (quick mode, CPU Other CPU): no ratio fell by more than 10% (the reference ratio came from another "
+        "CPU: Test CPU (family 1 model 2, 2 cores, native bf16))", 0)
+    assert bench.guard_outcome("quick", "Other CPU", None, 0.1, None) == (
+        "guard (quick mode, CPU Other CPU): not judged (see above)", 0)
 
 
 def test_the_cpu_seconds_ratio_is_shown_beside_and_never_judged(bench):

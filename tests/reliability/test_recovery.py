@@ -320,8 +320,9 @@ def test_a_recipe_is_checked_once_per_run(how, nexrl, tmp_path, monkeypatch):
     FAULTS.update(trainer=1, trainer_at=2)
     if how == "nexrl run":
         code, run, err = nexrl(*RESTART)
-        assert code == 0, err
+        assert code == 0 and run["restarts"] == 1, err
     else:
         with use_plugins(Plugin()):
-            run = nexrl_core.run({"run_dir": str(tmp_path / "run"), **RECIPE}, RESTART)
+            summary = nexrl_core.run({"run_dir": str(tmp_path / "run"), **RECIPE}, RESTART)
+        assert summary.global_step == 6
     assert calls == [1]
