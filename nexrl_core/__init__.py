@@ -34,6 +34,7 @@ from .runtime.execute import (
 )
 from .runtime.inference import CompletionResult, InferenceClient, InferenceError, SamplingParams
 from .runtime.logs import demote_library_log
+from .runtime.memory_plan import MemoryItem, MemoryPlan, PlanInputs, Saving
 from .runtime.module import NexRLModule
 from .runtime.sinks import MetricsSink
 from .runtime.threaded import ThreadedModule
@@ -47,7 +48,15 @@ from .trajectory_pool import (
     TrajectoryPool,
     TrajectoryPoolInstance,
 )
-from .types import Batch, ModelTag, NexRLRole, Trajectory, trajectory_reward, trajectory_segments
+from .types import (
+    Batch,
+    ModelTag,
+    NexRLRole,
+    Trajectory,
+    trajectory_reward,
+    trajectory_segments,
+    trajectory_token_versions,
+)
 from .validator import Validator
 from .weight_sync import WeightSyncBackend, WeightSyncController
 
@@ -55,7 +64,8 @@ __all__ = [
     "ActivityTracker", "ActivityTrackerProxy", "BaseDataLoader", "BaseEvaluationTarget", "BaseRolloutWorker",
     "BaseTrainer", "Batch", "BoundConfig", "Capabilities", "CompletionResult", "ConfigError", "DataError", "Deferred",
     "ErrorReporter", "ErrorSeverity", "EvaluationRunResult", "Evaluator", "FileDataLoader",
-    "GroupedTrajectoryStore", "HierarchicalTrajectoryStore", "InferenceClient", "InferenceError", "ItemFailure", "MetricsSink",
+    "GroupedTrajectoryStore", "HierarchicalTrajectoryStore", "InferenceClient", "InferenceError", "ItemFailure",
+    "MemoryItem", "MemoryPlan", "MetricsSink", "PlanInputs", "Saving",
     "ModelTag", "ModuleUnavailable", "NexRLController", "NexRLError", "NexRLModule", "NexRLRole",
     "OpenAICompatibleClient", "Option", "PluginError", "PluginManager", "REQUIRED", "RpcTimeout", "RunFailed",
     "RunSummary", "SamplingParams", "Settings", "SimpleRolloutWorker", "SimpleTrajectoryStore", "StartedProcess", "StepResult",
@@ -64,7 +74,7 @@ __all__ = [
     "component_options", "deferred", "demote_library_log", "execute", "execute_async", "execute_with_timeout",
     "get_plugin_manager", "hookimpl", "parse_tool_calls", "processes_are_actors", "render_tool_calls", "rendezvous_host",
     "share", "start_objects", "start_processes",
-    "run", "setting", "tools_system_prompt", "trajectory_reward", "trajectory_segments",
+    "run", "setting", "tools_system_prompt", "trajectory_reward", "trajectory_segments", "trajectory_token_versions",
 ]
 
 # Built-ins (and the `openai` package the client needs) load on first use: a broken built-in

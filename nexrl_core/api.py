@@ -37,10 +37,7 @@ def run(config: str | os.PathLike[str] | Mapping[str, Any], overrides: Sequence[
     from .plugins import get_plugin_manager
 
     if isinstance(config, Mapping):
-        from omegaconf import DictConfig, OmegaConf
-
-        raw = OmegaConf.to_container(config, resolve=False) if isinstance(config, DictConfig) else dict(config)
-        recipe, cfg = LIBRARY_RECIPE, load_recipe(os.path.join(os.getcwd(), LIBRARY_RECIPE), list(overrides), raw=raw)
+        recipe, cfg = LIBRARY_RECIPE, load_mapping(config, overrides)
     else:
         recipe = os.fspath(config)
         cfg = load_recipe(recipe, list(overrides))
@@ -54,6 +51,19 @@ def run(config: str | os.PathLike[str] | Mapping[str, Any], overrides: Sequence[
         raise
     started.record.finish(summary.stopped_by, 0, summary.global_step, None)
     return summary
+
+
+def load_mapping(config: Mapping[str, Any], overrides: Sequence[str] = (), folder: str | None = None) -> Any:
+    """A recipe given as a mapping (a dict, or a DictConfig as a Hydra ``main`` receives it), loaded
+    as ``nexrl run`` loads a recipe file: the core's defaults and those of the components it selects
+    composed in, ``overrides`` applied, interpolations resolved. It is placed in ``folder`` (default:
+    the current folder): a relative path it names resolves there, as next to a recipe file."""
+    from omegaconf import DictConfig, OmegaConf
+
+    from .launch.recipe import load_recipe
+
+    raw = OmegaConf.to_container(config, resolve=False) if isinstance(config, DictConfig) else dict(config)
+    return load_recipe(os.path.join(folder or os.getcwd(), LIBRARY_RECIPE), list(overrides), raw=raw)
 
 
 def run_started(started: Any, listeners: Sequence[Any] = (), *, on_controller: Any = None,

@@ -17,9 +17,10 @@ from loguru import logger
 from omegaconf import DictConfig
 
 from .checkpoint import find_latest_checkpoint
-from .errors import NexRLError
+from .errors import NexRLError, exit_code
 from .launch import create_resource_manager
 from .launch.preflight import dataloader_config, records_config, require_runnable, resume_checkpoint
+from .launch.prologue import is_loaded, seed_origin, start_run
 from .plugins import PluginManager, get_plugin_manager
 from .runtime.activity import ActivityTracker, ActivityTrackerProxy
 from .runtime.execute import execute
@@ -58,19 +59,34 @@ class NexRLController:
 
         ``started``: the run's prologue (``nexrl run``, ``nexrl_core.run()``) already checked the
         recipe and prepared ``run_dir``; without it (a seed-style ``NexRLController(cfg).run()``) the
-        controller does both.
+        controller does both. A seed-shaped ``config`` (one nexrl did not load, such as the DictConfig
+        a Hydra ``main`` receives, without the sections nexrl has defaults for) is first composed as
+        ``nexrl_core.run(config)`` composes it, and the run then gets that call's records too (run.log,
+        run.json naming the Hydra config file and overrides, config.yaml).
 
         ``listeners``: objects with ``log(metrics, step)`` (a metrics sink's interface) that follow the
         run in this process (the driver), whatever the launch mode: every metrics row (with its
         ``time``) reaches them, read from what the run recorded, never from the data path."""
-        self._config = config
         self._pm = plugin_manager or get_plugin_manager()
         self._eval_only = eval_only
         self._eval_out = eval_out
-        if not started:  # a run the prologue started was checked there, once (launch/prologue.py)
+        self._seed_run: Any = None  # the prologue this controller ran for a seed-shaped config
+        if not started and not is_loaded(config):
+            config, self._seed_run = self._start_seed_config(config)
+        elif not started:  # a run the prologue started was checked there, once (launch/prologue.py)
             require_runnable(config, self._pm, eval_only=eval_only)  # what `nexrl validate` checks, before any file
             if not eval_only:
                 prepare_run_dir(config)
+        self._config = config
+        self._final_step = 0
+        try:
+            self._build(config, listeners)
+        except BaseException as exc:
+            if self._seed_run is not None:
+                self._seed_failed(exc)
+            raise
+
+    def _build(self, config: DictConfig, listeners: list[Any] | None) -> None:
         random.seed(int(config.seed))
         self._stop_requested = threading.Event()
         self._stop_reason = ""
@@ -78,7 +94,6 @@ class NexRLController:
         self._next_health = time.monotonic() + float(config.runtime_monitor.health_check.check_interval)
         self._unhealthy_since: float | None = None
         self._validations: list[dict[str, float]] = []
-        self._final_step = 0
         self._final_errors: list[str] = []
         self._listeners = list(listeners or [])
         self._rows_cursor = 0
@@ -98,6 +113,20 @@ class NexRLController:
             raise
 
     # -- construction ---------------------------------------------------------------
+    def _start_seed_config(self, config: Any) -> tuple[DictConfig, Any]:
+        """A seed-shaped config composed (core and component defaults, interpolations resolved) and
+        checked as ``nexrl validate`` checks a recipe; a training run then gets ``nexrl_core.run``'s
+        prologue (run_dir prepared, run.log, run.json, config.yaml). Returns the config and the
+        started run (None for ``eval_only``)."""
+        from .api import load_mapping
+
+        origin = seed_origin()
+        cfg = load_mapping(config, folder=origin.folder)
+        if self._eval_only:
+            require_runnable(cfg, self._pm, eval_only=True)
+            return cfg, None
+        return cfg, start_run(cfg, self._pm, origin.recipe, origin.overrides)
+
     def _create(self, kind: str, name: Any, key: str) -> type:
         return self._pm.resolve(kind, name, key)
 
@@ -204,6 +233,21 @@ class NexRLController:
         self._stop_requested.set()
 
     def run(self) -> RunSummary:
+        if self._seed_run is None:
+            return self._run()
+        try:  # a seed-style run completes its run.json as nexrl_core.run does
+            summary = self._run()
+        except BaseException as exc:
+            self._seed_failed(exc)
+            raise
+        self._seed_run.record.finish(summary.stopped_by, 0, summary.global_step, None)
+        return summary
+
+    def _seed_failed(self, exc: BaseException) -> None:
+        message = str(exc) if isinstance(exc, NexRLError) else f"{type(exc).__name__}: {exc}"
+        self._seed_run.record.finish("failed", exit_code(exc), self._final_step, message)
+
+    def _run(self) -> RunSummary:
         stopped_by, error = "finished", None
         try:
             execute(self.activity_tracker.set_run_stopping_severities, self._run_stopping_severities())

@@ -277,7 +277,8 @@ class BaseRolloutWorker(ThreadedModule):
         :meth:`base_trajectory`), from this task's last ``self._llm_client.completion`` /
         ``generate`` answer when the trajectory's ``response`` is that answer's (token ids,
         log-probs, the ``sampling`` record, ``model_version``), and a ``reward`` from the recipe's
-        evaluator when the worker set none. Keys the worker set are kept."""
+        evaluator when the worker set none. Keys the worker set are kept; ``token_versions``, when
+        the worker set none, is ``model_version`` for every response token."""
         task = self._task_in_hand
         if task is None:
             return
@@ -291,6 +292,10 @@ class BaseRolloutWorker(ThreadedModule):
             if not isinstance(trajectory.get("model_version"), int) or trajectory["model_version"] < 0:
                 trajectory["model_version"] = self._task_version
         trajectory.setdefault("model_version", self._task_version)
+        response_ids = trajectory.get("response_token_ids")
+        if trajectory.get("token_versions") is None and isinstance(response_ids, (list, tuple)) \
+                and isinstance(trajectory["model_version"], int):
+            trajectory["token_versions"] = [trajectory["model_version"]] * len(response_ids)
         if "reward" not in trajectory and isinstance(trajectory.get("response"), str) \
                 and self.evaluator_for(task) is not None:
             evaluation = self.evaluate(task, trajectory["response"])
@@ -357,7 +362,7 @@ class BaseRolloutWorker(ThreadedModule):
         self._last_completion = {"response": result.text, "prompt_token_ids": result.prompt_token_ids,
                                  "response_token_ids": result.response_token_ids,
                                  "response_logprobs": result.response_logprobs, "sampling": result.sampling,
-                                 "model_version": result.model_version}
+                                 "model_version": result.model_version, "token_versions": result.token_versions}
         return result
 
     def sampling_params(self, task: dict[str, Any]) -> SamplingParams:
@@ -387,9 +392,12 @@ class BaseRolloutWorker(ThreadedModule):
     def completion_trajectory(self, task: dict[str, Any], prompt: str | list[dict[str, Any]],
                               result: CompletionResult) -> Trajectory:
         """The trajectory of one completion: the task's ids (:meth:`base_trajectory`), the prompt, the
-        reply with its token ids, log-probs, ``sampling`` and ``model_version``, and the reward and
-        metrics of the task's evaluator on the reply. Hand it on with :meth:`_put_trajectory`
-        (after adding keys of your own, if any)."""
+        reply with its token ids, log-probs, ``sampling``, ``model_version`` and ``token_versions``
+        (the version of each response token: the backend's, else ``model_version`` for every one),
+        and the reward and metrics of the task's evaluator on the reply. Hand it on with
+        :meth:`_put_trajectory` (after adding keys of your own, if any)."""
+        version = result.model_version if result.model_version >= 0 else self._current_version()
+        token_versions = completion_token_versions(result, version)
         evaluation = self.evaluate(task, result.text)
         trajectory = self.base_trajectory(task)
         trajectory.update(cast(Trajectory, {  # a backend may leave token ids out: the trainer says so
@@ -400,7 +408,8 @@ class BaseRolloutWorker(ThreadedModule):
             "response_token_ids": result.response_token_ids,
             "response_logprobs": result.response_logprobs,
             "sampling": result.sampling,  # what produced these tokens: the trainer scores with it
-            "model_version": result.model_version if result.model_version >= 0 else self._current_version(),
+            "model_version": version,
+            "token_versions": token_versions,
             "reward": float(evaluation.reward),
             "ground_truth": evaluation.ground_truth,
             "score": {"reward": float(evaluation.reward), **{k: float(v) for k, v in evaluation.metrics.items()}},
@@ -526,7 +535,25 @@ class BaseRolloutWorker(ThreadedModule):
 
 
 #: what a seed-style completion answer gives a trajectory that names its response (see ``_fill_in``)
-COMPLETION_KEYS = ("prompt_token_ids", "response_token_ids", "response_logprobs", "sampling", "model_version")
+COMPLETION_KEYS = ("prompt_token_ids", "response_token_ids", "response_logprobs", "sampling", "model_version",
+                   "token_versions")
+
+
+def completion_token_versions(result: CompletionResult, version: int) -> list[int] | None:
+    """The weight version of each response token of ``result``: the backend's
+    (``result.token_versions``), else ``version`` for every token; None without token ids. A
+    backend's list that does not give one int per response token is an :class:`InferenceError`."""
+    response = result.response_token_ids
+    if response is None:
+        return None
+    reported = result.token_versions
+    if reported is None:
+        return [version] * len(response)
+    if len(reported) != len(response) or \
+            not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in reported):
+        raise InferenceError(f"the inference backend reported {len(reported)} token versions for "
+                             f"{len(response)} response tokens (expected one version >= 0 per token)")
+    return list(reported)
 
 
 class _SeedClient:

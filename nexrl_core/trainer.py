@@ -24,12 +24,12 @@ from .runtime.execute import execute
 from .runtime.threaded import ThreadedModule
 from .runtime.train_service import TrainService
 from .trajectory_keys import trajectory_problem
-from .types import DEFAULT_MODEL_TAG, Trajectory, trajectory_reward
+from .types import DEFAULT_MODEL_TAG, Trajectory, trajectory_reward, trajectory_token_versions
 
 _BATCH_WAIT_S = 0.1
 # What samples.jsonl keeps of a trajectory (logger.samples_every).
 SAMPLE_FIELDS = ("uid", "sample_index", "data_source", "prompt", "response", "reward", "advantage", "logprob_gap",
-                 "score", "model_version", "sampling", "finish_reason", "failed", "error")
+                 "score", "model_version", "token_versions", "sampling", "finish_reason", "failed", "error")
 
 
 @dataclass
@@ -305,6 +305,8 @@ class BaseTrainer(ThreadedModule):
         rewards = [trajectory_reward(t) for t in usable]
         version = execute(self._wsc().get_train_model_version, self._model_tag)
         staleness = [version - int(t.get("model_version", version)) for t in usable]
+        # per trained token: a trajectory whose tokens span a weight update has several versions
+        token_staleness = [version - v for t in usable for v in trajectory_token_versions(t)]
         sync_stats = execute(self._wsc().get_sync_stats)
         sync_s = float(sync_stats["last_sync_s"])
         tokens = _response_tokens(usable)
@@ -318,6 +320,8 @@ class BaseTrainer(ThreadedModule):
             **tokens,
             "train/staleness_max": float(max(staleness, default=0)),
             "train/staleness_mean": sum(staleness) / len(staleness) if staleness else 0.0,
+            "train/token_staleness_max": float(max(token_staleness, default=0)),
+            "train/token_staleness_mean": sum(token_staleness) / len(token_staleness) if token_staleness else 0.0,
             "timing/wait_batch_s": wait_s,  # rollouts of this batch, in sync mode
             "timing/weight_sync_s": sync_s,
             "timing/train_s": train_s,

@@ -25,11 +25,14 @@ class TrajectoryKey:
 _NUMBER = (int, float)
 
 #: every trainer: how the trajectory is grouped, scored and dated (a worker's base class fills
-#: ``uid``, ``sample_index`` and ``model_version`` in from the task it is running)
+#: ``uid``, ``sample_index``, ``model_version`` and ``token_versions`` in from the task it is running)
 COMMON = (
     TrajectoryKey("uid", (str, int), "str | int", "the task's id: trajectories of one task form a group"),
     TrajectoryKey("reward", _NUMBER, "float", "the evaluator's score (finite)"),
     TrajectoryKey("model_version", (int,), "int", "the weight version that sampled it (staleness)", False),
+    TrajectoryKey("token_versions", (list, tuple), "list[int]",
+                  "the weight version that sampled each response token (per-token staleness; the base "
+                  "worker fills it in, model_version for every token unless the backend reports its own)", False),
     TrajectoryKey("sample_index", (int,), "int", "which of the group's samples it is", False),
     TrajectoryKey("data_source", (str,), "str", "metrics per source (val/<data_source>_<score>)", False),
     TrajectoryKey("score", (Mapping,), "dict[str, float]", "the evaluator's metrics (rollout/<name>)", False),

@@ -5,8 +5,8 @@ Invariants (see docs/evaluation.md and tests/core/test_properties_pool.py):
   version; a member from a newer version evicts the older members, whose tasks are
   re-rolled (never trained on, never lost);
 - a batch is made of whole groups;
-- a group older than the weight-sync staleness bound is not handed to the trainer:
-  its tasks go back to the data loader for a re-rollout and are counted;
+- a group older than the weight-sync staleness bound (by its oldest trained token's version) is
+  not handed to the trainer: its tasks go back to the data loader for a re-rollout and are counted;
 - dynamic sampling (``trajectory_pool.dynamic_sampling``): a finished group whose rewards are
   all equal (no failed member) is dropped, its tasks consumed, and the data loader draws a fresh
   row in its place (:meth:`~nexrl_core.BaseDataLoader.add_replacement`); after
@@ -29,7 +29,7 @@ from .errors import ConfigError
 from .protocols import TaskSource, WeightSyncHandle, wired
 from .runtime.execute import execute
 from .runtime.module import NexRLModule
-from .types import DEFAULT_MODEL_TAG, Batch, ModelTag, Trajectory, trajectory_reward
+from .types import DEFAULT_MODEL_TAG, Batch, ModelTag, Trajectory, oldest_version, trajectory_reward
 
 
 def _version(traj: Trajectory) -> int:
@@ -37,7 +37,9 @@ def _version(traj: Trajectory) -> int:
 
 
 def _group_version(group: list[Trajectory]) -> int:
-    return min(_version(t) for t in group)
+    """The oldest weight version among the group's trained tokens (a trajectory whose tokens span
+    a weight update counts by its oldest): what the staleness bound and the issue order read."""
+    return min(oldest_version(t) for t in group)
 
 
 def _sampling_attempt(group: list[Trajectory]) -> int:
@@ -347,7 +349,7 @@ class TrajectoryPoolInstance:
         for group in stale:
             self._count_finished_locked(group, -1)
         dropped = [t for g in stale for t in g]
-        dropped += self._store.drop_partial(lambda g: min(_version(t) for t in g) >= min_version)
+        dropped += self._store.drop_partial(lambda g: _group_version(g) >= min_version)
         self.counters["stale_rerolled"] += len(dropped)
         return dropped
 

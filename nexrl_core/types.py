@@ -39,6 +39,7 @@ class Trajectory(TypedDict, total=False):
     segments: list[dict[str, Any]]  # a multi-turn rollout's sequences (trajectory_segments)
     sampling: dict[str, Any]   # the SamplingParams that produced the tokens (SamplingParams.as_record)
     model_version: int         # the weights it was sampled with (staleness)
+    token_versions: list[int]  # the weights each response token was sampled with (trajectory_token_versions)
     # the evaluation
     reward: float              # required of every usable trajectory (trajectory_reward)
     ground_truth: str
@@ -136,3 +137,48 @@ def trajectory_segments(trajectory: Mapping[str, Any]) -> list[dict[str, Any]]:
                     "response_logprobs": seg.get("response_logprobs"),
                     "loss_mask": None if mask is None else [1 if m else 0 for m in mask]})
     return out
+
+
+
+def _segment_versions(trajectory: Mapping[str, Any]) -> list[tuple[Any, Any]]:
+    """Each sequence's ``(versions, loss_mask)``: its own ``token_versions`` where it has one per
+    response token, else its trajectory's ``model_version`` for each; the mask when it fits."""
+    fallback = trajectory.get("model_version")
+    out = []
+    for seg in trajectory.get("segments") or [trajectory]:
+        response = seg.get("response_token_ids")
+        if not isinstance(response, (list, tuple)):
+            continue
+        versions = seg.get("token_versions")
+        if not isinstance(versions, (list, tuple)) or len(versions) != len(response):
+            if not isinstance(fallback, int) or isinstance(fallback, bool):
+                continue
+            versions = [fallback] * len(response)
+        mask = seg.get("loss_mask")
+        out.append((versions, mask if isinstance(mask, (list, tuple)) and len(mask) == len(response) else None))
+    return out
+
+
+def trajectory_token_versions(trajectory: Mapping[str, Any]) -> list[int]:
+    """The weight version that sampled each *trained* response token of ``trajectory``, over its
+    sequences (:func:`trajectory_segments`' order): a sequence's own ``token_versions`` where it
+    has one per response token, else its trajectory's ``model_version`` for each token. Tokens a
+    ``loss_mask`` leaves out (tool output, template glue) were not sampled and are skipped. Empty
+    when the trajectory has no response token ids (or no version at all)."""
+    out: list[int] = []
+    for versions, mask in _segment_versions(trajectory):
+        out.extend(versions if mask is None else (v for v, m in zip(versions, mask) if m))
+    return [int(v) for v in out]
+
+
+def oldest_version(trajectory: Mapping[str, Any]) -> int:
+    """The oldest weight version among ``trajectory``'s trained tokens
+    (:func:`trajectory_token_versions`); its ``model_version`` (0 without one) when it has none:
+    what the pool bounds its staleness by."""
+    oldest = None
+    for versions, mask in _segment_versions(trajectory):
+        kept = versions if mask is None else [v for v, m in zip(versions, mask) if m]
+        if kept:
+            low = int(min(kept))
+            oldest = low if oldest is None else min(oldest, low)
+    return int(trajectory.get("model_version", 0) or 0) if oldest is None else oldest

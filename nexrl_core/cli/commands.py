@@ -143,11 +143,15 @@ def build_parser() -> argparse.ArgumentParser:
                     "that was not (with the reason), each NexRL value nexrl refuses and the nearest one written "
                     "instead, the NexRL imports to change in the Python files it names, and check the result as "
                     "nexrl validate does: exit 0 when it passes up to what only the machine that runs it "
-                    "supplies (data files, model folders, keys: listed), 2 when it does not. The table it "
-                    "follows: docs/migrating.md")
-    p_migrate.add_argument("recipe", help="the NexRL or ROLL recipe YAML")
+                    "supplies (data files, model folders, keys: listed), 2 when it does not. With --code DIR, "
+                    "the NexRL imports of the Python files under DIR are rewritten as nexrl's: shown as a "
+                    "diff, applied with --write. The table it follows: docs/migrating.md")
+    p_migrate.add_argument("recipe", nargs="?", help="the NexRL or ROLL recipe YAML")
     p_migrate.add_argument("-o", "--out", help="the nexrl recipe to write (default: print it)")
     p_migrate.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    p_migrate.add_argument("--code", metavar="DIR", help="rewrite the NexRL imports of the Python files under DIR "
+                                                         "(a unified diff on stdout; no file changes without --write)")
+    p_migrate.add_argument("--write", action="store_true", help="with --code: apply the rewrite to the files")
     p_new = sub.add_parser("new", help="scaffold a plugin package: nexrl new evaluator|worker|trainer|dataloader|"
                                        "weight-sync NAME")
     p_new.add_argument("kind", choices=["evaluator", "worker", "trainer", "dataloader", "weight-sync"],

@@ -303,7 +303,8 @@ def migration_reference() -> str:
            "public recipe layouts becomes: [NexRL 1.x recipe layouts](#nexrl-1x-recipe-layouts).", "",
            "On stderr it lists what was carried over, what was set, each value changed (one line: what and why), "
            "each key not carried over with the reason, each import of NexRL in the Python files the recipe names "
-           "with nexrl's ([Imports and classes](#imports-and-classes)); it changes no Python file. NexRL's "
+           "with nexrl's ([Imports and classes](#imports-and-classes)); it changes no Python file (`--code`, "
+           "below, does). NexRL's "
            "`environment.setup_script` is named with the variables it exports (source it before `nexrl run`), "
            "in the report and at the top of the new file. Last it checks the result as `nexrl validate` does, "
            "an unset `${oc.env:NAME}` standing for itself: exit 0 when it passes up to what only the machine "
@@ -338,7 +339,20 @@ def migration_reference() -> str:
     out += [f"| {_cell(r.name)} | {_cell(r.shape)} | {_cell(r.becomes)} |" for r in t.LAYOUTS]
     out += ["", "## Imports and classes", "",
             "`nexrl migrate` lists each of these it finds in the Python files a recipe names (an evaluator's, "
-            "a worker's, the NexAU workspace's).", "", "| NexRL | nexrl | note |", "|---|---|---|"]
+            "a worker's, the NexAU workspace's).", "",
+            "```bash", "nexrl migrate --code my_project/          # the rewrite, as a unified diff on stdout",
+            "nexrl migrate --code my_project/ --write  # applied to the files", "```", "",
+            "`--code DIR` rewrites them in every Python file under DIR (a single file too; hidden folders, "
+            "`__pycache__` and installed packages are left out): `from nexrl.x import Name` becomes the import "
+            "of nexrl's name, bound to the name the file used (`from nexrl_core import FileDataLoader as "
+            "TorchDataLoader`), so the rest of the file is unchanged; a name is looked up by its module and "
+            "name, else by its name alone (NexRL exports its classes from several modules); comments inside a "
+            "multi-line import are kept above it. Without `--write` no file changes. Left for you, on stderr: "
+            "a name with no nexrl counterpart (its import is kept as it was), `import nexrl...` (change what "
+            "is used through it), `from nexrl... import *`, and each file that cannot be parsed (named, never "
+            "touched). Exit 0 when nothing is left, 2 when something is. With a recipe too, `-o` is needed "
+            "(stdout holds the diff).",
+            "", "| NexRL | nexrl | note |", "|---|---|---|"]
     out += [f"| `{r.seed}` | {code(r.nexrl)} | {_cell(r.why)} |" for r in t.IMPORT_RULES]
     out += ["", "## Metric names", "", "| NexRL / ROLL | nexrl | note |", "|---|---|---|"]
     out += [f"| `{r.seed}`{' (ROLL)' if r.source == 'ROLL' else ''} | {code(r.nexrl)} | {_cell(r.why)} |"

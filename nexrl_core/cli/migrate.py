@@ -22,7 +22,8 @@ The rewrite follows :mod:`nexrl_core.config.migration_table` (also the source of
 The result is then checked as ``nexrl validate`` checks it (:func:`check_migrated`): problems only
 the machine that runs it can settle (environment variables, data files, model folders, keys) are
 listed apart and do not fail the command. The Python files it names are searched for the seed's
-imports (listed with nexrl's, never rewritten).
+imports (listed with nexrl's); ``--code DIR`` rewrites them (:mod:`.migrate_code`: a diff, then
+``--write``).
 """
 
 from __future__ import annotations
@@ -814,6 +815,7 @@ def report(migration: Migration) -> list[str]:
     if migration.imports:
         lines.append("imports of NexRL to change in the files the recipe names:")
         lines += [f"  {line}" for line in migration.imports]
+        lines.append("  (nexrl migrate --code FOLDER shows them rewritten as a diff; --write applies it)")
     if migration.notes:
         lines.append("for the machine that runs it:")
         lines += [f"  {note}" for note in migration.notes]
@@ -892,7 +894,40 @@ def _strings(value: Any) -> list[str]:
 def command(args: Any) -> int:
     """``nexrl migrate RECIPE [-o OUT] [--force]``: write the nexrl recipe (always), report, check.
     Exit 0 when the result passes ``nexrl validate`` up to what only the machine that runs it
-    supplies (listed), 2 with the problems otherwise."""
+    supplies (listed), 2 with the problems otherwise. ``--code DIR [--write]`` (with or without a
+    recipe): the imports of the Python files under DIR (:mod:`.migrate_code`); exit 2 when some
+    are left to change by hand."""
+    from ..errors import ConfigError
+
+    code_dir, write = getattr(args, "code", None), bool(getattr(args, "write", False))
+    if args.recipe is None and code_dir is None:
+        raise ConfigError("migrate: name a recipe (nexrl migrate RECIPE.yaml) or a folder of Python files "
+                          "(nexrl migrate --code DIR)")
+    if write and code_dir is None:
+        raise ConfigError("--write: applies the rewrite of --code DIR; name the folder with --code")
+    if args.recipe is not None and code_dir is not None and args.out is None:
+        raise ConfigError("--code: stdout holds the diff of the Python files; write the recipe with -o")
+    status = _recipe_command(args) if args.recipe is not None else 0
+    if code_dir is not None:
+        status = max(status, _code_command(code_dir, write))
+    return status
+
+
+def _code_command(code_dir: str, write: bool) -> int:
+    import sys
+
+    from .migrate_code import migrate_code
+
+    files, lines, status = migrate_code(code_dir, write)
+    for f in files:
+        if f.changed:
+            sys.stdout.write(f.diff())
+    for line in lines:
+        print(line, file=sys.stderr)
+    return status
+
+
+def _recipe_command(args: Any) -> int:
     import sys
 
     from ..errors import ConfigError

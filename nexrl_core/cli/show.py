@@ -2,7 +2,8 @@
 
 Reads ``RUN_DIR/samples.jsonl`` (written by ``nexrl run`` at the first and last step and every
 ``logger.samples_every`` steps) or the ``samples.jsonl`` of a ``nexrl eval --out`` folder, and
-prints each sample readably: the prompt (each chat message with its role), the reply, the reward,
+prints each sample readably: the weight version that sampled it (per token when its tokens came
+from several), the prompt (each chat message with its role), the reply, the reward,
 the advantage where the trainer recorded one, the evaluator's other scores, and the sample's
 trainer-vs-rollout log-prob gap where it is large (the step's, for a trainer that records none
 per sample).
@@ -124,8 +125,9 @@ def _sample(row: dict[str, Any], step_gap: float | None, large: float) -> str:
     head.append(f"sample {row.get('uid')}#{row.get('sample_index', 0)}")
     if row.get("data_source") not in (None, "default"):
         head.append(str(row["data_source"]))
-    if row.get("model_version") is not None:
-        head.append(f"weights v{row['model_version']}")
+    weights = weights_text(row)
+    if weights:
+        head.append(weights)
     head.append(f"reward {_number(row.get('reward'))}")
     if _is_number(row.get("advantage")):
         head.append(f"advantage {row['advantage']:+.3f}")
@@ -146,6 +148,22 @@ def _sample(row: dict[str, Any], step_gap: float | None, large: float) -> str:
     if scores:
         lines.append(_field("score", "  ".join(f"{k}={_number(v)}" for k, v in sorted(scores.items()))))
     return "\n".join(lines)
+
+
+def weights_text(row: dict[str, Any]) -> str | None:
+    """``weights v4``; for a sample whose tokens came from several weight versions (its
+    ``token_versions``), their range and how many tokens each gave: ``weights v3-4 per token
+    (v3 ×5, v4 ×7)`` (the counts left out beyond three versions)."""
+    versions = row.get("token_versions")
+    if isinstance(versions, list) and versions and all(isinstance(v, int) and not isinstance(v, bool)
+                                                       for v in versions):
+        counts = {v: versions.count(v) for v in sorted(set(versions))}
+        if len(counts) > 1:
+            span = f"weights v{min(counts)}-{max(counts)} per token"
+            return span + (f" ({', '.join(f'v{v} ×{n}' for v, n in counts.items())})" if len(counts) <= 3 else "")
+    if row.get("model_version") is not None:
+        return f"weights v{row['model_version']}"
+    return None
 
 
 def _prompt_text(prompt: Any) -> str:

@@ -657,7 +657,9 @@ LAYOUTS: tuple[Layout, ...] = (
 # -- imports and classes --------------------------------------------------------------------------
 
 IMPORT_RULES: tuple[ImportRule, ...] = (
-    ImportRule("nexrl.NexRLController", "nexrl_core.NexRLController", "or the nexrl run command"),
+    ImportRule("nexrl.NexRLController", "nexrl_core.NexRLController",
+               "NexRLController(config).run() in a Hydra main as before: a config without the sections nexrl has "
+               "defaults for gets them, is checked as nexrl validate checks it and records run.json; or nexrl run"),
     ImportRule("nexrl.BaseRolloutWorker", "nexrl_core.BaseRolloutWorker"),
     ImportRule("nexrl.rollout_worker.SimpleRolloutWorker", "nexrl_core.SimpleRolloutWorker"),
     ImportRule("nexrl.rollout_worker.PigLatinRolloutWorker", "nexrl_core.builtins.workers.PigLatinRolloutWorker"),
@@ -725,9 +727,10 @@ METRIC_RULES: tuple[MetricRule, ...] = (
     MetricRule("critic/grpo_std/mean", "train/group_reward_std_mean",
                "the groups' unbiased (n - 1) std, where NexRL's is the population std"),
     MetricRule("critic/advantage_mean", None, "train/advantages_abs_mean is the mean of |advantage|"),
-    MetricRule("val_correct/all/mean", "val/reward", "the same number when rewards are 0 or 1", source="ROLL"),
-    MetricRule("val_correct/<tag>/mean", "val/<data_source>_reward",
-               "a row's data_source (or its multi_domain domain) plays the tag's part", source="ROLL"),
+    MetricRule("val_correct/all/mean", "val/success_rate",
+               "samples whose reward reaches validate.success_threshold (1.0 unless set)", source="ROLL"),
+    MetricRule("val_correct/<tag>/mean", "val/<tag>/success_rate", "for rows with a tag field, as ROLL's",
+               source="ROLL"),
 )
 
 

@@ -163,6 +163,11 @@ WEIGHT = {
     "staleness_threshold": Option(0, int, "max weight versions a trained sample may lag (async modes)", ge=0,
                                   needs="weight.sync_mode != sync"),
     "validate_freq": Option(0, int, "validate every N steps (0: never; needs validate.data)", ge=0),
+    "partial_rollout": Option(False, bool, "a weight push does not wait for the requests decoding: the engine takes "
+                                           "the new weights at its next decode-step boundary and each request goes "
+                                           "on from the tokens it has (token_versions records which weights sampled "
+                                           "each token); false: a push waits for the running batch",
+                              needs="weight.sync_mode != sync"),
     "model_update_frequency": Option(1, int, "push the trained weights to the inference service every N steps "
                                              "(and before a validation); N > 1 needs an async sync_mode with "
                                              "staleness_threshold >= N", ge=1),
@@ -203,7 +208,8 @@ SERVICE = {
 VALIDATE = {
     "validate_before_train": Option(False, bool, "validate the initial weights (needs validate.data)"),
     "n_samples": Option(1, int, "samples per validation prompt", ge=1, needs="validate.data"),
-    "success_threshold": Option(1.0, float, "reward counted as correct for pass@k", needs="validate.data"),
+    "success_threshold": Option(1.0, float, "reward counted as correct (val/success_rate, pass@k)",
+                                needs="validate.data"),
     "data": Option(None, (dict, None), "the validation set (a data loader mapping)", options=VALIDATE_DATA,
                    component="dataloader"),
     "eval": Option(removed="validation metrics are always computed by nexrl_core.runtime.eval_core; delete validate.eval"),

@@ -89,3 +89,61 @@ class Restarts:
 def library_argv(recipe: str, overrides: list[str]) -> list[str]:
     """What run.json records as the command of a run started from Python."""
     return [f"nexrl_core.run({os.fspath(recipe)})", *overrides]
+
+
+def is_loaded(cfg: Any) -> bool:
+    """Whether ``cfg`` is a recipe as nexrl loads one (``load_recipe``, ``nexrl_core.run``): a
+    DictConfig holding ``recipe_dir`` and every key of the core's defaults. A config that lacks
+    them is seed-shaped (the YAML a Hydra ``main`` receives) and is composed before it runs."""
+    from omegaconf import DictConfig
+
+    from ..config.schema import core_defaults
+
+    if not isinstance(cfg, DictConfig) or "recipe_dir" not in cfg:
+        return False
+    try:
+        return _holds(cfg, core_defaults())
+    except Exception:  # a value that cannot be read (an interpolation): not one load_recipe resolved
+        return False
+
+
+def _holds(values: Any, defaults: dict[str, Any]) -> bool:
+    from omegaconf import DictConfig
+
+    for key, default in defaults.items():
+        if key not in values:
+            return False
+        value = values[key]
+        if isinstance(default, dict) and default and isinstance(value, DictConfig) and not _holds(value, default):
+            return False
+    return True
+
+
+@dataclass
+class SeedOrigin:
+    """What run.json records for a run started by ``NexRLController(cfg).run()``: the recipe file
+    and overrides of the Hydra ``main`` that built ``cfg`` where there is one, and the folder its
+    relative paths resolve in (the folder it was started from)."""
+
+    recipe: str
+    overrides: list[str]
+    folder: str
+
+
+def seed_origin() -> SeedOrigin:
+    """The running Hydra ``main``'s primary config file, its command-line overrides and the folder it
+    was started from (Hydra's ``runtime.cwd``, also where ``hydra.job.chdir`` moved away from);
+    without Hydra, ``<NexRLController>`` in the current folder."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        if HydraConfig.initialized():
+            hc = HydraConfig.get()
+            name = f"{hc.job.config_name}.yaml" if hc.job.config_name else "<hydra>"
+            folders = [str(s.path) for s in hc.runtime.config_sources if s.provider == "main" and s.schema == "file"]
+            if folders and hc.job.config_name:
+                name = os.path.join(folders[0], name)
+            return SeedOrigin(name, [str(o) for o in hc.overrides.task], str(hc.runtime.cwd))
+    except Exception:  # Hydra missing, or a layout of its config this does not know: name no file
+        pass
+    return SeedOrigin("<NexRLController>", [], os.getcwd())

@@ -894,7 +894,21 @@ def check_capabilities(found: Mapping[str, type], values: Mapping[str, Any], pm:
             others = ", ".join(f"{r} '{_get(values, k)}'" for r, _, k, _ in chosen if k != key)
             problems.append(f"{key}: {role} '{name}' needs '{capability}' ({why}), which neither {others} "
                             f"provides{_providers(capability, pm)}")
+    for key, capability, why in RECIPE_NEEDS:
+        if _get(values, key) is True and capability not in provided:
+            names = ", ".join(f"{r} '{_get(values, k)}'" for r, _, k, _ in chosen)
+            problems.append(f"{key}: needs '{capability}' ({why}), which none of {names} provides"
+                            f"{_providers(capability, pm)}")
     return problems
+
+
+#: (recipe key, capability, why): a key that, when true, needs a capability of the chosen components
+RECIPE_NEEDS = (
+    ("weight.partial_rollout", "weight_sync:in_flight", "weights pushed while requests decode, at a decode-step "
+                                                        "boundary, the requests keeping their tokens"),
+    ("weight.partial_rollout", "inference:in_flight_weights", "an engine that takes new weights between two "
+                                                              "decode steps of a running batch"),
+)
 
 
 def _providers(capability: str, pm: Any) -> str:

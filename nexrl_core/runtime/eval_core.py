@@ -86,9 +86,10 @@ def summarize(state: EvalState, *, expected_samples: int | None = None, n_sample
             out[f"{prefix}{name}_{key}"] = _mean([r.scores.get(key, 0.0) for r in subset])
     out[f"{prefix}num_samples"] = float(total)
     out[f"{prefix}num_failed"] = float(sum(r.failed for r in records))
+    # every validation: the share of samples that count as solved (the seed's val_correct/all/mean)
+    out[f"{prefix}success_rate"] = _success_rate(records, success_threshold)
     tags = sorted({r.tag for r in records if r.tag is not None})
     if tags:  # rows with a tag: success rate and reward per tag (a row without one is tagged "none")
-        out[f"{prefix}success_rate"] = _success_rate(records, success_threshold)
         for tag in tags + (["none"] if any(r.tag is None for r in records) else []):
             subset = [r for r in records if (r.tag or "none") == tag]
             out[f"{prefix}{tag}/success_rate"] = _success_rate(subset, success_threshold)

@@ -151,6 +151,9 @@ class CompletionResult:
     response_logprobs: list[float] | None = None
     # Weight version that produced this completion (-1 when the backend cannot tell).
     model_version: int = -1
+    # Weight version that sampled each response token, for a backend whose completion can span a
+    # weight update (one int per response token). None: every token is ``model_version``'s.
+    token_versions: list[int] | None = None
     # Tool calls of a chat reply (InferenceClient.chat with tools), OpenAI's shape: {"id", "type":
     # "function", "function": {"name", "arguments": JSON text}}; a call the backend could not read
     # out of the model's text also has an "error" key. None: no call.
@@ -248,6 +251,7 @@ class InferenceClient(ABC):
         return {"prompt": prompt, "response": result.text, "finish_reason": result.finish_reason,
                 "prompt_token_ids": result.prompt_token_ids, "response_token_ids": result.response_token_ids,
                 "response_logprobs": result.response_logprobs, "model_version": result.model_version,
+                "token_versions": result.token_versions,
                 "sampling": params.as_record(), **kwargs}
 
     def get_model_tag(self) -> str:

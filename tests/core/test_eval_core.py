@@ -67,7 +67,8 @@ def test_score_key_missing_from_some_samples_counts_zero():
 def test_no_samples_gives_zero_means_and_counts():
     # docs/evaluation.md §Denominators
     m = summarize(EvalState(), expected_samples=3)
-    assert m == {"val/reward": 0.0, "val/num_samples": 0.0, "val/num_failed": 0.0, "val/num_missing": 3.0}
+    assert m == {"val/reward": 0.0, "val/num_samples": 0.0, "val/num_failed": 0.0, "val/num_missing": 3.0,
+                 "val/success_rate": 0.0}
 
 
 def test_overall_mean_is_sample_weighted_not_mean_of_source_means():

@@ -183,11 +183,13 @@ def test_training_batches_are_whole_groups_of_the_current_version(finished_run):
             assert t["response"] == str(a + b) if _correct(a, b, version) else str(a + b + 1)
             assert t["reward"] == _correct(a, b, version)
             assert t["response_token_ids"] == list(t["response"].encode())
+            assert t["token_versions"] == [version] * len(t["response_token_ids"])  # one version per token
             rewards.append(t["reward"])
         assert train_rows[step]["train/reward_mean"] == pytest.approx(sum(rewards) / len(rewards))
         assert train_rows[step]["train/num_trajectories"] == BATCH
         assert train_rows[step]["train/num_failed"] == 0
         assert train_rows[step]["train/staleness_max"] == 0
+        assert train_rows[step]["train/token_staleness_max"] == train_rows[step]["train/token_staleness_mean"] == 0
 
 
 def test_no_task_is_trained_twice(finished_run):

@@ -152,6 +152,7 @@ def test_plain_progress_header_footer_and_the_run_directory(tmp_path):
         right = s["response"] == str(eval(s["prompt"][0]["content"]))  # the mock model learns to sum
         assert s["reward"] == float(right) and (right or s["step"] == 1)
         assert "time" in s and s["model_version"] is not None
+        assert s["token_versions"] == [s["model_version"]] * len(s["response"].encode())  # one per token
         assert s["sampling"]["temperature"] == 1.0  # the sampling record that produced it
     # nexrl show: the newest step's samples, readable; --last N the N newest
     show = nexrl(tmp_path, "show", run_dir)

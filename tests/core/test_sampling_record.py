@@ -54,6 +54,7 @@ def test_trajectories_carry_the_parameters_the_backend_received(tmp_path, fast_m
         assert t["sampling"] == sent[t["sampling"]["seed"]]  # exactly what went to the backend
     for t in trained:
         assert {k: t["sampling"][k] for k in SAMPLING} == SAMPLING
+        assert t["token_versions"] == [t["model_version"]] * len(t["response_token_ids"])
     for t in validated:
         assert t["sampling"]["temperature"] == 0 and t["sampling"]["top_k"] == 3
 

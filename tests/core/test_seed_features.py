@@ -8,6 +8,7 @@ import json
 import pytest
 
 import nexrl_core
+from nexrl_core import execute
 from nexrl_core.cli import main
 from nexrl_core.runtime.eval_core import EvalState, SampleRecord, add_sample, summarize
 from nexrl_core.runtime.run_log import RunRecorder
@@ -114,7 +115,31 @@ def test_validation_metrics_per_tag_with_success_rate():
     assert m["val/hard/success_rate"] == 0.5 and m["val/hard/reward"] == 0.5
     assert m["val/none/success_rate"] == 0.0 and m["val/none/reward"] == 0.5
     untagged = add_sample(EvalState(), _record("a", 1.0))
-    assert not any("success_rate" in k for k in summarize(untagged))  # nothing new without tags
+    assert [k for k in summarize(untagged) if "success_rate" in k] == ["val/success_rate"]  # no per-tag ones
+
+
+def test_every_validation_reports_its_success_rate_at_the_threshold():
+    state = EvalState()
+    for uid, reward, failed in (("a", 1.0, False), ("b", 0.75, False), ("c", 0.5, False), ("d", 1.0, True)):
+        state = add_sample(state, _record(uid, 0.0 if failed else reward, failed=failed))
+    assert summarize(state)["val/success_rate"] == 0.25  # the default threshold 1.0; a failed sample counts 0
+    assert summarize(state, success_threshold=0.75)["val/success_rate"] == 0.5
+    assert summarize(state, success_threshold=0.5)["val/success_rate"] == 0.75
+    assert summarize(EvalState())["val/success_rate"] == 0.0
+
+
+def test_an_untagged_validation_run_reports_its_success_rate(run_local, tmp_path):
+    rows = [{"prompt": f"What is {a} + 1?", "answer": a + 1} for a in range(4)]
+    (tmp_path / "val.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    recipe = make_recipe(MOCK, trainer={"total_train_steps": 1},
+                         validate={"validate_before_train": True, "success_threshold": 0.5,
+                                   "data": {"type": "file", "path": "val.jsonl"}})
+    controller, summary = run_local(recipe)
+    first = summary.validation[0]
+    assert [k for k in first if "success_rate" in k] == ["val/success_rate"]
+    # the same number the validator's own samples give at the recipe's threshold
+    rewards = [t["score"]["reward"] for t in execute(controller.validator.trajectories)]
+    assert len(rewards) == 4 and first["val/success_rate"] == sum(r >= 0.5 for r in rewards) / 4
 
 
 def test_a_validation_run_reports_each_tag(run_local, tmp_path):

@@ -106,6 +106,21 @@ CASES.update({
         ["+algorithm.reward_processing={norm_std: false}"],
         "error: algorithm.reward_processing.norm_std: does nothing without algorithm.reward_processing.norm other "
         "than none or algorithm.reward_processing.domains: true"),
+    "behaviour_cap_without_the_decoupled_objective": (
+        ["+algorithm.behav_imp_weight_cap=3.0"],
+        "error: algorithm.behav_imp_weight_cap: does nothing without algorithm.objective: decoupled"),
+    "unknown_objective": (["+algorithm.objective=async"],
+                          "error: algorithm.objective: 'async' is not one of standard, decoupled"),
+    # the decoupled objective's behaviour weight is the correction's ratio: both would apply it twice
+    "decoupled_with_the_rollout_correction": (
+        ["+algorithm.objective=decoupled", "+algorithm.rollout_correction={enabled: true}"],
+        "error: algorithm.rollout_correction.enabled: algorithm.objective: decoupled already weights each token "
+        "by min(pi_prox / pi_behav, behav_imp_weight_cap), the same ratio; turn the correction off"),
+    "decoupled_without_the_samplers_logprobs": (
+        [OPENAI, "weight.backend=version_only", "+service.inference_service.request_logprobs=false",
+         "+algorithm.objective=decoupled"],
+        "error: service.inference_service.request_logprobs: false, but algorithm.objective: decoupled weights each "
+        "token by the sampler's log-prob of it"),
     "overlong_reward_without_overlong_score": (
         ["+algorithm.reward_processing={overlong_reward: -1.0}"],
         "error: algorithm.reward_processing.overlong_reward: does nothing without "
@@ -118,6 +133,7 @@ CASES.update({
      "+algorithm.ref_device=cpu"],
     ["+algorithm.use_kl_in_reward=true", "+algorithm.kl_ctrl={type: adaptive, target_kl: 0.2}"],
     ["+algorithm.rollout_correction={enabled: true, cap: 3.0}"],
+    ["+algorithm.objective=decoupled", "+algorithm.behav_imp_weight_cap=3.0"],
     ["+algorithm.reward_processing={norm: group, norm_std: false, overlong: score, overlong_reward: -1.0}"],
 ])
 def test_those_keys_with_the_key_they_need_validate(cli, recipe, tmp_path, overrides):

@@ -18,7 +18,7 @@ import nexrl_core
 import nexrl_rewards
 from nexrl_core.plugins import PluginManager
 
-NAMES = {"math_rule", "code_sandbox", "llm_judge"}
+NAMES = {"math_rule", "code_sandbox", "llm_judge", "instruction_following"}
 PACKAGE = Path(nexrl_rewards.__file__).parent
 
 
@@ -35,7 +35,7 @@ def listing():
     return json.loads(done.stdout)
 
 
-def test_nexrl_plugins_lists_the_three_evaluators(listing):
+def test_nexrl_plugins_lists_the_four_evaluators(listing):
     ours = [p for p in listing["plugins"] if p["distribution"] == "nexrl-rewards"]
     assert len(ours) == 1 and ours[0]["name"] == "rewards"
     assert set(ours[0]["components"]["evaluator"]) == NAMES

@@ -269,6 +269,32 @@ def topr(
     return loss, metrics
 
 
+def behaviour_weights(proximal_log_prob: torch.Tensor, behaviour_log_prob: torch.Tensor, response_mask: torch.Tensor,
+                      cap: float) -> tuple[torch.Tensor, dict[str, float]]:
+    """The behaviour importance weight of decoupled PPO (``algorithm.objective: decoupled``; Fu et
+    al. 2025, "AReaL", arXiv:2505.24298): per valid token, with ``logp_prox`` the proximal policy's
+    log-prob (the weights the step started from) and ``logp_behav`` the log-prob the sampler
+    reported under the weights that drew the token (tokens of one sample may come from several)::
+
+        w_t = min(pi_prox(y_t) / pi_behav(y_t), cap) = min(exp(logp_prox - logp_behav), cap)
+
+    and 0 on masked tokens, computed in float64 (:func:`nexrl_core.algorithms.truncated_is_weights`)
+    and returned as a constant (no gradient) in ``proximal_log_prob``'s dtype and device, for
+    :attr:`LossContext.token_weights`.
+
+    Metrics: ``behav_imp_weight_mean`` and ``behav_imp_weight_max`` over valid tokens, and
+    ``behav_imp_weight_capped_frac`` (share of valid tokens whose ratio exceeded ``cap``).
+    """
+    mask = response_mask.detach().cpu().numpy()
+    weights, is_metrics = algorithms.truncated_is_weights(proximal_log_prob.detach().cpu().numpy(),
+                                                          behaviour_log_prob.detach().cpu().numpy(), mask, cap)
+    valid = mask.astype(bool)
+    metrics = {"behav_imp_weight_mean": is_metrics["rollout_is_weight_mean"],
+               "behav_imp_weight_max": float(weights[valid].max()) if valid.any() else 0.0,
+               "behav_imp_weight_capped_frac": is_metrics["rollout_is_capped_frac"]}
+    return torch.from_numpy(weights).to(device=proximal_log_prob.device, dtype=proximal_log_prob.dtype), metrics
+
+
 def kl_loss(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, response_mask: torch.Tensor, context: LossContext,
             kind: str, loss_agg_mode: str) -> tuple[torch.Tensor, float]:
     """KL to the reference policy as a loss term (GRPO's, Shao et al. 2024): the core's per-token

@@ -33,10 +33,11 @@ from nexrl_torch.models import DEVICE_HELP, device_problem, resolve_device
 from nexrl_torch.train.service import BATCH_FORMAT, ROW_OUTPUTS, LocalTorchTrainService, export_model_folder
 
 from .critic import CRITIC_ALGORITHM_OPTIONS, CriticService, ValueModel
-from .losses import LossContext, agg_loss, kl_loss, masked_mean, value_loss
+from .losses import LossContext, agg_loss, behaviour_weights, kl_loss, masked_mean, value_loss
 
 CRITIC_FOLDER = "critic"  # inside a checkpoint folder, next to the policy's files
 KL_AGG_MODE_WITHOUT_LOSS_MODE = "token-mean"  # the KL term's reduction when the policy loss declares no mode
+OBJECTIVES = ("standard", "decoupled")  # algorithm.objective
 
 
 def _record_advantages(trajectories: list[Trajectory], advantages: torch.Tensor, mask: torch.Tensor,
@@ -390,6 +391,12 @@ class SelfHostedGrpoTrainer(SelfHostedTrainer):
     the reward) they are the current log-probs detached (verl's on-policy shortcut: the ratio is
     exactly 1 and no extra forward runs); otherwise one no-grad forward before the first update
     computes them. Rollout log-probs only feed the mismatch metrics and the correction.
+
+    ``algorithm.objective: decoupled`` (AReaL's decoupled PPO) takes those old log-probs as the
+    proximal policy's (the weights the step starts from, once per batch) and weights each token's
+    policy loss by :func:`~nexrl_grpo.losses.behaviour_weights`, ``min(pi_prox / pi_behav, cap)``
+    against the sampler's log-prob of the token (``response_logprobs``, per token, whatever
+    weights drew it).
     """
 
     ALGORITHM_OPTIONS = {
@@ -415,6 +422,14 @@ class SelfHostedGrpoTrainer(SelfHostedTrainer):
                                                  "(null: rollout_worker.sampling.max_tokens)", ge=1),
         "rollout_correction": Option(options=algorithms.ROLLOUT_CORRECTION_OPTIONS,
                                      help="truncated importance sampling against the rollout's log-probs"),
+        "objective": Option("standard", str, "standard: the policy loss as is; decoupled: AReaL's decoupled "
+                                             "PPO for stale samples: the ratio is taken against the proximal "
+                                             "policy (the weights the step starts from) and each token's loss is "
+                                             "weighted by min(pi_prox / pi_behav, behav_imp_weight_cap), pi_behav "
+                                             "the sampler's log-prob of the token", choices=OBJECTIVES),
+        "behav_imp_weight_cap": Option(5.0, float, "truncation of the decoupled objective's behaviour importance "
+                                                   "weight pi_prox / pi_behav", ge=1,
+                                       needs="algorithm.objective == decoupled"),
         "reward_processing": Option(options=algorithms.REWARD_PROCESSING_OPTIONS,
                                     help="sample-level masks and reward normalisation / clipping / scaling, "
                                          "before advantages; per domain with domains.<name>"),
@@ -425,6 +440,26 @@ class SelfHostedGrpoTrainer(SelfHostedTrainer):
     REFERENCE_SERVICE_NEEDS = "algorithm.use_kl_in_reward or algorithm.use_kl_loss"
     # Values: a critic trained here; its keys are accepted only with an estimator that needs it.
     ALGORITHM_INPUTS = {"values": CRITIC_ALGORITHM_OPTIONS}
+
+    @classmethod
+    def check_recipe(cls, recipe: dict[str, Any]) -> list[str]:
+        """The decoupled objective weights each token by pi_prox / pi_behav: it needs the sampler's
+        log-probs, and the rollout correction would apply that same ratio a second time."""
+        algorithm = recipe.get("algorithm")
+        if not isinstance(algorithm, Mapping) or algorithm.get("objective") != "decoupled":
+            return []
+        problems = []
+        correction = algorithm.get("rollout_correction")
+        if isinstance(correction, Mapping) and correction.get("enabled") is True:
+            problems.append("algorithm.rollout_correction.enabled: algorithm.objective: decoupled already weights "
+                            "each token by min(pi_prox / pi_behav, behav_imp_weight_cap), the same ratio; "
+                            "turn the correction off")
+        service = recipe.get("service")
+        inference = service.get("inference_service") if isinstance(service, Mapping) else None
+        if isinstance(inference, Mapping) and inference.get("request_logprobs") is False:
+            problems.append("service.inference_service.request_logprobs: false, but algorithm.objective: decoupled "
+                            "weights each token by the sampler's log-prob of it")
+        return problems
 
     def __init__(self, config: Any):
         super().__init__(config)
@@ -548,6 +583,8 @@ class SelfHostedGrpoTrainer(SelfHostedTrainer):
         policy_loss = self.selection.bound("policy_loss")
         correction = options["rollout_correction"]
         correct, cap = bool(correction["enabled"]), float(correction["cap"])
+        decoupled = options["objective"] == "decoupled"
+        behav_cap = float(options["behav_imp_weight_cap"])
         max_response_length = self._max_response_length(batch)
         kl_coef = float(options["kl_loss_coef"]) if options["use_kl_loss"] else 0.0
         kl_kind = str(options["kl_loss_type"])
@@ -556,9 +593,18 @@ class SelfHostedGrpoTrainer(SelfHostedTrainer):
         if correct and "rollout_log_probs" not in batch.values:
             raise ConfigError("algorithm.rollout_correction.enabled: the rollout returned no log-probs to correct "
                               "with (the inference backend must return per-token log-probs)")
+        if decoupled and correct:  # nexrl validate refuses it (check_recipe); a trainer built in Python too
+            raise ConfigError(self.check_recipe({"algorithm": {"objective": "decoupled",
+                                                               "rollout_correction": {"enabled": True}}})[0])
+        if decoupled and "rollout_log_probs" not in batch.values:
+            raise ConfigError("algorithm.objective: decoupled weights each token by pi_prox / pi_behav, but the rollout "
+                              "returned no log-probs (pi_behav: the inference backend must return per-token log-probs)")
 
         def loss_fn(log_probs: torch.Tensor, mb: dict[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
             # On-policy shortcut: without a precomputed old log-prob, the current one (detached) is it.
+            # It is also the decoupled objective's proximal log-prob: the weights the step started
+            # from, computed once per batch (the forward of _prepare_batch with several updates; with
+            # one, the weights do not move before this step's optimizer step, so it is exact).
             old = mb["old_log_probs"] if "old_log_probs" in mb else log_probs.detach()
             metrics: dict[str, float] = {}
             weights = None
@@ -572,6 +618,11 @@ class SelfHostedGrpoTrainer(SelfHostedTrainer):
                     w, tis_metrics = algorithms.truncated_is_weights(trainer_lp, rollout_lp, mask_np, cap)
                     weights = torch.from_numpy(w).to(log_probs)
                     metrics.update(tis_metrics)
+                elif decoupled:
+                    weights, behav_metrics = behaviour_weights(old, mb["rollout_log_probs"], mb["response_mask"],
+                                                               behav_cap)
+                    weights = weights.to(log_probs)
+                    metrics.update(behav_metrics)
             context = LossContext(batch_num_seqs=mb["batch_num_seqs"], batch_num_tokens=mb["batch_num_tokens"],
                                   max_response_length=max_response_length, token_weights=weights)
             loss, loss_metrics = policy_loss(log_probs, old, mb["advantages"], mb["response_mask"], context)

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from nexrl_core.runtime.memory_plan import MemoryItem, MemoryPlan, PlanInputs, Saving
+from nexrl_core import MemoryItem, MemoryPlan, PlanInputs, Saving
 
 from .logprobs import _SAVED_LOGITS_BUDGET
 from .models import auto_dtype, resolve_device, resolve_model_path

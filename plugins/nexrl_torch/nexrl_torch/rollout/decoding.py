@@ -371,6 +371,12 @@ class FastLlama:
     def release(self) -> None:
         """Nothing to free between batches: a session's buffers go with it."""
 
+    def refresh(self) -> None:
+        """Repack the weights the model holds now (after an in-flight update), in the buffers the
+        running session reads."""
+        if self.enabled and self.layers is not None:
+            self._pack_if_stale()
+
     @torch.inference_mode()
     def _self_check(self) -> None:
         """Compare prefill + two steps against the HF forward on a left-padded batch, and a padded
@@ -932,6 +938,9 @@ class HFDecoder:
 
     def release(self) -> None:
         pass
+
+    def refresh(self) -> None:
+        """Nothing packed: the model's own forward reads its weights."""
 
 
 def make_session_factory(model: torch.nn.Module, mode: Any, rows_hint: int, *, kv_tokens: int | None = None,

@@ -71,6 +71,17 @@ class _Request:
     error: BaseException | None = None
 
 
+@dataclass
+class _Update:
+    """Weights handed to the running batch (``load_weights(..., in_flight=True)``)."""
+
+    state_dict: Mapping[str, torch.Tensor]
+    version: int
+    recompute_prefix: bool
+    done: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+
+
 class HFInferenceEngine(InferenceClient):
     """Batched generation with a transformers causal LM, safe to call from many threads.
 
@@ -143,6 +154,8 @@ class HFInferenceEngine(InferenceClient):
         self._model_lock = threading.Lock()  # generation batches and weight loads take turns
         self._tokenizer_lock = threading.Lock()  # fast tokenizers are not safe under concurrent use
         self._submit_lock = threading.Lock()  # makes "check open + enqueue" atomic against close()
+        self._update: _Update | None = None  # weights the running batch takes at its next decode step
+        self._update_lock = threading.Lock()
         self._open = True
         self._arriving = 0  # callers inside complete() that have not queued their request yet
         self.num_batches = 0  # scheduler counters, for monitoring and benchmarks
@@ -297,18 +310,50 @@ class HFInferenceEngine(InferenceClient):
         except Exception:  # noqa: BLE001 - a template that rejects the probe has no such support
             return False
 
-    def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+    def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int, in_flight: bool = False,
+                     recompute_prefix: bool = False) -> None:
         """Copy ``state_dict`` (all or some of the model's tensors) into the engine's model.
 
         Waits for the running batch to finish; batches started afterwards use the new weights
         and report ``version``. The tensors are read once, in order (a sharded trainer's are
         gathered one by one as they are read).
+
+        ``in_flight`` (``weight.partial_rollout``): the running batch takes them at its next decode
+        step instead, each request going on from the tokens it has (its later tokens are
+        ``version``'s: ``CompletionResult.token_versions``); the prefix's KV cache is kept, or
+        computed again under the new weights with ``recompute_prefix``. Returns once they are in.
         """
         self.check_weights(state_dict)
-        with self._model_lock:
-            copy_weights(state_dict, [self])
-            self.set_model_version(version)
-        release_idle_workers()  # the caller (the trainer's thread) goes back to its own work
+        if not in_flight:
+            with self._model_lock:
+                self._apply(state_dict, version)
+            release_idle_workers()  # the caller (the trainer's thread) goes back to its own work
+            return
+        update = _Update(state_dict, version, recompute_prefix)
+        with self._update_lock:
+            self._update = update
+        while not update.done.wait(0.005):
+            if self._model_lock.acquire(blocking=False):  # no batch running: take them here
+                try:
+                    if self._take_update() is update:
+                        self._apply(update.state_dict, update.version)
+                        update.done.set()
+                finally:
+                    self._model_lock.release()
+        if update.error is not None:
+            raise update.error
+        release_idle_workers()
+
+    def _apply(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        """New weights into the model (the model lock held) and the packed copies the decoder reads."""
+        copy_weights(state_dict, [self])
+        self.set_model_version(version)
+        self.decoder.refresh()
+
+    def _take_update(self) -> _Update | None:
+        with self._update_lock:
+            update, self._update = self._update, None
+        return update
 
     def check_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Names and shapes of ``state_dict`` against the model's (read without touching the tensors)."""
@@ -399,16 +444,17 @@ class HFInferenceEngine(InferenceClient):
         self.num_requests += len(batch)
         try:
             with self._model_lock:
-                version = InferenceClient.model_version(self)  # this engine's own, replicated or not
                 outputs = [out for chunk in self._chunks(batch) for out in self._generate(chunk)]
-            for request, (text, reason, ids, logprobs) in zip(batch, outputs):
+            for request, (text, reason, ids, logprobs, versions) in zip(batch, outputs):
+                mixed = len(set(versions)) > 1
                 request.result = CompletionResult(
                     text=text,
                     finish_reason=reason,
                     prompt_token_ids=request.prompt_ids,
                     response_token_ids=ids,
                     response_logprobs=logprobs,
-                    model_version=version,
+                    model_version=versions[0] if versions else InferenceClient.model_version(self),
+                    token_versions=list(versions) if mixed else None,
                 )
         except Exception as exc:  # delivered to every caller of the batch, the engine keeps serving
             if isinstance(exc, torch.OutOfMemoryError):
@@ -446,8 +492,11 @@ class HFInferenceEngine(InferenceClient):
         return chunks
 
     @torch.inference_mode()
-    def _generate(self, batch: list[_Request]) -> list[tuple[str, str, list[int], list[float]]]:
+    def _generate(self, batch: list[_Request]) -> list[tuple[str, str, list[int], list[float], list[int]]]:
+        """Decode ``batch``; per request its text, finish reason, token ids, log-probs and the weight
+        version that sampled each token (an in-flight update changes it mid-batch)."""
         device = self.device
+        version = InferenceClient.model_version(self)  # this engine's own, replicated or not
         n = len(batch)
         # Identical prompts (a GRPO group's samples) are prefilled once and share their KV cache.
         distinct: dict[tuple[int, ...], int] = {}
@@ -470,6 +519,7 @@ class HFInferenceEngine(InferenceClient):
 
         tokens_out: list[list[int]] = [[] for _ in batch]
         logprobs_out: list[list[float]] = [[] for _ in batch]
+        versions_out: list[list[int]] = [[] for _ in batch]
         finish: list[str] = ["length"] * n
         active = list(range(n))  # batch index of each row still being decoded
 
@@ -490,6 +540,7 @@ class HFInferenceEngine(InferenceClient):
             for row, (b, tok, lp) in enumerate(zip(active, tokens.tolist(), logprobs.tolist())):
                 tokens_out[b].append(tok)
                 logprobs_out[b].append(lp)
+                versions_out[b].append(version)
                 if tok in self.eos_token_ids or (batch[b].params.stop and self._has_stop(tokens_out[b], batch[b].params.stop)):
                     finish[b] = "stop"
                 elif len(tokens_out[b]) < batch[b].max_new_tokens:
@@ -503,10 +554,46 @@ class HFInferenceEngine(InferenceClient):
                 tokens, next_pos = tokens[idx], next_pos[idx]
                 scale, greedy, top_p, top_k, seeds = scale[idx], greedy[idx], top_p[idx], top_k[idx], seeds[idx]
                 active = [active[row] for row in keep]
+            update = self._take_update() if self._update is not None else None
+            if update is not None:  # weights pushed while this batch decodes (weight.partial_rollout)
+                try:
+                    self._apply(update.state_dict, update.version)
+                except BaseException as exc:  # the pusher hears of it; the batch fails
+                    update.error = exc
+                    raise
+                finally:
+                    update.done.set()
+                version = update.version
+                if update.recompute_prefix:  # the prefix's keys and values under the new weights
+                    session, logits, next_pos = self._prefill_again(batch, active, tokens_out)
+                    continue
             logits = session.step(tokens, next_pos)
             next_pos = next_pos + 1
 
-        return [self._finish(tokens_out[b], logprobs_out[b], finish[b], batch[b].params.stop) for b in range(n)]
+        out = []
+        for b in range(n):
+            text, reason, ids, logprobs = self._finish(tokens_out[b], logprobs_out[b], finish[b], batch[b].params.stop)
+            out.append((text, reason, ids, logprobs, versions_out[b][:len(ids)]))  # a stop string may cut it
+        return out
+
+    def _prefill_again(self, batch: list[_Request], active: list[int],
+                       tokens_out: list[list[int]]) -> tuple[Any, torch.Tensor, torch.Tensor]:
+        """A new session holding the running requests' prompts and tokens so far, prefilled by the
+        current weights; its logits of each request's next token and next positions."""
+        device = self.device
+        rows = [batch[b].prompt_ids + tokens_out[b] for b in active]
+        width = max(len(r) for r in rows)
+        input_ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, r in enumerate(rows):
+            input_ids[i, width - len(r):] = torch.tensor(r)
+            attention_mask[i, width - len(r):] = 1
+        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+        position_ids = position_ids_from_mask(attention_mask)
+        capacity = width + max(batch[b].max_new_tokens - len(tokens_out[b]) for b in active)
+        session = self.decoder(tokens=self.decoder.footprint(len(rows), capacity))
+        logits = session.prefill(input_ids, attention_mask, position_ids, capacity=capacity)
+        return session, logits, position_ids[:, -1] + 1
 
     def _decode(self, ids: list[int]) -> str:
         with self._tokenizer_lock:

@@ -34,8 +34,18 @@ class HFInferenceBackend(HFInferenceEngine):
                                               "reach them through Ray's object store); launch_mode local: "
                                               "engines in this process, as with false"),
     }
-    CAPABILITIES = Capabilities(provides={"inference:load_weights"})
+    CAPABILITIES = Capabilities(provides={"inference:load_weights", "inference:in_flight_weights"})
     check_config = staticmethod(check_model_section)
+
+    @classmethod
+    def check_recipe(cls, recipe: Any) -> list[str]:
+        """In-flight weight updates reach one engine only (replicas each finish their batch first)."""
+        weight, section = recipe.get("weight") or {}, (recipe.get("service") or {}).get("inference_service") or {}
+        if isinstance(weight, dict) and weight.get("partial_rollout") is True and \
+                isinstance(section.get("replicas"), int) and section["replicas"] > 1:
+            return ["weight.partial_rollout: the hf engine takes in-flight updates with one replica "
+                    "(service.inference_service.replicas: 1)"]
+        return []
 
     @classmethod
     def recipe_notes(cls, section: Any) -> list[str]:
@@ -111,11 +121,15 @@ class HFInferenceBackend(HFInferenceEngine):
         """``engine.method(*args)``: this engine's own (not this class's override), another's, or an actor's."""
         return getattr(HFInferenceEngine, method)(engine, *args) if engine is self else getattr(engine, method)(*args)
 
-    def load_weights(self, state_dict: Any, version: int) -> None:
+    def load_weights(self, state_dict: Any, version: int, in_flight: bool = False,
+                     recompute_prefix: bool = False) -> None:
         """Every replica, in one pass over the tensors (each replica's batch in flight finishes
-        first); each serves the new version from its next batch."""
+        first); each serves the new version from its next batch. ``in_flight`` (one replica: the
+        recipe check refuses more): the running batch takes them at its next decode step."""
         if len(self.replicas) == 1:
-            return super().load_weights(state_dict, version)
+            return super().load_weights(state_dict, version, in_flight, recompute_prefix)
+        if in_flight:
+            raise ValueError("weight.partial_rollout: needs one engine replica (service.inference_service.replicas: 1)")
         self.check_weights(state_dict)
         here = [engine for engine in self.replicas if isinstance(engine, HFInferenceEngine)]
         away = [engine for engine in self.replicas if engine not in here]
@@ -214,10 +228,21 @@ class InProcessWeightSync(WeightSyncBackend):
     when they share one (local mode, a Ray actor hosting both), else through the launch mode's
     transport (Ray's object store), never through the weight-sync controller's process."""
 
+    OPTIONS = {
+        "partial_rollout_prefix": Option("keep", str, "after an in-flight update (weight.partial_rollout), the tokens "
+                                                      "already generated: keep their KV cache (computed by the old "
+                                                      "weights) or recompute it under the new weights (one prefill "
+                                                      "of every running request)",
+                                         choices=("keep", "recompute"), needs="weight.partial_rollout"),
+    }
     CAPABILITIES = Capabilities(
-        provides={"weight_sync:state_dict"},
+        provides={"weight_sync:state_dict", "weight_sync:in_flight"},
         requires={"trainer:state_dict": "it copies the tensors a trainer in this process exports",
                   "inference:load_weights": "it loads them into an inference engine in this process"})
 
     def sync(self, trainer: Any, inference_client: Any, version: int) -> None:
-        execute(inference_client.load_weights, deferred(trainer.export_weights), version)
+        if self.config["partial_rollout"]:  # the running batch takes them at its next decode step
+            execute(inference_client.load_weights, deferred(trainer.export_weights), version, True,
+                    self.config["partial_rollout_prefix"] == "recompute")
+        else:
+            execute(inference_client.load_weights, deferred(trainer.export_weights), version)
