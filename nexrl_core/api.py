@@ -18,9 +18,6 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-#: where a recipe given as a mapping is placed (its relative paths resolve against the current folder)
-LIBRARY_RECIPE = "<nexrl_core.run>.yaml"
-
 
 def run(config: str | os.PathLike[str] | Mapping[str, Any], overrides: Sequence[str] = (), *,
         plugin_manager: Any = None, listeners: Sequence[Any] = ()) -> Any:
@@ -32,7 +29,7 @@ def run(config: str | os.PathLike[str] | Mapping[str, Any], overrides: Sequence[
     ``nexrl validate`` reports; a failed run raises :class:`~nexrl_core.RunFailed`. The run
     directory gets the same files as with ``nexrl run`` (metrics.jsonl, run.log, run.json, ...)."""
     from .errors import NexRLError, exit_code
-    from .launch.prologue import library_argv, start_run
+    from .launch.prologue import LIBRARY_RECIPE, library_argv, load_mapping, start_run
     from .launch.recipe import load_recipe
     from .plugins import get_plugin_manager
 
@@ -51,19 +48,6 @@ def run(config: str | os.PathLike[str] | Mapping[str, Any], overrides: Sequence[
         raise
     started.record.finish(summary.stopped_by, 0, summary.global_step, None)
     return summary
-
-
-def load_mapping(config: Mapping[str, Any], overrides: Sequence[str] = (), folder: str | None = None) -> Any:
-    """A recipe given as a mapping (a dict, or a DictConfig as a Hydra ``main`` receives it), loaded
-    as ``nexrl run`` loads a recipe file: the core's defaults and those of the components it selects
-    composed in, ``overrides`` applied, interpolations resolved. It is placed in ``folder`` (default:
-    the current folder): a relative path it names resolves there, as next to a recipe file."""
-    from omegaconf import DictConfig, OmegaConf
-
-    from .launch.recipe import load_recipe
-
-    raw = OmegaConf.to_container(config, resolve=False) if isinstance(config, DictConfig) else dict(config)
-    return load_recipe(os.path.join(folder or os.getcwd(), LIBRARY_RECIPE), list(overrides), raw=raw)
 
 
 def run_started(started: Any, listeners: Sequence[Any] = (), *, on_controller: Any = None,

@@ -118,7 +118,7 @@ class NexRLController:
         checked as ``nexrl validate`` checks a recipe; a training run then gets ``nexrl_core.run``'s
         prologue (run_dir prepared, run.log, run.json, config.yaml). Returns the config and the
         started run (None for ``eval_only``)."""
-        from .api import load_mapping
+        from .launch.prologue import load_mapping
 
         origin = seed_origin()
         cfg = load_mapping(config, folder=origin.folder)

@@ -34,6 +34,7 @@ _NOT_SECRET = re.compile(r"(pad|eos|bos|unk|sep|cls|mask|start|end|stop)_token$"
 _MIN_SECRET_LEN = 4  # shorter values would redact innocent substrings
 # What OpenAI-compatible servers take for "no key": replacing it everywhere would only confuse.
 _PLACEHOLDERS = frozenset({"EMPTY", "none", "None", "null"})
+_INTERPOLATION = re.compile(r"\$\{[^${}]+\}")
 
 _known: set[str] = set()
 _lock = threading.Lock()
@@ -49,7 +50,11 @@ def _is_secret_name(key: str) -> bool:  # cached: every log line asks it of ever
 
 
 def add_secret(value: Any) -> None:
-    """Remember ``value`` (a string) as a secret of this process: every later :func:`scrub` hides it."""
+    """Remember ``value`` (a string) as a secret of this process: every later :func:`scrub` hides it.
+    An interpolation (``${oc.env:TINKER_API_KEY}``) names where the secret is, not the secret: it
+    stays readable (what it resolves to is remembered when it is resolved)."""
+    if isinstance(value, str) and _INTERPOLATION.fullmatch(value.strip()):
+        return
     if isinstance(value, str) and len(value) >= _MIN_SECRET_LEN and value not in _PLACEHOLDERS:
         with _lock:
             _known.add(value)

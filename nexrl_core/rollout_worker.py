@@ -577,7 +577,9 @@ class _SeedClient:
         return answer
 
     def generate(self, messages: list[dict[str, Any]], **kwargs: Any) -> dict[str, Any]:
-        return self.completion(messages, **kwargs)
+        answer = execute(self._client.generate, messages, **kwargs)
+        self._worker._last_completion = answer
+        return answer
 
 
 

@@ -6,7 +6,7 @@ fits, and what to change when it does not. Exit 0: it fits (or what a device has
 from __future__ import annotations
 
 import json
-import resource
+import subprocess
 import sys
 from typing import Any
 
@@ -71,6 +71,7 @@ def component_plans(cfg: Any, pm: Any, inputs: Any) -> tuple[Any, list[str]]:
             silent.append(f"{label} gives no memory plan (its memory is not counted)")
             continue
         plan.items += part.items
+        plan.modules.append(cls.__module__)
         plan.savings += part.savings
         plan.capacity.update(part.capacity)
     return plan, silent
@@ -88,6 +89,19 @@ def as_json(plan: Any, capacity: dict[str, int]) -> dict[str, Any]:
         entry["fits"] = None if entry["capacity"] is None else entry["total"] <= entry["capacity"]
     savings = [{"device": s.device, "change": s.change, "bytes": s.bytes} for s in plan.savings]
     return {"devices": devices, "savings": savings}
+
+
+def runtime_bytes(modules: list[str]) -> int:
+    """The peak resident size of a fresh Python process that imports ``modules`` (and nexrl_core):
+    what a run's process holds before its model (not this process's, which may hold anything)."""
+    code = ("import importlib, resource, sys\n"
+            "for name in sys.argv[1:]: importlib.import_module(name)\n"
+            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)")
+    out = subprocess.run([sys.executable, "-c", code, "nexrl_core", *modules], capture_output=True, text=True,
+                         timeout=300)
+    if out.returncode != 0:
+        raise RuntimeError(f"measuring the runtime's memory failed: {out.stderr.strip()[-500:]}")
+    return int(out.stdout.strip().splitlines()[-1])
 
 
 def plan_command(args: Any) -> int:
@@ -109,8 +123,8 @@ def plan_command(args: Any) -> int:
             return 2
         capacity = {item.device: size for item in plan.items}
     if plan.items:  # one Python process holds them (launch_mode local; Ray: one per actor)
-        plan.items.append(MemoryItem("cpu", "process", "python and the libraries a run imports (measured here)",
-                                     resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024))
+        plan.items.append(MemoryItem("cpu", "process", "python and the libraries a run imports",
+                                     runtime_bytes(plan.modules), "measured in a fresh process"))
     if args.json:
         print(json.dumps(as_json(plan, capacity)))
         return 0 if all(d["fits"] is not False for d in as_json(plan, capacity)["devices"].values()) else 1

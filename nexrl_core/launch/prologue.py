@@ -7,6 +7,7 @@ run and checks nothing again (``NexRLController(..., started=True)``)."""
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,6 +85,23 @@ class Restarts:
         resume.mode, resume.resume_path = "auto", None  # the newest checkpoint: the failed attempt's own
         self.cfg.overwrite_run_dir = False  # the failed attempt's records are continued, not moved aside
         return min(self.backoff * 2 ** (self.count - 1), self.backoff_max)
+
+
+#: where a recipe given as a mapping is placed (its relative paths resolve against the current folder)
+LIBRARY_RECIPE = "<nexrl_core.run>.yaml"
+
+
+def load_mapping(config: Mapping[str, Any], overrides: Sequence[str] = (), folder: str | None = None) -> Any:
+    """A recipe given as a mapping (a dict, or a DictConfig as a Hydra ``main`` receives it), loaded
+    as ``nexrl run`` loads a recipe file: the core's defaults and those of the components it selects
+    composed in, ``overrides`` applied, interpolations resolved. It is placed in ``folder`` (default:
+    the current folder): a relative path it names resolves there, as next to a recipe file."""
+    from omegaconf import DictConfig, OmegaConf
+
+    from .recipe import load_recipe
+
+    raw = OmegaConf.to_container(config, resolve=False) if isinstance(config, DictConfig) else dict(config)
+    return load_recipe(os.path.join(folder or os.getcwd(), LIBRARY_RECIPE), list(overrides), raw=raw)
 
 
 def library_argv(recipe: str, overrides: list[str]) -> list[str]:

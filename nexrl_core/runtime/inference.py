@@ -247,12 +247,25 @@ class InferenceClient(ABC):
         """The seed's dict-shaped call: sampling keys as keyword arguments."""
         known = {k: kwargs.pop(k) for k in list(kwargs) if k in SamplingParams.__dataclass_fields__}
         params = SamplingParams(**known).check()
-        result = self.complete(prompt, params)
+        return self._answer(prompt, params, self.complete(prompt, params), kwargs)
+
+    def generate(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                 **kwargs: Any) -> dict[str, Any]:
+        """The seed's chat call: ``messages``, ``tools`` (OpenAI ``tools`` entries, passed to the
+        model as :meth:`chat` passes them) and sampling keys as keyword arguments; the answer as
+        :meth:`completion`'s plus ``messages`` and ``tool_calls`` (None: no call)."""
+        known = {k: kwargs.pop(k) for k in list(kwargs) if k in SamplingParams.__dataclass_fields__}
+        params = SamplingParams(**known).check()
+        result = self.chat(messages, params, tools)
+        return {"messages": messages, "tool_calls": result.tool_calls, **self._answer(messages, params, result, kwargs)}
+
+    @staticmethod
+    def _answer(prompt: Any, params: SamplingParams, result: CompletionResult, extra: dict[str, Any]) -> dict[str, Any]:
         return {"prompt": prompt, "response": result.text, "finish_reason": result.finish_reason,
                 "prompt_token_ids": result.prompt_token_ids, "response_token_ids": result.response_token_ids,
                 "response_logprobs": result.response_logprobs, "model_version": result.model_version,
                 "token_versions": result.token_versions,
-                "sampling": params.as_record(), **kwargs}
+                "sampling": params.as_record(), **extra}
 
     def get_model_tag(self) -> str:
         return self.model_tag

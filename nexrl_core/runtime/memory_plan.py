@@ -43,6 +43,8 @@ class MemoryPlan:
     savings: list[Saving] = field(default_factory=list)
     #: what each device has (bytes), where the component can tell
     capacity: dict[str, int] = field(default_factory=dict)
+    #: modules of the planned components (what the run's process imports; ``nexrl plan`` measures them)
+    modules: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

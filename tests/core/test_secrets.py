@@ -176,3 +176,14 @@ def test_a_secret_on_the_command_line_reaches_no_file_tracker_or_console(tmp_pat
     assert f"recipe      {path} +rollout_worker.evaluator.api_key=***" in proc.stderr  # the header
     assert "+rollout_worker.evaluator.api_key=***" in proc.stderr.split("finished:")[1]  # the command to go on
     assert "secrets      shown as ***" in proc.stderr
+
+
+def test_an_interpolation_is_where_a_secret_is_not_the_secret():
+    """`api_key: ${oc.env:TINKER_API_KEY}` registered as it was written made every later message
+    that names the interpolation (the Tinker plugin's own advice) read `e.g. ***`."""
+    from nexrl_core.redaction import add_secret, scrub
+
+    add_secret("${oc.env:NEXRL_TEST_ELSEWHERE_KEY}")
+    add_secret("sk-resolved-value-1234")
+    assert scrub("set api_key (e.g. ${oc.env:NEXRL_TEST_ELSEWHERE_KEY}), got sk-resolved-value-1234") == \
+        "set api_key (e.g. ${oc.env:NEXRL_TEST_ELSEWHERE_KEY}), got ***"
