@@ -5,6 +5,7 @@ fits, and what to change when it does not. Exit 0: it fits (or what a device has
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
@@ -94,6 +95,11 @@ def as_json(plan: Any, capacity: dict[str, int]) -> dict[str, Any]:
 def runtime_bytes(modules: list[str]) -> int:
     """The peak resident size of a fresh Python process that imports ``modules`` (and nexrl_core):
     what a run's process holds before its model (not this process's, which may hold anything)."""
+    return _runtime_bytes(tuple(sorted(set(modules))))
+
+
+@functools.cache
+def _runtime_bytes(modules: tuple[str, ...]) -> int:
     code = ("import importlib, resource, sys\n"
             "for name in sys.argv[1:]: importlib.import_module(name)\n"
             "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)")

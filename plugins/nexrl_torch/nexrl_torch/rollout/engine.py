@@ -503,13 +503,7 @@ class HFInferenceEngine(InferenceClient):
         row_prompt = [distinct.setdefault(tuple(r.prompt_ids), len(distinct)) for r in batch]
         prompts = list(distinct)
         width = max(len(p) for p in prompts)
-        input_ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
-        attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
-        for i, p in enumerate(prompts):
-            input_ids[i, width - len(p) :] = torch.tensor(p)
-            attention_mask[i, width - len(p) :] = 1
-        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
-        position_ids = position_ids_from_mask(attention_mask)
+        input_ids, attention_mask, position_ids = self._left_padded(prompts)
 
         temps = torch.tensor([r.params.temperature for r in batch], dtype=torch.float32, device=device)
         greedy = temps == 0
@@ -576,20 +570,24 @@ class HFInferenceEngine(InferenceClient):
             out.append((text, reason, ids, logprobs, versions_out[b][:len(ids)]))  # a stop string may cut it
         return out
 
-    def _prefill_again(self, batch: list[_Request], active: list[int],
-                       tokens_out: list[list[int]]) -> tuple[Any, torch.Tensor, torch.Tensor]:
-        """A new session holding the running requests' prompts and tokens so far, prefilled by the
-        current weights; its logits of each request's next token and next positions."""
-        device = self.device
-        rows = [batch[b].prompt_ids + tokens_out[b] for b in active]
+    def _left_padded(self, rows: list[Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Token id rows left-padded to one width on the engine's device: ids, mask, positions."""
         width = max(len(r) for r in rows)
         input_ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
         attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
         for i, r in enumerate(rows):
             input_ids[i, width - len(r):] = torch.tensor(r)
             attention_mask[i, width - len(r):] = 1
-        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
-        position_ids = position_ids_from_mask(attention_mask)
+        input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
+        return input_ids, attention_mask, position_ids_from_mask(attention_mask)
+
+    def _prefill_again(self, batch: list[_Request], active: list[int],
+                       tokens_out: list[list[int]]) -> tuple[Any, torch.Tensor, torch.Tensor]:
+        """A new session holding the running requests' prompts and tokens so far, prefilled by the
+        current weights; its logits of each request's next token and next positions."""
+        rows = [batch[b].prompt_ids + tokens_out[b] for b in active]
+        width = max(len(r) for r in rows)
+        input_ids, attention_mask, position_ids = self._left_padded(rows)
         capacity = width + max(batch[b].max_new_tokens - len(tokens_out[b]) for b in active)
         session = self.decoder(tokens=self.decoder.footprint(len(rows), capacity))
         logits = session.prefill(input_ids, attention_mask, position_ids, capacity=capacity)
