@@ -17,7 +17,7 @@ from .evaluation import BaseEvaluationTarget, EvaluationRunResult, Evaluator
 from .protocols import TaskSource, TrajectorySink, WeightSyncHandle, wired
 from .runtime.eval_core import DEFAULT_DATA_SOURCE
 from .runtime.execute import execute
-from .runtime.inference import CompletionResult, InferenceClient, InferenceError, SamplingParams
+from .runtime.inference import CompletionResult, InferenceClient, InferenceError, SamplingParams, completion_record
 from .runtime.logs import failure_location, failure_signature, format_traceback
 from .runtime.threaded import ThreadedModule
 from .types import DEFAULT_MODEL_TAG, Trajectory
@@ -359,10 +359,7 @@ class BaseRolloutWorker(ThreadedModule):
         else:
             result = execute(client.complete, prompt, params)
         result.sampling = params.as_record()
-        self._last_completion = {"response": result.text, "prompt_token_ids": result.prompt_token_ids,
-                                 "response_token_ids": result.response_token_ids,
-                                 "response_logprobs": result.response_logprobs, "sampling": result.sampling,
-                                 "model_version": result.model_version, "token_versions": result.token_versions}
+        self._last_completion = completion_record(prompt, params, result)
         return result
 
     def sampling_params(self, task: dict[str, Any]) -> SamplingParams:

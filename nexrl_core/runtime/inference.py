@@ -163,6 +163,17 @@ class CompletionResult:
     sampling: dict[str, Any] | None = None
 
 
+def completion_record(prompt: Any, params: SamplingParams, result: CompletionResult,
+                      extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A completion as the seed's dict-shaped calls answer it (and what a worker's trajectory is
+    filled in from): the prompt, the reply with its tokens, log-probs and versions, and the
+    sampling record; ``extra``: keys passed through."""
+    return {"prompt": prompt, "response": result.text, "finish_reason": result.finish_reason,
+            "prompt_token_ids": result.prompt_token_ids, "response_token_ids": result.response_token_ids,
+            "response_logprobs": result.response_logprobs, "model_version": result.model_version,
+            "token_versions": result.token_versions, "sampling": params.as_record(), **(extra or {})}
+
+
 class InferenceError(RuntimeError):
     """An inference call failed for good (after retries) or got a bad answer."""
 
@@ -247,7 +258,7 @@ class InferenceClient(ABC):
         """The seed's dict-shaped call: sampling keys as keyword arguments."""
         known = {k: kwargs.pop(k) for k in list(kwargs) if k in SamplingParams.__dataclass_fields__}
         params = SamplingParams(**known).check()
-        return self._answer(prompt, params, self.complete(prompt, params), kwargs)
+        return completion_record(prompt, params, self.complete(prompt, params), kwargs)
 
     def generate(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
                  **kwargs: Any) -> dict[str, Any]:
@@ -257,15 +268,8 @@ class InferenceClient(ABC):
         known = {k: kwargs.pop(k) for k in list(kwargs) if k in SamplingParams.__dataclass_fields__}
         params = SamplingParams(**known).check()
         result = self.chat(messages, params, tools)
-        return {"messages": messages, "tool_calls": result.tool_calls, **self._answer(messages, params, result, kwargs)}
-
-    @staticmethod
-    def _answer(prompt: Any, params: SamplingParams, result: CompletionResult, extra: dict[str, Any]) -> dict[str, Any]:
-        return {"prompt": prompt, "response": result.text, "finish_reason": result.finish_reason,
-                "prompt_token_ids": result.prompt_token_ids, "response_token_ids": result.response_token_ids,
-                "response_logprobs": result.response_logprobs, "model_version": result.model_version,
-                "token_versions": result.token_versions,
-                "sampling": params.as_record(), **extra}
+        return {"messages": messages, "tool_calls": result.tool_calls,
+                **completion_record(messages, params, result, kwargs)}
 
     def get_model_tag(self) -> str:
         return self.model_tag
