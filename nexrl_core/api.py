@@ -28,7 +28,6 @@ def run(config: str | os.PathLike[str] | Mapping[str, Any], overrides: Sequence[
     command line. A bad recipe raises :class:`~nexrl_core.ConfigError` listing every problem
     ``nexrl validate`` reports; a failed run raises :class:`~nexrl_core.RunFailed`. The run
     directory gets the same files as with ``nexrl run`` (metrics.jsonl, run.log, run.json, ...)."""
-    from .errors import NexRLError, exit_code
     from .launch.prologue import LIBRARY_RECIPE, library_argv, load_mapping, start_run
     from .launch.recipe import load_recipe
     from .plugins import get_plugin_manager
@@ -43,10 +42,9 @@ def run(config: str | os.PathLike[str] | Mapping[str, Any], overrides: Sequence[
     try:
         summary = run_started(started, listeners)
     except BaseException as exc:
-        message = str(exc) if isinstance(exc, NexRLError) else f"{type(exc).__name__}: {exc}"
-        started.record.finish("failed", exit_code(exc), started.final_step(), message)
+        started.finish(error=exc)
         raise
-    started.record.finish(summary.stopped_by, 0, summary.global_step, None)
+    started.finish(summary)
     return summary
 
 

@@ -17,7 +17,7 @@ from loguru import logger
 from omegaconf import DictConfig
 
 from .checkpoint import find_latest_checkpoint
-from .errors import NexRLError, exit_code
+from .errors import NexRLError
 from .launch import create_resource_manager
 from .launch.preflight import dataloader_config, records_config, require_runnable, resume_checkpoint
 from .launch.prologue import is_loaded, seed_origin, start_run
@@ -240,12 +240,11 @@ class NexRLController:
         except BaseException as exc:
             self._seed_failed(exc)
             raise
-        self._seed_run.record.finish(summary.stopped_by, 0, summary.global_step, None)
+        self._seed_run.finish(summary)
         return summary
 
     def _seed_failed(self, exc: BaseException) -> None:
-        message = str(exc) if isinstance(exc, NexRLError) else f"{type(exc).__name__}: {exc}"
-        self._seed_run.record.finish("failed", exit_code(exc), self._final_step, message)
+        self._seed_run.finish(error=exc, step=self._final_step)
 
     def _run(self) -> RunSummary:
         stopped_by, error = "finished", None

@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..errors import NexRLError, exit_code
 from ..runtime.run_info import RunRecord, write_config
 from ..runtime.run_log import prepare_run_dir, setup_logging
 from .preflight import require_runnable, resume_checkpoint
@@ -35,6 +36,15 @@ class StartedRun:
     @property
     def run_dir(self) -> str:
         return str(self.cfg.run_dir)
+
+    def finish(self, summary: Any = None, error: BaseException | None = None, step: int | None = None) -> None:
+        """Complete run.json: with the run's summary, or as failed with ``error`` (at ``step``, else
+        the last step the run reached)."""
+        if error is None:
+            self.record.finish(summary.stopped_by, 0, summary.global_step, None)
+            return
+        message = str(error) if isinstance(error, NexRLError) else f"{type(error).__name__}: {error}"
+        self.record.finish("failed", exit_code(error), self.final_step() if step is None else step, message)
 
     def final_step(self, otherwise: int | None = None) -> int | None:
         """The last step the run reached (``otherwise`` before any attempt was built)."""
