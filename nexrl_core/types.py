@@ -52,6 +52,7 @@ class Trajectory(TypedDict, total=False):
     error_traceback: str
     # set by the trainer
     advantage: float
+    logprob_gap: Mapping[str, float | int | str]  # largest |trainer - rollout log-prob| (sample_logprob_gaps), its token
 
 
 DEFAULT_MODEL_TAG: ModelTag = "default"

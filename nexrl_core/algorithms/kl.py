@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Mapping
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import numpy as np
 
-from ..config.options import Option, option_defaults
+from ..config.options import option_defaults
+from ..config.settings import Settings, setting
 
 KL_KINDS = {"kl": "k1", "k1": "k1", "abs": "abs", "mse": "k2", "k2": "k2", "low_var_kl": "k3", "k3": "k3"}
 
@@ -79,20 +81,26 @@ class AdaptiveKLController:
         self.value *= 1.0 + proportional_error * n_steps / self.horizon
 
 
-KL_CTRL_OPTIONS = {
-    "type": Option("fixed", str, "fixed: constant coefficient; adaptive: steered towards target_kl",
-                   choices=("fixed", "adaptive")),
-    "kl_coef": Option(0.001, float, "KL coefficient (the initial one when adaptive)", ge=0),
-    "target_kl": Option(0.1, float, "adaptive: the KL the coefficient steers towards", gt=0, needs=".type == adaptive"),
-    "horizon": Option(10000.0, float, "adaptive: samples over which the coefficient adapts", gt=0,
-                      needs=".type == adaptive"),
-}
+@dataclass(frozen=True, kw_only=True)
+class KlCtrlSettings(Settings):
+    """``kl_ctrl``: how the KL coefficient of the reward penalty moves."""
+
+    type: Literal["fixed", "adaptive"] = setting("fixed", "fixed: constant coefficient; adaptive: steered towards "
+                                                          "target_kl")
+    kl_coef: float = setting(0.001, "KL coefficient (the initial one when adaptive)", ge=0)
+    target_kl: float = setting(0.1, "adaptive: the KL the coefficient steers towards", gt=0,
+                               needs=".type == adaptive")
+    horizon: float = setting(10000.0, "adaptive: samples over which the coefficient adapts", gt=0,
+                             needs=".type == adaptive")
+
+
+KL_CTRL_OPTIONS = KlCtrlSettings.options()
 KL_CTRL_DEFAULTS = option_defaults(KL_CTRL_OPTIONS)
 
 
-def get_kl_controller(config: Mapping[str, Any] | Any) -> FixedKLController | AdaptiveKLController:
-    """A controller from a ``kl_ctrl`` mapping (keys and defaults: :data:`KL_CTRL_DEFAULTS`)."""
-    cfg = {**KL_CTRL_DEFAULTS, **dict(config or {})}
+def get_kl_controller(config: KlCtrlSettings | Mapping[str, Any] | None) -> FixedKLController | AdaptiveKLController:
+    """A controller from ``kl_ctrl`` settings, or a mapping of them (keys and defaults: :data:`KL_CTRL_DEFAULTS`)."""
+    cfg = {**KL_CTRL_DEFAULTS, **(config.to_dict() if isinstance(config, KlCtrlSettings) else dict(config or {}))}
 
     def number(name: str) -> float:
         value = cfg[name]

@@ -24,47 +24,64 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, get_args
 
 import numpy as np
 
 from ..config.bound import declared_value
 from ..config.options import Option, option_defaults
+from ..config.settings import Settings, setting
 from .advantages import group_stats
 
-NORM_MODES = ("none", "group", "batch", "running")
-OVERLONG_MODES = ("keep", "mask", "score")
+NormMode = Literal["none", "group", "batch", "running"]
+OverlongMode = Literal["keep", "mask", "score"]
+NORM_MODES: tuple[str, ...] = get_args(NormMode)
+OVERLONG_MODES: tuple[str, ...] = get_args(OverlongMode)
 
 
-def _positive(value: Any) -> str | None:
+def _positive(value: float | None) -> str | None:
     return None if value is None or value > 0 else f"expected a positive number or null, got {value!r}"
 
 
 # A domain's overrides inherit these keys: with domains, the top-level ones may act there.
 _NORMALISES = (".norm != none or .domains", ".norm != null or .domains")
 
-REWARD_OPTIONS: dict[str, Option] = {
-    "overlong": Option("keep", str, "responses cut off by the token limit: keep (train on them as scored) | mask "
-                                    "(leave them out of the loss) | score (their reward becomes overlong_reward)",
-                       choices=OVERLONG_MODES),
-    "overlong_reward": Option(0.0, float, "the reward of a cut-off response with overlong: score",
-                              needs=".overlong == score or .domains"),
-    "mask_flat_groups": Option(False, bool, "leave groups whose rewards are all equal out of the loss"),
-    "norm": Option("none", (str, None), "reward normalisation: none | group (per prompt) | batch (the domain's "
-                                        "rows of the batch) | running (every reward seen so far)",
-                   choices=NORM_MODES),
-    "norm_mean": Option(True, bool, "normalising subtracts the mean", needs=_NORMALISES),
-    "norm_std": Option(True, bool, "normalising divides by the standard deviation (+ epsilon)", needs=_NORMALISES),
-    "epsilon": Option(1e-6, float, "added to the standard deviation", gt=0, needs=_NORMALISES),
-    "clip": Option(None, float, "clamp rewards to [-clip, clip] after normalising (null: no clip)", check=_positive),
-    "scale": Option(1.0, float, "multiply rewards by this after clipping (a domain's weight)"),
-}
 
-REWARD_PROCESSING_OPTIONS: dict[str, Option] = {
-    **REWARD_OPTIONS,
-    "domains": Option({}, dict, "per-domain overrides of these keys: {<domain>: {norm: group, ...}}",
-                      values=Option(options=REWARD_OPTIONS, help="the keys above, for one domain")),
-}
+@dataclass(frozen=True, kw_only=True)
+class RewardSettings(Settings):
+    """One domain's reward processing (the top-level keys of ``reward_processing``, or a domain's)."""
+
+    overlong: OverlongMode = setting("keep", "responses cut off by the token limit: keep (train on them as scored) | "
+                                             "mask (leave them out of the loss) | score (their reward becomes "
+                                             "overlong_reward)")
+    overlong_reward: float = setting(0.0, "the reward of a cut-off response with overlong: score",
+                                     needs=".overlong == score or .domains")
+    mask_flat_groups: bool = setting(False, "leave groups whose rewards are all equal out of the loss")
+    # str, not NormMode | None: null is accepted (as none) but is not one of the modes a message lists.
+    norm: str | None = setting("none", "reward normalisation: none | group (per prompt) | batch (the domain's rows "
+                                       "of the batch) | running (every reward seen so far)", choices=NORM_MODES)
+    norm_mean: bool = setting(True, "normalising subtracts the mean", needs=_NORMALISES)
+    norm_std: bool = setting(True, "normalising divides by the standard deviation (+ epsilon)", needs=_NORMALISES)
+    epsilon: float = setting(1e-6, "added to the standard deviation", gt=0, needs=_NORMALISES)
+    clip: float | None = setting(None, "clamp rewards to [-clip, clip] after normalising (null: no clip)",
+                                 check=_positive)
+    scale: float = setting(1.0, "multiply rewards by this after clipping (a domain's weight)")
+
+
+REWARD_OPTIONS: dict[str, Option] = RewardSettings.options()
+
+
+@dataclass(frozen=True, kw_only=True)
+class RewardProcessingSettings(RewardSettings):
+    """``reward_processing``: the keys of :class:`RewardSettings` and each domain's overrides of them."""
+
+    # A domain's overrides are partial (the others inherit the top-level values), so each is a
+    # mapping the recipe check holds to REWARD_OPTIONS, key by key.
+    domains: dict[str, object] = setting({}, "per-domain overrides of these keys: {<domain>: {norm: group, ...}}",
+                                         values=Option(options=REWARD_OPTIONS, help="the keys above, for one domain"))
+
+
+REWARD_PROCESSING_OPTIONS: dict[str, Option] = RewardProcessingSettings.options()
 
 REWARD_PROCESSING_DEFAULTS: dict[str, Any] = option_defaults(REWARD_OPTIONS)
 _POSTPROCESS_KEYS = ("overlong", "overlong_reward", "norm", "norm_mean", "norm_std", "epsilon", "clip", "scale")
@@ -265,8 +282,8 @@ class RewardProcessor:
     one; :meth:`state_dict` goes into its checkpoint, so a resumed run normalises as an
     uninterrupted one)."""
 
-    def __init__(self, options: Mapping[str, Any] | None = None):
-        self.options = dict(options or {})
+    def __init__(self, options: RewardProcessingSettings | Mapping[str, Any] | None = None):
+        self.options = options.to_dict() if isinstance(options, RewardProcessingSettings) else dict(options or {})
         self.running: dict[str | None, RunningMoments] = {}
 
     def __call__(self, rewards: np.ndarray, group_ids: Sequence[Hashable], truncated: np.ndarray,

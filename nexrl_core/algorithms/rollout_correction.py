@@ -9,17 +9,25 @@ per-token correction weights.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
-from ..config.options import Option, option_defaults
+from ..config.options import option_defaults
+from ..config.settings import Settings, setting
 from .kl import kl_penalty
 
-ROLLOUT_CORRECTION_OPTIONS = {
-    "enabled": Option(False, bool, "weight each token's loss by its truncated importance ratio "
-                                   "exp(trainer - rollout log-prob), capped at cap"),
-    "cap": Option(2.0, float, "truncation of the importance weights", ge=1, needs=".enabled"),
-}
+
+@dataclass(frozen=True, kw_only=True)
+class RolloutCorrectionSettings(Settings):
+    """``rollout_correction``: truncated importance sampling against the rollout's log-probs."""
+
+    enabled: bool = setting(False, "weight each token's loss by its truncated importance ratio "
+                                   "exp(trainer - rollout log-prob), capped at cap")
+    cap: float = setting(2.0, "truncation of the importance weights", ge=1, needs=".enabled")
+
+
+ROLLOUT_CORRECTION_OPTIONS = RolloutCorrectionSettings.options()
 ROLLOUT_CORRECTION_DEFAULTS = option_defaults(ROLLOUT_CORRECTION_OPTIONS)
 
 

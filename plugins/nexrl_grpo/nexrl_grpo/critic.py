@@ -13,38 +13,49 @@ from __future__ import annotations
 
 import copy
 import json
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import save_file
 
-from nexrl_core import Option
+from nexrl_core import Settings, setting
 from nexrl_torch.logprobs import position_ids_from_mask
 from nexrl_torch.models import DEVICE_HELP, device_problem
 from nexrl_torch.train.service import LocalTorchTrainService
 
-from .losses import LOSS_AGG_MODES
+from .losses import LossAggMode
 
-CRITIC_OPTIONS = {
-    "lr": Option(1e-5, float, "the critic's AdamW learning rate", gt=0),
-    "weight_decay": Option(0.0, float, "the critic's AdamW weight decay", ge=0),
-    "grad_clip": Option(1.0, float, "the critic's gradient-norm clip (<= 0: none)"),
-    "value_clip": Option(0.5, (float, None), "clip range of the new values around the old ones in the value "
-                                             "loss (null: unclipped)", gt=0),
-    "loss_agg_mode": Option("token-mean", str, "how the value loss's tokens reduce", choices=LOSS_AGG_MODES),
-    "micro_batch_size": Option(None, int, "rows per critic forward (null: service.train_service."
-                                          "micro_batch_size)", ge=1),
-    "device": Option(None, (str, None), f"where the value model lives (null: the policy's device; {DEVICE_HELP})",
-                     check=device_problem),
-}
 
-# algorithm.* keys the GRPO trainer reads when the estimator needs values (ALGORITHM_INPUTS).
-CRITIC_ALGORITHM_OPTIONS = {
-    "critic_warmup": Option(0, int, "the first N training steps update only the critic (the policy waits for "
-                                    "a value function worth following)", ge=0),
-    "critic": Option(options=CRITIC_OPTIONS, help="the value model trained alongside the policy"),
-}
+@dataclass(frozen=True, kw_only=True)
+class CriticSettings(Settings):
+    """``algorithm.critic``: the value model and its optimizer."""
+
+    lr: float = setting(1e-5, "the critic's AdamW learning rate", gt=0)
+    weight_decay: float = setting(0.0, "the critic's AdamW weight decay", ge=0)
+    grad_clip: float = setting(1.0, "the critic's gradient-norm clip (<= 0: none)")
+    value_clip: float | None = setting(0.5, "clip range of the new values around the old ones in the value loss "
+                                            "(null: unclipped)", gt=0)
+    loss_agg_mode: LossAggMode = setting("token-mean", "how the value loss's tokens reduce")
+    micro_batch_size: int | None = setting(None, "rows per critic forward (null: service.train_service."
+                                                 "micro_batch_size)", ge=1)
+    device: str | None = setting(None, f"where the value model lives (null: the policy's device; {DEVICE_HELP})",
+                                 check=device_problem)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CriticAlgorithmSettings(Settings):
+    """The ``algorithm.*`` keys the GRPO trainer reads when the estimator needs values (ALGORITHM_INPUTS)."""
+
+    critic_warmup: int = setting(0, "the first N training steps update only the critic (the policy waits for a "
+                                    "value function worth following)", ge=0)
+    critic: CriticSettings = setting(CriticSettings, "the value model trained alongside the policy")
+
+
+CRITIC_OPTIONS = CriticSettings.options()
+CRITIC_ALGORITHM_OPTIONS = CriticAlgorithmSettings.options()
 
 
 class ValueModel(torch.nn.Module):
@@ -97,7 +108,7 @@ class CriticService(LocalTorchTrainService):
     process's RNG state belongs to the policy's checkpoint and is not written twice.
     """
 
-    def __init__(self, config: dict[str, Any], *, model: ValueModel, tokenizer: Any):
+    def __init__(self, config: Mapping[str, Any], *, model: ValueModel, tokenizer: Any):
         # Padded forwards only (packing computes log-probs), and no reseeding of the process's RNGs.
         super().__init__({**config, "packing": False, "seed": None}, model=model, tokenizer=tokenizer)
 

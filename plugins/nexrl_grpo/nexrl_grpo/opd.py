@@ -36,7 +36,7 @@ from nexrl_core import Batch, ConfigError, Settings, algorithms, setting
 from nexrl_torch.train.service import ROW_OUTPUTS
 
 from .losses import MAX_LOG_RATIO, LossAggMode, LossContext, _aggregate, _clipped_surrogate, masked_mean
-from .trainers import SelfHostedTrainer, TrajectoryView, served_log_probs
+from .trainers import LossFn, SelfHostedTrainer, TrajectoryView, served_log_probs
 
 TEACHER = "service.reference_service"
 # Rounding slack of a fraction times a token count (0.29 * 100 is 28.999999999999996 in floats).
@@ -182,7 +182,7 @@ class SelfHostedOpdTrainer(SelfHostedTrainer):
     # The teacher is the reference service; this trainer always scores against it.
     REFERENCE_SERVICE_NEEDS = "algorithm.kl_coef > 0"
 
-    def __init__(self, config: Any):
+    def __init__(self, config: Mapping[str, Any]):
         super().__init__(config)
         self._settings: OpdSettings | None = None
         self.teacher: Any = None  # service.reference_service's client
@@ -259,10 +259,8 @@ class SelfHostedOpdTrainer(SelfHostedTrainer):
             view = TrajectoryView(batch.metadata["row_trajectory"], trained.shape[1])
             select = view.scatter(token_range_mask(view.gather(select), tokens.start, tokens.end))
         if self._ppo_epochs > 1 or (quantiles.start, quantiles.end) != (0.0, 1.0):
-            if self.train_service is None:
-                raise ConfigError("the OPD trainer's train service is not built: call initialize_workers first")
             tensors = {k: x for k, x in v.items() if isinstance(x, torch.Tensor)}
-            v["old_log_probs"] = self.train_service.forward(tensors)
+            v["old_log_probs"] = self.service.forward(tensors)
         if (quantiles.start, quantiles.end) != (0.0, 1.0):
             kl = (v["old_log_probs"] - v["teacher_log_probs"]).numpy()
             select = kl_quantile_mask(kl, select, quantiles.start, quantiles.end)
@@ -272,7 +270,7 @@ class SelfHostedOpdTrainer(SelfHostedTrainer):
                    "train/opd_teacher_logprob_mean": float(masked_mean(v["teacher_log_probs"], trained))}
         return batch, metrics
 
-    def _loss_fn(self, batch: Batch):
+    def _loss_fn(self, batch: Batch) -> LossFn:
         settings = self.settings
         clip = (settings.clip.ratio_low, settings.clip.ratio_high) if settings.clip.enabled else None
         max_response_length = settings.max_response_length or batch.metadata["max_tokens"]

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import time
 from abc import abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 import numpy as np
 import torch
@@ -19,12 +20,13 @@ from nexrl_core import (
     ConfigError,
     DataError,
     InferenceError,
+    NexRLError,
     Option,
     SamplingParams,
+    Settings,
     Trajectory,
     algorithms,
-    bind,
-    component_options,
+    setting,
     trajectory_reward,
     trajectory_segments,
 )
@@ -32,12 +34,15 @@ from nexrl_torch.logprobs import compute_response_logprobs, position_ids_from_ma
 from nexrl_torch.models import DEVICE_HELP, device_problem, resolve_device
 from nexrl_torch.train.service import BATCH_FORMAT, ROW_OUTPUTS, LocalTorchTrainService, export_model_folder
 
-from .critic import CRITIC_ALGORITHM_OPTIONS, CriticService, ValueModel
+from .critic import CRITIC_ALGORITHM_OPTIONS, CriticAlgorithmSettings, CriticService, ValueModel
 from .losses import LossContext, agg_loss, behaviour_weights, kl_loss, masked_mean, value_loss
 
 CRITIC_FOLDER = "critic"  # inside a checkpoint folder, next to the policy's files
 KL_AGG_MODE_WITHOUT_LOSS_MODE = "token-mean"  # the KL term's reduction when the policy loss declares no mode
-OBJECTIVES = ("standard", "decoupled")  # algorithm.objective
+Objective = Literal["standard", "decoupled"]  # algorithm.objective
+OBJECTIVES: tuple[str, ...] = get_args(Objective)
+# What a self-hosted trainer hands its train service: micro-batch log-probs -> (loss, metrics).
+LossFn = Callable[[torch.Tensor, dict[str, Any]], tuple[torch.Tensor, dict[str, Any]]]
 
 
 def _record_advantages(trajectories: list[Trajectory], advantages: torch.Tensor, mask: torch.Tensor,
@@ -160,7 +165,7 @@ class SelfHostedTrainer(BaseTrainer):
         requires={"weight_sync:state_dict": "it trains new weights in this process, and without a backend that "
                                             "moves them, rollouts keep sampling the initial model"})
 
-    def __init__(self, config: Any):
+    def __init__(self, config: Mapping[str, Any]):
         super().__init__(config)
         self._algorithm = self._full_config["algorithm"]
         self.train_service: LocalTorchTrainService | None = None
@@ -171,11 +176,22 @@ class SelfHostedTrainer(BaseTrainer):
         if self.train_service is not None:
             return
         t0 = time.perf_counter()
-        self.train_service = self.create_train_service()
-        tok = self.train_service.tokenizer
+        service = self.create_train_service()
+        if not isinstance(service, LocalTorchTrainService):
+            raise ConfigError(f"service.train_service.backend: {type(self).__name__} trains through nexrl-torch's "
+                              f"LocalTorchTrainService (its tokenizer, checkpoints and frozen copies), not "
+                              f"{type(service).__name__}")
+        self.train_service = service
+        tok = service.tokenizer
         self.pad_token_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-        logger.info(f"train service ready ({self.train_service.config.get('model_path')}, "
-                    f"{time.perf_counter() - t0:.1f}s)")
+        logger.info(f"train service ready ({service.config.get('model_path')}, {time.perf_counter() - t0:.1f}s)")
+
+    @property
+    def service(self) -> LocalTorchTrainService:
+        """The train service :meth:`initialize_workers` built."""
+        if self.train_service is None:
+            raise NexRLError(f"{type(self).__name__} has no train service yet: call initialize_workers first")
+        return self.train_service
 
     # -- trajectories -> tensors -------------------------------------------------------
     def _token_ids(self, traj: Trajectory) -> tuple[list[int], list[int]]:
@@ -195,8 +211,11 @@ class SelfHostedTrainer(BaseTrainer):
         except ValueError as exc:
             raise DataError(str(exc)) from None
         for seg in segments:  # a single sequence is the trajectory's own keys (SFT may tokenize its text)
-            source = {**seg, "uid": traj.get("uid"), "sample_index": traj.get("sample_index")} \
-                if traj.get("segments") else traj
+            source: Trajectory = traj
+            if traj.get("segments"):
+                source = {"uid": traj.get("uid"), "sample_index": traj.get("sample_index"),
+                          "prompt_token_ids": seg["prompt_token_ids"], "response_token_ids": seg["response_token_ids"],
+                          "response_logprobs": seg["response_logprobs"], "loss_mask": seg["loss_mask"]}
             seg["prompt_token_ids"], seg["response_token_ids"] = self._token_ids(source)
         return segments
 
@@ -278,7 +297,7 @@ class SelfHostedTrainer(BaseTrainer):
         """Algorithm-specific preparation: sets ``batch.values["advantages"]`` (one number per row,
         or one per response token) for the default loss; returns the batch and its metrics."""
 
-    def _loss_fn(self, batch: Batch):
+    def _loss_fn(self, batch: Batch) -> LossFn:
         """The ``loss_fn(log_probs, micro_batch)`` handed to the train service. This default is
         the policy gradient of ``advantages`` (on-policy: one update per batch), averaged over the
         trained tokens; an algorithm with its own loss overrides it."""
@@ -286,7 +305,7 @@ class SelfHostedTrainer(BaseTrainer):
             raise ConfigError(f"{type(self).__name__}._prepare_batch set no batch.values['advantages']: the default "
                               f"loss (SelfHostedTrainer._loss_fn) trains on them; set them or override _loss_fn")
 
-        def loss_fn(log_probs: torch.Tensor, mb: dict[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
+        def loss_fn(log_probs: torch.Tensor, mb: dict[str, Any]) -> tuple[torch.Tensor, dict[str, Any]]:
             loss = agg_loss(-mb["advantages"] * log_probs, mb["response_mask"], "token-mean",
                             batch_num_tokens=mb["batch_num_tokens"])
             return loss, {"pg_loss": float(loss.detach())}
@@ -332,30 +351,24 @@ class SelfHostedTrainer(BaseTrainer):
         """``ppo_epochs`` updates of the model on the batch; the last one's metrics, as ``train/*``
         (the loss's per-row values of the first, from the weights the step started with, go to
         ``batch.metadata[ROW_OUTPUTS]``)."""
-        out: dict[str, float] = {}
+        out: dict[str, Any] = {}
         for epoch in range(self._ppo_epochs):
-            out = self.train_service.forward_backward(tensors, self._loss_fn(batch))
+            out = self.service.forward_backward(tensors, self._loss_fn(batch))
             rows = out.pop(ROW_OUTPUTS, None)
             if epoch == 0 and rows:
                 batch.metadata[ROW_OUTPUTS] = rows
-            out.update(self.train_service.optim_step())
+            out.update(self.service.optim_step())
         return {f"train/{k}": float(v) for k, v in out.items()}
 
     # -- state ------------------------------------------------------------------------------
     def export_weights(self) -> dict[str, Any]:
-        return self.train_service.export_weights()
+        return self.service.export_weights()
 
     def export_adapter(self, folder: str) -> None:
-        export = getattr(self.train_service, "export_adapter", None)
-        if export is None:
-            raise NotImplementedError(f"train service {type(self.train_service).__name__} has no LoRA adapter")
-        export(folder)
+        self.service.export_adapter(folder)
 
     def score(self, requests: list[tuple[list[int], list[int], float]]) -> list[list[float]]:
-        score = getattr(self.train_service, "score", None)
-        if score is None:
-            raise NotImplementedError(f"train service {type(self.train_service).__name__} cannot score tokens")
-        return score(requests)
+        return self.service.score(requests)
 
     def close(self) -> None:
         if self.train_service is not None:
@@ -372,12 +385,63 @@ class SelfHostedTrainer(BaseTrainer):
         export_model_folder(checkpoint, out, dtype, merged=merged)
 
     def save_model_state(self, folder: str) -> None:
-        self.train_service.save_checkpoint(folder, extra_state={"algorithm": self.algorithm_state()})
+        self.service.save_checkpoint(folder, extra_state={"algorithm": self.algorithm_state()})
 
     def load_model_state(self, folder: str) -> None:
         self.initialize_workers()
-        extra = self.train_service.load_checkpoint(folder)
+        extra = self.service.load_checkpoint(folder)
         self.load_algorithm_state(extra.get("algorithm", {}))
+
+
+@dataclass(frozen=True, kw_only=True)
+class GrpoSettings(Settings):
+    """The ``algorithm.*`` keys ``self_hosted_grpo`` reads itself (the selected estimator and policy loss
+    declare theirs, :mod:`nexrl_core.algorithms.registry`)."""
+
+    type: str = setting("grpo", "advantage estimator, by registered name (nexrl_advantage_estimators)")
+    policy_loss: str = setting("ppo_clip", "policy loss, by registered name (nexrl_policy_losses)")
+    ppo_epochs: int = setting(1, "updates per batch (1: on-policy, the ratio is exactly 1)", ge=1)
+    use_kl_in_reward: bool = setting(False, "subtract beta * KL(policy || initial model) from the reward")
+    kl_penalty: str = setting("kl", "KL estimator of the reward penalty", choices=tuple(algorithms.KL_KINDS),
+                              needs="algorithm.use_kl_in_reward")
+    kl_ctrl: algorithms.KlCtrlSettings = setting(algorithms.KlCtrlSettings, "the reward penalty's KL coefficient "
+                                                                            "controller",
+                                                 needs="algorithm.use_kl_in_reward")
+    use_kl_loss: bool = setting(False, "add kl_loss_coef * KL(policy || initial model) to the loss")
+    kl_loss_coef: float = setting(0.001, "coefficient of the KL loss term", ge=0, needs="algorithm.use_kl_loss")
+    kl_loss_type: str = setting("low_var_kl", "KL estimator of the loss term", choices=tuple(algorithms.KL_KINDS),
+                                needs="algorithm.use_kl_loss")
+    ref_device: str | None = setting(None, f"device of the frozen KL reference model (null: the policy's; "
+                                           f"{DEVICE_HELP})", check=device_problem,
+                                     needs=("algorithm.use_kl_in_reward or algorithm.use_kl_loss",
+                                            "service.reference_service == null"))
+    max_response_length: int | None = setting(None, "loss normaliser of the *-norm aggregation modes "
+                                                    "(null: rollout_worker.sampling.max_tokens)", ge=1)
+    rollout_correction: algorithms.RolloutCorrectionSettings = setting(
+        algorithms.RolloutCorrectionSettings, "truncated importance sampling against the rollout's log-probs")
+    objective: Objective = setting("standard", "standard: the policy loss as is; decoupled: AReaL's decoupled PPO "
+                                               "for stale samples: the ratio is taken against the proximal policy "
+                                               "(the weights the step starts from) and each token's loss is weighted "
+                                               "by min(pi_prox / pi_behav, behav_imp_weight_cap), pi_behav the "
+                                               "sampler's log-prob of the token")
+    behav_imp_weight_cap: float = setting(5.0, "truncation of the decoupled objective's behaviour importance weight "
+                                               "pi_prox / pi_behav", ge=1, needs="algorithm.objective == decoupled")
+    reward_processing: algorithms.RewardProcessingSettings = setting(
+        algorithms.RewardProcessingSettings, "sample-level masks and reward normalisation / clipping / scaling, "
+                                             "before advantages; per domain with domains.<name>")
+
+
+@dataclass(frozen=True)
+class GrpoAlgorithm:
+    """What a GRPO trainer resolves of its ``algorithm`` section, once: it needs the algorithm
+    registry, which the launcher hands in after construction (a selected function may recommend
+    defaults for the trainer's own keys)."""
+
+    selection: algorithms.AlgorithmSelection
+    settings: GrpoSettings
+    critic: CriticAlgorithmSettings | None  # with an estimator that needs values
+    kl_ctrl: algorithms.FixedKLController | algorithms.AdaptiveKLController
+    reward_processor: algorithms.RewardProcessor
 
 
 class SelfHostedGrpoTrainer(SelfHostedTrainer):
@@ -400,39 +464,9 @@ class SelfHostedGrpoTrainer(SelfHostedTrainer):
     """
 
     ALGORITHM_OPTIONS = {
-        "type": Option("grpo", str, "advantage estimator, by registered name (nexrl_advantage_estimators)"),
-        "policy_loss": Option("ppo_clip", str, "policy loss, by registered name (nexrl_policy_losses)"),
+        **GrpoSettings.options(),
         "adv_estimator": Option(removed="the advantage estimator is algorithm.type (verl's and ROLL's "
                                         "adv_estimator): rename the key"),
-        "ppo_epochs": Option(1, int, "updates per batch (1: on-policy, the ratio is exactly 1)", ge=1),
-        "use_kl_in_reward": Option(False, bool, "subtract beta * KL(policy || initial model) from the reward"),
-        "kl_penalty": Option("kl", str, "KL estimator of the reward penalty", choices=tuple(algorithms.KL_KINDS),
-                             needs="algorithm.use_kl_in_reward"),
-        "kl_ctrl": Option(options=algorithms.KL_CTRL_OPTIONS, help="the reward penalty's KL coefficient controller",
-                          needs="algorithm.use_kl_in_reward"),
-        "use_kl_loss": Option(False, bool, "add kl_loss_coef * KL(policy || initial model) to the loss"),
-        "kl_loss_coef": Option(0.001, float, "coefficient of the KL loss term", ge=0, needs="algorithm.use_kl_loss"),
-        "kl_loss_type": Option("low_var_kl", str, "KL estimator of the loss term", choices=tuple(algorithms.KL_KINDS),
-                               needs="algorithm.use_kl_loss"),
-        "ref_device": Option(None, (str, None), f"device of the frozen KL reference model (null: the policy's; "
-                                                f"{DEVICE_HELP})", check=device_problem,
-                             needs=("algorithm.use_kl_in_reward or algorithm.use_kl_loss",
-                                    "service.reference_service == null")),
-        "max_response_length": Option(None, int, "loss normaliser of the *-norm aggregation modes "
-                                                 "(null: rollout_worker.sampling.max_tokens)", ge=1),
-        "rollout_correction": Option(options=algorithms.ROLLOUT_CORRECTION_OPTIONS,
-                                     help="truncated importance sampling against the rollout's log-probs"),
-        "objective": Option("standard", str, "standard: the policy loss as is; decoupled: AReaL's decoupled "
-                                             "PPO for stale samples: the ratio is taken against the proximal "
-                                             "policy (the weights the step starts from) and each token's loss is "
-                                             "weighted by min(pi_prox / pi_behav, behav_imp_weight_cap), pi_behav "
-                                             "the sampler's log-prob of the token", choices=OBJECTIVES),
-        "behav_imp_weight_cap": Option(5.0, float, "truncation of the decoupled objective's behaviour importance "
-                                                   "weight pi_prox / pi_behav", ge=1,
-                                       needs="algorithm.objective == decoupled"),
-        "reward_processing": Option(options=algorithms.REWARD_PROCESSING_OPTIONS,
-                                    help="sample-level masks and reward normalisation / clipping / scaling, "
-                                         "before advantages; per domain with domains.<name>"),
     }
     ALGORITHM_SELECTORS = {"type": "advantage_estimator", "policy_loss": "policy_loss"}
     # The KL reference may be service.reference_service instead of a frozen copy held here; the
@@ -461,55 +495,67 @@ class SelfHostedGrpoTrainer(SelfHostedTrainer):
                             "weights each token by the sampler's log-prob of it")
         return problems
 
-    def __init__(self, config: Any):
+    def __init__(self, config: Mapping[str, Any]):
         super().__init__(config)
-        self._selection: algorithms.AlgorithmSelection | None = None
-        self._kl_ctrl: Any = None
-        self._reward_processor: algorithms.RewardProcessor | None = None
+        self._resolved: GrpoAlgorithm | None = None
         self._ref_model: torch.nn.Module | None = None
         self.reference_service: Any = None  # service.reference_service's client, when declared
         self.critic: CriticService | None = None
 
     @property
-    def selection(self) -> algorithms.AlgorithmSelection:
-        """The recipe's estimator, loss and every ``algorithm.*`` value (resolved once)."""
-        if self._selection is None:
+    def algorithm(self) -> GrpoAlgorithm:
+        """The recipe's estimator and loss, this trainer's typed settings and the state they build
+        (resolved once, when first read: the registry is handed in after construction)."""
+        if self._resolved is None:
             selection = algorithms.select_algorithms(type(self), self._algorithm, self.algorithm_registry)
-            self._kl_ctrl = algorithms.get_kl_controller(selection.options["kl_ctrl"])
-            self._reward_processor = algorithms.RewardProcessor(selection.options["reward_processing"])
-            self._ppo_epochs = int(selection.options["ppo_epochs"])
-            self._selection = selection
-        return self._selection
+            settings = GrpoSettings.own(selection.options, "algorithm")
+            critic = CriticAlgorithmSettings.own(selection.options, "algorithm") if selection.requires("values") \
+                else None
+            self._resolved = GrpoAlgorithm(selection, settings, critic, algorithms.get_kl_controller(settings.kl_ctrl),
+                                           algorithms.RewardProcessor(settings.reward_processing))
+            self._ppo_epochs = settings.ppo_epochs
+        return self._resolved
+
+    @property
+    def selection(self) -> algorithms.AlgorithmSelection:
+        """The recipe's estimator, loss and every ``algorithm.*`` value (theirs included)."""
+        return self.algorithm.selection
+
+    @property
+    def settings(self) -> GrpoSettings:
+        """This trainer's own ``algorithm.*`` keys, after the selected functions' recommended defaults."""
+        return self.algorithm.settings
 
     def initialize_workers(self) -> None:
-        options = self.selection.options  # a bad algorithm section fails before the model loads
+        algorithm = self.algorithm  # a bad algorithm section fails before the model loads
+        settings = algorithm.settings
         super().initialize_workers()
-        use_kl = options["use_kl_in_reward"] or options["use_kl_loss"]
+        policy = self.service
+        use_kl = settings.use_kl_in_reward or settings.use_kl_loss
         if use_kl and self.reference_service is None and self._ref_model is None:
             self.reference_service = self.create_reference_service()
         if use_kl and self.reference_service is None and self._ref_model is None:
-            device = resolve_device(options["ref_device"]) if options["ref_device"] else self.train_service.device
-            self._ref_model = self.train_service.frozen_copy(device)
-        if self.selection.requires("values") and self.critic is None:
-            if getattr(self.train_service, "ranks", None) is not None:
-                raise ConfigError(f"algorithm.type '{self.selection.functions['type'].name}' trains a critic in the "
-                                  f"trainer's process: service.train_service.world_size must be 1 with it")
-            critic = options["critic"]
-            # The policy's settings, as built (another service: the declared defaults of this plugin's own).
-            policy = self.train_service.config if isinstance(self.train_service, LocalTorchTrainService) else {}
-            service = bind(policy, component_options(LocalTorchTrainService), "service.train_service")
+            device = resolve_device(settings.ref_device) if settings.ref_device else policy.device
+            self._ref_model = policy.frozen_copy(device)
+        if algorithm.critic is not None and self.critic is None:
+            if policy.ranks is not None:
+                raise ConfigError(f"algorithm.type '{algorithm.selection.functions['type'].name}' trains a critic in "
+                                  f"the trainer's process: service.train_service.world_size must be 1 with it")
+            critic = algorithm.critic.critic
             # Its own optimizer settings; Adam's betas/eps and the micro-batch size default to the policy's.
-            config = {"lr": critic["lr"], "weight_decay": critic["weight_decay"], "grad_clip": critic["grad_clip"],
-                      "betas": service["betas"], "eps": service["eps"],
-                      "dtype": getattr(self.train_service, "dtype", service["dtype"]),  # auto resolved
-                      "device": critic["device"] or str(self.train_service.device),
-                      "micro_batch_size": critic["micro_batch_size"] or service["micro_batch_size"]}
-            self.critic = CriticService(config, model=ValueModel.from_causal_lm(self.train_service.model),
-                                        tokenizer=self.train_service.tokenizer)
+            config = {"lr": critic.lr, "weight_decay": critic.weight_decay, "grad_clip": critic.grad_clip,
+                      "betas": policy.config["betas"], "eps": policy.config["eps"],
+                      "dtype": policy.dtype,  # auto resolved
+                      "device": critic.device or str(policy.device),
+                      "micro_batch_size": critic.micro_batch_size or policy.config["micro_batch_size"]}
+            self.critic = CriticService(config, model=ValueModel.from_causal_lm(policy.model),
+                                        tokenizer=policy.tokenizer)
 
     def _ref_log_probs(self, batch: Batch) -> torch.Tensor:
         if self.reference_service is not None:
             return self._served_ref_log_probs(batch)
+        if self._ref_model is None:
+            raise NexRLError(f"{type(self).__name__} has no KL reference yet: call initialize_workers first")
         device = next(self._ref_model.parameters()).device
         v = {k: batch.values[k].to(device) for k in ("input_ids", "attention_mask", "position_ids", "temperature")}
         with torch.no_grad():
@@ -533,13 +579,14 @@ class SelfHostedGrpoTrainer(SelfHostedTrainer):
         (GAE, discounted returns) run over its trained tokens end to end, and each of its rows
         gets its part of the result. Untrained tokens (``response_mask`` 0) get no reward, value
         target or advantage."""
-        v, options, metrics = batch.values, self.selection.options, {}
+        v, algorithm, metrics = batch.values, self.algorithm, {}
+        settings = algorithm.settings
         mask = v["response_mask"]
         tensors = {k: x for k, x in v.items() if isinstance(x, torch.Tensor)}
-        if self._ppo_epochs > 1 or options["use_kl_in_reward"]:
+        if self._ppo_epochs > 1 or settings.use_kl_in_reward:
             # Needed before the first update: one no-grad forward, the same computation as training's.
-            v["old_log_probs"] = self.train_service.forward(tensors)
-        if options["use_kl_in_reward"] or options["use_kl_loss"]:
+            v["old_log_probs"] = self.service.forward(tensors)
+        if settings.use_kl_in_reward or settings.use_kl_loss:
             v["ref_log_probs"] = self._ref_log_probs(batch)
         if self.critic is not None:
             v["old_values"] = self.critic.forward(tensors)
@@ -549,19 +596,19 @@ class SelfHostedGrpoTrainer(SelfHostedTrainer):
         rewards = view.first(v["rewards"].numpy())
         # The seed's order: get_sample_level_mask -> reward_postprocess (per domain) ->
         # compute_token_reward (scores on the last token, KL penalty) -> compute_advantage.
-        processed = self._reward_processor(rewards, uids, view.first(batch.metadata["truncated"]),
+        processed = algorithm.reward_processor(rewards, uids, view.first(batch.metadata["truncated"]),
                                            view.first(batch.metadata["domains"]))
         metrics.update({f"train/{k}": float(x) for k, x in processed.metrics.items()})
         scores = processed.rewards.astype(rewards.dtype)
         token_rewards = algorithms.scores_to_token_level(scores, mask_np)
         v["token_level_scores"] = torch.from_numpy(view.scatter(token_rewards))
-        if options["use_kl_in_reward"]:
+        if settings.use_kl_in_reward:
             token_rewards, kl_metrics = algorithms.apply_kl_penalty(
                 token_rewards, view.gather(v["old_log_probs"].numpy()), view.gather(v["ref_log_probs"].numpy()),
-                mask_np, self._kl_ctrl, str(options["kl_penalty"]))
+                mask_np, algorithm.kl_ctrl, settings.kl_penalty)
             metrics.update({f"train/{k}": float(x) for k, x in kl_metrics.items()})
         v["token_level_rewards"] = torch.from_numpy(view.scatter(token_rewards))
-        estimate = self.selection.bound("type")
+        estimate = algorithm.selection.bound("type")
         values = view.gather(v["old_values"].numpy()) if "old_values" in v else None
         adv, returns = estimate(algorithms.AdvantageInputs(token_rewards, mask_np, uids, values))
         v["advantages"] = torch.from_numpy(view.scatter(np.asarray(adv, dtype=np.float32)))
@@ -578,17 +625,18 @@ class SelfHostedGrpoTrainer(SelfHostedTrainer):
         })
         return batch, metrics
 
-    def _loss_fn(self, batch: Batch):
-        options = self.selection.options
-        policy_loss = self.selection.bound("policy_loss")
-        correction = options["rollout_correction"]
-        correct, cap = bool(correction["enabled"]), float(correction["cap"])
-        decoupled = options["objective"] == "decoupled"
-        behav_cap = float(options["behav_imp_weight_cap"])
+    def _loss_fn(self, batch: Batch) -> LossFn:
+        selection, settings = self.selection, self.settings
+        policy_loss = selection.bound("policy_loss")
+        correct, cap = settings.rollout_correction.enabled, settings.rollout_correction.cap
+        decoupled = settings.objective == "decoupled"
+        behav_cap = settings.behav_imp_weight_cap
         max_response_length = self._max_response_length(batch)
-        kl_coef = float(options["kl_loss_coef"]) if options["use_kl_loss"] else 0.0
-        kl_kind = str(options["kl_loss_type"])
-        # The KL term reduces like the policy loss when the loss declares a mode (a plugin's may not: then per token).
+        kl_coef = settings.kl_loss_coef if settings.use_kl_loss else 0.0
+        kl_kind = settings.kl_loss_type
+        # The KL term reduces like the policy loss when the loss declares a mode (a plugin's may not: then per
+        # token); the mode is the loss's key, so it is read with the loss's keys.
+        options = selection.options
         kl_agg_mode = str(options["loss_agg_mode"] if "loss_agg_mode" in options else KL_AGG_MODE_WITHOUT_LOSS_MODE)
         if correct and "rollout_log_probs" not in batch.values:
             raise ConfigError("algorithm.rollout_correction.enabled: the rollout returned no log-probs to correct "
@@ -600,13 +648,13 @@ class SelfHostedGrpoTrainer(SelfHostedTrainer):
             raise ConfigError("algorithm.objective: decoupled weights each token by pi_prox / pi_behav, but the rollout "
                               "returned no log-probs (pi_behav: the inference backend must return per-token log-probs)")
 
-        def loss_fn(log_probs: torch.Tensor, mb: dict[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
+        def loss_fn(log_probs: torch.Tensor, mb: dict[str, Any]) -> tuple[torch.Tensor, dict[str, Any]]:
             # On-policy shortcut: without a precomputed old log-prob, the current one (detached) is it.
             # It is also the decoupled objective's proximal log-prob: the weights the step started
             # from, computed once per batch (the forward of _prepare_batch with several updates; with
             # one, the weights do not move before this step's optimizer step, so it is exact).
             old = mb["old_log_probs"] if "old_log_probs" in mb else log_probs.detach()
-            metrics: dict[str, float] = {}
+            metrics: dict[str, Any] = {}
             weights = None
             if "rollout_log_probs" in mb:
                 trainer_lp, rollout_lp = old.detach().cpu().numpy(), mb["rollout_log_probs"].cpu().numpy()
@@ -635,7 +683,7 @@ class SelfHostedGrpoTrainer(SelfHostedTrainer):
         return loss_fn
 
     def _max_response_length(self, batch: Batch) -> int | None:
-        return self.selection.options["max_response_length"] or batch.metadata["max_tokens"]
+        return self.settings.max_response_length or batch.metadata["max_tokens"]
 
     def _update(self, batch: Batch, tensors: dict[str, torch.Tensor]) -> dict[str, float]:
         """The critic's updates first (its values made the advantages), then the policy's, unless
@@ -650,30 +698,33 @@ class SelfHostedGrpoTrainer(SelfHostedTrainer):
         mask = batch.values["response_mask"]
         metrics["critic/returns_mean"] = float(masked_mean(batch.values["returns"], mask))
         metrics["critic/values_mean"] = float(masked_mean(batch.values["old_values"], mask))
-        warming_up = self.global_step < int(self.selection.options["critic_warmup"])
+        critic = self.algorithm.critic
+        warming_up = critic is not None and self.global_step < critic.critic_warmup
         metrics["critic/warmup"] = float(warming_up)
         return metrics if warming_up else {**metrics, **super()._update(batch, tensors)}
 
-    def _value_loss_fn(self, batch: Batch):
-        critic = self.selection.options["critic"]
-        value_clip = None if critic["value_clip"] is None else float(critic["value_clip"])
-        mode, max_response_length = str(critic["loss_agg_mode"]), self._max_response_length(batch)
+    def _value_loss_fn(self, batch: Batch) -> LossFn:
+        settings = self.algorithm.critic
+        if settings is None:
+            raise NexRLError(f"algorithm.type '{self.selection.functions['type'].name}' trains no critic")
+        value_clip, mode = settings.critic.value_clip, settings.critic.loss_agg_mode
+        max_response_length = self._max_response_length(batch)
 
-        def loss_fn(values: torch.Tensor, mb: dict[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
+        def loss_fn(values: torch.Tensor, mb: dict[str, Any]) -> tuple[torch.Tensor, dict[str, Any]]:
             context = LossContext(batch_num_seqs=mb["batch_num_seqs"], batch_num_tokens=mb["batch_num_tokens"],
                                   max_response_length=max_response_length)
             return value_loss(values, mb["old_values"], mb["returns"], mb["response_mask"], context, value_clip, mode)
         return loss_fn
 
     def algorithm_state(self) -> dict[str, Any]:
-        self.selection  # noqa: B018 - resolves the KL controller and the reward processor
-        return {"kl_coef": float(self._kl_ctrl.value), "reward_running": self._reward_processor.state_dict()}
+        algorithm = self.algorithm
+        return {"kl_coef": float(algorithm.kl_ctrl.value), "reward_running": algorithm.reward_processor.state_dict()}
 
     def load_algorithm_state(self, state: dict[str, Any]) -> None:
-        self.selection  # noqa: B018
+        algorithm = self.algorithm
         if "kl_coef" in state:
-            self._kl_ctrl.value = float(state["kl_coef"])
-        self._reward_processor.load_state_dict(state.get("reward_running", {}))
+            algorithm.kl_ctrl.value = float(state["kl_coef"])
+        algorithm.reward_processor.load_state_dict(state.get("reward_running", {}))
 
     def save_model_state(self, folder: str) -> None:
         super().save_model_state(folder)
@@ -703,7 +754,7 @@ class SelfHostedCrossEntropyTrainer(SelfHostedTrainer):
     def _token_ids(self, traj: Trajectory) -> tuple[list[int], list[int]]:
         if traj.get("prompt_token_ids") is not None and traj.get("response_token_ids") is not None:
             return super()._token_ids(traj)
-        tok = self.train_service.tokenizer
+        tok = self.service.tokenizer
         prompt = traj["prompt"]
         if isinstance(prompt, list):
             # As the engine encodes chat prompts (HFInferenceEngine.encode_prompt). Not tokenize=True:
@@ -721,8 +772,8 @@ class SelfHostedCrossEntropyTrainer(SelfHostedTrainer):
     def _prepare_batch(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
         return batch, {}
 
-    def _loss_fn(self, batch: Batch):
-        def loss_fn(log_probs: torch.Tensor, mb: dict[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
+    def _loss_fn(self, batch: Batch) -> LossFn:
+        def loss_fn(log_probs: torch.Tensor, mb: dict[str, Any]) -> tuple[torch.Tensor, dict[str, Any]]:
             nll = -log_probs
             loss = agg_loss(nll, mb["response_mask"], "token-mean", batch_num_tokens=mb["batch_num_tokens"])
             return loss, {"nll": float(masked_mean(nll.detach(), mb["response_mask"]))}

@@ -74,7 +74,7 @@ class ToolSpec:
     name: str
     description: str
     input_schema: dict[str, Any]
-    binding: str | None
+    binding: str  # "module:function" or "path/to/file.py:function"
     extra_kwargs: dict[str, Any] = field(default_factory=dict)
     lazy: bool = False
     source: str = ""  # the tool YAML, for messages

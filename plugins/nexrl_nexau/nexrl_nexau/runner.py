@@ -167,7 +167,7 @@ class AgentRunner:
             trace.end(span, {"result": outcome.content}, None if outcome.ok else outcome.content)
             span.set_attributes({"duration_s": outcome.duration_s, "error_kind": outcome.error_kind})
             state.tool_calls += 1
-            if not outcome.ok:
+            if outcome.error_kind is not None:  # set exactly when the call failed
                 state.tool_errors[outcome.error_kind] = state.tool_errors.get(outcome.error_kind, 0) + 1
             elif name in self.spec.stop_tools and answer is None:
                 answer = outcome.content
@@ -190,7 +190,8 @@ def _structured_call(call: Any, index: int) -> tuple[str, Any, str]:
     """An OpenAI ``tool_calls`` entry as ``(name, parsed arguments or ValueError, id)``."""
     if not isinstance(call, dict):
         return "", ValueError(f"tool call {index} is not an object"), f"call_{index}"
-    fn = call.get("function") if isinstance(call.get("function"), dict) else {}
+    function = call.get("function")
+    fn = function if isinstance(function, dict) else {}
     name = str(fn.get("name") or "")
     call_id = str(call.get("id") or f"call_{index}")
     if call.get("error"):  # the backend could not read the call out of the model's text

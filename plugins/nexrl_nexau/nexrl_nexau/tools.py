@@ -67,6 +67,8 @@ def resolve_binding(binding: str, workspace: str, where: str) -> Callable[..., A
             module = sys.modules.get(name)
             if module is None:
                 spec = importlib.util.spec_from_file_location(name, path)
+                if spec is None or spec.loader is None:
+                    raise ConfigError(f"{where}: binding: {path} cannot be imported as a Python module")
                 module = importlib.util.module_from_spec(spec)
                 spec.loader.exec_module(module)
                 sys.modules[name] = module
@@ -195,24 +197,24 @@ class ToolExecutor:
     def run_all(self, calls: list[tuple[str, Any]]) -> list[ToolOutcome]:
         """Outcomes of ``(tool name, arguments)`` pairs, in order. Arguments that failed to parse
         arrive as a :class:`ValueError` and become an error message."""
-        started: list[tuple[_Call | None, ToolOutcome | None, float]] = []
+        started: list[tuple[_Call | ToolOutcome, float]] = []  # a running call, or the outcome of one not run
         for name, arguments in calls:
             problem = self._problem(name, arguments)
             if problem is not None:
-                started.append((None, problem, time.monotonic()))
+                started.append((problem, time.monotonic()))
                 continue
             tool = self.tools[name]
             try:
                 fn = tool.function()
             except ConfigError as exc:
-                started.append((None, ToolOutcome(f"Error: tool '{name}' is unavailable: {exc}", False, "exception"),
+                started.append((ToolOutcome(f"Error: tool '{name}' is unavailable: {exc}", False, "exception"),
                                 time.monotonic()))
                 continue
             call = _Call(fn, {**tool.spec.extra_kwargs, **arguments})
             threading.Thread(target=call.run, name=f"tool-{name}", daemon=True).start()
-            started.append((call, None, time.monotonic()))
-        return [outcome if call is None else self._finish(name, call, t0)
-                for (name, _), (call, outcome, t0) in zip(calls, started)]
+            started.append((call, time.monotonic()))
+        return [item if isinstance(item, ToolOutcome) else self._finish(name, item, t0)
+                for (name, _), (item, t0) in zip(calls, started)]
 
     def _problem(self, name: str, arguments: Any) -> ToolOutcome | None:
         if isinstance(arguments, ValueError) and not name:

@@ -21,7 +21,7 @@ worker's ``get_train_loss_mask`` (default: all of them).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Iterator, TypedDict
 
 
 class TraceError(ValueError):
@@ -41,7 +41,7 @@ def iter_spans(trace: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
 
 def llm_calls(trace: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One dict per completed ``LLM`` span (a call that failed has no completion and is skipped)."""
-    infos = []
+    infos: list[dict[str, Any]] = []
     for span in iter_spans(trace):
         if span.get("type") != "LLM" or span.get("error") or not span.get("outputs"):
             continue
@@ -52,8 +52,9 @@ def llm_calls(trace: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def _call_info(span: dict[str, Any], index: int) -> dict[str, Any]:
     out, inputs = span.get("outputs") or {}, span.get("inputs") or {}
     where = f"LLM call {index} (span {span.get('id')})"
-    train = out.get("nexrl_train") if isinstance(out.get("nexrl_train"), dict) else {}
-    choices = out.get("choices") if isinstance(out.get("choices"), list) else []
+    train, choices = out.get("nexrl_train"), out.get("choices")
+    train = train if isinstance(train, dict) else {}
+    choices = choices if isinstance(choices, list) else []
     choice = choices[0] if choices and isinstance(choices[0], dict) else {}
     logprob_items = _logprob_items(choice)
     prompt = _first(train.get("prompt_tokens"), out.get("prompt_token_ids"), choice.get("prompt_token_ids"))
@@ -117,6 +118,15 @@ def _ints(values: Any, where: str, what: str) -> list[int]:
     return list(values)
 
 
+class SequenceFields(TypedDict):
+    """One token sequence as a trajectory (or one of its ``segments``) holds it."""
+
+    prompt_token_ids: list[int]
+    response_token_ids: list[int]
+    response_logprobs: list[float] | None
+    loss_mask: list[int]  # one 0/1 per response token
+
+
 @dataclass
 class TokenSequence:
     """One training sequence: ``tokens[:prompt_length]`` is the first call's prompt."""
@@ -128,7 +138,7 @@ class TokenSequence:
     calls: list[int] = field(default_factory=list)  # indices of the LLM calls merged into it
     truncated: bool = False
 
-    def as_trajectory_fields(self) -> dict[str, Any]:
+    def as_trajectory_fields(self) -> SequenceFields:
         """The keys a trainer reads (prompt / response split; ``loss_mask`` per response token)."""
         p = self.prompt_length
         return {"prompt_token_ids": self.tokens[:p], "response_token_ids": self.tokens[p:],

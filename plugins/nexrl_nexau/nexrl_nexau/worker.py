@@ -1,6 +1,6 @@
 """The seed's NexAU rollout workers: an agent per task, trained on exactly the tokens it produced.
 
-Recipe keys (``rollout_worker.*``): :attr:`BaseNexAURolloutWorker.OPTIONS`, besides the core's
+Recipe keys (``rollout_worker.*``): :class:`NexAUWorkerSettings`, besides the core's
 ``type``, ``num_workers``, ``seed``, ``evaluator``, ``reward_range`` and ``validate_temperature``
 (reference: docs/recipe.md; guide: docs/agents.md).
 
@@ -18,30 +18,72 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from loguru import logger
-from omegaconf import OmegaConf
 
 from nexrl_core import (
-    REQUIRED,
     BaseEvaluationTarget,
     BaseRolloutWorker,
     ConfigError,
     ItemFailure,
-    Option,
     SamplingParams,
-    declared_value,
+    Settings,
+    Trajectory,
     execute,
+    setting,
 )
 
 from .agent_config import load_agent_spec
 from .runner import AgentRunner, AgentRunResult
 from .trajectory import TraceError, call_masks, llm_calls, token_sequences, truncate
 
-RUNNERS = ("auto", "builtin", "nexau")
 _QUERY_KEYS = ("prompt", "query", "question")
+_MESSAGE_ROLES = ("system", "user", "assistant", "tool")
+
+
+@dataclass(frozen=True, kw_only=True)
+class NexAUWorkerSettings(Settings):
+    """The ``rollout_worker.*`` keys of the NexAU workers (the core's are the rollout worker's)."""
+
+    nexau_agent_config_path: str = setting(help="the agent YAML (NexAU's format)")
+    nexau_agent_workspace: str | None = setting(None, "folder tool bindings are imported from (null: the agent "
+                                                      "YAML's folder)")
+    agent_runner: Literal["auto", "builtin", "nexau"] = setting("auto", "builtin: nexrl's runner; nexau: NexAU "
+                                                                        "itself; auto: NexAU when importable")
+    prompt_key: str | None = setting(None, "task field holding the query (null: the first of prompt, query, "
+                                           "question)")
+    # Partial overrides of the agent's llm_config: SamplingParams.recipe_problems checks them (check_config).
+    sampling: dict[str, object] = setting({}, "max_tokens / temperature / top_p / top_k / stop of every model call, "
+                                              "over the agent's llm_config")
+    few_shot: list[dict[str, object]] = setting([], "demonstration messages (role + content) between the system "
+                                                    "prompt and every query; never trained on")
+    tool_timeout: float = setting(30.0, "seconds a tool call may take", gt=0)
+    max_tool_output_chars: int = setting(8000, "longer tool results are cut (with a note)", ge=1)
+    max_sequence_length: int | None = setting(None, "tokens of one training sequence, prompt included (null: no "
+                                                    "limit); longer ones are cut", ge=1)
+    truncated_reward: float | None = setting(0.0, "reward of a rollout cut at max_sequence_length (null: the "
+                                                  "evaluator's)", needs=".max_sequence_length")
+    enable_trace_prefix_merge: bool = setting(True, "merge model calls that share a token prefix into one sequence")
+    save_trace: bool = setting(False, "write every rollout's trace as JSON to trace_path")
+    trace_path: str | None = setting(None, "folder of the saved traces", needs=".save_trace")
+    task_name: str | None = setting(None, "a name for logs and trace files")
+
+
+class NexAUTrajectory(Trajectory, total=False):
+    """A NexAU rollout: the core's keys and the agent's own (docs/agents.md), which the pool and the
+    trainers carry along."""
+
+    stop_reason: str  # answered / max_iterations / truncated
+    truncated: bool  # a sequence was cut at max_sequence_length
+    truncation_reason: str | None
+    num_segments: int
+    tool_error_kinds: dict[str, int]  # error kind -> count
+    num_llm_calls: int
+    num_tool_calls: int
+    tool_errors: int
 
 
 @dataclass
@@ -64,89 +106,59 @@ class BaseNexAURolloutWorker(BaseRolloutWorker):
     agent framework, as long as it returns an :class:`AgentRunResult` with a trace.
     """
 
-    OPTIONS = {
-        "nexau_agent_config_path": Option(REQUIRED, str, "the agent YAML (NexAU's format)"),
-        "nexau_agent_workspace": Option(None, str, "folder tool bindings are imported from (null: the agent "
-                                                   "YAML's folder)"),
-        "agent_runner": Option("auto", str, "builtin: nexrl's runner; nexau: NexAU itself; auto: NexAU when "
-                                            "importable", choices=RUNNERS),
-        "prompt_key": Option(None, str, "task field holding the query (null: the first of prompt, query, "
-                                        "question)"),
-        "sampling": Option({}, dict, "max_tokens / temperature / top_p / top_k / stop of every model call, over "
-                                     "the agent's llm_config"),
-        "few_shot": Option([], list, "demonstration messages (role + content) between the system prompt and "
-                                     "every query; never trained on"),
-        "tool_timeout": Option(30.0, float, "seconds a tool call may take", gt=0),
-        "max_tool_output_chars": Option(8000, int, "longer tool results are cut (with a note)", ge=1),
-        "max_sequence_length": Option(None, int, "tokens of one training sequence, prompt included (null: no "
-                                                 "limit); longer ones are cut", ge=1),
-        "truncated_reward": Option(0.0, (float, None), "reward of a rollout cut at max_sequence_length (null: the "
-                                               "evaluator's)", needs=".max_sequence_length"),
-        "enable_trace_prefix_merge": Option(True, bool, "merge model calls that share a token prefix into one "
-                                                        "sequence"),
-        "save_trace": Option(False, bool, "write every rollout's trace as JSON to trace_path"),
-        "trace_path": Option(None, str, "folder of the saved traces", needs=".save_trace"),
-        "task_name": Option(None, str, "a name for logs and trace files"),
-    }
+    SETTINGS = NexAUWorkerSettings
 
-    def __init__(self, config: Any):
+    def __init__(self, config: Mapping[str, Any]):
         super().__init__(config)
-        config = self._config  # bound: declared defaults filled
-        problems = self.check_config(config)
+        self.settings = settings = NexAUWorkerSettings.own(self._config, "rollout_worker")
+        problems = self.settings_problems(settings)
         if problems:
             raise ConfigError("; ".join(problems))
-        self._prompt_key = config["prompt_key"]
-        self._tool_timeout = float(config["tool_timeout"])
-        self._max_tool_output = int(config["max_tool_output_chars"])
-        self._max_sequence_length = config["max_sequence_length"]
-        self._truncated_reward = config["truncated_reward"]
-        self._merge = bool(config["enable_trace_prefix_merge"])
-        self._trace_path = config["trace_path"] if config["save_trace"] else None
-        self._task_name = config["task_name"]
-        self._validate_temperature = config["validate_temperature"]
-        self.agent_spec = load_agent_spec(str(config["nexau_agent_config_path"]),
-                                          config["nexau_agent_workspace"])
-        sampling = {**self.agent_spec.sampling_defaults(), **_plain(config["sampling"])}
-        self._sampling = SamplingParams.from_config(sampling)
-        self.runner_kind = _choose_runner(str(config["agent_runner"]))
-        few_shot = _plain(config["few_shot"])
+        self._trace_path = settings.trace_path if settings.save_trace else None
+        self._validate_temperature = self._config["validate_temperature"]  # the core's rollout_worker key
+        self.agent_spec = load_agent_spec(settings.nexau_agent_config_path, settings.nexau_agent_workspace)
+        self._sampling = SamplingParams.from_config({**self.agent_spec.sampling_defaults(), **settings.sampling})
+        self.runner_kind = _choose_runner(settings.agent_runner)
         if self.runner_kind == "builtin":
-            self.runner: Any = AgentRunner(self.agent_spec, self._tool_timeout, self._max_tool_output, few_shot)
+            self.runner: Any = AgentRunner(self.agent_spec, settings.tool_timeout, settings.max_tool_output_chars,
+                                           settings.few_shot)
         else:
             from .nexau_adapter import NexAUAgentRunner
 
-            self.runner = NexAUAgentRunner(self.agent_spec, self._tool_timeout, few_shot)
+            self.runner = NexAUAgentRunner(self.agent_spec, settings.tool_timeout, settings.few_shot)
         if self._trace_path:
             os.makedirs(self._trace_path, exist_ok=True)
 
     @classmethod
-    def check_config(cls, section: Any, key: str = "rollout_worker") -> list[str]:
+    def check_config(cls, section: Mapping[str, Any], key: str = "rollout_worker") -> list[str]:
         """The rules beyond the declared options (``nexrl validate`` and the constructor run both):
         the agent YAML and its tool bindings load, NexAU is importable when asked for, sampling
         keys and few-shot messages are well formed, a saved trace has a folder."""
-        problems = []
-        path = section.get("nexau_agent_config_path")
-        if path:
-            try:
-                spec = load_agent_spec(str(path), section.get("nexau_agent_workspace"))
-                from .tools import resolve_binding
+        settings, problems = NexAUWorkerSettings.parse(section, key, own=True)
+        return problems if settings is None else cls.settings_problems(settings, key)
 
-                for tool in spec.tools:
-                    if not tool.lazy:
-                        resolve_binding(tool.binding, spec.workspace, f"{path}: tool '{tool.name}'")
-            except ConfigError as exc:
-                problems.append(f"{key}.nexau_agent_config_path: {exc}")
-        if section.get("agent_runner") == "nexau" and not _nexau_importable():
+    @staticmethod
+    def settings_problems(settings: NexAUWorkerSettings, key: str = "rollout_worker") -> list[str]:
+        """:meth:`check_config`'s rules, on settings that have their declared types."""
+        problems = []
+        path = settings.nexau_agent_config_path
+        try:
+            spec = load_agent_spec(path, settings.nexau_agent_workspace)
+            from .tools import resolve_binding
+
+            for tool in spec.tools:
+                if not tool.lazy:
+                    resolve_binding(tool.binding, spec.workspace, f"{path}: tool '{tool.name}'")
+        except ConfigError as exc:
+            problems.append(f"{key}.nexau_agent_config_path: {exc}")
+        if settings.agent_runner == "nexau" and not _nexau_importable():
             problems.append(f"{key}.agent_runner: 'nexau' needs the nexau package (github.com/nex-agi/NexAU, not on "
                             f"PyPI), which is not importable here; use 'builtin' or 'auto'")
-        problems += SamplingParams.recipe_problems(_plain(declared_value(section, "sampling", cls.OPTIONS, key)), f"{key}.sampling")
-        few_shot = declared_value(section, "few_shot", cls.OPTIONS, key)
-        if not isinstance(few_shot, list) or not all(
-                isinstance(m, dict) and m.get("role") in ("system", "user", "assistant", "tool")
-                and isinstance(m.get("content"), str) for m in few_shot):
+        problems += SamplingParams.recipe_problems(settings.sampling, f"{key}.sampling")
+        if not all(m.get("role") in _MESSAGE_ROLES and isinstance(m.get("content"), str) for m in settings.few_shot):
             problems.append(f"{key}.few_shot: expected a list of chat messages, each with a role (system, user, "
                             f"assistant, tool) and a string content")
-        if section.get("save_trace") and not section.get("trace_path"):
+        if settings.save_trace and not settings.trace_path:
             problems.append(f"{key}.trace_path: required when save_trace is true")
         return problems
 
@@ -154,7 +166,7 @@ class BaseNexAURolloutWorker(BaseRolloutWorker):
     def format_task_query(self, data_item: dict[str, Any]) -> str | list[dict[str, Any]]:
         """The agent's query for a task: its ``prompt_key`` field (default: the first of
         ``prompt``, ``query``, ``question``). A list of chat messages opens the conversation."""
-        keys = [self._prompt_key] if self._prompt_key else _QUERY_KEYS
+        keys = [self.settings.prompt_key] if self.settings.prompt_key else _QUERY_KEYS
         for name in keys:
             value = data_item.get(name)
             if value not in (None, ""):
@@ -188,23 +200,25 @@ class BaseNexAURolloutWorker(BaseRolloutWorker):
             masks = call_masks(infos, self.get_train_loss_mask(infos))
         except ValueError as exc:
             raise ItemFailure("bad_loss_mask", str(exc)) from None
-        sequences = [truncate(s, self._max_sequence_length) for s in token_sequences(infos, masks, self._merge)]
+        settings = self.settings
+        sequences = [truncate(s, settings.max_sequence_length)
+                     for s in token_sequences(infos, masks, settings.enable_trace_prefix_merge)]
         truncated = any(s.truncated for s in sequences)
         target = NexAUEvaluationTarget(final_answer=result.final_answer, observation=result.messages,
                                        is_truncated=truncated, stop_reason=result.stop_reason)
         evaluation = self.evaluate(task, target)
         reward = float(evaluation.reward)
-        if truncated and self._truncated_reward is not None:
-            reward = float(self._truncated_reward)
-        trajectory = self.base_trajectory(task)
+        if truncated and settings.truncated_reward is not None:
+            reward = float(settings.truncated_reward)
         segments = [s.as_trajectory_fields() for s in sequences]
         versions = [i["model_version"] for i in infos if i["model_version"] is not None and i["model_version"] >= 0]
         counts = {"num_llm_calls": float(result.num_llm_calls), "num_tool_calls": float(result.num_tool_calls),
                   "tool_errors": float(result.num_tool_errors),
                   "called_tool": float(result.num_tool_calls - result.num_tool_errors > 0),
                   "answered": float(result.stop_reason == "answered"), "truncated": float(truncated)}
-        trajectory.update(segments[0])
-        trajectory.update({
+        trajectory: NexAUTrajectory = {
+            **self.base_trajectory(task),
+            **segments[0],
             "prompt": infos[0]["prompt_messages"],
             "response": result.final_answer,
             "finish_reason": infos[-1]["finish_reason"],
@@ -219,12 +233,14 @@ class BaseNexAURolloutWorker(BaseRolloutWorker):
             "ground_truth": evaluation.ground_truth,
             "score": {"reward": reward, **{k: float(v) for k, v in evaluation.metrics.items()}, **counts},
             "extra_info": evaluation.extra_info,
-            **{k: int(v) for k, v in counts.items() if k.startswith("num_") or k == "tool_errors"},
-        })
+            "num_llm_calls": result.num_llm_calls,
+            "num_tool_calls": result.num_tool_calls,
+            "tool_errors": result.num_tool_errors,
+        }
         if len(segments) > 1:
-            trajectory["segments"] = segments
+            trajectory["segments"] = [dict(s) for s in segments]
         if self._trace_path:
-            self._save_trace(task, result, trajectory)
+            self._save_trace(self._trace_path, task, result, trajectory)
         return self._put_trajectory(trajectory)
 
     # -- helpers -------------------------------------------------------------------------------
@@ -243,10 +259,11 @@ class BaseNexAURolloutWorker(BaseRolloutWorker):
     def _chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, params: SamplingParams) -> Any:
         return execute(self._llm_client.chat, messages, params, tools)
 
-    def _save_trace(self, task: dict[str, Any], result: AgentRunResult, trajectory: dict[str, Any]) -> None:
-        name = f"{self._task_name or 'task'}_{task.get('uid')}_{task.get('sample_index', 0)}" \
+    def _save_trace(self, folder: str, task: dict[str, Any], result: AgentRunResult,
+                    trajectory: NexAUTrajectory) -> None:
+        name = f"{self.settings.task_name or 'task'}_{task.get('uid')}_{task.get('sample_index', 0)}" \
                f"_v{trajectory['model_version']}{'_val' if self._task_is_validation else ''}.json"
-        path = os.path.join(self._trace_path, "".join(c if c.isalnum() or c in "._-" else "_" for c in name))
+        path = os.path.join(folder, "".join(c if c.isalnum() or c in "._-" else "_" for c in name))
         record = {"uid": task.get("uid"), "sample_index": task.get("sample_index"), "stop_reason": result.stop_reason,
                   "reward": trajectory["reward"], "final_answer": result.final_answer, "messages": result.messages,
                   "trace": result.trace}
@@ -281,7 +298,3 @@ def _nexau_importable() -> bool:
         return False
 
 
-def _plain(value: Any) -> Any:
-    if hasattr(value, "to_dict"):  # a BoundConfig
-        return value.to_dict()
-    return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value

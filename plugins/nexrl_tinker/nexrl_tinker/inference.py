@@ -1,6 +1,6 @@
 """The ``tinker`` inference backend: rollouts sample through a Tinker sampling client.
 
-Recipe keys (``service.inference_service``, :attr:`TinkerInferenceClient.OPTIONS`):
+Recipe keys (``service.inference_service``, :class:`TinkerInferenceSettings` and the connection's):
 
 - ``tokenizer_path`` (or ``model_path`` when it is a local folder): the model's tokenizer, read
   from disk (nothing is downloaded); prompts are tokenized here, chat prompts through the
@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from nexrl_core import (
@@ -32,18 +34,42 @@ from nexrl_core import (
     DataError,
     InferenceClient,
     InferenceError,
-    Option,
     SamplingParams,
+    Settings,
+    setting,
 )
 
-from .remote import CONNECTION_OPTIONS, RemoteCalls, TinkerRequestError, plain_section, resolve_connection
+from .remote import (
+    CONNECTION_OPTIONS,
+    RemoteCalls,
+    TinkerConnectionSettings,
+    TinkerRequestError,
+    plain_section,
+    resolve_connection,
+)
 from .tokens import encode_prompt, load_tokenizer
 
 # What the tinker weight sync hands over and the tinker inference backend samples from.
 SAMPLER_CAPABILITY = "inference:tinker_sampler"
 
 
-def _config_errors(check: Any) -> list[ConfigError]:
+@dataclass(frozen=True, kw_only=True)
+class TinkerInferenceSettings(Settings):
+    """What the ``tinker`` backend samples and how it tokenizes (the connection's keys are
+    :class:`~nexrl_tinker.remote.TinkerConnectionSettings`)."""
+
+    base_model: str | None = setting(None, "Tinker model sampled until the first weight sync (the tinker weight "
+                                           "sync hands over the trainer's sampler at the start)")
+    model_path: str | None = setting(None, "what to sample: a tinker:// sampler path, a nexrl checkpoint of a "
+                                           "Tinker run (nexrl eval checkpoint=...), or a local model folder (its "
+                                           "tokenizer)")
+    tokenizer_path: str | None = setting(None, "local folder holding the model's tokenizer (prompts are tokenized "
+                                               "here)")
+    chat_template: bool = setting(True, "render chat prompts with the tokenizer's chat template (false: join the "
+                                        "message contents)")
+
+
+def _config_errors(check: Callable[[], object]) -> list[ConfigError]:
     try:
         check()
     except ConfigError as exc:
@@ -51,22 +77,22 @@ def _config_errors(check: Any) -> list[ConfigError]:
     return []
 
 
-def _model_paths(cfg: dict[str, Any], section: str) -> tuple[str | None, str | None]:
+def _model_paths(settings: TinkerInferenceSettings, section: str) -> tuple[str | None, str | None]:
     """(the ``tinker://`` path to sample from, or None; the local tokenizer folder) of the section:
     ``model_path`` may be a ``tinker://`` sampler path, a nexrl checkpoint of a Tinker run (its
     recorded sampler snapshot, what ``nexrl eval checkpoint=...`` passes) or a local model folder
     (its tokenizer)."""
     from .service import STATE_FILE, checkpoint_sampler_path
 
-    model_path = cfg.get("model_path")
-    if model_path and str(model_path).startswith("tinker://"):
-        return str(model_path), cfg.get("tokenizer_path")
-    if model_path and os.path.isfile(os.path.join(str(model_path), STATE_FILE)):
+    model_path, tokenizer_path = settings.model_path, settings.tokenizer_path
+    if model_path and model_path.startswith("tinker://"):
+        return model_path, tokenizer_path
+    if model_path and os.path.isfile(os.path.join(model_path, STATE_FILE)):
         try:
-            return checkpoint_sampler_path(str(model_path)), cfg.get("tokenizer_path")
+            return checkpoint_sampler_path(model_path), tokenizer_path
         except DataError as exc:
             raise ConfigError(f"{section}.model_path: {exc}") from None
-    return None, cfg.get("tokenizer_path") or model_path
+    return None, tokenizer_path or model_path
 
 
 def _tokenizer_problem(tokenizer_path: str | None, section: str) -> str | None:
@@ -81,16 +107,8 @@ class TinkerInferenceClient(InferenceClient):
     """Rollouts through a Tinker sampling client: prompt tokens, response tokens and their log-probs,
     and the weight version; the tinker weight sync hands it the trainer's sampler after every step."""
 
-    OPTIONS = {
-        "base_model": Option(None, str, "Tinker model sampled until the first weight sync (the tinker weight sync "
-                                        "hands over the trainer's sampler at the start)"),
-        "model_path": Option(None, str, "what to sample: a tinker:// sampler path, a nexrl checkpoint of a Tinker "
-                                        "run (nexrl eval checkpoint=...), or a local model folder (its tokenizer)"),
-        "tokenizer_path": Option(None, str, "local folder holding the model's tokenizer (prompts are tokenized here)"),
-        "chat_template": Option(True, bool, "render chat prompts with the tokenizer's chat template (false: join "
-                                            "the message contents)"),
-        **CONNECTION_OPTIONS,
-    }
+    SETTINGS = TinkerInferenceSettings
+    OPTIONS = CONNECTION_OPTIONS
     CAPABILITIES = Capabilities(provides={SAMPLER_CAPABILITY})
 
     @classmethod
@@ -98,17 +116,18 @@ class TinkerInferenceClient(InferenceClient):
         """ray.private_network: sampling goes through the Tinker service (base_url, else the hosted one)."""
         return "samples through the Tinker service"
 
-    def __init__(self, config: Any, section: str = "service.inference_service"):
+    def __init__(self, config: Mapping[str, Any], section: str = "service.inference_service"):
         super().__init__(config)
         cfg = plain_section(self.config, section)  # bound: declared defaults filled
-        self.connection = resolve_connection(cfg, section)
-        self.remote_path, tokenizer_path = _model_paths(cfg, section)
-        self.base_model = cfg["base_model"]
+        self.settings = TinkerInferenceSettings.own(cfg, section)
+        self.connection = resolve_connection(TinkerConnectionSettings.own(cfg, section), section)
+        self.remote_path, tokenizer_path = _model_paths(self.settings, section)
+        self.base_model = self.settings.base_model
         problem = _tokenizer_problem(tokenizer_path, section)
         if problem:
             raise ConfigError(problem)
         self.tokenizer = load_tokenizer(str(tokenizer_path), f"{section}.tokenizer_path")
-        self.use_chat_template = bool(cfg["chat_template"])
+        self.use_chat_template = self.settings.chat_template
         self._calls = RemoteCalls(self.connection)
         self._lock = threading.Lock()
         self._tokenizer_lock = threading.Lock()  # fast tokenizers are not safe under concurrent use
@@ -116,16 +135,17 @@ class TinkerInferenceClient(InferenceClient):
         self._own_service: Any = None
 
     @classmethod
-    def check_config(cls, section: Any, path: str = "service.inference_service") -> list[str]:
+    def check_config(cls, section: Mapping[str, Any], path: str = "service.inference_service") -> list[str]:
         """The problems the constructor would raise, found without contacting the service or loading
         the tokenizer (for ``nexrl validate``)."""
         try:
             cfg = plain_section(section, path)
+            settings = TinkerInferenceSettings.own(cfg, path)
         except ConfigError as exc:
             return [str(exc)]
         problems = [str(exc) for exc in _config_errors(lambda: resolve_connection(cfg, path))]
         try:
-            _, tokenizer_path = _model_paths(cfg, path)
+            _, tokenizer_path = _model_paths(settings, path)
         except ConfigError as exc:
             return problems + [str(exc)]
         problem = _tokenizer_problem(tokenizer_path, path)

@@ -29,23 +29,29 @@ from typing import Any, TypeVar, cast
 
 from loguru import logger
 
-from nexrl_core import ConfigError, NexRLError, Option, demote_library_log
+from nexrl_core import ConfigError, NexRLError, Settings, demote_library_log, setting
 
 T = TypeVar("T")
 
 ENV_API_KEY = "TINKER_API_KEY"
 ENV_BASE_URL = "TINKER_BASE_URL"
 ENV_CREDENTIAL_CMD = "TINKER_CREDENTIAL_CMD"
-# Keys of every section that reaches the service (service.train_service, service.inference_service).
-CONNECTION_OPTIONS = {
-    "api_key": Option(None, str, f"the Tinker API key (null: ${ENV_API_KEY}, or the SDK's "
-                                 f"${ENV_CREDENTIAL_CMD} / stored key); prefer ${{oc.env:{ENV_API_KEY}}} to a literal",
-                      secret=True),
-    "base_url": Option(None, str, f"where the service is (null: ${ENV_BASE_URL}, else the hosted service)"),
-    "request_timeout": Option(600.0, float, "seconds one remote call may take before it is reported", gt=0),
-    "max_retries": Option(3, int, "extra attempts of calls that are safe to repeat", ge=0),
-    "retry_backoff": Option(1.0, float, "seconds before the first extra attempt, doubled after each", ge=0),
-}
+
+
+@dataclass(frozen=True, kw_only=True)
+class TinkerConnectionSettings(Settings):
+    """Keys of every section that reaches the service (service.train_service, service.inference_service)."""
+
+    api_key: str | None = setting(None, f"the Tinker API key (null: ${ENV_API_KEY}, or the SDK's "
+                                        f"${ENV_CREDENTIAL_CMD} / stored key); prefer ${{oc.env:{ENV_API_KEY}}} to a "
+                                        f"literal", secret=True)
+    base_url: str | None = setting(None, f"where the service is (null: ${ENV_BASE_URL}, else the hosted service)")
+    request_timeout: float = setting(600.0, "seconds one remote call may take before it is reported", gt=0)
+    max_retries: int = setting(3, "extra attempts of calls that are safe to repeat", ge=0)
+    retry_backoff: float = setting(1.0, "seconds before the first extra attempt, doubled after each", ge=0)
+
+
+CONNECTION_OPTIONS = TinkerConnectionSettings.options()
 
 
 # The SDK logs a WARNING each time the service answers a poll "try again" (a result not ready yet:
@@ -69,9 +75,9 @@ class TinkerConnection:
 
     base_url: str | None
     api_key: str | None = field(repr=False)  # None: the SDK finds it (credential command, stored key)
-    request_timeout: float = 600.0
-    max_retries: int = 3
-    retry_backoff: float = 1.0
+    request_timeout: float
+    max_retries: int
+    retry_backoff: float
 
     def service_client(self) -> Any:
         import tinker
@@ -86,7 +92,7 @@ class TinkerConnection:
         return self.base_url or "the hosted Tinker service"
 
 
-def plain_section(section: Any, path: str) -> dict[str, Any]:
+def plain_section(section: Mapping[str, Any] | None, path: str) -> dict[str, Any]:
     """A recipe section as a plain dict, interpolations (``${oc.env:TINKER_API_KEY}``) resolved."""
     if section is None:
         return {}
@@ -105,35 +111,24 @@ def plain_section(section: Any, path: str) -> dict[str, Any]:
     return dict(section)
 
 
-def resolve_connection(section: Mapping[str, Any] | None, path: str) -> TinkerConnection:
-    """Connection settings of a recipe section (``service.train_service``...); ConfigError if no
-    API key can be found. Reads only the recipe and the environment: nothing is contacted."""
-    section = plain_section(section, path)
-
-    def number(key: str, cast: type, minimum: float) -> Any:
-        value = section.get(key, CONNECTION_OPTIONS[key].default)
-        try:
-            value = cast(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{path}.{key}: expected a number, got {value!r}") from None
-        if not value >= minimum:
-            raise ConfigError(f"{path}.{key}: must be >= {minimum}, got {value}")
-        return value
-
-    api_key = section.get("api_key") or os.environ.get(ENV_API_KEY) or None
+def resolve_connection(section: TinkerConnectionSettings | Mapping[str, Any] | None, path: str) -> TinkerConnection:
+    """Connection settings of a recipe section (``service.train_service``...), or of its settings;
+    ConfigError if no API key can be found or a key is bad. Reads only the recipe and the
+    environment: nothing is contacted."""
+    settings = section if isinstance(section, TinkerConnectionSettings) else \
+        TinkerConnectionSettings.own(plain_section(section, path), path)
+    api_key = settings.api_key or os.environ.get(ENV_API_KEY) or None
     if api_key is not None:
-        api_key = str(api_key)
         if not api_key.startswith(("tml-", "eyJ")):
-            source = f"{path}.api_key" if section.get("api_key") else ENV_API_KEY
+            source = f"{path}.api_key" if settings.api_key else ENV_API_KEY
             raise ConfigError(f"{source}: not a Tinker API key (a key starts with 'tml-')")
     elif not os.environ.get(ENV_CREDENTIAL_CMD) and not _stored_key_exists():
         raise ConfigError(f"{path}.api_key: no Tinker API key: set {path}.api_key (e.g. "
                           f"${{oc.env:{ENV_API_KEY}}}) or the {ENV_API_KEY} environment variable")
-    base_url = section.get("base_url") or os.environ.get(ENV_BASE_URL) or None
-    return TinkerConnection(base_url=str(base_url).rstrip("/") if base_url else None, api_key=api_key,
-                            request_timeout=number("request_timeout", float, 0.001),
-                            max_retries=number("max_retries", int, 0),
-                            retry_backoff=number("retry_backoff", float, 0.0))
+    base_url = settings.base_url or os.environ.get(ENV_BASE_URL) or None
+    return TinkerConnection(base_url=base_url.rstrip("/") if base_url else None, api_key=api_key,
+                            request_timeout=settings.request_timeout, max_retries=settings.max_retries,
+                            retry_backoff=settings.retry_backoff)
 
 
 def _stored_key_exists() -> bool:

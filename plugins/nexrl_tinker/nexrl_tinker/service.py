@@ -1,7 +1,8 @@
 """The Tinker train service (``service.train_service.backend: tinker``): one LoRA training run on
 the Tinker API, the core's :class:`nexrl_core.TrainService` over ``tinker.types.Datum`` batches.
 
-Built from the recipe's ``service.train_service`` mapping (keys: :attr:`TinkerTrainService.OPTIONS`),
+Built from the recipe's ``service.train_service`` mapping (keys: :class:`TinkerServiceSettings` and the
+connection's, :class:`~nexrl_tinker.remote.TinkerConnectionSettings`),
 it offers what a remote-API trainer drives:
 
 - :meth:`TinkerTrainService.forward` (logprobs, no gradients), :meth:`~TinkerTrainService.forward_backward`
@@ -30,28 +31,65 @@ import math
 import os
 import threading
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Literal
 
 import numpy as np
 from loguru import logger
 
-from nexrl_core import REQUIRED, ConfigError, DataError, Option, StepResult, TrainService, bind, check_options
+from nexrl_core import ConfigError, DataError, Option, Settings, StepResult, TrainService, check_options, setting
 
-from .remote import CONNECTION_OPTIONS, RemoteCalls, TinkerRequestError, plain_section, resolve_connection
+from .remote import (
+    CONNECTION_OPTIONS,
+    RemoteCalls,
+    TinkerConnectionSettings,
+    TinkerRequestError,
+    plain_section,
+    resolve_connection,
+)
 
 if TYPE_CHECKING:  # tinker's import takes a second: only a run that uses it pays
     from tinker import types
 
-LR_SCHEDULES = ("constant", "linear", "cosine")
+LrSchedule = Literal["constant", "linear", "cosine"]
 STATE_FILE = "tinker_state.json"
 STATE_FORMAT = 1
 BATCH_FORMAT = "tinker_datums"  # a list of tinker.types.Datum and a loss name (nexrl_tinker.datums)
 TRAIN_PARTS = ("train_mlp", "train_attn", "train_unembed")
 
 
-def _betas(value: Any) -> str | None:
+def _betas(value: list[float]) -> str | None:
     return None if len(value) == 2 and all(0 <= b < 1 for b in value) else \
         f"expected [beta1, beta2], each in [0, 1), got {list(value)}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class TinkerServiceSettings(Settings):
+    """The training run's keys of ``service.train_service`` (the connection's are
+    :class:`~nexrl_tinker.remote.TinkerConnectionSettings`)."""
+
+    base_model: str = setting(help="the Tinker name of the model to train (e.g. Qwen/Qwen3-8B), or a stand-in's "
+                                   "model name")
+    lora_rank: int = setting(32, "LoRA rank of the training run (Tinker trains LoRA adapters)", ge=1)
+    lora_seed: int | None = setting(None, "seed of the LoRA initialisation (null: the recipe's seed)")
+    train_mlp: bool = setting(True, "LoRA adapters on the MLP layers")
+    train_attn: bool = setting(True, "LoRA adapters on the attention layers")
+    train_unembed: bool = setting(True, "a LoRA adapter on the unembedding")
+    lr: float = setting(1e-4, "peak AdamW learning rate (LoRA wants 20-100x a full fine-tune's)", ge=0)
+    lr_schedule: LrSchedule = setting("constant", "constant, or a linear / cosine decay to min_lr_ratio * lr")
+    lr_warmup_steps: int = setting(0, "linear warm-up over this many optimizer steps", ge=0)
+    lr_decay_steps: int | None = setting(None, "optimizer step where the decay ends (null: the run's last)", ge=1,
+                                         needs=".lr_schedule != constant")
+    min_lr_ratio: float = setting(0.0, "floor of the decay, as a fraction of lr", ge=0, le=1,
+                                  needs=".lr_schedule != constant")
+    betas: list[float] = setting([0.9, 0.999], "AdamW betas", check=_betas)
+    eps: float = setting(1e-8, "AdamW epsilon", gt=0)
+    weight_decay: float = setting(0.0, "AdamW weight decay", ge=0)
+    grad_clip: float | None = setting(1.0, "clip on the global gradient norm (0 or null: none)", ge=0)
+
+    def train_parts(self) -> dict[str, bool]:
+        """Where the run puts LoRA adapters, as ``create_lora_training_client`` takes them."""
+        return {"train_mlp": self.train_mlp, "train_attn": self.train_attn, "train_unembed": self.train_unembed}
 
 
 class Pending:
@@ -72,7 +110,7 @@ class LearningRateSchedule:
     """``lr`` at optimizer step ``s`` (0-based): linear warm-up over ``warmup_steps``, then constant,
     or a linear / cosine decay to ``min_lr_ratio * lr`` at ``decay_steps`` (counted from step 0)."""
 
-    def __init__(self, lr: float, schedule: str = "constant", warmup_steps: int = 0, decay_steps: int | None = None,
+    def __init__(self, lr: float, schedule: LrSchedule = "constant", warmup_steps: int = 0, decay_steps: int | None = None,
                  min_lr_ratio: float = 0.0):
         self.lr, self.schedule, self.warmup_steps = lr, schedule, warmup_steps
         self.decay_steps, self.min_lr_ratio = decay_steps, min_lr_ratio
@@ -97,28 +135,8 @@ class TinkerTrainService(TrainService):
     ``total_steps`` (the run's optimizer steps) ends a decaying schedule unless ``lr_decay_steps``
     is set. See the module doc."""
 
-    OPTIONS = {
-        "base_model": Option(REQUIRED, str, "the Tinker name of the model to train (e.g. Qwen/Qwen3-8B), or a "
-                                            "stand-in's model name"),
-        "lora_rank": Option(32, int, "LoRA rank of the training run (Tinker trains LoRA adapters)", ge=1),
-        "lora_seed": Option(None, int, "seed of the LoRA initialisation (null: the recipe's seed)"),
-        "train_mlp": Option(True, bool, "LoRA adapters on the MLP layers"),
-        "train_attn": Option(True, bool, "LoRA adapters on the attention layers"),
-        "train_unembed": Option(True, bool, "a LoRA adapter on the unembedding"),
-        "lr": Option(1e-4, float, "peak AdamW learning rate (LoRA wants 20-100x a full fine-tune's)", ge=0),
-        "lr_schedule": Option("constant", str, "constant, or a linear / cosine decay to min_lr_ratio * lr",
-                              choices=LR_SCHEDULES),
-        "lr_warmup_steps": Option(0, int, "linear warm-up over this many optimizer steps", ge=0),
-        "lr_decay_steps": Option(None, int, "optimizer step where the decay ends (null: the run's last)", ge=1,
-                                 needs=".lr_schedule != constant"),
-        "min_lr_ratio": Option(0.0, float, "floor of the decay, as a fraction of lr", ge=0, le=1,
-                               needs=".lr_schedule != constant"),
-        "betas": Option([0.9, 0.999], list[float], "AdamW betas", check=_betas),
-        "eps": Option(1e-8, float, "AdamW epsilon", gt=0),
-        "weight_decay": Option(0.0, float, "AdamW weight decay", ge=0),
-        "grad_clip": Option(1.0, (float, None), "clip on the global gradient norm (0 or null: none)", ge=0),
-        **CONNECTION_OPTIONS,
-    }
+    SETTINGS = TinkerServiceSettings
+    OPTIONS = CONNECTION_OPTIONS
     BATCH_FORMAT = BATCH_FORMAT
 
     @classmethod
@@ -130,23 +148,25 @@ class TinkerTrainService(TrainService):
                  section: str = "service.train_service"):
         cfg = plain_section(config, section)
         self.section = section
-        problems = check_options(cfg, {"backend": Option("tinker", str), **self.OPTIONS}, section,
-                                 owner="train service 'tinker'") or self._cross_key_problems(cfg, section)
+        options = {"backend": Option("tinker", str), **TinkerServiceSettings.options(), **CONNECTION_OPTIONS}
+        problems = check_options(cfg, options, section, owner="train service 'tinker'")
         if problems:
             raise ConfigError("; ".join(problems))
-        self.connection = resolve_connection(cfg, section)
-        opt = bind(cfg, self.OPTIONS, section)  # the declared defaults, written once
-        self.base_model = str(opt["base_model"])
-        self.lora_rank = int(opt["lora_rank"])
-        lora_seed = opt["lora_seed"] if opt["lora_seed"] is not None else seed
-        self.lora_seed = None if lora_seed is None else int(lora_seed)
-        self.train_parts = {k: bool(opt[k]) for k in TRAIN_PARTS}
-        decay = opt["lr_decay_steps"] if opt["lr_decay_steps"] is not None else total_steps
-        self.schedule = LearningRateSchedule(float(opt["lr"]), str(opt["lr_schedule"]), int(opt["lr_warmup_steps"]),
-                                             decay, float(opt["min_lr_ratio"]))
-        betas = opt["betas"]
-        self.adam = {"beta1": float(betas[0]), "beta2": float(betas[1]), "eps": float(opt["eps"]),
-                     "weight_decay": float(opt["weight_decay"]), "grad_clip_norm": float(opt["grad_clip"] or 0.0)}
+        self.settings = settings = TinkerServiceSettings.own(cfg, section)
+        if not any(settings.train_parts().values()):
+            raise ConfigError(f"{section}: at least one of {', '.join(TRAIN_PARTS)} must be true (nothing would be "
+                              f"trained)")
+        self.connection = resolve_connection(TinkerConnectionSettings.own(cfg, section), section)
+        self.base_model = settings.base_model
+        self.lora_rank = settings.lora_rank
+        self.lora_seed = settings.lora_seed if settings.lora_seed is not None else seed
+        self.train_parts = settings.train_parts()
+        decay = settings.lr_decay_steps if settings.lr_decay_steps is not None else total_steps
+        self.schedule = LearningRateSchedule(float(settings.lr), settings.lr_schedule, settings.lr_warmup_steps, decay,
+                                             float(settings.min_lr_ratio))
+        # Floats, as Tinker's AdamParams takes them (a recipe may write an integer where a number goes).
+        self.adam = {"beta1": float(settings.betas[0]), "beta2": float(settings.betas[1]), "eps": float(settings.eps),
+                     "weight_decay": float(settings.weight_decay), "grad_clip_norm": float(settings.grad_clip or 0.0)}
         self.optimizer_steps = 0
         self._calls = RemoteCalls(self.connection)
         self._lock = threading.Lock()
@@ -154,12 +174,6 @@ class TinkerTrainService(TrainService):
         self._service: Any = None
         self._training: Any = None
         self._sampler_paths: dict[tuple[str, int], str] = {}
-
-    @staticmethod
-    def _cross_key_problems(cfg: Mapping[str, Any], section: str) -> list[str]:
-        if not any(cfg.get(k, True) for k in TRAIN_PARTS):
-            return [f"{section}: at least one of {', '.join(TRAIN_PARTS)} must be true (nothing would be trained)"]
-        return []
 
     @classmethod
     def check_config(cls, section: Mapping[str, Any], path: str = "service.train_service") -> list[str]:

@@ -20,6 +20,7 @@ import random
 import time
 from abc import abstractmethod
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, cast
 
 import numpy as np
@@ -30,17 +31,20 @@ from nexrl_core import (
     Capabilities,
     ConfigError,
     DataError,
+    NexRLError,
     Option,
     SamplingParams,
+    Settings,
     StepResult,
     Trajectory,
     algorithms,
+    setting,
     trajectory_reward,
     trajectory_segments,
 )
 
 from .datums import RL_LOSSES, response_values, trajectory_to_datums
-from .service import BATCH_FORMAT
+from .service import BATCH_FORMAT, TinkerTrainService
 from .tokens import encode_prompt, load_tokenizer
 from .weights import SYNC_CAPABILITY, TRAINER_CAPABILITY
 
@@ -117,15 +121,27 @@ class RemoteApiTrainer(BaseTrainer):
         return "trains on a remote train service (Tinker)"
     ALGORITHM_OPTIONS: dict[str, Option] = {}
 
-    def __init__(self, config: Any):
+    def __init__(self, config: Mapping[str, Any]):
         super().__init__(config)
         self._algorithm = self._full_config["algorithm"]
-        self.train_service: Any = None
+        self.train_service: TinkerTrainService | None = None
 
     def initialize_workers(self) -> None:
         """Build the train service (nothing is contacted until the first call)."""
         if self.train_service is None:
-            self.train_service = self.create_train_service()
+            service = self.create_train_service()
+            if not isinstance(service, TinkerTrainService):
+                raise ConfigError(f"service.train_service.backend: {type(self).__name__} trains through the Tinker "
+                                  f"train service (its sampler snapshots and remote checkpoints), not "
+                                  f"{type(service).__name__}")
+            self.train_service = service
+
+    @property
+    def service(self) -> TinkerTrainService:
+        """The train service :meth:`initialize_workers` built."""
+        if self.train_service is None:
+            raise NexRLError(f"{type(self).__name__} has no train service yet: call initialize_workers first")
+        return self.train_service
 
     # -- the algorithm ----------------------------------------------------------------------
     @abstractmethod
@@ -161,7 +177,7 @@ class RemoteApiTrainer(BaseTrainer):
         datums = self._convert_trajectories_to_datums(trajectories)
         name, config = self.loss()
         t1 = time.perf_counter()
-        result = self.train_service.train_step(datums, name, config)  # submitted back to back, awaited together
+        result = self.service.train_step(datums, name, config)  # submitted back to back, awaited together
         t2 = time.perf_counter()
         metrics.update({f"train/{k}": float(v) for k, v in result.metrics.items()})
         metrics.update({f"train/{k}": v for k, v in self._output_metrics(trajectories, datums, result).items()})
@@ -179,7 +195,7 @@ class RemoteApiTrainer(BaseTrainer):
     def export_weights(self) -> Any:
         """A sampling client of the current weights (what the tinker weight sync hands over)."""
         self.initialize_workers()
-        return self.train_service.sampling_client()
+        return self.service.sampling_client()
 
     def algorithm_state(self) -> dict[str, Any]:
         return {}
@@ -188,11 +204,11 @@ class RemoteApiTrainer(BaseTrainer):
         pass
 
     def save_model_state(self, folder: str) -> None:
-        self.train_service.save_state(folder, extra_state={"algorithm": self.algorithm_state(), "rng": rng_state()})
+        self.service.save_state(folder, extra_state={"algorithm": self.algorithm_state(), "rng": rng_state()})
 
     def load_model_state(self, folder: str) -> None:
         self.initialize_workers()
-        extra = self.train_service.load_state(folder)
+        extra = self.service.load_state(folder)
         self.load_algorithm_state(extra.get("algorithm", {}))
         if "rng" in extra:
             set_rng_state(extra["rng"])
@@ -200,6 +216,32 @@ class RemoteApiTrainer(BaseTrainer):
     def close(self) -> None:
         if self.train_service is not None:
             self.train_service.close()
+
+
+@dataclass(frozen=True, kw_only=True)
+class RemoteGrpoSettings(Settings):
+    """The ``algorithm.*`` keys ``remote_api_grpo`` reads itself (the selected estimator declares its own)."""
+
+    type: str = setting("grpo", "advantage estimator, by registered name (nexrl_advantage_estimators)")
+    loss_fn: str = setting("importance_sampling", "the service's policy loss: importance_sampling (-ratio * A) or "
+                                                  "ppo (clipped ratio)", choices=RL_LOSSES)
+    clip_ratio_low: float | None = setting(None, "ppo: the ratio is clipped below at 1 - clip_ratio_low (null: 0.2)",
+                                           ge=0, lt=1)
+    clip_ratio_high: float | None = setting(None, "ppo: the ratio is clipped above at 1 + clip_ratio_high (null: "
+                                                  "0.2)", ge=0)
+    reward_processing: algorithms.RewardProcessingSettings = setting(
+        algorithms.RewardProcessingSettings, "sample-level masks and reward normalisation / clipping / scaling, "
+                                             "before advantages; per domain with domains.<name>")
+
+
+@dataclass(frozen=True)
+class RemoteGrpoAlgorithm:
+    """What the trainer resolves of its ``algorithm`` section, once: it needs the algorithm registry,
+    which the launcher hands in after construction."""
+
+    selection: algorithms.AlgorithmSelection
+    settings: RemoteGrpoSettings
+    reward_processor: algorithms.RewardProcessor
 
 
 class RemoteApiGrpoTrainer(RemoteApiTrainer):
@@ -212,25 +254,13 @@ class RemoteApiGrpoTrainer(RemoteApiTrainer):
     sampling record each trajectory carries (``trajectory["sampling"]``) and refuses others.
     """
 
-    ALGORITHM_OPTIONS = {
-        "type": Option("grpo", str, "advantage estimator, by registered name (nexrl_advantage_estimators)"),
-        "loss_fn": Option("importance_sampling", str, "the service's policy loss: importance_sampling "
-                                                      "(-ratio * A) or ppo (clipped ratio)", choices=RL_LOSSES),
-        "clip_ratio_low": Option(None, float, "ppo: the ratio is clipped below at 1 - clip_ratio_low (null: 0.2)",
-                                 ge=0, lt=1),
-        "clip_ratio_high": Option(None, float, "ppo: the ratio is clipped above at 1 + clip_ratio_high (null: 0.2)",
-                                  ge=0),
-        "reward_processing": Option(options=algorithms.REWARD_PROCESSING_OPTIONS,
-                                    help="sample-level masks and reward normalisation / clipping / scaling, "
-                                         "before advantages; per domain with domains.<name>"),
-    }
+    ALGORITHM_OPTIONS = RemoteGrpoSettings.options()
     ALGORITHM_SELECTORS = {"type": "advantage_estimator"}
     DEFAULT_CLIP_RATIO = 0.2
 
-    def __init__(self, config: Any):
+    def __init__(self, config: Mapping[str, Any]):
         super().__init__(config)
-        self._selection: algorithms.AlgorithmSelection | None = None
-        self._reward_processor: algorithms.RewardProcessor | None = None
+        self._resolved: RemoteGrpoAlgorithm | None = None
         self._prepared_from: list[Trajectory] = []  # this step's pool trajectories, one per prepared one
 
     @classmethod
@@ -258,20 +288,30 @@ class RemoteApiGrpoTrainer(RemoteApiTrainer):
                 "algorithm.loss_fn would compare two different distributions")
 
     @property
-    def selection(self) -> algorithms.AlgorithmSelection:
-        """The recipe's estimator and every ``algorithm.*`` value (resolved once)."""
-        if self._selection is None:
+    def algorithm(self) -> RemoteGrpoAlgorithm:
+        """The recipe's estimator, this trainer's typed settings and the reward processing they build
+        (resolved once, when first read: the registry is handed in after construction)."""
+        if self._resolved is None:
             selection = algorithms.select_algorithms(type(self), self._algorithm, self.algorithm_registry)
-            self._reward_processor = algorithms.RewardProcessor(selection.options["reward_processing"])
-            self._selection = selection
-        return self._selection
+            settings = RemoteGrpoSettings.own(selection.options, "algorithm")
+            self._resolved = RemoteGrpoAlgorithm(selection, settings,
+                                                 algorithms.RewardProcessor(settings.reward_processing))
+        return self._resolved
+
+    @property
+    def selection(self) -> algorithms.AlgorithmSelection:
+        """The recipe's estimator and every ``algorithm.*`` value (the estimator's included)."""
+        return self.algorithm.selection
+
+    @property
+    def settings(self) -> RemoteGrpoSettings:
+        """This trainer's own ``algorithm.*`` keys."""
+        return self.algorithm.settings
 
     @property
     def reward_processor(self) -> algorithms.RewardProcessor:
-        """The reward post-processing of ``algorithm``, with its running state (built with :attr:`selection`)."""
-        self.selection  # noqa: B018 - builds it
-        assert self._reward_processor is not None
-        return self._reward_processor
+        """The reward post-processing of ``algorithm``, with its running state."""
+        return self.algorithm.reward_processor
 
     def algorithm_state(self) -> dict[str, Any]:
         return {"reward_running": self.reward_processor.state_dict()}
@@ -280,17 +320,16 @@ class RemoteApiGrpoTrainer(RemoteApiTrainer):
         self.reward_processor.load_state_dict(state.get("reward_running", {}))
 
     def initialize_workers(self) -> None:
-        self.selection  # noqa: B018 - a bad algorithm section fails before the service is built
+        self.algorithm  # noqa: B018 - a bad algorithm section fails before the service is built
         super().initialize_workers()
 
     def loss(self) -> tuple[str, dict[str, float] | None]:
-        options = self.selection.options
-        name = str(options["loss_fn"])
-        if name != "ppo":
-            return name, None
-        low = options["clip_ratio_low"] if options["clip_ratio_low"] is not None else self.DEFAULT_CLIP_RATIO
-        high = options["clip_ratio_high"] if options["clip_ratio_high"] is not None else self.DEFAULT_CLIP_RATIO
-        return name, {"clip_low_threshold": 1.0 - float(low), "clip_high_threshold": 1.0 + float(high)}
+        settings = self.settings
+        if settings.loss_fn != "ppo":
+            return settings.loss_fn, None
+        low = settings.clip_ratio_low if settings.clip_ratio_low is not None else self.DEFAULT_CLIP_RATIO
+        high = settings.clip_ratio_high if settings.clip_ratio_high is not None else self.DEFAULT_CLIP_RATIO
+        return settings.loss_fn, {"clip_low_threshold": 1.0 - low, "clip_high_threshold": 1.0 + high}
 
     def _check_sampling(self, trajectory: Trajectory) -> None:
         sampling = trajectory.get("sampling")
@@ -311,7 +350,7 @@ class RemoteApiGrpoTrainer(RemoteApiTrainer):
         mask = _padded(masks)
         rewards = np.asarray([trajectory_reward(t) for t in trajectories], dtype=np.float64)
         group_ids = [t.get("uid") for t in trajectories]
-        estimate = self.selection.bound("type")
+        estimate = self.algorithm.selection.bound("type")
         # The seed's order, as in self_hosted_grpo: sample-level mask -> reward post-processing (per
         # domain) -> token-level reward -> advantages.
         truncated = np.asarray([algorithms.response_truncated(t, len(t.get("response_token_ids") or []))
@@ -356,8 +395,16 @@ class RemoteApiGrpoTrainer(RemoteApiTrainer):
         gaps, positions = algorithms.rollout_mismatch_per_row(trainer_lp, rollout_lp, mask)
         if len(self._prepared_from) == len(trajectories):
             for i, (_, record) in algorithms.sample_logprob_gaps(gaps, positions, owners).items():
-                cast(dict[str, Any], self._prepared_from[i])["logprob_gap"] = record
+                self._prepared_from[i]["logprob_gap"] = record
         return algorithms.rollout_mismatch_metrics(trainer_lp, rollout_lp, mask)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RemoteSftSettings(Settings):
+    """The ``trainer.*`` keys of ``remote_api_cross_entropy`` beside the core's."""
+
+    tokenizer_path: str | None = setting(None, "local tokenizer folder for trajectories that carry text but no token "
+                                               "ids (null: service.inference_service.tokenizer_path)")
 
 
 class RemoteApiCrossEntropyTrainer(RemoteApiTrainer):
@@ -370,18 +417,16 @@ class RemoteApiCrossEntropyTrainer(RemoteApiTrainer):
     """
 
     TRAJECTORY_CONTRACT = "sft"
-    OPTIONS = {
-        "tokenizer_path": Option(None, str, "local tokenizer folder for trajectories that carry text but no token "
-                                            "ids (null: service.inference_service.tokenizer_path)"),
-    }
+    SETTINGS = RemoteSftSettings
     # Its data need not come from the model being trained: it works with any weight sync.
     CAPABILITIES = Capabilities(provides={TRAINER_CAPABILITY})
 
-    def __init__(self, config: Any):
+    def __init__(self, config: Mapping[str, Any]):
         super().__init__(config)
+        self.settings = RemoteSftSettings.own(self._config, "trainer")
         # The inference backend's tokenizer settings, where it declares them (tinker, hf).
         inference = self._full_config["service"]["inference_service"]
-        self._tokenizer_path = self._config["tokenizer_path"] or \
+        self._tokenizer_path = self.settings.tokenizer_path or \
             (inference["tokenizer_path"] if "tokenizer_path" in inference else None)
         self._chat_template = bool(inference["chat_template"]) if "chat_template" in inference else True
         self._tokenizer: Any = None
