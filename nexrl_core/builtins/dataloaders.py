@@ -7,50 +7,57 @@ import json
 import os
 import random
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
-from typing import Any
+from typing import Any, ClassVar, Literal
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
-from ..config.bound import bind
-from ..config.options import REQUIRED, Option, option_defaults
+from ..config.options import Option, option_defaults
+from ..config.settings import PlainData, Settings, setting
 from ..dataloader import BaseDataLoader
 from ..errors import ConfigError, DataError
 from ..markers import hookimpl
 
-_PATHS = (str, list[str])
+
+@dataclass(frozen=True, kw_only=True)
+class FileDataSettings(Settings):
+    """The ``file`` loader's keys."""
+
+    path: str | list[str] | None = setting(None, "JSONL or Parquet file, or a list of them", path=True)
+    dataset_paths: str | list[str] | None = setting(None, "the seed's name for path", path=True)
+    prompt_key: str = setting("prompt", "row field that holds the prompt")
+
+    def paths(self) -> tuple[str, list[str]]:
+        """The key that names the files (``path``, else the seed's ``dataset_paths``) and the files."""
+        name = "path" if self.path else "dataset_paths"
+        paths = self.path or self.dataset_paths or []
+        return name, [paths] if isinstance(paths, str) else list(paths)
 
 
 class FileDataLoader(BaseDataLoader):
     """Rows from JSONL or Parquet files (``path``: one path or a list)."""
 
-    OPTIONS = {
-        "path": Option(None, _PATHS, "JSONL or Parquet file, or a list of them", path=True),
-        "dataset_paths": Option(None, _PATHS, "the seed's name for path", path=True),
-        "prompt_key": Option("prompt", str, "row field that holds the prompt"),
-    }
+    SETTINGS: ClassVar[type[Settings]] = FileDataSettings
 
     @classmethod
-    def check_config(cls, section: Any, key: str) -> list[str]:
+    def check_config(cls, section: Mapping[str, Any], key: str) -> list[str]:
         """A missing path, or a file that does not exist (with the nearest file of its folder): said
         before a run creates anything, as ``nexrl validate`` says it."""
-        name = "path" if section.get("path") else "dataset_paths"
-        paths = section.get(name)
+        name, paths = FileDataSettings.own(section, key).paths()
         if not paths:
             return [f"{key}.path: required (a JSONL or Parquet file, or a list of them)"]
-        listed = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
-        return [f"{key}.{name}: '{p}': data file not found{_near_miss(str(p))}" for p in listed
-                if isinstance(p, (str, os.PathLike)) and "${" not in str(p) and not os.path.exists(p)]
+        return [f"{key}.{name}: '{p}': data file not found{_near_miss(p)}" for p in paths
+                if "${" not in p and not os.path.exists(p)]
 
-    def __init__(self, config: Any, is_validate: bool = False):
-        config = self.bind_config(config, is_validate)
-        paths = config["path"] or config["dataset_paths"]
-        if not paths:
+    def __init__(self, config: Mapping[str, Any], is_validate: bool = False):
+        bound = self.bind_config(config, is_validate)
+        self.settings = FileDataSettings.own(bound, _section(is_validate))
+        self._paths = self.settings.paths()[1]
+        if not self._paths:
             raise ConfigError(f"{_section(is_validate)}.path: required (a JSONL or Parquet file, or a list of them)")
-        self._paths = [str(paths)] if isinstance(paths, (str, os.PathLike)) else [str(p) for p in paths]
-        self._prompt_key = str(config["prompt_key"])
-        super().__init__(config, is_validate)
+        super().__init__(bound, is_validate)
 
     def describe(self) -> str:
         return ", ".join(self._paths)
@@ -58,8 +65,26 @@ class FileDataLoader(BaseDataLoader):
     def load_rows(self) -> list[dict[str, Any]]:
         rows: list[dict[str, Any]] = []
         for path in self._paths:
-            rows.extend(read_rows(path, self._prompt_key))
+            rows.extend(read_rows(path, self.settings.prompt_key))
         return rows
+
+
+@dataclass(frozen=True, kw_only=True)
+class HuggingFaceDataSettings(Settings):
+    """The ``huggingface`` loader's keys."""
+
+    path: str = setting(help="a Hub data set name, a save_to_disk folder, or a .parquet/.json/.jsonl/.csv file",
+                        path=True)
+    name: str | None = setting(None, "the data set's configuration (e.g. 'main' for openai/gsm8k)")
+    split: str = setting("train", "which split to read (a file has one: train)")
+    prompt_column: str = setting("prompt", "column that holds the prompt (text, or a list of chat messages)")
+    answer_column: str | None = setting(None, "column copied into the row's answer (what exact_match, numeric_answer "
+                                              "and math_rule compare with)")
+    data_source_column: str | None = setting(None, "column copied into the row's data_source (validation metrics "
+                                                   "per source: val/<data_source>_<score>)")
+    streaming: bool = setting(False, "read a Hub data set as a stream, stopping after max_rows (a part of a set "
+                                     "too large to download)", needs=".max_rows")
+    max_rows: int | None = setting(None, "read at most this many rows", ge=1)
 
 
 class HuggingFaceDataLoader(BaseDataLoader):
@@ -69,40 +94,24 @@ class HuggingFaceDataLoader(BaseDataLoader):
     ``answer`` and ``data_source``; every other column stays in the row (an evaluator or a reward
     function reads it). Shuffling and the resume position are the base loader's, as for files."""
 
-    OPTIONS = {
-        "path": Option(REQUIRED, str, "a Hub data set name, a save_to_disk folder, or a .parquet/.json/.jsonl/.csv "
-                                      "file", path=True),
-        "name": Option(None, str, "the data set's configuration (e.g. 'main' for openai/gsm8k)"),
-        "split": Option("train", str, "which split to read (a file has one: train)"),
-        "prompt_column": Option("prompt", str, "column that holds the prompt (text, or a list of chat messages)"),
-        "answer_column": Option(None, str, "column copied into the row's answer (what exact_match, numeric_answer "
-                                           "and math_rule compare with)"),
-        "data_source_column": Option(None, str, "column copied into the row's data_source (validation metrics per "
-                                                "source: val/<data_source>_<score>)"),
-        "streaming": Option(False, bool, "read a Hub data set as a stream, stopping after max_rows (a part of a set "
-                                         "too large to download)", needs=".max_rows"),
-        "max_rows": Option(None, int, "read at most this many rows", ge=1),
-    }
+    SETTINGS: ClassVar[type[Settings]] = HuggingFaceDataSettings
 
     @classmethod
-    def check_config(cls, section: Any, key: str) -> list[str]:
+    def check_config(cls, section: Mapping[str, Any], key: str) -> list[str]:
         try:
             import datasets  # noqa: F401
         except ImportError:
             return [f"{key}.type: huggingface needs the datasets library: pip install 'nexrl-core[datasets]'"]
         return []
 
-    def __init__(self, config: Any, is_validate: bool = False):
-        config = self.bind_config(config, is_validate)
+    def __init__(self, config: Mapping[str, Any], is_validate: bool = False):
         self._key = _section(is_validate)
-        self._path = str(config["path"])
-        self._name = config["name"]
-        self._split = str(config["split"])
-        self._columns = {"prompt": str(config["prompt_column"]), "answer": config["answer_column"],
-                         "data_source": config["data_source_column"]}
-        self._streaming = bool(config["streaming"])
-        self._max_rows = config["max_rows"]
-        super().__init__(config, is_validate)
+        bound = self.bind_config(config, is_validate)
+        self.settings = settings = HuggingFaceDataSettings.own(bound, self._key)
+        self._path, self._split = settings.path, settings.split
+        self._columns = {"prompt": settings.prompt_column, "answer": settings.answer_column,
+                         "data_source": settings.data_source_column}
+        super().__init__(bound, is_validate)
 
     def describe(self) -> str:
         return f"{self._path} ({self._split})"
@@ -111,7 +120,7 @@ class HuggingFaceDataLoader(BaseDataLoader):
         table = self._open()
         rows: list[dict[str, Any]] = []
         for i, example in enumerate(table):
-            if self._max_rows is not None and i >= int(self._max_rows):
+            if self.settings.max_rows is not None and i >= self.settings.max_rows:
                 break
             rows.append(self._row(dict(example), i))
         if not rows:
@@ -141,7 +150,7 @@ class HuggingFaceDataLoader(BaseDataLoader):
                 return datasets.load_dataset(builder, data_files=path, split="train")
             if os.path.isabs(path) or path.startswith("."):
                 raise DataError(f"{where} does not exist")
-            return datasets.load_dataset(path, self._name, split=self._split, streaming=self._streaming)
+            return datasets.load_dataset(path, self.settings.name, split=self._split, streaming=self.settings.streaming)
         except DataError:
             raise
         except Exception as exc:  # the library's own errors: offline and not cached, an unknown split...
@@ -245,14 +254,38 @@ def _read_parquet(path: str) -> list[dict[str, Any]]:
         raise DataError(f"{path}: not a readable Parquet file ({exc})") from None
 
 
+@dataclass(frozen=True, kw_only=True)
+class InlineDataSettings(Settings):
+    """The ``inline`` loader's keys."""
+
+    rows: list[dict[str, PlainData]] = setting(help="the rows, e.g. [{prompt: '1 + 2', answer: '3'}]")
+
+
 class InlineDataLoader(BaseDataLoader):
     """Rows written in the recipe itself (``rows: [{prompt: ..., answer: ...}, ...]``)."""
 
-    OPTIONS = {"rows": Option(REQUIRED, list[dict], "the rows, e.g. [{prompt: '1 + 2', answer: '3'}]")}
+    SETTINGS: ClassVar[type[Settings]] = InlineDataSettings
+
+    def __init__(self, config: Mapping[str, Any], is_validate: bool = False):
+        bound = self.bind_config(config, is_validate)
+        self.settings = InlineDataSettings.own(bound, _section(is_validate))
+        super().__init__(bound, is_validate)
 
     def load_rows(self) -> list[dict[str, Any]]:
-        rows = self._config["rows"] or []
-        return [dict(r) for r in rows]
+        return [dict(r) for r in self.settings.rows]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ArithmeticDataSettings(Settings):
+    """The ``arithmetic`` loader's keys."""
+
+    num_rows: int = setting(256, "questions to generate", ge=1)
+    min_value: int = setting(0, "smallest operand")
+    max_value: int = setting(99, "largest operand")
+    split: Literal["train", "validation"] = setting("train", "which half of the operand pairs")
+    template: str = setting("What is {a} + {b}? Reply with only the number.", "prompt, with {a} and {b}")
+    data_source: str = setting("arithmetic", "data_source of every row")
+    seed: int = setting(0, "seed of the questions drawn (training data: data.seed)")
 
 
 class ArithmeticDataLoader(BaseDataLoader):
@@ -263,49 +296,56 @@ class ArithmeticDataLoader(BaseDataLoader):
     question.
     """
 
-    OPTIONS = {
-        "num_rows": Option(256, int, "questions to generate", ge=1),
-        "min_value": Option(0, int, "smallest operand"),
-        "max_value": Option(99, int, "largest operand"),
-        "split": Option("train", str, "which half of the operand pairs", choices=("train", "validation")),
-        "template": Option("What is {a} + {b}? Reply with only the number.", str, "prompt, with {a} and {b}"),
-        "data_source": Option("arithmetic", str, "data_source of every row"),
-        "seed": Option(0, int, "seed of the questions drawn (training data: data.seed)"),
-    }
-    CONFIG_KEYS = option_defaults(OPTIONS)  # deprecated view, for plugins that extend it
+    SETTINGS: ClassVar[type[Settings]] = ArithmeticDataSettings
+    CONFIG_KEYS = option_defaults(ArithmeticDataSettings.options())  # deprecated view, for plugins that extend it
 
     @classmethod
-    def check_config(cls, section: Any, key: str) -> list[str]:
-        bound = bind(section, cls.OPTIONS, key)
-        lo, hi = bound["min_value"], bound["max_value"]
+    def check_config(cls, section: Mapping[str, Any], key: str) -> list[str]:
+        settings = ArithmeticDataSettings.own(section, key)
+        lo, hi = settings.min_value, settings.max_value
         return [f"{key}.max_value: {hi} is below min_value {lo}"] if hi < lo else []
 
+    def __init__(self, config: Mapping[str, Any], is_validate: bool = False):
+        bound = self.bind_config(config, is_validate)
+        self.settings = ArithmeticDataSettings.own(bound, _section(is_validate))
+        super().__init__(bound, is_validate)
+
     def load_rows(self) -> list[dict[str, Any]]:
-        cfg = self._config
-        lo, hi = int(cfg["min_value"]), int(cfg["max_value"])
-        n = int(cfg["num_rows"])
-        split = str(cfg["split"])
-        if split not in ("train", "validation"):
-            raise ConfigError(f"{_section(self._is_validate)}.split: '{split}' is not one of train, validation")
+        settings = self.settings
+        lo, hi, n, split = settings.min_value, settings.max_value, settings.num_rows, settings.split
         pairs = [(a, b) for a in range(lo, hi + 1) for b in range(lo, hi + 1)
                  if ((a * 7919 + b * 104729) % 5 == 0) == (split == "validation")]
         if n > len(pairs):
             raise ConfigError(f"{_section(self._is_validate)}.num_rows: {n} rows requested but only {len(pairs)} distinct "
                               f"{split} questions exist in [{lo}, {hi}]")
-        random.Random(int(cfg["seed"]) + (1 if split == "validation" else 0)).shuffle(pairs)
-        template = str(cfg["template"])
-        source = str(cfg["data_source"])
-        return [{"prompt": template.format(a=a, b=b), "answer": a + b, "data_source": source}
+        random.Random(settings.seed + (1 if split == "validation" else 0)).shuffle(pairs)
+        return [{"prompt": settings.template.format(a=a, b=b), "answer": a + b, "data_source": settings.data_source}
                 for a, b in pairs[:n]]
 
 
 _DOMAIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 
-DOMAIN_DATA = {  # the core's keys of one domain's data loader mapping (the loader adds its own)
-    "type": Option("file", str, "registered data loader of this domain's rows"),
-    "seed": Option(None, int, "seed of this domain's shuffling (default: data.seed)"),
-    "shuffle": Option(None, bool, "shuffle this domain's rows each epoch (default: data.shuffle)"),
-}
+
+
+@dataclass(frozen=True, kw_only=True)
+class DomainData(Settings):
+    """The core's keys of one domain's data loader mapping (the loader adds its own)."""
+
+    type: str = setting("file", "registered data loader of this domain's rows")
+    seed: int | None = setting(None, "seed of this domain's shuffling (default: data.seed)")
+    shuffle: bool | None = setting(None, "shuffle this domain's rows each epoch (default: data.shuffle)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MultiDomainSettings(Settings):
+    """The ``multi_domain`` loader's keys."""
+
+    domains: dict[str, dict[str, PlainData]] = setting(
+        help="the domains, by name: {<domain>: {type: <data loader>, <its keys>}}",
+        values=Option(options=DomainData.options(), component="dataloader",
+                      help="one domain's data: a data loader mapping"))
+    domain_interleave_probs: dict[str, float] | None = setting(None, "training: the share of groups each domain "
+                                                                     "gets ({<domain>: weight}; normalised to sum 1)")
 
 
 @dataclass
@@ -339,72 +379,36 @@ class MultiDomainDataLoader(BaseDataLoader):
     as the domains have rows together. Validation hands every row of every domain out once, domain by domain.
     """
 
-    OPTIONS = {
-        "domains": Option(REQUIRED, dict, "the domains, by name: {<domain>: {type: <data loader>, <its keys>}}",
-                          values=Option(options=DOMAIN_DATA, component="dataloader",
-                                        help="one domain's data: a data loader mapping")),
-        "domain_interleave_probs": Option(None, dict[str, float], "training: the share of groups each domain gets "
-                                                                  "({<domain>: weight}; normalised to sum 1)"),
-    }
+    SETTINGS: ClassVar[type[Settings]] = MultiDomainSettings
 
     @classmethod
-    def check_config(cls, section: Any, key: str) -> list[str]:
-        domains = section.get("domains") or {}
-        problems = [f"{key}.domains.{name}: a domain name is letters, digits, '_', '.' or '-'"
-                    for name in domains if not _DOMAIN_NAME.fullmatch(str(name))]
-        if not domains:
-            problems.append(f"{key}.domains: name at least one domain")
-        problems += [f"{key}.domains.{name}.type: a domain cannot itself be multi_domain"
-                     for name, sub in domains.items() if isinstance(sub, dict) and sub.get("type") == "multi_domain"]
-        probs = section.get("domain_interleave_probs")
-        if key.startswith("validate"):
-            if probs is not None:
-                problems.append(f"{key}.domain_interleave_probs: a validation pass covers every row of every domain "
-                                f"once; delete this key")
-            return problems
-        if probs is None:
-            if len(domains) > 1:
-                problems.append(f"{key}.domain_interleave_probs: required with several domains (the share of each "
-                                f"training batch, e.g. {{{', '.join(f'{d}: 1' for d in domains)}}})")
-            return problems
-        missing = [d for d in domains if d not in probs]
-        unknown = [d for d in probs if d not in domains]
-        if missing:
-            problems.append(f"{key}.domain_interleave_probs: no share for domain(s) {', '.join(missing)}")
-        if unknown:
-            problems.append(f"{key}.domain_interleave_probs: {', '.join(map(str, unknown))} "
-                            f"{'is not a domain' if len(unknown) == 1 else 'are not domains'} "
-                            f"(domains: {', '.join(domains)})")
-        negative = [d for d, p in probs.items() if p < 0]
-        if negative:
-            problems.append(f"{key}.domain_interleave_probs: shares must be >= 0 ({', '.join(negative)})")
-        elif not missing and not unknown and sum(probs.values()) <= 0:
-            problems.append(f"{key}.domain_interleave_probs: at least one share must be positive")
-        return problems
+    def check_config(cls, section: Mapping[str, Any], key: str) -> list[str]:
+        settings, problems = MultiDomainSettings.parse(section, key, own=True)
+        return problems if settings is None else _domain_problems(settings, key)
 
     @classmethod
-    def declared_domains(cls, section: Any) -> list[str] | None:
-        domains = section.get("domains") if hasattr(section, "get") else None
-        return [str(d) for d in domains] if isinstance(domains, (dict, DictConfig)) else None
+    def declared_domains(cls, section: object) -> list[str] | None:
+        domains = section.get("domains") if isinstance(section, Mapping) else None
+        return [str(d) for d in domains] if isinstance(domains, Mapping) else None
 
-    def __init__(self, config: Any, is_validate: bool = False):
+    def __init__(self, config: Mapping[str, Any], is_validate: bool = False):
         self._key = _section(is_validate)
-        config = self.bind_config(config, is_validate)
-        plain = config.to_dict()
-        problems = self.check_config(plain, self._key)
+        bound = self.bind_config(config, is_validate)
+        self.settings = settings = MultiDomainSettings.own(bound, self._key)
+        problems = _domain_problems(settings, self._key)
         if problems:
             raise ConfigError("; ".join(problems))
-        self._domain_configs: dict[str, dict[str, Any]] = {str(d): dict(c) for d, c in plain["domains"].items()}
+        self._domain_configs = {str(d): dict(c) for d, c in settings.domains.items()}
         self._domains = list(self._domain_configs)
-        probs = plain["domain_interleave_probs"] or {d: 1.0 for d in self._domains}
+        probs = settings.domain_interleave_probs or {d: 1.0 for d in self._domains}
         weights = {d: Fraction(str(float(probs[d]))) for d in self._domains}
         total = sum(weights.values())
         self._probs = {d: w / total for d, w in weights.items()}
-        self._batch_groups = max(1, int(plain["batch_groups"]))
+        self._batch_groups = max(1, int(bound["batch_groups"]))  # set by nexrl (BaseDataLoader.bind_config)
         self._streams: dict[str, _DomainStream] = {}
         self._scheduled = {d: 0 for d in self._domains}
         self._pass_start = 0
-        super().__init__(config, is_validate)
+        super().__init__(bound, is_validate)
 
     def describe(self) -> str:
         return f"{self._key} (domains {', '.join(self._domains)})"
@@ -417,7 +421,7 @@ class MultiDomainDataLoader(BaseDataLoader):
         self._domain_rows: dict[str, list[int]] = {}
         for name, section in self._domain_configs.items():
             key = f"{self._key}.domains.{name}"
-            cls = pm.resolve("dataloader", bind(section, DOMAIN_DATA, key)["type"], f"{key}.type")
+            cls = pm.resolve("dataloader", DomainData.own(section, key).type, f"{key}.type")
             child = {**section, "group_size": self._group_size, **self._domain_order(name)}
             try:
                 loaded = cls(OmegaConf.create(child), is_validate=self._is_validate).rows()
@@ -434,9 +438,9 @@ class MultiDomainDataLoader(BaseDataLoader):
     # -- training: per-domain streams and the interleaving schedule -------------------------------
     def _domain_order(self, domain: str) -> dict[str, Any]:
         """A domain's seed and shuffle: its own keys, else the data section's."""
-        section = self._domain_configs[domain]
-        return {"seed": self._seed if section.get("seed") is None else int(section["seed"]),
-                "shuffle": self._shuffle if section.get("shuffle") is None else bool(section["shuffle"])}
+        own = DomainData.own(self._domain_configs[domain], f"{self._key}.domains.{domain}")
+        return {"seed": self._seed if own.seed is None else own.seed,
+                "shuffle": self._shuffle if own.shuffle is None else own.shuffle}
 
     def _new_epoch(self) -> None:
         super()._new_epoch()  # validation: one ordered pass over all rows, domain by domain
@@ -509,6 +513,40 @@ class MultiDomainDataLoader(BaseDataLoader):
             stream.epoch, stream.order, stream.cursor = int(s["epoch"]), [int(i) for i in s["order"]], int(s["cursor"])
         self._scheduled = {d: int(state["scheduled"].get(d, 0)) for d in self._domains}
         self._pass_start = int(state.get("pass_start", 0))
+
+
+def _domain_problems(settings: MultiDomainSettings, key: str) -> list[str]:
+    domains, probs = settings.domains, settings.domain_interleave_probs
+    problems = [f"{key}.domains.{name}: a domain name is letters, digits, '_', '.' or '-'"
+                for name in domains if not _DOMAIN_NAME.fullmatch(str(name))]
+    if not domains:
+        problems.append(f"{key}.domains: name at least one domain")
+    problems += [f"{key}.domains.{name}.type: a domain cannot itself be multi_domain"
+                 for name, sub in domains.items() if isinstance(sub, dict) and sub.get("type") == "multi_domain"]
+    if key.startswith("validate"):
+        if probs is not None:
+            problems.append(f"{key}.domain_interleave_probs: a validation pass covers every row of every domain "
+                            f"once; delete this key")
+        return problems
+    if probs is None:
+        if len(domains) > 1:
+            problems.append(f"{key}.domain_interleave_probs: required with several domains (the share of each "
+                            f"training batch, e.g. {{{', '.join(f'{d}: 1' for d in domains)}}})")
+        return problems
+    missing = [d for d in domains if d not in probs]
+    unknown = [d for d in probs if d not in domains]
+    if missing:
+        problems.append(f"{key}.domain_interleave_probs: no share for domain(s) {', '.join(missing)}")
+    if unknown:
+        problems.append(f"{key}.domain_interleave_probs: {', '.join(map(str, unknown))} "
+                        f"{'is not a domain' if len(unknown) == 1 else 'are not domains'} "
+                        f"(domains: {', '.join(domains)})")
+    negative = [d for d, p in probs.items() if p < 0]
+    if negative:
+        problems.append(f"{key}.domain_interleave_probs: shares must be >= 0 ({', '.join(negative)})")
+    elif not missing and not unknown and sum(probs.values()) <= 0:
+        problems.append(f"{key}.domain_interleave_probs: at least one share must be positive")
+    return problems
 
 
 @hookimpl

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
 
-from ..config.options import Option
+from ..config.settings import Settings, setting
 from ..evaluation import BaseEvaluationTarget, EvaluationRunResult, Evaluator
 from ..markers import hookimpl
-from .python_reward import PythonFunctionEvaluator, RewardFunctionsEvaluator
+from .python_reward import KEY, PythonFunctionEvaluator, RewardFunctionsEvaluator
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
@@ -39,6 +40,16 @@ class ExactMatchEvaluator(Evaluator):
         return EvaluationRunResult(reward=float(same), ground_truth=truth, metrics={"accuracy": float(same)})
 
 
+@dataclass(frozen=True, kw_only=True)
+class NumericAnswerSettings(Settings):
+    """The ``numeric_answer`` evaluator's keys."""
+
+    answer_key: str = setting("answer", "row field that holds the expected number")
+    extract: Literal["first", "last"] = setting("last", "which number of the reply is the answer")
+    format_reward: float = setting(0.0, "added when the reply is a bare number")
+    tolerance: float = setting(1e-6, "largest difference counted as equal", ge=0)
+
+
 class NumericAnswerEvaluator(Evaluator):
     """Reward 1 when the answer's number equals ``data[answer_key]``.
 
@@ -47,12 +58,7 @@ class NumericAnswerEvaluator(Evaluator):
     when the reply is a bare number, which nudges a model towards terse answers.
     """
 
-    OPTIONS = {
-        "answer_key": Option("answer", str, "row field that holds the expected number"),
-        "extract": Option("last", Literal["first", "last"], "which number of the reply is the answer"),
-        "format_reward": Option(0.0, float, "added when the reply is a bare number"),
-        "tolerance": Option(1e-6, float, "largest difference counted as equal", ge=0),
-    }
+    SETTINGS: ClassVar[type[Settings]] = NumericAnswerSettings
 
     EXAMPLES = [
         {"data": {"prompt": "What is 2 + 3?", "answer": 5}, "response": "2 + 3 = 5", "reward": 1.0},
@@ -62,23 +68,19 @@ class NumericAnswerEvaluator(Evaluator):
         {"data": {"prompt": "What is 0.1 + 0.2?", "answer": "0.3"}, "response": "0.3", "reward": 1.0},
     ]
 
-    def __init__(self, answer_key: str = "answer", extract: str = "last", format_reward: float = 0.0,
-                 tolerance: float = 1e-6):
-        if extract not in ("first", "last"):
-            raise ValueError(f"rollout_worker.evaluator.extract: '{extract}' is not one of first, last")
-        self.answer_key = answer_key
-        self.extract = extract
-        self.format_reward = format_reward
-        self.tolerance = tolerance
+    def __init__(self, **options: object):
+        """Built with the keys of its recipe mapping (:class:`NumericAnswerSettings`) as keywords."""
+        self.settings = NumericAnswerSettings.of(options, KEY)
 
     def evaluate(self, data: dict[str, Any], evaluation_target: BaseEvaluationTarget) -> EvaluationRunResult:
-        truth = data.get(self.answer_key)
+        settings = self.settings
+        truth = data.get(settings.answer_key)
         answer = evaluation_target.final_answer.strip()
         numbers = _NUMBER.findall(answer)
-        picked = (numbers[0] if self.extract == "first" else numbers[-1]) if numbers else None
-        correct = picked is not None and truth is not None and abs(float(picked) - float(truth)) <= self.tolerance
+        picked = (numbers[0] if settings.extract == "first" else numbers[-1]) if numbers else None
+        correct = picked is not None and truth is not None and abs(float(picked) - float(truth)) <= settings.tolerance
         bare = _NUMBER.fullmatch(answer.rstrip(".")) is not None
-        reward = float(correct) + (self.format_reward if bare else 0.0)
+        reward = float(correct) + (settings.format_reward if bare else 0.0)
         return EvaluationRunResult(reward=reward, ground_truth=str(truth),
                                    metrics={"accuracy": float(correct), "bare_number": float(bare),
                                             "response_chars": float(len(answer))},

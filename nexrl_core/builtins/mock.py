@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import re
 import time
-from typing import Any
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
 
-from ..config.options import Capabilities, Option, option_defaults
+from ..config.options import Capabilities, option_defaults
+from ..config.settings import Settings, setting
 from ..markers import hookimpl
 from ..runtime.inference import CompletionResult, InferenceClient, InferenceError, SamplingParams
 from ..trainer import BaseTrainer
@@ -31,26 +34,31 @@ def mock_sum_threshold(a: int, b: int, learn_steps: int) -> int:
     return (7 * a + b) % learn_steps if learn_steps > 0 else 0
 
 
+@dataclass(frozen=True, kw_only=True)
+class MockInferenceSettings(Settings):
+    """The mock inference backend's keys."""
+
+    mode: Literal["echo", "sum"] = setting("echo", "echo: answer the prompt text; sum: answer 'A + B' prompts")
+    learn_steps: int = setting(4, "sum mode: versions until every sum is answered right", ge=0,
+                               needs=".mode == sum")
+    delay_s: float = setting(0.0, "seconds each completion takes", ge=0)
+
+
 class MockInferenceClient(InferenceClient):
     """``mode: echo`` answers the prompt text; ``mode: sum`` answers "A + B" prompts,
     correctly once the served version reaches :func:`mock_sum_threshold` (so
     accuracy rises with training in a way tests can compute exactly)."""
 
-    OPTIONS = {
-        "mode": Option("echo", str, "echo: answer the prompt text; sum: answer 'A + B' prompts",
-                       choices=("echo", "sum")),
-        "learn_steps": Option(4, int, "sum mode: versions until every sum is answered right", ge=0,
-                              needs=".mode == sum"),
-        "delay_s": Option(0.0, float, "seconds each completion takes", ge=0),
-    }
-    CONFIG_KEYS = option_defaults(OPTIONS)  # deprecated view, for plugins that extend it
+    # Its keys are read once, into the attributes below: `self.settings` is left to a subclass's own.
+    SETTINGS: ClassVar[type[Settings]] = MockInferenceSettings
+    CONFIG_KEYS = option_defaults(MockInferenceSettings.options())  # deprecated view, for plugins that extend it
 
-    def __init__(self, config: Any):
+    def __init__(self, config: Mapping[str, Any]):
         super().__init__(config)
-        config = self.config
-        self.mode = str(config["mode"])
-        self.learn_steps = int(config["learn_steps"])
-        self.delay_s = float(config["delay_s"])
+        settings = MockInferenceSettings.own(self.config, "service.inference_service")
+        self.mode = settings.mode
+        self.learn_steps = settings.learn_steps
+        self.delay_s = settings.delay_s
         self.calls = 0
 
     def complete(self, prompt: str | list[dict[str, Any]], params: SamplingParams) -> CompletionResult:
@@ -75,6 +83,13 @@ class MockInferenceClient(InferenceClient):
         return self.calls
 
 
+@dataclass(frozen=True, kw_only=True)
+class MockTrainerSettings(Settings):
+    """The mock trainer's ``trainer`` keys."""
+
+    step_time_s: float = setting(0.0, "seconds each training step takes", ge=0)
+
+
 class MockTrainer(BaseTrainer):
     """Trains nothing; remembers what it was given (tests check the data flow with it)."""
 
@@ -83,12 +98,13 @@ class MockTrainer(BaseTrainer):
     CAPABILITIES = Capabilities(provides=frozenset({"trainer:state_dict"}))
     NO_MODEL_STATE = True  # nothing to save: its checkpoints resume exactly
 
-    OPTIONS = {"step_time_s": Option(0.0, float, "seconds each training step takes", ge=0)}
-    CONFIG_KEYS = option_defaults(OPTIONS)  # deprecated view, for plugins that extend it
+    SETTINGS: ClassVar[type[Settings]] = MockTrainerSettings
+    CONFIG_KEYS = option_defaults(MockTrainerSettings.options())  # deprecated view, for plugins that extend it
 
-    def __init__(self, config: Any):
+    def __init__(self, config: Mapping[str, Any]):
         super().__init__(config)
-        self.step_time_s = float(self._config["step_time_s"])
+        # Read once, into an attribute: `self.settings` is left to a subclass's own (tests extend it).
+        self.step_time_s = MockTrainerSettings.own(self._config, "trainer").step_time_s
         self.batches: list[list[Trajectory]] = []
 
     def train(self, trajectories: list[Trajectory]) -> dict[str, float]:

@@ -65,11 +65,13 @@ import threading
 import time
 import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, cast
 
 from loguru import logger
 
-from ..config.options import Option, option_defaults
+from ..config.options import option_defaults
+from ..config.settings import Settings, setting
 from ..markers import hookimpl
 from ..runtime.inference import CompletionResult, InferenceClient, InferenceError, SamplingParams
 from ..tool_calls import parse_tool_calls
@@ -94,50 +96,56 @@ class _Transient(Exception):
         self.retry_after = retry_after
 
 
+@dataclass(frozen=True, kw_only=True)
+class OpenAIClientSettings(Settings):
+    """The recipe keys of ``service.inference_service`` for the OpenAI client (the table above)."""
+
+    url: str | None = setting(None, "the server's OpenAI base URL, e.g. http://127.0.0.1:8000/v1")
+    base_url: str | None = setting(None, "another name for url")
+    api_key: str | None = setting(None, "bearer token (default: env OPENAI_API_KEY)", secret=True)
+    model: str | None = setting(None, "served model name (default: the first of GET {url}/models)")
+    timeout: float = setting(60.0, "seconds per HTTP request", gt=0)
+    max_retries: int = setting(3, "retries after the first attempt", ge=0)
+    retry_backoff: float = setting(0.5, "first retry delay in seconds, doubled on each retry", ge=0)
+    max_retry_time: float = setting(120.0, "seconds spent retrying at most", ge=0)
+    request_logprobs: bool = setting(True, "ask for the response tokens' logprobs")
+    return_token_ids: bool = setting(True, "send vLLM's return_token_ids")
+
+
 class OpenAICompatibleClient(InferenceClient):
     """`InferenceClient` for an OpenAI-compatible HTTP server. See the module docstring."""
 
-    # The recipe keys of service.inference_service (the table above); `nexrl validate` checks them.
-    OPTIONS = {
-        "url": Option(None, str, "the server's OpenAI base URL, e.g. http://127.0.0.1:8000/v1"),
-        "base_url": Option(None, str, "another name for url"),
-        "api_key": Option(None, str, "bearer token (default: env OPENAI_API_KEY)", secret=True),
-        "model": Option(None, str, "served model name (default: the first of GET {url}/models)"),
-        "timeout": Option(60.0, float, "seconds per HTTP request", gt=0),
-        "max_retries": Option(3, int, "retries after the first attempt", ge=0),
-        "retry_backoff": Option(0.5, float, "first retry delay in seconds, doubled on each retry", ge=0),
-        "max_retry_time": Option(120.0, float, "seconds spent retrying at most", ge=0),
-        "request_logprobs": Option(True, bool, "ask for the response tokens' logprobs"),
-        "return_token_ids": Option(True, bool, "send vLLM's return_token_ids"),
-    }
-    CONFIG_KEYS = option_defaults(OPTIONS)  # deprecated view, for plugins that extend it
+    # Its keys are read once, into the attributes below: `self.settings` is left to a subclass's own
+    # (nexrl-vllm's client adds its server's keys).
+    SETTINGS: ClassVar[type[Settings]] = OpenAIClientSettings
+    CONFIG_KEYS = option_defaults(OpenAIClientSettings.options())  # deprecated view, for plugins that extend it
 
     @classmethod
-    def check_config(cls, section: Any, key: str) -> list[str]:
-        if not section.get("url") and not section.get("base_url"):
+    def check_config(cls, section: Mapping[str, Any], key: str) -> list[str]:
+        settings = OpenAIClientSettings.own(section, key)
+        if not settings.url and not settings.base_url:
             return [f"{key}.url: required (the server's OpenAI base URL, e.g. http://127.0.0.1:8000/v1)"]
         return []
 
-    def __init__(self, config: Any):
+    def __init__(self, config: Mapping[str, Any]):
         import openai  # here: `nexrl validate` and runs without this client skip its 1 s import
         super().__init__(config)
-        config = self.config
-        url = config["url"] or config["base_url"]
+        settings = OpenAIClientSettings.own(self.config, "service.inference_service")
+        url = settings.url or settings.base_url
         if not url:
             raise ValueError(
                 "OpenAICompatibleClient needs `url` in service.inference_service "
                 "(the server's OpenAI base URL, e.g. http://127.0.0.1:8000/v1)"
             )
-        self.url: str = str(url).rstrip("/")
-        api_key = config["api_key"] or os.environ.get("OPENAI_API_KEY") or "EMPTY"
-        model = config["model"]
-        self.model: str | None = str(model) if model else None
-        self.timeout: float = float(config["timeout"])
-        self.max_retries: int = max(0, int(config["max_retries"]))
-        self.retry_backoff: float = max(0.0, float(config["retry_backoff"]))
-        self.max_retry_time: float = max(0.0, float(config["max_retry_time"]))
-        self.request_logprobs: bool = _as_bool(config["request_logprobs"])
-        self._send_token_ids: bool = _as_bool(config["return_token_ids"])
+        self.url: str = url.rstrip("/")
+        api_key = settings.api_key or os.environ.get("OPENAI_API_KEY") or "EMPTY"
+        self.model: str | None = settings.model or None
+        self.timeout: float = settings.timeout
+        self.max_retries: int = settings.max_retries
+        self.retry_backoff: float = settings.retry_backoff
+        self.max_retry_time: float = settings.max_retry_time
+        self.request_logprobs: bool = settings.request_logprobs
+        self._send_token_ids: bool = settings.return_token_ids
         self._model_lock = threading.Lock()
         # max_retries=0: retries are ours (bounded by max_retry_time), never the package's too.
         self._client = openai.OpenAI(base_url=self.url, api_key=str(api_key), timeout=self.timeout, max_retries=0)
@@ -464,12 +472,6 @@ def _retry_after(response: Any) -> float | None:
 def _short(text: str, limit: int = 300) -> str:
     text = " ".join(str(text).split())
     return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _as_bool(value: Any) -> bool:
-    if isinstance(value, str):
-        return value.strip().lower() not in ("", "0", "false", "no", "off")
-    return bool(value)
 
 
 @hookimpl

@@ -26,10 +26,10 @@ from __future__ import annotations
 import inspect
 import os
 from collections.abc import Callable, Mapping
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
-from ..config.bound import bind
-from ..config.options import REQUIRED, Option
+from ..config.settings import PlainData, Settings, setting
 from ..errors import ConfigError
 from ..evaluation import BaseEvaluationTarget, EvaluationRunResult, Evaluator
 from ..runtime.python_class import class_from_file, import_file
@@ -37,55 +37,57 @@ from ..runtime.python_class import class_from_file, import_file
 KEY = "rollout_worker.evaluator"
 
 
+@dataclass(frozen=True, kw_only=True)
+class PythonFunctionSettings(Settings):
+    """The ``python`` evaluator's keys."""
+
+    path: str = setting(help="Python file that defines the reward function", path=True)
+    function: str = setting("score", "the function: function(response, data, **kwargs) -> a number, a bool, a dict "
+                                     "with 'reward' and metrics, or an EvaluationRunResult")
+    class_: str | None = setting(None, "instead of function: an Evaluator subclass in the file, built with kwargs "
+                                       "as its constructor's keywords; its evaluate(data, evaluation_target) scores",
+                                 key="class")
+    kwargs: dict[str, PlainData] = setting({}, "keyword arguments passed to the function on every call (to the "
+                                               "class's constructor with class)")
+
+    def load(self, key: str) -> tuple[Callable[..., Any] | None, type | None]:
+        """The function, or the Evaluator class (with ``class``), each checked against ``kwargs``."""
+        if self.class_ is None:
+            return load_function(self.path, self.function, self.kwargs, key), None
+        if self.function != PythonFunctionSettings.options()["function"].default:  # the composed recipe holds it
+            raise ConfigError(f"{key}: give function or class, not both")
+        return None, load_class(self.path, self.class_, self.kwargs, key)
+
+
 class PythonFunctionEvaluator(Evaluator):
     """The reward a Python function in a file returns (``path``, ``function``, ``kwargs``), or an
     Evaluator class of that file (``class``)."""
 
-    OPTIONS = {
-        "path": Option(REQUIRED, str, "Python file that defines the reward function", path=True),
-        "function": Option("score", str, "the function: function(response, data, **kwargs) -> a number, a bool, "
-                                         "a dict with 'reward' and metrics, or an EvaluationRunResult"),
-        "class": Option(None, str, "instead of function: an Evaluator subclass in the file, built with kwargs as "
-                                   "its constructor's keywords; its evaluate(data, evaluation_target) scores"),
-        "kwargs": Option({}, dict, "keyword arguments passed to the function on every call (to the class's "
-                                   "constructor with class)"),
-    }
+    SETTINGS: ClassVar[type[Settings]] = PythonFunctionSettings
 
     @classmethod
     def check_config(cls, section: Mapping[str, Any], key: str) -> list[str]:
-        bound = bind(section, cls.OPTIONS, key)
-        kwargs = bound["kwargs"].to_dict()
-        default = cls.OPTIONS["function"].default  # the composed recipe holds it: only another name conflicts
-        function = bound["function"]
         try:
-            if section.get("class") is None:
-                load_function(str(section["path"]), str(function), kwargs, key)
-            elif function != default:
-                raise ConfigError(f"{key}: give function or class, not both")
-            else:
-                load_class(str(section["path"]), str(section["class"]), kwargs, key)
+            PythonFunctionSettings.own(section, key).load(key)
         except ConfigError as exc:
             return [str(exc)]
         return []
 
-    def __init__(self, path: str, function: str = "score", kwargs: dict[str, Any] | None = None, **named: Any):
-        # `class` is a Python keyword: it arrives in **named
-        if set(named) - {"class"}:
-            raise TypeError(f"unexpected keyword argument {sorted(set(named) - {'class'})[0]!r}")
-        self._kwargs = dict(kwargs or {})
-        self.source_path = os.path.abspath(str(path))  # failures point at the user's file, not at nexrl's
-        self._evaluator: Evaluator | None = None
-        if named.get("class") is None:
-            self._function = load_function(str(path), str(function), self._kwargs, KEY)
-            self._name = f"{function}() of {path}"
-        else:
-            self._evaluator = load_class(str(path), str(named["class"]), self._kwargs, KEY)(**self._kwargs)
-            self._name = f"{named['class']}.evaluate() of {path}"
+    def __init__(self, **options: object):
+        """Built with the keys of its recipe mapping (:class:`PythonFunctionSettings`) as keywords."""
+        self.settings = settings = PythonFunctionSettings.of(options, KEY)
+        self.source_path = os.path.abspath(settings.path)  # failures point at the user's file, not at nexrl's
+        function, found = settings.load(KEY)
+        self._evaluator: Evaluator | None = None if found is None else found(**settings.kwargs)
+        if function is not None:
+            self._function = function
+        self._name = f"{settings.function}() of {settings.path}" if found is None else \
+            f"{settings.class_}.evaluate() of {settings.path}"
 
     def evaluate(self, data: dict[str, Any], evaluation_target: BaseEvaluationTarget) -> EvaluationRunResult:
         if self._evaluator is not None:
             return as_result(self._evaluator.evaluate(data, evaluation_target), self._name)
-        return as_result(self._function(evaluation_target.final_answer, data, **self._kwargs), self._name)
+        return as_result(self._function(evaluation_target.final_answer, data, **self.settings.kwargs), self._name)
 
 
 def load_function(path: str, name: str, kwargs: dict[str, Any], key: str = KEY) -> Callable[..., Any]:
@@ -157,6 +159,15 @@ def as_result(value: Any, name: str) -> EvaluationRunResult:
                     f"or an EvaluationRunResult")
 
 
+@dataclass(frozen=True, kw_only=True)
+class RewardFunctionsSettings(Settings):
+    """The ``reward_funcs`` evaluator's keys."""
+
+    functions: list[str] = setting(help="the reward functions, each 'file.py:name' (a file next to the recipe, or "
+                                        "relative to the current folder)", path=True)
+    weights: list[float] | None = setting(None, "weight of each function's score in the reward (default: 1 each)")
+
+
 class RewardFunctionsEvaluator(Evaluator):
     """TRL-style reward functions (``rollout_worker.evaluator.type: reward_funcs``): each
     ``file.py:name`` of ``functions`` is called as TRL calls a reward function,
@@ -170,24 +181,21 @@ class RewardFunctionsEvaluator(Evaluator):
     worker took together (``rollout_worker.tasks_per_call``; lists of that many), from every
     rollout worker thread at once: keep the functions free of shared mutable state."""
 
-    OPTIONS = {
-        "functions": Option(REQUIRED, list[str], "the reward functions, each 'file.py:name' (a file next to the "
-                                                 "recipe, or relative to the current folder)", path=True),
-        "weights": Option(None, (list[float], None), "weight of each function's score in the reward (default: 1 "
-                                                     "each)"),
-    }
+    SETTINGS: ClassVar[type[Settings]] = RewardFunctionsSettings
 
     @classmethod
     def check_config(cls, section: Mapping[str, Any], key: str) -> list[str]:
-        bound = bind(section, cls.OPTIONS, key)
+        settings = RewardFunctionsSettings.own(section, key)
         try:
-            _load_reward_functions(list(bound["functions"]), bound["weights"], key)
+            _load_reward_functions(settings.functions, settings.weights, key)
         except ConfigError as exc:
             return [str(exc)]
         return []
 
-    def __init__(self, functions: list[str], weights: list[float] | None = None):
-        self._functions = _load_reward_functions(list(functions), weights, KEY)
+    def __init__(self, **options: object):
+        """Built with the keys of its recipe mapping (:class:`RewardFunctionsSettings`) as keywords."""
+        self.settings = RewardFunctionsSettings.of(options, KEY)
+        self._functions = _load_reward_functions(self.settings.functions, self.settings.weights, KEY)
         self.source_path = os.path.abspath(self._functions[0][2]) if self._functions else None
 
     def evaluate(self, data: dict[str, Any], evaluation_target: BaseEvaluationTarget) -> EvaluationRunResult:

@@ -7,11 +7,14 @@ import json
 import os
 import secrets
 import sys
-from typing import Any
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 from loguru import logger
 
-from ..config.options import Option
+from ..config.bound import BoundConfig, bind_recipe
+from ..config.settings import Settings, setting
 from ..errors import ConfigError
 from ..markers import hookimpl
 from ..runtime.run_log import STEP_LINE
@@ -27,6 +30,21 @@ class ConsoleSink(MetricsSink):
         logger.bind(**{STEP_LINE: True}).info(f"step {step}: {shown}")
 
 
+@dataclass(frozen=True, kw_only=True)
+class WandbSettings(Settings):
+    """``logger.wandb``."""
+
+    project: str | None = setting(None, "W&B project (default: WANDB_PROJECT, else project_name)")
+    entity: str | None = setting(None, "W&B team or user (default: WANDB_ENTITY, else your default entity)")
+    group: str | None = setting(None, "W&B run group (default: WANDB_RUN_GROUP)")
+    name: str | None = setting(None, "W&B run name (default: experiment_name)")
+    tags: list[str] = setting([], "tags of the W&B run")
+    notes: str | None = setting(None, "a longer description of the W&B run")
+    # str with choices, not Literal | None: a typo's message then lists the choices without null
+    mode: str | None = setting(None, "online | offline | disabled (default: WANDB_MODE, else online when an API key "
+                                     "is configured, else offline)", choices=("online", "offline", "disabled"))
+
+
 class WandbSink(MetricsSink):
     """Weights & Biases (options under ``logger.wandb``), as wandb users expect it to behave.
 
@@ -40,48 +58,41 @@ class WandbSink(MetricsSink):
     ``global_step``, so steps a resume trains again are added, never refused by wandb.
     """
 
-    OPTIONS = {
-        "project": Option(None, str, "W&B project (default: WANDB_PROJECT, else project_name)"),
-        "entity": Option(None, str, "W&B team or user (default: WANDB_ENTITY, else your default entity)"),
-        "group": Option(None, str, "W&B run group (default: WANDB_RUN_GROUP)"),
-        "name": Option(None, str, "W&B run name (default: experiment_name)"),
-        "tags": Option([], list[str], "tags of the W&B run"),
-        "notes": Option(None, str, "a longer description of the W&B run"),
-        "mode": Option(None, str, "online | offline | disabled (default: WANDB_MODE, else online when an API key "
-                                  "is configured, else offline)", choices=("online", "offline", "disabled")),
-    }
+    SETTINGS: ClassVar[type[Settings] | None] = WandbSettings
     STEP_METRIC = "global_step"
     MISSING = "logger.backend: 'wandb' needs the wandb package: pip install 'nexrl-core[wandb]'"
 
     @classmethod
-    def check_config(cls, section: dict[str, Any], path: str) -> list[str]:
+    def check_config(cls, section: Mapping[str, Any], path: str) -> list[str]:
         return [] if _installed("wandb") else [cls.MISSING]
 
     @classmethod
-    def network_use(cls, recipe: dict[str, Any]) -> str | None:
+    def network_use(cls, recipe: Mapping[str, Any]) -> str | None:
         """What of the network the sink reaches (ray.private_network)."""
-        own = (recipe.get("logger") or {}).get("wandb") or {}
-        return "wandb online (logger.wandb.mode / WANDB_MODE)" if _wandb_mode(own.get("mode")) == "online" else None
+        settings = WandbSettings.parse(_sink_section(recipe, "wandb"), "logger.wandb", own=True)[0]
+        declared = settings.mode if settings is not None else None  # a bad value: the key checks say so
+        return "wandb online (logger.wandb.mode / WANDB_MODE)" if _wandb_mode(declared) == "online" else None
 
-    def __init__(self, config: Any, run_dir: str | None):
+    def __init__(self, config: Mapping[str, Any], run_dir: str | None):
         try:
             import wandb
         except ImportError:
             raise ConfigError(self.MISSING) from None
         from ..redaction import redact, redact_command
 
-        config, own = _bound(config, "wandb", type(self))
-        mode = _wandb_mode(own["mode"])
-        resuming = str(config["resume"]["mode"]) != "disable"
+        recipe = bind_recipe(config)
+        self.settings = own = WandbSettings.own(_sink_section(recipe, "wandb"), "logger.wandb")
+        mode = _wandb_mode(own.mode)
+        resuming = str(recipe["resume"]["mode"]) != "disable"
         self._id_file = os.path.join(run_dir, WANDB_RUN_FILE) if run_dir else None
         run_id = _read_run_id(self._id_file) if resuming else None
-        project = own["project"] or os.environ.get("WANDB_PROJECT") or str(config["project_name"])
+        project = own.project or os.environ.get("WANDB_PROJECT") or str(recipe["project_name"])
         kwargs: dict[str, Any] = dict(
-            project=project, entity=own["entity"], group=own["group"], notes=own["notes"],
-            tags=list(own["tags"]) or None, name=str(own["name"] or config["experiment_name"]),
-            dir=run_dir, mode=mode, config=redact(_plain(config)), id=run_id or secrets.token_hex(4),
+            project=project, entity=own.entity, group=own.group, notes=own.notes,
+            tags=list(own.tags) or None, name=str(own.name or recipe["experiment_name"]),
+            dir=run_dir, mode=mode, config=redact(_plain(recipe)), id=run_id or secrets.token_hex(4),
             resume="allow")
-        if mode == "offline" and not own["mode"] and not os.environ.get("WANDB_MODE"):
+        if mode == "offline" and not own.mode and not os.environ.get("WANDB_MODE"):
             logger.info(f"wandb: no API key configured, logging offline to {run_dir or '.'}/wandb "
                         f"(upload later with `wandb sync`)")
         # wandb records sys.argv in the run's metadata: it gets the command line as run.json has it
@@ -94,7 +105,7 @@ class WandbSink(MetricsSink):
         self._run.define_metric("*", step_metric=self.STEP_METRIC)
         if self._id_file is not None:
             with open(self._id_file, "w", encoding="utf-8") as f:
-                json.dump({"id": self._run.id, "project": project, "entity": own.get("entity"), "mode": mode}, f)
+                json.dump({"id": self._run.id, "project": project, "entity": own.entity, "mode": mode}, f)
                 f.write("\n")
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
@@ -138,42 +149,48 @@ def _wandb_key_configured() -> bool:
         return False
 
 
+@dataclass(frozen=True, kw_only=True)
+class TensorBoardSettings(Settings):
+    """``logger.tensorboard``."""
+
+    log_dir: str | None = setting(None, "folder of the event files (default: RUN_DIR/tensorboard)")
+    flush_secs: int = setting(10, "write buffered events at least this often (seconds)", ge=1)
+
+
 class TensorBoardSink(MetricsSink):
     """TensorBoard event files (``logger.tensorboard.log_dir``, default ``RUN_DIR/tensorboard``):
     ``tensorboard --logdir RUN_DIR/tensorboard``. A resumed run purges the steps after its
     checkpoint from the view, so the curves continue from where the checkpoint left them."""
 
-    OPTIONS = {
-        "log_dir": Option(None, str, "folder of the event files (default: RUN_DIR/tensorboard)"),
-        "flush_secs": Option(10, int, "write buffered events at least this often (seconds)", ge=1),
-    }
+    SETTINGS: ClassVar[type[Settings] | None] = TensorBoardSettings
 
     MISSING = "logger.backend: 'tensorboard' needs the tensorboardX package: pip install 'nexrl-core[tensorboard]'"
 
     @classmethod
-    def check_config(cls, section: dict[str, Any], path: str) -> list[str]:
+    def check_config(cls, section: Mapping[str, Any], path: str) -> list[str]:
         from ..runtime.run_log import writable_dir_problem
 
         if not _installed("tensorboardX"):
             return [cls.MISSING]
-        problem = writable_dir_problem(str(section["log_dir"]), f"{path}.log_dir") if section.get("log_dir") else None
+        log_dir = TensorBoardSettings.own(section, path).log_dir
+        problem = writable_dir_problem(log_dir, f"{path}.log_dir") if log_dir else None
         return [problem] if problem else []
 
-    def __init__(self, config: Any, run_dir: str | None):
+    def __init__(self, config: Mapping[str, Any], run_dir: str | None):
         try:
             from tensorboardX import SummaryWriter
         except ImportError:
             raise ConfigError(self.MISSING) from None
-        _, own = _bound(config, "tensorboard", type(self))
-        self.log_dir = str(own["log_dir"] or os.path.join(run_dir or ".", "tensorboard"))
-        self._flush_secs = int(own["flush_secs"])
+        self.settings = TensorBoardSettings.own(_sink_section(bind_recipe(config), "tensorboard"),
+                                                "logger.tensorboard")
+        self.log_dir = self.settings.log_dir or os.path.join(run_dir or ".", "tensorboard")
         self._writer_cls = SummaryWriter
         self._writer: Any = None
         self._purge_step: int | None = None
 
     def _writer_now(self) -> Any:
         if self._writer is None:
-            self._writer = self._writer_cls(logdir=self.log_dir, flush_secs=self._flush_secs,
+            self._writer = self._writer_cls(logdir=self.log_dir, flush_secs=self.settings.flush_secs,
                                             purge_step=self._purge_step)
         return self._writer
 
@@ -205,17 +222,15 @@ def _installed(module: str) -> bool:
         return False
 
 
-def _bound(config: Any, name: str, cls: type) -> tuple[Any, Any]:
-    """The recipe and its ``logger.<name>`` section, each bound to its declaration."""
-    from ..config.bound import bind, bind_recipe
-    from ..config.options import component_options
-
-    config = bind_recipe(config)
-    own = config.to_dict()["logger"].get(name)  # the sink's own section, bound here to its declaration
-    return config, bind(own, component_options(cls), f"logger.{name}")
+def _sink_section(recipe: Mapping[str, Any], name: str) -> Mapping[str, Any] | None:
+    """The recipe's ``logger.<name>`` section (None: the recipe has none; its settings' defaults apply)."""
+    plain = recipe.to_dict() if isinstance(recipe, BoundConfig) else recipe  # logger.<name> is not the core's
+    section = plain.get("logger")
+    own = section.get(name) if isinstance(section, Mapping) else None
+    return own if isinstance(own, Mapping) else None
 
 
-def _plain(config: Any) -> Any:
+def _plain(config: Mapping[str, Any]) -> Any:
     from ..runtime.run_info import plain_config
 
     try:

@@ -3,63 +3,68 @@
 from __future__ import annotations
 
 import re
-from dataclasses import replace
-from typing import Any
-
-from omegaconf import DictConfig, OmegaConf
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar
 
 from ..config.options import Option, option_defaults
+from ..config.settings import Settings, setting
 from ..errors import ConfigError
 from ..markers import hookimpl
 from ..rollout_worker import BaseRolloutWorker, ItemFailure
 from ..runtime.inference import CompletionResult, SamplingParams, sampling_options
 
+SamplingValue = int | float | str | list[str]  # a sampling key's value (stop: one string or a list)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SimpleWorkerSettings(Settings):
+    """The simple worker's ``rollout_worker`` keys (next to the core's)."""
+
+    prompt_key: str = setting("prompt", "task field that holds the prompt")
+    use_chat: bool = setting(True, "send chat messages (false: the raw prompt text)")
+    system_prompt: str | None = setting(None, "system message put before the prompt (chat only)")
+    sampling: dict[str, SamplingValue] = setting(dict, "sampling parameters of every request",
+                                                 options=sampling_options())
+    domain_sampling: dict[str, dict[str, SamplingValue]] = setting(
+        {}, "per-domain changes to sampling, {<domain>: {max_tokens: 64, ...}}: a task of a domain listed here is "
+            "sampled with them",
+        values=Option({}, dict, "a domain's sampling keys (those of rollout_worker.sampling) that differ from "
+                                "rollout_worker.sampling"))
+
+    def domain_sampling_merged(self) -> dict[str, dict[str, SamplingValue]]:
+        """Each domain's full sampling mapping: the shared ``sampling`` with the domain's changes over it."""
+        return {str(domain): {**self.sampling, **change} for domain, change in self.domain_sampling.items()}
+
 
 class SimpleRolloutWorker(BaseRolloutWorker):
     """Single turn: prompt -> inference service -> evaluator -> trajectory."""
 
-    OPTIONS = {
-        "prompt_key": Option("prompt", str, "task field that holds the prompt"),
-        "use_chat": Option(True, bool, "send chat messages (false: the raw prompt text)"),
-        "system_prompt": Option(None, str, "system message put before the prompt (chat only)"),
-        "sampling": Option(options=sampling_options(), help="sampling parameters of every request"),
-        "domain_sampling": Option({}, dict, "per-domain changes to sampling, {<domain>: {max_tokens: 64, ...}}: a "
-                                            "task of a domain listed here is sampled with them",
-                                  values=Option({}, dict, "a domain's sampling keys (those of rollout_worker.sampling) "
-                                                          "that differ from rollout_worker.sampling")),
-    }
-    CONFIG_KEYS = option_defaults(OPTIONS)  # deprecated view, for plugins that extend it
+    # Its keys are read once, into the attributes below: `self.settings` is left to a subclass's own.
+    SETTINGS: ClassVar[type[Settings]] = SimpleWorkerSettings
+    CONFIG_KEYS = option_defaults(SimpleWorkerSettings.options())  # deprecated view, for plugins that extend it
 
-    def __init__(self, config: Any):
+    def __init__(self, config: Mapping[str, Any]):
         super().__init__(config)
-        config = self._config
-        self._prompt_key = str(config["prompt_key"])
-        self._use_chat = bool(config["use_chat"])
-        self._system_prompt = config["system_prompt"]
-        problems = self.check_config(config)
+        settings = SimpleWorkerSettings.own(self._config, "rollout_worker")
+        self._prompt_key = settings.prompt_key
+        self._use_chat = settings.use_chat
+        self._system_prompt = settings.system_prompt
+        self._validate_temperature: float | None = self._config["validate_temperature"]  # the core's key
+        problems = _sampling_problems(settings, self._validate_temperature, "rollout_worker")
         if problems:
             raise ConfigError("; ".join(problems))
-        self._sampling = SamplingParams.from_config(_plain(config["sampling"]))
-        self._domain_sampling = {str(domain): SamplingParams.from_config(sampling)
-                                 for domain, sampling in _domain_sampling(config).items()}
-        self._validate_temperature = config["validate_temperature"]
+        self._sampling = SamplingParams.from_config(settings.sampling)
+        self._domain_sampling = {domain: SamplingParams.from_config(sampling)
+                                 for domain, sampling in settings.domain_sampling_merged().items()}
 
     @classmethod
-    def check_config(cls, section: Any, key: str = "rollout_worker") -> list[str]:
+    def check_config(cls, section: Mapping[str, Any], key: str = "rollout_worker") -> list[str]:
         """The sampling values (``nexrl validate`` and the constructor run the same checks)."""
-        problems = SamplingParams.recipe_problems(_plain(section.get("sampling")), f"{key}.sampling")
-        changes = _plain(section.get("domain_sampling")) or {}
-        merged = _domain_sampling(section)
-        for domain, change in changes.items():
-            # What the recipe wrote for the domain first, then that over the shared sampling.
-            where = f"{key}.domain_sampling.{domain}"
-            problems += SamplingParams.recipe_problems(change, where) or \
-                SamplingParams.recipe_problems(merged[str(domain)], where)
-        temperature = section.get("validate_temperature")
-        if temperature is not None and SamplingParams(temperature=temperature).problems():
-            problems.append(f"{key}.validate_temperature: must be a finite number >= 0 (0: greedy), "
-                            f"got {temperature!r}")
-        return problems
+        settings, problems = SimpleWorkerSettings.parse(section, key, own=True)
+        if settings is None:
+            return problems
+        return _sampling_problems(settings, section.get("validate_temperature"), key)
 
     def build_prompt(self, task: dict[str, Any]) -> str | list[dict[str, Any]]:
         prompt: Any = task.get(self._prompt_key)
@@ -95,18 +100,18 @@ class SimpleRolloutWorker(BaseRolloutWorker):
         return self._put_trajectory(self.completion_trajectory(task, prompt, result))
 
 
-def _plain(value: Any) -> Any:
-    if hasattr(value, "to_dict"):  # a BoundConfig
-        return value.to_dict()
-    return OmegaConf.to_container(value, resolve=True) if isinstance(value, DictConfig) else value
-
-
-def _domain_sampling(section: Any) -> dict[str, dict[str, Any]]:
-    """``rollout_worker.domain_sampling``: each domain's full sampling mapping (the shared
-    ``sampling`` with the domain's changes over it)."""
-    shared = _plain(section.get("sampling")) or {}
-    changes = _plain(section.get("domain_sampling")) or {}
-    return {str(d): {**shared, **(c if isinstance(c, dict) else {})} for d, c in changes.items()}
+def _sampling_problems(settings: SimpleWorkerSettings, validate_temperature: float | None, key: str) -> list[str]:
+    problems = SamplingParams.recipe_problems(settings.sampling, f"{key}.sampling")
+    merged = settings.domain_sampling_merged()
+    for domain, change in settings.domain_sampling.items():
+        # What the recipe wrote for the domain first, then that over the shared sampling.
+        where = f"{key}.domain_sampling.{domain}"
+        problems += SamplingParams.recipe_problems(change, where) or \
+            SamplingParams.recipe_problems(merged[str(domain)], where)
+    if validate_temperature is not None and SamplingParams(temperature=validate_temperature).problems():
+        problems.append(f"{key}.validate_temperature: must be a finite number >= 0 (0: greedy), "
+                        f"got {validate_temperature!r}")
+    return problems
 
 
 _WORD = re.compile(r"[A-Za-z]+")
@@ -123,18 +128,27 @@ def pig_latin(text: str) -> str:
     return _WORD.sub(convert, text)
 
 
+@dataclass(frozen=True, kw_only=True)
+class PigLatinSettings(Settings):
+    """The pig_latin worker's ``rollout_worker`` keys."""
+
+    prompt_key: str = setting("prompt", "task field that holds the source text")
+    instruction: str = setting("Translate to Pig Latin: ", "text put before the source in the prompt")
+
+
 class PigLatinRolloutWorker(BaseRolloutWorker):
     """Supervised data for the cross-entropy trainer: the target is computed, not sampled."""
 
-    OPTIONS = {
-        "prompt_key": Option("prompt", str, "task field that holds the source text"),
-        "instruction": Option("Translate to Pig Latin: ", str, "text put before the source in the prompt"),
-    }
-    CONFIG_KEYS = option_defaults(OPTIONS)  # deprecated view, for plugins that extend it
+    SETTINGS: ClassVar[type[Settings]] = PigLatinSettings
+    CONFIG_KEYS = option_defaults(PigLatinSettings.options())  # deprecated view, for plugins that extend it
+
+    def __init__(self, config: Mapping[str, Any]):
+        super().__init__(config)
+        self.settings = PigLatinSettings.own(self._config, "rollout_worker")
 
     def step(self, task: dict[str, Any]) -> str | None:
-        source = str(task.get(self._config["prompt_key"], ""))
-        instruction = str(self._config["instruction"])
+        source = str(task.get(self.settings.prompt_key, ""))
+        instruction = self.settings.instruction
         trajectory = self.base_trajectory(task)
         trajectory.update({"prompt": [{"role": "user", "content": instruction + source}],
                            "response": pig_latin(source), "reward": 1.0, "score": {"reward": 1.0},

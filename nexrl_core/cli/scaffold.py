@@ -149,19 +149,25 @@ nexrl builds one instance per rollout worker thread, with the keys of the recipe
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
-from nexrl_core import BaseEvaluationTarget, EvaluationRunResult, Evaluator, Option, hookimpl
+from nexrl_core import BaseEvaluationTarget, EvaluationRunResult, Evaluator, Settings, hookimpl, setting
+
+
+@dataclass(frozen=True, kw_only=True)
+class ${cls}Settings(Settings):
+    """The recipe keys this evaluator takes: `nexrl validate` checks them (type, range, typos), and
+    your code reads them typed."""
+
+    answer_key: str = setting("answer", "data field that holds the expected answer")
+    case_sensitive: bool = setting(False, "whether 'Red' and 'red' differ")
 
 
 class $cls(Evaluator):
     """Reward 1 when the reply contains the data item's answer. Edit `evaluate` to score your task."""
 
-    # The recipe keys this evaluator takes: `nexrl validate` checks them (type, range, typos).
-    OPTIONS = {
-        "answer_key": Option("answer", str, "data field that holds the expected answer"),
-        "case_sensitive": Option(False, bool, "whether 'Red' and 'red' differ"),
-    }
+    SETTINGS = ${cls}Settings
 
     # Sample data: `nexrl plugins check $name` and tests/ check the evaluator on these (and on odd
     # replies: empty, very long, non-ASCII...). data: a row of the data file; reward: what it must get.
@@ -171,17 +177,17 @@ class $cls(Evaluator):
         {"data": {"prompt": "Name a primary colour.", "answer": "Red"}, "response": "red", "reward": 1.0},
     ]
 
-    def __init__(self, answer_key: str = "answer", case_sensitive: bool = False):
-        self.answer_key = answer_key
-        self.case_sensitive = case_sensitive
+    def __init__(self, **options: object):
+        # options: the recipe mapping's keys; checked and typed here (defaults filled in)
+        self.settings = ${cls}Settings.of(options, "rollout_worker.evaluator")
 
     def evaluate(self, data: dict[str, Any], evaluation_target: BaseEvaluationTarget) -> EvaluationRunResult:
         # data: the data item (its prompt, answer and any other field of the row), shared by the
         # samples of a group: read it, do not change it. A reply you cannot parse should score 0;
         # raise only when the data item itself is unusable (the sample is then recorded as failed).
-        answer = str(data.get(self.answer_key, ""))
+        answer = str(data.get(self.settings.answer_key, ""))
         reply = evaluation_target.final_answer
-        if not self.case_sensitive:
+        if not self.settings.case_sensitive:
             answer, reply = answer.lower(), reply.lower()
         hit = bool(answer) and answer in reply
         return EvaluationRunResult(reward=float(hit), ground_truth=answer,
@@ -372,6 +378,7 @@ trainer reads (docs/extending.md lists them).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -392,7 +399,7 @@ class $cls(SimpleRolloutWorker):
 
     SETTINGS = ${cls}Settings
 
-    def __init__(self, config: Any):
+    def __init__(self, config: Mapping[str, Any]):
         super().__init__(config)
         self.settings = ${cls}Settings.own(self._config)  # the recipe's values, defaults filled in
 
@@ -465,12 +472,14 @@ loss (`_loss_fn`) trains on them.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from nexrl_grpo.trainers import SelfHostedGrpoTrainer
 
-from nexrl_core import Batch, Option, hookimpl
+from nexrl_core import Batch, Settings, hookimpl, setting
 
 
 def scale_advantages(advantages: torch.Tensor, scale: float) -> torch.Tensor:
@@ -478,16 +487,23 @@ def scale_advantages(advantages: torch.Tensor, scale: float) -> torch.Tensor:
     return advantages * scale
 
 
+@dataclass(frozen=True, kw_only=True)
+class ${cls}Settings(Settings):
+    """The `trainer` keys this trainer adds: `nexrl validate` checks them, and your code reads them typed."""
+
+    advantage_scale: float = setting(1.0, "factor on every advantage", gt=0)
+
+
 class $cls(SelfHostedGrpoTrainer):
     """GRPO with every advantage multiplied by `trainer.advantage_scale`. Edit `_prepare_batch`
     (advantages) or `_loss_fn` (the loss) for your algorithm."""
 
-    # The trainer keys this trainer takes: `nexrl validate` checks them.
-    OPTIONS = {"advantage_scale": Option(1.0, float, "factor on every advantage", gt=0)}
+    SETTINGS = ${cls}Settings
 
-    def __init__(self, config: Any):
+    def __init__(self, config: Mapping[str, Any]):
         super().__init__(config)
-        self.advantage_scale = float(self._config["advantage_scale"])  # declared: its default is filled in
+        # read once (the GRPO trainer's own `settings` are its algorithm's)
+        self.advantage_scale = ${cls}Settings.own(self._config, "trainer").advantage_scale
 
     def _prepare_batch(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
         batch, metrics = super()._prepare_batch(batch)
@@ -555,26 +571,38 @@ once; the base class serves the rows as tasks (uid, sample_index, shuffling, epo
 from __future__ import annotations
 
 import csv
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
-from nexrl_core import REQUIRED, BaseDataLoader, DataError, Option, hookimpl
+from nexrl_core import BaseDataLoader, DataError, Settings, hookimpl, setting
+
+
+@dataclass(frozen=True, kw_only=True)
+class ${cls}Settings(Settings):
+    """The recipe keys this loader takes: `nexrl validate` checks them, and your code reads them typed."""
+
+    path: str = setting(help="CSV file with a header line", path=True)  # no default: the recipe must set it
+    prompt_column: str = setting("prompt", "column that holds the prompt")
 
 
 class $cls(BaseDataLoader):
     """Rows of a CSV file with a header line (each column a field of the row). Edit `load_rows`
     for your format."""
 
-    # The recipe keys this loader takes: `nexrl validate` checks them.
-    OPTIONS = {
-        "path": Option(REQUIRED, str, "CSV file with a header line", path=True),
-        "prompt_column": Option("prompt", str, "column that holds the prompt"),
-    }
+    SETTINGS = ${cls}Settings
+
+    def __init__(self, config: Mapping[str, Any], is_validate: bool = False):
+        # read before the base class reads the rows (it calls load_rows)
+        section = self.bind_config(config, is_validate)
+        self.settings = ${cls}Settings.own(section, "validate.data" if is_validate else "data")
+        super().__init__(section, is_validate)
 
     def describe(self) -> str:
-        return str(self._config.get("path"))
+        return self.settings.path
 
     def load_rows(self) -> list[dict[str, Any]]:
-        path, column = str(self._config["path"]), str(self._config["prompt_column"])
+        path, column = self.settings.path, self.settings.prompt_column
         rows = []
         with open(path, newline="", encoding="utf-8") as f:
             for line, row in enumerate(csv.DictReader(f), start=2):
@@ -658,19 +686,27 @@ bring the trainer's weights to the inference service, then have it serve them as
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from loguru import logger
 
-from nexrl_core import Capabilities, Option, WeightSyncBackend, deferred, execute, hookimpl
+from nexrl_core import Capabilities, Settings, WeightSyncBackend, deferred, execute, hookimpl, setting
+
+
+@dataclass(frozen=True, kw_only=True)
+class ${cls}Settings(Settings):
+    """The `weight` keys this backend takes: `nexrl validate` checks them, and your code reads them typed."""
+
+    log_every: int = setting(1, "log every N-th push", ge=1)
 
 
 class $cls(WeightSyncBackend):
     """Copies the trainer's tensors into an inference engine of the same process (nexrl-grpo's
     `hf` backend) and logs every N-th push. Edit `sync` to move them elsewhere (a file, a server)."""
 
-    # The `weight` keys this backend takes: `nexrl validate` checks them.
-    OPTIONS = {"log_every": Option(1, int, "log every N-th push", ge=1)}
+    SETTINGS = ${cls}Settings
     # What it needs from the trainer and the inference backend, and what it gives: `nexrl validate`
     # refuses a recipe whose parts do not fit.
     CAPABILITIES = Capabilities(
@@ -678,16 +714,16 @@ class $cls(WeightSyncBackend):
         requires={"trainer:state_dict": "it copies the tensors a trainer in this process exports",
                   "inference:load_weights": "it loads them into an inference engine in this process"})
 
-    def __init__(self, config: Any):
+    def __init__(self, config: Mapping[str, Any]):
         super().__init__(config)  # self.config: the `weight` section, declared defaults filled
-        self.log_every = int(self.config["log_every"])
+        self.settings = ${cls}Settings.own(self.config, "weight")
         self.pushes = 0
 
     def sync(self, trainer: Any, inference_client: Any, version: int) -> None:
         # deferred: the tensors go straight from the trainer to the engine, not through this process
         execute(inference_client.load_weights, deferred(trainer.export_weights), version)
         self.pushes += 1
-        if self.pushes % self.log_every == 0:
+        if self.pushes % self.settings.log_every == 0:
             logger.info(f"$name: serving weights v{version}")
 
 

@@ -35,8 +35,7 @@ from ..config.schema import CORE_OPTIONS, core_defaults
 from ..errors import ConfigError, NexRLError
 from ..redaction import add_config_secrets, add_secret, is_secret_key
 from ..runtime.python_class import KINDS as PYTHON_KINDS
-from ..runtime.python_class import OPTIONS as PYTHON_CLASS_OPTIONS
-from ..runtime.python_class import load_component_class, loads_from_file
+from ..runtime.python_class import PythonClassSettings, load_component_class, loads_from_file
 from .compose import Composer, GroupOverride, deep_merge, read_yaml_file
 
 # kind -> words for messages
@@ -612,7 +611,7 @@ class _Checker:
         self.found[path] = cls
         own = declared_options(opt.component, cls)
         if loads_from_file(opt.component, values):
-            own = {**PYTHON_CLASS_OPTIONS, **(own or {})}
+            own = {**PythonClassSettings.options(), **(own or {})}
         words = KIND_WORDS.get(opt.component, opt.component)
         if own is None:  # takes any keys (**kwargs): only the core's are checked
             known = {k: v for k, v in values.items() if k in core}

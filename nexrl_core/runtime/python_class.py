@@ -33,7 +33,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..config.options import REQUIRED, Option
+from ..config.settings import Settings, setting
 from ..errors import ConfigError
 
 PYTHON = "python"
@@ -41,13 +41,17 @@ _modules: dict[tuple[str, str], Any] = {}  # (absolute path, digest of its text)
 _lock = threading.Lock()
 #: the kinds a recipe may load from a file with ``type: python`` -> the base class they must extend
 KINDS = {"rollout_worker": "nexrl_core.rollout_worker:BaseRolloutWorker", "trainer": "nexrl_core.trainer:BaseTrainer"}
-OPTIONS = {
-    "path": Option(REQUIRED, str, "with type python: the Python file that defines the class", path=True),
-    "class": Option(REQUIRED, str, "with type python: the class in that file"),
-}
 
 
-def loads_from_file(kind: str, section: Any) -> bool:
+@dataclass(frozen=True, kw_only=True)
+class PythonClassSettings(Settings):
+    """The keys that name the class of a ``type: python`` section (next to the class's own keys)."""
+
+    path: str = setting(help="with type python: the Python file that defines the class", path=True)
+    class_: str = setting(help="with type python: the class in that file", key="class")
+
+
+def loads_from_file(kind: str, section: object) -> bool:
     """True when ``section`` selects a class of ``kind`` from a file (``type: python``)."""
     return kind in KINDS and isinstance(section, Mapping) and section.get("type") == PYTHON
 
@@ -55,10 +59,8 @@ def loads_from_file(kind: str, section: Any) -> bool:
 def load_component_class(kind: str, section: Mapping[str, Any], key: str) -> type:
     """The class ``section['class']`` of the file ``section['path']``, checked to extend the kind's
     base class and to leave no abstract method; every problem a ConfigError naming the key."""
-    for option in ("path", "class"):
-        if not isinstance(section.get(option), str) or not section.get(option):
-            raise ConfigError(f"{key}.{option}: required with {key}.type python")
-    path, name = str(section["path"]), str(section["class"])
+    settings = PythonClassSettings.own(section, key)
+    path, name = settings.path, settings.class_
     found = class_from_file(path, name, key)
     if not any(f"{c.__module__}:{c.__qualname__}" == KINDS[kind] for c in found.__mro__):
         raise ConfigError(f"{key}.class: {name} in {path} does not extend nexrl_core.{KINDS[kind].split(':')[1]}")

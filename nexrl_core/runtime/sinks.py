@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from typing import Any, ClassVar
+
+from ..config.settings import Settings
 
 
 class MetricsSink(ABC):
@@ -15,15 +18,16 @@ class MetricsSink(ABC):
     gives the do-nothing defaults below.
     """
 
-    #: the sink's own recipe keys, under ``logger.<name>`` (name -> :class:`nexrl_core.Option`)
-    OPTIONS: ClassVar[dict[str, Any]] = {}
+    #: the sink's own recipe keys, under ``logger.<name>``: a :class:`nexrl_core.Settings` class
+    #: (None: it takes none)
+    SETTINGS: ClassVar[type[Settings] | None] = None
 
-    def __init__(self, config: Any, run_dir: str | None) -> None:
+    def __init__(self, config: Mapping[str, Any], run_dir: str | None) -> None:
         self.config = config
         self.run_dir = run_dir
 
     @classmethod
-    def check_config(cls, section: dict[str, Any], path: str) -> list[str]:
+    def check_config(cls, section: Mapping[str, Any], path: str) -> list[str]:
         """Problems of the sink's ``logger.<name>`` section, ``["<key>: why", ...]`` (``nexrl validate`` too)."""
         return []
 

