@@ -208,6 +208,53 @@ def test_pause_modes_with_a_request_in_flight(real_vllm, tmp_path, mode):
     assert len(result.response_token_ids) == len(result.response_logprobs) > 0
 
 
+def test_partial_rollout_continues_a_cut_request_under_the_pushed_weights(real_vllm, tmp_path):
+    """``weight.partial_rollout``: a push cuts a request mid-generation; it keeps its tokens (those
+    the old weights sample uncut from the same seed) with the old weights' log-probs, and goes on
+    under the pushed weights, whose log-probs its other tokens carry; ``token_versions`` says which."""
+    client, model = real_vllm
+    moved = type(model).from_pretrained(model.name_or_path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for param in moved.parameters():
+            param.add_(torch.randn_like(param) * 1e-3)
+    before = client.model_version()
+    folder = VLLMDiskWeightSync({"sync_dir": str(tmp_path / "sync")}).write(moved.state_dict(), before + 1)
+    results: list = []
+    try:
+        for seed in range(8):  # a sample still decoding after a second (no EOS before)
+            params = SamplingParams(max_tokens=200, temperature=1.0, seed=seed, stop=[])
+            request = threading.Thread(target=lambda params=params: results.append(client.complete(STORY, params)))
+            request.start()
+            request.join(1.0)
+            if request.is_alive():
+                break
+            results.clear()
+        else:
+            pytest.fail("no sample was still decoding after a second")
+        with client.weight_update(before + 1, "abort", partial_rollout=True) as control:  # what a vllm_disk push does
+            control.reload_weights(folder, timeout=120)
+            control.refresh_tied_output()
+        request.join(300)
+    finally:
+        _serve_base_model(client, model)
+    (result,) = results
+    ids, versions = result.response_token_ids, result.token_versions
+    assert versions is not None, "the request was not cut"
+    kept = versions.count(before)
+    assert 0 < kept < len(ids) and versions == [before] * kept + [before + 1] * (len(ids) - kept)
+    assert result.model_version == before and result.prompt_token_ids == client.complete(
+        STORY, SamplingParams(max_tokens=1)).prompt_token_ids
+    served = torch.tensor(result.response_logprobs)
+    prompt = result.prompt_token_ids
+    assert (served[:kept] - reference_logprobs(model, prompt, ids[:kept])).abs().max().item() < 1e-4
+    continued = reference_logprobs(moved, prompt + ids[:kept], ids[kept:])
+    assert (served[kept:] - continued).abs().max().item() < 1e-4
+    assert (served[kept:] - reference_logprobs(model, prompt + ids[:kept], ids[kept:])).abs().max().item() > 1e-3
+    # the kept tokens are those the old weights sample from this seed without a cut
+    uncut = client.complete(STORY, SamplingParams(max_tokens=kept, temperature=1.0, seed=params.seed, stop=[]))
+    assert uncut.response_token_ids == ids[:kept]
+
+
 # -- whole runs: `nexrl run recipes/quickstart_vllm.yaml` -------------------------------------------
 
 def _group(pgid: int) -> list[int]:

@@ -42,3 +42,15 @@ def test_vllm_with_a_self_hosted_trainer_needs_a_vllm_weight_sync(tmp_path, pm):
     assert line == ("weight.backend: weight-sync backend 'in_process' needs 'inference:load_weights' (it loads them "
                     "into an inference engine in this process), which neither trainer 'self_hosted_grpo', inference "
                     "backend 'vllm' provides; it is provided by service.inference_service.backend: hf (nexrl-torch)")
+
+
+def test_partial_rollout_is_declared_by_the_vllm_backends(tmp_path, pm):
+    """`weight.partial_rollout` needs in-flight updates from the inference backend and the weight sync:
+    vLLM's client and its three weight syncs declare them (a cut request goes on from its tokens)."""
+    partial = {"partial_rollout": True, "sync_mode": "fully-async", "staleness_threshold": 1}
+    sync_dir = str(tmp_path / "sync")
+    for weight in ({"backend": "vllm_disk", "sync_dir": sync_dir}, {"backend": "vllm_lora", "sync_dir": sync_dir},
+                   {"backend": "vllm_nccl"}):
+        assert problems(tmp_path, pm, {**weight, **partial}) == [], weight
+    [line] = problems(tmp_path, pm, {"backend": "vllm_disk", "pause_mode": "keep", **partial})
+    assert line.startswith("weight.pause_mode: 'keep' with weight.partial_rollout: true")

