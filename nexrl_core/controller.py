@@ -199,6 +199,9 @@ class NexRLController:
         if limit is not None:
             execute(self.weight_sync_controller.set_rollout_budget,
                     int(cfg.trajectory_pool.batch_size) if limit == "batch" else int(limit))
+        ahead = execute(self.weight_sync_controller.bound_rollouts_ahead, int(cfg.trajectory_pool.batch_size))
+        if ahead is not None and cfg.launch_mode == "local" and self.trainer is not None:
+            execute(self.inference_client.share_cpus_with_trainer)  # the engine and the trainer overlap here
         execute(self.trajectory_pool.set_module_references, self.dataloader, self.weight_sync_controller)
         execute(self.validator.set_module_references, self.validate_dataloader)
         execute(self.weight_sync_controller.set_module_references, self.dataloader, self.trajectory_pool,

@@ -267,6 +267,8 @@ class TrajectoryPoolInstance:
         self._requeue(stale)
         if not groups:
             return None
+        if wsc is not None:  # weight.rollouts_ahead counts them no more
+            execute(wsc.rollouts_settled, self.model_tag, sum(len(g) for g in groups))
         trajs = [t for g in groups for t in sorted(g, key=_seq)]
         batch = Batch.from_trajectories(trajs, self.model_tag)
         batch.metadata["num_groups"] = len(groups)
@@ -365,6 +367,8 @@ class TrajectoryPoolInstance:
 
     def _requeue(self, trajectories: list[Trajectory]) -> None:
         """Send the tasks behind dropped trajectories back for a re-rollout."""
+        if trajectories and self._weight_sync_controller is not None:
+            execute(self._weight_sync_controller.rollouts_settled, self.model_tag, len(trajectories))
         if not trajectories or self._dataloader is None:
             return
         for traj in trajectories:  # the loader serves re-queued tasks in seq order

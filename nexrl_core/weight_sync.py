@@ -13,6 +13,9 @@ Modes (``weight.sync_mode``):
   has started (it is producing that version): rollouts may run ahead of the
   weights by at most ``staleness_threshold`` versions.
 - ``fully-async``: rollouts never block; weights are still pushed after every step.
+In the async modes ``weight.rollouts_ahead`` also bounds the training rollouts started and not yet
+taken by the trainer (decoding, or waiting in the pool): the engine generates the next batches while
+the trainer steps, and none that would come out staler than the bound (see :meth:`bound_rollouts_ahead`).
 In every mode the trainer gets no trajectory older than ``train_version -
 staleness_threshold`` (0 in sync mode): older groups are re-rolled and counted.
 """
@@ -93,6 +96,10 @@ class WeightSyncController(NexRLModule):
             raise ConfigError("weight.staleness_threshold must be >= 0")
         self._staleness = 0 if self._mode == "sync" else threshold
         self._validate_freq = int(config["validate_freq"])
+        self._ahead_setting = config["rollouts_ahead"]
+        self._ahead_limit: int | None = None  # set by bound_rollouts_ahead, once the batch size is known
+        # Training rollouts admitted and not yet settled (taken by the trainer, dropped or re-rolled).
+        self._unsettled: dict[ModelTag, int] = {}
         self._update_every = int(config["model_update_frequency"])
         self._backend = backend if backend is not None else VersionOnlyWeightSync(section)
         verify = config["verify_served"]
@@ -155,6 +162,41 @@ class WeightSyncController(NexRLModule):
             self._rollout_budget = int(tasks) if tasks and self._mode == "sync" else None
             self._cond.notify_all()
 
+    def bound_rollouts_ahead(self, batch_size: int) -> int | None:
+        """Async modes with ``weight.rollouts_ahead``: admit a training rollout only while fewer
+        than that many are unsettled ('staleness': ``max(staleness_threshold, 1) x batch_size``).
+        A rollout is settled when the trainer takes it in a batch, when the pool drops or re-rolls
+        it (:meth:`rollouts_settled`, :meth:`return_rollout_slots`) and when it does not land
+        (:meth:`end_rollout`). So with the bound S batches the engine decodes the next S batches
+        while the trainer steps, under weights at most S versions older than the step that trains
+        them: within the staleness bound, nothing decoded only to be re-rolled as stale. Returns
+        the bound (None: none)."""
+        setting = self._ahead_setting
+        with self._cond:
+            if setting is None or self._mode == "sync":
+                self._ahead_limit = None
+            elif setting == "staleness":
+                self._ahead_limit = max(self._staleness, 1) * int(batch_size)
+            else:
+                self._ahead_limit = int(setting)
+            self._cond.notify_all()
+            return self._ahead_limit
+
+    def rollouts_settled(self, model_tag: ModelTag = DEFAULT_MODEL_TAG, count: int = 1) -> None:
+        """``count`` landed training rollouts left the pool: taken by the trainer, or dropped as too
+        stale or evicted from their group (their tasks are re-rolled, admitted afresh)."""
+        if count <= 0:
+            return
+        with self._cond:
+            self._unsettled[model_tag] = max(0, self._unsettled.get(model_tag, 0) - int(count))
+            if self._ahead_limit is not None:
+                self._cond.notify_all()
+
+    def rollouts_unsettled(self, model_tag: ModelTag = DEFAULT_MODEL_TAG) -> int:
+        """Training rollouts admitted and not yet settled (decoding, or waiting in the pool)."""
+        with self._cond:
+            return self._unsettled.get(model_tag, 0)
+
     def begin_rollout(self, model_tag: ModelTag = DEFAULT_MODEL_TAG) -> bool:
         """Admit one training rollout, or False when rollouts must wait (:meth:`wait_rollout_allowed`).
         Every admitted rollout is ended with :meth:`end_rollout`."""
@@ -163,6 +205,7 @@ class WeightSyncController(NexRLModule):
                 return False
             self._admitted[model_tag] = self._admitted.get(model_tag, 0) + 1
             self._in_flight[model_tag] = self._in_flight.get(model_tag, 0) + 1
+            self._unsettled[model_tag] = self._unsettled.get(model_tag, 0) + 1
             return True
 
     def end_rollout(self, model_tag: ModelTag = DEFAULT_MODEL_TAG, landed: bool = True) -> None:
@@ -171,6 +214,7 @@ class WeightSyncController(NexRLModule):
             in_flight = self._in_flight[model_tag] = max(0, self._in_flight.get(model_tag, 0) - 1)
             if not landed:
                 self._admitted[model_tag] = max(0, self._admitted.get(model_tag, 0) - 1)
+                self._unsettled[model_tag] = max(0, self._unsettled.get(model_tag, 0) - 1)
             # Only a returned slot or the last landing can unblock a waiting worker; waking every
             # rollout thread on each landing costs more than the rollout itself with many workers.
             if not landed or in_flight == 0:
@@ -194,6 +238,7 @@ class WeightSyncController(NexRLModule):
         groups (:meth:`hold_rollouts`) whose replacements are now asked for."""
         with self._cond:
             self._admitted[model_tag] = max(0, self._admitted.get(model_tag, 0) - int(count))
+            self._unsettled[model_tag] = max(0, self._unsettled.get(model_tag, 0) - int(count))
             self._held[model_tag] = max(0, self._held.get(model_tag, 0) - int(released))
             self._cond.notify_all()
 
@@ -240,6 +285,8 @@ class WeightSyncController(NexRLModule):
                 return True
             budget = self._rollout_budget
             return budget is not None and self._admitted.get(tag, 0) >= budget and self._in_flight.get(tag, 0) > 0
+        if self._ahead_limit is not None and self._unsettled.get(tag, 0) >= self._ahead_limit:
+            return True
         if self._mode == "batch-async":
             started, rollout = self._steps_started.get(tag, 0), self._rollout_version.get(tag, 0)
             return started - rollout > self._staleness

@@ -76,6 +76,12 @@ def _rollout_limit(value: Any) -> str | None:
     return f"expected null, 'batch' or a positive integer, got {value!r}"
 
 
+def _rollouts_ahead(value: Any) -> str | None:
+    if value == "staleness" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        return None
+    return f"expected null, 'staleness' or a positive integer, got {value!r}"
+
+
 def _reward_range(value: Any) -> str | None:
     if len(value) != 2 or value[0] > value[1]:
         return f"expected [low, high] with low <= high, got {list(value)}"
@@ -168,6 +174,13 @@ WEIGHT = {
                                            "on from the tokens it has (token_versions records which weights sampled "
                                            "each token); false: a push waits for the running batch",
                               needs="weight.sync_mode != sync"),
+    "rollouts_ahead": Option(None, (int, str, None), "async modes: at most this many training rollouts started and "
+                                                     "not yet taken by the trainer (decoding, or waiting in the pool); "
+                                                     "'staleness' = max(staleness_threshold, 1) x trajectory_pool."
+                                                     "batch_size: the engine generates the next batches while the "
+                                                     "trainer steps, and none that would come out too stale to train; "
+                                                     "null: no bound (what comes out too stale is re-rolled)",
+                             check=_rollouts_ahead, needs="weight.sync_mode != sync"),
     "model_update_frequency": Option(1, int, "push the trained weights to the inference service every N steps "
                                              "(and before a validation); N > 1 needs an async sync_mode with "
                                              "staleness_threshold >= N", ge=1),

@@ -282,6 +282,11 @@ class InferenceClient(ABC):
         with self._version_lock:
             self._version = version
 
+    def share_cpus_with_trainer(self) -> Any:
+        """The trainer computes in this process while this service generates (``weight.rollouts_ahead``
+        in launch_mode local): an engine computing here may give it part of the CPU. Default: nothing."""
+        return None
+
     def load_weights(self, state_dict: dict[str, Any], version: int) -> None:
         """Serve `state_dict` from now on (in-process engines only)."""
         raise NotImplementedError(f"{type(self).__name__} cannot load weights in process")

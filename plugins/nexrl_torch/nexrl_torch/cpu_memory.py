@@ -6,8 +6,8 @@ step and a generation allocate and free the same few GB every time, and the kern
 each page back in, zeroed: 0.3-0.6 million minor faults per quickstart step on the CPU. With one
 arena, no mmap'd blocks and no trimming, after the first steps a step faults almost nothing.
 The numbers computed do not change; the process keeps its peak size instead of shrinking
-between steps. Process-wide and irreversible: applied once, by the first model-holding part
-built with ``keep_freed_memory`` (the default).
+between steps. Process-wide and irreversible, so an opt-in: applied once, by the first
+model-holding part built with ``keep_freed_memory: true`` (default false).
 """
 
 from __future__ import annotations

@@ -51,12 +51,18 @@ from nexrl_core import (
     parse_tool_calls,
 )
 
-from ..cpu_threads import release_idle_workers
+from ..cpu_threads import release_idle_workers, use_threads
 from ..logprobs import compute_response_logprobs, position_ids_from_mask, scoring_batch
 from ..models import AUTO_FLAG, MODEL_OPTIONS, _auto_flag, log_auto_device, model_from_config, resolve_device
 from .decoding import kv_budget_tokens, kv_token_bytes, make_session_factory
 
 _STOP = object()
+
+
+def _thread_count(value: Any) -> str | None:
+    if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        return None
+    return f"expected 'auto', null or a positive integer, got {value!r}"
 
 
 @dataclass
@@ -119,6 +125,13 @@ class HFInferenceEngine(InferenceClient):
                                                "steps in that memory); false keeps it allocated"),
         "cuda_graphs": Option(None, AUTO_FLAG, "on a GPU: replay each decode step as a CUDA graph: auto (on a CUDA "
                                                "device) | true | false", check=_auto_flag),
+        "decode_threads": Option("auto", (int, str, None), "on the CPU: threads the engine decodes on (its own thread's "
+                                                           "OpenMP and MKL team; the process's other threads keep "
+                                                           "theirs): N always; auto: while a trainer computes beside it "
+                                                           "in this process (weight.rollouts_ahead, launch_mode local) "
+                                                           "half the torch threads (at least 1) and the rest to the "
+                                                           "trainer, else all; null: the process's torch threads",
+                                 check=_thread_count),
     }
 
     def __init__(self, config: Any = None, *, model: torch.nn.Module | None = None, tokenizer: Any = None):
@@ -144,6 +157,10 @@ class HFInferenceEngine(InferenceClient):
         # Where each row's uniforms come from (see the class doc); a test may switch a CPU engine over.
         self.counter_rng = self.device.type != "cpu"
         self.kv_tokens = self._kv_budget(config)
+        setting = config["decode_threads"]
+        self._decode_threads_auto = setting == "auto"
+        self._decode_threads: int | None = None if setting in (None, "auto") else int(setting)
+        self._threads_before_share: int | None = None  # torch's default before share_cpus_with_trainer
         self.decoder = make_session_factory(self.model, config["fast_path"] or "auto",
                                             rows_hint=min(self.max_batch_size, 16), kv_tokens=self.kv_tokens,
                                             graphs=config["cuda_graphs"],
@@ -163,6 +180,32 @@ class HFInferenceEngine(InferenceClient):
         self._thread = threading.Thread(target=self._loop, name="hf-inference-engine", daemon=True)
         self._thread.start()
         release_idle_workers()  # the thread that loaded the model computes no more here
+
+    def share_cpus_with_trainer(self) -> int | None:
+        """A trainer computes in this process while the engine decodes (weight.rollouts_ahead): with
+        ``decode_threads: auto`` on the CPU, the engine's thread takes half the torch threads (at least
+        1) and torch's default, which the trainer's thread starts with, becomes the rest, so the two
+        teams together hold no more threads than the process had. Returns the engine's count (None:
+        unchanged: another device, or a count set by hand)."""
+        if not self._decode_threads_auto or self.device.type != "cpu":
+            return None
+        total = self._threads_before_share = torch.get_num_threads()
+        engine = max(1, total // 2)
+        torch.set_num_threads(max(1, total - engine))  # this thread's and every later thread's default
+        self._decode_threads = engine
+        from loguru import logger
+
+        logger.info(f"inference engine: decodes on {engine} of {total} CPU threads while the trainer steps "
+                    f"beside it on {max(1, total - engine)} (service.inference_service.decode_threads: auto)")
+        return engine
+
+    def _use_decode_threads(self) -> None:
+        """On the engine's thread: run on ``decode_threads`` when that is set (or was set since).
+        Checked every batch: pausing a thread's OpenMP team (cpu_threads) gives it back the
+        runtime's default count."""
+        wanted = self._decode_threads
+        if wanted is not None and self.device.type == "cpu" and torch.get_num_threads() != wanted:
+            use_threads(wanted)
 
     def _kv_budget(self, config: Any) -> int | None:
         """Tokens of KV cache a batch may hold: ``max_kv_tokens``, else on a GPU its
@@ -378,6 +421,9 @@ class HFInferenceEngine(InferenceClient):
             self._queue.put(_STOP)
         if threading.current_thread() is not self._thread:
             self._thread.join()
+        if self._threads_before_share is not None:  # the process gets its threads back (a later run in it)
+            torch.set_num_threads(self._threads_before_share)
+            self._threads_before_share = None
 
     # ------------------------------------------------------------------ scheduler
 
@@ -442,6 +488,7 @@ class HFInferenceEngine(InferenceClient):
         batch = sorted(batch, key=lambda r: (-len(r.prompt_ids), r.prompt_ids))
         self.num_batches += 1
         self.num_requests += len(batch)
+        self._use_decode_threads()
         try:
             with self._model_lock:
                 outputs = [out for chunk in self._chunks(batch) for out in self._generate(chunk)]
@@ -527,6 +574,7 @@ class HFInferenceEngine(InferenceClient):
             logits, next_pos = logits[idx], next_pos[idx]
         seeds = torch.tensor([r.seed or 0 for r in batch], dtype=torch.long, device=device)
         while True:
+            self._use_decode_threads()  # a kernel's set-up may have reset the thread's count
             draw = _counter_draw(seeds, len(tokens_out[active[0]])) if self.counter_rng else \
                 _generator_draw([batch[i].generator for i in active])
             tokens, logprobs = _sample(logits, scale, greedy, top_p, top_k, draw)
