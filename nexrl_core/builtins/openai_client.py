@@ -178,11 +178,12 @@ class OpenAICompatibleClient(InferenceClient):
     def _generate(self, chat: bool, payload: Any, params: SamplingParams,
                   tools: list[dict[str, Any]] | None) -> CompletionResult:
         endpoint = "/chat/completions" if chat else "/completions"
-        model = self._served_model()
 
         def attempt(timeout: float) -> CompletionResult:
             with self.generation_attempt() as served:
-                raw = self._post(chat, model, payload, params, timeout, tools)
+                # Named per attempt, inside the gate: a retry after a weight update asks for the
+                # model (a LoRA adapter's name) that update served, as its version label says.
+                raw = self._post(chat, self._served_model(), payload, params, timeout, tools)
             result = self._parse(chat, self._decode(raw, endpoint), endpoint, tools is not None)
             result.model_version = served.model_version
             return result

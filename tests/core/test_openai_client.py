@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
 import subprocess
 import sys
@@ -381,3 +382,30 @@ def test_config_reads_dictconfig_and_requires_url(server):
 def test_module_does_not_import_torch():
     code = "import sys, nexrl_core.builtins.openai_client; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], cwd=_ROOT).returncode == 0
+
+
+def test_a_retry_names_the_model_an_update_switched_to(server):
+    """A weight update between two attempts may switch the served model (vllm_lora names each
+    adapter it loads, and the old name may be gone): the retry asks for the new name, under
+    the version the update set."""
+
+    class Updated(OpenAICompatibleClient):
+        attempts = 0
+
+        @contextlib.contextmanager
+        def generation_attempt(self):
+            Updated.attempts += 1
+            if Updated.attempts == 2:  # the update lands while the first attempt's failure is retried
+                server.model = self.model = "policy-lora-v1"
+                self.set_model_version(1)
+            with super().generation_attempt() as served:
+                yield served
+
+    client = Updated({"url": server.url, "model": server.model, "model_tag": "policy", **FAST})
+    server.fail_next(1, status=503)
+    try:
+        result = client.complete("What is 1 + 1?", SamplingParams())
+    finally:
+        client.close()
+    assert result.text == "2" and result.model_version == 1
+    assert [r.body["model"] for r in server.requests if r.method == "POST"][-1] == "policy-lora-v1"

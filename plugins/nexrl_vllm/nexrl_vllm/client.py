@@ -403,12 +403,11 @@ class VLLMClient(OpenAICompatibleClient):
                 raise ValueError("score: a request has no response tokens")
         with self._gate:
             self._raise_if_unusable()
-        model = self._served_model()
 
         def attempt(rows: list[tuple[list[int], list[int], float]], timeout: float) -> list[list[float]]:
-            with self.generation_attempt():
+            with self.generation_attempt():  # named inside the gate: the adapter an update just served
                 raw = self._client.completions.with_raw_response.create(
-                    model=model, prompt=[list(p) + list(r) for p, r, _ in rows], max_tokens=1, temperature=1.0,
+                    model=self._served_model(), prompt=[list(p) + list(r) for p, r, _ in rows], max_tokens=1, temperature=1.0,
                     timeout=timeout, extra_body={"prompt_logprobs": 0})
             choices = self._decode(raw, "/completions").get("choices")
             if not isinstance(choices, list) or len(choices) != len(rows):
