@@ -13,17 +13,28 @@ output columns (:meth:`DecodeKernels.pack_linear`, in place after each weight pu
 speed), a weight is read front to back with a software prefetch ahead, and each row's input is
 broadcast from a transposed copy: SmolLM2's linears at 16 rows in 28-33 ms against 35-39 ms.
 
+The kernels are torch ops, ``torch.ops.nexrl_kernels.attend``, ``add_rms_norm``, ``silu_mul``,
+``pack_linear`` and ``linear`` (``TORCH_LIBRARY``, with schemas that mark the outputs they write),
+so that the profiler shows them by name and each call is checked at the C++ boundary: a wrong
+device, dtype, shape or stride, or a cache row or start column out of range, raises a
+``TypeError``/``ValueError`` naming the op and the argument before any memory is touched.
+:class:`DecodeKernels` wraps them with the signatures the engine calls.
+
 The source is compiled once per machine with the C++ compiler found (``$CXX``, else ``c++``,
-``g++`` or ``clang++``) against the torch that is imported (its headers and its OpenMP), for this
-CPU (``-march=native``), into ``$NEXRL_CACHE_DIR/kernels`` (default ``~/.cache/nexrl/kernels``).
-The file's name hashes everything that went into it, so another torch, compiler or CPU builds its
-own. The engine's ``cpu_kernels`` key chooses: ``auto`` uses them when they build, ``true`` fails
-when they do not, ``false`` keeps the torch ops.
+``g++`` or ``clang++``; GCC 12 or newer, or clang) against the torch that is imported (the include
+and library folders and C++ ABI of ``torch.utils.cpp_extension``, its OpenMP), for this CPU
+(``-march=native``), in one compiler call into ``$NEXRL_CACHE_DIR/kernels`` (default
+``~/.cache/nexrl/kernels``), then loaded with ``torch.ops.load_library``. The command is our own
+rather than ``cpp_extension.load``: ``load`` needs ninja, keeps its own cache folder and naming,
+and builds in steps; ours keeps the cache key, the atomic install and the compiler's own error
+lines. The file's name hashes everything that went into it, so another torch, compiler or CPU
+builds its own. A process registers the ops once (a namespace can be defined only once), from the
+first file it loads. The engine's ``cpu_kernels`` key chooses: ``auto`` uses them when they build,
+``true`` fails when they do not, ``false`` keeps the torch ops.
 """
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import os
 import re
@@ -40,7 +51,7 @@ from loguru import logger
 SOURCE = Path(__file__).with_name("csrc") / "decode_step.cpp"
 COMPILE_TIMEOUT_S = 600
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17", "-shared", "-fPIC")
-DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}  # what the ops take (linear: float32 only)
 LINEAR_LANES = 16  # output columns per panel of a packed weight (kLanes in the source)
 
 
@@ -53,81 +64,52 @@ class CompilerUnusable(KernelBuildError):
 
 
 class DecodeKernels:
-    """The compiled functions, called on contiguous CPU tensors of one dtype (float32 or bfloat16)."""
+    """The ops ``torch.ops.nexrl_kernels.*`` (CPU, float32 or bfloat16 tensors of one dtype), built into
+    ``path``. Each op checks its arguments' dtypes, shapes, strides and indices before it runs: a
+    ``TypeError`` (dtype) or ``ValueError`` (the rest) naming the op and the argument."""
 
-    def __init__(self, library: ctypes.CDLL, path: Path):
+    def __init__(self, path: Path):
         self.path = path
-        pointer, long, single = ctypes.c_void_p, ctypes.c_long, ctypes.c_float
-        self._attend, self._add_rms_norm, self._silu_mul = {}, {}, {}
-        for dtype, suffix in DTYPES.items():
-            attend = getattr(library, f"attend_{suffix}")
-            attend.argtypes = [pointer, long, pointer, pointer, pointer, pointer, pointer, pointer, long, long, long,
-                               long, long, long, single, pointer]
-            norm = getattr(library, f"add_rms_norm_{suffix}")
-            norm.argtypes = [pointer, pointer, pointer, single, pointer, long, long]
-            silu = getattr(library, f"silu_mul_{suffix}")
-            silu.argtypes = [pointer, pointer, long, long]
-            self._attend[dtype], self._add_rms_norm[dtype], self._silu_mul[dtype] = attend, norm, silu
-        self._linear = library.linear_float32
-        self._linear.argtypes = [pointer, long, long, long, pointer, long, pointer, pointer]
-        self._pack_linear = library.pack_linear_float32
-        self._pack_linear.argtypes = [pointer, long, long, pointer, long, long]
+        ops = torch.ops.nexrl_kernels
+        # The overloads themselves: a call skips the packet's overload lookup (a decode step makes ~5 per layer).
+        self._attend, self._add_rms_norm, self._silu_mul = ops.attend.default, ops.add_rms_norm.default, \
+            ops.silu_mul.default
+        self._pack_linear, self._linear = ops.pack_linear.default, ops.linear.default
 
     def attend(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,
                values: torch.Tensor, starts: torch.Tensor, column: int, scaling: float, out: torch.Tensor,
                cache_rows: torch.Tensor | None = None) -> None:
         """One decode step's attention: ``qkv`` ``[rows, (heads + 2 kv_heads) * dim]`` (queries, keys,
-        values), ``cos``/``sin`` ``[rows, dim]``; rotates the new key and the queries, writes key and
-        value into ``keys``/``values`` ``[cache rows, kv_heads, capacity, dim]`` at ``column``, and
-        writes into ``out`` ``[rows, heads * dim]`` each row's attention over its columns ``starts`` to
-        ``column``. Row r's cache row is ``cache_rows[r]`` (int64; r when None); ``starts`` (int64) is
-        per cache row."""
-        _, kv_heads, capacity, dim = keys.shape
-        rows, heads = qkv.shape[0], out.shape[1] // dim
-        self._attend[qkv.dtype](qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), keys.data_ptr(),
-                                values.data_ptr(), starts.data_ptr(),
-                                None if cache_rows is None else cache_rows.data_ptr(), rows, heads, kv_heads, dim,
-                                capacity, column, scaling, out.data_ptr())
+        values; rows may be apart by any stride), ``cos``/``sin`` ``[rows, dim]``; rotates the new key and
+        the queries, writes key and value into ``keys``/``values`` ``[cache rows, kv_heads, capacity, dim]``
+        at ``column``, and writes into ``out`` ``[rows, heads * dim]`` each row's attention over its
+        columns ``starts`` to ``column``. Row r's cache row is ``cache_rows[r]`` (int64; r when None);
+        ``starts`` (int64) is per cache row."""
+        self._attend(qkv, cos, sin, keys, values, starts, column, scaling, out, cache_rows)
 
     def add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
                      out: torch.Tensor) -> None:
         """``x += delta`` in place (when given), then ``out = rms_norm(x) * weight``; ``x`` ``[rows, hidden]``."""
-        rows, hidden = x.shape
-        self._add_rms_norm[x.dtype](x.data_ptr(), None if delta is None else delta.data_ptr(), weight.data_ptr(),
-                                    eps, out.data_ptr(), rows, hidden)
+        self._add_rms_norm(x, delta, weight, eps, out)
 
     def silu_mul(self, gate_up: torch.Tensor, out: torch.Tensor) -> None:
         """``out = silu(gate) * up``, ``gate_up`` ``[rows, 2 * intermediate]`` (gate first)."""
-        rows, intermediate = out.shape
-        self._silu_mul[gate_up.dtype](gate_up.data_ptr(), out.data_ptr(), rows, intermediate)
-
+        self._silu_mul(gate_up, out)
 
     def pack_linear(self, weights: list[torch.Tensor], packed: torch.Tensor | None = None) -> torch.Tensor:
         """The float32 weights ``[n_i, k]`` of linears that share their input, packed as one weight for
         :meth:`linear` (their outputs side by side, in order); into ``packed`` when given (the same
         total shape: a refresh in place), else into a new tensor."""
-        k = weights[0].shape[1]
-        total = sum(w.shape[0] for w in weights)
-        size = -(-total // LINEAR_LANES) * LINEAR_LANES * k
         if packed is None:
-            packed = torch.empty(size, dtype=torch.float32)
-        elif packed.numel() != size:
-            raise ValueError(f"packed weight holds {packed.numel()} values, {size} needed")
-        column = 0
-        for w in weights:
-            w = w.detach().contiguous()
-            self._pack_linear(w.data_ptr(), w.shape[0], k, packed.data_ptr(), column, total)
-            column += w.shape[0]
+            total = sum(w.shape[0] for w in weights)
+            packed = torch.empty(-(-total // LINEAR_LANES) * LINEAR_LANES * weights[0].shape[-1], dtype=torch.float32)
+        self._pack_linear([w.detach().contiguous() for w in weights], packed)
         return packed
 
     def linear(self, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
-        """``x @ w.T + bias`` for a float32 ``x`` ``[rows, k]`` (rows contiguous) and ``w`` packed by
+        """``x @ w.T + bias`` for a float32 ``x`` ``[rows, k]`` (each row contiguous) and ``w`` packed by
         :meth:`pack_linear` (``n`` output columns): ``[rows, n]``."""
-        rows, k = x.shape
-        out = x.new_empty(rows, n)
-        self._linear(x.data_ptr(), x.stride(0), rows, k, packed.data_ptr(), n,
-                     None if bias is None else bias.data_ptr(), out.data_ptr())
-        return out
+        return self._linear(x, packed, n, bias)
 
 
 _lock = threading.Lock()
@@ -143,12 +125,20 @@ def decode_kernels() -> DecodeKernels:
         if _loaded is None and _problem is None:
             try:
                 path = _build()
-                _loaded = DecodeKernels(ctypes.CDLL(str(path)), path)
-            except (KernelBuildError, OSError, AttributeError) as exc:
+                _register(path)
+                _loaded = DecodeKernels(path)
+            except (KernelBuildError, OSError, RuntimeError) as exc:
                 _problem = str(exc)
         if _loaded is None:
             raise KernelBuildError(_problem)
         return _loaded
+
+
+def _register(path: Path) -> None:
+    """Loads the ops from ``path`` unless this process has them already: a namespace is defined once per
+    process, and another build of the same source (another cache folder or compiler) holds the same ops."""
+    if not hasattr(torch.ops.nexrl_kernels, "attend"):
+        torch.ops.load_library(str(path))
 
 
 def find_compiler() -> list[str]:
@@ -226,9 +216,8 @@ def _build() -> Path:
         return target
     folder.mkdir(parents=True, exist_ok=True)
     partial = folder / f".decode_step-{key}.{os.getpid()}.{threading.get_ident()}.so"
-    lib = torch_dir / "lib"
-    command = [*compiler, *FLAGS, f"-I{torch_dir / 'include'}", str(SOURCE), "-o", str(partial), f"-L{lib}",
-               f"-Wl,-rpath,{lib}", "-lc10", "-ltorch_cpu"]
+    compile_flags, link_flags = _torch_flags()
+    command = [*compiler, *FLAGS, *compile_flags, str(SOURCE), "-o", str(partial), *link_flags]
     started = time.perf_counter()
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
@@ -241,3 +230,16 @@ def _build() -> Path:
     os.replace(partial, target)  # atomic: a process building beside this one reads a whole file
     logger.info(f"decode kernels compiled in {time.perf_counter() - started:.1f} s: {target}")
     return target
+
+
+
+def _torch_flags() -> tuple[list[str], list[str]]:
+    """The compile and link flags of an extension of the imported torch: its headers, its C++ ABI, its libraries."""
+    try:
+        from torch.utils import cpp_extension  # imports setuptools (a quarter second): only to build
+    except ImportError as exc:
+        raise KernelBuildError(f"torch.utils.cpp_extension cannot be imported: {exc}") from None
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    libraries = cpp_extension.library_paths()
+    return ([*(f"-I{folder}" for folder in cpp_extension.include_paths()), f"-D_GLIBCXX_USE_CXX11_ABI={abi}"],
+            [*(f"-L{f}" for f in libraries), *(f"-Wl,-rpath,{f}" for f in libraries), "-lc10", "-ltorch_cpu"])

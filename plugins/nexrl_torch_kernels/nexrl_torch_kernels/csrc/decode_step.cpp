@@ -1,13 +1,20 @@
 // CPU kernels for one decode step of a Llama-family model: the work between its matmuls, fused.
-// nexrl_torch_kernels/__init__.py compiles this file once per machine and calls it through ctypes.
+// Registered as the torch ops nexrl_kernels::attend, add_rms_norm, silu_mul, pack_linear and linear,
+// each checking devices, dtypes, shapes, strides and indices before it touches memory.
+// nexrl_torch_kernels/__init__.py compiles this file once per machine and loads it into torch.
 //
 // Each row (for attention: each row and KV head) is computed by one thread, in an order fixed by
 // that row's own sizes. A row's bits therefore never depend on the other rows of its batch or on
 // the thread count: what keeps runs with many rollout workers reproducible.
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
 
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -272,38 +279,225 @@ void pack_linear(const float* w, long n, long k, float* packed, long column, lon
   });
 }
 
+// The ops' boundary: the kernels index raw memory, so every size, stride, dtype and index they rely
+// on is checked here first, with an error that names the op and the argument.
+struct Check {
+  const char* op;
+
+  // Every tensor's dtype is checked, and with it its device.
+  void cpu(const at::Tensor& t, const char* name) const {
+    TORCH_CHECK_VALUE(t.device().is_cpu(), "nexrl_kernels::", op, ": ", name, " is on ", t.device(),
+                      ", the kernels run on the CPU");
+  }
+  void dtype(const at::Tensor& t, const char* name, at::ScalarType want) const {
+    cpu(t, name);
+    TORCH_CHECK_TYPE(t.scalar_type() == want, "nexrl_kernels::", op, ": ", name, " is ", t.scalar_type(),
+                     ", expected ", want);
+  }
+  void shape(const at::Tensor& t, const char* name, c10::IntArrayRef want) const {
+    TORCH_CHECK_VALUE(t.sizes() == want, "nexrl_kernels::", op, ": ", name, " has shape ", t.sizes(), ", expected ",
+                      want);
+  }
+  void dims(const at::Tensor& t, const char* name, int64_t want) const {
+    TORCH_CHECK_VALUE(t.dim() == want, "nexrl_kernels::", op, ": ", name, " has ", t.dim(), " dimensions (shape ",
+                      t.sizes(), "), expected ", want);
+  }
+  void contiguous(const at::Tensor& t, const char* name) const {
+    TORCH_CHECK_VALUE(t.is_contiguous(), "nexrl_kernels::", op, ": ", name, " must be contiguous (shape ", t.sizes(),
+                      ", strides ", t.strides(), ")");
+  }
+  // A matrix read row by row: each row's values adjacent, rows any stride apart.
+  void rows(const at::Tensor& t, const char* name) const {
+    dims(t, name, 2);
+    TORCH_CHECK_VALUE(t.stride(1) == 1 || t.size(1) <= 1, "nexrl_kernels::", op, ": ", name,
+                      "'s rows must be contiguous (shape ", t.sizes(), ", strides ", t.strides(), ")");
+  }
+  // float32 or bfloat16, the dtype of `like` when given.
+  void floating(const at::Tensor& t, const char* name, const at::Tensor* like = nullptr,
+                const char* like_name = nullptr) const {
+    cpu(t, name);
+    if (like) {
+      TORCH_CHECK_TYPE(t.scalar_type() == like->scalar_type(), "nexrl_kernels::", op, ": ", name, " is ",
+                       t.scalar_type(), " but ", like_name, " is ", like->scalar_type(), " (one dtype for all)");
+    } else {
+      TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, "nexrl_kernels::", op, ": ",
+                       name, " is ", t.scalar_type(), ", expected Float (float32) or BFloat16");
+    }
+  }
+};
+
+template <typename T>
+T* data(const at::Tensor& t) {
+  return static_cast<T*>(t.data_ptr());
+}
+
+long packed_size(long n, long k) { return (n + kLanes - 1) / kLanes * kLanes * k; }
+
+void attend_op(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& keys,
+               const at::Tensor& values, const at::Tensor& starts, int64_t column, double scaling,
+               const at::Tensor& out, const std::optional<at::Tensor>& cache_rows) {
+  const Check check{"attend"};
+  check.rows(qkv, "qkv");
+  check.floating(qkv, "qkv");
+  check.dims(keys, "keys", 4);
+  const long rows = qkv.size(0), cached_rows = keys.size(0), kv_heads = keys.size(1), capacity = keys.size(2),
+             dim = keys.size(3);
+  TORCH_CHECK_VALUE(kv_heads > 0 && dim > 0 && dim % 2 == 0, "nexrl_kernels::attend: keys [cache rows, kv_heads, "
+                    "capacity, dim] has shape ", keys.sizes(), ": needs kv_heads > 0 and an even dim");
+  check.dims(out, "out", 2);
+  TORCH_CHECK_VALUE(out.size(1) % (kv_heads * dim) == 0 && out.size(1) > 0, "nexrl_kernels::attend: out has shape ",
+                    out.sizes(), ": its width must be heads * dim, heads a multiple of kv_heads ", kv_heads,
+                    ", dim ", dim);
+  const long heads = out.size(1) / dim;
+  check.shape(qkv, "qkv", {rows, (heads + 2 * kv_heads) * dim});
+  check.shape(out, "out", {rows, heads * dim});
+  for (const auto& [t, name] : {std::pair{&cos, "cos"}, std::pair{&sin, "sin"}}) {
+    check.shape(*t, name, {rows, dim});
+  }
+  check.shape(values, "values", keys.sizes());
+  for (const auto& [t, name] : {std::pair{&cos, "cos"}, std::pair{&sin, "sin"}, std::pair{&keys, "keys"},
+                                std::pair{&values, "values"}, std::pair{&out, "out"}}) {
+    check.floating(*t, name, &qkv, "qkv");
+    check.contiguous(*t, name);
+  }
+  check.dtype(starts, "starts", at::kLong);
+  check.shape(starts, "starts", {cached_rows});
+  check.contiguous(starts, "starts");
+  TORCH_CHECK_VALUE(0 <= column && column < capacity, "nexrl_kernels::attend: column ", column,
+                    " is outside the cache's capacity ", capacity);
+  const int64_t* row_of = nullptr;
+  if (cache_rows) {
+    check.dtype(*cache_rows, "cache_rows", at::kLong);
+    check.shape(*cache_rows, "cache_rows", {rows});
+    check.contiguous(*cache_rows, "cache_rows");
+    row_of = data<const int64_t>(*cache_rows);
+  }
+  const int64_t* first = data<const int64_t>(starts);
+  for (long r = 0; r < rows; ++r) {
+    const int64_t cached = row_of ? row_of[r] : r;
+    TORCH_CHECK_VALUE(0 <= cached && cached < cached_rows, "nexrl_kernels::attend: row ", r, "'s cache row ", cached,
+                      " is not one of the cache's ", cached_rows, " rows");
+    TORCH_CHECK_VALUE(0 <= first[cached] && first[cached] <= column, "nexrl_kernels::attend: cache row ", cached,
+                      " starts at column ", first[cached], ", past the new column ", column);
+  }
+  if (qkv.scalar_type() == at::kFloat) {
+    attend(data<const float>(qkv), qkv.stride(0), data<const float>(cos), data<const float>(sin), data<float>(keys),
+           data<float>(values), first, row_of, rows, heads, kv_heads, dim, capacity, column, float(scaling),
+           data<float>(out));
+  } else {
+    attend(data<const uint16_t>(qkv), qkv.stride(0), data<const uint16_t>(cos), data<const uint16_t>(sin),
+           data<uint16_t>(keys), data<uint16_t>(values), first, row_of, rows, heads, kv_heads, dim, capacity, column,
+           float(scaling), data<uint16_t>(out));
+  }
+}
+
+void add_rms_norm_op(const at::Tensor& x, const std::optional<at::Tensor>& delta, const at::Tensor& weight, double eps,
+                     const at::Tensor& out) {
+  const Check check{"add_rms_norm"};
+  check.dims(x, "x", 2);
+  check.floating(x, "x");
+  check.contiguous(x, "x");
+  const long rows = x.size(0), hidden = x.size(1);
+  check.shape(weight, "weight", {hidden});
+  check.shape(out, "out", x.sizes());
+  for (const auto& [t, name] : {std::pair{&weight, "weight"}, std::pair{&out, "out"}}) {
+    check.floating(*t, name, &x, "x");
+    check.contiguous(*t, name);
+  }
+  if (delta) {
+    check.shape(*delta, "delta", x.sizes());
+    check.floating(*delta, "delta", &x, "x");
+    check.contiguous(*delta, "delta");
+  }
+  if (x.scalar_type() == at::kFloat) {
+    add_rms_norm(data<float>(x), delta ? data<const float>(*delta) : nullptr, data<const float>(weight), float(eps),
+                 data<float>(out), rows, hidden);
+  } else {
+    add_rms_norm(data<uint16_t>(x), delta ? data<const uint16_t>(*delta) : nullptr, data<const uint16_t>(weight),
+                 float(eps), data<uint16_t>(out), rows, hidden);
+  }
+}
+
+void silu_mul_op(const at::Tensor& gate_up, const at::Tensor& out) {
+  const Check check{"silu_mul"};
+  check.dims(out, "out", 2);
+  check.floating(out, "out");
+  check.contiguous(out, "out");
+  const long rows = out.size(0), inter = out.size(1);
+  check.shape(gate_up, "gate_up", {rows, 2 * inter});
+  check.floating(gate_up, "gate_up", &out, "out");
+  check.contiguous(gate_up, "gate_up");
+  if (out.scalar_type() == at::kFloat) {
+    silu_mul(data<const float>(gate_up), data<float>(out), rows, inter);
+  } else {
+    silu_mul(data<const uint16_t>(gate_up), data<uint16_t>(out), rows, inter);
+  }
+}
+
+void pack_linear_op(at::TensorList weights, const at::Tensor& packed) {
+  const Check check{"pack_linear"};
+  TORCH_CHECK_VALUE(!weights.empty(), "nexrl_kernels::pack_linear: no weights");
+  long total = 0;
+  for (const auto& w : weights) {
+    check.dims(w, "a weight", 2);
+    check.dtype(w, "a weight", at::kFloat);
+    check.contiguous(w, "a weight");
+    TORCH_CHECK_VALUE(w.size(1) == weights[0].size(1), "nexrl_kernels::pack_linear: weights of ", weights[0].size(1),
+                      " and ", w.size(1), " inputs: linears packed together share their input");
+    total += w.size(0);
+  }
+  const long k = weights[0].size(1);
+  check.dtype(packed, "packed", at::kFloat);
+  check.contiguous(packed, "packed");
+  TORCH_CHECK_VALUE(packed.numel() == packed_size(total, k), "nexrl_kernels::pack_linear: packed weight holds ",
+                    packed.numel(), " values, ", packed_size(total, k), " needed");
+  long column = 0;
+  for (const auto& w : weights) {
+    pack_linear(data<const float>(w), w.size(0), k, data<float>(packed), column, total);
+    column += w.size(0);
+  }
+}
+
+at::Tensor linear_op(const at::Tensor& x, const at::Tensor& packed, int64_t n, const std::optional<at::Tensor>& bias) {
+  const Check check{"linear"};
+  check.rows(x, "x");
+  check.dtype(x, "x", at::kFloat);
+  const long rows = x.size(0), k = x.size(1);
+  TORCH_CHECK_VALUE(n > 0, "nexrl_kernels::linear: n is ", n, ", expected output columns > 0");
+  check.dtype(packed, "packed", at::kFloat);
+  check.contiguous(packed, "packed");
+  TORCH_CHECK_VALUE(packed.numel() == packed_size(n, k), "nexrl_kernels::linear: packed weight holds ",
+                    packed.numel(), " values, ", packed_size(n, k), " for ", n, " outputs of ", k,
+                    " inputs (x has shape ", x.sizes(), ")");
+  if (bias) {
+    check.shape(*bias, "bias", {n});
+    check.dtype(*bias, "bias", at::kFloat);
+    check.contiguous(*bias, "bias");
+  }
+  at::Tensor y = at::empty({rows, n}, x.options());
+  linear(data<const float>(x), x.stride(0), rows, k, data<const float>(packed), n,
+         bias ? data<const float>(*bias) : nullptr, data<float>(y));
+  return y;
+}
+
 }  // namespace
 
-extern "C" {
-void attend_float32(const float* qkv, long stride, const float* cos, const float* sin, float* keys, float* values,
-                    const int64_t* starts, const int64_t* cache_rows, long rows, long heads, long kv_heads, long dim,
-                    long capacity, long column, float scaling, float* out) {
-  attend(qkv, stride, cos, sin, keys, values, starts, cache_rows, rows, heads, kv_heads, dim, capacity, column, scaling,
-         out);
+// Outputs written in place are marked mutated (!), so that torch knows what each call changes. The
+// kernels are registered for every backend (CompositeExplicitAutograd) so that a tensor on another
+// device meets the checks above, which name it, rather than the dispatcher's missing-kernel error.
+TORCH_LIBRARY(nexrl_kernels, m) {
+  m.def("attend(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) keys, Tensor(b!) values, Tensor starts, int column, "
+        "float scaling, Tensor(c!) out, Tensor? cache_rows=None) -> ()");
+  m.def("add_rms_norm(Tensor(a!) x, Tensor? delta, Tensor weight, float eps, Tensor(b!) out) -> ()");
+  m.def("silu_mul(Tensor gate_up, Tensor(a!) out) -> ()");
+  m.def("pack_linear(Tensor[] weights, Tensor(a!) packed) -> ()");
+  m.def("linear(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
 }
-void attend_bfloat16(const uint16_t* qkv, long stride, const uint16_t* cos, const uint16_t* sin, uint16_t* keys,
-                     uint16_t* values, const int64_t* starts, const int64_t* cache_rows, long rows, long heads,
-                     long kv_heads, long dim, long capacity, long column, float scaling, uint16_t* out) {
-  attend(qkv, stride, cos, sin, keys, values, starts, cache_rows, rows, heads, kv_heads, dim, capacity, column, scaling,
-         out);
-}
-void add_rms_norm_float32(float* x, const float* delta, const float* weight, float eps, float* out, long rows,
-                          long hidden) {
-  add_rms_norm(x, delta, weight, eps, out, rows, hidden);
-}
-void add_rms_norm_bfloat16(uint16_t* x, const uint16_t* delta, const uint16_t* weight, float eps, uint16_t* out,
-                           long rows, long hidden) {
-  add_rms_norm(x, delta, weight, eps, out, rows, hidden);
-}
-void silu_mul_float32(const float* gate_up, float* out, long rows, long inter) { silu_mul(gate_up, out, rows, inter); }
-void silu_mul_bfloat16(const uint16_t* gate_up, uint16_t* out, long rows, long inter) {
-  silu_mul(gate_up, out, rows, inter);
-}
-void linear_float32(const float* x, long ldx, long rows, long k, const float* packed, long n, const float* bias,
-                    float* y) {
-  linear(x, ldx, rows, k, packed, n, bias, y);
-}
-void pack_linear_float32(const float* w, long n, long k, float* packed, long column, long total) {
-  pack_linear(w, n, k, packed, column, total);
-}
+
+TORCH_LIBRARY_IMPL(nexrl_kernels, CompositeExplicitAutograd, m) {
+  m.impl("attend", &attend_op);
+  m.impl("add_rms_norm", &add_rms_norm_op);
+  m.impl("silu_mul", &silu_mul_op);
+  m.impl("pack_linear", &pack_linear_op);
+  m.impl("linear", &linear_op);
 }
