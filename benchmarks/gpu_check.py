@@ -39,7 +39,9 @@ with ``held`` or ``FAILED`` and the figures behind it) and written to ``OUT/gpu_
    quickstart's own reward here (0 for a random model): no update is skipped for it, so the work
    timed is the same.
 6. only when named in ``--only``: ``profile``, py-spy over a 3-step run at 32 x 8 x 256: the heaviest
-   frames of the trainer's and the engine's threads and the run's ``timing/*`` split per step.
+   frames of the trainer's and the engine's threads, every thread's samples (by name) and the
+   run's ``timing/*`` split per step. On a CPU: ``--device cpu --toy-model --only profile`` (the
+   smoke model's toy body at the real shapes; ``results/large_shape_profile_cpu.json``).
 
 The exit status is 1 when a claim failed or a step raised, 0 otherwise; every step runs either way.
 
@@ -445,10 +447,13 @@ def check_speed(model: str, tmp: str, device: str, shape: str, smoke: bool) -> d
         return json.load(f)
 
 
-def check_profile(model: str, tmp: str, device: str, smoke: bool) -> dict[str, Any]:
+def check_profile(model: str, tmp: str, device: str, smoke: bool, rate: int = 50) -> dict[str, Any]:
     """Where a nexrl step goes at the large shape: ``py-spy`` samples a 3-step bf16 run in a child
-    process (micro-batches of 32, as the speed step); the heaviest frames of the trainer's and the
-    engine's threads (inclusive and own samples) and the run's ``timing/*`` split per step."""
+    process (micro-batches of 32, as the speed step) ``rate`` times a second without pausing it
+    (paused at each sample, a run of 256 rollout-worker threads barely advanced on a busy 2-core
+    CPU); the heaviest frames of the trainer's and the engine's threads (inclusive and own samples),
+    and the other named threads' (the main thread, the rollout workers counted as one), and the
+    run's ``timing/*`` split per step. ``rate`` 0: the split alone, no sampler."""
     prompts, samples, tokens = SHAPES["large"] if not smoke else SMOKE_SHAPE
     run_dir, raw = os.path.join(tmp, "profile"), os.path.join(tmp, "profile.txt")
     overrides = [*on_device(device), *precision("bfloat16"), "+algorithm.rollout_correction.enabled=true",
@@ -460,28 +465,43 @@ def check_profile(model: str, tmp: str, device: str, smoke: bool) -> dict[str, A
                  *([] if smoke else [f"+service.train_service.micro_batch_size={MICRO_BATCH['large']}"])]
     child = [sys.executable, "-c", "import sys; from nexrl_core.cli import main; sys.exit(main(sys.argv[1:]))",
              *run_argv(run_dir, model, overrides)]
-    proc = subprocess.run(["py-spy", "record", "-r", "50", "-f", "raw", "-o", raw, "--threads", "--", *child],
-                          capture_output=True, text=True, timeout=900)
+    sampler = ["py-spy", "record", "--nonblocking", "-r", str(rate), "-f", "raw", "-o", raw, "--threads", "--"]
+    proc = subprocess.run([*(sampler if rate else []), *child], capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0:
         raise RuntimeError(f"py-spy / nexrl run exited {proc.returncode}: {(proc.stdout + proc.stderr)[-2000:]}")
-    inclusive: dict[str, Counter[str]] = defaultdict(Counter)
-    own: dict[str, Counter[str]] = defaultdict(Counter)
-    with open(raw) as f:
-        for line in f:
-            stack, _, count = line.rstrip("\n").rpartition(" ")
-            frames = stack.split(";")
-            thread = frames[0].split(": ", 1)[-1]
-            if thread in ("trainer", "hf-inference-engine"):
-                inclusive[thread].update(dict.fromkeys(frames[1:], int(count)))  # a recursive frame once
-                own[thread][frames[-1]] += int(count)
+    with open(raw if rate else os.devnull) as f:
+        by_thread, inclusive, own = sampled_frames(f)
 
     def top(counts: Counter[str], n: int) -> list[str]:
         return [f"{c} {frame}" for frame, c in counts.most_common(n)]
 
-    rows = train_rows(read_metrics(run_dir))[1:] or train_rows(read_metrics(run_dir))
+    every = train_rows(read_metrics(run_dir))
+    rows = every[1:] or every  # the first step pays the warm-up
     split = {key: sum(r[key] for r in rows) / len(rows) for key in rows[0] if key.startswith("timing/")}
-    return {"samples_per_s": 50, "timing_per_step": split,
-            **{thread: {"inclusive": top(inclusive[thread], 40), "own": top(own[thread], 20)} for thread in inclusive}}
+    by_step = [{key: v for key, v in r.items() if key.startswith("timing/") or key == "step"} for r in every]
+    return {"samples_per_s": rate, "timing_per_step": split, "timing_by_step": by_step,
+            "samples_by_thread": dict(by_thread.most_common(12)),
+            **{group: {"inclusive": top(inclusive[group], 40), "own": top(own[group], 20)}
+               for group, _ in by_thread.most_common() if group in inclusive}}
+
+
+def sampled_frames(lines: Any) -> tuple[Counter[str], dict[str, Counter[str]], dict[str, Counter[str]]]:
+    """py-spy's raw output (``thread (TID): NAME;frame;...;frame COUNT`` a line, ``--threads``) per
+    thread name, numbered ones (``rollout_worker_7``) counted as one: samples, and per named thread
+    each frame's inclusive and own samples."""
+    inclusive: dict[str, Counter[str]] = defaultdict(Counter)
+    own: dict[str, Counter[str]] = defaultdict(Counter)
+    by_thread: Counter[str] = Counter()
+    for line in lines:
+        stack, _, count = line.rstrip("\n").rpartition(" ")
+        frames = stack.split(";")
+        thread = frames[0].split(": ", 1)[-1]
+        group = thread.rstrip("0123456789").rstrip("-_ ") or thread
+        by_thread[group] += int(count)
+        if ": " in frames[0] and len(frames) > 1:  # a named thread with a Python frame
+            inclusive[group].update(dict.fromkeys(frames[1:], int(count)))  # a recursive frame once
+            own[group][frames[-1]] += int(count)
+    return by_thread, inclusive, own
 
 
 def run_tests(out: str) -> dict[str, Any]:
@@ -523,6 +543,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default="runs/gpu_check", help="where gpu_check.json goes")
     p.add_argument("--device", default="cuda", help="cuda (the check), or cpu with --smoke")
     p.add_argument("--smoke", action="store_true", help="toy sizes: check the script itself, not the GPU")
+    p.add_argument("--profile-rate", type=int, default=50,
+                   help="py-spy samples per second in the profile step (0: its timing/* split alone)")
+    p.add_argument("--toy-model", action="store_true",
+                   help="the smoke model's toy body at the real shapes (the large-shape profile on a CPU)")
     p.add_argument("--dry-run", action="store_true",
                    help=f"--device cpu --smoke over {' '.join(DRY_RUN_STEPS)} (unless --only names others); "
                         "the assets prepared in a temporary folder when --assets has none")
@@ -560,6 +584,7 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(args.out, exist_ok=True)
     started = time.perf_counter()
     report: dict[str, Any] = {"machine": machine(), "device": args.device, "smoke": args.smoke,
+                              "toy_model": args.toy_model,
                               "reward": args.reward, "steps": args.only}
     print(json.dumps(report["machine"]), flush=True)
     with tempfile.TemporaryDirectory(prefix="nexrl-gpu-check-") as tmp:
@@ -567,7 +592,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.dry_run and not Path(assets, "config.json").is_file():
             assets = os.path.join(tmp, "assets")
             prepare(assets)
-        model = random_model(assets, os.path.join(tmp, "model"), args.seed, args.smoke)
+        model = random_model(assets, os.path.join(tmp, "model"), args.seed, args.smoke or args.toy_model)
         reward = reward_overrides(tmp, args.reward)
         steps = {
             "on_policy": lambda: check_on_policy(model, os.path.join(tmp, "on_policy"), args.device, 2, reward),
@@ -576,7 +601,7 @@ def main(argv: list[str] | None = None) -> int:
             "tests": lambda: run_tests(args.out),
             "speed": lambda: {shape: check_speed(model, tmp, args.device, shape, args.smoke) for shape in
                               (args.shapes if not args.smoke else ["quickstart"])},
-            "profile": lambda: check_profile(model, tmp, args.device, args.smoke),
+            "profile": lambda: check_profile(model, tmp, args.device, args.smoke, args.profile_rate),
         }
         for name in args.only:
             step_started = time.perf_counter()

@@ -54,6 +54,7 @@ _REFERENCE = re.compile(r"\$\{([A-Za-z_][\w.]*)\}")  # ${a.b}: a key; ${oc.env:X
 _ENV = re.compile(r"\$\{oc\.env:([A-Za-z_]\w*)\}")  # an environment variable without a default
 # What NexRL's loader (OmegaConf's) reads as a number and PyYAML as a string: 1e-6, 2E5, 1.0e-8
 _EXPONENT = re.compile(r"^[-+]?(?:\d[\d_]*(?:\.\d*)?|\.\d+)[eE][-+]?\d+$")
+_NEXRL_ANSWER = "reward_model.ground_truth"  # where NexRL's single_turn_math read a row's answer
 
 
 @dataclass
@@ -384,11 +385,17 @@ def _derive(recipe: dict[str, Any], original: Mapping[str, Any], out: Migration,
     seed_type = get_key(original, "rollout_worker.type")
     agent = seed_type == "agent" and get_key(original, "rollout_worker.agent_cls") in (None, "single_turn_math")
     if (seed_type == "single_turn_math" or agent) and get_key(recipe, "rollout_worker.evaluator") is None:
-        name = "math_rule" if "math_rule" in ctx.pm.components("evaluator") else "numeric_answer"
-        _put(recipe, "rollout_worker.evaluator", {"type": name})
-        why = ("rollout_worker.agent_cls single_turn_math: it reads each row's answer (answer_key), where NexRL "
-               "read reward_model.ground_truth" if agent else "rollout_worker.type single_turn_math")
-        out.changes.append(Change("set", "rollout_worker.evaluator.type", name, why))
+        seed = "rollout_worker.agent_cls single_turn_math" if agent else "rollout_worker.type single_turn_math"
+        if "math_rule" in ctx.pm.components("evaluator"):
+            _put(recipe, "rollout_worker.evaluator", {"type": "math_rule", "answer_key": _NEXRL_ANSWER})
+            out.changes.append(Change("set", "rollout_worker.evaluator", f"math_rule, answer_key {_NEXRL_ANSWER}",
+                                      f"{seed}: the answer is read where NexRL read it, so the rows stay as "
+                                      f"they are"))
+        else:
+            _put(recipe, "rollout_worker.evaluator", {"type": "numeric_answer"})
+            out.changes.append(Change("set", "rollout_worker.evaluator.type", "numeric_answer",
+                                      f"{seed}; it reads a row's top-level 'answer': NexRL's rows keep it at "
+                                      f"{_NEXRL_ANSWER}, which math_rule reads (pip install nexrl-rewards)"))
     prompt_key = get_key(recipe, "data.prompt_key")
     worker = get_key(recipe, "rollout_worker.type") or "simple"
     if isinstance(prompt_key, str) and prompt_key != "prompt" and \

@@ -598,9 +598,10 @@ DERIVED = (
                                                     "where the train service names them"),
     ("service.reference_service", "{backend: hf, model_path} from NexRL's train service with role teacher "
                                   "(on-policy distillation: the teacher only scores the student's tokens)"),
-    ("rollout_worker.evaluator", "math_rule (or numeric_answer) for rollout_worker.type single_turn_math, and for "
-                                 "the agent worker with agent_cls single_turn_math; it reads each row's answer "
-                                 "(rollout_worker.evaluator.answer_key), where NexRL read reward_model.ground_truth"),
+    ("rollout_worker.evaluator", "for rollout_worker.type single_turn_math, and for the agent worker with "
+                                 "agent_cls single_turn_math: math_rule with answer_key reward_model.ground_truth, "
+                                 "where NexRL read each row's answer (the rows stay as they are); without "
+                                 "nexrl-rewards, numeric_answer, which reads a top-level answer"),
     ("rollout_worker.prompt_key", "data.prompt_key when it is not prompt and the worker reads one"),
 )
 

@@ -209,3 +209,20 @@ def test_a_resume_that_loses_the_optimizer_state_fails_the_resume_check(tmp_path
     # weights show the lost AdamW state.
     assert report["verdict"]["failed"] == ["resume: step 3's weights bit-equal after the resume"]
     assert report["resume"]["weights_max_abs_diff"] > 0
+
+
+def test_the_profile_reads_py_spys_raw_lines_per_thread(check):
+    """Lines as ``py-spy record -f raw --threads`` writes them (captured from py-spy 0.4 here)."""
+    raw = ["thread (29331): MainThread;<module> (run.py:6);work (run.py:4) 35\n",
+           "thread (29331): MainThread;<module> (run.py:6);work (run.py:5) 98\n",
+           "thread (29334): trainer;Thread.run (threading.py:982);update (t.py:9);work (t.py:5) 70\n",
+           "thread (29334): trainer;Thread.run (threading.py:982);update (t.py:9) 7\n",
+           "thread (29401): rollout_worker_0;Thread.run (threading.py:982);rollout (w.py:3) 4\n",
+           "thread (29417): rollout_worker_16;Thread.run (threading.py:982);rollout (w.py:3) 6\n",
+           "thread (29418);Thread.run (threading.py:982) 2\n",  # not named yet: counted, no frames
+           "thread (29331): MainThread 1\n"]
+    by_thread, inclusive, own = check.sampled_frames(raw)
+    assert by_thread == {"MainThread": 134, "trainer": 77, "rollout_worker": 10, "thread (29418)": 2}
+    assert inclusive["trainer"]["update (t.py:9)"] == 77 and own["trainer"]["update (t.py:9)"] == 7
+    assert own["trainer"]["work (t.py:5)"] == 70 and own["rollout_worker"]["rollout (w.py:3)"] == 10
+    assert inclusive["MainThread"]["<module> (run.py:6)"] == 133 and "thread (29418)" not in inclusive

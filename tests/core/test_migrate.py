@@ -122,6 +122,11 @@ def test_single_turn_math_is_the_simple_worker_with_a_math_evaluator(core_pm):
     # nexrl-rewards (math_rule) is not installed here: the core's numeric_answer
     assert recipe == {"rollout_worker": {"type": "simple", "num_workers": 2, "evaluator": {"type": "numeric_answer"}}}
     assert changes["rollout_worker.type: single_turn_math"].nexrl == "simple"
+    # numeric_answer cannot read NexRL's rows where they keep the answer: the line says what can
+    assert changes["rollout_worker.evaluator.type"].text() == (
+        "rollout_worker.evaluator.type -> numeric_answer (rollout_worker.type single_turn_math; it reads a row's "
+        "top-level 'answer': NexRL's rows keep it at reward_model.ground_truth, which math_rule reads (pip install "
+        "nexrl-rewards))")
     recipe, _, _ = _migrate({"rollout_worker": {"type": "single_turn_math", "evaluator": {"type": "exact_match"}}},
                             core_pm)
     assert recipe["rollout_worker"]["evaluator"] == {"type": "exact_match"}  # the recipe's own wins

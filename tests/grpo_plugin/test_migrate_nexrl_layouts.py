@@ -11,6 +11,7 @@ once that machine's environment variables, data files, model folders and keys ar
 
 from __future__ import annotations
 
+import json
 import os
 import textwrap
 from pathlib import Path
@@ -18,6 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from nexrl_core import BaseEvaluationTarget
 from nexrl_core.cli import main
 from nexrl_core.plugins import PluginManager
 
@@ -214,8 +216,17 @@ def _tinker(task: str, trainer: str, loss: str, script: str = "") -> dict:
 
 
 MATH_WORKER = {"agent_cls": "single_turn_math", "agent": {"math": {"judge_mode": "rule"}}}
-MATH_ROWS = {"math/train.jsonl": '{"prompt": [{"role": "user", "content": "2 + 3?"}], "answer": "5"}\n',
-             "math/test.jsonl": '{"prompt": [{"role": "user", "content": "4 + 4?"}], "answer": "8"}\n'}
+
+
+def _math_row(question: str, answer: str) -> str:
+    """A row of NexRL's (verl's) math data: the answer under reward_model.ground_truth."""
+    return json.dumps({"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": question}],
+                       "ability": "math", "reward_model": {"style": "rule", "ground_truth": answer},
+                       "extra_info": {"split": "train", "index": 0}}) + "\n"
+
+
+MATH_ROWS = {"math/train.jsonl": _math_row("2 + 3?", "5"), "math/test.jsonl": _math_row("4 + 4?", "8")}
+MATH_EVALUATOR = {"type": "math_rule", "answer_key": "reward_model.ground_truth"}  # where NexRL read the answer
 
 
 def _math(root: Path) -> None:
@@ -370,7 +381,7 @@ def _use_nexrl_imports(workspace: Path) -> None:
 
 # -- math ------------------------------------------------------------------------------------------------
 
-def test_math_self_hosted(cli, tmp_path, machine):
+def test_math_self_hosted(cli, pm, tmp_path, machine):
     """The agent worker with agent_cls single_turn_math, self_hosted_grpo on SGLang with the disk
     weight sync: the simple worker and math_rule, a vLLM server at the same URL with vllm_disk."""
     _math(tmp_path / "math")
@@ -379,7 +390,7 @@ def test_math_self_hosted(cli, tmp_path, machine):
     assert code == 0, err
     assert recipe["rollout_worker"] == {"type": "simple", "num_workers": 8,
                                         "sampling": {"temperature": 1.0, "max_tokens": 256},
-                                        "evaluator": {"type": "math_rule"}}
+                                        "evaluator": MATH_EVALUATOR}
     assert recipe["trajectory_pool"] == {"batch_size": 16, "check_batch_ready_function": "loaded_batch_finished",
                                          "group_size": 4, "key_list": ["uid"]}  # data.rollout_repeat_n
     assert recipe["trainer"] == {"total_train_steps": 12, "save_freq": 0, "type": "self_hosted_grpo",
@@ -410,9 +421,18 @@ def test_math_self_hosted(cli, tmp_path, machine):
     assert "data.path: '$NEXRL_DATA_PATH/math/train.jsonl': data file not found" in machine_lines
     assert any(line.startswith(f"service.train_service.model_path: '$NEXRL_MODEL_PATH/{MODEL}' is not a model folder")
                for line in machine_lines)
+    assert "rollout_worker.evaluator -> math_rule, answer_key reward_model.ground_truth (rollout_worker.agent_cls " \
+           "single_turn_math: the answer is read where NexRL read it, so the rows stay as they are)" in \
+        _section(err, "set from the rest of the recipe")
     machine(MATH_ROWS)  # the machine that runs it: now it passes whole
     code, _, err = cli("validate", str(out))
     assert code == 0, err
+    # NexRL's rows, unchanged, score by their own answer through the migrated evaluator
+    options = {k: v for k, v in recipe["rollout_worker"]["evaluator"].items() if k != "type"}
+    evaluator = pm.components("evaluator")["math_rule"].cls(**options)
+    row = {"uid": "0:0", **json.loads(MATH_ROWS["math/train.jsonl"])}
+    assert evaluator.evaluate(row, BaseEvaluationTarget("2 + 3 = \\boxed{5}")).reward == 1.0
+    assert evaluator.evaluate(row, BaseEvaluationTarget("2 + 3 = \\boxed{6}")).reward == 0.0
 
 
 def test_math_tinker(cli, tmp_path, machine, tiny_model_dir):
@@ -752,7 +772,7 @@ def test_on_policy_distillation(cli, pm, tmp_path, machine):
     assert recipe["weight"]["backend"] == "vllm_disk"
     assert recipe["rollout_worker"] == {"type": "simple", "num_workers": 8,
                                         "sampling": {"temperature": 0.8, "max_tokens": 512},
-                                        "evaluator": {"type": "math_rule"}}
+                                        "evaluator": MATH_EVALUATOR}
     assert any(line.startswith("weight.sync_method: network -> weight.backend: vllm_disk (NexRL's network sync "
                                "needs its internal north_checkpoint package") for line in _section(err, "carried over"))
     machine({"opd/train.jsonl": MATH_ROWS["math/train.jsonl"], "opd/test.jsonl": MATH_ROWS["math/test.jsonl"]},

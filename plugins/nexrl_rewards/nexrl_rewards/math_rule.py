@@ -14,6 +14,7 @@ from nexrl_core import BaseEvaluationTarget, ConfigError, EvaluationRunResult, E
 
 from .extract import EXTRACTORS, as_math, extract_answer
 from .options import KEY, number, whole
+from .rows import field_at, missing_field
 from .verify_pool import shared_pool
 
 # Why a reply scored 0 (extra_info["reason"]); None when it is correct.
@@ -26,7 +27,8 @@ TIMEOUT = "timeout"
 class MathRuleEvaluator(Evaluator):
     """Rule-based math reward through math-verify.
 
-    reward = 1 (answer equals ``data[answer_key]``) + ``format_reward`` when the reply matches
+    reward = 1 (answer equals the row's ``answer_key``: a key, or a dotted path such as verl's
+    ``reward_model.ground_truth``) + ``format_reward`` when the reply matches
     ``format_pattern``. Metrics (every sample reports all of them): ``accuracy``,
     ``answer_found``, ``format_ok``. ``extra_info``: ``reason`` (None, ``no_answer``,
     ``parse_failure``, ``not_equivalent`` or ``timeout``), ``extracted``, ``extracted_by``,
@@ -52,7 +54,8 @@ class MathRuleEvaluator(Evaluator):
                  verify_memory_mb: int = 2048):
         """How the answer is found and compared (see docs/rewards.md).
 
-        :param answer_key: data field that holds the ground truth
+        :param answer_key: data field that holds the ground truth; a dotted path reads a nested field
+            (reward_model.ground_truth: verl's and NexRL's math rows)
         :param extract_order: extractors tried in order, the first that finds an answer wins: boxed, final_answer,
             last_number
         :param format_reward: added to the reward when the reply matches format_pattern
@@ -77,11 +80,11 @@ class MathRuleEvaluator(Evaluator):
         self.verify_memory_mb = whole(verify_memory_mb, "verify_memory_mb", low=256)
 
     def evaluate(self, data: dict[str, Any], evaluation_target: BaseEvaluationTarget) -> EvaluationRunResult:
-        if data.get(self.answer_key) in (None, ""):
+        truth_value = field_at(data, self.answer_key)
+        if truth_value in (None, ""):
             # A data problem, not the model's: the sample fails instead of scoring a silent 0.
-            raise ValueError(f"data item {data.get('uid')!r} has no '{self.answer_key}' "
-                             f"(rollout_worker.evaluator.answer_key)")
-        truth = str(data[self.answer_key])
+            raise missing_field(data, self.answer_key, f"{KEY}.answer_key")
+        truth = str(truth_value)
         reply = evaluation_target.final_answer
         format_ok = self._format.search(reply) is not None
         extracted, extracted_by = extract_answer(reply, self.extract_order)
