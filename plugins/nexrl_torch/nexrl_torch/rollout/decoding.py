@@ -5,8 +5,11 @@ Two implementations of one interface:
 - :class:`HFSession` drives any transformers causal LM through its own forward and
   ``DynamicCache``.
 - :class:`FastLlamaSession` runs Llama-family models (``llama``, ``qwen2``, ``qwen3`` with its
-  per-head q/k norms, ``mistral``; none with sliding windows) with its own loop over the model's weights: q/k/v and gate/up fused into one matmul
-  each, a preallocated KV buffer written in place, and — on CPU — weights prepacked: for the
+  per-head q/k norms, ``mistral``), Gemma 3 text (``gemma3_text``: (1 + w) norms, a norm after
+  each block's output, scaled embeddings, sliding-window layers with their own rotary base,
+  soft-capped logits) and Qwen3-MoE (``qwen3_moe``: top-k experts per token, see
+  :class:`_Experts`) with its own loop over the model's weights: q/k/v and gate/up fused into one
+  matmul each, a preallocated KV buffer written in place, and — on CPU — weights prepacked: for the
   compiled kernels' few-row matmul in float32, else for oneDNN. On this kind of machine MKL's fp32
   GEMM runs at a third of oneDNN's speed for the few-row matmuls of decoding (16 x 576 x 49152:
   22 ms vs 7.7 ms), and the compiled matmul all of a SmolLM2 decode step's linears at 16 rows in
@@ -21,10 +24,14 @@ Measured on CPU with oneDNN, one or two threads: a prepacked matmul gives each r
 for any row count M >= 2 (M = 1 takes another kernel for some shapes, so a lone row is doubled).
 A row's attention result changes with the masked key columns around its own (left padding, a
 longer neighbour), so attention runs once per group of rows that share their first key column,
-over exactly their own keys, with no mask. Decode steps attend through :func:`decode_attention`
-(two matmuls): with two threads torch's CPU ``scaled_dot_product_attention`` gave a row other bits
-beside a different number of rows; the prefill's causal SDPA did not (SmolLM2, 220 cases). (MKL's
-``F.linear`` picks kernels by M: 1, 2-15, 16+; the transformers forward is not batch-invariant.)
+over exactly their own keys, with no mask (a sliding-window layer's decode step over the last
+``window`` of them; its prefill, when the window is shorter than the run, with a band mask).
+Decode steps attend through :func:`decode_attention` (two matmuls): with two threads torch's CPU
+``scaled_dot_product_attention`` gave a row other bits beside a different number of rows; the
+prefill's causal SDPA did not (SmolLM2, 220 cases). (MKL's ``F.linear`` picks kernels by M: 1,
+2-15, 16+; the transformers forward is not batch-invariant.) The experts of a sparse block each
+run one prepacked matmul over the tokens routed to them, so a token's bits do not depend on how
+many others share its experts either.
 With the compiled CPU kernels (:mod:`nexrl_torch_kernels`, the default where they build) a
 decode step's work between its matmuls is one C++ call per stage, each row computed by one thread
 in its own fixed order, and a float32 matmul gives each output one multiply-add chain over its
@@ -61,9 +68,13 @@ except ImportError:
 KERNELS_MISSING = "not installed (pip install nexrl-torch-kernels)"
 KERNEL_PROBLEMS_SAID: set[str] = set()
 
-FAST_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
-# Per-head RMS norms of the queries and keys before the rotary embedding (Qwen3): the torch-op
-# paths apply them; the compiled kernels do not (they rotate inside their attention call).
+FAST_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "qwen3_moe")
+# What the compiled kernels compute: Llama-shaped layers (no extra norms, no experts, no window).
+KERNEL_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+# RMS norms that scale by (1 + weight), in float32 before the cast back (Gemma 3).
+UNIT_OFFSET_NORM_TYPES = ("gemma3_text",)
+# Per-head RMS norms of the queries and keys before the rotary embedding (Qwen3, Gemma 3): the
+# torch-op paths apply them; the compiled kernels do not (they rotate inside their attention call).
 HEAD_NORMS = ("q_norm", "k_norm")
 SELF_CHECK_TOLERANCE = 1e-3  # max |logit difference| against the HF forward, relative to the logits' scale
 # In bf16 two correct implementations differ by a few units in the last place of the logits (0.6 of
@@ -88,7 +99,7 @@ class HFSession:
 
         self.model = model
         self.cache = DynamicCache(config=model.config)
-        self.attention_mask: torch.Tensor | None = None
+        self.attention_mask = torch.empty(0, 0, dtype=torch.long)  # the prefill's, from then on
 
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
                 capacity: int | None = None) -> torch.Tensor:
@@ -129,8 +140,8 @@ def config_fast_path_problem(model_path: str | None, gguf_file: str | None = Non
     model_type = config.get("model_type")
     if model_type not in FAST_MODEL_TYPES:
         return f"model_type {model_type!r} is not on the fast decoding path ({', '.join(FAST_MODEL_TYPES)})"
-    if config.get("sliding_window") and config.get("use_sliding_window", True):
-        return f"sliding-window attention (window {config['sliding_window']}) is not on the fast decoding path"
+    if config.get("use_bidirectional_attention"):
+        return "bidirectional attention (use_bidirectional_attention) is not on the fast decoding path"
     return None
 
 
@@ -140,6 +151,8 @@ def fast_path_problem(model: torch.nn.Module) -> str | None:
     model_type = getattr(config, "model_type", None)
     if model_type not in FAST_MODEL_TYPES:
         return f"model_type {model_type!r} (fast path: {', '.join(FAST_MODEL_TYPES)})"
+    if getattr(config, "use_bidirectional_attention", False):
+        return "bidirectional attention"
     inner = getattr(model, "model", None)
     needed = ("embed_tokens", "layers", "norm", "rotary_emb")
     if inner is None or not all(hasattr(inner, n) for n in needed) or not hasattr(model, "lm_head"):
@@ -149,9 +162,9 @@ def fast_path_problem(model: torch.nn.Module) -> str | None:
         if attn is None or mlp is None or not all(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")):
             return "unexpected attention layout"
         if not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn")):
-            return "unexpected MLP layout"
-        if getattr(attn, "sliding_window", None):
-            return "sliding-window attention"
+            problem = _experts_problem(mlp)
+            if problem is not None:
+                return f"unexpected MLP layout: {problem}"
         extra = {n for n, _ in attn.named_children()} - {"q_proj", "k_proj", "v_proj", "o_proj", *HEAD_NORMS}
         if extra:
             return f"attention has extra modules {sorted(extra)}"
@@ -159,11 +172,39 @@ def fast_path_problem(model: torch.nn.Module) -> str | None:
         if norms and (len(norms) != 2 or any(getattr(getattr(attn, n), "weight", None) is None or
                                              getattr(attn, n).weight.numel() != attn.head_dim for n in norms)):
             return "q/k norms that are not per-head RMS norms"
+        window = _sliding_window(model, attn)
+        if window is not None and (not isinstance(window, int) or window < 1):
+            return f"sliding window {window!r}"
     if getattr(config, "pretraining_tp", 1) not in (None, 1):
         return "pretraining_tp > 1"
     if any(p.is_meta for p in model.parameters()):
         return "meta tensors"
     return None
+
+
+def _experts_problem(mlp: torch.nn.Module) -> str | None:
+    """Why ``mlp`` is not a sparse block this path runs (Qwen3-MoE's: a softmax router over the
+    experts, the top k of them per token, each a gated MLP stored as ``[experts, ...]`` tensors)."""
+    experts, router = getattr(mlp, "experts", None), getattr(mlp, "gate", None)
+    if experts is None or router is None:
+        return "neither a gated MLP nor a sparse block of experts"
+    if not all(hasattr(experts, n) for n in ("gate_up_proj", "down_proj", "act_fn")) or \
+            not all(hasattr(router, n) for n in ("weight", "top_k", "norm_topk_prob")):
+        return "experts without gate_up_proj/down_proj or a router without top_k"
+    if getattr(experts, "has_bias", False) or getattr(experts, "is_transposed", False) or \
+            not getattr(experts, "is_concatenated", True) or not getattr(experts, "has_gate", True):
+        return "experts stored transposed, interleaved, without a gate or with biases"
+    if set(n for n, _ in mlp.named_children()) - {"experts", "gate"}:
+        return "a sparse block with shared experts"
+    return None
+
+
+def _sliding_window(model: torch.nn.Module, attn: torch.nn.Module) -> int | None:
+    """The keys a query of this attention layer sees (itself and the ones before it), None for all.
+    Layers that say it themselves (Gemma 3, Qwen2/3 ``layer_types``), else the config's (Mistral)."""
+    if hasattr(attn, "sliding_window"):
+        return attn.sliding_window
+    return getattr(model.config, "sliding_window", None)
 
 
 class _Linear:
@@ -189,7 +230,7 @@ class _Linear:
     def refresh(self, weights: list[torch.Tensor], bias: torch.Tensor | None) -> None:
         """New values, at the same addresses where the layout allows it (what a captured CUDA graph reads)."""
         if self.out_features != sum(w.shape[0] for w in weights) or (self.bias is None) != (bias is None):
-            self.__init__(weights, bias, self.rows_hint, self.kernels)
+            _Linear.__init__(self, weights, bias, self.rows_hint, self.kernels)
             return
         if self.kernels is not None:
             self.kernels.pack_linear(weights, self.weight)
@@ -201,7 +242,7 @@ class _Linear:
                 if self.weight[row:].data_ptr() != w.data_ptr():
                     self.weight[row:row + w.shape[0]].copy_(w)
                 row += w.shape[0]
-        if bias is not None and self.bias.data_ptr() != bias.data_ptr():
+        if bias is not None and self.bias is not None and self.bias.data_ptr() != bias.data_ptr():
             self.bias.copy_(bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -233,46 +274,156 @@ def _cat_bias(*linears: torch.nn.Linear) -> torch.Tensor | None:
     return torch.cat([lin.bias if lin.bias is not None else lin.weight.new_zeros(lin.out_features) for lin in linears])
 
 
+def _norm(module: torch.nn.Module, unit_offset: bool, before: tuple | None = None) -> tuple:
+    """An RMS norm module as the arguments :func:`_rms_norm` takes after ``x``: its weight (aliased,
+    so in-place updates show; Gemma's ``1 + weight`` in float32, a copy, refreshed in ``before``'s
+    buffer when given: a captured CUDA graph reads that address), its epsilon, and whether the
+    weight scales in float32 before the cast back."""
+    eps = module.variance_epsilon if hasattr(module, "variance_epsilon") else module.eps
+    if not unit_offset:
+        return (module.weight.detach(), eps)
+    scale = 1.0 + module.weight.detach().float()
+    if before is not None and before[0].shape == scale.shape:
+        before[0].copy_(scale)
+        return (before[0], eps, True)
+    return (scale, eps, True)
+
+
 class _Layer:
-    def __init__(self, layer: torch.nn.Module, rows_hint: int, kernels: DecodeKernels | None = None):
+    """One decoder layer's packed weights and the maths around its attention (which the sessions
+    run, over their caches): the residual adds, norms and feed-forward of Llama-shaped layers, of
+    Gemma 3's (a norm after attention and after the MLP, (1 + w) norms) and of Qwen3-MoE's sparse
+    blocks."""
+
+    def __init__(self, model: torch.nn.Module, layer: torch.nn.Module, rows_hint: int,
+                 kernels: DecodeKernels | None = None):
         attn, mlp = layer.self_attn, layer.mlp
         self.q_size, self.kv_size = attn.q_proj.out_features, attn.k_proj.out_features
         self.head_dim = attn.head_dim
+        # Gemma 3: query_pre_attn_scalar ** -0.5. Its attn_logit_softcapping is not applied by
+        # transformers' Gemma 3 attention, nor here (the self-check compares the two).
         self.scaling = attn.scaling
-        self.intermediate = mlp.gate_proj.out_features
-        self.act = mlp.act_fn
-        linears = self._linears(layer)
-        self.qkv, self.o, self.gate_up, self.down = (
-            _Linear([lin.weight for lin in group], _cat_bias(*group), rows_hint, kernels) for group in linears)
+        self.window = _sliding_window(model, attn)
+        # Gemma 3 rotates sliding and full layers with their own base: one rotation per layer type.
+        self.rope = getattr(attn, "layer_type", None) if hasattr(model.model.rotary_emb, "layer_types") else None
+        self.unit_offset = model.config.model_type in UNIT_OFFSET_NORM_TYPES
+        self.experts = _Experts(mlp, rows_hint) if hasattr(mlp, "experts") else None
+        self.intermediate = 0 if self.experts is not None else mlp.gate_proj.out_features
+        self.act: Any = None if self.experts is not None else mlp.act_fn
+
+        def fused(group: tuple[torch.nn.Linear, ...]) -> _Linear:
+            return _Linear([lin.weight for lin in group], _cat_bias(*group), rows_hint, kernels)
+
+        qkv, o, gate_up, down = self._linears(layer)
+        assert qkv is not None and o is not None
+        self.qkv, self.o = fused(qkv), fused(o)
+        self.gate_up: _Linear | None = None if gate_up is None else fused(gate_up)
+        self.down: _Linear | None = None if down is None else fused(down)
         self._alias_norms(layer)
 
     @staticmethod
-    def _linears(layer: torch.nn.Module) -> tuple[tuple[torch.nn.Linear, ...], ...]:
+    def _linears(layer: torch.nn.Module) -> tuple[tuple[torch.nn.Linear, ...] | None, ...]:
         attn, mlp = layer.self_attn, layer.mlp
-        return ((attn.q_proj, attn.k_proj, attn.v_proj), (attn.o_proj,), (mlp.gate_proj, mlp.up_proj),
-                (mlp.down_proj,))
+        dense = not hasattr(mlp, "experts")
+        return ((attn.q_proj, attn.k_proj, attn.v_proj), (attn.o_proj,),
+                (mlp.gate_proj, mlp.up_proj) if dense else None, (mlp.down_proj,) if dense else None)
 
     def _alias_norms(self, layer: torch.nn.Module) -> None:
-        self.norm_in = (layer.input_layernorm.weight.detach(), layer.input_layernorm.variance_epsilon)
-        self.norm_post = (layer.post_attention_layernorm.weight.detach(), layer.post_attention_layernorm.variance_epsilon)
-        attn = layer.self_attn
-        self.q_norm, self.k_norm = ((attn.q_norm.weight.detach(), attn.q_norm.variance_epsilon),
-                                    (attn.k_norm.weight.detach(), attn.k_norm.variance_epsilon)) \
-            if hasattr(attn, "q_norm") else (None, None)
+        attn, before = layer.self_attn, dict(vars(self))
+
+        def norm(module: torch.nn.Module | None, name: str) -> Any:
+            return None if module is None else _norm(module, self.unit_offset, before.get(name))
+
+        gemma = hasattr(layer, "pre_feedforward_layernorm")  # Gemma 3: norms around both blocks' outputs
+        self.norm_in = norm(layer.input_layernorm, "norm_in")
+        self.q_norm, self.k_norm = norm(getattr(attn, "q_norm", None), "q_norm"), norm(getattr(attn, "k_norm", None), "k_norm")
+        self.norm_attention_out = norm(layer.post_attention_layernorm if gemma else None, "norm_attention_out")
+        self.norm_post = norm(layer.pre_feedforward_layernorm if gemma else layer.post_attention_layernorm, "norm_post")
+        self.norm_mlp_out = norm(layer.post_feedforward_layernorm if gemma else None, "norm_mlp_out")
 
     def heads(self, q: torch.Tensor, k: torch.Tensor, rows: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Queries and keys ``[rows, width, heads * head_dim]`` as ``[rows, heads, width, head_dim]``,
-        each head RMS-normed where the model does it (Qwen3), before the rotary embedding."""
+        each head RMS-normed where the model does it (Qwen3, Gemma 3), before the rotary embedding."""
         q, k = q.view(rows, width, -1, self.head_dim), k.view(rows, width, -1, self.head_dim)
         if self.q_norm is not None:
             q, k = _rms_norm(q, *self.q_norm), _rms_norm(k, *self.k_norm)
         return q.transpose(1, 2), k.transpose(1, 2)
 
+    def add_attention(self, x: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
+        """The residual stream after the attention block (``attention``: heads side by side)."""
+        out = self.o(attention)
+        if self.norm_attention_out is not None:
+            out = _rms_norm(out, *self.norm_attention_out)
+        return x + out
+
+    def add_feed_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The residual stream after the feed-forward block."""
+        h = _rms_norm(x, *self.norm_post)
+        if self.experts is not None:
+            out = self.experts(h)
+        else:
+            assert self.gate_up is not None and self.down is not None  # a dense layer's
+            gate, up = self.gate_up(h).split((self.intermediate, self.intermediate), dim=-1)
+            out = self.down(self.act(gate) * up)
+        if self.norm_mlp_out is not None:
+            out = _rms_norm(out, *self.norm_mlp_out)
+        return x + out
+
     def refresh(self, layer: torch.nn.Module) -> None:
         """The layer's current weights into the fused matrices, in place where the layout allows it."""
         for fused, group in zip((self.qkv, self.o, self.gate_up, self.down), self._linears(layer)):
-            fused.refresh([lin.weight for lin in group], _cat_bias(*group))
+            if fused is not None and group is not None:
+                fused.refresh([lin.weight for lin in group], _cat_bias(*group))
+        if self.experts is not None:
+            self.experts.refresh(layer.mlp)
         self._alias_norms(layer)
+
+
+class _Experts:
+    """A sparse block (Qwen3-MoE): a softmax router picks each token's top-k experts (their weights
+    renormalised to sum to 1 with ``norm_topk_prob``); each expert, a gated MLP, runs once over the
+    tokens routed to it, and a token sums its experts' outputs, weighted, in expert order (as
+    transformers does). Batch-invariant as the dense layers are: an expert's matmul gives a token
+    the same bits whatever other tokens share it (the router's and experts' weights are prepacked
+    :class:`_Linear` ones: any M >= 2 the same, one token doubled), and a token's sum never
+    involves another's."""
+
+    def __init__(self, block: torch.nn.Module, rows_hint: int):
+        self.top_k, self.normalize = block.gate.top_k, block.gate.norm_topk_prob
+        self.act = block.experts.act_fn
+        self.intermediate = block.experts.gate_up_proj.shape[1] // 2
+        self.router = _Linear([block.gate.weight], None, rows_hint)
+        self.gate_up = [_Linear([w], None, rows_hint) for w in block.experts.gate_up_proj]
+        self.down = [_Linear([w], None, rows_hint) for w in block.experts.down_proj]
+
+    def refresh(self, block: torch.nn.Module) -> None:
+        self.router.refresh([block.gate.weight], None)
+        for fused, w in zip(self.gate_up, block.experts.gate_up_proj):
+            fused.refresh([w], None)
+        for fused, w in zip(self.down, block.experts.down_proj):
+            fused.refresh([w], None)
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        flat = h.reshape(-1, h.shape[-1])
+        probs = torch.softmax(self.router(flat), dim=-1, dtype=torch.float32)
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
+        if self.normalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(flat.dtype)
+        # Group the (token, slot) picks by expert: a stable sort keeps each expert's tokens in order.
+        order = chosen.flatten().argsort(stable=True)
+        counts = torch.bincount(chosen.flatten(), minlength=len(self.gate_up)).tolist()
+        tokens, picked = order // self.top_k, weights.flatten()[order]
+        out = torch.zeros_like(flat)
+        first = 0
+        for expert, count in enumerate(counts):
+            if count:
+                rows = tokens[first:first + count]
+                gate, up = self.gate_up[expert](flat[rows]).split((self.intermediate, self.intermediate), dim=-1)
+                y = self.down[expert](self.act(gate) * up) * picked[first:first + count, None]
+                out.index_add_(0, rows, y)
+                first += count
+        return out.view(h.shape)
 
 
 def kernel_problem(model: torch.nn.Module) -> str | None:
@@ -286,7 +437,12 @@ def kernel_problem(model: torch.nn.Module) -> str | None:
     dtypes = nexrl_torch_kernels.DTYPES
     if parameter.dtype not in dtypes:
         return f"dtype {parameter.dtype} (kernels: {', '.join(dtypes.values())})"
+    model_type = model.config.model_type
+    if model_type not in KERNEL_MODEL_TYPES:
+        return f"model_type {model_type!r}: the kernels compute Llama-shaped layers ({', '.join(KERNEL_MODEL_TYPES)})"
     inner = model.model
+    if any(_sliding_window(model, layer.self_attn) is not None for layer in inner.layers):
+        return "sliding-window attention: the kernels' attention call sees every key of a row"
     if hasattr(inner.layers[0].self_attn, "q_norm"):
         return "per-head q/k norms (Qwen3): the kernels' attention call rotates without them"
     probe = torch.linspace(-8, 8, 33)
@@ -301,7 +457,7 @@ def kernel_problem(model: torch.nn.Module) -> str | None:
 
 
 class FastLlama:
-    """Packed weights of one Llama-family model; hands out :class:`FastLlamaSession` objects.
+    """Packed weights of one model of :data:`FAST_MODEL_TYPES`; hands out :class:`FastLlamaSession` objects.
     ``kernels``: decode steps through the compiled CPU kernels (:mod:`nexrl_torch_kernels`)
     instead of torch ops; the self-check turns them off, with a warning, if they disagree."""
 
@@ -314,7 +470,7 @@ class FastLlama:
         self.kernels = kernels
         self.enabled = True
         self._packed_versions: tuple[int, ...] | None = None
-        self.layers: list[_Layer] | None = None  # packed on first use
+        self.layers: list[_Layer] = []  # packed on first use
         self._checked = False
         self.batch_invariant = False  # set by the self-check on first use
 
@@ -331,13 +487,16 @@ class FastLlama:
         if versions is not None and versions == self._packed_versions:
             return
         inner, head = self.model.model, self.model.lm_head
-        self.embed = inner.embed_tokens
+        self.embed = inner.embed_tokens  # Gemma's scales its output: called as the model does
+        self.dtype = head.weight.dtype
         self.rotary = inner.rotary_emb
-        self.final_norm = (inner.norm.weight.detach(), inner.norm.variance_epsilon)
+        self.final_norm = _norm(inner.norm, self.model.config.model_type in UNIT_OFFSET_NORM_TYPES,
+                                getattr(self, "final_norm", None))
+        self.softcap = getattr(self.model.config, "final_logit_softcapping", None)
         head_bias = None if head.bias is None else head.bias.detach()
-        if self.layers is None:
+        if not self.layers:
             kernels = self.kernels
-            self.layers = [_Layer(layer, self.rows_hint, kernels) for layer in inner.layers]
+            self.layers = [_Layer(self.model, layer, self.rows_hint, kernels) for layer in inner.layers]
             self.lm_head = _Linear([head.weight], head_bias, self.rows_hint, kernels)
             first = self.layers[0]
             self.num_kv_heads = first.kv_size // first.head_dim
@@ -346,6 +505,22 @@ class FastLlama:
                 fast.refresh(layer)
             self.lm_head.refresh([head.weight], head_bias)
         self._packed_versions = versions
+
+    def rotations(self, x: torch.Tensor, positions: torch.Tensor) -> dict[str | None, tuple[torch.Tensor, torch.Tensor]]:
+        """cos and sin ``[rows, 1, T, head_dim]`` at ``positions`` ``[rows, T]``, per layer type that
+        has its own rotary base (Gemma 3: sliding and full layers), else under None."""
+        out = {}
+        for kind in dict.fromkeys(layer.rope for layer in self.layers):
+            cos, sin = self.rotary(x, positions) if kind is None else self.rotary(x, positions, kind)
+            out[kind] = cos.unsqueeze(1), sin.unsqueeze(1)
+        return out
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The head over the last hidden states ``x``: final norm, then (Gemma) tanh soft-capping."""
+        logits = self.lm_head(_rms_norm(x, *self.final_norm))
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
 
     def session(self, tokens: int | None = None) -> "FastLlamaSession | HFSession":
         """A session for one batch: the fast one, or the HF one if the self-check failed. ``tokens``:
@@ -374,7 +549,7 @@ class FastLlama:
     def refresh(self) -> None:
         """Repack the weights the model holds now (after an in-flight update), in the buffers the
         running session reads."""
-        if self.enabled and self.layers is not None:
+        if self.enabled and self.layers:
             self._pack_if_stale()
 
     @torch.inference_mode()
@@ -421,7 +596,7 @@ class FastLlama:
                 self.enabled = False
                 logger.warning(f"fast decoding path {message}; using the transformers forward")
                 return
-            self.kernels, self.layers, self._packed_versions = None, None, None  # repack for oneDNN
+            self.kernels, self.layers, self._packed_versions = None, [], None  # repack for oneDNN
             self._pack_if_stale()
             logger.warning(f"fast decoding path with the compiled CPU kernels {message}; decoding with torch ops")
         alone = fast[1] if 1 in fast else decode(self._fast_session(), batch(1))
@@ -446,8 +621,8 @@ class FastLlamaSession:
 
     def __init__(self, owner: FastLlama):
         self.o = owner
-        self.keys: torch.Tensor | None = None
-        self.values: torch.Tensor | None = None
+        self.keys = torch.empty(0)  # [layers, rows, kv_heads, capacity, head_dim] from the prefill on
+        self.values = torch.empty(0)
         self.starts: list[int] = []  # per buffer row: the column of its first real token
         self.live: torch.Tensor | None = None  # buffer rows the caller's rows map to (None: all, in order)
         self.length = 0
@@ -482,10 +657,9 @@ class FastLlamaSession:
 
     def _allocate(self, rows: int, capacity: int, device: torch.device) -> None:
         o = self.o
-        dtype = o.layers[0].norm_in[0].dtype
         shape = (len(o.layers), rows, o.num_kv_heads, capacity, o.layers[0].head_dim)
-        self.keys = torch.empty(shape, dtype=dtype, device=device)
-        self.values = torch.empty(shape, dtype=dtype, device=device)
+        self.keys = torch.empty(shape, dtype=o.dtype, device=device)
+        self.values = torch.empty(shape, dtype=o.dtype, device=device)
 
     def _gather(self, live: torch.Tensor) -> None:
         """Copy the filled columns of buffer rows ``live`` into a fresh buffer."""
@@ -523,23 +697,19 @@ class FastLlamaSession:
         start, end = self.length, self.length + width
         runs = self._runs()
         x = o.embed(input_ids)
-        cos, sin = o.rotary(x, position_ids)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        rotations = o.rotations(x, position_ids)
         for i, layer in enumerate(o.layers):
             h = _rms_norm(x, *layer.norm_in)
             q, k, v = layer.qkv(h).split((layer.q_size, layer.kv_size, layer.kv_size), dim=-1)
             q, k = layer.heads(q, k, rows, width)
+            cos, sin = rotations[layer.rope]
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
             self.keys[i, :, :, start:end] = k
             self.values[i, :, :, start:end] = v.view(rows, width, -1, layer.head_dim).transpose(1, 2)
-            attn = self._attend(i, q, runs, end, layer.scaling)
-            x = x + layer.o(attn.transpose(1, 2).reshape(rows, width, -1))
-            h = _rms_norm(x, *layer.norm_post)
-            gate, up = layer.gate_up(h).split((layer.intermediate, layer.intermediate), dim=-1)
-            x = x + layer.down(layer.act(gate) * up)
+            attn = self._attend(i, q, runs, end, layer.scaling, layer.window)
+            x = layer.add_feed_forward(layer.add_attention(x, attn.transpose(1, 2).reshape(rows, width, -1)))
         self.length = end
-        last = x[:, -1] if out_rows is None else x[out_rows, -1]
-        return o.lm_head(_rms_norm(last, *o.final_norm))
+        return o.logits(x[:, -1] if out_rows is None else x[out_rows, -1])
 
     def _kernel_step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """A decode step of the live rows only (``tokens``/``positions`` ``[rows]``, in the caller's
@@ -547,6 +717,7 @@ class FastLlamaSession:
         cache write; residual add with the next norm; SiLU times up). Finished rows still in the
         buffer cost nothing: the few-row matmul's time grows with its rows."""
         o, kernels = self.o, self.o.kernels
+        assert kernels is not None  # step() comes here only with them
         rows, column = tokens.shape[0], self.length
         x = o.embed(tokens)
         cos, sin = o.rotary(x, positions.unsqueeze(-1))
@@ -557,22 +728,24 @@ class FastLlamaSession:
         normed = torch.empty_like(x)
         attention = x.new_empty(rows, first.q_size)
         activation = x.new_empty(rows, first.intermediate)
-        kernels.add_rms_norm(x, None, *first.norm_in, normed)
+        # Llama-shaped layers only (kernel_problem): norms (weight, eps), a dense MLP.
+        kernels.add_rms_norm(x, None, first.norm_in[0], first.norm_in[1], normed)
         for i, layer in enumerate(o.layers):
+            assert layer.gate_up is not None and layer.down is not None
             kernels.attend(layer.qkv(normed), cos, sin, self.keys[i], self.values[i], starts, column, layer.scaling,
                            attention, cache_rows)
-            kernels.add_rms_norm(x, layer.o(attention), *layer.norm_post, normed)
+            kernels.add_rms_norm(x, layer.o(attention), layer.norm_post[0], layer.norm_post[1], normed)
             kernels.silu_mul(layer.gate_up(normed), activation)
             following = o.layers[i + 1].norm_in if i + 1 < len(o.layers) else o.final_norm
-            kernels.add_rms_norm(x, layer.down(activation), *following, normed)
+            kernels.add_rms_norm(x, layer.down(activation), following[0], following[1], normed)
         self.length = column + 1
         return o.lm_head(normed)
 
     def _attend(self, layer: int, q: torch.Tensor, runs: list[tuple[int, int, int]], end: int,
-                scaling: float) -> torch.Tensor:
+                scaling: float, window: int | None = None) -> torch.Tensor:
         """Attention of queries ``q`` ``[rows, heads, T, head_dim]`` (the last T columns up to ``end``),
-        each run over exactly its rows' own keys. In the prefill (T > 1) causal, with zeros for
-        padding queries."""
+        each run over exactly its rows' own keys (with a sliding ``window``: the last ``window`` of
+        them up to each query's own). In the prefill (T > 1) causal, with zeros for padding queries."""
         width = q.shape[2]
         keys, values = self.keys[layer], self.values[layer]
         if width == 1:
@@ -580,16 +753,26 @@ class FastLlamaSession:
             # of the keys and values for every query head (what enable_gqa does).
             rows, heads, _, head_dim = q.shape
             grouped = q.reshape(rows, keys.shape[1], heads // keys.shape[1], head_dim)
-            parts = [decode_attention(grouped[a:b], keys[a:b, :, s:end], values[a:b, :, s:end], scaling)
-                     for a, b, s in runs]
+            first = [s if window is None else max(s, end - window) for _, _, s in runs]
+            parts = [decode_attention(grouped[a:b], keys[a:b, :, f:end], values[a:b, :, f:end], scaling)
+                     for (a, b, _), f in zip(runs, first)]
             return (parts[0] if len(parts) == 1 else torch.cat(parts)).reshape(rows, heads, 1, head_dim)
         out = q.new_zeros(q.shape)
         for a, b, s in runs:
             if s < end:  # a row of padding only has no query to answer
+                # Query i sees keys i - window + 1 .. i: a band mask only where the window is shorter
+                # than the run (else the plain causal kernel, the same bits as without a window).
+                band = None if window is None or window >= end - s else _band(end - s, window, q.device)
                 out[a:b, :, s:] = F.scaled_dot_product_attention(
-                    q[a:b, :, s:], keys[a:b, :, s:end], values[a:b, :, s:end], scale=scaling, is_causal=True,
-                    enable_gqa=True)
+                    q[a:b, :, s:], keys[a:b, :, s:end], values[a:b, :, s:end], attn_mask=band, scale=scaling,
+                    is_causal=band is None, enable_gqa=True)
         return out
+
+
+def _band(width: int, window: int, device: torch.device) -> torch.Tensor:
+    """``[width, width]``: True where query i sees key j (j <= i, j > i - window)."""
+    offset = torch.arange(width, device=device)[:, None] - torch.arange(width, device=device)[None, :]
+    return (offset >= 0) & (offset < window)
 
 
 def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
@@ -642,6 +825,9 @@ class StaticLlama(FastLlama):
     (:func:`static_rows`, :func:`static_capacity`), and a decode step of fixed shape that, with
     ``graphs``, is captured once per layout as a CUDA graph and replayed.
 
+    A sliding-window layer masks the columns before its window. A model with experts (Qwen3-MoE)
+    runs its decode steps eagerly, never as graphs (:func:`graphs_problem`).
+
     Weight updates are copied into the fused matrices in place, so captured graphs stay valid. With
     ``release`` the pool is freed after each batch (:meth:`release`, the engine calls it when idle:
     the trainer steps in that memory) and allocated again for the next one; graphs captured against
@@ -658,7 +844,7 @@ class StaticLlama(FastLlama):
         if kv_tokens < 1:
             raise ValueError("kv_tokens must be >= 1")
         self.kv_tokens = kv_tokens
-        self.graphs = graphs and next(model.parameters()).is_cuda
+        self.graphs = graphs and next(model.parameters()).is_cuda and graphs_problem(model) is None
         self.release_between_batches = release
         self.pool: torch.Tensor | None = None
         self._steps: dict[tuple[int, int, int], _DecodeStep] = {}
@@ -688,6 +874,7 @@ class StaticLlama(FastLlama):
             raise ValueError(f"a batch of {rows} rows x {capacity} columns needs {need} tokens of KV cache; the "
                              f"budget holds {self.kv_tokens}")
         self._room(need)
+        assert self.pool is not None  # _room made it
         return self.pool[:need * block[0] * block[1] * block[2] * block[4]].view(rows, *block)
 
     def session(self, tokens: int | None = None) -> "FastLlamaSession | HFSession":
@@ -706,7 +893,7 @@ class StaticLlama(FastLlama):
         if self.pool is not None and self.pool.numel() >= tokens * per_token:
             return
         size = min(self.kv_tokens, 1 << max(0, tokens - 1).bit_length())
-        pool = torch.zeros(size * per_token, dtype=layer.norm_in[0].dtype, device=layer.norm_in[0].device)
+        pool = torch.zeros(size * per_token, dtype=self.dtype, device=self.final_norm[0].device)
         if self.pool is not None:
             pool[:self.pool.numel()].copy_(self.pool)
         self.pool = pool
@@ -714,6 +901,7 @@ class StaticLlama(FastLlama):
 
     def decode_step(self, rows: int, capacity: int) -> "_DecodeStep":
         """The decode step of this layout over the current pool (captured once per pool address)."""
+        assert self.pool is not None  # the session's layout made it
         address = self.pool.data_ptr()
         key = (rows, capacity, address)
         step = self._steps.get(key)
@@ -771,32 +959,31 @@ class _DecodeStep:
                 self.graph = graph
                 self.o.graph_captures += 1
         self.graph.replay()
+        assert self.logits is not None  # captured with the graph
         return self.logits.clone()  # the next replay overwrites the graph's output
 
     def _compute(self) -> torch.Tensor:
         o, rows = self.o, self.tokens.shape[0]
         x = o.embed(self.tokens[:, None])
-        cos, sin = o.rotary(x, self.positions[:, None])
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        rotations = o.rotations(x, self.positions[:, None])
         # Each row sees its own columns up to the one written now: never an empty row (no NaN).
         visible = (self.columns >= self.starts[:, None]) & (self.columns <= self.column)
-        mask = visible[:, None, None, :]
+        masks = {window: (visible if window is None else visible & (self.columns > self.column - window))[:, None, None, :]
+                 for window in {layer.window for layer in o.layers}}
         for i, layer in enumerate(o.layers):
             h = _rms_norm(x, *layer.norm_in)
             q, k, v = layer.qkv(h).split((layer.q_size, layer.kv_size, layer.kv_size), dim=-1)
             q, k = layer.heads(q, k, rows, 1)
+            cos, sin = rotations[layer.rope]
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
             self.keys[i].index_copy_(2, self.column, k)
             self.values[i].index_copy_(2, self.column, v.view(rows, 1, -1, layer.head_dim).transpose(1, 2))
             # A KV head's query heads attend as one group of queries (no copy of keys per query head).
             grouped = q.reshape(rows, self.keys.shape[2], -1, layer.head_dim)
-            attn = F.scaled_dot_product_attention(grouped, self.keys[i], self.values[i], attn_mask=mask,
+            attn = F.scaled_dot_product_attention(grouped, self.keys[i], self.values[i], attn_mask=masks[layer.window],
                                                   scale=layer.scaling)
-            x = x + layer.o(attn.reshape(rows, 1, -1))
-            h = _rms_norm(x, *layer.norm_post)
-            gate, up = layer.gate_up(h).split((layer.intermediate, layer.intermediate), dim=-1)
-            x = x + layer.down(layer.act(gate) * up)
-        return o.lm_head(_rms_norm(x[:, -1], *o.final_norm))
+            x = layer.add_feed_forward(layer.add_attention(x, attn.reshape(rows, 1, -1)))
+        return o.logits(x[:, -1])
 
 
 class StaticSession(FastLlamaSession):
@@ -806,6 +993,8 @@ class StaticSession(FastLlamaSession):
     until at most half the padded rows are live; then the live rows move to the front and the
     layout shrinks. Row moves copy whole row blocks in an order that never overwrites a block
     before it is read, so no second copy of the cache is ever held."""
+
+    o: StaticLlama
 
     def __init__(self, owner: StaticLlama):
         super().__init__(owner)
@@ -888,11 +1077,13 @@ class StaticSession(FastLlamaSession):
         return logits if self.live is None else logits[self.live]
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """The model's RMSNorm: in float32 for a low-precision ``x`` (then cast back and scaled by the
-    weight), as transformers' Llama does."""
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, scale_in_float32: bool = False) -> torch.Tensor:
+    """The model's RMSNorm: in float32 for a low-precision ``x``, then cast back and scaled by the
+    weight, as transformers' Llama does, or (``scale_in_float32``, Gemma) scaled then cast back."""
     if x.dtype == torch.float32:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    if scale_in_float32:
+        return F.rms_norm(x.float(), (x.shape[-1],), weight, eps).to(x.dtype)
     return weight * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
 
 
@@ -943,6 +1134,13 @@ class HFDecoder:
         """Nothing packed: the model's own forward reads its weights."""
 
 
+def graphs_problem(model: torch.nn.Module) -> str | None:
+    """Why a decode step of ``model`` cannot be captured as a CUDA graph (None when it can)."""
+    if any(hasattr(layer.mlp, "experts") for layer in model.model.layers):
+        return "experts are picked per token (their row counts change from step to step)"
+    return None
+
+
 def make_session_factory(model: torch.nn.Module, mode: Any, rows_hint: int, *, kv_tokens: int | None = None,
                          graphs: Any = "auto", release: bool = True, cpu_kernels: Any = "auto"):
     """The engine's decoder: called, it gives a session for one batch; ``footprint(rows, capacity)``
@@ -966,6 +1164,11 @@ def make_session_factory(model: torch.nn.Module, mode: Any, rows_hint: int, *, k
             if on_cuda:
                 if kv_tokens is None:
                     raise ValueError("the static decoding path needs a KV-cache budget (kv_tokens)")
+                if graphs != "false" and graphs_problem(model):
+                    if graphs == "true":
+                        raise ValueError(f"cuda_graphs: true, but this model's decode steps cannot be captured: "
+                                         f"{graphs_problem(model)}")
+                    logger.info(f"cuda_graphs: off ({graphs_problem(model)}); decode steps run eagerly")
                 return StaticLlama(model, rows_hint, kv_tokens=kv_tokens, graphs=graphs != "false", release=release)
             return FastLlama(model, rows_hint, kernels=cpu_decode_kernels(model, cpu_kernels))
         if mode == "true":
