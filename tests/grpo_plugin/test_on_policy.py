@@ -114,7 +114,8 @@ def rollouts(engine, temperature: float, n: int = 8, seed: int = 0) -> list[dict
 
 
 def make_trainer(model_dir: str, service: dict | None = None, **algorithm) -> SelfHostedGrpoTrainer:
-    train_service = {"model_path": model_dir, "lr": 0.0, "grad_clip": 0, "num_threads": 1, **(service or {})}
+    # lr must be > 0; 1e-30 moves no float32 weight (each step is far below a weight's last bit).
+    train_service = {"model_path": model_dir, "lr": 1e-30, "grad_clip": 0, "num_threads": 1, **(service or {})}
     config = OmegaConf.create({
         "seed": 0, "trainer": {"total_train_steps": 1}, "trajectory_pool": {"batch_size": 8},
         "rollout_worker": {}, "algorithm": algorithm,
@@ -174,7 +175,7 @@ def test_several_updates_compute_old_logprobs_once_before_the_first(tiny_model_d
     trainer.train_service.forward = lambda batch: forwards.append(1) or forward(batch)
     metrics = trainer.train(rollouts(engine, 0.7))
     assert forwards == [1]
-    # lr 0: the weights never move, so the precomputed old log-probs are the current ones.
+    # lr 1e-30: the weights never move, so the precomputed old log-probs are the current ones.
     assert abs(metrics["train/ppo_kl"]) < 1e-6 and metrics["train/pg_clipfrac"] == 0.0
     assert metrics["train/rollout_logprob_diff_max"] < 1e-3
 

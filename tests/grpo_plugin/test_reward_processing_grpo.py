@@ -21,7 +21,8 @@ from tests.support.letters import grpo_plugin_manager
 MAX_TOKENS = 5
 
 
-def make_trainer(model_dir: str, lr: float = 0.0, **algorithm) -> SelfHostedGrpoTrainer:
+def make_trainer(model_dir: str, lr: float = 1e-30, **algorithm) -> SelfHostedGrpoTrainer:
+    # lr must be > 0; 1e-30 moves no float32 weight (each step is far below a weight's last bit).
     config = OmegaConf.create({
         "seed": 0, "trainer": {"total_train_steps": 1}, "trajectory_pool": {"batch_size": 8},
         "rollout_worker": {}, "algorithm": algorithm,

@@ -16,9 +16,9 @@ pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the s
 SCRIPT = """
 import json, resource, sys, threading
 import torch
-from nexrl_torch.rollout.weights import apply_process_options
+from nexrl_torch.models import ModelSettings, apply_process_options
 
-apply_process_options(json.loads(sys.argv[1]))
+apply_process_options(ModelSettings.of(json.loads(sys.argv[1])))
 faults = []
 
 def work():

@@ -123,3 +123,20 @@ print(json.dumps(out))
     for run in recorded:
         error = planned[run["config"]] / 1e9 / run["peak_rss_gb"] - 1
         assert abs(error) <= 0.20, (run["config"], planned[run["config"]], run["peak_rss_gb"])
+
+
+def test_activation_checkpointing_is_planned_and_offered(cli, tmp_path, tiny_model_dir):
+    """Checkpointing keeps each layer's input and one layer's activations: the plan counts that, and
+    a run without it is told what turning it on saves."""
+
+    def plan(recipe):
+        code, out, errors, err = cli("plan", recipe, "--json")
+        assert code in (0, 1), err
+        data = json.loads(out)
+        advice = [s["bytes"] for s in data["savings"] if "activation_checkpointing" in s["change"]]
+        return _items(data["devices"])["train service: activations kept for the backward"], advice
+
+    kept, advice = plan(_recipe(tmp_path, tiny_model_dir))
+    assert len(advice) == 1 and 0 < advice[0] < kept
+    kept_checkpointed, advice_checkpointed = plan(_recipe(tmp_path, tiny_model_dir, activation_checkpointing=True))
+    assert kept_checkpointed == kept - advice[0] and not advice_checkpointed

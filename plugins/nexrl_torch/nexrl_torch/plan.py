@@ -20,14 +20,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from nexrl_core import MemoryItem, MemoryPlan, PlanInputs, Saving
 
 from .logprobs import _SAVED_LOGITS_BUDGET
-from .models import auto_dtype, resolve_device, resolve_model_path
+from .models import ModelSettings, auto_dtype, auto_flag, resolve_device, resolve_model_path
+from .rollout.settings import HFBackendSettings
+from .train.lora import LoraSettings, add_adapters
+from .train.settings import TrainServiceSettings
 
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -41,15 +43,15 @@ class ModelShape:
     layers: int
     kv_dim: int  # key/value width: kv heads x head dim
     intermediate: int  # the MLP width one token goes through (a MoE: its active experts')
-    model: Any  # the model on the meta device
+    model: torch.nn.Module  # the model on the meta device
 
 
 _SHAPES: dict[str, ModelShape] = {}
 
 
-def model_shape(section: Any) -> ModelShape:
-    """The model of ``section`` (``model_path``/``gguf_file``), measured on the meta device (cached)."""
-    path = resolve_model_path(section.get("model_path"), section.get("gguf_file"))
+def model_shape(settings: ModelSettings) -> ModelShape:
+    """The model of ``settings`` (``model_path``/``gguf_file``), measured on the meta device (cached)."""
+    path = resolve_model_path(settings.model_path, settings.gguf_file)
     if path not in _SHAPES:
         from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -73,11 +75,9 @@ def model_shape(section: Any) -> ModelShape:
     return _SHAPES[path]
 
 
-def _adapter_params(shape: ModelShape, lora: Any) -> int:
+def _adapter_params(shape: ModelShape, lora: LoraSettings) -> int:
     """Parameters of the adapters ``lora`` adds to the model (peft on a fresh meta copy)."""
     from transformers import AutoModelForCausalLM
-
-    from .train.lora import add_adapters
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(shape.model.config)
@@ -85,11 +85,11 @@ def _adapter_params(shape: ModelShape, lora: Any) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
-def prompt_tokens(section: Any, inputs: PlanInputs) -> int:
+def prompt_tokens(settings: ModelSettings, inputs: PlanInputs) -> int:
     """The longest prompt of the data in tokens, chat template applied as the engine applies it."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(section.get("model_path"), section.get("gguf_file")))
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(settings.model_path, settings.gguf_file))
     longest = 1
     for prompt in inputs.prompts:
         if isinstance(prompt, list) and getattr(tokenizer, "chat_template", None):
@@ -102,14 +102,8 @@ def prompt_tokens(section: Any, inputs: PlanInputs) -> int:
     return longest
 
 
-def _plain(value: Any) -> Any:
-    from omegaconf import DictConfig, OmegaConf
-
-    return OmegaConf.to_container(value, resolve=True) if isinstance(value, DictConfig) else value
-
-
-def _device(section: Any) -> str:
-    device = resolve_device(section.get("device"))
+def _device(settings: ModelSettings) -> str:
+    device = resolve_device(settings.device)
     return "cpu" if device.type == "cpu" else f"{device.type}:{device.index or 0}"
 
 
@@ -134,19 +128,17 @@ def _trained_tokens(inputs: PlanInputs, prompt: int, packed: bool, rows: int) ->
     return rows * (prompt + response)
 
 
-def train_service_plan(section: Any, inputs: PlanInputs) -> MemoryPlan:
+def train_service_plan(settings: TrainServiceSettings, inputs: PlanInputs) -> MemoryPlan:
     """``LocalTorchTrainService.memory_plan``: one rank (``world_size`` ranks each hold this, FSDP's
     sharded parts divided among them)."""
-    from .train.lora import LoraSettings
-
-    shape = model_shape(section)
-    device = _device(section)
+    shape = model_shape(settings)
+    device = _device(settings)
     role = "train service"
-    dtype = auto_dtype(section.get("dtype"), resolve_device(section.get("device")))
+    dtype = auto_dtype(settings.dtype, resolve_device(settings.device))
     autocast = dtype == "bfloat16"
-    lora = LoraSettings.of(_plain(section["lora"]), "service.train_service.lora") if section.get("lora") else None
-    world = int(section["world_size"])
-    shard = world if world > 1 and str(section["parallel"]) in ("auto", "fsdp") else 1
+    lora = settings.lora
+    world = settings.world_size
+    shard = world if world > 1 and settings.parallel in ("auto", "fsdp") else 1
     if lora is not None:
         trainable = _adapter_params(shape, lora)
         base = shape.params
@@ -160,7 +152,7 @@ def train_service_plan(section: Any, inputs: PlanInputs) -> MemoryPlan:
     items = [MemoryItem(device, role, what, weights // shard),
              MemoryItem(device, role, "gradients (float32)", trainable * 4 // shard)]
     adam = trainable * 8 // shard
-    offload = bool(section.get("offload_optimizer")) and device != "cpu"
+    offload = settings.offload_optimizer and device != "cpu"
     items.append(MemoryItem("cpu" if offload else device, role, "AdamW state (2 float32 moments)", adam,
                             "offload_optimizer: on the host between steps" if offload else ""))
     if autocast and lora is None:
@@ -169,15 +161,20 @@ def train_service_plan(section: Any, inputs: PlanInputs) -> MemoryPlan:
     if inputs.frozen_reference:
         items.append(MemoryItem(device, role, "frozen KL reference (a copy of the model)",
                                 shape.params * (2 if autocast and lora is None else 4)))
-    prompt = prompt_tokens(section, inputs)
-    rows = min(inputs.batch_size, int(section.get("micro_batch_size") or inputs.batch_size))
-    packed = section.get("packing") is not False
+    prompt = prompt_tokens(settings, inputs)
+    rows = min(inputs.batch_size, settings.micro_batch_size or inputs.batch_size)
+    packed = auto_flag(settings.packing, "packing") != "false"
     tokens = _trained_tokens(inputs, prompt, packed, rows)
-    per_token = shape.layers * (10 * shape.hidden + 4 * shape.kv_dim + 4 * shape.intermediate) * (2 if autocast else 4)
-    activations = tokens * per_token
+    width = 2 if autocast else 4
+    per_token = shape.layers * (10 * shape.hidden + 4 * shape.kv_dim + 4 * shape.intermediate) * width
+    # With activation checkpointing the backward keeps each layer's input and recomputes one layer at a time.
+    per_token_checkpointed = shape.layers * shape.hidden * width + per_token // max(1, shape.layers)
+    checkpointed = settings.activation_checkpointing
+    activations = tokens * (per_token_checkpointed if checkpointed else per_token)
     items.append(MemoryItem(device, role, "activations kept for the backward", activations,
                             f"{tokens} tokens a forward{' (packed)' if packed else ''}: prompts of up to {prompt}, "
-                            f"responses of up to {inputs.max_new_tokens}"))
+                            f"responses of up to {inputs.max_new_tokens}"
+                            f"{'; activation_checkpointing: layer inputs and one layer' if checkpointed else ''}"))
     logits = min(tokens * shape.vocab * 4, _SAVED_LOGITS_BUDGET)
     items.append(MemoryItem(device, role, "LM head logits (float32) and their gradient", 2 * logits))
     if lora is not None:
@@ -196,25 +193,29 @@ def train_service_plan(section: Any, inputs: PlanInputs) -> MemoryPlan:
                                       "bfloat16)", shape.params * 2))
     if device != "cpu" and not offload:
         savings.append(Saving(device, "service.train_service.offload_optimizer: true", adam))
+    if not checkpointed and tokens * (per_token - per_token_checkpointed) > 0:
+        savings.append(Saving(device, "service.train_service.activation_checkpointing: true (one more forward a step)",
+                              tokens * (per_token - per_token_checkpointed)))
     if rows > max(1, inputs.group_size):
         smaller = max(1, inputs.group_size)
-        saved = activations - _trained_tokens(inputs, prompt, packed, smaller) * per_token
+        kept_per_token = per_token_checkpointed if checkpointed else per_token
+        saved = activations - _trained_tokens(inputs, prompt, packed, smaller) * kept_per_token
         savings.append(Saving(device, f"service.train_service.micro_batch_size: {smaller}", saved))
     return MemoryPlan(items=items, savings=savings, capacity=_capacity(device))
 
 
-def engine_plan(section: Any, inputs: PlanInputs) -> MemoryPlan:
+def engine_plan(settings: HFBackendSettings, inputs: PlanInputs) -> MemoryPlan:
     """The ``hf`` backend's plan: each replica holds this (replica i on the i-th device from ``device``)."""
-    shape = model_shape(section)
-    device = _device(section)
+    shape = model_shape(settings)
+    device = _device(settings)
     role = "inference engine"
-    dtype = auto_dtype(section.get("dtype"), resolve_device(section.get("device")))
+    dtype = auto_dtype(settings.dtype, resolve_device(settings.device))
     size = _BYTES[dtype]
-    prompt = prompt_tokens(section, inputs)
-    at_once = min(int(section["max_batch_size"]), inputs.concurrent_requests)
+    prompt = prompt_tokens(settings, inputs)
+    at_once = min(settings.max_batch_size, inputs.concurrent_requests)
     kv_tokens = at_once * (prompt + inputs.max_new_tokens)
-    if section.get("max_kv_tokens"):
-        kv_tokens = min(kv_tokens, int(section["max_kv_tokens"]))
+    if settings.max_kv_tokens:
+        kv_tokens = min(kv_tokens, settings.max_kv_tokens)
     kv = kv_tokens * shape.layers * 2 * shape.kv_dim * size
     items = [MemoryItem(device, role, f"weights ({shape.params / 1e6:.0f}M, {dtype})", shape.params * size),
              MemoryItem(device, role, "KV cache", kv, f"{at_once} requests at once x {prompt + inputs.max_new_tokens} "
@@ -224,7 +225,7 @@ def engine_plan(section: Any, inputs: PlanInputs) -> MemoryPlan:
     if dtype == "float32":
         savings.append(Saving(device, "service.inference_service.dtype: bfloat16 (the engine's weights in bf16)",
                               shape.params * 2))
-    replicas = int(section["replicas"])
+    replicas = settings.replicas
     if replicas > 1:
         items.append(MemoryItem(device, role, f"(each of {replicas} replicas holds this on its own device)", 0))
     return MemoryPlan(items=items, savings=savings, capacity=_capacity(device))

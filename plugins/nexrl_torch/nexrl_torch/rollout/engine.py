@@ -45,7 +45,6 @@ from nexrl_core import (
     CompletionResult,
     InferenceClient,
     InferenceError,
-    Option,
     SamplingParams,
     as_text_messages,
     parse_tool_calls,
@@ -53,16 +52,11 @@ from nexrl_core import (
 
 from ..cpu_threads import release_idle_workers, use_threads
 from ..logprobs import compute_response_logprobs, position_ids_from_mask, scoring_batch
-from ..models import AUTO_FLAG, MODEL_OPTIONS, _auto_flag, log_auto_device, model_from_config, resolve_device
+from ..models import log_auto_device, model_from_config, own_settings, resolve_device
 from .decoding import kv_budget_tokens, kv_token_bytes, make_session_factory
+from .settings import EngineSettings
 
 _STOP = object()
-
-
-def _thread_count(value: Any) -> str | None:
-    if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
-        return None
-    return f"expected 'auto', null or a positive integer, got {value!r}"
 
 
 @dataclass
@@ -91,8 +85,8 @@ class _Update:
 class HFInferenceEngine(InferenceClient):
     """Batched generation with a transformers causal LM, safe to call from many threads.
 
-    Config keys: :data:`OPTIONS` (the model's and the engine's own, each with its default and
-    meaning; docs/recipe.md lists them under ``service.inference_service``).
+    Config keys: :class:`~nexrl_torch.rollout.settings.EngineSettings` (the model's and the engine's
+    own, each with its default and meaning; docs/recipe.md lists them under ``service.inference_service``).
     ``model``/``tokenizer`` keyword arguments share an already-built pair.
 
     Sampling draws each row's uniforms from its request's seed, never from a shared stream: on the
@@ -101,71 +95,38 @@ class HFInferenceEngine(InferenceClient):
     row and token).
     """
 
-    OPTIONS = {
-        **MODEL_OPTIONS,
-        "max_batch_size": Option(64, int, "most requests decoded together", ge=1),
-        "batch_wait_ms": Option(2.0, float, "wait for more requests before a batch starts", ge=0),
-        "batch_wait_max_ms": Option(500.0, float, "longest wait for a batch to fill (it starts sooner once no "
-                                                  "request came for batch_wait_ms and no caller is tokenizing)", ge=0),
-        "chat_template": Option(True, bool, "apply the tokenizer's chat template to chat prompts"),
-        "seed": Option(None, int, "seed of requests without their own"),
-        "fast_path": Option(None, AUTO_FLAG, "fused decoding for Llama-family models: auto | true | false",
-                            check=_auto_flag),
-        "cpu_kernels": Option(None, AUTO_FLAG, "on the CPU fast path: decode steps (and float32 matmuls) through C++ "
-                                               "kernels compiled once per machine with the C++ compiler found (a float32 "
-                                               "decode step about a third faster; other bits than torch ops, still "
-                                               "batch-invariant): auto (when they build) | true (an error when they cannot) | "
-                                               "false", check=_auto_flag),
-        "gpu_memory_utilization": Option(0.3, float, "on a GPU: the share of its memory the engine may hold (weights, "
-                                                     "decode workspace, and the KV cache in what is left)", gt=0, le=1),
-        "max_kv_tokens": Option(None, int, "KV-cache budget in tokens (null: from gpu_memory_utilization on a GPU, "
-                                           "unbounded on the CPU): a batch allocates what it needs within it; one that needs "
-                                           "more is decoded in parts", ge=1),
-        "release_kv_cache": Option(True, bool, "on a GPU: free the KV cache whenever the engine is idle (the trainer "
-                                               "steps in that memory); false keeps it allocated"),
-        "cuda_graphs": Option(None, AUTO_FLAG, "on a GPU: replay each decode step as a CUDA graph: auto (on a CUDA "
-                                               "device) | true | false", check=_auto_flag),
-        "decode_threads": Option("auto", (int, str, None), "on the CPU: threads the engine decodes on (its own thread's "
-                                                           "OpenMP and MKL team; the process's other threads keep "
-                                                           "theirs): N always; auto: while a trainer computes beside it "
-                                                           "in this process (weight.rollouts_ahead, launch_mode local) "
-                                                           "half the torch threads (at least 1) and the rest to the "
-                                                           "trainer, else all; null: the process's torch threads",
-                                 check=_thread_count),
-    }
+    SETTINGS = EngineSettings
 
-    def __init__(self, config: Any = None, *, model: torch.nn.Module | None = None, tokenizer: Any = None):
+    def __init__(self, config: Mapping[str, Any] | None = None, *, model: torch.nn.Module | None = None,
+                 tokenizer: Any = None):
         super().__init__(config if config is not None else {})
-        # Bound by the base class: the core's keys and this class's declared ones, defaults filled.
-        config = self.config
-        self.device = resolve_device(config["device"])
-        log_auto_device("inference engine", config["device"], self.device)
-        model, tokenizer = model_from_config("HFInferenceEngine", config, model, tokenizer, self.device)
+        # Its keys are read once, into the attributes below (a subclass keeps `self.settings` for its own).
+        settings = own_settings(EngineSettings, self.config)
+        self.device = resolve_device(settings.device)
+        log_auto_device("inference engine", settings.device, self.device)
+        model, tokenizer = model_from_config("HFInferenceEngine", settings, model, tokenizer, self.device)
         self.model = model.eval()
         self.tokenizer = tokenizer
-        self.max_batch_size = int(config["max_batch_size"])
-        if self.max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
-        self.batch_wait_s = float(config["batch_wait_ms"]) / 1000.0
-        self.batch_wait_max_s = float(config["batch_wait_max_ms"]) / 1000.0
-        self.use_chat_template = bool(config["chat_template"])
+        self.max_batch_size = settings.max_batch_size
+        self.batch_wait_s = settings.batch_wait_ms / 1000.0
+        self.batch_wait_max_s = settings.batch_wait_max_ms / 1000.0
+        self.use_chat_template = settings.chat_template
         self.max_positions = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 30)
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.eos_token_ids = self._eos_ids(model, tokenizer)
-        self._seed_rng = random.Random(config["seed"])
+        self._seed_rng = random.Random(settings.seed)
         self._tool_support: tuple[bool, bool] | None = None
         # Where each row's uniforms come from (see the class doc); a test may switch a CPU engine over.
         self.counter_rng = self.device.type != "cpu"
-        self.kv_tokens = self._kv_budget(config)
-        setting = config["decode_threads"]
-        self._decode_threads_auto = setting == "auto"
-        self._decode_threads: int | None = None if setting in (None, "auto") else int(setting)
+        self.kv_tokens = self._kv_budget(settings)
+        threads = settings.decode_threads
+        self._decode_threads_auto = threads == "auto"
+        self._decode_threads: int | None = None if threads is None or threads == "auto" else int(threads)
         self._threads_before_share: int | None = None  # torch's default before share_cpus_with_trainer
-        self.decoder = make_session_factory(self.model, config["fast_path"] or "auto",
+        self.decoder = make_session_factory(self.model, settings.fast_path or "auto",
                                             rows_hint=min(self.max_batch_size, 16), kv_tokens=self.kv_tokens,
-                                            graphs=config["cuda_graphs"],
-                                            release=bool(config["release_kv_cache"]),
-                                            cpu_kernels=config["cpu_kernels"])
+                                            graphs=settings.cuda_graphs, release=settings.release_kv_cache,
+                                            cpu_kernels=settings.cpu_kernels)
 
         self._queue: queue.Queue = queue.Queue()
         self._model_lock = threading.Lock()  # generation batches and weight loads take turns
@@ -207,15 +168,15 @@ class HFInferenceEngine(InferenceClient):
         if wanted is not None and self.device.type == "cpu" and torch.get_num_threads() != wanted:
             use_threads(wanted)
 
-    def _kv_budget(self, config: Any) -> int | None:
+    def _kv_budget(self, settings: EngineSettings) -> int | None:
         """Tokens of KV cache a batch may hold: ``max_kv_tokens``, else on a GPU its
         ``gpu_memory_utilization`` share less the weights and the decode workspace (the logits and
         the sampler's float64 CDF of ``max_batch_size`` rows); unbounded on the CPU."""
-        if config["max_kv_tokens"]:
-            return int(config["max_kv_tokens"])
+        if settings.max_kv_tokens:
+            return settings.max_kv_tokens
         if self.device.type != "cuda":
             return None
-        fraction = float(config["gpu_memory_utilization"])
+        fraction = settings.gpu_memory_utilization
         total = torch.cuda.get_device_properties(self.device).total_memory
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
         workspace = self.max_batch_size * self.model.config.vocab_size * 32

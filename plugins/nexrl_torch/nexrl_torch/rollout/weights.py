@@ -4,41 +4,41 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
 
 from nexrl_core import (
     Capabilities,
+    CompletionResult,
     InferenceError,
-    Option,
+    MemoryPlan,
+    PlanInputs,
+    SamplingParams,
+    Settings,
     WeightSyncBackend,
     deferred,
     execute,
     processes_are_actors,
+    setting,
 )
 
-from ..models import apply_process_options, check_model_section, config_errors, resolve_model_path
+from ..models import apply_process_options, check_model_section, config_errors, own_settings, resolve_model_path
 from .engine import HFInferenceEngine, copy_weights
+from .settings import HFBackendSettings
 
 
 class HFInferenceBackend(HFInferenceEngine):
     """The ``hf`` inference backend: the in-process engine, with recipe model paths resolved."""
 
-    OPTIONS = {
-        **HFInferenceEngine.OPTIONS,
-        "replicas": Option(1, int, "engines serving the rollouts, each with its own copy of the model (on a GPU box "
-                                   "replica i takes the i-th GPU from device on); a request goes to the least busy",
-                           ge=1),
-        "replica_actors": Option(False, bool, "launch_mode ray: replicas 1..N-1 each in a Ray actor of their own "
-                                              "(a CPU and, on GPUs, one GPU each, in a placement group; weights "
-                                              "reach them through Ray's object store); launch_mode local: "
-                                              "engines in this process, as with false"),
-    }
+    SETTINGS = HFBackendSettings
     CAPABILITIES = Capabilities(provides={"inference:load_weights", "inference:in_flight_weights"})
     check_config = staticmethod(check_model_section)
 
     @classmethod
-    def check_recipe(cls, recipe: Any) -> list[str]:
+    def check_recipe(cls, recipe: Mapping[str, Any]) -> list[str]:
         """In-flight weight updates reach one engine only (replicas each finish their batch first)."""
         weight, section = recipe.get("weight") or {}, (recipe.get("service") or {}).get("inference_service") or {}
         if isinstance(weight, dict) and weight.get("partial_rollout") is True and \
@@ -48,7 +48,7 @@ class HFInferenceBackend(HFInferenceEngine):
         return []
 
     @classmethod
-    def recipe_notes(cls, section: Any) -> list[str]:
+    def recipe_notes(cls, section: Mapping[str, Any]) -> list[str]:
         """What ``nexrl validate`` and ``nexrl run`` say about this engine before it loads: a model
         its fast decoding path cannot serve (from the model's config.json)."""
         from .decoding import config_fast_path_problem
@@ -62,24 +62,22 @@ class HFInferenceBackend(HFInferenceEngine):
                 f"slower, and runs with several rollout workers are not bit-reproducible (unless max_batch_size: 1)"]
 
     @classmethod
-    def memory_plan(cls, section: Any, inputs: Any) -> Any:
+    def memory_plan(cls, section: Mapping[str, Any], inputs: PlanInputs) -> MemoryPlan:
         """What ``nexrl plan`` counts for this engine (:func:`nexrl_torch.plan.engine_plan`)."""
         from ..plan import engine_plan
 
-        return engine_plan(section, inputs)
+        return engine_plan(HFBackendSettings.own(section, "service.inference_service"), inputs)
 
-    def __init__(self, config: Any):
-        from omegaconf import OmegaConf
-
-        cfg = OmegaConf.to_container(config, resolve=True) if not isinstance(config, dict) else dict(config)
+    def __init__(self, config: Mapping[str, Any]):
+        cfg = type(self).bind_config(config).to_dict()  # plain values, interpolations resolved
         cfg["model_path"] = resolve_model_path(cfg.get("model_path"), cfg.get("gguf_file"))
-        cfg.pop("gguf_file", None)
-        bound = type(self).bind_config(cfg)
-        replicas = int(bound["replicas"])
-        in_actors = bool(bound["replica_actors"]) and replicas > 1 and processes_are_actors()
-        cfg = {k: v for k, v in cfg.items() if k not in ("replicas", "replica_actors")}
-        apply_process_options(cfg)
+        cfg["gguf_file"] = None  # converted
         with config_errors("service.inference_service"):
+            self.settings = settings = own_settings(HFBackendSettings, cfg)
+            replicas = settings.replicas
+            in_actors = settings.replica_actors and replicas > 1 and processes_are_actors()
+            cfg = {k: v for k, v in cfg.items() if k not in ("replicas", "replica_actors")}
+            apply_process_options(settings)
             super().__init__(cfg)
             # Replica 0 is this engine; the others are engines of their own on the next devices, or in actors.
             self.replicas: list[Any] = [self]
@@ -105,13 +103,14 @@ class HFInferenceBackend(HFInferenceEngine):
             with self._busy_lock:
                 self._busy[index] -= 1
 
-    def complete(self, prompt: Any, params: Any) -> Any:
+    def complete(self, prompt: str | list[dict[str, Any]], params: SamplingParams) -> CompletionResult:
         if len(self.replicas) == 1:
             return super().complete(prompt, params)
         with self._replica() as engine:
             return self._on(engine, "complete", prompt, params)
 
-    def chat(self, messages: Any, params: Any, tools: Any = None) -> Any:
+    def chat(self, messages: list[dict[str, Any]], params: SamplingParams,
+             tools: list[dict[str, Any]] | None = None) -> CompletionResult:
         if len(self.replicas) == 1:
             return super().chat(messages, params, tools)
         with self._replica() as engine:
@@ -121,7 +120,7 @@ class HFInferenceBackend(HFInferenceEngine):
         """``engine.method(*args)``: this engine's own (not this class's override), another's, or an actor's."""
         return getattr(HFInferenceEngine, method)(engine, *args) if engine is self else getattr(engine, method)(*args)
 
-    def load_weights(self, state_dict: Any, version: int, in_flight: bool = False,
+    def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int, in_flight: bool = False,
                      recompute_prefix: bool = False) -> None:
         """Every replica, in one pass over the tensors (each replica's batch in flight finishes
         first); each serves the new version from its next batch. ``in_flight`` (one replica: the
@@ -197,7 +196,7 @@ class _ClosedReplica:
     complete = chat = load_weights = _closed
 
 
-def _replica_actors(cfg: dict[str, Any], device: Any, replicas: int) -> list[Any]:
+def _replica_actors(cfg: dict[str, Any], device: torch.device, replicas: int) -> list[Any]:
     """Replicas 1..N-1 as engines in Ray actors of their own (each sees its one GPU as cuda:0)."""
     from loguru import logger
 
@@ -212,13 +211,21 @@ def _replica_actors(cfg: dict[str, Any], device: Any, replicas: int) -> list[Any
     return engines
 
 
-def replica_device(base: Any, index: int) -> Any:
+def replica_device(base: torch.device, index: int) -> torch.device:
     """Replica ``index``'s device: the ``index``-th GPU counted from ``base`` (round the box), or the CPU."""
-    import torch
-
     if base.type != "cuda":
         return base
     return torch.device("cuda", (base.index + index) % torch.cuda.device_count())
+
+
+@dataclass(frozen=True, kw_only=True)
+class InProcessSyncSettings(Settings):
+    """The ``weight`` keys of the in-process sync."""
+
+    partial_rollout_prefix: Literal["keep", "recompute"] = setting(
+        "keep", "after an in-flight update (weight.partial_rollout), the tokens already generated: keep their KV "
+                "cache (computed by the old weights) or recompute it under the new weights (one prefill of every "
+                "running request)", needs="weight.partial_rollout")
 
 
 class InProcessWeightSync(WeightSyncBackend):
@@ -228,21 +235,20 @@ class InProcessWeightSync(WeightSyncBackend):
     when they share one (local mode, a Ray actor hosting both), else through the launch mode's
     transport (Ray's object store), never through the weight-sync controller's process."""
 
-    OPTIONS = {
-        "partial_rollout_prefix": Option("keep", str, "after an in-flight update (weight.partial_rollout), the tokens "
-                                                      "already generated: keep their KV cache (computed by the old "
-                                                      "weights) or recompute it under the new weights (one prefill "
-                                                      "of every running request)",
-                                         choices=("keep", "recompute"), needs="weight.partial_rollout"),
-    }
+    SETTINGS = InProcessSyncSettings
     CAPABILITIES = Capabilities(
         provides={"weight_sync:state_dict", "weight_sync:in_flight"},
         requires={"trainer:state_dict": "it copies the tensors a trainer in this process exports",
                   "inference:load_weights": "it loads them into an inference engine in this process"})
 
+    def __init__(self, config: Mapping[str, Any]):
+        super().__init__(config)
+        self.settings = InProcessSyncSettings.own(self.config, "weight")
+        self.in_flight: bool = self.config["partial_rollout"]  # the core's key
+
     def sync(self, trainer: Any, inference_client: Any, version: int) -> None:
-        if self.config["partial_rollout"]:  # the running batch takes them at its next decode step
+        if self.in_flight:  # the running batch takes them at its next decode step
             execute(inference_client.load_weights, deferred(trainer.export_weights), version, True,
-                    self.config["partial_rollout_prefix"] == "recompute")
+                    self.settings.partial_rollout_prefix == "recompute")
         else:
             execute(inference_client.load_weights, deferred(trainer.export_weights), version)

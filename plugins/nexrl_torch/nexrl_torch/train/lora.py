@@ -12,6 +12,10 @@ decodes at full speed, with no adapter work per token. A checkpoint holds both t
 ``from_pretrained`` folder, as every checkpoint of this service) and the adapter in PEFT's own format
 in :data:`ADAPTER_FOLDER` (``PeftModel.from_pretrained(base, folder / "adapter")`` loads it); a resume
 reads the adapter only, onto the base from ``model_path``, so it is bit-exact.
+
+With several ranks (``world_size``), DDP and FSDP2 see only the adapters as trainable, so only
+their gradients cross ranks; under FSDP2 the merged weights and the adapter are gathered tensor by
+tensor, and rank 0 alone sends or writes them.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from nexrl_core import Settings, setting
 
 ADAPTER_FOLDER = "adapter"  # inside a checkpoint: PEFT's adapter_config.json + adapter_model.safetensors
 ADAPTER_NAME = "default"  # peft's name of the one adapter a model gets without naming it
+PEFT_PREFIX = "base_model.model."  # where the PeftModel wrapper holds the model, in its tensors' names
 
 @dataclass(frozen=True, kw_only=True)
 class LoraSettings(Settings):
@@ -104,9 +109,63 @@ def merged_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return state
 
 
-def save_adapter(wrapped: Any, folder: Path) -> None:
-    """The adapter in PEFT's format: ``folder/adapter_config.json`` and ``adapter_model.safetensors``."""
-    wrapped.save_pretrained(str(folder), safe_serialization=True)
+def adapter_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The adapters' own tensors under the model's names (live, detached; an FSDP2 model's are shards)."""
+    return {name: tensor.detach() for name, tensor in model.state_dict().items() if ".lora_" in name}
+
+
+def _saved_names(wrapped: Any, tensors: dict[str, torch.Tensor]) -> dict[str, str]:
+    """PEFT's name in ``adapter_model.safetensors`` of each adapter tensor (model name -> saved name),
+    asked of peft itself so the two directions cannot drift apart."""
+    from peft import get_peft_model_state_dict
+
+    by_identity = {id(tensor): name for name, tensor in tensors.items()}
+    saved = get_peft_model_state_dict(wrapped, state_dict={f"{PEFT_PREFIX}{k}": v for k, v in tensors.items()},
+                                      adapter_name=ADAPTER_NAME)
+    names = {key: by_identity.get(id(tensor)) for key, tensor in saved.items()}
+    if None in names.values():  # this peft copies the tensors it is given: names cannot be matched this way
+        raise RuntimeError("lora: this peft version's adapter names cannot be matched to the model's (FSDP2 needs it)")
+    return {name: key for key, name in names.items() if name is not None}
+
+
+def save_adapter(wrapped: Any, folder: Path, tensors: dict[str, torch.Tensor] | None = None) -> None:
+    """The adapter in PEFT's format: ``folder/adapter_config.json`` and ``adapter_model.safetensors``;
+    ``tensors`` (the adapter's whole tensors by model name) stand in for the model's own, which an
+    FSDP2 model holds as shards."""
+    state = None if tensors is None else {f"{PEFT_PREFIX}{k}": v.contiguous() for k, v in tensors.items()}
+    wrapped.save_pretrained(str(folder), safe_serialization=True, **({} if state is None else {"state_dict": state}))
+
+
+def read_adapter(wrapped: Any, folder: Path) -> dict[str, torch.Tensor]:
+    """The whole tensors of an adapter :func:`save_adapter` wrote, by the model's names (for a model
+    whose own tensors are shards: each rank keeps its part)."""
+    from safetensors.torch import load_file
+
+    saved = load_file(str(_adapter_file(folder)))
+    names = {key: name for name, key in _saved_names(wrapped, adapter_tensors(wrapped.base_model.model)).items()}
+    unexpected, missing = sorted(set(saved) - set(names)), sorted(set(names) - set(saved))
+    if unexpected or missing:
+        raise ValueError(f"{folder}: the adapter does not fit this model's lora settings (unexpected "
+                         f"{unexpected[:3]}, missing {missing[:3]})")
+    return {names[key]: tensor for key, tensor in saved.items()}
+
+
+def _adapter_file(folder: Path) -> Path:
+    weights = folder / "adapter_model.safetensors"
+    if not weights.is_file():
+        raise ValueError(f"{folder}: no adapter_model.safetensors (not an adapter this service saved)")
+    return weights
+
+
+def check_checkpoint(folder: Path, adapters: Any) -> None:
+    """A checkpoint's adapter and the service's lora settings agree: both or neither."""
+    has_adapter = (folder / ADAPTER_FOLDER).is_dir()
+    if adapters is None and has_adapter:
+        raise ValueError(f"{folder}: the checkpoint holds a LoRA adapter; resume with the "
+                         f"service.train_service.lora it was trained with")
+    if adapters is not None and not has_adapter:
+        raise ValueError(f"{folder}: the checkpoint holds no LoRA adapter (a full fine-tune); resume "
+                         f"without service.train_service.lora, or start a fresh run")
 
 
 def load_adapter(wrapped: Any, folder: Path) -> None:
@@ -114,10 +173,7 @@ def load_adapter(wrapped: Any, folder: Path) -> None:
     from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
 
-    weights = folder / "adapter_model.safetensors"
-    if not weights.is_file():
-        raise ValueError(f"{folder}: no adapter_model.safetensors (not an adapter this service saved)")
-    result = set_peft_model_state_dict(wrapped, load_file(str(weights)), adapter_name=ADAPTER_NAME)
+    result = set_peft_model_state_dict(wrapped, load_file(str(_adapter_file(folder))), adapter_name=ADAPTER_NAME)
     unexpected = list(getattr(result, "unexpected_keys", []) or [])
     missing = [k for k in getattr(result, "missing_keys", []) or [] if "lora_" in k]
     if unexpected or missing:

@@ -23,15 +23,15 @@ import os
 import random
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from nexrl_core import NexRLError, Option, TrainService, algorithms, bind, component_options
+from nexrl_core import MemoryPlan, NexRLError, Option, PlanInputs, TrainService, algorithms, bind, component_options
 
 from ..cpu_threads import release_idle_workers
 from ..logprobs import (
@@ -43,9 +43,6 @@ from ..logprobs import (
     scoring_batch,
 )
 from ..models import (
-    AUTO_FLAG,
-    MODEL_OPTIONS,
-    _auto_flag,
     apply_process_options,
     auto_dtype,
     auto_flag,
@@ -54,14 +51,25 @@ from ..models import (
     log_auto_device,
     log_auto_dtype,
     model_from_config,
+    own_settings,
     resolve_device,
     resolve_model_path,
 )
 from . import sharded
-from .distributed import PARALLEL_MODES, GatheredWeights, RankGroup, shard_rows, start_ranks, wrap
-from .lora import ADAPTER_FOLDER, LoraSettings, add_adapters, load_adapter, merged_state, save_adapter
+from .distributed import GatheredWeights, RankGroup, shard_rows, start_ranks, wrap
+from .lora import (
+    ADAPTER_FOLDER,
+    adapter_tensors,
+    add_adapters,
+    check_checkpoint,
+    load_adapter,
+    merged_state,
+    save_adapter,
+)
+from .settings import TRAIN_DTYPES, TrainServiceSettings
 
-LossFn = Callable[[torch.Tensor, dict[str, Any]], tuple[torch.Tensor, dict[str, float]]]
+# Its metrics: numbers by name, and per-row values under ROW_OUTPUTS.
+LossFn = Callable[[torch.Tensor, dict[str, Any]], tuple[torch.Tensor, dict[str, Any]]]
 
 # A loss_fn's metrics may hold, under this key, {name: one value per row of its micro-batch};
 # forward_backward returns them under it too, {name: [value per row of the batch]} in batch order.
@@ -75,10 +83,6 @@ TRAINING_STATE_FILES = ("optimizer.safetensors", "optimizer.json", "rng.safetens
                         "distributed.json", SCHEDULER_FILE)
 DISTRIBUTED_FILE = "distributed.json"  # the world size and parallel mode that wrote a checkpoint
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# Compute precisions of training. bfloat16 is mixed precision: the model's matmuls and attention run
-# under bf16 autocast while the weights, their gradients and Adam's state stay float32, and the
-# log-softmax and loss are float32 (float16 would need loss scaling: not offered).
-TRAIN_DTYPES = ("float32", "bfloat16")
 # The dict of tensors above with a LossFn. A service taking it also offers ``tokenizer`` (and
 # ``model``, the torch module, which a KL reference is copied from).
 BATCH_FORMAT = "torch_tensors"
@@ -100,11 +104,6 @@ def _every_rank(method: Callable[..., Any]) -> Callable[..., Any]:
     return call
 
 
-def _betas(value: Any) -> str | None:
-    return None if len(value) == 2 and all(0 <= b < 1 for b in value) else \
-        f"expected [beta1, beta2], each in [0, 1), got {list(value)}"
-
-
 class LocalTorchTrainService(TrainService):
     """One model and its AdamW optimizer in this process: the ``local_torch`` train service.
 
@@ -117,61 +116,24 @@ class LocalTorchTrainService(TrainService):
     false: padded rows), ``max_tokens_per_pack`` (2048: tokens per packed sequence; a longer group is split).
     """
 
-    OPTIONS = {
-        **MODEL_OPTIONS,
-        "dtype": Option("float32", str, "compute precision; bfloat16 = bf16 autocast with float32 master weights, "
-                                        "optimizer state, log-softmax and loss; auto: bfloat16 on a GPU that "
-                                        "computes it and on a CPU that computes it natively (AVX512-BF16, AMX), "
-                                        "else float32", choices=(*TRAIN_DTYPES, "auto")),
-        "lr": Option(1e-6, float, "AdamW learning rate", gt=0),
-        "weight_decay": Option(0.0, float, "AdamW weight decay", ge=0),
-        "betas": Option([0.9, 0.999], list[float], "AdamW betas", check=_betas),
-        "eps": Option(1e-8, float, "AdamW epsilon", gt=0),
-        "grad_clip": Option(1.0, float, "gradient-norm clip (<= 0 or null: none)"),
-        "seed": Option(None, int, "seed of torch, numpy and python RNGs (default: the recipe's seed)"),
-        "micro_batch_size": Option(None, int, "rows per forward pass (null: the whole batch)", ge=1),
-        "temperature": Option(removed="each row is scored at the temperature its trajectory was sampled with "
-                                      "(rollout_worker.sampling.temperature): delete this key"),
-        "packing": Option(None, AUTO_FLAG, "packed sequences without padding: auto | true | false",
-                          check=_auto_flag),
-        "max_tokens_per_pack": Option(2048, int, "tokens per packed sequence (a longer group is split, its prompt "
-                                                 "repeated)", ge=1),
-        "world_size": Option(1, int, "data-parallel ranks training this model, one process each (the first is the "
-                                     "trainer's; on a GPU box rank r takes cuda:r); see parallel", ge=1),
-        "parallel": Option("auto", str, "how ranks share the model: fsdp (FSDP2: parameters, gradients and "
-                                        "optimizer state sharded) | ddp (replicated: for models too small to "
-                                        "shard) | auto (fsdp with several ranks, none with one); fsdp or ddp with "
-                                        "world_size 1 runs one rank through the same code",
-                           choices=("auto", *PARALLEL_MODES)),
-        "offload_optimizer": Option(False, bool, "keep AdamW's state in host memory between steps (moved to the "
-                                                 "device for the step only): less device memory, a copy each way "
-                                                 "per step"),
-        "lr_scheduler": Option("constant", str, "how the learning rate moves over the run (transformers' schedulers): "
-                                                "constant, linear (to 0 at the last step) or cosine (to 0), each "
-                                                "after the warm-up", choices=("constant", "linear", "cosine")),
-        "warmup_steps": Option(0, int, "optimizer steps of linear warm-up from 0 to lr", ge=0),
-        "warmup_ratio": Option(0.0, float, "warm-up as a share of total_steps (instead of warmup_steps)", ge=0, le=1),
-        "total_steps": Option(None, int, "optimizer steps a decaying lr_scheduler spans (default: the run's "
-                                         "trainer.total_train_steps)", ge=1),
-        "lora": Option(None, (dict, None), "train LoRA adapters (peft) on the frozen base instead of every weight: "
-                                           "{rank, alpha, dropout, target_modules, base_dtype}; the engine is sent "
-                                           "the merged weights; null: full fine-tuning", options=LoraSettings.options()),
-    }
+    SETTINGS = TrainServiceSettings
+    OPTIONS = {"temperature": Option(removed="each row is scored at the temperature its trajectory was sampled with "
+                                             "(rollout_worker.sampling.temperature): delete this key")}
     BATCH_FORMAT = BATCH_FORMAT
 
-    @staticmethod
-    def check_config(section: Any, key: str) -> list[str]:
-        return check_model_section(section, key)
+    @classmethod
+    def check_config(cls, section: Mapping[str, Any], path: str = "service.train_service") -> list[str]:
+        return check_model_section(section, path)
 
     @classmethod
-    def memory_plan(cls, section: Any, inputs: Any) -> Any:
+    def memory_plan(cls, section: Mapping[str, Any], inputs: PlanInputs) -> MemoryPlan:
         """What ``nexrl plan`` counts for this service (:func:`nexrl_torch.plan.train_service_plan`)."""
         from ..plan import train_service_plan
 
-        return train_service_plan(section, inputs)
+        return train_service_plan(TrainServiceSettings.own(section, "service.train_service"), inputs)
 
     @classmethod
-    def from_config(cls, config: Any, *, seed: int, total_steps: int,
+    def from_config(cls, config: Mapping[str, Any], *, seed: int, total_steps: int,
                     path: str = "service.train_service") -> LocalTorchTrainService:
         """From the recipe's section: model paths resolved (GGUF converted once), ``seed`` defaulting
         to the recipe's, ``num_threads`` and ``keep_freed_memory`` applied to the process."""
@@ -183,15 +145,16 @@ class LocalTorchTrainService(TrainService):
             cfg["seed"] = int(seed)
         if cfg.get("total_steps") is None:
             cfg["total_steps"] = int(total_steps)
-        apply_process_options(cfg)
         with config_errors(path):
+            apply_process_options(own_settings(TrainServiceSettings, cfg))
             return cls(cfg)
 
-    def __init__(self, config: Any = None, *, model: torch.nn.Module | None = None, tokenizer: Any = None,
-                 rank_group: RankGroup | None = None):
+    def __init__(self, config: Mapping[str, Any] | None = None, *, model: torch.nn.Module | None = None,
+                 tokenizer: Any = None, rank_group: RankGroup | None = None):
         config = bind(config, component_options(type(self)), "service.train_service")  # declared defaults filled
         self.config = config
-        world_size, parallel = int(config["world_size"]), str(config["parallel"])
+        self.settings = settings = own_settings(TrainServiceSettings, config)
+        world_size, parallel = settings.world_size, settings.parallel
         if parallel == "auto" and world_size > 1:
             parallel = "fsdp"
         if parallel != "auto" and rank_group is None:
@@ -199,81 +162,81 @@ class LocalTorchTrainService(TrainService):
                 raise ValueError("world_size: every rank loads the model from model_path (pass no model=)")
             rank_group = start_ranks({**dict(config), "parallel": parallel}, world_size, parallel, _serve_follower)
         self.ranks = rank_group
-        seed = config["seed"]
+        seed = settings.seed
         if seed is not None:
-            torch.manual_seed(int(seed))
-            np.random.seed(int(seed) % 2**32)
-            random.seed(int(seed))
-        self.device = resolve_device(config["device"])
+            torch.manual_seed(seed)
+            np.random.seed(seed % 2**32)
+            random.seed(seed)
+        self.device = resolve_device(settings.device)
         if self.ranks is not None and self.device.type == "cuda":
             # Rank r on the box's GPU r; a rank Ray placed sees only its own GPU.
             self.device = torch.device("cuda", self.ranks.rank % torch.cuda.device_count())
             torch.cuda.set_device(self.device)
         if self.ranks is None or self.ranks.leader:
-            log_auto_device("train service", config["device"], self.device)
-        self.dtype = auto_dtype(config["dtype"], self.device)
-        log_auto_dtype("train service", config["dtype"], self.dtype, self.device)
+            log_auto_device("train service", settings.device, self.device)
+        self.dtype = auto_dtype(settings.dtype, self.device)
+        log_auto_dtype("train service", settings.dtype, self.dtype, self.device)
         if self.dtype not in TRAIN_DTYPES:
             raise ValueError(f"dtype: {self.dtype!r} is not one of {', '.join(TRAIN_DTYPES)} "
                              f"(bfloat16 trains with float32 master weights)")
         # The weights are the float32 masters whatever the compute precision.
-        model, tokenizer = model_from_config("LocalTorchTrainService", {**dict(config), "dtype": "float32"},
-                                             model, tokenizer, self.device)
+        model, tokenizer = model_from_config("LocalTorchTrainService", settings, model, tokenizer, self.device,
+                                             dtype="float32")
         if any(p.is_floating_point() and p.dtype != torch.float32 for p in model.parameters()):
             model = model.float()
         self.adapters = None  # the PeftModel wrapper when lora trains adapters (the model itself is adapted in place)
-        if config["lora"] is not None:
-            lora = LoraSettings.of(config["lora"], "lora")
-            if self.ranks is not None:
-                raise ValueError("lora: adapters train in one process for now (world_size 1, parallel auto)")
+        lora = settings.lora
+        if lora is not None:
             if lora.base_dtype == "bfloat16" and self.dtype != "bfloat16":
                 raise ValueError("lora.base_dtype: bfloat16 needs dtype: bfloat16 (bf16 autocast runs the frozen "
                                  "base's matmuls; without it a float32 input meets bf16 weights)")
             self.adapters = add_adapters(model, lora)
+        if settings.activation_checkpointing:
+            if not getattr(model, "supports_gradient_checkpointing", False):
+                raise ValueError(f"activation_checkpointing: {type(model).__name__} does not support it")
+            # non-reentrant: gradients reach the layers even when their input needs none (LoRA's frozen embedding)
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model = model
         # What a forward pass calls: the model, or DDP's wrapper around it (FSDP2 shards it in place).
         self._forward_model = model if self.ranks is None else wrap(model, self.ranks, self.device)
         self.tokenizer = tokenizer
-        micro = config["micro_batch_size"]
-        self.micro_batch_size = int(micro) if micro else None
-        if self.micro_batch_size is not None and self.micro_batch_size < 1:
-            raise ValueError(f"micro_batch_size must be >= 1, got {micro}")
-        self.packing = auto_flag(config["packing"], "packing")
-        self.max_tokens_per_pack = int(config["max_tokens_per_pack"])
-        if self.max_tokens_per_pack < 1:
-            raise ValueError(f"max_tokens_per_pack must be >= 1, got {self.max_tokens_per_pack}")
-        grad_clip = config["grad_clip"]
-        self.grad_clip = float(grad_clip) if grad_clip is not None and float(grad_clip) > 0 else None
-        self.offload_optimizer = bool(config["offload_optimizer"])
+        self.micro_batch_size = settings.micro_batch_size
+        self.packing = auto_flag(settings.packing, "packing")
+        self.max_tokens_per_pack = settings.max_tokens_per_pack
+        self.grad_clip = settings.grad_clip if settings.grad_clip > 0 else None
+        self.offload_optimizer = settings.offload_optimizer
 
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self._param_names = [n for n, _ in named]
         self._params = [p for _, p in named]
-        betas = config["betas"]
+        beta1, beta2 = settings.betas
         self.optimizer = torch.optim.AdamW(
             self._params,
-            lr=float(config["lr"]),
-            betas=(float(betas[0]), float(betas[1])),
-            eps=float(config["eps"]),
-            weight_decay=float(config["weight_decay"]),
+            lr=settings.lr,
+            betas=(beta1, beta2),
+            eps=settings.eps,
+            weight_decay=settings.weight_decay,
             # One fused kernel over all parameters; the default on CPU is a per-tensor Python loop.
             fused=(self.ranks is None and all(p.device.type in ("cpu", "cuda") for p in self._params)) or None,
         )
-        self.scheduler = _lr_scheduler(self.optimizer, config)
+        self.scheduler = _lr_scheduler(self.optimizer, settings)
         release_idle_workers()  # the thread that loaded the model computes no more here
 
     # ------------------------------------------------------------------ ranks
 
     def serve(self) -> None:
         """A follower rank's life: run each call rank 0 broadcasts until it says ``close``."""
+        ranks = self.ranks
+        if ranks is None:
+            raise RuntimeError("serve: only a follower rank serves")
         while True:
-            name, args, kwargs = self.ranks.receive_call()
+            name, args, kwargs = ranks.receive_call()
             if name == "close":
                 break
             result = getattr(type(self), name).__wrapped__(self, *args, **kwargs)
             if isinstance(result, GatheredWeights):
                 result.drain()  # rank 0's consumer gathers them in this order
-        self.ranks.close()
+        ranks.close()
 
     def close(self) -> None:
         """Stop the follower ranks (a no-op in one process)."""
@@ -285,13 +248,13 @@ class LocalTorchTrainService(TrainService):
             self.ranks.close()
             self.ranks = None
 
-    def _shard(self, batch: dict[str, Any]) -> tuple[dict[str, Any], list[list[int]]]:
+    def _shard(self, batch: dict[str, Any], ranks: RankGroup) -> tuple[dict[str, Any], list[list[int]]]:
         """This rank's rows of ``batch`` (:func:`~nexrl_torch.train.distributed.shard_rows`) and every rank's row indices."""
         rows = batch["input_ids"].shape[0]
         groups = batch.get("prompt_groups")
         groups = groups.tolist() if groups is not None else list(range(rows))
-        shards = shard_rows(groups, batch["attention_mask"].sum(-1).tolist(), self.ranks.world_size)
-        index = shards[self.ranks.rank]
+        shards = shard_rows(groups, batch["attention_mask"].sum(-1).tolist(), ranks.world_size)
+        index = shards[ranks.rank]
         return {k: _take(v, index, rows) for k, v in batch.items()}, shards
 
     def _pass_count(self, shards: list[list[int]]) -> int:
@@ -330,9 +293,10 @@ class LocalTorchTrainService(TrainService):
         CPU with the batch's other per-row tensors."""
         self._check(batch)
         self.model.eval()
-        mine, shards, passes, packs = batch, None, None, None
+        mine, passes, packs = batch, None, None
+        shards: list[list[int]] = []  # every rank's rows, when there are ranks
         if self.ranks is not None:
-            mine, shards = self._shard(batch)
+            mine, shards = self._shard(batch, self.ranks)
             passes = self._pass_count(shards)
             packs = self._packs_per_pass(batch, shards, passes)
         with self._out_of_memory("forward"), torch.no_grad(), self._autocast():
@@ -347,7 +311,7 @@ class LocalTorchTrainService(TrainService):
         return full
 
     @_every_rank
-    def forward_backward(self, batch: dict[str, Any], loss_fn: LossFn) -> dict[str, float]:
+    def forward_backward(self, batch: dict[str, Any], loss_fn: LossFn) -> dict[str, Any]:
         """Accumulate gradients of ``loss_fn`` over the batch, one micro-batch at a time.
 
         ``loss_fn(log_probs[B_mb, R], micro_batch) -> (loss, metrics)`` must return this
@@ -372,7 +336,7 @@ class LocalTorchTrainService(TrainService):
         shared = {"batch_num_seqs": int((mask.sum(-1) > 0).sum()), "batch_num_tokens": num_tokens}
         mine, passes, packs, scale = batch, None, None, 1.0
         if self.ranks is not None:
-            mine, shards = self._shard(batch)
+            mine, shards = self._shard(batch, self.ranks)
             passes = self._pass_count(shards)
             packs = self._packs_per_pass(batch, shards, passes)
             scale = float(self.ranks.world_size)  # FSDP and DDP average gradients over ranks: undo it (a sum)
@@ -403,7 +367,7 @@ class LocalTorchTrainService(TrainService):
             total_loss = sum(loss for loss, _, _ in gathered)
             parts = [part for _, rank_parts, _ in gathered for part in rank_parts]
             rows = _in_batch_order([r for _, _, r in gathered], shards, num_rows)
-        out = {"loss": total_loss, **algorithms.aggregate_metrics(parts), **self.memory_metrics()}
+        out: dict[str, Any] = {"loss": total_loss, **algorithms.aggregate_metrics(parts), **self.memory_metrics()}
         return {**out, ROW_OUTPUTS: rows} if rows else out
 
     @_every_rank
@@ -434,7 +398,7 @@ class LocalTorchTrainService(TrainService):
         if (self.ranks is not None and self.ranks.parallel == "fsdp") or self.adapters is not None:
             from ..models import load_causal_lm  # with adapters: the base, as the adapters start from it
 
-            model, _ = load_causal_lm(self.config["model_path"], dtype="float32", device=device)
+            model, _ = load_causal_lm(str(self.settings.model_path), dtype="float32", device=device)
         else:
             model = copy.deepcopy(self.model).to(device)
         return model.eval().requires_grad_(False)
@@ -503,18 +467,18 @@ class LocalTorchTrainService(TrainService):
         return self.export_weights()
 
     @_every_rank
-    def export_weights(self, copy: bool = False) -> dict[str, torch.Tensor]:
+    def export_weights(self, copy: bool = False) -> Mapping[str, torch.Tensor]:
         """The model's tensors by name, detached.
 
         Without ``copy`` they alias the live parameters: consume them (e.g. ``load_weights`` of
         the in-process engine copies them) before the next ``optim_step``.
         """
-        if self.adapters is not None:  # the merged weights: the engine serves them at full decode speed
-            merged = merged_state(self.model)
-            return {k: v.clone() for k, v in merged.items()} if copy else merged
-        state = self.model.state_dict()
+        # With adapters, the merged weights: the engine serves them at full decode speed.
+        state = merged_state(self.model) if self.adapters is not None else self.model.state_dict()
         if self.ranks is not None and self.ranks.parallel == "fsdp":
             return GatheredWeights(state)  # gathered weight by weight as the consumer copies them
+        if self.adapters is not None:  # merged tensors are new ones already
+            return {k: v.clone() for k, v in state.items()} if copy else state
         return {k: v.detach().clone() if copy else v.detach() for k, v in state.items()}
 
     def export_adapter(self, folder: str | os.PathLike) -> None:
@@ -522,7 +486,16 @@ class LocalTorchTrainService(TrainService):
         with ``load_lora_adapter``); NotImplementedError when this service trains every weight."""
         if self.adapters is None:
             raise NotImplementedError("the train service trains every weight (no service.train_service.lora)")
-        save_adapter(self.adapters, Path(folder))
+        self._write_adapter(str(folder))
+
+    @_every_rank
+    def _write_adapter(self, folder: str) -> None:
+        """Rank 0 writes the adapter; sharded by FSDP2, every rank first gathers it (collectives)."""
+        gathered = None
+        if self.ranks is not None and self.ranks.parallel == "fsdp":
+            gathered = dict(GatheredWeights(adapter_tensors(self.model)).items())
+        if self.ranks is None or self.ranks.leader:
+            save_adapter(self.adapters, Path(folder), gathered)
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -541,6 +514,8 @@ class LocalTorchTrainService(TrainService):
             tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
         if self.ranks is not None:
             tmp = Path(self.ranks.broadcast(str(tmp) if tmp else None))
+        if tmp is None:
+            raise RuntimeError("save_checkpoint: no folder to write (the leader makes it)")
         try:
             if self.ranks is not None and self.ranks.parallel == "fsdp":
                 sharded.save(self, tmp)  # every rank writes its shards (collectives)
@@ -703,14 +678,8 @@ class LocalTorchTrainService(TrainService):
         self.scheduler.load_state_dict({**self.scheduler.state_dict(), **json.loads(saved.read_text())})
 
     def _load_model(self, folder: Path) -> None:
-        has_adapter = (folder / ADAPTER_FOLDER).is_dir()
-        if self.adapters is not None or has_adapter:
-            if self.adapters is None:
-                raise ValueError(f"{folder}: the checkpoint holds a LoRA adapter; resume with the "
-                                 f"service.train_service.lora it was trained with")
-            if not has_adapter:
-                raise ValueError(f"{folder}: the checkpoint holds no LoRA adapter (a full fine-tune); resume "
-                                 f"without service.train_service.lora, or start a fresh run")
+        check_checkpoint(folder, self.adapters)
+        if self.adapters is not None:
             load_adapter(self.adapters, folder / ADAPTER_FOLDER)  # the base stays model_path's
             return
         loaded = sharded.model_tensors(folder)
@@ -731,7 +700,7 @@ class LocalTorchTrainService(TrainService):
         if torch.cuda.is_available():
             for i, s in enumerate(torch.cuda.get_rng_state_all()):
                 tensors[f"torch_cuda.{i}"] = s
-        kind, keys, pos, has_gauss, cached = np.random.get_state()
+        kind, keys, pos, has_gauss, cached = cast("tuple[str, np.ndarray, int, int, float]", np.random.get_state())
         tensors["numpy_keys"] = torch.from_numpy(keys.astype(np.int64))
         save_file(tensors, str(folder / "rng.safetensors"))
         version, py_state, gauss = random.getstate()
@@ -758,24 +727,24 @@ class LocalTorchTrainService(TrainService):
         random.setstate((py["version"], tuple(py["state"]), py["gauss_next"]))
 
 
-def _lr_scheduler(optimizer: torch.optim.Optimizer, config: Any) -> Any:
+def _lr_scheduler(optimizer: torch.optim.Optimizer, settings: TrainServiceSettings) -> Any:
     """transformers' scheduler for ``lr_scheduler`` with its warm-up; None for a constant lr without one."""
-    name, steps = str(config["lr_scheduler"]), config["total_steps"]
-    warmup, ratio = int(config["warmup_steps"]), float(config["warmup_ratio"])
+    name, steps = settings.lr_scheduler, settings.total_steps
+    warmup, ratio = settings.warmup_steps, settings.warmup_ratio
     if warmup and ratio:
         raise ValueError("warmup_steps and warmup_ratio: set one of them")
     if ratio or name != "constant":
         if steps is None:
             raise ValueError(f"lr_scheduler: {name} with warm-up or decay needs total_steps (the run's "
                              f"trainer.total_train_steps, given when the trainer builds this service)")
-        warmup = warmup or math.ceil(ratio * int(steps))
+        warmup = warmup or math.ceil(ratio * steps)
     if name == "constant" and not warmup:
         return None
     from transformers import get_scheduler
 
     kind = "constant_with_warmup" if name == "constant" else name
     return get_scheduler(kind, optimizer, num_warmup_steps=warmup,
-                         num_training_steps=int(steps) if steps is not None else None)
+                         num_training_steps=steps)
 
 
 def _serve_follower(config: dict[str, Any], group: RankGroup) -> None:

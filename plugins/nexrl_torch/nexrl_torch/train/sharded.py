@@ -5,7 +5,9 @@ model gathered to rank 0 in ``model.safetensors``), plus the optimizer's state a
 shards, written and read by torch.distributed.checkpoint through its safetensors storage
 (``optimizer/``; ``optimizer.json`` holds the parameter groups). A checkpoint resumes on any
 world size: torch.distributed.checkpoint reads the shards a new layout needs, and a one-process
-checkpoint's ``optimizer.safetensors`` is spread over the shards.
+checkpoint's ``optimizer.safetensors`` is spread over the shards. With LoRA the model file is the
+merged model and the adapter sits in PEFT's format beside it, as in one process; a resume reads the
+adapter only.
 """
 
 from __future__ import annotations
@@ -35,10 +37,20 @@ def save(service: Any, folder: Path) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
-    full = get_model_state_dict(service.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     optimizer = get_optimizer_state_dict(service.model, service.optimizer)
     dcp.save(_flat(optimizer), storage_writer=dcp.HuggingFaceStorageWriter(path=str(folder / OPTIMIZER_FOLDER),
                                                                             save_distributed=True))
+    if service.adapters is not None:
+        _save_adapted(service, folder)
+    else:
+        _save_full(service, folder, get_model_state_dict(service.model, options=StateDictOptions(
+            full_state_dict=True, cpu_offload=True)))
+    if service.ranks.leader:
+        (folder / "optimizer.json").write_text(json.dumps({"layout": "sharded", "param_groups": optimizer["param_groups"]},
+                                                          indent=1, sort_keys=True))
+
+
+def _save_full(service: Any, folder: Path, full: dict[str, torch.Tensor]) -> None:
     if not service.ranks.leader:
         return
     config = service.model.config
@@ -48,14 +60,36 @@ def save(service: Any, folder: Path) -> None:
     tied = getattr(config, "tie_word_embeddings", False)
     save_file({k: v.contiguous() for k, v in full.items() if not (tied and k == TIED_HEAD[0])},
               str(folder / "model.safetensors"), metadata={"format": "pt"})
-    (folder / "optimizer.json").write_text(json.dumps({"layout": "sharded", "param_groups": optimizer["param_groups"]},
-                                                      indent=1, sort_keys=True))
+
+
+def _save_adapted(service: Any, folder: Path) -> None:
+    """LoRA: the merged model (a from_pretrained folder) and the adapter in PEFT's format, each
+    gathered tensor by tensor (collectives on every rank) and kept by rank 0 only."""
+    from .distributed import GatheredWeights
+    from .lora import ADAPTER_FOLDER, adapter_tensors, merged_state, save_adapter
+
+    keep = service.ranks.leader
+    merged = {k: v.cpu() for k, v in GatheredWeights(merged_state(service.model)).items() if keep}
+    adapter = {k: v.cpu() for k, v in GatheredWeights(adapter_tensors(service.model)).items() if keep}
+    if keep:
+        if getattr(service.model.config, "tie_word_embeddings", False):
+            merged.pop(TIED_HEAD[0], None)  # gathered copies no longer share storage: saved once, as transformers does
+        service.model.save_pretrained(folder, state_dict=merged)
+        save_adapter(service.adapters, folder / ADAPTER_FOLDER, adapter)
 
 
 def load_model(service: Any, folder: Path) -> None:
-    """Every rank reads the full weights and keeps its shard."""
+    """Every rank reads the full weights and keeps its shard (with LoRA: the adapter's, onto the base
+    from ``model_path``)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
+    from .lora import ADAPTER_FOLDER, check_checkpoint, read_adapter
+
+    check_checkpoint(folder, service.adapters)
+    if service.adapters is not None:
+        set_model_state_dict(service.model, read_adapter(service.adapters, folder / ADAPTER_FOLDER),
+                             options=StateDictOptions(full_state_dict=True, strict=False))
+        return
     full = model_tensors(folder)
     head, embed = TIED_HEAD
     if getattr(service.model.config, "tie_word_embeddings", False) and head not in full and embed in full:
