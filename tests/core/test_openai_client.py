@@ -177,7 +177,7 @@ def test_api_key_from_environment(monkeypatch):
     with FakeOpenAIServer(api_key="sk-secret") as srv:
         client = OpenAICompatibleClient({"url": srv.url, "model": srv.model, **FAST})
         assert client.complete("What is 1 + 2?", SamplingParams()).text == "3"
-        wrong = OpenAICompatibleClient({"url": srv.url, "model": srv.model, "api_key": "nope", **FAST})
+        wrong = OpenAICompatibleClient({"url": srv.url, "model": srv.model, "api_key": "not-the-servers-key", **FAST})
         with pytest.raises(InferenceError, match=r"HTTP 401.*api_key"):
             wrong.complete("What is 1 + 2?", SamplingParams())
         assert srv.request_count == 2  # 401 is not retried
