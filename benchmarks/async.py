@@ -25,6 +25,11 @@ mode's speed over sync's, and whether its final accuracy lies within the seeds' 
     python benchmarks/async.py              # 30 steps x 3 seeds x 3 modes x 2 shapes: hours on 2 cores
     python benchmarks/async.py --quick      # 6 steps x 1 seed, validation at 0 and 6: ~10 min idle
     python benchmarks/async.py --dry-run    # a tiny random model, 2 steps: the plumbing (a test runs it)
+    python benchmarks/async.py --steps 10 --seeds 1 --shapes long_tail \
+        --variant lend fully_async_partial +service.inference_service.lend_idle_threads=true \
+        --variant sync_1thread sync +service.train_service.num_threads=1 +service.inference_service.num_threads=1
+        # one more mode per --variant, alternated with the others (here: the split with idle threads lent,
+        # and each part alone on one thread, the figures an overlap on two cores is bounded by)
 
 Results: ``benchmarks/results/async.json`` (``--out``) and a table on stdout.
 """
@@ -99,7 +104,7 @@ def run_overrides(args: argparse.Namespace, shape: str, mode: str, seed: int, ru
         out += [f"service.train_service.model_path={args.model}", f"service.inference_service.model_path={args.model}",
                 "validate.data.num_rows=8", "rollout_worker.sampling.max_tokens=8" if shape == "quickstart" else
                 "rollout_worker.sampling.max_tokens=24"]
-    return out + MODE_OVERRIDES[mode]
+    return out + args.mode_overrides[mode]
 
 
 def summarize(run_dir: Path) -> dict[str, Any]:
@@ -118,6 +123,7 @@ def summarize(run_dir: Path) -> dict[str, Any]:
         "truncated_frac_mean": statistics.fmean(r.get("train/truncated_frac", 0.0) for r in steps),
         "train_s_mean": statistics.fmean(r["timing/train_s"] for r in timed) if timed else float("nan"),
         "wait_batch_s_mean": statistics.fmean(r["timing/wait_batch_s"] for r in timed) if timed else float("nan"),
+        "weight_sync_s_mean": statistics.fmean(r["timing/weight_sync_s"] for r in timed) if timed else float("nan"),
         "staleness_max": max((r.get("train/token_staleness_max", 0.0) for r in steps), default=0.0),
         "stale_rerolled": steps[-1].get("pool/stale_rerolled", 0.0) if steps else 0.0,
         "val_accuracy": curve,
@@ -125,17 +131,24 @@ def summarize(run_dir: Path) -> dict[str, Any]:
 
 
 def run_one(args: argparse.Namespace, shape: str, mode: str, seed: int, work: Path) -> dict[str, Any]:
+    import torch
+
     from nexrl_core.cli import main
 
     run_dir = work / f"{shape}-{mode}-seed{seed}"
     load, started, cpu = load_average(), time.perf_counter(), time.process_time()
-    code = main(["run", str(RECIPE), *run_overrides(args, shape, mode, seed, run_dir)])
+    threads = torch.get_num_threads()
+    try:
+        code = main(["run", str(RECIPE), *run_overrides(args, shape, mode, seed, run_dir)])
+    finally:
+        torch.set_num_threads(threads)  # a run's num_threads is process-wide: the next run starts as this one did
     if code != 0:
         raise SystemExit(f"{shape}/{mode}/seed {seed}: nexrl run exited {code} (see {run_dir}/run.log)")
     result = {"shape": shape, "mode": mode, "seed": seed, "load_before": load,
               "wall_s": time.perf_counter() - started, "cpu_s": time.process_time() - cpu, **summarize(run_dir)}
     print(f"  {shape:10s} {mode:20s} seed {seed}: {result['steps_per_s']:.3f} steps/s, "
-          f"{result['trained_tokens_per_s']:.1f} trained tokens/s, val {result['val_accuracy']}, "
+          f"{result['trained_tokens_per_s']:.1f} trained tokens/s (train {result['train_s_mean']:.2f} s, wait "
+          f"{result['wait_batch_s_mean']:.2f} s, push {result['weight_sync_s_mean']:.2f} s a step), val {result['val_accuracy']}, "
           f"token staleness <= {result['staleness_max']:.0f}, {result['stale_rerolled']:.0f} re-rolled stale "
           f"(load {load:.1f} before)", flush=True)
     return result
@@ -145,7 +158,8 @@ def compare(results: list[dict[str, Any]]) -> dict[str, Any]:
     """Per shape and mode: medians over the seeds, speed over sync's, final accuracy against sync's spread."""
     table: dict[str, Any] = {}
     for shape in sorted({r["shape"] for r in results}):
-        by_mode = {m: [r for r in results if r["shape"] == shape and r["mode"] == m] for m in MODES}
+        modes = list(dict.fromkeys(r["mode"] for r in results))
+        by_mode = {m: [r for r in results if r["shape"] == shape and r["mode"] == m] for m in modes}
         base = by_mode.get("sync") or []
         base_speed = statistics.median(r["trained_tokens_per_s"] for r in base) if base else None
         base_steps = statistics.median(r["steps_per_s"] for r in base) if base else None
@@ -178,8 +192,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     parser.add_argument("--long-tail-tokens", type=int, default=96, help="max_tokens of the long-tail shape")
     parser.add_argument("--out", default=None, help="results JSON (default benchmarks/results/async[_quick].json)")
+    parser.add_argument("--variant", action="append", nargs="+", default=[], metavar="NAME BASE KEY=VALUE",
+                        help="one more mode, alternated with the others: mode BASE (one of the modes) with these "
+                             "recipe overrides, e.g. --variant lend fully_async_partial "
+                             "+service.inference_service.lend_idle_threads=true")
     parser.add_argument("--work", default=None, help="folder for the runs (default: a temporary one)")
     args = parser.parse_args(argv)
+    args.mode_overrides = {m: MODE_OVERRIDES[m] for m in args.modes}
+    for name, base, *overrides in (v + [""] if len(v) == 1 else v for v in args.variant):
+        if name in args.mode_overrides or base not in MODES or not all("=" in o for o in overrides):
+            raise SystemExit(f"--variant: expected a new NAME, a BASE mode of {MODES} and KEY=VALUE overrides, "
+                             f"got {[name, base, *overrides]}")
+        args.mode_overrides[name] = MODE_OVERRIDES[base] + overrides
+    args.modes = list(args.mode_overrides)
     args.model = None
     if args.dry_run:
         args.steps, args.seeds, args.validate_freq = args.steps or 2, args.seeds or [1], 2
@@ -210,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{'' if row['final_within_sync_spread'] is None else '  within sync spread: ' + str(row['final_within_sync_spread'])}")
     record = {"kind": kind, "cpu": cpu_name(), "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
               "load_after": load_average(), "steps": args.steps, "seeds": args.seeds,
-              "long_tail_tokens": args.long_tail_tokens, "runs": results, "table": table}
+              "long_tail_tokens": args.long_tail_tokens, "overrides": args.mode_overrides, "runs": results, "table": table}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=1, default=str) + "\n")
     print(f"wrote {out}")

@@ -122,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
             pair["plain_settle"] = settle(args.settle_s)
             pair["plain"] = run([GRPO_VS_TRL, "--quick", "--json", plain_json], f"pair {i + 1}, as shipped")
             pairs.append(pair)
+            write(args.out, args.slowdown, pairs)
             if not os.path.exists(plain_json):  # killed (the OOM killer, on a crowded machine): no figures
                 continue
             with open(plain_json) as f:
@@ -132,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
             pair["slow_settle"] = settle(args.settle_s)
             pair["slowed"] = run([os.path.abspath(__file__), "--child", str(sleep_s), counts, "--quick",
                                   "--json", slow_json], f"pair {i + 1}, {sleep_s * 1e3:.1f} ms slept per decode step")
+            write(args.out, args.slowdown, pairs)  # a run that died keeps its output tail
             if not os.path.exists(slow_json):
                 continue
             with open(slow_json) as f:
@@ -155,14 +157,19 @@ def main(argv: list[str] | None = None) -> int:
                   f"{decode_steps_per_step:.1f} decode steps a step); ratio {ratio_plain:.2f}x -> {ratio_slow:.2f}x "
                   f"({ratio_slow / ratio_plain - 1:+.1%}); other load {plain['other_load']} / {slow['other_load']}",
                   flush=True)
-            if args.out:
-                with open(args.out, "w") as f:
-                    json.dump({"slowdown": args.slowdown, "pairs": pairs}, f, indent=1)
-                    f.write("\n")
+            write(args.out, args.slowdown, pairs)
     flagged = sum(p.get("slowed", {}).get("exit") == 1 for p in pairs)
     clean = sum(p["plain"]["exit"] == 0 for p in pairs)
     print(f"slowed runs flagged: {flagged} of {len(pairs)}; runs as shipped passing: {clean} of {len(pairs)}")
     return 0 if flagged == clean == len(pairs) else 1
+
+
+def write(path: str | None, slowdown: float, pairs: list[dict[str, Any]]) -> None:
+    """Every run so far, after each run (a run that dies, or a script stopped later, loses nothing)."""
+    if path:
+        with open(path, "w") as f:
+            json.dump({"slowdown": slowdown, "pairs": pairs}, f, indent=1)
+            f.write("\n")
 
 
 if __name__ == "__main__":

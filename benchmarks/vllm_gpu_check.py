@@ -171,8 +171,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from nexrl_torch.models import load_causal_lm, resolve_model_path
-    from nexrl_torch.rollout.weights import SMOLLM2
+    from nexrl_torch.models import SMOLLM2, load_causal_lm, resolve_model_path
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

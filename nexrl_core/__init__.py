@@ -4,13 +4,20 @@ from typing import TYPE_CHECKING
 
 from . import algorithms
 from .api import run
-from .config.bound import BoundConfig, UndeclaredKey, bind, declared_value
+from .cli import migration_table as _migration_table  # noqa: F401  (the checks' hints for NexRL keys)
 from .config.options import REQUIRED, Capabilities, Option, check_options, component_options
 from .config.settings import Settings, setting
 from .controller import NexRLController, RunFailed, RunSummary
 from .dataloader import BaseDataLoader
 from .errors import ConfigError, DataError, ErrorReporter, ErrorSeverity, NexRLError, PluginError
-from .evaluation import BaseEvaluationTarget, EvaluationRunResult, Evaluator
+from .evaluation import (
+    ANSWER_FIELDS,
+    BaseEvaluationTarget,
+    EvaluationRunResult,
+    Evaluator,
+    required_row_field,
+    row_field,
+)
 from .launch.processes import (
     StartedProcess,
     processes_are_actors,
@@ -21,7 +28,7 @@ from .launch.processes import (
 )
 from .markers import hookimpl
 from .plugins import PluginManager, get_plugin_manager
-from .rollout_worker import BaseRolloutWorker, ItemFailure
+from .rollout_worker import BaseRolloutWorker, ItemFailure, RolloutParts
 from .runtime.activity import ActivityTracker, ActivityTrackerProxy
 from .runtime.execute import (
     Deferred,
@@ -40,7 +47,7 @@ from .runtime.sinks import MetricsSink
 from .runtime.threaded import ThreadedModule
 from .runtime.train_service import StepResult, TrainService
 from .tool_calls import as_text_messages, parse_tool_calls, render_tool_calls, tools_system_prompt
-from .trainer import BaseTrainer
+from .trainer import BaseTrainer, TrainerParts
 from .trajectory_pool import (
     GroupedTrajectoryStore,
     HierarchicalTrajectoryStore,
@@ -52,7 +59,10 @@ from .types import (
     Batch,
     ModelTag,
     NexRLRole,
+    SampleResult,
+    TrainOutput,
     Trajectory,
+    TrajectoryBatch,
     trajectory_reward,
     trajectory_segments,
     trajectory_token_versions,
@@ -62,18 +72,19 @@ from .weight_sync import WeightSyncBackend, WeightSyncController
 
 __all__ = [
     "ActivityTracker", "ActivityTrackerProxy", "BaseDataLoader", "BaseEvaluationTarget", "BaseRolloutWorker",
-    "BaseTrainer", "Batch", "BoundConfig", "Capabilities", "CompletionResult", "ConfigError", "DataError", "Deferred",
+    "BaseTrainer", "Batch", "Capabilities", "CompletionResult", "ConfigError", "DataError", "Deferred",
     "ErrorReporter", "ErrorSeverity", "EvaluationRunResult", "Evaluator", "FileDataLoader",
     "GroupedTrajectoryStore", "HierarchicalTrajectoryStore", "InferenceClient", "InferenceError", "ItemFailure",
     "MemoryItem", "MemoryPlan", "MetricsSink", "PlanInputs", "Saving",
     "ModelTag", "ModuleUnavailable", "NexRLController", "NexRLError", "NexRLModule", "NexRLRole",
     "OpenAICompatibleClient", "Option", "PluginError", "PluginManager", "REQUIRED", "RpcTimeout", "RunFailed",
-    "RunSummary", "SamplingParams", "Settings", "SimpleRolloutWorker", "SimpleTrajectoryStore", "StartedProcess", "StepResult",
-    "ThreadedModule", "TrainService", "Trajectory", "TrajectoryPool", "TrajectoryPoolInstance", "UndeclaredKey", "Validator",
-    "WeightSyncBackend", "WeightSyncController", "algorithms", "as_text_messages", "bind", "check_options", "declared_value",
+    "RolloutParts", "RunSummary", "SamplingParams", "Settings", "SimpleRolloutWorker", "SimpleTrajectoryStore", "StartedProcess", "StepResult",
+    "SampleResult", "ThreadedModule", "TrainOutput", "TrainService", "TrainerParts", "Trajectory", "TrajectoryBatch", "TrajectoryPool", "TrajectoryPoolInstance", "Validator",
+    "WeightSyncBackend", "WeightSyncController", "algorithms", "as_text_messages", "check_options",
     "component_options", "deferred", "demote_library_log", "execute", "execute_async", "execute_with_timeout",
     "get_plugin_manager", "hookimpl", "parse_tool_calls", "processes_are_actors", "render_tool_calls", "rendezvous_host",
     "share", "start_objects", "start_processes",
+    "ANSWER_FIELDS", "required_row_field", "row_field",
     "run", "setting", "tools_system_prompt", "trajectory_reward", "trajectory_segments", "trajectory_token_versions",
 ]
 

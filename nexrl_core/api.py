@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .launch.prologue import StartedRun
 
 
 def run(config: str | os.PathLike[str] | Mapping[str, Any], overrides: Sequence[str] = (), *,
@@ -48,7 +51,7 @@ def run(config: str | os.PathLike[str] | Mapping[str, Any], overrides: Sequence[
     return summary
 
 
-def run_started(started: Any, listeners: Sequence[Any] = (), *, on_controller: Any = None,
+def run_started(started: StartedRun, listeners: Sequence[Any] = (), *, on_controller: Any = None,
                 on_restart: Any = None) -> Any:
     """The controller over a started run (:func:`nexrl_core.launch.prologue.start_run`) to its end;
     after a failure, with ``resume.on_failure: restart``, again from the newest checkpoint, as often
@@ -60,7 +63,8 @@ def run_started(started: Any, listeners: Sequence[Any] = (), *, on_controller: A
     from .controller import NexRLController, RunFailed
 
     while True:
-        started.controller = NexRLController(started.cfg, started.pm, listeners=list(listeners), started=True)
+        started.controller = NexRLController(started.cfg, started.pm, listeners=list(listeners),
+                                             settings=started.settings)
         if on_controller is not None:
             on_controller(started.controller)
         try:
@@ -68,7 +72,7 @@ def run_started(started: Any, listeners: Sequence[Any] = (), *, on_controller: A
         except RunFailed as exc:
             if not started.restarts.allowed():
                 raise
-            delay = started.restarts.next(started.controller.final_step(), str(exc), started.record)
+            delay = started.restart(started.controller.final_step(), str(exc))
             if on_restart is not None:
                 on_restart(str(exc), delay)
             time.sleep(delay)

@@ -10,13 +10,15 @@ from __future__ import annotations
 import random
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from loguru import logger
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from .checkpoint import find_latest_checkpoint
+from .config.schema import RecipeSettings
 from .errors import NexRLError
 from .launch import create_resource_manager
 from .launch.preflight import dataloader_config, records_config, require_runnable, resume_checkpoint
@@ -53,16 +55,17 @@ class RunSummary:
 class NexRLController:
     def __init__(self, config: DictConfig, plugin_manager: PluginManager | None = None,
                  eval_only: bool = False, eval_out: str | None = None, listeners: list[Any] | None = None,
-                 started: bool = False):
+                 settings: RecipeSettings | None = None):
         """``eval_only``: build for ``nexrl eval`` (no trainer, no training data), recording failed
         samples in ``eval_out`` (None: nowhere), never in the training run's run_dir.
 
-        ``started``: the run's prologue (``nexrl run``, ``nexrl_core.run()``) already checked the
-        recipe and prepared ``run_dir``; without it (a seed-style ``NexRLController(cfg).run()``) the
-        controller does both. A seed-shaped ``config`` (one nexrl did not load, such as the DictConfig
-        a Hydra ``main`` receives, without the sections nexrl has defaults for) is first composed as
-        ``nexrl_core.run(config)`` composes it, and the run then gets that call's records too (run.log,
-        run.json naming the Hydra config file and overrides, config.yaml).
+        ``settings``: ``config`` read by the run's prologue (``nexrl run``, ``nexrl_core.run()``),
+        which checked the recipe and prepared ``run_dir``; without it (a seed-style
+        ``NexRLController(cfg).run()``) the controller does both and reads ``config`` itself. A
+        seed-shaped ``config`` (one nexrl did not load, such as the DictConfig a Hydra ``main``
+        receives, without the sections nexrl has defaults for) is first composed as
+        ``nexrl_core.run(config)`` composes it, and the run then gets that call's records too
+        (run.log, run.json naming the Hydra config file and overrides, config.yaml).
 
         ``listeners``: objects with ``log(metrics, step)`` (a metrics sink's interface) that follow the
         run in this process (the driver), whatever the launch mode: every metrics row (with its
@@ -71,38 +74,40 @@ class NexRLController:
         self._eval_only = eval_only
         self._eval_out = eval_out
         self._seed_run: Any = None  # the prologue this controller ran for a seed-shaped config
-        if not started and not is_loaded(config):
-            config, self._seed_run = self._start_seed_config(config)
-        elif not started:  # a run the prologue started was checked there, once (launch/prologue.py)
+        if settings is None and not is_loaded(config):
+            config, settings = self._start_seed_config(config)
+        elif settings is None:  # a run the prologue started was checked there, once (launch/prologue.py)
             require_runnable(config, self._pm, eval_only=eval_only)  # what `nexrl validate` checks, before any file
+            settings = _eval_settings(config) if eval_only else RecipeSettings.of(config)
             if not eval_only:
-                prepare_run_dir(config)
-        self._config = config
+                prepare_run_dir(settings)
+        self._config = config  # the components' sections (their own keys) are read from it
+        self._settings = settings
         self._final_step = 0
         try:
-            self._build(config, listeners)
+            self._build(settings, listeners)
         except BaseException as exc:
             if self._seed_run is not None:
                 self._seed_failed(exc)
             raise
 
-    def _build(self, config: DictConfig, listeners: list[Any] | None) -> None:
-        random.seed(int(config.seed))
+    def _build(self, settings: RecipeSettings, listeners: list[Any] | None) -> None:
+        random.seed(settings.seed)
         self._stop_requested = threading.Event()
         self._stop_reason = ""
         self._dead: list[str] = []  # modules the health check found dead (their work never ends)
-        self._next_health = time.monotonic() + float(config.runtime_monitor.health_check.check_interval)
+        self._next_health = time.monotonic() + settings.runtime_monitor.health_check.check_interval
         self._unhealthy_since: float | None = None
         self._validations: list[dict[str, float]] = []
         self._final_errors: list[str] = []
         self._listeners = list(listeners or [])
         self._rows_cursor = 0
         self._failed_listeners: set[int] = set()
-        self.run_dir = str(config.run_dir)
+        self.run_dir = settings.run_dir
         #: validation trajectories of the last :meth:`run_evaluation`
         self.evaluation_samples: list[Trajectory] = []
-        self._model_tag = str(config.service.inference_service.model_tag)
-        self.resource_manager = create_resource_manager(config, self._pm)
+        self._model_tag = settings.service.inference_service.model_tag
+        self.resource_manager = create_resource_manager(self._config, self._pm, settings)
         self._register_roles()
         self.resource_manager.create_all_actors()
         try:
@@ -112,20 +117,26 @@ class NexRLController:
             self.resource_manager.shutdown()  # no actor or cluster outlives a run that could not start
             raise
 
+    @property
+    def settings(self) -> RecipeSettings:
+        """The run's recipe as the core reads it (typed, checked)."""
+        return self._settings
+
     # -- construction ---------------------------------------------------------------
-    def _start_seed_config(self, config: Any) -> tuple[DictConfig, Any]:
+    def _start_seed_config(self, config: Mapping[str, Any]) -> tuple[DictConfig, RecipeSettings]:
         """A seed-shaped config composed (core and component defaults, interpolations resolved) and
         checked as ``nexrl validate`` checks a recipe; a training run then gets ``nexrl_core.run``'s
-        prologue (run_dir prepared, run.log, run.json, config.yaml). Returns the config and the
-        started run (None for ``eval_only``)."""
+        prologue (run_dir prepared, run.log, run.json, config.yaml: ``self._seed_run``). Returns the
+        config and its settings."""
         from .launch.prologue import load_mapping
 
         origin = seed_origin()
         cfg = load_mapping(config, folder=origin.folder)
         if self._eval_only:
             require_runnable(cfg, self._pm, eval_only=True)
-            return cfg, None
-        return cfg, start_run(cfg, self._pm, origin.recipe, origin.overrides)
+            return cfg, _eval_settings(cfg)
+        self._seed_run = start_run(cfg, self._pm, origin.recipe, origin.overrides)
+        return cfg, self._seed_run.settings
 
     def _create(self, kind: str, name: Any, key: str) -> type:
         return self._pm.resolve(kind, name, key)
@@ -134,28 +145,30 @@ class NexRLController:
         """Every module of the run, in the seed's order (data loaders, pool/validator, weight
         sync, trainer, workers); the tracker first, the inference service just before the
         workers that use it. Classes are resolved here, so a bad name fails before anything is built."""
-        cfg, rm = self._config, self.resource_manager
+        cfg, settings, rm = self._config, self._settings, self.resource_manager
+        # The records, the weight-sync backend and the components read their own keys of the recipe
+        # (nexrl_core.launch.parts): they get its mappings; the core's own modules their settings.
         rm.register_role(NexRLRole.ACTIVITY_TRACKER, ActivityTracker,
                          records_config(cfg, self._eval_out) if self._eval_only else cfg)
         if not self._eval_only:
-            rm.register_role(NexRLRole.DATA_LOADER, self._create("dataloader", cfg.data.type, "data.type"),
+            rm.register_role(NexRLRole.DATA_LOADER, self._create("dataloader", settings.data.type, "data.type"),
                              dataloader_config(cfg, "data"), kwargs={"is_validate": False})
-        if cfg.validate.get("data") is not None:
+        if settings.validate.data is not None:
             rm.register_role(NexRLRole.VALIDATE_DATALOADER,
-                             self._create("dataloader", cfg.validate.data.type, "validate.data.type"),
+                             self._create("dataloader", settings.validate.data.type, "validate.data.type"),
                              dataloader_config(cfg, "validate.data"), kwargs={"is_validate": True})
-        rm.register_role(NexRLRole.TRAJECTORY_POOL, TrajectoryPool, cfg.trajectory_pool)
-        rm.register_role(NexRLRole.VALIDATOR, Validator, cfg.validate)
+        rm.register_role(NexRLRole.TRAJECTORY_POOL, TrajectoryPool, settings.trajectory_pool)
+        rm.register_role(NexRLRole.VALIDATOR, Validator, settings.validate)
         rm.register_role(NexRLRole.WEIGHT_SYNC_CONTROLLER, WeightSyncController, cfg.weight)
         if not self._eval_only:
             rm.register_role(NexRLRole.TRAINER, self._pm.resolve_section("trainer", cfg.trainer, "trainer"), cfg)
-        inference = cfg.service.inference_service
         rm.register_role(NexRLRole.INFERENCE_SERVICE,
-                         self._create("inference_backend", inference.backend, "service.inference_service.backend"),
-                         inference)
+                         self._create("inference_backend", settings.service.inference_service.backend,
+                                      "service.inference_service.backend"),
+                         cfg.service.inference_service)
         rm.register_role(NexRLRole.ROLLOUT_WORKER,
                          self._pm.resolve_section("rollout_worker", cfg.rollout_worker, "rollout_worker"),
-                         cfg.rollout_worker, count=int(cfg.rollout_worker.num_workers))
+                         cfg.rollout_worker, count=settings.rollout_worker.num_workers)
 
     def _take_handles(self) -> None:
         rm = self.resource_manager
@@ -175,7 +188,7 @@ class NexRLController:
         self.rollout_workers = rm.get_actor_wrapper(NexRLRole.ROLLOUT_WORKER)
 
     def _set_module_references(self) -> None:
-        cfg, tracker = self._config, self.activity_tracker
+        settings, tracker = self._settings, self.activity_tracker
         proxy = ActivityTrackerProxy(tracker)
         modules: list[tuple[str, Any, bool]] = [
             (name, loader, False) for name, loader in (("data_loader", self.dataloader),
@@ -195,12 +208,11 @@ class NexRLController:
             execute(module.set_activity_tracker, proxy)
             execute(tracker.register_module, name, module, is_worker)
         execute(tracker.register_module, "inference_service", self.inference_client)
-        limit = cfg.weight.get("rollout_limit")
+        limit, batch_size = settings.weight.rollout_limit, settings.trajectory_pool.batch_size
         if limit is not None:
-            execute(self.weight_sync_controller.set_rollout_budget,
-                    int(cfg.trajectory_pool.batch_size) if limit == "batch" else int(limit))
-        ahead = execute(self.weight_sync_controller.bound_rollouts_ahead, int(cfg.trajectory_pool.batch_size))
-        if ahead is not None and cfg.launch_mode == "local" and self.trainer is not None:
+            execute(self.weight_sync_controller.set_rollout_budget, batch_size if limit == "batch" else int(limit))
+        ahead = execute(self.weight_sync_controller.bound_rollouts_ahead, batch_size)
+        if ahead is not None and settings.launch_mode == "local" and self.trainer is not None:
             execute(self.inference_client.share_cpus_with_trainer)  # the engine and the trainer overlap here
         execute(self.trajectory_pool.set_module_references, self.dataloader, self.weight_sync_controller)
         execute(self.validator.set_module_references, self.validate_dataloader)
@@ -255,7 +267,6 @@ class NexRLController:
             execute(self.activity_tracker.set_run_stopping_severities, self._run_stopping_severities())
             execute(self.trainer.initialize_workers)
             start_step = self._load_initial_checkpoint()
-            cfg = self._config
             due = self._validation_due(start_step)
             if due:
                 self._start_validate(self._model_tag)
@@ -266,14 +277,14 @@ class NexRLController:
                 self._end_validate(self._model_tag, start_step)
                 self._feed_listeners()
             execute(self.trainer.run)
-            stopped_by, error = self._monitor(cfg)
+            stopped_by, error = self._monitor()
         except NexRLError as exc:
             if self._stop_requested.is_set() and isinstance(exc, _StopRequested):
                 stopped_by = "signal"  # stopped before the monitor loop (e.g. during a validation)
             else:
                 stopped_by, error = "error", str(exc)
         finally:
-            self._stop(save=stopped_by == "signal" and bool(self._config.trainer.get("save_on_stop")))
+            self._stop(save=stopped_by == "signal" and self._settings.trainer.save_on_stop)
         summary = RunSummary(self._final_step, stopped_by, list(self._validations), list(self._final_errors))
         if error is not None:
             raise RunFailed(error)
@@ -298,14 +309,14 @@ class NexRLController:
         if self.validate_dataloader is None:
             return False
         if start_step == 0:
-            return bool(self._config.validate.validate_before_train)
-        freq = int(self._config.weight.validate_freq)
+            return self._settings.validate.validate_before_train
+        freq = self._settings.weight.validate_freq
         return freq > 0 and start_step % freq == 0  # the resumed step's validation was not recorded
 
-    def _monitor(self, cfg: DictConfig) -> tuple[str, str | None]:
-        rm = cfg.runtime_monitor
+    def _monitor(self) -> tuple[str, str | None]:
+        rm = self._settings.runtime_monitor
         wsc, tracker = self.weight_sync_controller, self.activity_tracker
-        self._next_health = time.monotonic() + float(rm.health_check.check_interval)
+        self._next_health = time.monotonic() + rm.health_check.check_interval
         next_exc = next_feed = time.monotonic()
         while True:
             if self._stop_requested.is_set():
@@ -326,15 +337,15 @@ class NexRLController:
                 failed = execute(tracker.failed_samples_verdict)  # the last step may have just failed
                 if not failed and rm.exception_handling.enabled and not self._check_module_exceptions():
                     # an error the policy stops on, reported since the last check: never a quiet finish
-                    failed = self._policy_message(str(rm.exception_handling.policy))
+                    failed = self._policy_message(rm.exception_handling.policy)
                 return ("error", failed) if failed else ("finished", None)
             if trainer["last_error"] is not None:
                 return "error", f"the trainer stopped at step {trainer['global_step'] + 1}: {trainer['last_error']}"
             now = time.monotonic()
             if rm.exception_handling.enabled and now >= next_exc:
-                next_exc = now + float(rm.exception_handling.check_interval)
+                next_exc = now + rm.exception_handling.check_interval
                 if not self._check_module_exceptions():
-                    return "error", self._policy_message(str(rm.exception_handling.policy))
+                    return "error", self._policy_message(rm.exception_handling.policy)
             dead = self._health_failure()
             if dead:
                 return "error", dead
@@ -343,17 +354,17 @@ class NexRLController:
     def _health_failure(self) -> str | None:
         """Every ``health_check.check_interval`` (from the monitor loop and while a validation runs):
         the message of modules unhealthy for ``grace_period``, else None."""
-        check = self._config.runtime_monitor.health_check
+        check = self._settings.runtime_monitor.health_check
         now = time.monotonic()
         if not check.enabled or now < self._next_health:
             return None
-        self._next_health = now + float(check.check_interval)
-        dead = execute(self.activity_tracker.dead_modules, float(check.timeout))
+        self._next_health = now + check.check_interval
+        dead = execute(self.activity_tracker.dead_modules, check.timeout)
         if not dead:
             self._unhealthy_since = None
             return None
         self._unhealthy_since = self._unhealthy_since or now
-        if now - self._unhealthy_since >= float(check.grace_period):
+        if now - self._unhealthy_since >= check.grace_period:
             self._dead = list(dead)
             return self._dead_message(dead)
         logger.warning(f"not answering health checks: {', '.join(dead)}; waiting up to "
@@ -379,7 +390,7 @@ class NexRLController:
 
     def _run_stopping_severities(self) -> list[str]:
         """The severities :meth:`_check_module_exceptions` stops the run on."""
-        handling = self._config.runtime_monitor.exception_handling
+        handling = self._settings.runtime_monitor.exception_handling
         if not handling.enabled or handling.policy == "continue":
             return []
         return ["critical"] if handling.policy == "stop_on_critical" else ["error", "critical"]
@@ -426,7 +437,7 @@ class NexRLController:
 
     def _check_module_exceptions(self) -> bool:
         status = execute(self.activity_tracker.get_error_health_status)
-        policy = self._config.runtime_monitor.exception_handling.policy
+        policy = self._settings.runtime_monitor.exception_handling.policy
         if policy == "continue":
             return True
         if policy == "stop_on_critical":
@@ -472,7 +483,7 @@ class NexRLController:
         wsc = self.weight_sync_controller
         path = self._load_resume_checkpoint()
         if path is None:
-            if self._config.resume.mode == "auto":  # nothing to resume: an earlier run saved no checkpoint
+            if self._settings.resume.mode == "auto":  # nothing to resume: an earlier run saved no checkpoint
                 execute(self.activity_tracker.truncate_records_after, 0)
             execute(wsc.sync_weight_to_rollout_service, self._model_tag)
             return 0
@@ -500,7 +511,7 @@ class NexRLController:
     def _stop(self, save: bool = False) -> None:
         """Stop every module, save if asked, close the records. Each step is attempted even when an
         earlier one fails (a module that is gone must not keep the others running)."""
-        timeout = float(self._config.runtime_monitor.stop_timeout)
+        timeout = self._settings.runtime_monitor.stop_timeout
         tracker, trainer = self.activity_tracker, self.trainer
         try:
             for worker in self.rollout_workers:  # all at once: none starts a new task while others stop
@@ -528,6 +539,13 @@ class NexRLController:
             _best_effort("closing the inference client", self.inference_client.close)
             _best_effort("closing the run records", tracker.close)
             self.resource_manager.shutdown()
+
+
+def _eval_settings(config: DictConfig) -> RecipeSettings:
+    """``nexrl eval``'s reading of a recipe: it builds no trainer, so the recipe may name none."""
+    values = cast(dict[str, Any], OmegaConf.to_container(config, resolve=True))
+    values["trainer"] = {"type": "(no trainer: nexrl eval)", **dict(values["trainer"])}
+    return RecipeSettings.of(values)
 
 
 def _best_effort(what: str, method: Any, *args: Any) -> Any:

@@ -35,8 +35,10 @@ import random
 import threading
 from abc import ABC, abstractmethod
 from collections import deque
+from collections.abc import Mapping
 from typing import Any
 
+from .config.settings import Section, read_section
 from .errors import DataError, NexRLError
 from .runtime.module import NexRLModule
 
@@ -44,9 +46,9 @@ from .runtime.module import NexRLModule
 class BaseDataLoader(NexRLModule, ABC):
     """Queue of tasks over a list of rows. Subclasses implement :meth:`load_rows`."""
 
-    def __init__(self, config: Any, is_validate: bool = False):
+    def __init__(self, config: Mapping[str, Any] | None, is_validate: bool = False):
         super().__init__()
-        self._config = config = self.bind_config(config, is_validate)
+        self._config = config = self.own_section(config, is_validate)
         self._is_validate = is_validate
         self._seed = int(config["seed"])
         self._shuffle = bool(config["shuffle"])
@@ -81,11 +83,11 @@ class BaseDataLoader(NexRLModule, ABC):
         """Return every data row (dicts). Raise DataError naming ``file:line`` on bad input."""
 
     @classmethod
-    def bind_config(cls, config: Any, is_validate: bool = False) -> Any:
-        """``data`` (or ``validate.data``) bound to the core's and this loader's declarations, with the
-        keys the launcher sets (:func:`nexrl_core.launch.preflight.dataloader_config`)."""
-        from .config.bound import bind_component
-        from .config.options import Option
+    def own_section(cls, config: Mapping[str, Any] | None, is_validate: bool = False) -> Section:
+        """``data`` (or ``validate.data``) as this loader reads it (``self._config``): read-only, the
+        core's keys, this loader's own and those the launcher sets
+        (:func:`nexrl_core.launch.preflight.dataloader_config`), defaults filled."""
+        from .config.options import Option, component_options
         from .config.schema import DATA, VALIDATE_DATA
 
         set_by_nexrl = {
@@ -95,14 +97,15 @@ class BaseDataLoader(NexRLModule, ABC):
         }
         if is_validate:  # not shuffled: a loader that draws its rows declares its own seed (data.seed trains)
             set_by_nexrl["seed"] = Option(0, int, "seed of the rows a validation loader draws")
-        return bind_component(config, cls, VALIDATE_DATA if is_validate else DATA,
-                              "validate.data" if is_validate else "data", set_by_nexrl)
+        core = VALIDATE_DATA if is_validate else DATA
+        return read_section(config, {**(component_options(cls) or {}), **core, **set_by_nexrl},
+                            "validate.data" if is_validate else "data")
 
     def describe(self) -> str:
         return type(self).__name__
 
     @classmethod
-    def declared_domains(cls, section: Any) -> list[str] | None:
+    def declared_domains(cls, section: object) -> list[str] | None:
         """The domains a recipe section of this loader gives its rows (None: not known before the
         data is read). ``nexrl validate`` checks per-domain settings against them."""
         return None

@@ -1,10 +1,48 @@
-"""The seed's evaluation types: what an evaluator sees and returns."""
+"""The seed's evaluation types: what an evaluator sees and returns; how it reads a data row's fields."""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+# Where data rows usually keep the expected answer: verl's and NexRL 1.x's math rows
+# ({"reward_model": {"style": "rule", "ground_truth": "72"}, ...}), and most others.
+ANSWER_FIELDS = ("reward_model.ground_truth", "answer")
+
+
+def row_field(row: Mapping[str, Any], key: str) -> Any:
+    """``row[key]`` when the row has that key; else the value a dotted ``key`` names, one mapping
+    level per part (``reward_model.ground_truth``); None when there is none."""
+    if key in row:
+        return row[key]
+    value: Any = row
+    for part in key.split("."):
+        if not isinstance(value, Mapping) or part not in value:
+            return None
+        value = value[part]
+    return value
+
+
+def _absent(value: Any) -> bool:
+    return value is None or (isinstance(value, str) and value == "")
+
+
+def required_row_field(row: Mapping[str, Any], key: str, option: str, usual: Sequence[str] = ()) -> Any:
+    """:func:`row_field`, or a ValueError naming the data item, ``key`` and the recipe ``option``
+    that set it when the row has nothing there (None or ""): a data problem fails the sample
+    instead of scoring a silent 0. The error names the first of ``usual`` (other places such a
+    field often is: :data:`ANSWER_FIELDS`) that the row has, and what to set."""
+    value = row_field(row, key)
+    if not _absent(value):
+        return value
+    hint = ""
+    for other in usual:
+        if other != key and not _absent(row_field(row, other)):
+            hint = f"; the row has '{other}': set {option}: {other}"
+            break
+    raise ValueError(f"data item {row.get('uid')!r} has no '{key}' ({option}){hint}")
 
 
 @dataclass

@@ -18,7 +18,7 @@ nexrl_core.Capabilities(...)``; ``nexrl validate`` and ``nexrl run`` check both
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import pluggy
@@ -51,8 +51,8 @@ def nexrl_rollout_workers() -> dict[str, type[BaseRolloutWorker]]:
     """Register rollout workers, selected with ``rollout_worker.type``.
 
     :return: registered name -> subclass of :class:`nexrl_core.BaseRolloutWorker`,
-        built as ``cls(config)`` with the ``rollout_worker`` mapping; the launcher then hands in
-        the evaluator ``config.evaluator`` names (``set_parts``), and the inference client and
+        built as ``cls(config, parts)`` with the ``rollout_worker`` mapping and the evaluator
+        ``config.evaluator`` names (:class:`nexrl_core.RolloutParts`); the inference client and
         the other modules arrive as handles through ``set_module_references``.
     """
 
@@ -72,7 +72,8 @@ def nexrl_trainers() -> dict[str, type[BaseTrainer]]:
     """Register trainers, selected with ``trainer.type``.
 
     :return: registered name -> subclass of :class:`nexrl_core.BaseTrainer`,
-        built as ``cls(config)`` with the whole recipe.
+        built as ``cls(config, parts)`` with the whole recipe and its train service and algorithm
+        registry (:class:`nexrl_core.TrainerParts`).
     """
 
 
@@ -164,7 +165,7 @@ def nexrl_metrics_sinks() -> dict[str, type[MetricsSink]]:
 
 
 @hookspec
-def nexrl_step_end(step: int, metrics: dict[str, float], config: Any) -> None:
+def nexrl_step_end(step: int, metrics: dict[str, float], config: Mapping[str, Any]) -> None:
     """Called after every training step, once its metrics are final.
 
     :param step: the global training step just finished (1-based).

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib.metadata as md
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -226,7 +226,8 @@ class PluginManager:
         broken += self._filter_note()
         raise unknown_name_error(kind, name, key, {n: r.distribution for n, r in available.items()}, broken)
 
-    def resolve_section(self, kind: str, section: Any, key: str, selector: str = "type", name: Any = None) -> Any:
+    def resolve_section(self, kind: str, section: Mapping[str, Any], key: str, selector: str = "type",
+                        name: Any = None) -> Any:
         """:meth:`resolve` of the section's ``selector`` (or ``name`` when given; ``key`` is the
         section's), or for a rollout worker or trainer with ``type: python`` the class its ``path``
         and ``class`` name."""

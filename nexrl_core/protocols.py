@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any, Literal, Protocol, TypeVar
 
 from .errors import NexRLError
-from .types import Batch, ModelTag, Trajectory
+from .types import ModelTag, Trajectory, TrajectoryBatch
 
 T = TypeVar("T")
 
@@ -50,7 +50,7 @@ class TrajectoryPoolHandle(TrajectorySink, Protocol):
     """The pool, as the trainer and the weight-sync controller use it."""
 
     def get_batch(self, batch_size: int | None = None, model_tag: ModelTag | None = None,
-                  min_version: int | None = None, timeout: float = 0.0) -> Batch | None: ...
+                  min_version: int | None = None, timeout: float = 0.0) -> TrajectoryBatch | None: ...
     def counters(self) -> dict[str, int]: ...
     def notify_weight_sync_starting(self, model_tag: ModelTag = ...) -> None: ...
     def unlock_for_weight_sync(self, model_tag: ModelTag = ...) -> None: ...

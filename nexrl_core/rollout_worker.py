@@ -7,6 +7,7 @@ import os
 import sys
 import zlib
 from abc import abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
@@ -46,31 +47,37 @@ class BaseRolloutWorker(ThreadedModule):
     still counts it) and the cause is recorded in the run's errors.jsonl (training items once
     the trainer consumes them; see docs/reliability.md).
 
-    Built as ``cls(config)`` with the ``rollout_worker`` mapping; the launcher then hands in the
-    evaluators that mapping names (:meth:`set_parts`, built in the worker's process); the
-    inference client and the other modules arrive as handles in :meth:`set_module_references`.
+    Built as ``cls(config, parts)``: the ``rollout_worker`` mapping and the evaluators it names
+    (:class:`RolloutParts`, built by the launcher in the worker's process); the inference client
+    and the other modules arrive as handles in :meth:`set_module_references`, once all are built.
+    A subclass that defines ``__init__`` takes ``parts`` and hands them on.
     """
 
     CONFIG_KEYS: dict[str, Any] = {}
 
-    def __init__(self, config: Any):
+    def __init__(self, config: Mapping[str, Any], parts: RolloutParts | None = None):
+        """``parts``: None (built by hand) is no evaluator."""
         super().__init__()
-        from .config.bound import bind_component
-        from .config.schema import ROLLOUT_WORKER
+        from .config.options import component_options
+        from .config.schema import RolloutWorkerSettings
+        from .config.settings import read_section
 
-        # Subclasses read their own keys from self._config (declared in their OPTIONS).
-        self._config = config = bind_component(config, type(self), ROLLOUT_WORKER, "rollout_worker")
+        # The section, read-only (a subclass reads its own keys with its Settings' own(self._config)).
+        self._config = read_section(config, {**(component_options(type(self)) or {}),
+                                             **RolloutWorkerSettings.options()}, "rollout_worker")
+        #: the core's keys of the section, typed
+        self.core_settings = core = RolloutWorkerSettings.own(self._config, "rollout_worker")
         self._llm_client: Any = None  # the inference client, wrapped for seed-style calls (_SeedClient)
-        # Handed in by the launcher (set_parts); until then: no evaluator.
-        self._evaluator: Evaluator | None = None
-        self._evaluator_label = "no evaluator"
-        self._worker_label = f"rollout worker {type(self).__name__}"
+        parts = parts or RolloutParts()
+        self._evaluator = parts.evaluator
+        self._evaluator_label = parts.evaluator_label
+        self._worker_label = parts.worker_label or f"rollout worker {type(self).__name__}"
         # A task's `domain` picks its evaluator (multi-domain data); others use the default one.
-        self._domain_evaluators: dict[str, Evaluator | None] = {}
-        self._domain_labels: dict[Any, str] = {}  # a task's domain (None: none) -> label
+        self._domain_evaluators = dict(parts.domain_evaluators)
+        self._domain_labels: dict[Any, str] = dict(parts.domain_labels)  # a task's domain (None: none) -> label
         self._model_tag = DEFAULT_MODEL_TAG
-        self._seed = int(config["seed"])
-        self._reward_range = config["reward_range"]  # read once: not on the per-task path
+        self._seed = core.seed
+        self._reward_range = core.reward_range  # read once: not on the per-task path
         self._is_running_validate = False
         self._task_is_validation = False  # mode of the task in hand (the flag may flip meanwhile)
         self._task_version = 0
@@ -81,7 +88,7 @@ class BaseRolloutWorker(ThreadedModule):
         self._validator: TrajectorySink | None = None
         self.completed = 0
         self._puts_this_task = 0  # trajectories submitted for the task in hand
-        self._tasks_per_call = int(config["tasks_per_call"])
+        self._tasks_per_call = core.tasks_per_call
         self._idle_wait_s = _IDLE_WAIT_S
         # While running several tasks: (task number, destination, trajectory) held for one call each.
         self._held: list[tuple[int, Any, Trajectory]] | None = None
@@ -93,16 +100,6 @@ class BaseRolloutWorker(ThreadedModule):
         # id(task) -> (evaluator, reply, result) scored with the other tasks of a call (evaluate_in_advance)
         self._evaluated: dict[int, tuple[Evaluator, str, EvaluationRunResult | Exception]] = {}
         self._last_completion: dict[str, Any] | None = None  # the seed-style call's answer, for the same
-
-    def set_parts(self, parts: RolloutParts) -> None:
-        """The evaluators of ``rollout_worker.evaluator`` / ``domain_evaluators`` and how messages
-        name them (nexrl_core.launch.parts builds them with the plugin manager)."""
-        self._evaluator = parts.evaluator
-        self._evaluator_label = parts.evaluator_label
-        self._domain_evaluators = dict(parts.domain_evaluators)
-        self._domain_labels = dict(parts.domain_labels)
-        if parts.worker_label:
-            self._worker_label = parts.worker_label
 
     def set_module_references(self, trajectory_pool: TrajectorySink | None, dataloader: TaskSource | None,
                               weight_sync_controller: WeightSyncHandle | None,
@@ -582,7 +579,8 @@ class _SeedClient:
 
 @dataclass
 class RolloutParts:
-    """What a rollout worker is built with besides its config: its evaluators, built by the launcher."""
+    """What a rollout worker is built with besides its config: its evaluators, built by the launcher
+    (nexrl_core.launch.parts) with the plugin manager, and how messages name them."""
 
     evaluator: Evaluator | None = None
     evaluator_label: str = "no evaluator"

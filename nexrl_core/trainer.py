@@ -10,12 +10,13 @@ from __future__ import annotations
 import math
 import time
 from abc import abstractmethod
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import Any, TypeVar
 
-from .algorithms.registry import AlgorithmRegistry
+from .algorithms.registry import AlgorithmRegistry, AlgorithmSelection, select_algorithms
 from .checkpoint import read_core_state, write_checkpoint
+from .config.settings import Settings
 from .errors import DataError, NexRLError
 from .protocols import TaskSource, TrajectoryPoolHandle, WeightSyncHandle, wired
 from .rollout_worker import failure_detail
@@ -24,12 +25,22 @@ from .runtime.execute import execute
 from .runtime.threaded import ThreadedModule
 from .runtime.train_service import TrainService
 from .trajectory_keys import trajectory_problem
-from .types import DEFAULT_MODEL_TAG, Trajectory, trajectory_reward, trajectory_token_versions
+from .types import (
+    DEFAULT_MODEL_TAG,
+    SampleResult,
+    TrainOutput,
+    Trajectory,
+    TrajectoryBatch,
+    trajectory_reward,
+    trajectory_token_versions,
+)
 
 _BATCH_WAIT_S = 0.1
-# What samples.jsonl keeps of a trajectory (logger.samples_every).
+S = TypeVar("S", bound=Settings)
+# What samples.jsonl keeps of a trajectory and of its SampleResult (logger.samples_every), in this order.
 SAMPLE_FIELDS = ("uid", "sample_index", "data_source", "prompt", "response", "reward", "advantage", "logprob_gap",
                  "score", "model_version", "token_versions", "sampling", "finish_reason", "failed", "error")
+SAMPLE_RESULT_FIELDS = frozenset(f.name for f in fields(SampleResult))
 
 
 @dataclass
@@ -75,33 +86,42 @@ class BaseTrainer(ThreadedModule):
     TRAJECTORY_CONTRACT: str | None = None
     LOOP_ERROR_ENDS_RUN = True
 
-    def __init__(self, config: Any):
+    def __init__(self, config: Mapping[str, Any], parts: TrainerParts | None = None):
+        """``config``: the whole recipe; ``parts``: what the launcher built for this trainer
+        (nexrl_core.launch.parts.build_module). Without them (built by hand) it has no algorithm
+        registry and no train service. A subclass that defines ``__init__`` takes ``parts`` and
+        hands them on."""
         super().__init__()
-        from .config.bound import bind_recipe
+        from .config.options import component_options
+        from .config.schema import CORE_OPTIONS, LoggerSettings, TrainerSettings, TrajectoryPoolSettings
+        from .config.settings import read_section
 
-        # The whole recipe (a trainer reads several sections), bound to what it declares; subclasses
-        # read self._full_config / self._config (the trainer section).
-        self._full_config = config = bind_recipe(config, type(self))
-        self._config = config["trainer"]
-        self._model_tag = str(config["service"]["inference_service"]["model_tag"] or DEFAULT_MODEL_TAG)
+        # Read-only, every core default filled: the recipe (the algorithm, a service's own keys) and the
+        # trainer section with this trainer's own keys too (a subclass reads them with its Settings'
+        # own(self._config)). Sections are read alone: a recipe built by hand may lack what a run's
+        # prologue sets (run_dir), so the whole is not RecipeSettings.
+        self._full_config = recipe = read_section(config, CORE_OPTIONS, "")
+        self._config = read_section(recipe["trainer"], {**(component_options(type(self)) or {}),
+                                                        **TrainerSettings.options()}, "trainer")
+        self._model_tag = str(recipe["service"]["inference_service"]["model_tag"] or DEFAULT_MODEL_TAG)
         self.total_train_steps = int(self._config["total_train_steps"])
-        self.batch_size = int(config["trajectory_pool"]["batch_size"])
+        self.batch_size = TrajectoryPoolSettings.own(recipe["trajectory_pool"], "trajectory_pool").batch_size
         self.checkpoint_path = self._config["checkpoint_path"]
         self.save_freq = int(self._config["save_freq"])
         self.save_final = bool(self._config["save_final"])
         self.remove_previous_ckpt = bool(self._config["remove_previous_ckpt"])
-        logger_section = config["logger"]
-        self.samples_every = int(logger_section["samples_every"])
-        self.samples_per_step = int(logger_section["samples_per_step"])
+        logger_settings = LoggerSettings.own(recipe["logger"], "logger")
+        self.samples_every = logger_settings.samples_every
+        self.samples_per_step = logger_settings.samples_per_step
         self.global_step = 0
         self._first_step_done = False  # this run's first training step (a resumed run's too) was taken
         self._trajectory_pool: TrajectoryPoolHandle | None = None
         self._weight_sync_controller: WeightSyncHandle | None = None
         self._dataloader: TaskSource | None = None
-        self._algorithm_registry: AlgorithmRegistry | None = None
-        # Handed in by the launcher (set_parts): builds the train service `service.train_service` selects.
-        self._train_service_factory: Callable[[int], TrainService] | None = None
-        self._reference_factory: Callable[[], Any] | None = None
+        parts = parts or TrainerParts()
+        self._algorithm_registry = parts.algorithm_registry
+        self._train_service_factory = parts.train_service  # builds the service `service.train_service` selects
+        self._reference_factory = parts.reference_service
 
     def set_module_references(self, trajectory_pool: TrajectoryPoolHandle | None,
                               weight_sync_controller: WeightSyncHandle | None,
@@ -116,25 +136,20 @@ class BaseTrainer(ThreadedModule):
     def _wsc(self) -> WeightSyncHandle:
         return wired(self._weight_sync_controller, "weight-sync controller")
 
-    def set_parts(self, parts: TrainerParts) -> None:
-        """What the launcher built for this trainer with the plugin manager (nexrl_core.launch.parts)."""
-        if parts.algorithm_registry is not None:
-            self._algorithm_registry = parts.algorithm_registry
-        if parts.train_service is not None:
-            self._train_service_factory = parts.train_service
-        if parts.reference_service is not None:
-            self._reference_factory = parts.reference_service
-
-    def set_algorithm_registry(self, registry: AlgorithmRegistry) -> None:
-        """The estimators and losses a recipe may select."""
-        self._algorithm_registry = registry
-
     @property
     def algorithm_registry(self) -> AlgorithmRegistry:
         if self._algorithm_registry is None:
             raise NexRLError(f"{type(self).__name__} has no algorithm registry: build it with "
-                             f"nexrl_core.launch.parts.build_module (or call set_algorithm_registry)")
+                             f"nexrl_core.testing.build_module (or pass parts=TrainerParts(algorithm_registry=...))")
         return self._algorithm_registry
+
+    def select_algorithm(self, settings_cls: type[S]) -> tuple[AlgorithmSelection, S]:
+        """The recipe's ``algorithm`` section against the registry: the functions it selects with
+        every key's value, and this trainer's own keys as ``settings_cls`` (after the selected
+        functions' recommended defaults). ConfigError as ``nexrl validate`` reports it; a trainer
+        calls it once, in its constructor, so a bad section fails before any model loads."""
+        selection = select_algorithms(type(self), self._full_config["algorithm"], self.algorithm_registry)
+        return selection, settings_cls.own(selection.options, "algorithm")
 
     @classmethod
     def check_recipe(cls, recipe: dict[str, Any]) -> list[str]:
@@ -159,8 +174,9 @@ class BaseTrainer(ThreadedModule):
 
     # -- to implement -----------------------------------------------------------------
     @abstractmethod
-    def train(self, trajectories: list[Trajectory]) -> dict[str, float]:
-        """One training step on ``trajectories``; returns its metrics."""
+    def train(self, trajectories: list[Trajectory]) -> dict[str, float] | TrainOutput:
+        """One training step on ``trajectories`` (read only: nothing is written into them); returns
+        its metrics, or a :class:`~nexrl_core.TrainOutput` with them and what it computed per sample."""
 
     def initialize_workers(self) -> None:
         """Build the training backend (model, optimizer). Called once before the run."""
@@ -226,8 +242,7 @@ class BaseTrainer(ThreadedModule):
             if batch is None:
                 continue
             try:
-                self._train_step(batch.to_trajectories(), time.perf_counter() - t0,
-                                 batch.metadata.get("dropped_groups"))
+                self._train_step(batch, time.perf_counter() - t0)
             except Exception as exc:
                 # run.log gets the traceback; the console shows the message once, as the run's final error
                 self._activity_tracker.report_exception(self._module_name, f"train step {self.global_step + 1}", exc,
@@ -235,20 +250,26 @@ class BaseTrainer(ThreadedModule):
                 raise  # ends the loop; get_last_error() tells the controller
             t0 = time.perf_counter()
 
-    def _train_step(self, trajectories: list[Trajectory], wait_s: float,
-                    dropped_groups: list[dict[str, Any]] | None = None) -> None:
+    def _train_step(self, batch: TrajectoryBatch, wait_s: float) -> None:
         execute(self._wsc().train_worker_notify_step_start, self._module_name, self._model_tag)
-        usable = [t for t in trajectories if not t.get("failed")]
+        trajectories = batch.trajectories
+        usable_at = [i for i, t in enumerate(trajectories) if not t.get("failed")]
+        usable = [trajectories[i] for i in usable_at]
         for t in usable:
             self.check_trajectory(t)
         t0 = time.perf_counter()
         with self._activity_tracker.track(self._module_name, "train", auto_report_errors=False):  # _main_loop does
-            metrics = self.train(usable) if usable else {}
+            output = self.train(usable) if usable else {}
         train_s = time.perf_counter() - t0
+        metrics, results = (dict(output.metrics), output.samples) if isinstance(output, TrainOutput) \
+            else (dict(output), {})
+        # by the sample's place in the whole batch (failed ones included), as samples.jsonl picks
+        per_sample = {usable_at[self._sample_index(i, len(usable))]: r for i, r in results.items()}
         self.global_step += 1
         self._activity_tracker.set_training_step(self.global_step)
         metrics.update(self._core_metrics(trajectories, usable, wait_s, train_s))
-        metrics.update(training_domain_metrics(trajectories, dropped_groups))
+        dropped = None if batch.dropped_groups is None else list(batch.dropped_groups)
+        metrics.update(training_domain_metrics(trajectories, dropped))
         if self._dataloader is not None:
             execute(self._dataloader.mark_done, [t["seq"] for t in trajectories if t.get("seq") is not None])
         for t in trajectories:  # consumed for good: a failed item is lost now, one row each
@@ -258,7 +279,7 @@ class BaseTrainer(ThreadedModule):
                                                         failure_detail(t))
         self._activity_tracker.experiment_logger_post("metrics", data=metrics, step=self.global_step)
         if self._samples_due():
-            self._activity_tracker.record_samples(self.global_step, self._pick_samples(trajectories))
+            self._activity_tracker.record_samples(self.global_step, self._pick_samples(trajectories, per_sample))
         self._first_step_done = True
         if self._checkpoint_due():
             self.save_checkpoint()
@@ -291,16 +312,28 @@ class BaseTrainer(ThreadedModule):
             return False
         return self.global_step % self.samples_every == 0 or not self._first_step_done or self.is_done()
 
-    def _pick_samples(self, trajectories: list[Trajectory]) -> list[dict[str, Any]]:
+    def _sample_index(self, index: Any, count: int) -> int:
+        """``index`` of a :class:`~nexrl_core.TrainOutput` sample, or an error naming the trainer."""
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < count:
+            raise NexRLError(f"{type(self).__name__}.train returned a SampleResult for sample {index!r} of the "
+                             f"{count} it was given (TrainOutput.samples is keyed by their index)")
+        return index
+
+    def _pick_samples(self, trajectories: Sequence[Trajectory],
+                      results: Mapping[int, SampleResult]) -> list[dict[str, Any]]:
         """``samples_per_step`` trajectories spread over the batch (no random draw: the run's
-        random streams stay as they are), as samples.jsonl rows."""
+        random streams stay as they are), as samples.jsonl rows with what the step computed for each."""
         n = len(trajectories)
         k = min(self.samples_per_step, n)
         picked = sorted({i * n // k for i in range(k)}) if k else []
-        return [{f: trajectories[i].get(f) for f in SAMPLE_FIELDS if trajectories[i].get(f) is not None}
-                for i in picked]
+        rows = []
+        for i in picked:
+            computed = results[i].as_record() if i in results else {}
+            row = {f: computed.get(f) if f in SAMPLE_RESULT_FIELDS else trajectories[i].get(f) for f in SAMPLE_FIELDS}
+            rows.append({f: v for f, v in row.items() if v is not None})
+        return rows
 
-    def _core_metrics(self, trajectories: list[Trajectory], usable: list[Trajectory], wait_s: float,
+    def _core_metrics(self, trajectories: Sequence[Trajectory], usable: list[Trajectory], wait_s: float,
                       train_s: float) -> dict[str, float]:
         rewards = [trajectory_reward(t) for t in usable]
         version = execute(self._wsc().get_train_model_version, self._model_tag)

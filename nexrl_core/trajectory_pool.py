@@ -22,14 +22,15 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Mapping
 from typing import Any, Callable
 
-from .config.schema import BATCH_READY_FUNCTIONS
+from .config.schema import TrajectoryPoolSettings
 from .errors import ConfigError
 from .protocols import TaskSource, WeightSyncHandle, wired
 from .runtime.execute import execute
 from .runtime.module import NexRLModule
-from .types import DEFAULT_MODEL_TAG, Batch, ModelTag, Trajectory, oldest_version, trajectory_reward
+from .types import DEFAULT_MODEL_TAG, ModelTag, Trajectory, TrajectoryBatch, oldest_version, trajectory_reward
 
 
 def _version(traj: Trajectory) -> int:
@@ -135,14 +136,6 @@ class HierarchicalTrajectoryStore(GroupedTrajectoryStore):
         return tuple(traj[k] for k in self.keys)  # type: ignore[literal-required]
 
 
-def _bound(config: Any) -> Any:
-    """``trajectory_pool``, bound to its declaration (a mapping built in a test gets the defaults)."""
-    from .config.bound import bind
-    from .config.schema import TRAJECTORY_POOL
-
-    return bind(config, TRAJECTORY_POOL, "trajectory_pool")
-
-
 def make_store(key_list: list[str], group_size: int):
     if not key_list:
         return SimpleTrajectoryStore()
@@ -154,12 +147,11 @@ def make_store(key_list: list[str], group_size: int):
 class TrajectoryPoolInstance:
     """One model's trajectories, with weight-sync locking and staleness enforcement."""
 
-    def __init__(self, config: Any, model_tag: ModelTag):
-        config = _bound(config)
+    def __init__(self, settings: TrajectoryPoolSettings, model_tag: ModelTag):
         self.model_tag = model_tag
-        self._batch_size = int(config["batch_size"])
-        self._check_fn = str(config["check_batch_ready_function"])
-        self._store = make_store(list(config["key_list"]), int(config["group_size"]))
+        self._batch_size = settings.batch_size
+        self._check_fn = settings.check_batch_ready_function
+        self._store = make_store(list(settings.key_list), settings.group_size)
         self._cond = threading.Condition()
         # Trajectories in finished groups, by group version: "is a batch ready?" is asked on every
         # put, and counting the whole pool there made a step O(batch^2).
@@ -169,9 +161,8 @@ class TrajectoryPoolInstance:
         self._weight_sync_controller: WeightSyncHandle | None = None
         self._activity_tracker: Any = None
         self.counters = {"stale_rerolled": 0, "group_evicted": 0, "rerollout_while_locked": 0}
-        dynamic = config["dynamic_sampling"]
-        self._dynamic_sampling = bool(dynamic["enabled"])
-        self._max_replacements = int(dynamic["max_replacements"])
+        self._dynamic_sampling = settings.dynamic_sampling.enabled
+        self._max_replacements = settings.dynamic_sampling.max_replacements
         # Dropped groups since the last batch: their domain and rewards go with the next batch (metrics).
         self._dropped_since_batch: list[dict[str, Any]] = []
         # Sync mode: dropped groups whose replacements wait until every admitted rollout has landed.
@@ -228,7 +219,7 @@ class TrajectoryPoolInstance:
 
     # -- consumer side ----------------------------------------------------------
     def get_batch(self, batch_size: int | None = None, min_version: int | None = None,
-                  timeout: float = 0.0) -> Batch | None:
+                  timeout: float = 0.0) -> TrajectoryBatch | None:
         """Whole groups with at least ``batch_size`` trajectories, or None.
 
         Groups older than ``min_version`` are re-rolled instead of returned, and so are, once a
@@ -269,13 +260,12 @@ class TrajectoryPoolInstance:
             return None
         if wsc is not None:  # weight.rollouts_ahead counts them no more
             execute(wsc.rollouts_settled, self.model_tag, sum(len(g) for g in groups))
-        trajs = [t for g in groups for t in sorted(g, key=_seq)]
-        batch = Batch.from_trajectories(trajs, self.model_tag)
-        batch.metadata["num_groups"] = len(groups)
+        trajs = tuple(t for g in groups for t in sorted(g, key=_seq))
+        dropped = None
         if self._dynamic_sampling:
             with self._cond:
-                batch.metadata["dropped_groups"], self._dropped_since_batch = self._dropped_since_batch, []
-        return batch
+                dropped, self._dropped_since_batch = tuple(self._dropped_since_batch), []
+        return TrajectoryBatch(trajs, self.model_tag, len(groups), dropped)
 
     # -- dynamic sampling --------------------------------------------------------------------
     def _drop_flat_locked(self, finished_before: int) -> list[list[Trajectory]]:
@@ -389,17 +379,11 @@ class TrajectoryPoolInstance:
 class TrajectoryPool(NexRLModule):
     """One :class:`TrajectoryPoolInstance` per model tag."""
 
-    def __init__(self, config: Any):
+    def __init__(self, settings: TrajectoryPoolSettings | Mapping[str, Any]):
+        """``settings``: the run's (a mapping, as a test writes one, is read as the recipe's section)."""
         super().__init__()
-        self._config = config = _bound(config)
-        batch_size = int(config["batch_size"])
-        group_size = int(config["group_size"])
-        check_fn = str(config["check_batch_ready_function"])
-        if check_fn not in BATCH_READY_FUNCTIONS:
-            raise ConfigError(f"trajectory_pool.check_batch_ready_function: '{check_fn}' is not one of "
-                              f"{', '.join(BATCH_READY_FUNCTIONS)}")
-        if group_size < 1 or batch_size < 1:
-            raise ConfigError("trajectory_pool.batch_size and trajectory_pool.group_size must be at least 1")
+        self._settings = settings = TrajectoryPoolSettings.read(settings, "trajectory_pool")
+        batch_size, group_size = settings.batch_size, settings.group_size
         if batch_size % group_size:
             raise ConfigError(f"trajectory_pool.batch_size ({batch_size}) must be a multiple of "
                               f"trajectory_pool.group_size ({group_size}) so GRPO groups are never split")
@@ -424,7 +408,7 @@ class TrajectoryPool(NexRLModule):
         with self._lock:
             inst = self._instances.get(model_tag)
             if inst is None:
-                inst = self._instances[model_tag] = TrajectoryPoolInstance(self._config, model_tag)
+                inst = self._instances[model_tag] = TrajectoryPoolInstance(self._settings, model_tag)
                 inst.set_module_references(*self._refs)
             return inst
 
@@ -436,7 +420,7 @@ class TrajectoryPool(NexRLModule):
         return [self.put_trajectory(t) for t in trajectories]
 
     def get_batch(self, batch_size: int | None = None, model_tag: ModelTag | None = None,
-                  min_version: int | None = None, timeout: float = 0.0) -> Batch | None:
+                  min_version: int | None = None, timeout: float = 0.0) -> TrajectoryBatch | None:
         if model_tag is None:
             return self.get_batch_any(batch_size)
         with self._lock:
@@ -445,7 +429,7 @@ class TrajectoryPool(NexRLModule):
             return None
         return inst.get_batch(batch_size, min_version, timeout)
 
-    def get_batch_any(self, batch_size: int | None = None) -> Batch | None:
+    def get_batch_any(self, batch_size: int | None = None) -> TrajectoryBatch | None:
         for tag in self.get_model_tags():
             batch = self._instance(tag).get_batch(batch_size)
             if batch is not None:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from enum import Enum
-from typing import Any, TypedDict, cast
+from typing import Any, TypedDict
 
 ModelTag = str
 
@@ -16,6 +16,7 @@ class Trajectory(TypedDict, total=False):
 
     Every key is optional to the type; a worker may add keys of its own (an agent's
     ``num_tool_calls``: docs/agents.md), which the pool and the trainers carry along untouched.
+    Nothing downstream writes into it: what a trainer computes per sample is a :class:`SampleResult`.
     """
 
     # identity: copied from the task (BaseRolloutWorker.base_trajectory)
@@ -50,9 +51,6 @@ class Trajectory(TypedDict, total=False):
     error: str
     error_cause: str           # errors.jsonl's cause
     error_traceback: str
-    # set by the trainer
-    advantage: float
-    logprob_gap: Mapping[str, float | int | str]  # largest |trainer - rollout log-prob| (sample_logprob_gaps), its token
 
 
 DEFAULT_MODEL_TAG: ModelTag = "default"
@@ -71,9 +69,55 @@ class NexRLRole(Enum):
     INFERENCE_SERVICE = "inference_service"
 
 
+@dataclass(frozen=True)
+class TrajectoryBatch:
+    """What the pool hands the trainer: whole groups of trajectories, as the workers made them
+    (rows, never copied into columns), ordered by issue (groups by version and first ``seq``,
+    members by ``seq``). The trainer reads them and writes nothing into them."""
+
+    trajectories: tuple[Trajectory, ...]
+    model_tag: ModelTag = DEFAULT_MODEL_TAG
+    num_groups: int = 0
+    #: dynamic sampling: ``{"domain", "rewards"}`` of each group dropped since the previous batch;
+    #: None when it is off (``trajectory_pool.dynamic_sampling``)
+    dropped_groups: tuple[dict[str, Any], ...] | None = None
+
+    def __len__(self) -> int:
+        return len(self.trajectories)
+
+
+@dataclass(frozen=True)
+class SampleResult:
+    """What a training step computed for one of its samples: samples.jsonl and ``nexrl show``
+    report it beside the trajectory's own keys."""
+
+    #: the mean advantage over the sample's trained tokens
+    advantage: float | None = None
+    #: its largest |trainer - rollout log-prob| over its trained tokens
+    #: (:func:`nexrl_core.algorithms.sample_logprob_gaps`): ``max``, ``position``, ``token``, ``segment``
+    logprob_gap: Mapping[str, float | int | str] | None = None
+
+    def as_record(self) -> dict[str, Any]:
+        """The fields that were computed, as samples.jsonl keys."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+
+@dataclass(frozen=True)
+class TrainOutput:
+    """What :meth:`nexrl_core.BaseTrainer.train` returns when it has per-sample results (a trainer
+    without any returns its metrics alone)."""
+
+    metrics: dict[str, float]
+    #: by the index of the sample in the list ``train`` was given; a sample may have none
+    samples: Mapping[int, SampleResult] = field(default_factory=dict)
+
+
 @dataclass
 class Batch:
-    """Column-oriented trajectories: every value has ``metadata['batch_size']`` rows."""
+    """The padded tensors a self-hosted trainer trains on (``values``: ``input_ids``,
+    ``response_mask``, ``advantages``, ..., one row per token sequence) and what they came from
+    (``metadata``: ``row_trajectory``, ``uids``, ``batch_size`` rows, ...): what
+    ``_prepare_batch`` and ``_loss_fn`` receive (nexrl_grpo.trainers.SelfHostedTrainer)."""
 
     values: dict[str, Any]
     metadata: dict[str, Any] = field(default_factory=dict)
@@ -86,17 +130,6 @@ class Batch:
 
     def to_dict(self) -> dict[str, Any]:
         return {**self.values, **self.metadata}
-
-    @staticmethod
-    def from_trajectories(trajectories: list[Trajectory], model_tag: ModelTag = DEFAULT_MODEL_TAG) -> Batch:
-        keys: list[str] = []
-        for traj in trajectories:
-            keys.extend(k for k in traj if k not in keys)
-        values = {k: [t.get(k) for t in trajectories] for k in keys}
-        return Batch(values, {"batch_size": len(trajectories), "model_tag": model_tag})
-
-    def to_trajectories(self) -> list[Trajectory]:
-        return [cast(Trajectory, {k: v[i] for k, v in self.values.items()}) for i in range(len(self))]
 
 
 def trajectory_reward(trajectory: Mapping[str, Any]) -> float:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Mapping
 from typing import Any
 
 from loguru import logger
 
+from .config.schema import ValidateSettings
 from .errors import ErrorSeverity
 from .protocols import TaskSource, wired
 from .runtime.eval_core import DuplicateSampleError, EvalState, SampleRecord, add_sample, summarize
@@ -16,14 +18,12 @@ from .types import Trajectory
 
 
 class Validator(NexRLModule):
-    def __init__(self, config: Any = None):
+    def __init__(self, settings: ValidateSettings | Mapping[str, Any] | None = None):
+        """``settings``: the run's (a mapping, as a test writes one, is read as the recipe's section)."""
         super().__init__()
-        from .config.bound import bind
-        from .config.schema import VALIDATE
-
-        config = bind(config, VALIDATE, "validate")
-        self._n_samples = int(config["n_samples"])
-        self._success_threshold = float(config["success_threshold"])
+        settings = ValidateSettings.read(settings, "validate")
+        self._n_samples = settings.n_samples
+        self._success_threshold = settings.success_threshold
         self._state = EvalState()
         self._trajectories: list[Trajectory] = []
         self._lock = threading.Lock()

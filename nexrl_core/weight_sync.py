@@ -25,12 +25,15 @@ from __future__ import annotations
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from loguru import logger
 
-from .config.schema import SYNC_MODES, WEIGHT
-from .errors import ConfigError, NexRLError
+from .config.options import component_options
+from .config.schema import WEIGHT, WeightSettings
+from .config.settings import Section, read_section
+from .errors import NexRLError
 from .protocols import TaskSource, TrajectoryPoolHandle
 from .runtime.execute import execute
 from .runtime.module import NexRLModule
@@ -38,20 +41,18 @@ from .types import DEFAULT_MODEL_TAG, ModelTag
 
 
 class WeightSyncBackend(ABC):
-    """How trained weights reach the inference service."""
-
-    # Built with the recipe's `weight` section; self.config is it bound to the core's keys and the
-    # backend's own OPTIONS (declared defaults filled, undeclared reads refused).
+    """How trained weights reach the inference service. Built with the recipe's ``weight`` section:
+    ``self.config`` is that section (read-only, every key the core and this backend declare
+    filled), ``self.core_settings`` the core's keys of it, typed."""
 
     @classmethod
-    def bind_config(cls, config: Any, path: str = "weight") -> Any:
-        """``config`` bound to the core's ``weight`` keys and this backend's own ``OPTIONS``."""
-        from .config.bound import bind_component
+    def own_section(cls, config: Mapping[str, Any] | None, path: str = "weight") -> Section:
+        """``config`` as this backend reads it: the core's ``weight`` keys and its own, defaults filled."""
+        return read_section(config, {**(component_options(cls) or {}), **WEIGHT}, path)
 
-        return bind_component(config, cls, WEIGHT, path)
-
-    def __init__(self, config: Any):
-        self.config = type(self).bind_config(config)
+    def __init__(self, config: Mapping[str, Any] | None):
+        self.config = type(self).own_section(config)
+        self.core_settings = WeightSettings.own(self.config, "weight")
 
     @abstractmethod
     def sync(self, trainer: Any, inference_client: Any, version: int) -> None:
@@ -83,30 +84,24 @@ def _max_gap(a: list[list[float]], b: list[list[float]]) -> float:
 class WeightSyncController(NexRLModule):
     """``backend``: the ``weight.backend`` the launcher built (nexrl_core.launch.parts); None: version only."""
 
-    def __init__(self, config: Any, backend: WeightSyncBackend | None = None):
+    def __init__(self, config: Mapping[str, Any], backend: WeightSyncBackend | None = None):
+        """``config``: the recipe's ``weight`` section (it also holds the backend's own keys)."""
         super().__init__()
-        from .config.bound import bind
-
-        section, config = config, bind(config, WEIGHT, "weight")
-        self._mode = str(config["sync_mode"])
-        if self._mode not in SYNC_MODES:
-            raise ConfigError(f"weight.sync_mode: '{self._mode}' is not one of {', '.join(SYNC_MODES)}")
-        threshold = int(config["staleness_threshold"])
-        if threshold < 0:
-            raise ConfigError("weight.staleness_threshold must be >= 0")
-        self._staleness = 0 if self._mode == "sync" else threshold
-        self._validate_freq = int(config["validate_freq"])
-        self._ahead_setting = config["rollouts_ahead"]
+        settings = WeightSettings.own(config, "weight")
+        self._mode = settings.sync_mode
+        self._staleness = 0 if self._mode == "sync" else settings.staleness_threshold
+        self._validate_freq = settings.validate_freq
+        self._ahead_setting = settings.rollouts_ahead
         self._ahead_limit: int | None = None  # set by bound_rollouts_ahead, once the batch size is known
         # Training rollouts admitted and not yet settled (taken by the trainer, dropped or re-rolled).
         self._unsettled: dict[ModelTag, int] = {}
-        self._update_every = int(config["model_update_frequency"])
-        self._backend = backend if backend is not None else VersionOnlyWeightSync(section)
-        verify = config["verify_served"]
+        self._update_every = settings.model_update_frequency
+        self._backend = backend if backend is not None else VersionOnlyWeightSync(config)
+        verify = settings.verify_served
         # A backend that moves no weights (version only) has nothing to verify.
         self._verify = "false" if isinstance(self._backend, VersionOnlyWeightSync) else \
             ("auto" if verify == "auto" else "true" if verify else "false")
-        self._probe_tolerance = float(config["served_probe_tolerance"])
+        self._probe_tolerance = settings.served_probe_tolerance
         self._probe_said: set[str] = set()
         self._trainer_probe: list[list[float]] | None = None  # the trainer's probe at the last push
         self._served_after: list[list[float]] | None = None  # the service's probe after the last push

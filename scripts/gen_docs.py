@@ -2,7 +2,7 @@
 """Write the generated reference pages: docs/hooks.md (from nexrl_core/hookspecs.py),
 docs/recipe.md (every recipe key: nexrl_core/config/schema.py and the options of the components of
 nexrl-core and of every plugin distribution under plugins/) and docs/migrating.md (the NexRL ->
-nexrl table of nexrl_core/config/migration_table.py, which `nexrl migrate` follows).
+nexrl table of nexrl_core/cli/migration_table.py, which `nexrl migrate` follows).
 
     python scripts/gen_docs.py          # rewrite the pages
     python scripts/gen_docs.py --check  # exit 1 when a page is out of date (what the test checks)

@@ -37,9 +37,10 @@ import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from difflib import get_close_matches
-from typing import Any, cast
+from typing import Any
 
 from ..config.options import Option, check_options, component_options, param_docs
+from ..config.settings import plain
 from ..errors import ConfigError
 
 # kind -> hook that registers it
@@ -165,15 +166,10 @@ class AlgorithmSelection:
         return any(input_name in fn.requires for fn in self.functions.values())
 
 
-def _plain(section: Any) -> dict[str, Any]:
+def _plain(section: object) -> dict[str, Any]:
     """The section as a plain dict ({} when it is not a mapping: the key check reports that)."""
-    from omegaconf import DictConfig, OmegaConf
-
-    if isinstance(section, DictConfig):
-        return cast(dict[str, Any], OmegaConf.to_container(section, resolve=True))
-    if hasattr(section, "to_dict"):  # a BoundConfig
-        return cast(dict[str, Any], section.to_dict())
-    return dict(section) if isinstance(section, Mapping) else {}
+    values = plain(section)
+    return values if isinstance(values, dict) else {}
 
 
 def _trainer_problems(trainer_cls: type, options: Mapping[str, Any]) -> list[str]:

@@ -28,7 +28,6 @@ from typing import Any, Literal, get_args
 
 import numpy as np
 
-from ..config.bound import declared_value
 from ..config.options import Option, option_defaults
 from ..config.settings import Settings, setting
 from .advantages import group_stats
@@ -214,7 +213,7 @@ def domain_settings(options: Mapping[str, Any], domain: str | None) -> dict[str,
     overrides (``options["domains"][domain]``)."""
     settings = dict(REWARD_PROCESSING_DEFAULTS)
     settings.update({k: v for k, v in options.items() if k in REWARD_OPTIONS})
-    domains = declared_value(options, "domains", REWARD_PROCESSING_OPTIONS)
+    domains = options["domains"] if "domains" in options else REWARD_PROCESSING_OPTIONS["domains"].default_value()
     overrides = domains.get(domain) if domain is not None else None
     settings.update(overrides or {})
     return settings

@@ -52,7 +52,7 @@ class FileDataLoader(BaseDataLoader):
                 if "${" not in p and not os.path.exists(p)]
 
     def __init__(self, config: Mapping[str, Any], is_validate: bool = False):
-        bound = self.bind_config(config, is_validate)
+        bound = self.own_section(config, is_validate)
         self.settings = FileDataSettings.own(bound, _section(is_validate))
         self._paths = self.settings.paths()[1]
         if not self._paths:
@@ -106,7 +106,7 @@ class HuggingFaceDataLoader(BaseDataLoader):
 
     def __init__(self, config: Mapping[str, Any], is_validate: bool = False):
         self._key = _section(is_validate)
-        bound = self.bind_config(config, is_validate)
+        bound = self.own_section(config, is_validate)
         self.settings = settings = HuggingFaceDataSettings.own(bound, self._key)
         self._path, self._split = settings.path, settings.split
         self._columns = {"prompt": settings.prompt_column, "answer": settings.answer_column,
@@ -267,7 +267,7 @@ class InlineDataLoader(BaseDataLoader):
     SETTINGS: ClassVar[type[Settings]] = InlineDataSettings
 
     def __init__(self, config: Mapping[str, Any], is_validate: bool = False):
-        bound = self.bind_config(config, is_validate)
+        bound = self.own_section(config, is_validate)
         self.settings = InlineDataSettings.own(bound, _section(is_validate))
         super().__init__(bound, is_validate)
 
@@ -306,7 +306,7 @@ class ArithmeticDataLoader(BaseDataLoader):
         return [f"{key}.max_value: {hi} is below min_value {lo}"] if hi < lo else []
 
     def __init__(self, config: Mapping[str, Any], is_validate: bool = False):
-        bound = self.bind_config(config, is_validate)
+        bound = self.own_section(config, is_validate)
         self.settings = ArithmeticDataSettings.own(bound, _section(is_validate))
         super().__init__(bound, is_validate)
 
@@ -393,7 +393,7 @@ class MultiDomainDataLoader(BaseDataLoader):
 
     def __init__(self, config: Mapping[str, Any], is_validate: bool = False):
         self._key = _section(is_validate)
-        bound = self.bind_config(config, is_validate)
+        bound = self.own_section(config, is_validate)
         self.settings = settings = MultiDomainSettings.own(bound, self._key)
         problems = _domain_problems(settings, self._key)
         if problems:
@@ -404,7 +404,7 @@ class MultiDomainDataLoader(BaseDataLoader):
         weights = {d: Fraction(str(float(probs[d]))) for d in self._domains}
         total = sum(weights.values())
         self._probs = {d: w / total for d, w in weights.items()}
-        self._batch_groups = max(1, int(bound["batch_groups"]))  # set by nexrl (BaseDataLoader.bind_config)
+        self._batch_groups = max(1, int(bound["batch_groups"]))  # set by nexrl (BaseDataLoader.own_section)
         self._streams: dict[str, _DomainStream] = {}
         self._scheduled = {d: 0 for d in self._domains}
         self._pass_start = 0

@@ -16,7 +16,7 @@ from ..config.options import Capabilities, option_defaults
 from ..config.settings import Settings, setting
 from ..markers import hookimpl
 from ..runtime.inference import CompletionResult, InferenceClient, InferenceError, SamplingParams
-from ..trainer import BaseTrainer
+from ..trainer import BaseTrainer, TrainerParts
 from ..types import Trajectory
 
 _SUM = re.compile(r"(-?\d+)\s*\+\s*(-?\d+)")
@@ -101,8 +101,8 @@ class MockTrainer(BaseTrainer):
     SETTINGS: ClassVar[type[Settings]] = MockTrainerSettings
     CONFIG_KEYS = option_defaults(MockTrainerSettings.options())  # deprecated view, for plugins that extend it
 
-    def __init__(self, config: Mapping[str, Any]):
-        super().__init__(config)
+    def __init__(self, config: Mapping[str, Any], parts: TrainerParts | None = None):
+        super().__init__(config, parts)
         # Read once, into an attribute: `self.settings` is left to a subclass's own (tests extend it).
         self.step_time_s = MockTrainerSettings.own(self._config, "trainer").step_time_s
         self.batches: list[list[Trajectory]] = []

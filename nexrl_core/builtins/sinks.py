@@ -13,8 +13,8 @@ from typing import Any, ClassVar
 
 from loguru import logger
 
-from ..config.bound import BoundConfig, bind_recipe
-from ..config.settings import Settings, setting
+from ..config.schema import RecipeSettings
+from ..config.settings import Settings, plain, setting
 from ..errors import ConfigError
 from ..markers import hookimpl
 from ..runtime.run_log import STEP_LINE
@@ -80,17 +80,17 @@ class WandbSink(MetricsSink):
             raise ConfigError(self.MISSING) from None
         from ..redaction import redact, redact_command
 
-        recipe = bind_recipe(config)
-        self.settings = own = WandbSettings.own(_sink_section(recipe, "wandb"), "logger.wandb")
+        recipe = RecipeSettings.own(config)
+        self.settings = own = WandbSettings.own(_sink_section(config, "wandb"), "logger.wandb")
         mode = _wandb_mode(own.mode)
-        resuming = str(recipe["resume"]["mode"]) != "disable"
+        resuming = recipe.resume.mode != "disable"
         self._id_file = os.path.join(run_dir, WANDB_RUN_FILE) if run_dir else None
         run_id = _read_run_id(self._id_file) if resuming else None
-        project = own.project or os.environ.get("WANDB_PROJECT") or str(recipe["project_name"])
+        project = own.project or os.environ.get("WANDB_PROJECT") or recipe.project_name
         kwargs: dict[str, Any] = dict(
             project=project, entity=own.entity, group=own.group, notes=own.notes,
-            tags=list(own.tags) or None, name=str(own.name or recipe["experiment_name"]),
-            dir=run_dir, mode=mode, config=redact(_plain(recipe)), id=run_id or secrets.token_hex(4),
+            tags=list(own.tags) or None, name=str(own.name or recipe.experiment_name),
+            dir=run_dir, mode=mode, config=redact(_plain(config)), id=run_id or secrets.token_hex(4),
             resume="allow")
         if mode == "offline" and not own.mode and not os.environ.get("WANDB_MODE"):
             logger.info(f"wandb: no API key configured, logging offline to {run_dir or '.'}/wandb "
@@ -181,8 +181,7 @@ class TensorBoardSink(MetricsSink):
             from tensorboardX import SummaryWriter
         except ImportError:
             raise ConfigError(self.MISSING) from None
-        self.settings = TensorBoardSettings.own(_sink_section(bind_recipe(config), "tensorboard"),
-                                                "logger.tensorboard")
+        self.settings = TensorBoardSettings.own(_sink_section(config, "tensorboard"), "logger.tensorboard")
         self.log_dir = self.settings.log_dir or os.path.join(run_dir or ".", "tensorboard")
         self._writer_cls = SummaryWriter
         self._writer: Any = None
@@ -224,8 +223,7 @@ def _installed(module: str) -> bool:
 
 def _sink_section(recipe: Mapping[str, Any], name: str) -> Mapping[str, Any] | None:
     """The recipe's ``logger.<name>`` section (None: the recipe has none; its settings' defaults apply)."""
-    plain = recipe.to_dict() if isinstance(recipe, BoundConfig) else recipe  # logger.<name> is not the core's
-    section = plain.get("logger")
+    section = plain(recipe).get("logger")  # logger.<name> is not the core's: the recipe as written
     own = section.get(name) if isinstance(section, Mapping) else None
     return own if isinstance(own, Mapping) else None
 

@@ -11,7 +11,7 @@ from ..config.options import Option, option_defaults
 from ..config.settings import Settings, setting
 from ..errors import ConfigError
 from ..markers import hookimpl
-from ..rollout_worker import BaseRolloutWorker, ItemFailure
+from ..rollout_worker import BaseRolloutWorker, ItemFailure, RolloutParts
 from ..runtime.inference import CompletionResult, SamplingParams, sampling_options
 
 SamplingValue = int | float | str | list[str]  # a sampling key's value (stop: one string or a list)
@@ -44,8 +44,8 @@ class SimpleRolloutWorker(BaseRolloutWorker):
     SETTINGS: ClassVar[type[Settings]] = SimpleWorkerSettings
     CONFIG_KEYS = option_defaults(SimpleWorkerSettings.options())  # deprecated view, for plugins that extend it
 
-    def __init__(self, config: Mapping[str, Any]):
-        super().__init__(config)
+    def __init__(self, config: Mapping[str, Any], parts: RolloutParts | None = None):
+        super().__init__(config, parts)
         settings = SimpleWorkerSettings.own(self._config, "rollout_worker")
         self._prompt_key = settings.prompt_key
         self._use_chat = settings.use_chat
@@ -142,8 +142,8 @@ class PigLatinRolloutWorker(BaseRolloutWorker):
     SETTINGS: ClassVar[type[Settings]] = PigLatinSettings
     CONFIG_KEYS = option_defaults(PigLatinSettings.options())  # deprecated view, for plugins that extend it
 
-    def __init__(self, config: Mapping[str, Any]):
-        super().__init__(config)
+    def __init__(self, config: Mapping[str, Any], parts: RolloutParts | None = None):
+        super().__init__(config, parts)
         self.settings = PigLatinSettings.own(self._config, "rollout_worker")
 
     def step(self, task: dict[str, Any]) -> str | None:

@@ -12,9 +12,15 @@ import json
 import os
 import sys
 import time
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError, NexRLError, exit_code
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
+    from ..config.schema import FailedSamplesSettings
 
 EVAL_FILES = ("metrics.json", "samples.jsonl", "errors.jsonl", "eval.log", "eval.json")
 _SIGPIPE_EXIT = 141  # what a shell reports for a command killed by SIGPIPE
@@ -143,12 +149,18 @@ def build_parser() -> argparse.ArgumentParser:
                     "that was not (with the reason), each NexRL value nexrl refuses and the nearest one written "
                     "instead, the NexRL imports to change in the Python files it names, and check the result as "
                     "nexrl validate does: exit 0 when it passes up to what only the machine that runs it "
-                    "supplies (data files, model folders, keys: listed), 2 when it does not. With --code DIR, "
-                    "the NexRL imports of the Python files under DIR are rewritten as nexrl's: shown as a "
-                    "diff, applied with --write. The table it follows: docs/migrating.md")
+                    "supplies (data files, model folders, keys: listed), 2 when it does not. With -o NEW.yaml, "
+                    "the folders beside the recipe whose Python files import NexRL (a NexAU agent_workspace/, "
+                    "whole) are copied to NEW_workspace/ next to NEW.yaml with those imports rewritten, and the "
+                    "new recipe names the copies; the originals are not changed (--force replaces a copy that "
+                    "migrate wrote before). With --code DIR, "
+                    "the NexRL imports of the Python files under DIR are rewritten as nexrl's, in place: shown as "
+                    "a diff, applied with --write. The table it follows: docs/migrating.md")
     p_migrate.add_argument("recipe", nargs="?", help="the NexRL or ROLL recipe YAML")
-    p_migrate.add_argument("-o", "--out", help="the nexrl recipe to write (default: print it)")
-    p_migrate.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    p_migrate.add_argument("-o", "--out", help="the nexrl recipe to write (default: print it); the workspace "
+                                                     "copies go to OUT's folder as <OUT name>_workspace/")
+    p_migrate.add_argument("--force", action="store_true", help="replace OUT (and the workspace copy migrate wrote "
+                                                                "beside it) if it exists")
     p_migrate.add_argument("--code", metavar="DIR", help="rewrite the NexRL imports of the Python files under DIR "
                                                          "(a unified diff on stdout; no file changes without --write)")
     p_migrate.add_argument("--write", action="store_true", help="with --code: apply the rewrite to the files")
@@ -258,10 +270,12 @@ def _validate(args: Any) -> int:
     if problems:
         _print_problems(problems)
         return 2
+    from ..config.schema import RecipeSettings
     from ..launch import unused_launch_keys_note
     from ..launch.preflight import run_dir_plan, unkept_weights_warning
 
-    for warning in (unused_launch_keys_note(cfg), unkept_weights_warning(cfg, get_plugin_manager())):
+    settings = RecipeSettings.of(cfg)  # the recipe passed its checks: read as a run reads it
+    for warning in (unused_launch_keys_note(settings), unkept_weights_warning(cfg, get_plugin_manager())):
         if warning:
             print(f"warning: {warning}", file=sys.stderr)  # as `nexrl run` says it
     from ..launch.recipe import network_plan
@@ -299,7 +313,7 @@ def _config(args: Any) -> int:
     return 0
 
 
-def sourced_yaml(config: Any, sources: Any) -> str:
+def sourced_yaml(config: Mapping[str, Any], sources: Mapping[str, str]) -> str:
     """The resolved recipe as YAML with each value's origin as a trailing comment (``# default``,
     ``# recipe FILE``, ``# override 'key=value'``; see :func:`nexrl_core.launch.recipe.load_recipe`):
     still a recipe ``nexrl run`` accepts."""
@@ -428,19 +442,21 @@ def _eval(args: Any) -> int:
     print(json.dumps(metrics, sort_keys=True))
     failures = [(str(t.get("error_cause") or "failed"), str(t.get("error") or ""))
                 for t in controller.evaluation_samples if t.get("failed")]
-    problem = _eval_problem(cfg, len(samples), int(metrics.get("val/num_missing", 0)), failures)
+    problem = _eval_problem(controller.settings.runtime_monitor.failed_samples, len(samples),
+                            int(metrics.get("val/num_missing", 0)), failures)
     if problem:
         raise _Failed(problem)
     return 0
 
 
-def _served_model(cfg: Any) -> str:
+def _served_model(cfg: DictConfig) -> str:
     """What an evaluation's inference service serves, in words: its model path, else its backend."""
     section = cfg.service.inference_service
     return str(section.get("model_path") or section.get("model") or f"the {section.get('backend')} backend")
 
 
-def _eval_problem(cfg: Any, total: int, missing: int, failures: list[tuple[str, str]]) -> str | None:
+def _eval_problem(failed_samples: FailedSamplesSettings, total: int, missing: int,
+                  failures: list[tuple[str, str]]) -> str | None:
     """Why an evaluation does not count (exit 1): samples are missing, or more of them failed than
     a training run accepts (``runtime_monitor.failed_samples``, the same threshold)."""
     from ..runtime.failure_monitor import most_common_error
@@ -451,10 +467,9 @@ def _eval_problem(cfg: Any, total: int, missing: int, failures: list[tuple[str, 
                 f"validate.n_samples): a rollout worker lost them; the metrics cover only the others")
     if not total or len(failures) == total:
         return f"no sample could be scored: {len(failures)} of {total} failed{common}"
-    section = cfg.runtime_monitor.failed_samples
-    if section.enabled and len(failures) > float(section.max_fraction) * total:
+    if failed_samples.enabled and len(failures) > failed_samples.max_fraction * total:
         return (f"{len(failures)} of {total} samples failed (more than runtime_monitor.failed_samples.max_fraction="
-                f"{float(section.max_fraction):g}){common}")
+                f"{failed_samples.max_fraction:g}){common}")
     return None
 
 

@@ -1,7 +1,7 @@
 """Reference pages generated from the code, so they cannot drift from it: the hook reference
 (from the hook specs' docstrings), the recipe reference (every key with its type, default and
 meaning, from :mod:`nexrl_core.config.schema` and each component's declared options) and the migration
-page (from :mod:`nexrl_core.config.migration_table`).
+page (from :mod:`nexrl_core.cli.migration_table`).
 
 ``scripts/gen_docs.py`` writes the repository's ``docs/hooks.md``, ``docs/recipe.md`` and ``docs/migrating.md`` with
 these functions; a plugin author can render the options of their own components the same way
@@ -273,8 +273,8 @@ def _base_of(cls: type) -> type:
 
 def migration_reference() -> str:
     """Markdown: the NexRL / ROLL -> nexrl table that ``nexrl migrate`` follows and ``nexrl validate``
-    quotes (:mod:`nexrl_core.config.migration_table`)."""
-    from ..config import migration_table as t
+    quotes (:mod:`nexrl_core.cli.migration_table`)."""
+    from . import migration_table as t
 
     def code(text: Any) -> str:
         return "—" if text is None else f"`{_yaml(text) if not isinstance(text, str) else text}`"
@@ -284,7 +284,7 @@ def migration_reference() -> str:
         return rows + [f"| `{r.seed}` | {code(r.nexrl)} | {_cell(r.why)} |" for r in t.KEY_RULES if r.source == source]
 
     out = ["# Migrating from NexRL (and ROLL)", "",
-           "Generated from `nexrl_core/config/migration_table.py` by `python scripts/gen_docs.py`; "
+           "Generated from `nexrl_core/cli/migration_table.py` by `python scripts/gen_docs.py`; "
            "`tests/docs/test_reference_docs.py` fails when this page is out of date. The same table drives "
            "`nexrl migrate` and the hints of `nexrl validate`, so the three agree.", "",
            "## Running it", "", "```bash", "nexrl migrate recipe/my_task/my_task.yaml -o my_task.nexrl.yaml",
@@ -303,8 +303,13 @@ def migration_reference() -> str:
            "public recipe layouts becomes: [NexRL 1.x recipe layouts](#nexrl-1x-recipe-layouts).", "",
            "On stderr it lists what was carried over, what was set, each value changed (one line: what and why), "
            "each key not carried over with the reason, each import of NexRL in the Python files the recipe names "
-           "with nexrl's ([Imports and classes](#imports-and-classes)); it changes no Python file (`--code`, "
-           "below, does). NexRL's "
+           "with nexrl's ([Imports and classes](#imports-and-classes)). It never edits those files (`--code`, "
+           "below, does): where the ones beside the recipe import NexRL, it copies their folder (the NexAU "
+           "`agent_workspace/`, whole: its YAML files name each other by relative paths) next to the new recipe "
+           "as `<new name>_workspace/`, rewrites the copies' imports as `--code` would, and points the new recipe "
+           "at the copies; what it could not rewrite is listed under `left to rewrite`. Without `-o` (the recipe "
+           "on stdout) nothing is copied and the `nexrl migrate --code DIR --write` command still to run is "
+           "named; a copy folder is replaced (`--force`) only when `nexrl migrate` wrote it. NexRL's "
            "`environment.setup_script` is named with the variables it exports (source it before `nexrl run`), "
            "in the report and at the top of the new file. Last it checks the result as `nexrl validate` does, "
            "an unset `${oc.env:NAME}` standing for itself: exit 0 when it passes up to what only the machine "
@@ -332,9 +337,8 @@ def migration_reference() -> str:
     out += ["", "## NexRL 1.x recipe layouts", "",
             "NexRL 1.4's `recipe/<task>/` folders, and what `nexrl migrate` makes of each "
             "(`tests/grpo_plugin/test_migrate_nexrl_layouts.py` migrates and validates a recipe of each shape). "
-            "Each exits 0, with what the machine that runs it supplies listed; the agent folders once their "
-            "workspace's Python files import nexrl's names instead of NexRL's (exit 2 until then: the report "
-            "lists each line to change).",
+            "Each exits 0, with what the machine that runs it supplies listed; the agent folders with their "
+            "workspace copied beside the new recipe, its imports of NexRL rewritten (the originals unchanged).",
             "", "| layout | NexRL | nexrl |", "|---|---|---|"]
     out += [f"| {_cell(r.name)} | {_cell(r.shape)} | {_cell(r.becomes)} |" for r in t.LAYOUTS]
     out += ["", "## Imports and classes", "",

@@ -1,6 +1,6 @@
 """``nexrl migrate OLD.yaml [-o NEW.yaml]``: a NexRL (or ROLL) recipe rewritten as a nexrl recipe.
 
-The rewrite follows :mod:`nexrl_core.config.migration_table` (also the source of docs/migrating.md):
+The rewrite follows :mod:`nexrl_core.cli.migration_table` (also the source of docs/migrating.md):
 
 1. the recipe's defaults list is composed, as ``nexrl run`` composes it (numbers NexRL's loader
    reads from ``1e-6`` become numbers);
@@ -32,14 +32,18 @@ import ast
 import copy
 import os
 import re
+import shutil
+import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..config.migration_table import (
+from .migration_table import (
     ADJUSTMENTS,
     IMPORT_RULES,
     KEY_RULES,
+    NEXRL_ANSWER,
+    SCORINGS,
     VALUE_RULES,
     WEIGHT_BACKENDS,
     Context,
@@ -54,7 +58,6 @@ _REFERENCE = re.compile(r"\$\{([A-Za-z_][\w.]*)\}")  # ${a.b}: a key; ${oc.env:X
 _ENV = re.compile(r"\$\{oc\.env:([A-Za-z_]\w*)\}")  # an environment variable without a default
 # What NexRL's loader (OmegaConf's) reads as a number and PyYAML as a string: 1e-6, 2E5, 1.0e-8
 _EXPONENT = re.compile(r"^[-+]?(?:\d[\d_]*(?:\.\d*)?|\.\d+)[eE][-+]?\d+$")
-_NEXRL_ANSWER = "reward_model.ground_truth"  # where NexRL's single_turn_math read a row's answer
 
 
 @dataclass
@@ -75,6 +78,16 @@ class Change:
 
 
 @dataclass
+class WorkspaceCopy:
+    """The folders (and files) next to the seed recipe whose Python files import NexRL, to be
+    copied under ``folder`` (next to the new recipe) with their imports rewritten; the originals
+    are left as they are. ``units``: (original, copy), absolute paths."""
+
+    folder: str
+    units: list[tuple[str, str]]
+
+
+@dataclass
 class Migration:
     """The nexrl recipe and what happened on the way."""
 
@@ -84,6 +97,8 @@ class Migration:
 
     notes: list[str] = field(default_factory=list)       # for the machine that runs it (env scripts)
     import_files: set[str] = field(default_factory=set)  # the named Python files that import NexRL
+    copy: WorkspaceCopy | None = None  # those files' folders, to be copied next to the new recipe
+    code_left: list[str] = field(default_factory=list)  # what is left to rewrite (commands, lines by hand)
 
     def of_kind(self, *kinds: str) -> list[Change]:
         return [c for c in self.changes if c.kind in kinds]
@@ -376,26 +391,70 @@ def _weight_backend(recipe: dict[str, Any], original: Mapping[str, Any], out: Mi
     out.changes.append(Change("moved", f"weight.sync_method: {method}", f"weight.backend: {weight}", why))
 
 
+def _scoring(recipe: dict[str, Any], original: Mapping[str, Any], out: Migration, ctx: _Context) -> None:
+    """Where the recipe names no evaluator and NexRL's built-in worker scored the responses itself
+    (migration_table.SCORINGS): the evaluator that scores them the same way on NexRL's rows."""
+    seed_type = get_key(original, "rollout_worker.type")
+    agent = seed_type == "agent" and get_key(original, "rollout_worker.agent_cls") in (None, "single_turn_math")
+    kind = "single_turn_math" if agent else seed_type
+    scoring = next((s for s in SCORINGS if s.worker == kind), None)
+    if scoring is None or get_key(recipe, "rollout_worker.evaluator") is not None or \
+            get_key(recipe, "rollout_worker.type") != "simple":
+        return
+    seed = "rollout_worker.agent_cls single_turn_math" if agent else f"rollout_worker.type {seed_type}"
+    name = str(scoring.nexrl["type"])
+    options = {k: v for k, v in scoring.nexrl.items() if k != "type"}
+    if scoring.cut_off is not None and get_key(recipe, "algorithm.reward_processing.overlong") is None and \
+            _algorithm_declares(recipe, ctx, "reward_processing"):
+        _put(recipe, "algorithm.reward_processing.overlong", "score")
+        _put(recipe, "algorithm.reward_processing.overlong_reward", scoring.cut_off)
+        out.changes.append(Change("set", "algorithm.reward_processing.overlong", f"score, overlong_reward "
+                                  f"{scoring.cut_off:g}", f"{seed}: NexRL gave a response cut off at max_tokens "
+                                                          f"(finish_reason length) {scoring.cut_off:g}, whatever it "
+                                                          f"answered"))
+    if ctx.declares("evaluator", name, *options):
+        _put(recipe, "rollout_worker.evaluator", copy.deepcopy(scoring.nexrl))
+        shown = ", ".join(f"{k} {_shown_value(v)}" for k, v in options.items())
+        out.changes.append(Change("set", "rollout_worker.evaluator", f"{name}, {shown}",
+                                  f"{seed}: NexRL scored {scoring.how}; the rows stay as they are"))
+    elif scoring.worker == "single_turn_math" and ctx.declares("evaluator", "numeric_answer", "answer_key"):
+        _put(recipe, "rollout_worker.evaluator", {"type": "numeric_answer", "answer_key": NEXRL_ANSWER})
+        out.changes.append(Change("set", "rollout_worker.evaluator", f"numeric_answer, answer_key {NEXRL_ANSWER}",
+                                  f"{seed}: the reply's last number, not NexRL's scoring ({scoring.how}), which "
+                                  f"math_rule of nexrl-rewards does (pip install nexrl-rewards, migrate again)"))
+    else:
+        out.changes.append(Change("dropped", f"{seed} (its scoring)",
+                                  why=f"NexRL scored {scoring.how}; no evaluator here does (evaluator {name} with "
+                                      f"{', '.join(options)}): set rollout_worker.evaluator"))
+
+
+def _shown_value(value: Any) -> str:
+    """A value as the recipe's YAML writes it, in a report line (a list: its items)."""
+    if isinstance(value, list):
+        return " ".join(_shown_value(v) for v in value)
+    return ("true" if value else "false") if isinstance(value, bool) else str(value)
+
+
+def _algorithm_declares(recipe: Mapping[str, Any], ctx: _Context, key: str) -> bool:
+    """The recipe's trainer (with the functions its algorithm section selects) reads ``algorithm.<key>``."""
+    from ..algorithms.registry import algorithm_keys
+
+    name = get_key(recipe, "trainer.type")
+    registered = ctx.pm.components("trainer").get(str(name))
+    if registered is None:
+        return False
+    section = get_key(recipe, "algorithm")
+    declared, _ = algorithm_keys(registered.cls, section if isinstance(section, Mapping) else {}, ctx.pm, str(name))
+    return key in declared
+
+
 def _derive(recipe: dict[str, Any], original: Mapping[str, Any], out: Migration, ctx: _Context,
             moved: dict[str, str]) -> None:
     """The nexrl keys the seed's recipe leaves to the rest of it (migration_table.DERIVED)."""
     _model_named_once(recipe, out, ctx, moved)
     if get_key(recipe, "service.inference_service.backend") == "tinker":
         _tinker_services(recipe, original, out, ctx, moved)
-    seed_type = get_key(original, "rollout_worker.type")
-    agent = seed_type == "agent" and get_key(original, "rollout_worker.agent_cls") in (None, "single_turn_math")
-    if (seed_type == "single_turn_math" or agent) and get_key(recipe, "rollout_worker.evaluator") is None:
-        seed = "rollout_worker.agent_cls single_turn_math" if agent else "rollout_worker.type single_turn_math"
-        if "math_rule" in ctx.pm.components("evaluator"):
-            _put(recipe, "rollout_worker.evaluator", {"type": "math_rule", "answer_key": _NEXRL_ANSWER})
-            out.changes.append(Change("set", "rollout_worker.evaluator", f"math_rule, answer_key {_NEXRL_ANSWER}",
-                                      f"{seed}: the answer is read where NexRL read it, so the rows stay as "
-                                      f"they are"))
-        else:
-            _put(recipe, "rollout_worker.evaluator", {"type": "numeric_answer"})
-            out.changes.append(Change("set", "rollout_worker.evaluator.type", "numeric_answer",
-                                      f"{seed}; it reads a row's top-level 'answer': NexRL's rows keep it at "
-                                      f"{_NEXRL_ANSWER}, which math_rule reads (pip install nexrl-rewards)"))
+    _scoring(recipe, original, out, ctx)
     prompt_key = get_key(recipe, "data.prompt_key")
     worker = get_key(recipe, "rollout_worker.type") or "simple"
     if isinstance(prompt_key, str) and prompt_key != "prompt" and \
@@ -614,7 +673,9 @@ def _reasons(key: str, value: Any, check_why: str) -> list[tuple[str, str]]:
         inner = [leaf[len(key) + 1:] for leaf in _leaves(value, key) if leaf != key]
         return [(f"{key} ({', '.join(inner[:6])}{', ...' if len(inner) > 6 else ''})" if inner else key, rule.why)]
     if isinstance(value, dict) and any(r.seed.startswith(key + ".") for r in KEY_RULES):
-        return [pair for k, v in value.items() for pair in _reasons(f"{key}.{k}", v, "unknown key")]
+        # the inner keys the table has no rule for share the section's reason (a known section nexrl
+        # refuses, e.g. kl_ctrl without use_kl_in_reward, is not an unknown key)
+        return [pair for k, v in value.items() for pair in _reasons(f"{key}.{k}", v, check_why)]
     why = check_why.split(" (nexrl migrate")[0]
     if why.startswith("expected a mapping, got null"):
         return [(key, "null: nexrl's defaults apply")]
@@ -651,7 +712,7 @@ def compose_file(path: str) -> dict[str, Any]:
     return recipe
 
 
-def migrate_file(path: str, out_path: str, pm: Any) -> Migration:
+def migrate_file(path: str, out_path: str, pm: Any, copy_code: bool = True) -> Migration:
     """:func:`migrate_recipe` of the file, with relative paths that name files next to it (or under
     ``$NEXRL_PATH``, where NexRL looked) rewritten for ``out_path``'s folder, and its Python files'
     imports of NexRL listed."""
@@ -667,7 +728,135 @@ def migrate_file(path: str, out_path: str, pm: Any) -> Migration:
         if any(": from nexrl" in line or ": import nexrl" in line for line in lines):
             migration.import_files.add(os.path.abspath(file))
     migration.notes += _setup_script(seed, roots, out_dir)
+    _plan_copy(migration, seed_dir, out_path, copy_code)
     return migration
+
+
+# -- the workspace's Python files --------------------------------------------------------------------
+
+COPY_MARKER = ".nexrl-migrate"  # in a copy folder nexrl migrate wrote (and may replace with --force)
+_COPY_LIMITS = (2000, 64 << 20)  # files, bytes: a larger workspace is left for --code DIR --write
+_SKIPPED = shutil.ignore_patterns(".*", "__pycache__", "*.pyc")
+
+
+def _plan_copy(migration: Migration, seed_dir: str, out_path: str, copy_code: bool) -> None:
+    """Which folders next to the seed recipe the new recipe should use copies of: each top-level
+    folder holding a named Python file that imports NexRL (the NexAU ``agent_workspace/``, whole:
+    its YAML files name each other by relative paths), and the ``.py`` files beside the recipe
+    when one of those does. A file elsewhere is left for ``nexrl migrate --code``."""
+    if not migration.import_files:
+        return
+    units: dict[str, None] = {}
+    outside: dict[str, None] = {}
+    for file in sorted(migration.import_files):
+        rel = os.path.relpath(file, seed_dir)
+        if rel.startswith(os.pardir + os.sep):
+            outside[os.path.dirname(file)] = None
+        elif os.sep not in rel:  # beside the recipe: with the modules it may import from there
+            units.update((os.path.join(seed_dir, n), None) for n in sorted(os.listdir(seed_dir)) if n.endswith(".py"))
+        else:
+            units[os.path.join(seed_dir, rel.split(os.sep)[0])] = None
+    out_dir = os.path.dirname(os.path.abspath(out_path))
+    stem = os.path.splitext(os.path.basename(out_path))[0]
+    folder = os.path.join(out_dir, f"{stem}_workspace")
+    migration.code_left += [f"nexrl migrate --code {os.path.relpath(d)} --write  (rewrites the files there in "
+                            f"place; they are not beside the recipe, so no copy is made)" for d in outside]
+    if not units:
+        return
+    files = size = 0
+    for unit in units:
+        for where, dirs, names in os.walk(unit) if os.path.isdir(unit) else [("", [], [unit])]:
+            dirs[:] = [d for d in dirs if not d.startswith(".") and d != "__pycache__"]
+            files += len(names)
+            size += sum(os.path.getsize(os.path.join(where, n)) for n in names)
+    too_large = f"{files} files, {size >> 20} MiB" if files > _COPY_LIMITS[0] or size > _COPY_LIMITS[1] else ""
+    if copy_code and not too_large:
+        migration.copy = WorkspaceCopy(folder, [(u, os.path.join(folder, os.path.basename(u))) for u in units])
+        return
+    where = " ".join(os.path.relpath(u) for u in units)
+    why = f"the workspace is too large to copy ({too_large})" if too_large else \
+        "the recipe goes to stdout (with -o NEW.yaml, migrate copies them next to it with the imports rewritten)"
+    migration.code_left.append(f"nexrl migrate --code {where} --write  (rewrites the originals in place; {why})")
+
+
+def write_copy(migration: Migration, out_path: str, force: bool) -> list[str]:
+    """Copy :attr:`Migration.copy`'s folders next to the new recipe, rewrite the NexRL imports of
+    the copies (:mod:`.migrate_code`), point the recipe at them. Returns the report's lines. A
+    folder of that name is replaced only with ``force`` and only when nexrl migrate wrote it."""
+    from ..errors import ConfigError
+    from .migrate_code import migrate_code
+
+    plan = migration.copy
+    if plan is None:
+        return []
+    shown = os.path.relpath(plan.folder)
+    if os.path.lexists(plan.folder):
+        if not os.path.isfile(os.path.join(plan.folder, COPY_MARKER)):
+            raise ConfigError(f"-o: the copy of the workspace goes to '{shown}', which exists and was not written "
+                              f"by nexrl migrate; move it, or write the recipe elsewhere")
+        if not force:
+            raise ConfigError(f"-o: '{shown}' (the copy of the workspace) exists (--force replaces it)")
+    out_dir = os.path.dirname(plan.folder)
+    os.makedirs(out_dir, exist_ok=True)
+    scratch = tempfile.mkdtemp(prefix=".nexrl-migrate-", dir=out_dir)
+    staging = os.path.join(scratch, "copy")  # made by mkdir: the umask's permissions, not mkdtemp's 0700
+    try:
+        os.mkdir(staging)
+        for original, copy_ in plan.units:
+            target = os.path.join(staging, os.path.basename(copy_))
+            if os.path.isdir(original):
+                shutil.copytree(original, target, ignore=_SKIPPED, symlinks=True)
+            else:
+                shutil.copy2(original, target)
+        with open(os.path.join(staging, COPY_MARKER), "w", encoding="utf-8") as f:
+            f.write("written by nexrl migrate: copies of the NexRL recipe's workspace, imports rewritten for "
+                    "nexrl; nexrl migrate --force replaces this folder\n")
+        files, _, _ = migrate_code(staging, apply=True)
+        if os.path.lexists(plan.folder):
+            shutil.rmtree(plan.folder)
+        os.replace(staging, plan.folder)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    _repoint(migration.recipe, out_dir, plan.units)
+    migration.import_files = {os.path.join(plan.folder, r.shown) for r in files
+                              if r.names_nexrl and (r.by_hand or r.not_parsed)}
+    lines = [f"{os.path.relpath(o)} -> {os.path.relpath(c)}" for o, c in plan.units]
+    for rewrite in files:
+        where = os.path.join(shown, rewrite.shown)
+        if rewrite.rewritten:
+            lines.append(f"{where}: {rewrite.rewritten} imported name{'s' if rewrite.rewritten != 1 else ''} "
+                         f"rewritten")
+        migration.code_left += [f"{where}:{item}" for item in rewrite.by_hand]
+        if rewrite.not_parsed and rewrite.names_nexrl:
+            migration.code_left.append(f"{where}: {rewrite.not_parsed}; it imports NexRL: change its imports by hand")
+    return lines
+
+
+def _repoint(recipe: dict[str, Any], out_dir: str, units: list[tuple[str, str]]) -> None:
+    """In place: each path of the recipe (relative to ``out_dir``, or ``${recipe_dir}/...``) that
+    names a file inside an original of ``units`` names its copy instead."""
+    prefix = "${recipe_dir}/"
+
+    def moved(value: str) -> str:
+        head = prefix if value.startswith(prefix) else ""
+        rest = value[len(head):]
+        if not rest or "${" in rest or "://" in rest:
+            return value
+        full = os.path.normpath(rest if os.path.isabs(rest) else os.path.join(out_dir, rest))
+        for original, copy_ in units:
+            if full == original or full.startswith(original + os.sep):
+                new = copy_ + full[len(original):]
+                return head + (new if os.path.isabs(rest) else os.path.relpath(new, out_dir))
+        return value
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, dict):
+            return {k: walk(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [walk(v) for v in node]
+        return moved(node) if isinstance(node, str) else node
+
+    recipe.update(walk(recipe))
 
 
 _EXPORT = re.compile(r"^\s*export\s+([A-Za-z_]\w*)=", re.MULTILINE)
@@ -808,9 +997,11 @@ def to_yaml(recipe: Mapping[str, Any], source: str, notes: list[str] | tuple[str
     return head + yaml.safe_dump(dict(recipe), sort_keys=False, allow_unicode=True, width=100)
 
 
-def report(migration: Migration) -> list[str]:
+def report(migration: Migration, copied: list[str] | tuple[str, ...] = ()) -> list[str]:
     """The report's lines: what moved, what was set, what nexrl refused and what it became, what
-    was dropped and why, imports to change, what the machine that runs it must do."""
+    was dropped and why, the imports of NexRL (and ``copied``: the workspace copies whose imports
+    were rewritten, :func:`write_copy`), what is left to rewrite, what the machine that runs it
+    must do."""
     lines: list[str] = []
     sections = (("carried over", ("moved", "value")), ("set from the rest of the recipe", ("set",)),
                 ("changed to a value nexrl accepts", ("changed",)), ("not carried over", ("dropped",)))
@@ -820,9 +1011,17 @@ def report(migration: Migration) -> list[str]:
             lines.append(f"{title}:")
             lines += [f"  {c.text()}" for c in changes]
     if migration.imports:
-        lines.append("imports of NexRL to change in the files the recipe names:")
+        lines.append("imports of NexRL in the files the recipe names, and nexrl's:" if copied else
+                     "imports of NexRL to change in the files the recipe names:")
         lines += [f"  {line}" for line in migration.imports]
-        lines.append("  (nexrl migrate --code FOLDER shows them rewritten as a diff; --write applies it)")
+        if not copied and not migration.code_left:
+            lines.append("  (nexrl migrate --code FOLDER shows them rewritten as a diff; --write applies it)")
+    if copied:
+        lines.append("copied next to the new recipe, which uses the copies (the originals are unchanged):")
+        lines += [f"  {line}" for line in copied]
+    if migration.code_left:
+        lines.append("left to rewrite:")
+        lines += [f"  {line}" for line in migration.code_left]
     if migration.notes:
         lines.append("for the machine that runs it:")
         lines += [f"  {note}" for note in migration.notes]
@@ -832,12 +1031,14 @@ def report(migration: Migration) -> list[str]:
 # -- the check ---------------------------------------------------------------------------------------
 
 _UNSET = "/nexrl-migrate-unset"  # an unset ${oc.env:NAME} stands for itself as /nexrl-migrate-unset/NAME
+_REQUIRED = f"{_UNSET}/???"  # and a '???' as this
 # Problems only the machine that runs the recipe settles: its files, models and keys.
 _MACHINE = (
     re.compile(r"^(validate\.)?data\.\S*: .*data file not found"),
     re.compile(r"^\S*(model_path|tokenizer_path)\S*: .*(is not a model folder|is not a folder|not found)"),
     re.compile(r"\bAPI key\b"),
     re.compile(r"a value is required here \(the recipe has '\?\?\?'\)"),
+    re.compile(r"cannot resolve interpolation \(MissingMandatoryValue"),  # a reference to such a '???'
     re.compile(r"Environment variable '\w+' not found"),
 )
 _MISSING_MODULE = re.compile(r"importing (\S+) raised ModuleNotFoundError: No module named '([\w.]+)'")
@@ -857,8 +1058,14 @@ def check_migrated(migration: Migration, placed: str, pm: Any) -> tuple[list[str
                     if name not in os.environ})
     saved = {name: os.environ.get(name) for name in unset}
     os.environ.update({name: f"{_UNSET}/{name}" for name in unset})
+    # a '???' (the user sets it) stands for itself too: a reference to it would stop the whole check
+    required = [key for key in (leaf.lstrip(".") for leaf in _leaves(migration.recipe, "")) if
+                get_key(migration.recipe, key) == "???"]
+    raw = copy.deepcopy(migration.recipe)
+    for key in required:
+        _put(raw, key, _REQUIRED)
     try:
-        cfg = load_recipe(placed, [], raw=migration.recipe)
+        cfg = load_recipe(placed, [], raw=raw)
         problems = check_config(cfg, pm)
         if all(_machine_only(p, migration) for p in problems):  # the files too, unless already said
             problems += [p for p in check_files(cfg, pm)
@@ -871,7 +1078,8 @@ def check_migrated(migration: Migration, placed: str, pm: Any) -> tuple[list[str
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
-    machine = [_shown(p) for p in problems if _machine_only(p, migration)]
+    machine = [f"{key}: a value is required here (the recipe has '???')" for key in required]
+    machine += [_shown(p) for p in problems if _machine_only(p, migration) and _REQUIRED not in p]
     if unset:
         machine.insert(0, f"environment variables {', '.join(unset)}: not set here (the recipe reads them with "
                           f"${{oc.env:...}}; shown as $NAME below)")
@@ -914,10 +1122,23 @@ def command(args: Any) -> int:
         raise ConfigError("--write: applies the rewrite of --code DIR; name the folder with --code")
     if args.recipe is not None and code_dir is not None and args.out is None:
         raise ConfigError("--code: stdout holds the diff of the Python files; write the recipe with -o")
-    status = _recipe_command(args) if args.recipe is not None else 0
-    if code_dir is not None:
-        status = max(status, _code_command(code_dir, write))
+    if args.recipe is not None:
+        _check_out(args)
+    status = _code_command(code_dir, write) if code_dir is not None else 0
+    if args.recipe is not None:  # after --code --write: files rewritten in place need no copy
+        status = max(status, _recipe_command(args))
     return status
+
+
+def _check_out(args: Any) -> None:
+    from ..errors import ConfigError
+
+    out = args.out
+    if out is not None:
+        if os.path.abspath(out) == os.path.abspath(args.recipe):
+            raise ConfigError(f"-o: '{out}' is the recipe being migrated; write the nexrl recipe to a new file")
+        if os.path.exists(out) and not args.force:
+            raise ConfigError(f"-o: '{out}' exists (--force replaces it)")
 
 
 def _code_command(code_dir: str, write: bool) -> int:
@@ -937,19 +1158,15 @@ def _code_command(code_dir: str, write: bool) -> int:
 def _recipe_command(args: Any) -> int:
     import sys
 
-    from ..errors import ConfigError
     from ..plugins import get_plugin_manager
     from ..redaction import scrub
 
     out = args.out
-    if out is not None:
-        if os.path.abspath(out) == os.path.abspath(args.recipe):
-            raise ConfigError(f"-o: '{out}' is the recipe being migrated; write the nexrl recipe to a new file")
-        if os.path.exists(out) and not args.force:
-            raise ConfigError(f"-o: '{out}' exists (--force replaces it)")
+    _check_out(args)
     pm = get_plugin_manager()
     placed = out if out is not None else os.path.join(os.getcwd(), "migrated.yaml")
-    migration = migrate_file(args.recipe, placed, pm)
+    migration = migrate_file(args.recipe, placed, pm, copy_code=out is not None)
+    copied = write_copy(migration, placed, args.force)  # before the recipe, which then names the copies
     text = to_yaml(migration.recipe, os.path.basename(args.recipe), migration.notes)
     if out is None:
         sys.stdout.write(text)
@@ -957,7 +1174,7 @@ def _recipe_command(args: Any) -> int:
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
         with open(out, "w", encoding="utf-8") as f:
             f.write(text)
-    for line in [f"{args.recipe} -> {out or 'stdout'}", *report(migration)]:
+    for line in [f"{args.recipe} -> {out or 'stdout'}", *report(migration, copied)]:
         print(line, file=sys.stderr)
     problems, machine = check_migrated(migration, placed, pm)
     name = out or "the result"

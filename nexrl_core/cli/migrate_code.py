@@ -2,7 +2,7 @@
 
 Every ``.py`` file under DIR (hidden folders, ``__pycache__`` and installed packages left out) is
 parsed; each ``from nexrl... import Name`` whose name the import table
-(:data:`nexrl_core.config.migration_table.IMPORT_RULES`) maps becomes the import of nexrl's name,
+(:data:`nexrl_core.cli.migration_table.IMPORT_RULES`) maps becomes the import of nexrl's name,
 bound to the name the file used (``from nexrl_core import FileDataLoader as TorchDataLoader``), so
 the rest of the file is unchanged. The rewrite is shown as a unified diff on stdout; only
 ``--write`` changes files. What it cannot rewrite is listed for the user: a name with no
@@ -22,7 +22,7 @@ import tempfile
 import tokenize
 from dataclasses import dataclass, field
 
-from ..config.migration_table import IMPORT_RULES, ImportRule
+from .migration_table import IMPORT_RULES, ImportRule
 
 _BY_PATH = {rule.seed: rule for rule in IMPORT_RULES}
 _BY_NAME = {rule.seed.rsplit(".", 1)[1]: rule for rule in IMPORT_RULES}

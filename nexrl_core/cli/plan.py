@@ -9,14 +9,17 @@ import functools
 import json
 import subprocess
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
 
 #: prompts of the training data read for their length (the longest decides)
 PROMPTS_READ = 512
 DEFAULT_PROMPT_KEY = "prompt"  # where a worker without prompt_key finds the prompt (the data loaders' column)
 
 
-def plan_inputs(cfg: Any, pm: Any) -> Any:
+def plan_inputs(cfg: DictConfig, pm: Any) -> Any:
     """What the recipe says about the work (:class:`PlanInputs`), the data's prompts included."""
     from omegaconf import OmegaConf
 
@@ -49,7 +52,7 @@ def plan_inputs(cfg: Any, pm: Any) -> Any:
                       frozen_reference=uses_kl and cfg.service.reference_service is None)
 
 
-def component_plans(cfg: Any, pm: Any, inputs: Any) -> tuple[Any, list[str]]:
+def component_plans(cfg: DictConfig, pm: Any, inputs: Any) -> tuple[Any, list[str]]:
     """The train service's and the inference backend's plans, merged; and a line for each part
     that gives none."""
     from ..runtime.memory_plan import MemoryPlan

@@ -8,9 +8,14 @@ import os
 import shlex
 import signal
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import NexRLError, exit_code
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
+    from ..config.schema import RecipeSettings
 
 _RESUME_KEYS = ("resume.mode", "resume.resume_path", "overwrite_run_dir")
 
@@ -48,40 +53,42 @@ def continue_command(recipe: str, overrides: list[str], more: str) -> str:
     return run_command_line(recipe, overrides, _RESUME_KEYS + (override_key(more),), ("resume.mode=auto", more))
 
 
-def _model(cfg: Any) -> str:
+def _model(cfg: DictConfig) -> str:
     inference = cfg.service.inference_service.get("model_path")
     train = cfg.service.train_service.get("model_path")
     names = [str(m) for m in dict.fromkeys([train, inference]) if m]
     return " / ".join(names) if names else "(the inference backend's own)"
 
 
-def header_lines(cfg: Any, recipe: str, overrides: list[str], pm: Any, resume_from: str | None) -> list[tuple[str, str]]:
+def header_lines(settings: RecipeSettings, cfg: DictConfig, recipe: str, overrides: list[str], pm: Any,
+                 resume_from: str | None) -> list[tuple[str, str]]:
+    """``cfg``: the recipe, for the model the services' own keys name."""
     from ..redaction import redact_command
     from ..runtime.run_info import versions
 
-    run_dir = str(cfg.run_dir)
     v = versions(pm)
     plugins = ", ".join(f"{d} {ver}" for d, ver in sorted(v.get("plugins", {}).items())) or "none"
-    section = cfg.rollout_worker.get("evaluator")  # null: no evaluator
-    evaluator = section["type"] if section is not None else "none"
-    weight = cfg.weight
-    epochs = cfg.trainer.get("num_train_epochs")
-    schedule = [f"{cfg.trainer.total_train_steps} steps of {cfg.trajectory_pool.batch_size} samples "
-                f"({cfg.trajectory_pool.group_size} per prompt{f', {epochs:g} epochs' if epochs else ''})",
+    evaluator = settings.rollout_worker.evaluator.type if settings.rollout_worker.evaluator is not None else "none"
+    weight, trainer, pool = settings.weight, settings.trainer, settings.trajectory_pool
+    epochs = trainer.num_train_epochs
+    schedule = [f"{trainer.total_train_steps} steps of {pool.batch_size} samples "
+                f"({pool.group_size} per prompt{f', {epochs:g} epochs' if epochs else ''})",
                 f"{weight.sync_mode} mode"]
-    if int(weight.validate_freq) and cfg.validate.get("data") is not None:
+    if weight.validate_freq and settings.validate.data is not None:
         schedule.append(f"validate every {weight.validate_freq}")
-    if int(cfg.trainer.save_freq):
-        schedule.append(f"checkpoint every {cfg.trainer.save_freq}")
-    elif cfg.trainer.save_final:
+    if trainer.save_freq:
+        schedule.append(f"checkpoint every {trainer.save_freq}")
+    elif trainer.save_final:
         schedule.append("checkpoint at the end")
     lines = [
         ("recipe", " ".join([recipe, *redact_command(overrides)])),
-        ("run_dir", f"{run_dir}  (config.yaml, run.json, metrics.jsonl, samples.jsonl, errors.jsonl, run.log)"),
+        ("run_dir", f"{settings.run_dir}  (config.yaml, run.json, metrics.jsonl, samples.jsonl, errors.jsonl, "
+                    f"run.log)"),
         ("model", _model(cfg)),
-        ("components", f"trainer {cfg.trainer.type} · inference {cfg.service.inference_service.backend} · "
-                       f"weight sync {weight.backend} · evaluator {evaluator} · data {cfg.data.type}"),
-        ("launch", f"{cfg.launch_mode} · {cfg.rollout_worker.num_workers} rollout workers · seed {cfg.seed}"),
+        ("components", f"trainer {trainer.type} · inference {settings.service.inference_service.backend} · "
+                       f"weight sync {weight.backend} · evaluator {evaluator} · data {settings.data.type}"),
+        ("launch", f"{settings.launch_mode} · {settings.rollout_worker.num_workers} rollout workers · "
+                   f"seed {settings.seed}"),
         ("schedule", " · ".join(schedule)),
         ("versions", f"nexrl-core {v.get('nexrl-core')} · plugins: {plugins}"),
         ("start", f"resuming from {resume_from}" if resume_from else "a fresh run"),
@@ -97,15 +104,16 @@ class _Outcome:
         self.error: str | None = None
 
 
-def footer(cfg: Any, recipe: str, overrides: list[str], outcome: _Outcome, elapsed: str,
-           plot: tuple[str | None, str | None], exportable: bool = False) -> tuple[str, list[tuple[str, str]]]:
+def footer(settings: RecipeSettings, cfg: DictConfig, recipe: str, overrides: list[str], outcome: _Outcome,
+           elapsed: str, plot: tuple[str | None, str | None],
+           exportable: bool = False) -> tuple[str, list[tuple[str, str]]]:
     """The footer's title and lines; ``exportable``: the trainer implements ``export_checkpoint``."""
     from ..checkpoint import find_latest_checkpoint
     from ..launch.preflight import keeps_no_checkpoint, train_on_override
     from ..runtime.run_log import ERRORS_FILE, METRICS_FILE, SAMPLES_FILE
 
-    run_dir = str(cfg.run_dir)
-    total = int(cfg.trainer.total_train_steps)
+    run_dir = settings.run_dir
+    total = settings.trainer.total_train_steps
     step = outcome.step if outcome.step is not None else 0
     if outcome.status == "finished":
         title = f"finished: {step}/{total} steps in {elapsed}"
@@ -113,11 +121,11 @@ def footer(cfg: Any, recipe: str, overrides: list[str], outcome: _Outcome, elaps
         title = f"stopped at step {step}/{total} after {elapsed}"
     else:  # the error itself follows (the `error:` line, or a bug's traceback): said once
         title = f"failed at step {step}/{total} after {elapsed}"
-    root = cfg.trainer.get("checkpoint_path")
-    latest = find_latest_checkpoint(str(root)) if root else None
+    root = settings.trainer.checkpoint_path
+    latest = find_latest_checkpoint(root) if root else None
     lines: list[tuple[str, str]] = []
-    if latest:
-        count = sum(1 for n in os.listdir(str(root)) if n.startswith("global_step_"))
+    if root and latest:
+        count = sum(1 for n in os.listdir(root) if n.startswith("global_step_"))
         lines.append(("checkpoints", f"{latest}  ({count} in {root})"))
     else:
         lines.append(("checkpoints", "none saved (trainer.save_freq: 0, trainer.save_final: false)"
@@ -155,13 +163,13 @@ def _count_lines(path: str) -> int:
         return sum(1 for line in f if line.strip())
 
 
-def stop_notice(cfg: Any, recipe: str, overrides: list[str], signame: str) -> str:
+def stop_notice(settings: RecipeSettings, recipe: str, overrides: list[str], signame: str) -> str:
     """What a Ctrl-C (SIGINT) or SIGTERM is acknowledged with, at once."""
     from ..checkpoint import find_latest_checkpoint
 
-    root = cfg.trainer.get("checkpoint_path")
-    latest = find_latest_checkpoint(str(root)) if root else None
-    if cfg.trainer.get("save_on_stop"):
+    root = settings.trainer.checkpoint_path
+    latest = find_latest_checkpoint(root) if root else None
+    if settings.trainer.save_on_stop:
         then = "then saving a checkpoint (trainer.save_on_stop)"
     elif latest:
         then = f"the newest checkpoint is {os.path.basename(latest)}"
@@ -173,6 +181,7 @@ def stop_notice(cfg: Any, recipe: str, overrides: list[str], signame: str) -> st
 
 def run_command(args: Any) -> int:
     from ..api import run_started
+    from ..config.schema import RecipeSettings
     from ..controller import RunFailed
     from ..launch.preflight import component_notes, require_runnable, resume_checkpoint, unkept_weights_warning
     from ..launch.prologue import start_run
@@ -195,14 +204,16 @@ def run_command(args: Any) -> int:
         print(f"note: {note}", file=sys.stderr)
     if network_plan(cfg, pm).private and not network.inside():  # the whole run, Ray's driver included
         return network.rerun_inside(["run", recipe, *overrides])
+    settings = RecipeSettings.of(cfg)  # the run's one reading of its checked recipe (start_run takes it)
     resume_from = resume_checkpoint(cfg)
     start_step = _checkpoint_global_step(resume_from)
-    mode = choose_mode(str(cfg.logger.progress), sys.stderr)
-    progress = RunProgress(mode, int(cfg.trainer.total_train_steps), start_step)
+    mode = choose_mode(settings.logger.progress, sys.stderr)
+    progress = RunProgress(mode, settings.trainer.total_train_steps, start_step)
     started = start_run(cfg, pm, recipe, overrides, console=progress.log_sink if mode == "rich" else None,
-                        hide_step_lines=mode != "off", checked=True)
+                        hide_step_lines=mode != "off", checked=settings)
     run_dir, record = started.run_dir, started.record
-    progress.print_block(f"nexrl run · {cfg.experiment_name}", header_lines(cfg, recipe, overrides, pm, resume_from))
+    progress.print_block(f"nexrl run · {settings.experiment_name}",
+                         header_lines(settings, cfg, recipe, overrides, pm, resume_from))
     outcome = _Outcome()
     controller: Any = None
 
@@ -215,7 +226,7 @@ def run_command(args: Any) -> int:
         name = signal.Signals(signum).name
         interrupted.append(signum)
         if len(interrupted) == 1:
-            progress.notice(stop_notice(cfg, recipe, overrides, name))
+            progress.notice(stop_notice(started.settings, recipe, overrides, name))
         elif len(interrupted) == 2:
             progress.notice(f"{name} again: still releasing the run's actors (once more to stop at once)")
             return
@@ -230,9 +241,9 @@ def run_command(args: Any) -> int:
         name = signal.Signals(signum).name
         if controller.stop_requested():
             progress.notice(f"{name} again: still stopping (waiting up to runtime_monitor.stop_timeout="
-                            f"{cfg.runtime_monitor.stop_timeout}s for the work in flight)")
+                            f"{started.settings.runtime_monitor.stop_timeout}s for the work in flight)")
         else:
-            progress.notice(stop_notice(cfg, recipe, overrides, name))
+            progress.notice(stop_notice(started.settings, recipe, overrides, name))
         controller.request_stop(name)
 
     def running(built: Any) -> None:
@@ -280,8 +291,8 @@ def run_command(args: Any) -> int:
             record.finish(outcome.status, outcome.code, outcome.step, outcome.error)
         try:
             plot = _plot(run_dir) if outcome.code != 2 else (None, None)
-            title, lines = footer(cfg, recipe, overrides, outcome, elapsed, plot,
-                                  _exportable(pm, str(cfg.trainer.type)))
+            title, lines = footer(started.settings, cfg, recipe, overrides, outcome, elapsed, plot,
+                                  _exportable(pm, settings.trainer.type))
             progress.print_block(title, lines)
         finally:
             signal.signal(signal.SIGINT, signal.default_int_handler)

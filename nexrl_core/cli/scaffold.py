@@ -370,7 +370,7 @@ KIND_FILES["worker"]["$package/plugin.py"] = '''
 """The $name rollout worker, registered with nexrl through the entry point in pyproject.toml.
 
 nexrl builds `rollout_worker.num_workers` of them with the recipe's `rollout_worker` section and
-calls `step(task)` once per task, each worker in its own thread. `step` asks the model with
+their parts (the evaluator it names), and calls `step(task)` once per task, each worker in its own thread. `step` asks the model with
 `self.complete(prompt)` (as often as the rollout needs) and hands each trajectory on with
 `self._put_trajectory(...)`; `self.completion_trajectory(...)` builds one that carries every key a
 trainer reads (docs/extending.md lists them).
@@ -382,7 +382,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from nexrl_core import Settings, SimpleRolloutWorker, hookimpl, setting
+from nexrl_core import RolloutParts, Settings, SimpleRolloutWorker, hookimpl, setting
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -399,8 +399,8 @@ class $cls(SimpleRolloutWorker):
 
     SETTINGS = ${cls}Settings
 
-    def __init__(self, config: Mapping[str, Any]):
-        super().__init__(config)
+    def __init__(self, config: Mapping[str, Any], parts: RolloutParts | None = None):
+        super().__init__(config, parts)  # parts: the recipe's evaluator, built by nexrl
         self.settings = ${cls}Settings.own(self._config)  # the recipe's values, defaults filled in
 
     def step(self, task: dict[str, Any]) -> str | None:
@@ -463,7 +463,8 @@ trajectory_pool: {batch_size: 8, group_size: 4}
 KIND_FILES["trainer"]["$package/plugin.py"] = '''
 """The $name trainer, registered with nexrl through the entry point in pyproject.toml.
 
-nexrl builds it with the whole recipe and calls `train(trajectories)` once per step. This one is
+nexrl builds it with the whole recipe and its parts (the train service, the algorithm registry)
+and calls `train(trajectories)` once per step. This one is
 nexrl-grpo's self-hosted GRPO trainer (every `algorithm.*` key of it applies) with a change to the
 advantages in `_prepare_batch`: the batch arrives as padded tensors (`responses`,
 `response_mask`, `rewards`, ...), `_prepare_batch` sets `batch.values["advantages"]` and the
@@ -479,7 +480,7 @@ from typing import Any
 import torch
 from nexrl_grpo.trainers import SelfHostedGrpoTrainer
 
-from nexrl_core import Batch, Settings, hookimpl, setting
+from nexrl_core import Batch, Settings, TrainerParts, hookimpl, setting
 
 
 def scale_advantages(advantages: torch.Tensor, scale: float) -> torch.Tensor:
@@ -500,8 +501,8 @@ class $cls(SelfHostedGrpoTrainer):
 
     SETTINGS = ${cls}Settings
 
-    def __init__(self, config: Mapping[str, Any]):
-        super().__init__(config)
+    def __init__(self, config: Mapping[str, Any], parts: TrainerParts | None = None):
+        super().__init__(config, parts)  # parts: the train service and algorithm registry, built by nexrl
         # read once (the GRPO trainer's own `settings` are its algorithm's)
         self.advantage_scale = ${cls}Settings.own(self._config, "trainer").advantage_scale
 
@@ -594,7 +595,7 @@ class $cls(BaseDataLoader):
 
     def __init__(self, config: Mapping[str, Any], is_validate: bool = False):
         # read before the base class reads the rows (it calls load_rows)
-        section = self.bind_config(config, is_validate)
+        section = self.own_section(config, is_validate)
         self.settings = ${cls}Settings.own(section, "validate.data" if is_validate else "data")
         super().__init__(section, is_validate)
 

@@ -1,9 +1,9 @@
 """What a recipe may hold: every key declared once, with its type, default and help.
 
 - :mod:`.options`: ``Option``, a component's declared recipe keys (type, default, range, help)
-- :mod:`.schema`: the core's own keys, declared with ``Option``; ``core_defaults()``
-- :mod:`.bound`: a component's section bound to its declarations (defaults filled, undeclared reads refused)
-- :mod:`.migration_table`: NexRL/ROLL keys and what each became (``nexrl migrate``, hints for old keys)
+- :mod:`.settings`: ``Settings``, typed settings classes (the one declaration of a section's keys);
+  ``read_section``: a component's section as it reads it (read-only, declared defaults filled)
+- :mod:`.schema`: the core's own keys, as Settings classes (``RecipeSettings``: the whole recipe); ``core_defaults()``
 
 This folder imports nothing above it: composing and checking a recipe is ``launch/``'s.
 """

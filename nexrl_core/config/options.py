@@ -362,11 +362,16 @@ def unmet_needs(values: Any, options: Mapping[str, Option] | None, path: str, ro
     return problems
 
 
+#: What a key of a NexRL or ROLL recipe became, for the message of a key nexrl does not read: the
+#: migration table's ``hint`` and ``suffix`` (nexrl_core.cli.migration_table, which importing nexrl_core
+#: loads, registers them: the table is ``nexrl migrate``'s data, above this layer).
+SEED_KEY_WORDS: dict[str, Callable[[str], Any]] = {}
+
+
 def removed_key(full: str, opt: Option) -> str:
     """The message of a key nexrl no longer reads (pointing at ``nexrl migrate`` for a seed key)."""
-    from .migration_table import seed_key_suffix
-
-    return f"{full}: no longer a recipe key: {opt.removed}{seed_key_suffix(full)}"
+    suffix = SEED_KEY_WORDS["suffix"](full) if SEED_KEY_WORDS else ""
+    return f"{full}: no longer a recipe key: {opt.removed}{suffix}"
 
 
 def check_value(value: Any, opt: Option, path: str) -> list[str]:
@@ -422,10 +427,8 @@ def _closest(value: Any, choices: tuple[Any, ...]) -> str:
 def unknown_key(key: str, path: str, known: list[str], owner: str = "", listed: list[str] | None = None) -> str:
     """``path.key: unknown key; did you mean ...?`` and, for a component with few options of its
     own (``listed``), which ones it accepts."""
-    from .migration_table import seed_key_hint
-
     full = f"{path}.{key}" if path else key
-    hint = seed_key_hint(full)  # a NexRL or ROLL key: name nexrl's
+    hint = SEED_KEY_WORDS["hint"](full) if SEED_KEY_WORDS else None  # a NexRL or ROLL key: name nexrl's
     if hint is not None:
         return f"{full}: {hint}"
     hit = get_close_matches(key, sorted(set(known)), n=1)

@@ -1,18 +1,24 @@
-"""Every key the core reads, with its default, type, range and help: the one home of the
-recipe's core defaults (``core_defaults()`` is what a recipe is merged onto).
+"""Every key the core reads, with its default, type, range and help, declared once as typed
+settings classes: one per section, and :class:`RecipeSettings` for the whole recipe, which the run's
+prologue reads a composed recipe into once (``RecipeSettings.of(cfg)``). The one home of the
+recipe's core defaults (``core_defaults()`` is what a recipe is merged onto); ``CORE_OPTIONS`` and
+the section tables are those classes' Option tables (what ``nexrl validate``, ``nexrl config`` and
+the docs walk).
 
 A section marked ``component=`` selects a registered component with its ``selector`` key;
 the component's own declared options (:mod:`nexrl_core.config.options`) are allowed next to the
-core keys listed here.
+core keys listed here, and the component reads them itself.
 """
 
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import dataclass
 from typing import Any
 
 from ..types import NexRLRole
-from .options import REQUIRED, Option, option_defaults
+from .options import Option, option_defaults
+from .settings import ROOT_OPTIONS, PlainData, Settings, setting
 
 RESUME_MODES = ("disable", "auto", "from_path")
 ON_FAILURE = ("stop", "restart")
@@ -89,197 +95,237 @@ def _reward_range(value: Any) -> str | None:
 
 
 # -- sections -----------------------------------------------------------------------------------
+# Each section is a typed Settings class (the one declaration); the Option tables below the classes
+# (DATA, WEIGHT, ..., CORE_OPTIONS) are derived from them for what walks declarations.
 
-DATA = {
-    "type": Option("file", str, "registered data loader (nexrl plugins lists them)"),
-    "seed": Option("${seed}", int, "seed of the loader's shuffling (and of generated data)"),
-    "shuffle": Option(True, bool, "shuffle the rows each epoch"),
-}
 
-VALIDATE_DATA = {  # a validation pass is ordered (no shuffling): a loader that draws data declares its seed
-    "type": Option("file", str, "registered data loader of the validation set"),
-}
 
-EVALUATOR = {
-    "type": Option("exact_match", str, "registered evaluator; the other keys go to its constructor"),
-}
+@dataclass(frozen=True, kw_only=True)
+class DataSettings(Settings):
+    type: str = setting("file", "registered data loader (nexrl plugins lists them)")
+    seed: int = setting("${seed}", "seed of the loader's shuffling (and of generated data)")
+    shuffle: bool = setting(True, "shuffle the rows each epoch")
 
-ROLLOUT_WORKER = {
-    "type": Option("simple", str, "registered rollout worker"),
-    "num_workers": Option(4, int, "rollout worker threads", ge=1),
-    "seed": Option("${seed}", int, "seed of per-request sampling seeds"),
-    "validate_temperature": Option(None, float, "sampling temperature during validation (null: the "
-                                                "training temperature)", ge=0, needs="validate.data"),
-    "reward_range": Option(None, list[float], "[low, high]: a reward outside fails the sample",
-                           check=_reward_range),
-    "num_actors": Option(1, int, "launch_mode ray: actors the workers are spread over (at most num_workers)",
-                         ge=1),
-    "tasks_per_call": Option(1, int, "tasks a worker takes per data-loader call and hands on per pool call "
+
+@dataclass(frozen=True, kw_only=True)
+class ValidateDataSettings(Settings):  # a validation pass is ordered (no shuffling): a loader that draws data declares its seed
+    type: str = setting("file", "registered data loader of the validation set")
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvaluatorSettings(Settings):
+    type: str = setting("exact_match", "registered evaluator; the other keys go to its constructor")
+
+
+#: an evaluator's section as the recipe writes it (its own keys are the evaluator's)
+EvaluatorSection = dict[str, PlainData]
+
+
+@dataclass(frozen=True, kw_only=True)
+class RolloutWorkerSettings(Settings):
+    type: str = setting("simple", "registered rollout worker")
+    num_workers: int = setting(4, "rollout worker threads", ge=1)
+    seed: int = setting("${seed}", "seed of per-request sampling seeds")
+    validate_temperature: float | None = setting(None, "sampling temperature during validation (null: the "
+                                                       "training temperature)", ge=0, needs="validate.data")
+    reward_range: list[float] | None = setting(None, "[low, high]: a reward outside fails the sample",
+                                               check=_reward_range)
+    num_actors: int = setting(1, "launch_mode ray: actors the workers are spread over (at most num_workers)", ge=1)
+    tasks_per_call: int = setting(1, "tasks a worker takes per data-loader call and hands on per pool call "
                                      "(raise it for cheap rollouts in Ray mode, where every call crosses "
-                                     "processes)", ge=1),
-    "evaluator": Option(type=(dict, None), options=EVALUATOR, component="evaluator",
-                        help="how a response is scored (null: no evaluator, reward 0)"),
-    "domain_evaluators": Option({}, dict, "per-domain evaluators, {<domain>: {type: <evaluator>, ...}}: a task "
-                                          "with a domain listed here is scored by its evaluator, others by "
-                                          "rollout_worker.evaluator",
-                                values=Option(type=(dict, None), options=EVALUATOR, component="evaluator",
-                                              help="one domain's evaluator (null: none, reward 0)")),
-}
+                                     "processes)", ge=1)
+    evaluator: EvaluatorSettings | None = setting(EvaluatorSettings, "how a response is scored (null: no "
+                                                                     "evaluator, reward 0)", component="evaluator")
+    domain_evaluators: dict[str, EvaluatorSection | None] = setting(
+        {}, "per-domain evaluators, {<domain>: {type: <evaluator>, ...}}: a task with a domain listed here is "
+            "scored by its evaluator, others by rollout_worker.evaluator",
+        values=Option(type=(dict, None), options=EvaluatorSettings.options(), component="evaluator",
+                      help="one domain's evaluator (null: none, reward 0)"))
 
-TRAJECTORY_POOL = {
-    "type": Option(removed="nexrl has one trajectory pool; delete trajectory_pool.type"),
-    "batch_size": Option(16, int, "trajectories per training step", ge=1),
-    "group_size": Option(4, int, "samples per prompt (a GRPO group)", ge=1),
-    "key_list": Option(["uid"], list[str], "trajectory keys that group samples (empty: no grouping)"),
-    "check_batch_ready_function": Option("batch_size", str, "when a batch is ready",
-                                         choices=BATCH_READY_FUNCTIONS),
-    "dynamic_sampling": Option(options={
-        "enabled": Option(False, bool, "drop finished groups whose rewards are all equal and draw a fresh row "
-                                       "in their place"),
-        "max_replacements": Option(3, int, "drops in a row for one batch slot before a flat group is kept", ge=0,
-                                   needs=".enabled"),
-    }, help="dynamic sampling (DAPO): train only on groups with a reward signal"),
-}
 
-TRAINER = {
-    "type": Option(REQUIRED, str, "registered trainer (nexrl plugins lists them; mock: a stand-in that trains "
-                                  "nothing, for trying the plumbing)"),
-    "total_train_steps": Option(10, int, "training steps of the run (replaced by what num_train_epochs gives "
-                                         "when that is set)", ge=1),
-    "num_train_epochs": Option(None, (float, None), "passes over the training data instead of a step count: "
-                                                    "total_train_steps becomes ceil(epochs x data rows / prompts "
-                                                    "per step), prompts per step = trajectory_pool.batch_size / "
-                                                    "group_size (null: total_train_steps decides)", gt=0),
-    "checkpoint_path": Option("${run_dir}/checkpoints", (str, None), "folder of global_step_<N> checkpoints"),
-    "save_freq": Option(0, int, "checkpoint every N steps and after the last one (0: only what save_final and "
-                                "save_on_stop say)", ge=0),
-    "save_final": Option(True, bool, "checkpoint after the last step even with save_freq 0: the trained weights "
+@dataclass(frozen=True, kw_only=True)
+class DynamicSamplingSettings(Settings):
+    enabled: bool = setting(False, "drop finished groups whose rewards are all equal and draw a fresh row in "
+                                   "their place")
+    max_replacements: int = setting(3, "drops in a row for one batch slot before a flat group is kept", ge=0,
+                                    needs=".enabled")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrajectoryPoolSettings(Settings):
+    REMOVED = {"type": "nexrl has one trajectory pool; delete trajectory_pool.type"}
+
+    batch_size: int = setting(16, "trajectories per training step", ge=1)
+    group_size: int = setting(4, "samples per prompt (a GRPO group)", ge=1)
+    key_list: list[str] = setting(["uid"], "trajectory keys that group samples (empty: no grouping)")
+    check_batch_ready_function: str = setting("batch_size", "when a batch is ready", choices=BATCH_READY_FUNCTIONS)
+    dynamic_sampling: DynamicSamplingSettings = setting(DynamicSamplingSettings, "dynamic sampling (DAPO): train "
+                                                                                 "only on groups with a reward signal")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainerSettings(Settings):
+    type: str = setting(help="registered trainer (nexrl plugins lists them; mock: a stand-in that trains nothing, "
+                             "for trying the plumbing)")
+    total_train_steps: int = setting(10, "training steps of the run (replaced by what num_train_epochs gives when "
+                                         "that is set)", ge=1)
+    num_train_epochs: float | None = setting(None, "passes over the training data instead of a step count: "
+                                                   "total_train_steps becomes ceil(epochs x data rows / prompts per "
+                                                   "step), prompts per step = trajectory_pool.batch_size / "
+                                                   "group_size (null: total_train_steps decides)", gt=0)
+    checkpoint_path: str | None = setting("${run_dir}/checkpoints", "folder of global_step_<N> checkpoints")
+    save_freq: int = setting(0, "checkpoint every N steps and after the last one (0: only what save_final and "
+                                "save_on_stop say)", ge=0)
+    save_final: bool = setting(True, "checkpoint after the last step even with save_freq 0: the trained weights "
                                      "for nexrl export and a run that trains on (false: keep them only when "
-                                     "save_freq says so)"),
-    "remove_previous_ckpt": Option(False, bool, "keep only the newest checkpoint",
-                                   needs="trainer.save_freq > 0 or trainer.save_final or trainer.save_on_stop"),
-    "save_on_stop": Option(False, bool, "checkpoint when stopped by a signal"),
-}
+                                     "save_freq says so)")
+    remove_previous_ckpt: bool = setting(False, "keep only the newest checkpoint",
+                                         needs="trainer.save_freq > 0 or trainer.save_final or trainer.save_on_stop")
+    save_on_stop: bool = setting(False, "checkpoint when stopped by a signal")
 
-WEIGHT = {
-    "type": Option(removed="the weight-sync backend is chosen with weight.backend; delete weight.type"),
-    "backend": Option("version_only", str, "registered weight-sync backend: how new weights reach the "
-                                           "inference service"),
-    "sync_mode": Option("sync", str, "sync | batch-async | fully-async", choices=SYNC_MODES),
-    "staleness_threshold": Option(0, int, "max weight versions a trained sample may lag (async modes)", ge=0,
-                                  needs="weight.sync_mode != sync"),
-    "validate_freq": Option(0, int, "validate every N steps (0: never; needs validate.data)", ge=0),
-    "partial_rollout": Option(False, bool, "a weight push does not wait for the requests decoding: the engine takes "
+
+@dataclass(frozen=True, kw_only=True)
+class WeightSettings(Settings):
+    REMOVED = {"type": "the weight-sync backend is chosen with weight.backend; delete weight.type"}
+
+    backend: str = setting("version_only", "registered weight-sync backend: how new weights reach the inference "
+                                           "service")
+    sync_mode: str = setting("sync", "sync | batch-async | fully-async", choices=SYNC_MODES)
+    staleness_threshold: int = setting(0, "max weight versions a trained sample may lag (async modes)", ge=0,
+                                       needs="weight.sync_mode != sync")
+    validate_freq: int = setting(0, "validate every N steps (0: never; needs validate.data)", ge=0)
+    partial_rollout: bool = setting(False, "a weight push does not wait for the requests decoding: the engine takes "
                                            "the new weights at its next decode-step boundary and each request goes "
-                                           "on from the tokens it has (token_versions records which weights sampled "
-                                           "each token); false: a push waits for the running batch",
-                              needs="weight.sync_mode != sync"),
-    "rollouts_ahead": Option(None, (int, str, None), "async modes: at most this many training rollouts started and "
-                                                     "not yet taken by the trainer (decoding, or waiting in the pool); "
-                                                     "'staleness' = max(staleness_threshold, 1) x trajectory_pool."
-                                                     "batch_size: the engine generates the next batches while the "
-                                                     "trainer steps, and none that would come out too stale to train; "
-                                                     "null: no bound (what comes out too stale is re-rolled)",
-                             check=_rollouts_ahead, needs="weight.sync_mode != sync"),
-    "model_update_frequency": Option(1, int, "push the trained weights to the inference service every N steps "
-                                             "(and before a validation); N > 1 needs an async sync_mode with "
-                                             "staleness_threshold >= N", ge=1),
-    "verify_served": Option("auto", (bool, str), "after each push, the served model and the trainer score a fixed probe "
-                                         "(weight/served_probe_gap): auto stops the run when the served log-probs "
-                                         "did not change though the trainer's moved beyond the tolerance (the "
-                                         "weights never arrived) and warns on any other gap beyond it; true stops "
-                                         "on any gap beyond it, and when either side cannot score; false: no probe",
-                            choices=("auto", True, False)),
-    "served_probe_tolerance": Option(1e-3, float, "largest gap (max |log-prob difference| over the probe's tokens) "
+                                           "on from the tokens it has (token_versions records which weights "
+                                           "sampled each token); false: a push waits for the running batch",
+                                    needs="weight.sync_mode != sync")
+    rollouts_ahead: int | str | None = setting(
+        None, "async modes: at most this many training rollouts started and not yet taken by the trainer "
+              "(decoding, or waiting in the pool); 'staleness' = max(staleness_threshold, 1) x trajectory_pool."
+              "batch_size: the engine generates the next batches while the trainer steps, and none that would come "
+              "out too stale to train; null: no bound (what comes out too stale is re-rolled)",
+        check=_rollouts_ahead, needs="weight.sync_mode != sync")
+    model_update_frequency: int = setting(1, "push the trained weights to the inference service every N steps (and "
+                                             "before a validation); N > 1 needs an async sync_mode with "
+                                             "staleness_threshold >= N", ge=1)
+    verify_served: bool | str = setting(
+        "auto", "after each push, the served model and the trainer score a fixed probe (weight/served_probe_gap): "
+                "auto stops the run when the served log-probs did not change though the trainer's moved beyond "
+                "the tolerance (the weights never arrived) and warns on any other gap beyond it; true stops on any "
+                "gap beyond it, and when either side cannot score; false: no probe",
+        choices=("auto", True, False))
+    served_probe_tolerance: float = setting(1e-3, "largest gap (max |log-prob difference| over the probe's tokens) "
                                                   "between the served model and the trainer that counts as serving "
-                                                  "the trainer's weights", gt=0),
-    "rollout_limit": Option("batch", (int, str, None), "sync mode: rollouts started per weight version; 'batch' = "
-                                                       "trajectory_pool.batch_size (none wasted, runs reproducible); "
-                                                       "N or null (until a batch is ready) start extras, which are "
-                                                       "waited for and re-rolled",
-                            check=_rollout_limit, needs="weight.sync_mode == sync"),
-}
+                                                  "the trainer's weights", gt=0)
+    rollout_limit: int | str | None = setting(
+        "batch", "sync mode: rollouts started per weight version; 'batch' = trajectory_pool.batch_size (none "
+                 "wasted, runs reproducible); N or null (until a batch is ready) start extras, which are waited "
+                 "for and re-rolled",
+        check=_rollout_limit, needs="weight.sync_mode == sync")
 
-INFERENCE_SERVICE = {
-    "backend": Option(REQUIRED, str, "registered inference backend (nexrl plugins lists them; mock: canned answers, "
-                                     "for trying the plumbing)"),
-    "model_tag": Option("default", str, "name of this inference service inside nexrl"),
-}
 
-SERVICE = {
-    "train_service": Option({}, dict, "the train service the trainer drives: backend (a registered train service) "
-                                      "and that service's own keys"),
-    "inference_service": Option(options=INFERENCE_SERVICE, component="inference_backend", selector="backend",
-                                help="the inference service rollouts sample from"),
-    "reference_service": Option(None, (dict, None), "the KL reference on an inference service of its own (null: the "
-                                                    "trainer holds a frozen copy of the initial model): backend and "
-                                                    "its keys, as service.inference_service; it only scores the "
-                                                    "rollouts' tokens and never receives weights",
-                                options=INFERENCE_SERVICE, component="inference_backend", selector="backend"),
-}
+@dataclass(frozen=True, kw_only=True)
+class InferenceServiceSettings(Settings):
+    backend: str = setting(help="registered inference backend (nexrl plugins lists them; mock: canned answers, "
+                                "for trying the plumbing)")
+    model_tag: str = setting("default", "name of this inference service inside nexrl")
 
-VALIDATE = {
-    "validate_before_train": Option(False, bool, "validate the initial weights (needs validate.data)"),
-    "n_samples": Option(1, int, "samples per validation prompt", ge=1, needs="validate.data"),
-    "success_threshold": Option(1.0, float, "reward counted as correct (val/success_rate, pass@k)",
-                                needs="validate.data"),
-    "data": Option(None, (dict, None), "the validation set (a data loader mapping)", options=VALIDATE_DATA,
-                   component="dataloader"),
-    "eval": Option(removed="validation metrics are always computed by nexrl_core.runtime.eval_core; delete validate.eval"),
-}
 
-RESUME = {
-    "mode": Option("disable", str, "disable: a fresh run | auto: newest checkpoint if any | from_path",
-                   choices=RESUME_MODES),
-    "resume_path": Option(None, str, "global_step_<N> folder for mode from_path", needs="resume.mode == from_path"),
-    "on_failure": Option("stop", str, "a run a failed module stops (error policy, health check, trainer error, a "
+@dataclass(frozen=True, kw_only=True)
+class ServiceSettings(Settings):
+    train_service: dict[str, PlainData] = setting({}, "the train service the trainer drives: backend (a registered "
+                                                      "train service) and that service's own keys")
+    inference_service: InferenceServiceSettings = setting(InferenceServiceSettings, "the inference service rollouts "
+                                                                                    "sample from",
+                                                          component="inference_backend", selector="backend")
+    reference_service: InferenceServiceSettings | None = setting(
+        None, "the KL reference on an inference service of its own (null: the trainer holds a frozen copy of the "
+              "initial model): backend and its keys, as service.inference_service; it only scores the rollouts' "
+              "tokens and never receives weights",
+        component="inference_backend", selector="backend")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ValidateSettings(Settings):
+    REMOVED = {"eval": "validation metrics are always computed by nexrl_core.runtime.eval_core; delete validate.eval"}
+
+    validate_before_train: bool = setting(False, "validate the initial weights (needs validate.data)")
+    n_samples: int = setting(1, "samples per validation prompt", ge=1, needs="validate.data")
+    success_threshold: float = setting(1.0, "reward counted as correct (val/success_rate, pass@k)",
+                                       needs="validate.data")
+    data: ValidateDataSettings | None = setting(None, "the validation set (a data loader mapping)",
+                                                component="dataloader")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResumeSettings(Settings):
+    mode: str = setting("disable", "disable: a fresh run | auto: newest checkpoint if any | from_path",
+                        choices=RESUME_MODES)
+    resume_path: str | None = setting(None, "global_step_<N> folder for mode from_path",
+                                      needs="resume.mode == from_path")
+    on_failure: str = setting("stop", "a run a failed module stops (error policy, health check, trainer error, a "
                                       "lost Ray actor): stop (exit 1) | restart (nexrl run starts it again from the "
-                                      "newest checkpoint, as resume.mode=auto)", choices=ON_FAILURE),
-    "max_restarts": Option(3, int, "restarts at most, over the run's life (then it stops with exit 1)", ge=0,
-                           needs="resume.on_failure == restart"),
-    "restart_backoff": Option(10.0, float, "seconds before the first restart, doubled before each next one", ge=0,
-                              needs="resume.on_failure == restart"),
-    "restart_backoff_max": Option(300.0, float, "the longest wait before a restart", ge=0,
-                                  needs="resume.on_failure == restart"),
-}
+                                      "newest checkpoint, as resume.mode=auto)", choices=ON_FAILURE)
+    max_restarts: int = setting(3, "restarts at most, over the run's life (then it stops with exit 1)", ge=0,
+                                needs="resume.on_failure == restart")
+    restart_backoff: float = setting(10.0, "seconds before the first restart, doubled before each next one", ge=0,
+                                     needs="resume.on_failure == restart")
+    restart_backoff_max: float = setting(300.0, "the longest wait before a restart", ge=0,
+                                         needs="resume.on_failure == restart")
+
 
 PROGRESS_MODES = ("auto", "rich", "plain", "off")
 
-LOGGER = {
-    "backend": Option(["console"], (str, list[str]), "experiment loggers (registered metrics sinks): console, "
-                                                     "wandb, tensorboard"),
-    "level": Option("INFO", str, "console log level (run.log is always DEBUG)", choices=LOG_LEVELS),
-    "progress": Option("auto", str, "nexrl run's progress display on stderr: rich (live, for a terminal), plain "
-                                    "(one line per step), auto (rich on a terminal, else plain), off",
-                       choices=PROGRESS_MODES, check=progress_problem),
-    "samples_every": Option(10, int, "every N training steps, and at the first and the last, write some of "
-                                     "the step's generations to samples.jsonl (0: never)", ge=0),
-    "samples_per_step": Option(4, int, "generations written per such step, spread over the batch", ge=1,
-                               needs="logger.samples_every > 0"),
-}
 
-RUNTIME_MONITOR = {
-    "stop_timeout": Option(30.0, float, "seconds to wait for modules to stop", ge=0),
-    "health_check": Option(options={
-        "enabled": Option(True, bool, "stop when a module stops answering"),
-        "check_interval": Option(30.0, float, "seconds between health checks", gt=0, needs=".enabled"),
-        "timeout": Option(5.0, float, "seconds a module may take to answer", gt=0, needs=".enabled"),
-        "grace_period": Option(0.0, float, "seconds a module may stay unhealthy", ge=0, needs=".enabled"),
-    }, help="liveness of modules and the inference service"),
-    "exception_handling": Option(options={
-        "enabled": Option(True, bool, "apply the error policy"),
-        "check_interval": Option(1.0, float, "seconds between error checks", gt=0, needs=".enabled"),
-        "policy": Option("stop_on_error", str, "which reported errors stop the run", choices=ERROR_POLICIES,
-                         needs=".enabled"),
-    }, help="errors reported by modules"),
-    "failed_samples": Option(options={
-        "enabled": Option(True, bool, "stop a run whose training samples mostly fail"),
-        "max_fraction": Option(0.5, float, "stop when more than this fraction of the recent training samples "
-                                           "failed", ge=0, le=1, needs=".enabled"),
-        "window": Option(64, int, "how many recent training samples the fraction is taken over", ge=1,
-                         needs=".enabled"),
-    }, help="failed samples (rollout or evaluator errors) among those the trainer consumed"),
-}
+@dataclass(frozen=True, kw_only=True)
+class LoggerSettings(Settings):
+    HOLDS_OTHERS = True  # logger.<sink>: each chosen metrics sink's own keys
+
+    backend: str | list[str] = setting(["console"], "experiment loggers (registered metrics sinks): console, "
+                                                    "wandb, tensorboard")
+    level: str = setting("INFO", "console log level (run.log is always DEBUG)", choices=LOG_LEVELS)
+    progress: str = setting("auto", "nexrl run's progress display on stderr: rich (live, for a terminal), plain "
+                                    "(one line per step), auto (rich on a terminal, else plain), off",
+                            choices=PROGRESS_MODES, check=progress_problem)
+    samples_every: int = setting(10, "every N training steps, and at the first and the last, write some of the "
+                                     "step's generations to samples.jsonl (0: never)", ge=0)
+    samples_per_step: int = setting(4, "generations written per such step, spread over the batch", ge=1,
+                                    needs="logger.samples_every > 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class HealthCheckSettings(Settings):
+    enabled: bool = setting(True, "stop when a module stops answering")
+    check_interval: float = setting(30.0, "seconds between health checks", gt=0, needs=".enabled")
+    timeout: float = setting(5.0, "seconds a module may take to answer", gt=0, needs=".enabled")
+    grace_period: float = setting(0.0, "seconds a module may stay unhealthy", ge=0, needs=".enabled")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExceptionHandlingSettings(Settings):
+    enabled: bool = setting(True, "apply the error policy")
+    check_interval: float = setting(1.0, "seconds between error checks", gt=0, needs=".enabled")
+    policy: str = setting("stop_on_error", "which reported errors stop the run", choices=ERROR_POLICIES,
+                          needs=".enabled")
+
+
+@dataclass(frozen=True, kw_only=True)
+class FailedSamplesSettings(Settings):
+    enabled: bool = setting(True, "stop a run whose training samples mostly fail")
+    max_fraction: float = setting(0.5, "stop when more than this fraction of the recent training samples failed",
+                                  ge=0, le=1, needs=".enabled")
+    window: int = setting(64, "how many recent training samples the fraction is taken over", ge=1,
+                          needs=".enabled")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RuntimeMonitorSettings(Settings):
+    stop_timeout: float = setting(30.0, "seconds to wait for modules to stop", ge=0)
+    health_check: HealthCheckSettings = setting(HealthCheckSettings, "liveness of modules and the inference service")
+    exception_handling: ExceptionHandlingSettings = setting(ExceptionHandlingSettings, "errors reported by modules")
+    failed_samples: FailedSamplesSettings = setting(FailedSamplesSettings, "failed samples (rollout or evaluator "
+                                                                           "errors) among those the trainer consumed")
+
 
 # -- launch_mode: ray ----------------------------------------------------------------------------
 
@@ -312,72 +358,96 @@ def _custom_resources(value: Any) -> str | None:
     return f"expected a mapping of custom resource -> amount >= 0, got {bad}" if bad else None
 
 
-RAY_RESOURCES = {
-    "num_cpus": Option(None, float, "CPUs reserved", ge=0),
-    "num_gpus": Option(None, float, "GPUs reserved (fractions share one)", ge=0),
-    "memory": Option(None, float, "bytes of memory reserved", ge=0),
-    "resources": Option(None, dict, "custom resources: name -> amount", check=_custom_resources),
-}
+@dataclass(frozen=True, kw_only=True)
+class RayResourceSettings(Settings):
+    num_cpus: float | None = setting(None, "CPUs reserved", ge=0)
+    num_gpus: float | None = setting(None, "GPUs reserved (fractions share one)", ge=0)
+    memory: float | None = setting(None, "bytes of memory reserved", ge=0)
+    resources: dict[str, float] | None = setting(None, "custom resources: name -> amount", type=dict,
+                                                 check=_custom_resources)
 
-RAY = {
-    "address": Option(None, str, "a running cluster to attach to ('auto', 'host:6379', 'ray://host:10001'); null: "
-                                 "$RAY_ADDRESS, else a local cluster started and stopped by the run"),
-    "private_network": Option(False, bool, "local cluster (on loopback only either way): nexrl run runs itself "
-                                           "and the cluster in a network namespace with only loopback, so no "
-                                           "other process of the machine reaches its ports; the run then reaches "
-                                           "no network (Linux)"),
-    "num_cpus": Option(None, float, "local cluster: CPUs it offers (null: the machine's)", ge=0),
-    "num_gpus": Option(None, float, "local cluster: GPUs it offers (null: those found)", ge=0),
-    "object_store_memory": Option(None, int, "local cluster: bytes of its object store (null: Ray's default)", ge=1),
-    "call_timeout": Option(300.0, (float, None), "seconds a call to an actor may take (null: no limit); calls that "
-                                                 "last as long as their work (model load, checkpoint, weight push, "
-                                                 "stop) are not limited", gt=0),
-    "placement_timeout": Option(300.0, (float, None), "seconds an actor may wait for a node with the resources it "
-                                                      "asks for (ray.resources) and for its process to start; then "
-                                                      "the run fails naming it and what the nodes have (null: no "
-                                                      "limit, e.g. for an autoscaler that adds nodes slowly)", gt=0),
-    "max_concurrency": Option(None, int, "calls one actor serves at once (null: one per rollout worker + 32)", ge=1),
-    "colocation": Option(options={
+
+#: what one role's actor reserves, as the recipe writes it (``ray.resources.<role>``)
+ResourceAmounts = dict[str, float | dict[str, float] | None]
+
+
+@dataclass(frozen=True, kw_only=True)
+class RaySectionSettings(Settings):
+    address: str | None = setting(None, "a running cluster to attach to ('auto', 'host:6379', 'ray://host:10001'); "
+                                        "null: $RAY_ADDRESS, else a local cluster started and stopped by the run")
+    private_network: bool = setting(False, "local cluster (on loopback only either way): nexrl run runs itself and "
+                                           "the cluster in a network namespace with only loopback, so no other "
+                                           "process of the machine reaches its ports; the run then reaches no "
+                                           "network (Linux)")
+    num_cpus: float | None = setting(None, "local cluster: CPUs it offers (null: the machine's)", ge=0)
+    num_gpus: float | None = setting(None, "local cluster: GPUs it offers (null: those found)", ge=0)
+    object_store_memory: int | None = setting(None, "local cluster: bytes of its object store (null: Ray's "
+                                                    "default)", ge=1)
+    call_timeout: float | None = setting(300.0, "seconds a call to an actor may take (null: no limit); calls that "
+                                                "last as long as their work (model load, checkpoint, weight push, "
+                                                "stop) are not limited", gt=0)
+    placement_timeout: float | None = setting(300.0, "seconds an actor may wait for a node with the resources it "
+                                                     "asks for (ray.resources) and for its process to start; then "
+                                                     "the run fails naming it and what the nodes have (null: no "
+                                                     "limit, e.g. for an autoscaler that adds nodes slowly)", gt=0)
+    max_concurrency: int | None = setting(None, "calls one actor serves at once (null: one per rollout worker + 32)",
+                                          ge=1)
+    colocation: dict[str, str | None] = setting(dict, "role -> group: the roles of one group share one actor (null: "
+                                                      "an actor of its own)", options={
         role.value: Option(group, (str, None), f"co-location group of the {role.value.replace('_', ' ')}",
                            check=_group_name)
         for role, group in RAY_COLOCATION.items()
-    }, check=_worker_group_alone, help="role -> group: the roles of one group share one actor (null: an actor of "
-                                       "its own)"),
-    "resources": Option({}, dict, "role -> what its actor reserves (rollout workers: per actor; an actor hosting "
-                                  "several roles reserves the sum)",
-                        options={role.value: Option(None, (dict, None), f"resources of the "
-                                                    f"{role.value.replace('_', ' ')}", options=RAY_RESOURCES)
-                                 for role in NexRLRole}),
-    "env_vars": Option({}, dict[str, str | int | float | bool], "extra environment of every actor (NEXRL_*, HF_*, "
-                                                                "TRANSFORMERS_* ... are passed on already)"),
-}
+    }, check=_worker_group_alone)
+    resources: dict[str, ResourceAmounts | None] = setting(
+        {}, "role -> what its actor reserves (rollout workers: per actor; an actor hosting several roles reserves "
+            "the sum)",
+        options={role.value: Option(None, (dict, None), f"resources of the {role.value.replace('_', ' ')}",
+                                    options=RayResourceSettings.options()) for role in NexRLRole})
+    env_vars: dict[str, str | int | float | bool] = setting({}, "extra environment of every actor (NEXRL_*, HF_*, "
+                                                                "TRANSFORMERS_* ... are passed on already)")
 
-CORE_OPTIONS: dict[str, Option] = {
-    "launch_mode": Option("local", str, "where the modules run (local: threads in one process; ray: Ray actors, "
-                                        "see the ray section)", check=_launch_mode),
-    "project_name": Option("nexrl", str, "project name (experiment loggers)"),
-    "experiment_name": Option("run", str, "experiment name (experiment loggers, default run_dir)"),
-    "run_dir": Option("runs/${experiment_name}", str, "where metrics.jsonl, errors.jsonl and run.log go"),
-    "overwrite_run_dir": Option(False, bool, "a fresh run into a run_dir that holds an earlier run moves the "
-                                             "earlier run aside to <run_dir>.old-<time> (never appends)"),
-    "seed": Option(42, int, "seed of every random choice of the run"),
-    "data": Option(options=DATA, component="dataloader", help="the training data loader"),
-    "rollout_worker": Option(options=ROLLOUT_WORKER, component="rollout_worker", help="rollout workers"),
-    "trajectory_pool": Option(options=TRAJECTORY_POOL, help="how trajectories are grouped into batches"),
-    "trainer": Option(options=TRAINER, component="trainer", help="the trainer"),
-    "algorithm": Option({}, dict, "the RL algorithm (keys declared by the trainer)"),
-    "weight": Option(options=WEIGHT, component="weight_sync_backend", selector="backend",
-                     help="weight synchronisation between trainer and inference service"),
-    "service": Option(options=SERVICE, help="train and inference services"),
-    "validate": Option(options=VALIDATE, help="validation"),
-    "resume": Option(options=RESUME, help="resuming from checkpoints"),
-    "logger": Option(options=LOGGER, help="logging and experiment loggers"),
-    "runtime_monitor": Option(options=RUNTIME_MONITOR, help="health, errors and failed samples"),
-    "ray": Option(options=RAY, help="launch_mode ray: the cluster, placement and resources of the actors "
-                                    "(pip install 'nexrl-core[ray]')"),
-    "recipe_dir": Option(None, str, "set by nexrl: the recipe file's folder (${recipe_dir}/data.jsonl names a file "
-                                    "next to the recipe)"),
-}
+
+@dataclass(frozen=True, kw_only=True)
+class RecipeSettings(Settings):
+    """The whole recipe as a run reads it: built once per run by the prologue (``start_run``)."""
+
+    launch_mode: str = setting("local", "where the modules run (local: threads in one process; ray: Ray actors, "
+                                        "see the ray section)", check=_launch_mode)
+    project_name: str = setting("nexrl", "project name (experiment loggers)")
+    experiment_name: str = setting("run", "experiment name (experiment loggers, default run_dir)")
+    run_dir: str = setting("runs/${experiment_name}", "where metrics.jsonl, errors.jsonl and run.log go")
+    overwrite_run_dir: bool = setting(False, "a fresh run into a run_dir that holds an earlier run moves the "
+                                             "earlier run aside to <run_dir>.old-<time> (never appends)")
+    seed: int = setting(42, "seed of every random choice of the run")
+    data: DataSettings = setting(DataSettings, "the training data loader", component="dataloader")
+    rollout_worker: RolloutWorkerSettings = setting(RolloutWorkerSettings, "rollout workers",
+                                                    component="rollout_worker")
+    trajectory_pool: TrajectoryPoolSettings = setting(TrajectoryPoolSettings, "how trajectories are grouped into "
+                                                                              "batches")
+    trainer: TrainerSettings = setting(TrainerSettings, "the trainer", component="trainer")
+    algorithm: dict[str, PlainData] = setting({}, "the RL algorithm (keys declared by the trainer)")
+    weight: WeightSettings = setting(WeightSettings, "weight synchronisation between trainer and inference service",
+                                     component="weight_sync_backend", selector="backend")
+    service: ServiceSettings = setting(ServiceSettings, "train and inference services")
+    validate: ValidateSettings = setting(ValidateSettings, "validation")
+    resume: ResumeSettings = setting(ResumeSettings, "resuming from checkpoints")
+    logger: LoggerSettings = setting(LoggerSettings, "logging and experiment loggers")
+    runtime_monitor: RuntimeMonitorSettings = setting(RuntimeMonitorSettings, "health, errors and failed samples")
+    ray: RaySectionSettings = setting(RaySectionSettings, "launch_mode ray: the cluster, placement and resources of "
+                                                          "the actors (pip install 'nexrl-core[ray]')")
+    recipe_dir: str | None = setting(None, "set by nexrl: the recipe file's folder (${recipe_dir}/data.jsonl names "
+                                           "a file next to the recipe)")
+
+
+# -- the same declarations as Option tables (what walks declarations reads) ---------------------
+
+CORE_OPTIONS: dict[str, Option] = RecipeSettings.options()
+# the core's keys of the sections a component's own keys share (read_section fills them)
+DATA, VALIDATE_DATA = DataSettings.options(), ValidateDataSettings.options()
+ROLLOUT_WORKER, WEIGHT = RolloutWorkerSettings.options(), WeightSettings.options()
+INFERENCE_SERVICE = InferenceServiceSettings.options()
+TRAJECTORY_POOL, RAY = TrajectoryPoolSettings.options(), RaySectionSettings.options()
+ROOT_OPTIONS.update(CORE_OPTIONS)
 
 
 def core_defaults() -> dict[str, Any]:

@@ -21,6 +21,10 @@ A field's annotation is its type (``bool``, ``int``, ``float``, ``str``, ``list[
 default is that class: ``adapter: Adapter = setting(Adapter, "...")``) and
 :func:`setting` gives its default, help and the other :class:`~nexrl_core.config.options.Option`
 arguments (``choices``, ``ge``/``gt``/``le``/``lt``, ``check``, ``path``, ``secret``, ``needs``).
+A recipe key nexrl no longer reads is listed in the class's ``REMOVED`` (key -> what to do instead).
+A nested section that selects a registered component takes ``component=`` (and ``selector=``): it
+holds that component's keys too, which the recipe check held against the component and the
+settings leave out (the component reads them with its own class's :meth:`Settings.own`).
 A mapping whose keys are declared elsewhere takes ``options=`` (its default ``dict``: its keys'
 defaults) or, for keys the user names, ``values=`` (each entry checked against that option, the
 message naming the entry); free-form data is :data:`PlainData`. ``key=`` names the recipe key of
@@ -34,15 +38,15 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import re
 import typing
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, ClassVar, TypeVar, Union
 
 from ..errors import ConfigError
-from .bound import _to_plain, fill_defaults
 from .options import _UNSET, REQUIRED, Option, check_options, option_defaults
 
-__all__ = ["PlainData", "Settings", "setting"]
+__all__ = ["PlainData", "Section", "Settings", "fill_defaults", "plain", "read_section", "setting"]
 
 _OPTION = "nexrl_option"
 _KEY = "nexrl_key"
@@ -77,13 +81,25 @@ class Settings:
     """Base of the typed settings classes: subclass it as ``@dataclass(frozen=True, kw_only=True)``."""
 
     _options: ClassVar[dict[type, dict[str, Option]]] = {}
+    #: recipe keys no longer read: key -> what to do instead (``nexrl validate`` names it)
+    REMOVED: ClassVar[dict[str, str]] = {}
+    #: the section also holds sections declared elsewhere (``logger.<sink>``): a parent leaves them out
+    HOLDS_OTHERS: ClassVar[bool] = False
 
     @classmethod
     def options(cls) -> dict[str, Option]:
         """The recipe keys this class declares, as the Option table recipes are checked against."""
         if cls not in Settings._options:
-            Settings._options[cls] = {_key(field): _field_option(cls, field) for field in _fields(cls)}
+            removed = {key: Option(removed=text) for key, text in cls.REMOVED.items()}
+            Settings._options[cls] = {**{_key(field): _field_option(cls, field) for field in _fields(cls)}, **removed}
         return Settings._options[cls]
+
+    @classmethod
+    def read(cls: type[S], section: S | Mapping[str, Any] | None, path: str = "") -> S:
+        """``section`` as this class: as it is when it already is one, else :meth:`of` it."""
+        if isinstance(section, cls):
+            return section
+        return cls.of(typing.cast("Mapping[str, Any] | None", section), path)
 
     @classmethod
     def of(cls: type[S], section: Mapping[str, Any] | None, path: str = "") -> S:
@@ -105,17 +121,21 @@ class Settings:
               own: bool = False) -> tuple[S | None, list[str]]:
         """The settings and no problems, or None and every problem, one line each. ``own``: only the
         keys this class declares (as :meth:`own` reads them)."""
-        values = cls._own_values(section) if own else _to_plain(section)
+        values = cls._own_values(section) if own else plain(section)
+        if not isinstance(values, dict):
+            return None, [f"{path or 'the recipe'}: expected a mapping, got {type(values).__name__}"]
+        # filled first: a section the mapping leaves out is its defaults, and any key it requires is named
+        values = fill_defaults(_declared_only(cls, values), cls.options(), resolved=True)
         problems = check_options(values, _parts_open(cls.options()), path)
         return (None, problems) if problems else (cls._build(values), [])
 
     @classmethod
     def _own_values(cls, section: Mapping[str, Any] | None) -> dict[str, Any]:
-        return {key: value for key, value in _to_plain(section).items() if key in cls.options()}
+        return {key: value for key, value in plain(section).items() if key in cls.options()}
 
     @classmethod
     def _build(cls: type[S], values: Mapping[str, Any]) -> S:
-        hints = typing.get_type_hints(cls)
+        hints = _hints(cls)
         kwargs: dict[str, Any] = {}
         for field in _fields(cls):
             if _key(field) not in values:
@@ -139,11 +159,44 @@ class Settings:
         return out
 
 
-def _parts_open(options: dict[str, Option]) -> dict[str, Option]:
-    """``options`` with the entries that select a component (``values=Option(component=...)``) open:
-    the recipe check held each against the component it names, which reads its own keys."""
-    return {key: dataclasses.replace(opt, values=dataclasses.replace(opt.values, options=None, type=dict))
-            if opt.values is not None and opt.values.component is not None else opt for key, opt in options.items()}
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    """``cls``'s field types, resolved once (a class's annotations do not change)."""
+    if cls not in _HINTS:
+        _HINTS[cls] = typing.get_type_hints(cls)
+    return _HINTS[cls]
+
+
+def _declared_only(cls: type[Settings], values: dict[str, Any]) -> dict[str, Any]:
+    """``values`` less the keys its nested sections hold for others: a selected component's own
+    (``component=``) or ``logger.<sink>`` (``HOLDS_OTHERS``). The recipe check held those against
+    their owner, which reads them itself."""
+    out = dict(values)
+    hints = _hints(cls)
+    for field in _fields(cls):
+        key, nested = _key(field), _settings_class(hints[field.name])
+        value = out.get(key)
+        if nested is None or not isinstance(value, Mapping):
+            continue
+        if cls.options()[key].component is not None or nested.HOLDS_OTHERS:
+            value = {k: v for k, v in value.items() if k in nested.options()}
+        out[key] = _declared_only(nested, dict(value))
+    return out
+
+
+def _parts_open(options: Mapping[str, Option]) -> dict[str, Option]:
+    """``options`` with the entries that select a component (``values=Option(component=...)``) open,
+    nested sections' too: the recipe check held each against the component it names, which reads its own keys."""
+    out: dict[str, Option] = {}
+    for key, opt in options.items():
+        if opt.values is not None and opt.values.component is not None:
+            opt = dataclasses.replace(opt, values=dataclasses.replace(opt.values, options=None, type=dict))
+        elif opt.options is not None:
+            opt = dataclasses.replace(opt, options=_parts_open(opt.options))
+        out[key] = opt
+    return out
 
 
 def _fields(cls: type) -> tuple[dataclasses.Field, ...]:
@@ -168,7 +221,7 @@ def _settings_class(annotation: Any) -> type[Settings] | None:
 
 def _field_option(cls: type, field: dataclasses.Field) -> Option:
     declared = dict(field.metadata.get(_OPTION, {}))
-    annotation = typing.get_type_hints(cls)[field.name]
+    annotation = _hints(cls)[field.name]
     nested = _settings_class(annotation)
     default = declared.pop("default", _UNSET)
     if default is _UNSET:  # a plain dataclass field, not made by setting()
@@ -178,7 +231,146 @@ def _field_option(cls: type, field: dataclasses.Field) -> Option:
     if declared.get("options") is not None or declared.get("values") is not None:
         return Option(default, dict, **declared)  # checked key by key, each message naming its key
     if nested is not None:
-        if default is None:
+        if default is None or type(None) in typing.get_args(annotation):
+            if default is not None:  # a section that may be null, holding its keys' defaults unless set
+                return Option(_UNSET, (dict, None), options=nested.options(), **declared)
             return Option(None, (dict, None), options=nested.options(), **declared)
         return Option(REQUIRED if default is REQUIRED else _UNSET, dict, options=nested.options(), **declared)
-    return Option(default, annotation, **declared)
+    checked_as = declared.pop("type", annotation)  # ``type=``: a looser check than the annotation, where a
+    return Option(default, checked_as, **declared)  # ``check=`` words the problem better than a type error
+
+
+# -- a section as a component reads it ------------------------------------------------------------------
+
+class Section(Mapping[str, Any]):
+    """A recipe section, read-only: what a component that reads a key of its section by name gets
+    (``cfg["key"]``, or ``cfg.key``). A nested mapping reads as a Section too and a list as a copy,
+    so nothing read changes the recipe. Its typed reading is the component's :meth:`Settings.own`."""
+
+    def __init__(self, values: Mapping[str, Any], path: str = "") -> None:
+        object.__setattr__(self, "_values", dict(values))
+        object.__setattr__(self, "_path", path)
+
+    def __getitem__(self, key: str) -> Any:
+        full = f"{self._path}.{key}" if self._path else key
+        try:
+            value = self._values[key]
+        except KeyError:  # the message names the key where it lives
+            raise KeyError(f"{full}: not in the section (a declared key always is)") from None
+        if isinstance(value, Mapping):
+            return Section(value, full)
+        return copy.deepcopy(value) if isinstance(value, list) else value
+
+    def __getattr__(self, key: str) -> Any:
+        if key.startswith("_"):
+            raise AttributeError(key)
+        try:
+            return self[key]
+        except KeyError as exc:
+            raise AttributeError(str(exc.args[0])) from None
+
+    def __setattr__(self, key: str, value: Any) -> None:
+        raise TypeError(f"{self._path or 'the recipe'}: a recipe section is read-only (set '{key}' in the recipe)")
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._values
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __repr__(self) -> str:
+        return f"Section({self._path or '<recipe>'}: {self._values!r})"
+
+    def to_dict(self) -> dict[str, Any]:
+        """A plain deep copy (what a library that wants a dict gets)."""
+        return copy.deepcopy(self._values)
+
+
+def read_section(config: Mapping[str, Any] | None, options: Mapping[str, Option], path: str) -> Section:
+    """``config`` (a mapping, a DictConfig, a Section) as a component reads it: read-only, with the
+    declared default of every key of ``options`` it leaves out."""
+    values = plain(config)
+    if not isinstance(values, dict):
+        raise ConfigError(f"{path or 'the recipe'}: expected a mapping, got {type(values).__name__}")
+    return Section(fill_defaults(values, options, resolved=True), path)
+
+
+# -- plain values and declared defaults ----------------------------------------------------------------
+
+def plain(config: object) -> Any:
+    """``config`` as plain dicts and lists ({} for None): a DictConfig resolved (ConfigError naming
+    the key that cannot be), a Section or another mapping copied."""
+    from omegaconf import DictConfig, OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    if config is None:
+        return {}
+    if isinstance(config, DictConfig):
+        try:
+            return OmegaConf.to_container(config, resolve=True)
+        except OmegaConfBaseException as exc:
+            raise ConfigError(f"{getattr(exc, 'full_key', None) or 'the recipe'}: {str(exc).splitlines()[0]}") from None
+    return _plain_copy(config) if isinstance(config, Mapping) else config
+
+
+def fill_defaults(values: dict[str, Any], options: Mapping[str, Option], resolved: bool = False) -> dict[str, Any]:
+    """In place: the declared default of every key ``values`` leaves out (required and removed keys,
+    and defaults that are not plain data, excepted); nested sections too. Returns ``values``: the
+    composed recipe (``nexrl config``, ``run_dir/config.yaml``) holds every value a run uses.
+    ``resolved``: ``values`` is past interpolation (a section built by hand), so a default that
+    names another key cannot be resolved there: one that is a root key alone (``${seed}``) is that
+    key's declared default (what the composed recipe holds when the recipe leaves both out), any
+    other is null."""
+    for key, opt in options.items():
+        if opt.removed is not None:
+            continue
+        if key not in values and not opt.required:
+            default = opt.default_value()
+            if resolved and isinstance(default, str) and "${" in default:
+                default = _root_default(default)
+            elif resolved and opt.default is _UNSET and opt.options is not None:  # its keys' defaults, resolved
+                default = fill_defaults({}, opt.options, resolved)
+            if _is_plain(default):
+                values[key] = _plain_copy(default)
+        value = values.get(key)
+        # Entries the recipe names (domains) keep only what they set: a domain's keys change the shared ones.
+        if isinstance(value, dict) and opt.options is not None and opt.values is None:
+            fill_defaults(value, opt.options, resolved)
+    return values
+
+
+#: the recipe's root keys, what ``${key}`` in a default names: nexrl_core.config.schema fills it when
+#: imported (it declares them with Settings, which stand on this module)
+ROOT_OPTIONS: dict[str, Option] = {}
+
+
+def _root_default(reference: str) -> Any:
+    """The declared default of the root key ``reference`` names (``${seed}``: 42); None for any
+    other text or a default that is itself a reference."""
+    match = re.fullmatch(r"\$\{(\w+)\}", reference)
+    opt = ROOT_OPTIONS.get(match.group(1)) if match else None
+    default = opt.default_value() if opt is not None else None
+    return None if isinstance(default, str) and "${" in default else default
+
+
+def _is_plain(value: Any) -> bool:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return True
+    if isinstance(value, (list, tuple)):
+        return all(_is_plain(v) for v in value)
+    if isinstance(value, Mapping):
+        return all(isinstance(k, str) and _is_plain(v) for k, v in value.items())
+    return False
+
+
+def _plain_copy(value: Any) -> Any:
+    if isinstance(value, Section):
+        return value.to_dict()
+    if isinstance(value, Mapping):
+        return {k: _plain_copy(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain_copy(v) for v in value]
+    return value

@@ -8,16 +8,15 @@ implements :class:`~nexrl_core.launch.base.ResourceManager` in a folder of its o
 from __future__ import annotations
 
 import importlib
+from collections.abc import Mapping
 from typing import Any
 
-from ..config.bound import declared_value, fill_defaults
-from ..config.options import option_defaults
 from ..config.schema import (
-    CORE_OPTIONS,
     LAUNCH_MODES,
     PLANNED_LAUNCH_MODES,
-    RAY,
-    ROLLOUT_WORKER,
+    RaySectionSettings,
+    RecipeSettings,
+    RolloutWorkerSettings,
     launch_mode_problem,
     ray_installed,
 )
@@ -25,47 +24,37 @@ from ..errors import ConfigError
 from .base import ResourceManager, RoleSpec
 
 
-def unused_launch_keys(config: Any) -> list[str]:
+def unused_launch_keys(settings: RecipeSettings) -> list[str]:
     """Keys of another launch mode that the recipe sets to other than their defaults (a Ray
     recipe run with ``launch_mode=local``): accepted, so one key switches the mode, but named,
     so nobody believes they took effect."""
-    if _launch_mode(config) == "ray":
+    if settings.launch_mode == "ray":
         return []
-    section = config.get("ray") or {}
-    defaults = fill_defaults(option_defaults(RAY), RAY)  # as the composed recipe holds them
-    keys = [f"ray.{k}" for k in RAY if k in section and _plain(section[k]) != defaults[k]]
-    workers = config.get("rollout_worker") or {}
-    if "num_actors" in workers and workers["num_actors"] != ROLLOUT_WORKER["num_actors"].default:
+    ray, defaults = settings.ray.to_dict(), RaySectionSettings.of({}).to_dict()
+    keys = [f"ray.{k}" for k in ray if ray[k] != defaults[k]]
+    if settings.rollout_worker.num_actors != RolloutWorkerSettings.options()["num_actors"].default:
         keys.append("rollout_worker.num_actors")
     return keys
 
 
-def _launch_mode(config: Any) -> Any:
-    return declared_value(config, "launch_mode", CORE_OPTIONS)
-
-
-def _plain(value: Any) -> Any:
-    from omegaconf import DictConfig, ListConfig, OmegaConf
-
-    return OmegaConf.to_container(value, resolve=True) if isinstance(value, (DictConfig, ListConfig)) else value
-
-
-def unused_launch_keys_note(config: Any) -> str | None:
-    keys = unused_launch_keys(config)
+def unused_launch_keys_note(settings: RecipeSettings) -> str | None:
+    keys = unused_launch_keys(settings)
     if not keys:
         return None
     return (f"{', '.join(keys)}: appl{'ies' if len(keys) == 1 else 'y'} to launch_mode: ray only; this run is "
-            f"launch_mode: {_launch_mode(config)} and does not use {'it' if len(keys) == 1 else 'them'}")
+            f"launch_mode: {settings.launch_mode} and does not use {'it' if len(keys) == 1 else 'them'}")
 
 
-def create_resource_manager(config: Any, plugin_manager: Any = None) -> ResourceManager:
-    """The resource manager of the recipe's ``launch_mode``."""
-    mode = _launch_mode(config)
-    problem = launch_mode_problem(mode)
+def create_resource_manager(config: Mapping[str, Any], plugin_manager: Any = None,
+                            settings: RecipeSettings | None = None) -> ResourceManager:
+    """The resource manager of the recipe's ``launch_mode`` (``settings``: ``config`` as the run's
+    prologue read it; None: read here)."""
+    settings = RecipeSettings.read(config) if settings is None else settings
+    problem = launch_mode_problem(settings.launch_mode)
     if problem is not None:
         raise ConfigError(problem)
-    module, _, name = LAUNCH_MODES[mode].partition(":")
-    return getattr(importlib.import_module(module), name)(config, plugin_manager)
+    module, _, name = LAUNCH_MODES[settings.launch_mode].partition(":")
+    return getattr(importlib.import_module(module), name)(config, plugin_manager, settings)
 
 
 __all__ = ["LAUNCH_MODES", "PLANNED_LAUNCH_MODES", "ResourceManager", "RoleSpec", "create_resource_manager",

@@ -3,11 +3,24 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
+from ..config.schema import RecipeSettings
+from ..config.settings import Settings
 from ..errors import NexRLError
 from ..types import NexRLRole
+
+#: what a role's module is built with: its recipe section (a component reads its own keys there),
+#: or, for the core's own modules, its typed settings
+RoleConfig = Mapping[str, Any] | Settings | None
+
+
+def built_with(config: RoleConfig) -> Mapping[str, Any] | None:
+    """``config`` as ``launch/parts.py``'s ``build_module`` is annotated (a mapping): a core module's
+    settings pass through it to the module's constructor unread."""
+    return cast("Mapping[str, Any] | None", config)
 
 # Set in every actor process of a Ray run (launch/ray/actors.py): processes started there are actors too.
 IN_RAY_ACTOR = "NEXRL_IN_RAY_ACTOR"
@@ -39,7 +52,7 @@ class RoleSpec:
 
     role: NexRLRole
     cls: type
-    config: Any
+    config: RoleConfig
     count: int = 1
     colocation_group: str | None = None
     kwargs: dict[str, Any] = field(default_factory=dict)
@@ -62,15 +75,19 @@ class ResourceManager(ABC):
     #: seconds a rollout worker waits for a slot or a task before it looks at its mode again
     idle_wait_s: float = 0.05
 
-    def __init__(self, config: Any = None, plugin_manager: Any = None) -> None:
-        """``config``: the recipe (a mode reads its own settings there); ``plugin_manager``: what
-        modules built in this process resolve their parts with (None: the process default)."""
+    def __init__(self, config: Mapping[str, Any] | None = None, plugin_manager: Any = None,
+                 settings: RecipeSettings | None = None) -> None:
+        """``config``: the recipe (modules are built with its sections); ``settings``: the core's
+        reading of it (a mode reads its own settings there; None: a manager built by hand, with the
+        declared defaults); ``plugin_manager``: what modules built in this process resolve their
+        parts with (None: the process default)."""
         self._config = config
+        self._recipe = settings
         self._pm = plugin_manager
         self._roles: dict[NexRLRole, RoleSpec] = {}
         self._created = False
 
-    def register_role(self, role: NexRLRole, cls: type, config: Any, count: int = 1,
+    def register_role(self, role: NexRLRole, cls: type, config: RoleConfig, count: int = 1,
                       colocation_group: str | None = None, kwargs: dict[str, Any] | None = None) -> None:
         """Declare ``count`` instances of ``cls(config, **kwargs)`` for ``role``."""
         if self._created:

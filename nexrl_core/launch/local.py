@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from loguru import logger
 
+from ..config.schema import RecipeSettings
 from ..plugins import PluginManager, active_plugin_manager
 from ..types import NexRLRole
-from .base import ResourceManager
+from .base import ResourceManager, built_with
 from .parts import build_module
 
 
@@ -17,20 +19,21 @@ class LocalResourceManager(ResourceManager):
     Each module gets its parts (evaluators, weight-sync backend, sinks) built with the
     ``plugin_manager`` given here (:mod:`nexrl_core.launch.parts`)."""
 
-    def __init__(self, config: Any = None, plugin_manager: PluginManager | None = None) -> None:
-        super().__init__(config, plugin_manager)
+    def __init__(self, config: Mapping[str, Any] | None = None, plugin_manager: PluginManager | None = None,
+                 settings: RecipeSettings | None = None) -> None:
+        super().__init__(config, plugin_manager, settings)
         self._instances: dict[NexRLRole, list[Any]] = {}
-        if config is not None:
+        if settings is not None:
             from . import unused_launch_keys_note
 
-            note = unused_launch_keys_note(config)
+            note = unused_launch_keys_note(settings)
             if note:
                 logger.warning(note)
 
     def _create(self) -> None:
         pm = self._pm or active_plugin_manager()
         for spec in self.roles():
-            self._instances[spec.role] = [self._wrap(spec.role, build_module(spec.cls, spec.config, spec.kwargs, pm))
+            self._instances[spec.role] = [self._wrap(spec.role, build_module(spec.cls, built_with(spec.config), spec.kwargs, pm))
                                           for _ in range(spec.count)]
 
     def _wrap(self, role: NexRLRole, instance: Any) -> Any:

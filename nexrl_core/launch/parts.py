@@ -8,13 +8,14 @@ never look the manager up (tests/core/test_layers.py).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import inspect
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..algorithms.registry import AlgorithmRegistry
-from ..config.bound import BoundConfig, bind, bind_recipe, declared_value
-from ..config.schema import ROLLOUT_WORKER, WEIGHT
-from ..errors import ConfigError
+from ..config.schema import CORE_OPTIONS, RolloutWorkerSettings, WeightSettings
+from ..config.settings import plain, read_section
+from ..errors import ConfigError, PluginError
 from ..evaluation import Evaluator
 from ..plugins import PluginManager, active_plugin_manager, use_plugin_manager
 from ..rollout_worker import BaseRolloutWorker, RolloutParts
@@ -23,14 +24,19 @@ from ..runtime.inference import InferenceClient
 from ..runtime.train_service import SECTION, TrainService, train_service_class
 from ..trainer import BaseTrainer, TrainerParts
 from ..weight_sync import WeightSyncBackend, WeightSyncController
-from .recipe import REFERENCE_SECTION, plain
+from .recipe import REFERENCE_SECTION
 
 _EVALUATOR_KEY = "rollout_worker.evaluator"
+# What to change in a class written before parts came to the constructor (through set_parts).
+PARTS_FIX = ("a rollout worker or trainer receives its parts in its constructor; write "
+             "`def __init__(self, config, parts=None):` and call `super().__init__(config, parts)`")
 
 
-def build_module(cls: type, config: Any, kwargs: dict[str, Any] | None = None, pm: PluginManager | None = None) -> Any:
-    """``cls(config, **kwargs)`` with its parts, built with ``pm`` (None: the active one; active
-    meanwhile, for plugins that build others: a multi-domain loader's loaders)."""
+def build_module(cls: type, config: Mapping[str, Any] | None, kwargs: dict[str, Any] | None = None,
+                 pm: PluginManager | None = None) -> Any:
+    """``cls(config, **kwargs)`` with its parts (a rollout worker's or a trainer's: the ``parts``
+    keyword), built with ``pm`` (None: the active one; active meanwhile, for plugins that build
+    others: a multi-domain loader's loaders)."""
     kwargs = dict(kwargs or {})
     pm = pm or active_plugin_manager()
     with use_plugin_manager(pm):
@@ -38,50 +44,79 @@ def build_module(cls: type, config: Any, kwargs: dict[str, Any] | None = None, p
             kwargs["experiment_logger"] = open_run_recorder(config, pm)
         if issubclass(cls, WeightSyncController) and "backend" not in kwargs:
             kwargs["backend"] = weight_sync_backend(config, pm)
-        module = cls(config, **kwargs)
-        if isinstance(module, BaseRolloutWorker):
-            module.set_parts(rollout_worker_parts(config, cls, pm))
-        elif isinstance(module, BaseTrainer):
-            module.set_parts(trainer_parts(config, cls, pm))
-    return module
+        parts = None if config is None else module_parts(cls, config, pm)
+        if parts is not None and takes_parts(cls):
+            kwargs["parts"] = parts
+        elif parts is not None and (needed := parts_needed(cls, parts)):
+            raise PluginError(f"{cls.__module__}.{cls.__qualname__}.__init__ takes no `parts`, so it would run "
+                              f"without {' and '.join(needed)}: {PARTS_FIX}")
+        return cls(config, **kwargs)
+
+
+def module_parts(cls: type, config: Mapping[str, Any], pm: PluginManager) -> RolloutParts | TrainerParts | None:
+    """The parts a rollout worker or a trainer is built with (None: another module)."""
+    if issubclass(cls, BaseRolloutWorker):
+        return rollout_worker_parts(config, cls, pm)
+    if issubclass(cls, BaseTrainer):
+        return trainer_parts(config, cls, pm)
+    return None
+
+
+def takes_parts(cls: type) -> bool:
+    """Whether ``cls(config, parts=...)`` is accepted (a ``parts`` parameter, or ``**kwargs``)."""
+    params = inspect.signature(cls).parameters.values()
+    return any((p.name == "parts" and p.kind is not p.POSITIONAL_ONLY) or p.kind is p.VAR_KEYWORD for p in params)
+
+
+def parts_needed(cls: type, parts: RolloutParts | TrainerParts) -> list[str]:
+    """What in ``parts`` the module would miss: a recipe's evaluators, a trainer's train service,
+    the registry a trainer that selects algorithms reads. Labels alone are not missed."""
+    if isinstance(parts, RolloutParts):
+        needed = [parts.evaluator_label] if parts.evaluator is not None else []
+        return needed + (["rollout_worker.domain_evaluators"] if any(parts.domain_evaluators.values()) else [])
+    needed = ["the train service"] if parts.train_service is not None else []
+    if getattr(cls, "ALGORITHM_OPTIONS", None) or getattr(cls, "ALGORITHM_SELECTORS", None):
+        needed.append("the algorithm registry")
+    return needed
 
 
 # -- weight sync ------------------------------------------------------------------------------------
 
-def weight_sync_backend(section: Any, pm: PluginManager) -> WeightSyncBackend:
+def weight_sync_backend(section: Mapping[str, Any] | None, pm: PluginManager) -> WeightSyncBackend:
     """The backend ``weight.backend`` names, built with the ``weight`` section."""
-    name = bind(section, WEIGHT, "weight")["backend"]
+    name = WeightSettings.own(section, "weight").backend
     return pm.resolve("weight_sync_backend", name, "weight.backend")(section)
 
 
 # -- trainer ----------------------------------------------------------------------------------------
 
-def trainer_parts(config: Any, cls: type, pm: PluginManager) -> TrainerParts:
+def trainer_parts(config: Mapping[str, Any], cls: type, pm: PluginManager) -> TrainerParts:
     """The algorithm registry of ``pm`` and, for a trainer that drives one, the train service
     ``service.train_service`` selects (ConfigError now, built when the trainer asks)."""
     registry = AlgorithmRegistry.from_plugin_manager(pm)
     if not getattr(cls, "TRAIN_SERVICE_BATCH_FORMAT", None):
         return TrainerParts(algorithm_registry=registry)
-    config = bind_recipe(config, cls)  # the declared defaults (seed, service.train_service), as the trainer reads them
-    section = config["service"]["train_service"]
+    # each core default filled, as the trainer reads it (a recipe built by hand may lack run_dir: not typed whole)
+    recipe = read_section(config, CORE_OPTIONS, "")
+    section = recipe["service"]["train_service"].to_dict()
     backend = section.get("backend")  # a free-form section: null when the recipe leaves the class's default
     service_cls = train_service_class(cls, {} if backend is None else {"backend": backend}, pm,
-                                      config["trainer"].get("type"))
-    seed = int(config["seed"])
+                                      recipe["trainer"].get("type"))
+    seed = int(recipe["seed"])
 
     def build(total_steps: int) -> TrainService:
-        return service_cls.from_config(dict(plain(section) or {}), seed=seed, total_steps=total_steps, path=SECTION)
+        return service_cls.from_config(dict(section), seed=seed, total_steps=total_steps, path=SECTION)
 
     return TrainerParts(algorithm_registry=registry, train_service=build,
-                        reference_service=reference_service(config["service"]["reference_service"], pm))
+                        reference_service=reference_service(recipe["service"]["reference_service"], pm))
 
 
-def reference_service(section: Any, pm: PluginManager) -> Callable[[], InferenceClient] | None:
+def reference_service(section: Mapping[str, Any] | None, pm: PluginManager) -> Callable[[], InferenceClient] | None:
     """Builds the KL reference's client from ``service.reference_service`` (None: not declared),
     in the trainer's process; never handed to weight sync, so its weights stay the initial ones."""
     if section is None:
         return None
-    values = section.to_dict() if isinstance(section, BoundConfig) else plain(section)  # the backend binds its own
+    values = plain(section)  # the backend reads its own keys
     cls = pm.resolve("inference_backend", values.get("backend"), f"{REFERENCE_SECTION}.backend")
 
     def build() -> InferenceClient:
@@ -95,22 +130,22 @@ def reference_service(section: Any, pm: PluginManager) -> Callable[[], Inference
 
 # -- rollout workers ------------------------------------------------------------------------------
 
-def rollout_worker_parts(config: Any, cls: type, pm: PluginManager) -> RolloutParts:
+def rollout_worker_parts(config: Mapping[str, Any], cls: type, pm: PluginManager) -> RolloutParts:
     """The evaluators a ``rollout_worker`` mapping names, and how messages name them."""
     section = config.get("evaluator")
-    domain_sections = declared_value(config, "domain_evaluators", ROLLOUT_WORKER, "rollout_worker").to_dict()
+    domain_sections = RolloutWorkerSettings.own(config, "rollout_worker").domain_evaluators
     return RolloutParts(evaluator=build_evaluator(section, pm), evaluator_label=evaluator_label(section, pm),
                         domain_evaluators=build_domain_evaluators(domain_sections, pm),
                         domain_labels={str(d): evaluator_label(sub, pm) for d, sub in domain_sections.items()},
                         worker_label=worker_label(config.get("type"), cls, pm))
 
 
-def build_evaluator(section: Any, pm: PluginManager, key: str = _EVALUATOR_KEY) -> Evaluator | None:
+def build_evaluator(section: Mapping[str, Any] | None, pm: PluginManager, key: str = _EVALUATOR_KEY) -> Evaluator | None:
     """The evaluator a ``rollout_worker.evaluator`` mapping names (``type`` + constructor keywords)."""
     if section is None:
         return None
     cls = pm.resolve("evaluator", section.get("type"), f"{key}.type")
-    items = section.items() if isinstance(section, dict) else plain(section).items()
+    items = plain(section).items()
     try:
         with use_plugin_manager(pm):
             return cls(**{k: v for k, v in items if k != "type"})
@@ -124,18 +159,18 @@ def build_evaluator(section: Any, pm: PluginManager, key: str = _EVALUATOR_KEY) 
                           f"{type(exc).__name__}: {exc}") from None
 
 
-def build_domain_evaluators(section: Any, pm: PluginManager) -> dict[str, Evaluator | None]:
+def build_domain_evaluators(section: Mapping[str, Any] | None, pm: PluginManager) -> dict[str, Evaluator | None]:
     """``rollout_worker.domain_evaluators``: domain -> its evaluator (null: none, reward 0)."""
     return {str(domain): build_evaluator(sub, pm, f"rollout_worker.domain_evaluators.{domain}")
             for domain, sub in (section or {}).items()}
 
 
-def evaluator_label(section: Any, pm: PluginManager) -> str:
+def evaluator_label(section: Mapping[str, Any] | None, pm: PluginManager) -> str:
     """``evaluator 'NAME' (distribution)``: how messages name the evaluator a recipe chose."""
     if section is None:
         return "no evaluator"
     name = section.get("type")
-    registration = pm.components("evaluator").get(name)
+    registration = pm.components("evaluator").get(name) if isinstance(name, str) else None
     return f"evaluator '{name}'" + (f" ({registration.distribution})" if registration is not None else "")
 
 
@@ -149,17 +184,18 @@ def worker_label(name: Any, cls: type, pm: PluginManager) -> str:
 
 # -- the run's records ----------------------------------------------------------------------------
 
-def open_run_recorder(config: Any, pm: PluginManager) -> Any:
+def open_run_recorder(config: Mapping[str, Any], pm: PluginManager) -> Any:
     """The run's records for a recipe: files in ``run_dir`` and the ``logger.backend`` sinks."""
     from ..runtime.failure_monitor import FailedSampleMonitor
     from ..runtime.run_log import RunRecorder
 
-    run_dir = str(config.run_dir) if config.get("run_dir") else None  # None: no files (nexrl eval without --out)
+    run_dir = str(config["run_dir"]) if config.get("run_dir") else None  # None: no files (nexrl eval without --out)
     sinks, labels = [], []
-    for name in _as_list(config.logger.backend):
+    backends = _as_list(config["logger"]["backend"])
+    for name in backends:
         sinks.append(pm.resolve("metrics_sink", name, "logger.backend")(config, run_dir))
         labels.append(f"metrics sink '{name}' ({pm.components('metrics_sink')[name].distribution})")
-    return RunRecorder(run_dir, sinks, sink_labels=labels, sink_names=_as_list(config.logger.backend),
+    return RunRecorder(run_dir, sinks, sink_labels=labels, sink_names=backends,
                        step_end_hook=lambda step, metrics: pm.call_step_end(step=step, metrics=metrics, config=config),
                        failure_monitor=FailedSampleMonitor.from_config(config))
 

@@ -1,16 +1,21 @@
 """What every run does before its controller starts, once, whether it was asked for by ``nexrl
 run`` or by ``nexrl_core.run()``: the recipe checked as ``nexrl validate`` checks it, the run
-directory prepared, run.log opened, run.json and config.yaml written. And the rule for a run that
+directory prepared, run.log opened, run.json and config.yaml written, and the recipe read once into
+its typed settings (:class:`~nexrl_core.config.schema.RecipeSettings`). And the rule for a run that
 fails: ``resume.on_failure: restart`` (:class:`Restarts`). The controller then receives a started
-run and checks nothing again (``NexRLController(..., started=True)``)."""
+run and checks nothing again (``NexRLController(..., settings=started.settings)``)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from omegaconf import DictConfig
+
+from ..config.schema import RecipeSettings, ResumeSettings
 from ..errors import NexRLError, exit_code
 from ..runtime.run_info import RunRecord, write_config
 from ..runtime.run_log import prepare_run_dir, setup_logging
@@ -19,9 +24,11 @@ from .preflight import require_runnable, resume_checkpoint
 
 @dataclass
 class StartedRun:
-    """A run whose recipe passed every check and whose records are open."""
+    """A run whose recipe passed every check and whose records are open. ``cfg``: the composed
+    recipe (the components read their own sections of it); ``settings``: the core's reading of it."""
 
-    cfg: Any
+    cfg: DictConfig
+    settings: RecipeSettings
     pm: Any
     recipe: str
     overrides: list[str]
@@ -31,11 +38,20 @@ class StartedRun:
     controller: Any = None  # the attempt running now (api.run_started sets it)
 
     def __post_init__(self) -> None:
-        self.restarts = Restarts(self.cfg)
+        self.restarts = Restarts(self.settings.resume)
 
     @property
     def run_dir(self) -> str:
-        return str(self.cfg.run_dir)
+        return self.settings.run_dir
+
+    def restart(self, step: int | None, error: str) -> float:
+        """Count a restart and record it; the next attempt resumes from the newest checkpoint (the
+        failed attempt's own) and continues its records. Returns the wait before it."""
+        delay = self.restarts.next(step, error, self.record)
+        self.cfg.resume.mode, self.cfg.resume.resume_path, self.cfg.overwrite_run_dir = "auto", None, False
+        resume = dataclasses.replace(self.settings.resume, mode="auto", resume_path=None)
+        self.settings = dataclasses.replace(self.settings, resume=resume, overwrite_run_dir=False)
+        return delay
 
     def finish(self, summary: Any = None, error: BaseException | None = None, step: int | None = None) -> None:
         """Complete run.json: with the run's summary, or as failed with ``error`` (at ``step``, else
@@ -51,34 +67,34 @@ class StartedRun:
         return self.controller.final_step() if self.controller is not None else otherwise
 
 
-def start_run(cfg: Any, pm: Any, recipe: str, overrides: list[str], *, argv: list[str] | None = None,
-              console: Any = None, hide_step_lines: bool = False, checked: bool = False) -> StartedRun:
+def start_run(cfg: DictConfig, pm: Any, recipe: str, overrides: list[str], *, argv: list[str] | None = None,
+              console: Any = None, hide_step_lines: bool = False,
+              checked: RecipeSettings | None = None) -> StartedRun:
     """Check ``cfg`` (RecipeProblems listing every problem, before anything is written; ``checked``:
-    the caller just did, with :func:`require_runnable`), prepare ``run_dir``, open run.log
-    (``console``/``hide_step_lines``: how the console shows it) and write run.json and config.yaml."""
-    if not checked:
+    the caller just did, with :func:`require_runnable`, and read it), read it into its typed settings, prepare
+    ``run_dir``, open run.log (``console``/``hide_step_lines``: how the console shows it) and write
+    run.json and config.yaml."""
+    if checked is None:
         require_runnable(cfg, pm)
-    prepare_run_dir(cfg)
-    run_dir = str(cfg.run_dir)
+    # after the checks: they may set trainer.total_train_steps (num_train_epochs)
+    settings = RecipeSettings.of(cfg) if checked is None else checked
+    prepare_run_dir(settings)
     resume_from = resume_checkpoint(cfg)
-    setup_logging(run_dir, str(cfg.logger.level), fresh=cfg.resume.mode == "disable", console=console,
+    setup_logging(settings.run_dir, settings.logger.level, fresh=settings.resume.mode == "disable", console=console,
                   hide_step_lines=hide_step_lines)
-    record = RunRecord(run_dir, recipe, overrides, argv=argv, plugin_manager=pm, config=cfg)
-    record.write_start(keep_previous=cfg.resume.mode != "disable")
-    write_config(run_dir, cfg)
-    return StartedRun(cfg, pm, recipe, list(overrides), record, resume_from)
+    record = RunRecord(settings.run_dir, recipe, overrides, argv=argv, plugin_manager=pm, settings=settings)
+    record.write_start(keep_previous=settings.resume.mode != "disable")
+    write_config(settings.run_dir, cfg)
+    return StartedRun(cfg, settings, pm, recipe, list(overrides), record, resume_from)
 
 
 class Restarts:
     """``resume.on_failure: restart``: how many restarts are left, the wait before the next (doubled
     each time, at most ``restart_backoff_max``), and their record in run.json (``restarts``)."""
 
-    def __init__(self, cfg: Any):
-        self.cfg = cfg
-        resume = cfg.resume
+    def __init__(self, resume: ResumeSettings):
         self.enabled = resume.on_failure == "restart"
-        self.max, self.backoff, self.backoff_max = (int(resume.max_restarts), float(resume.restart_backoff),
-                                                    float(resume.restart_backoff_max))
+        self.max, self.backoff, self.backoff_max = resume.max_restarts, resume.restart_backoff, resume.restart_backoff_max
         self.count = 0
 
     def allowed(self) -> bool:
@@ -87,13 +103,10 @@ class Restarts:
     def describe(self) -> str:
         return f"the run failed (restart {self.count} of {self.max})"
 
-    def next(self, step: int | None, error: str, record: Any) -> float:
-        """Count a restart, record it, make the recipe resume from the newest checkpoint; the wait."""
+    def next(self, step: int | None, error: str, record: RunRecord) -> float:
+        """Count a restart and record it; the wait before it."""
         self.count += 1
         record.note_restart(step, error)
-        resume = self.cfg.resume
-        resume.mode, resume.resume_path = "auto", None  # the newest checkpoint: the failed attempt's own
-        self.cfg.overwrite_run_dir = False  # the failed attempt's records are continued, not moved aside
         return min(self.backoff * 2 ** (self.count - 1), self.backoff_max)
 
 
@@ -119,7 +132,7 @@ def library_argv(recipe: str, overrides: list[str]) -> list[str]:
     return [f"nexrl_core.run({os.fspath(recipe)})", *overrides]
 
 
-def is_loaded(cfg: Any) -> bool:
+def is_loaded(cfg: object) -> bool:
     """Whether ``cfg`` is a recipe as nexrl loads one (``load_recipe``, ``nexrl_core.run``): a
     DictConfig holding ``recipe_dir`` and every key of the core's defaults. A config that lacks
     them is seed-shaped (the YAML a Hydra ``main`` receives) and is composed before it runs."""

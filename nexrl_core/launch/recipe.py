@@ -32,6 +32,7 @@ from ..config.options import (
     unmet_needs,
 )
 from ..config.schema import CORE_OPTIONS, core_defaults
+from ..config.settings import fill_defaults
 from ..errors import ConfigError, NexRLError
 from ..redaction import add_config_secrets, add_secret, is_secret_key
 from ..runtime.python_class import KINDS as PYTHON_KINDS
@@ -260,8 +261,7 @@ def _effective_option(value: Any, opt: Option, pm: Any) -> Option:
 
 def _fill_component_defaults(values: dict[str, Any], selected: Any) -> Any:
     """In place: the defaults of the components ``selected`` (the recipe with its overrides) names.
-    Returns the declared keys (:func:`nexrl_core.config.bound.key_tree`)."""
-    from ..config.bound import fill_defaults, key_tree
+    Returns the declared keys (:func:`key_tree`)."""
     from ..plugins import peek_plugin_manager
 
     if not isinstance(selected, dict):
@@ -271,10 +271,30 @@ def _fill_component_defaults(values: dict[str, Any], selected: Any) -> Any:
     return key_tree(options)
 
 
+ANY = "*"  # in a key tree: any other key, with this subtree
+
+
+def key_tree(options: Mapping[str, Option] | None) -> dict[str, Any] | None:
+    """The keys ``options`` declares (removed ones left out): key -> its own tree, None where any
+    key may follow (a free-form mapping or a plain value)."""
+    if options is None:
+        return None
+    tree: dict[str, Any] = {}
+    for key, opt in options.items():
+        if opt.removed is not None:
+            continue
+        if opt.options is None and opt.values is None:
+            tree[key] = None
+            continue
+        sub = key_tree(opt.options) if opt.options is not None else {}
+        if opt.values is not None and sub is not None:
+            sub[ANY] = key_tree(opt.values.options)
+        tree[key] = sub
+    return tree
+
+
 def _is_declared(tree: Any, dotted: str) -> bool:
     """``dotted`` is a key the declarations hold (a section that is null by default included)."""
-    from ..config.bound import ANY
-
     for part in dotted.split("."):
         if not isinstance(tree, dict) or (part not in tree and ANY not in tree):
             return False
@@ -424,8 +444,10 @@ def _has_key(cfg: DictConfig, dotted: str) -> bool:
 
 
 def _delete(cfg: DictConfig, key: str, text: str) -> None:
-    """``~key``. A key nexrl itself declares is read by every run: deleting one that may be null
-    sets it to null (its "off"); deleting one that may not is an error, not a crash later."""
+    """``~key``, as Hydra deletes a key: the value the recipe (or an earlier override) gave a key
+    nexrl declares is gone, so its declared default applies. A key every run reads that holds its
+    default already is switched off: null where it may be null (``~trainer.checkpoint_path``: no
+    checkpoints; a section: none), an error naming what to set where it may not."""
     parent_key, _, leaf = key.rpartition(".")
     parent = OmegaConf.select(cfg, parent_key) if parent_key else cfg
     if not isinstance(parent, DictConfig) or leaf not in parent:
@@ -433,6 +455,8 @@ def _delete(cfg: DictConfig, key: str, text: str) -> None:
     opt = _option_at(key)
     if opt is None or opt.removed is not None:
         del parent[leaf]
+    elif opt.options is None and not opt.required and _plain_value(_unresolved(parent, leaf)) != opt.default_value():
+        parent[leaf] = opt.default_value()
     elif opt.spec().accepts(None):
         parent[leaf] = None
     else:
@@ -452,6 +476,11 @@ def _delete(cfg: DictConfig, key: str, text: str) -> None:
                           f"cannot be deleted; set it instead, e.g. {example}")
 
 
+def _unresolved(parent: DictConfig, leaf: str) -> Any:
+    """``parent[leaf]`` as written (an interpolation as its text, as the declared default holds it)."""
+    return cast(dict, OmegaConf.to_container(parent, resolve=False))[leaf]
+
+
 def _suggest(cfg: DictConfig, key: str) -> str:
     from difflib import get_close_matches
 
@@ -466,14 +495,14 @@ def _suggest(cfg: DictConfig, key: str) -> str:
 
 # -- checking ------------------------------------------------------------------------------------
 
-def plain(cfg: Any) -> Any:
+def plain(cfg: Mapping[str, Any] | None) -> Any:
     """The recipe as plain dicts and lists (what every check reads)."""
     if isinstance(cfg, DictConfig):
         return OmegaConf.to_container(cfg, resolve=True)
     return cfg
 
 
-def check_config(cfg: Any, plugin_manager: Any, eval_only: bool = False) -> list[str]:
+def check_config(cfg: Mapping[str, Any], plugin_manager: Any, eval_only: bool = False) -> list[str]:
     """Every problem of the recipe's keys and values, one line each (empty: sound).
 
     Covers the core's keys, every selected component's declared options, cross-key rules and
@@ -505,7 +534,7 @@ def check_config(cfg: Any, plugin_manager: Any, eval_only: bool = False) -> list
     return problems
 
 
-def network_plan(cfg: Any, plugin_manager: Any) -> Any:
+def network_plan(cfg: Mapping[str, Any], plugin_manager: Any) -> Any:
     """``ray.private_network`` decided for a recipe (:mod:`nexrl_core.launch.ray.network`), as
     :func:`check_config` decides it."""
     from .ray.network import Plan, requested
@@ -532,7 +561,7 @@ def _network_plan(values: Mapping[str, Any], found: Mapping[str, type], pm: Any)
     return plan(values, found, sinks)
 
 
-def require_valid(cfg: Any, plugin_manager: Any, eval_only: bool = False) -> None:
+def require_valid(cfg: Mapping[str, Any], plugin_manager: Any, eval_only: bool = False) -> None:
     """Raise :class:`RecipeProblems` listing every problem :func:`check_config` finds."""
     problems = check_config(cfg, plugin_manager, eval_only=eval_only)
     if problems:
@@ -773,8 +802,8 @@ def _domain_checks(values: Mapping[str, Any], found: Mapping[str, type]) -> list
     return problems
 
 
-def check_algorithm(section: Any, trainer_cls: type, plugin_manager: Any, trainer_name: str | None = None,
-                    root: Any = None) -> list[str]:
+def check_algorithm(section: Mapping[str, Any] | None, trainer_cls: type, plugin_manager: Any,
+                    trainer_name: str | None = None, root: Any = None) -> list[str]:
     """``algorithm``: the trainer's own keys plus those of the estimator and loss the recipe selects
     by name (:func:`nexrl_core.algorithms.algorithm_keys`, which the trainer's selection also uses)."""
     from ..algorithms.registry import algorithm_keys

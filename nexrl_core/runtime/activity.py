@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+from collections.abc import Mapping
 from contextlib import contextmanager
 from typing import Any, Iterator
 
@@ -28,7 +29,8 @@ class ActivityTracker:
     (the recipe) is the argument every role is built with.
     """
 
-    def __init__(self, config: Any = None, max_errors: int = 1000, experiment_logger: Any = None) -> None:
+    def __init__(self, config: Mapping[str, Any] | None = None, max_errors: int = 1000,
+                 experiment_logger: Any = None) -> None:
         self.experiment_logger = experiment_logger
         self._error_reporter = ErrorReporter(max_errors)
         self._failure_log = FailureLog()

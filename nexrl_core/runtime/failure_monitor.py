@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import threading
 from collections import Counter, deque
+from collections.abc import Mapping
 from typing import Any
 
-from ..config.bound import bind
-from ..config.schema import RUNTIME_MONITOR
+from ..config.schema import RecipeSettings, RolloutWorkerSettings, RuntimeMonitorSettings, TrajectoryPoolSettings
 
 
 def most_common_error(failures: list[tuple[str, str]]) -> str:
@@ -47,14 +47,17 @@ class FailedSampleMonitor:
         self._verdict: str | None = None
 
     @classmethod
-    def from_config(cls, config: Any) -> FailedSampleMonitor:
-        section = bind(config.runtime_monitor.get("failed_samples") or {}, RUNTIME_MONITOR["failed_samples"].options,
-                       "runtime_monitor.failed_samples")
-        evaluator = config.rollout_worker.get("evaluator")
-        return cls(max_fraction=float(section["max_fraction"]), window=int(section["window"]),
-                   min_samples=int(config.trajectory_pool.batch_size),
-                   evaluator=str(evaluator.get("type")) if evaluator is not None else None,
-                   enabled=bool(section["enabled"]))
+    def from_config(cls, settings: RecipeSettings | Mapping[str, Any]) -> FailedSampleMonitor:
+        """``runtime_monitor.failed_samples`` of the run (of the recipe mapping: the three sections it reads)."""
+        if isinstance(settings, RecipeSettings):
+            monitor, workers, pool = settings.runtime_monitor, settings.rollout_worker, settings.trajectory_pool
+        else:
+            monitor = RuntimeMonitorSettings.of(settings["runtime_monitor"], "runtime_monitor")
+            workers = RolloutWorkerSettings.own(settings["rollout_worker"], "rollout_worker")
+            pool = TrajectoryPoolSettings.of(settings["trajectory_pool"], "trajectory_pool")
+        failed, evaluator = monitor.failed_samples, workers.evaluator
+        return cls(max_fraction=failed.max_fraction, window=failed.window, min_samples=pool.batch_size,
+                   evaluator=evaluator.type if evaluator is not None else None, enabled=failed.enabled)
 
     def observe(self, num_ok: int, failures: list[tuple[str, str]]) -> None:
         """One training step: ``num_ok`` usable samples and the (cause, message) of each failed one."""

@@ -16,7 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..config.options import Option, check_options
+from ..config.options import Option, check_options, component_options
+from ..config.settings import Section, read_section
 from ..errors import ConfigError
 
 
@@ -79,7 +80,7 @@ class SamplingParams:
         return record
 
     @classmethod
-    def recipe_problems(cls, section: Any, key: str = "rollout_worker.sampling") -> list[str]:
+    def recipe_problems(cls, section: object, key: str = "rollout_worker.sampling") -> list[str]:
         """Problems of a recipe's sampling mapping, one line each naming the key: an unknown key
         (with a "did you mean") or a bad value. Empty when :meth:`from_config` will accept it."""
         if section is None:
@@ -186,17 +187,16 @@ class InferenceClient(ABC):
     """
 
     @classmethod
-    def bind_config(cls, config: Any, path: str = "service.inference_service") -> Any:
-        """``config`` bound to the core's ``service.inference_service`` keys and this backend's own
-        ``OPTIONS``: declared defaults filled, undeclared reads refused (what :attr:`config` holds)."""
-        from ..config.bound import bind_component
+    def own_section(cls, config: Mapping[str, Any] | None, path: str = "service.inference_service") -> Section:
+        """``config`` as this backend reads it (:attr:`config`): read-only, the core's
+        ``service.inference_service`` keys and this backend's own, defaults filled."""
         from ..config.schema import INFERENCE_SERVICE
 
-        return bind_component(config, cls, INFERENCE_SERVICE, path)
+        return read_section(config, {**(component_options(cls) or {}), **INFERENCE_SERVICE}, path)
 
-    def __init__(self, config: Any):
-        # Subclasses read their own keys from self.config (declared in their OPTIONS).
-        self.config = config = type(self).bind_config(config)
+    def __init__(self, config: Mapping[str, Any] | None):
+        # Subclasses read their own keys with their Settings' own(self.config).
+        self.config = config = type(self).own_section(config)
         self.model_tag: str = str(config["model_tag"])
         self._version = 0
         self._version_lock = threading.Lock()

@@ -15,8 +15,11 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from typing import Any
 
+from ..config.schema import RecipeSettings
+from ..config.settings import plain
 from ..redaction import redact, redact_command
 
 CONFIG_FILE = "config.yaml"
@@ -26,21 +29,15 @@ _LIBRARIES = ("torch", "transformers", "vllm", "ray", "tinker", "numpy", "safete
               "pluggy", "wandb", "tensorboard", "tensorboardX", "rich", "matplotlib")
 
 
-def plain_config(config: Any) -> Any:
+def plain_config(config: Mapping[str, Any]) -> dict[str, Any]:
     """The resolved recipe as plain dicts and lists, less what nexrl adds itself (``recipe_dir``):
     what ``nexrl config`` prints and ``config.yaml`` holds is a recipe ``nexrl run`` accepts."""
-    from omegaconf import DictConfig, OmegaConf
-
-    if isinstance(config, DictConfig):
-        config = OmegaConf.to_container(config, resolve=True)
-    elif hasattr(config, "to_dict"):  # a BoundConfig
-        config = config.to_dict()
-    if isinstance(config, dict):
-        config = {k: v for k, v in config.items() if k != "recipe_dir"}
-    return config
+    values = plain(config)
+    assert isinstance(values, dict)
+    return {str(k): v for k, v in values.items() if k != "recipe_dir"}
 
 
-def redacted_yaml(config: Any) -> str:
+def redacted_yaml(config: Mapping[str, Any]) -> str:
     import yaml
 
     return yaml.safe_dump(redact(plain_config(config)), sort_keys=False, default_flow_style=False,
@@ -87,7 +84,7 @@ class RunRecord:
     keeps the earlier attempts under ``previous``."""
 
     def __init__(self, run_dir: str, recipe: str, overrides: list[str], argv: list[str] | None = None,
-                 plugin_manager: Any = None, config: Any = None):
+                 plugin_manager: Any = None, settings: RecipeSettings | None = None):
         self.path = os.path.join(run_dir, RUN_FILE)
         self.start = time.time()
         recipe_dir = os.path.dirname(os.path.abspath(recipe))
@@ -99,9 +96,8 @@ class RunRecord:
             "end_time": None, "end": None, "duration_s": None, "exit_status": "running", "exit_code": None,
             "versions": versions(plugin_manager), "git": _git(recipe_dir), "restarts": 0,
         }
-        if config is not None:
-            self.data.update(launch_mode=str(config.get("launch_mode")), resume_mode=str(config.resume.mode),
-                             seed=config.get("seed"))
+        if settings is not None:
+            self.data.update(launch_mode=settings.launch_mode, resume_mode=settings.resume.mode, seed=settings.seed)
 
     def write_start(self, keep_previous: bool = True) -> None:
         """Write run.json; ``keep_previous`` (a resumed run) keeps the earlier attempts under ``previous``."""
@@ -151,7 +147,7 @@ def _user() -> str | None:
         return None
 
 
-def write_config(run_dir: str, config: Any) -> str:
+def write_config(run_dir: str, config: Mapping[str, Any]) -> str:
     """``<run_dir>/config.yaml``: the recipe as resolved for this run, secrets redacted."""
     path = os.path.join(run_dir, CONFIG_FILE)
     os.makedirs(run_dir, exist_ok=True)

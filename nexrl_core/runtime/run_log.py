@@ -14,6 +14,7 @@ from typing import Any
 
 from loguru import logger
 
+from ..config.schema import RecipeSettings
 from ..redaction import ScrubbedStream, scrub, scrub_values
 from .logs import FailureLog, failure_location, failure_signature, format_traceback
 
@@ -331,15 +332,13 @@ def earlier_run(run_dir: str, checkpoint_path: str | None = None) -> str:
     return ", ".join(found)
 
 
-def prepare_run_dir(config: Any) -> list[str]:
+def prepare_run_dir(settings: RecipeSettings) -> list[str]:
     """A fresh run with ``overwrite_run_dir: true`` moves an earlier run aside (run_dir, and its
     checkpoint folder when that lies outside run_dir) to ``<path>.old-<time>``: never appended
     to, never deleted. Returns the paths it moved things to."""
-    if config.resume.mode != "disable" or not config.get("overwrite_run_dir"):
+    if settings.resume.mode != "disable" or not settings.overwrite_run_dir:
         return []
-    run_dir = str(config.run_dir)
-    ckpt = config.trainer.get("checkpoint_path")
-    ckpt = str(ckpt) if ckpt else None
+    run_dir, ckpt = settings.run_dir, settings.trainer.checkpoint_path or None
     if not earlier_run(run_dir, ckpt):
         return []
     stamp = time.strftime("%Y%m%d-%H%M%S")

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from difflib import get_close_matches
 from typing import Any
 
-from ..config.bound import bind
 from ..config.options import Option
+from ..config.settings import plain
 from ..errors import ConfigError
 
 SECTION = "service.train_service"
@@ -147,7 +147,7 @@ def train_service_class(trainer_cls: type, section: Mapping[str, Any] | None, pl
     """The service ``section`` selects (``backend``, else the trainer's ``TRAIN_SERVICE_DEFAULT``);
     ConfigError naming ``<path>.backend`` when it is not registered or takes batches the trainer
     does not build."""
-    name = selected_backend(trainer_cls, section, path)
+    name = selected_backend(trainer_cls, section)
     fitting = _fitting(trainer_cls, plugin_manager)
     if isinstance(name, str) and name in fitting:
         return fitting[name].cls
@@ -173,9 +173,10 @@ def train_service_options(service_cls: type, trainer_cls: type) -> dict[str, Opt
     return {"backend": _backend_option(trainer_cls), **(component_options(service_cls) or {})}
 
 
-def selected_backend(trainer_cls: type, section: Mapping[str, Any] | None, path: str = SECTION) -> Any:
+def selected_backend(trainer_cls: type, section: Mapping[str, Any] | None) -> Any:
     """The train service ``section`` names: its ``backend``, else the trainer's default."""
-    return bind(dict(section or {}), {"backend": _backend_option(trainer_cls)}, path)["backend"]
+    values = plain(section)
+    return values["backend"] if "backend" in values else _backend_option(trainer_cls).default_value()
 
 
 def _backend_option(trainer_cls: type) -> Option:

@@ -27,6 +27,7 @@ from typing import Any
 
 from ..config.options import Option, check_options, check_value
 from ..evaluation import BaseEvaluationTarget, EvaluationRunResult, Evaluator
+from ..launch.parts import PARTS_FIX, takes_parts
 
 GENERIC_EXAMPLES: list[dict[str, Any]] = [
     {"data": {"prompt": "What is 2 + 3? Reply with only the number.", "answer": 5, "data_source": "check"},
@@ -386,6 +387,9 @@ def check_plugin(name: str, pm: Any = None, options: Mapping[str, Any] | None = 
                                  ("TRAIN_SERVICE_OPTIONS", "TRAIN_SERVICE_KEYS")):
                 report.problems += [f"{attr}: {p}" for p in _declaration_problems(component_options(reg.cls, attr,
                                                                                                     legacy))]
+            if kind in ("rollout_worker", "trainer") and not takes_parts(reg.cls):
+                report.notes.append(f"__init__ takes no `parts`: it runs only without an evaluator, a train service "
+                                    f"or an algorithm registry ({PARTS_FIX})")
             report.checked = "option declarations"
             reports.append(report)
     return reports

@@ -126,9 +126,10 @@ CASES: dict[str, Case] = {
     "group_override_unknown_option": case("error: override '+weight=fast': config group 'weight' has no option "
                                           "'fast' (available: batch_async, fully_async, sync)", recipe=GOOD,
                                           overrides=("+weight=fast",)),
-    "delete_a_needed_key": case("error: override '~trainer.total_train_steps': trainer.total_train_steps is needed by "
-                                "every run", "set it instead, e.g. trainer.total_train_steps=1", recipe=GOOD,
-                                overrides=("~trainer.total_train_steps",)),
+    # a key the recipe leaves at its default (one it sets is deleted as Hydra deletes: its default applies)
+    "delete_a_needed_key": case("error: override '~trainer.save_freq': trainer.save_freq is needed by every run",
+                                "set it instead, e.g. trainer.save_freq=0", recipe=GOOD,
+                                overrides=("~trainer.save_freq",)),
     "delete_a_needed_section": case("error: override '~trajectory_pool': trajectory_pool is needed by every run",
                                     recipe=GOOD, overrides=("~trajectory_pool",)),
     "override_missing_key": case("error: override 'trainer.save_frequency=2': key 'trainer.save_frequency' does not "

@@ -47,7 +47,7 @@ def test_a_batch_is_ordered_by_issue_not_by_completion():
         for i in completion:
             land(pool, wsc, tasks[i])
         batch = pool.get_batch(4, "default", 0, 1.0)
-        assert [t["seq"] for t in batch.to_trajectories()] == [0, 1, 2, 3], completion
+        assert [t["seq"] for t in batch.trajectories] == [0, 1, 2, 3], completion
 
 
 def test_sync_mode_waits_for_rollouts_in_flight_and_takes_the_earliest_groups():
@@ -65,7 +65,7 @@ def test_sync_mode_waits_for_rollouts_in_flight_and_takes_the_earliest_groups():
     land(pool, wsc, tasks[1])
     land(pool, wsc, tasks[0])
     taker.join(10)
-    assert [t["seq"] for t in got[0].to_trajectories()] == [0, 1, 2, 3]
+    assert [t["seq"] for t in got[0].trajectories] == [0, 1, 2, 3]
     assert pool.is_empty() and pool.counters()["stale_rerolled"] == 2
     assert [dl[i]["seq"] for i in range(2)] == [4, 5]  # group 2 is next in the loader, in order
 
@@ -77,7 +77,7 @@ def test_with_a_rollout_budget_the_wave_is_the_batch():
     for i in (2, 0, 3, 1):
         land(pool, wsc, tasks[i])
     batch = pool.get_batch(4, "default", 0, 1.0)
-    assert [t["seq"] for t in batch.to_trajectories()] == [0, 1, 2, 3]
+    assert [t["seq"] for t in batch.trajectories] == [0, 1, 2, 3]
     assert pool.counters()["stale_rerolled"] == 0
 
 
@@ -87,4 +87,4 @@ def test_async_modes_do_not_wait_for_stragglers():
     for i in (5, 4, 3, 2):
         land(pool, wsc, tasks[i])
     batch = pool.get_batch(4, "default", 0, 0.0)  # group 0 still running: not waited for
-    assert [t["seq"] for t in batch.to_trajectories()] == [2, 3, 4, 5]
+    assert [t["seq"] for t in batch.trajectories] == [2, 3, 4, 5]

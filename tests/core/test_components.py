@@ -194,7 +194,7 @@ def test_simple_store_batches_by_count():
     assert p.get_batch(model_tag="default") is None
     p.put_trajectory(traj("u2", 0))
     batch = p.get_batch(model_tag="default")
-    assert len(batch) == 3 and batch.metadata["batch_size"] == 3 and batch.metadata["model_tag"] == "default"
+    assert len(batch) == 3 and len(batch.trajectories) == 3 and batch.model_tag == "default"
     assert p.is_empty()
 
 
@@ -207,9 +207,9 @@ def test_grouped_store_releases_whole_groups_only():
     p.put_trajectory(traj("c", 0))
     p.put_trajectory(traj("b", 1))
     batch = p.get_batch(model_tag="default")
-    assert sorted((t["uid"], t["sample_index"]) for t in batch.to_trajectories()) == \
+    assert sorted((t["uid"], t["sample_index"]) for t in batch.trajectories) == \
         [("a", 0), ("a", 1), ("b", 0), ("b", 1)]
-    assert batch.metadata["num_groups"] == 2
+    assert batch.num_groups == 2
     assert p.instance("default").size() == 1  # c#0 waits for its partner
 
 
@@ -218,12 +218,12 @@ def test_groups_are_never_split_across_batches():
     for uid in "abc":
         for i in range(2):
             p.put_trajectory(traj(uid, i))
-    first = p.get_batch(model_tag="default").to_trajectories()
+    first = p.get_batch(model_tag="default").trajectories
     assert len(first) == 4
     p.put_trajectory(traj("d", 0))
     assert p.get_batch(model_tag="default") is None
     p.put_trajectory(traj("d", 1))
-    second = p.get_batch(model_tag="default").to_trajectories()
+    second = p.get_batch(model_tag="default").trajectories
     for batch in (first, second):
         uids = [t["uid"] for t in batch]
         assert all(uids.count(u) == 2 for u in uids)
@@ -236,7 +236,7 @@ def test_hierarchical_store_groups_by_every_key():
     p.put_trajectory(traj("1", 0, data_source="y"))
     assert p.get_batch(model_tag="default") is None  # same uid, different source: two groups
     p.put_trajectory(traj("1", 1, data_source="y"))
-    batch = p.get_batch(model_tag="default").to_trajectories()
+    batch = p.get_batch(model_tag="default").trajectories
     assert {t["data_source"] for t in batch} == {"y"}
     pending = p.instance("default")._store.partial_groups()  # ("x", "1") waits for its second member
     assert [[(t["data_source"], t["uid"]) for t in g] for g in pending] == [[("x", "1")]]
@@ -306,8 +306,8 @@ def test_one_pool_instance_per_model_tag():
     assert sorted(p.get_model_tags()) == ["critic", "policy"]
     assert p.get_batch(model_tag="critic") is None
     batch = p.get_batch(model_tag="policy")
-    assert [t["uid"] for t in batch.to_trajectories()] == ["a", "c"]
-    assert batch.metadata["model_tag"] == "policy"
+    assert [t["uid"] for t in batch.trajectories] == ["a", "c"]
+    assert batch.model_tag == "policy"
     assert p.is_empty("policy") and not p.is_empty("critic") and not p.is_empty()
     assert p.get_batch(model_tag="nobody") is None
 

@@ -76,6 +76,22 @@ def test_overrides_set_add_and_delete(recipe):
     assert cfg.trainer.checkpoint_path == "/tmp/somewhere/checkpoints"
 
 
+def test_deleting_a_key_the_recipe_set_restores_its_default(cli, recipe):
+    # Hydra's ~key: the recipe's value is gone, so the declared default applies (not null)
+    path = recipe(GOOD + "weight: {rollout_limit: 4, served_probe_tolerance: 0.01}\n")
+    cfg = load_recipe(path, ["~weight.rollout_limit", "~weight.served_probe_tolerance"])
+    assert cfg.weight.rollout_limit == "batch" and cfg.weight.served_probe_tolerance == 1e-3
+    # the case it is for: an async run of a sync recipe, its sync-only key deleted, validates clean
+    code, _, err = cli("validate", path, "weight.sync_mode=fully-async")
+    assert code == 2 and "weight.rollout_limit: does nothing without weight.sync_mode: sync" in err
+    code, _, err = cli("validate", path, "weight.sync_mode=fully-async", "~weight.rollout_limit")
+    assert code == 0, err
+    assert "rollout_limit" not in err
+    # a key that holds its default already and may be null is switched off, as before
+    assert load_recipe(path, ["~weight.rollout_limit", "~weight.rollout_limit"]).weight.rollout_limit is None
+    assert load_recipe(path, ["~trainer.checkpoint_path"]).trainer.checkpoint_path is None
+
+
 @pytest.mark.parametrize("override, expected", [
     ("trainer.no_such_key=0.5", "override 'trainer.no_such_key=0.5': key 'trainer.no_such_key' does not exist; "
                                 "use '+trainer.no_such_key=0.5' to add a new key under trainer"),

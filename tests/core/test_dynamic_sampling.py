@@ -121,12 +121,12 @@ def test_after_max_replacements_a_flat_group_is_kept_and_counted(parts):
     assert counters["dynamic_sampling_kept_flat_groups"] == 1
     land(loader, wsc, pool, [1.0, 0.0])
     batch = pool.get_batch(4)
-    assert [t["task"].get("sampling_attempt", 0) for t in batch.to_trajectories()] == [1, 1, 0, 0]
-    assert batch.metadata["dropped_groups"] == [{"domain": None, "rewards": [0.0, 0.0]}]
+    assert [t["task"].get("sampling_attempt", 0) for t in batch.trajectories] == [1, 1, 0, 0]
+    assert batch.dropped_groups == ({"domain": None, "rewards": [0.0, 0.0]},)
     wsc.train_worker_notify_step_start("trainer")
     wsc.train_worker_notify_weight_update("trainer")  # the next version: rollouts go on
     land(loader, wsc, pool, [1.0, 0.0, 0.5, 0.0])
-    assert pool.get_batch(4, min_version=1).metadata["dropped_groups"] == []  # reported once, with its batch
+    assert pool.get_batch(4, min_version=1).dropped_groups == ()  # reported once, with its batch
 
 
 def test_a_group_with_a_failed_member_is_never_dropped(parts):
@@ -141,5 +141,5 @@ def test_off_by_default_and_no_counters():
     for i in range(2):
         pool.put_trajectory({"uid": "u", "sample_index": i, "seq": i, "reward": 1.0, "model_version": 0})
     batch = pool.get_batch(2)
-    assert len(batch) == 2 and "dropped_groups" not in batch.metadata
+    assert len(batch) == 2 and batch.dropped_groups is None
     assert not any(k.startswith("dynamic_sampling") for k in pool.counters())

@@ -1,5 +1,5 @@
 """``nexrl migrate`` (issue 30, items 1 and 6): a NexRL or ROLL recipe becomes a nexrl recipe by
-the table in nexrl_core/config/migration_table.py; every key it cannot carry over is listed with the
+the table in nexrl_core/cli/migration_table.py; every key it cannot carry over is listed with the
 reason; the result is checked as ``nexrl validate`` checks it; ``nexrl validate`` names nexrl's
 key for a seed key and points at ``nexrl migrate``. Core components only (no torch): the
 algorithm keys and the developer guide's recipe are tested with nexrl-grpo in
@@ -15,7 +15,7 @@ import yaml
 
 from nexrl_core.cli import main
 from nexrl_core.cli.migrate import import_lines, migrate_recipe
-from nexrl_core.config.migration_table import KEY_RULES, POINTER, SAME_KEYS, seed_key_hint
+from nexrl_core.cli.migration_table import KEY_RULES, POINTER, SAME_KEYS, seed_key_hint
 
 REPO = Path(__file__).resolve().parents[2]
 MIGRATE = f"({POINTER})"
@@ -119,17 +119,51 @@ def test_a_custom_worker_becomes_a_worker_class_loaded_from_its_file(core_pm):
 
 def test_single_turn_math_is_the_simple_worker_with_a_math_evaluator(core_pm):
     recipe, changes, _ = _migrate({"rollout_worker": {"type": "single_turn_math", "num_workers": 2}}, core_pm)
-    # nexrl-rewards (math_rule) is not installed here: the core's numeric_answer
-    assert recipe == {"rollout_worker": {"type": "simple", "num_workers": 2, "evaluator": {"type": "numeric_answer"}}}
+    # nexrl-rewards (math_rule) is not installed here: the core's numeric_answer, on NexRL's answer field
+    assert recipe == {"rollout_worker": {"type": "simple", "num_workers": 2,
+                                         "evaluator": {"type": "numeric_answer",
+                                                       "answer_key": "reward_model.ground_truth"}}}
     assert changes["rollout_worker.type: single_turn_math"].nexrl == "simple"
-    # numeric_answer cannot read NexRL's rows where they keep the answer: the line says what can
-    assert changes["rollout_worker.evaluator.type"].text() == (
-        "rollout_worker.evaluator.type -> numeric_answer (rollout_worker.type single_turn_math; it reads a row's "
-        "top-level 'answer': NexRL's rows keep it at reward_model.ground_truth, which math_rule reads (pip install "
-        "nexrl-rewards))")
+    # it does not score as NexRL did: the line says so, and what does
+    assert changes["rollout_worker.evaluator"].text().startswith(
+        "rollout_worker.evaluator -> numeric_answer, answer_key reward_model.ground_truth (rollout_worker.type "
+        "single_turn_math: the reply's last number, not NexRL's scoring (the last \\boxed{} of the reply")
+    assert "math_rule of nexrl-rewards does (pip install nexrl-rewards, migrate again)" in \
+        changes["rollout_worker.evaluator"].why
     recipe, _, _ = _migrate({"rollout_worker": {"type": "single_turn_math", "evaluator": {"type": "exact_match"}}},
                             core_pm)
     assert recipe["rollout_worker"]["evaluator"] == {"type": "exact_match"}  # the recipe's own wins
+
+
+def test_nexrls_simple_worker_scores_its_answer_tag_as_nexrl_did(core_pm):
+    """NexRL's simple worker scored the reply's <answer>...</answer> against the row's
+    reward_model.ground_truth: exact_match with extract_pattern does the same on the same rows."""
+    from nexrl_core import BaseEvaluationTarget
+
+    recipe, changes, _ = _migrate({"rollout_worker": {"type": "simple", "num_workers": 2}}, core_pm)
+    options = recipe["rollout_worker"]["evaluator"]
+    assert options == {"type": "exact_match", "answer_key": "reward_model.ground_truth",
+                       "extract_pattern": "<answer>(.*?)</answer>"}
+    assert changes["rollout_worker.evaluator"].why.startswith("rollout_worker.type simple: NexRL scored the first `"
+                                                              "<answer>...</answer>` of the reply")
+    evaluator = core_pm.components("evaluator")["exact_match"].cls(**{k: v for k, v in options.items() if k != "type"})
+    row = {"uid": "0:0", "prompt": [{"role": "user", "content": "2 + 3?"}],
+           "reward_model": {"style": "rule", "ground_truth": "5"}}
+
+    def reward(reply: str) -> float:
+        return evaluator.evaluate(row, BaseEvaluationTarget(reply)).reward
+
+    assert reward("It is <answer> 5\n</answer>, surely.") == 1.0
+    assert reward("<answer>5</answer> then <answer>6</answer>") == 1.0  # the first tag, as NexRL's re.search
+    assert reward("It is <answer>6</answer>.") == 0.0
+    assert reward("5") == 0.0  # no tag: NexRL's empty answer
+    with pytest.raises(Exception, match="extract_pattern: '<answer>\\(' is not a regular expression"):
+        core_pm.components("evaluator")["exact_match"].cls(extract_pattern="<answer>(")
+    from nexrl_core.launch.recipe import check_config
+
+    assert "rollout_worker.evaluator.extract_pattern: '<answer>(' is not a regular expression (missing ), " \
+           "unterminated subpattern at position 8)" in \
+        check_config({"rollout_worker": {"evaluator": {"type": "exact_match", "extract_pattern": "<answer>("}}}, core_pm)
 
 
 def test_roll_pipeline_keys(core_pm):
@@ -271,8 +305,10 @@ def test_migrate_composes_places_paths_lists_imports_and_validates(seed_dir, cli
     assert out.read_text().startswith("# migrated from seed.yaml by nexrl migrate (docs/migrating.md)\n")
     assert recipe["project_name"] == "seed-project" and recipe["service"]["inference_service"]["mode"] == "echo"
     assert recipe["data"] == {"type": "file", "path": ["../recipe/data/train.jsonl"]}  # for the new file's folder
-    assert recipe["rollout_worker"]["evaluator"] == {"type": "python", "path": "../recipe/ws/evaluator.py",
+    # the evaluator imports NexRL: the recipe uses a copy beside it, its imports rewritten where nexrl has the names
+    assert recipe["rollout_worker"]["evaluator"] == {"type": "python", "path": "new_workspace/ws/evaluator.py",
                                                      "class": "MyEval"}
+    assert (seed_dir / "ws" / "evaluator.py").read_text() == EVALUATOR
     assert "  dataloader -> data\n" in err and "  trajectory_pool.type: nexrl has one trajectory pool\n" in err
     shown = "../recipe/ws/evaluator.py"
     assert (f"  {shown}:2: from nexrl.rollout_worker import Evaluator -> from nexrl_core import Evaluator\n" in err)
@@ -281,7 +317,9 @@ def test_migrate_composes_places_paths_lists_imports_and_validates(seed_dir, cli
     assert (f"  {shown}:3: from nexrl.data_loader import TorchDataLoader -> from nexrl_core import FileDataLoader "
             f"as TorchDataLoader (data.type file)\n") in err
     assert f"  {shown}:4: import nexrl.utils -> the names it uses, from nexrl_core" in err
-    # the evaluator still imports NexRL: the result does not pass yet, and the command says why
+    # `import nexrl.utils` is left to the user (in the copy): the result does not pass yet, and the command says why
+    assert "left to rewrite:\n  elsewhere/new_workspace/ws/evaluator.py:4: import nexrl.utils: change what is used " \
+           "through it to nexrl's names" in err
     assert code == 2
     assert f"nexrl validate {out}: 1 problem:\nerror: rollout_worker.evaluator.path: importing " in err
     assert "No module named 'nexrl'" in err
@@ -308,8 +346,28 @@ def test_paths_named_relative_to_nexrl_path_are_found(seed_dir, cli, tmp_path, m
     monkeypatch.setenv("NEXRL_PATH", str(tmp_path))
     code, stdout, err = cli("migrate", str(seed_dir / "seed.yaml"), "-o", str(seed_dir / "new.yaml"))
     evaluator = yaml.safe_load((seed_dir / "new.yaml").read_text())["rollout_worker"]["evaluator"]
-    assert evaluator["path"] == "ws/evaluator.py"
+    assert evaluator["path"] == "new_workspace/ws/evaluator.py"  # a copy of recipe/ws, found by $NEXRL_PATH
     assert "ws/evaluator.py:2: from nexrl.rollout_worker import Evaluator" in err
+
+
+def test_a_file_not_beside_the_recipe_is_not_copied_and_the_command_is_named(seed_dir, cli, tmp_path, monkeypatch):
+    """A file found under $NEXRL_PATH, outside the recipe's folder: no copy (its folder may be
+    anything), the --code command still to run is named, and the exit is 2 until it is run."""
+    shared = tmp_path / "shared" / "ws"
+    shared.mkdir(parents=True)
+    (shared / "evaluator.py").write_text(EVALUATOR.replace("import nexrl.utils\n", ""))
+    (seed_dir / "seed.yaml").write_text(yaml.safe_dump(dict(SEED, rollout_worker={
+        "evaluator_module_path": "shared/ws/evaluator.py:MyEval"})))
+    monkeypatch.setenv("NEXRL_PATH", str(tmp_path))
+    out = tmp_path / "new.yaml"
+    code, _, err = cli("migrate", str(seed_dir / "seed.yaml"), "-o", str(out))
+    assert code == 2 and not (tmp_path / "new_workspace").exists()
+    assert yaml.safe_load(out.read_text())["rollout_worker"]["evaluator"]["path"] == "shared/ws/evaluator.py"
+    assert "left to rewrite:\n  nexrl migrate --code shared/ws --write  (rewrites the files there in place; they " \
+           "are not beside the recipe, so no copy is made)\n" in err
+    assert main(["migrate", "--code", "shared/ws", "--write"]) == 0
+    code, _, err = cli("migrate", str(seed_dir / "seed.yaml"), "-o", str(out), "--force")
+    assert code == 0, err
 
 
 def test_the_nexau_workspace_is_placed_and_its_imports_listed(seed_dir, cli, tmp_path):
@@ -321,8 +379,9 @@ def test_the_nexau_workspace_is_placed_and_its_imports_listed(seed_dir, cli, tmp
     (seed_dir / "seed.yaml").write_text(yaml.safe_dump(seed))
     code, stdout, err = cli("migrate", str(seed_dir / "seed.yaml"), "-o", str(tmp_path / "new.yaml"))
     worker = yaml.safe_load((tmp_path / "new.yaml").read_text())["rollout_worker"]
-    assert worker["nexau_agent_workspace"] == "${recipe_dir}/recipe/ws"  # the worker reads them from the current
-    assert worker["nexau_agent_config_path"] == "${recipe_dir}/recipe/ws/agent.yaml"  # folder: next to the recipe
+    # the worker reads them from the current folder: next to the recipe (the workspace's copy: it imports NexRL)
+    assert worker["nexau_agent_workspace"] == "${recipe_dir}/new_workspace/ws"
+    assert worker["nexau_agent_config_path"] == "${recipe_dir}/new_workspace/ws/agent.yaml"
     assert ("  recipe/ws/my_worker.py:1: from nexrl.rollout_worker import BaseNexAURolloutWorker -> from nexrl_nexau "
             "import BaseNexAURolloutWorker (it runs the agent itself; a subclass overrides format_task_query") in err
     assert err.count("recipe/ws/evaluator.py:2: from nexrl.rollout_worker import Evaluator ->") == 1  # listed once
@@ -332,6 +391,15 @@ def test_without_out_the_recipe_goes_to_stdout(seed_dir, cli):
     code, stdout, err = cli("migrate", str(seed_dir / "seed.yaml"))
     assert yaml.safe_load(stdout)["data"]["type"] == "file"
     assert err.startswith(f"{seed_dir / 'seed.yaml'} -> stdout\n")
+
+
+def test_migrate_help_names_the_workspace_copies(capfd):
+    with pytest.raises(SystemExit) as exit_:
+        main(["migrate", "--help"])
+    assert exit_.value.code == 0
+    text = " ".join(capfd.readouterr().out.split())
+    assert "copied to NEW_workspace/ next to NEW.yaml with those imports rewritten" in text
+    assert "the workspace copies go to OUT's folder as <OUT name>_workspace/" in text
 
 
 def test_migrate_refuses_to_overwrite(seed_dir, cli):

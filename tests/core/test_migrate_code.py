@@ -1,5 +1,5 @@
 """``nexrl migrate --code DIR [--write]``: the NexRL imports of a user's Python files rewritten as
-nexrl's (the import table of nexrl_core/config/migration_table.py): a unified diff first, files
+nexrl's (the import table of nexrl_core/cli/migration_table.py): a unified diff first, files
 changed only with --write, a file that does not parse named and never touched."""
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """A default is written once, where the option is declared: no module of nexrl_core or of a
 plugin reads a declared key as ``x.get("key", <literal>)``, which would re-default it (and could
 disagree with the declaration), nor as ``x.get("key") or L`` / ``x["key"] or L`` where ``L`` is a
-declared default of that key (the bound section already holds it). Components read their bound section (``cfg["key"]``), the launcher
-:func:`nexrl_core.config.bound.declared_value`.
+declared default of that key (the section a component reads already holds it). Components read their
+typed settings (``Settings.own``: every declared key, defaults filled) or their section (``cfg["key"]``).
 
 Static (no plugin imported, no torch): the declared keys are those written ``"key": Option(...)``
 or ``key: T = setting(...)`` anywhere in the scanned sources. A ``.get`` on a mapping that is not a recipe section (a checkpoint's
@@ -42,8 +42,6 @@ NOT_RECIPE = {
 OR_KEPT = {
     ("nexrl_core/cli/show.py", "algorithm"): "a finished run's config.yaml (an older run's may lack the section); "
                                              "show/report are in flight in another lane (#31)",
-    ("nexrl_core/launch/ray/manager.py", "resources"): "a role's custom resources are declared null (RaySettings "
-                                                       "drops nulls): none reserved; {} is another section's default",
 }
 
 
@@ -150,8 +148,8 @@ def test_no_module_redefaults_a_declared_key():
     files = sources()
     declared = declared_keys(files)
     assert {"launch_mode", "backend", "num_actors", "pause_mode", "seed"} <= declared  # the scan sees declarations
-    bad = [f"{path.relative_to(REPO)}:{line}: .get({key!r}, <literal>) re-defaults a declared key; read the bound "
-           f"section (cfg[{key!r}]) or nexrl_core.config.bound.declared_value"
+    bad = [f"{path.relative_to(REPO)}:{line}: .get({key!r}, <literal>) re-defaults a declared key; read the "
+           f"section (cfg[{key!r}]) or its typed settings"
            for path in files for line, key in redefaults(path, declared)
            if (str(path.relative_to(REPO)), key) not in NOT_RECIPE]
     assert not bad, "\n".join(bad)
@@ -179,7 +177,7 @@ def test_no_module_or_defaults_a_declared_key():
     defaults = declared_defaults(files)
     assert defaults["seed"] and defaults["save_freq"] == [0]  # the scan sees declared defaults
     bad = [f"{path.relative_to(REPO)}:{line}: ({key!r} read) or <its declared default> repeats the declaration; "
-           f"read the bound section (cfg[{key!r}]) or nexrl_core.config.bound.declared_value"
+           f"read the section (cfg[{key!r}]) or its typed settings"
            for path in files for line, key in or_redefaults(path, defaults)
            if (str(path.relative_to(REPO)), key) not in OR_KEPT]
     assert not bad, "\n".join(bad)

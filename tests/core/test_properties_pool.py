@@ -135,7 +135,7 @@ class PoolMachine(RuleBasedStateMachine):
         batch = self.pool.get_batch(self.B, "default", min_version, 0.0)
         if batch is None:
             return
-        trajs = batch.to_trajectories()
+        trajs = batch.trajectories
         version = self.wsc.get_train_model_version()
         assert len(trajs) == self.B
         for uid, group in group_by_uid(trajs).items():

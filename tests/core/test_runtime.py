@@ -299,18 +299,20 @@ def test_colocation_groups_as_a_distributed_mode_sees_them(core_pm):
     assert len(rm.get_actor_wrapper(NexRLRole.ROLLOUT_WORKER)) == 4
 
 
-def test_launch_mode_selects_the_resource_manager():
-    from omegaconf import OmegaConf
+def test_launch_mode_selects_the_resource_manager(tmp_path):
+    from nexrl_core.launch.recipe import load_recipe
+    from nexrl_core.testing import make_recipe, write_recipe
 
-    rm = create_resource_manager(OmegaConf.create({"launch_mode": "local"}))
+    path = write_recipe(make_recipe(), tmp_path / "r.yaml")
+    rm = create_resource_manager(load_recipe(path, ["launch_mode=local"]))
     assert type(rm) is LocalResourceManager
     assert launch_mode_problem("local") is None
     message = "launch_mode: 'slurm' is not one of local, ray"
     assert launch_mode_problem("slurm") == message
     with pytest.raises(ConfigError, match=message):
-        create_resource_manager(OmegaConf.create({"launch_mode": "slurm"}))
+        create_resource_manager(load_recipe(path, ["launch_mode=slurm"]))
     if importlib.util.find_spec("ray") is not None:  # building the manager starts nothing yet
-        rm = create_resource_manager(OmegaConf.create({"launch_mode": "ray"}))
+        rm = create_resource_manager(load_recipe(path, ["launch_mode=ray"]))
         assert type(rm).__name__ == "RayResourceManager"
 
 

@@ -26,8 +26,9 @@ SAMPLING = {"max_tokens": 8, "temperature": 0.5, "top_p": 0.9, "top_k": 3, "stop
 def _recipe(tmp_path: Path, fast_monitor, **worker) -> Path:
     recipe = make_recipe(
         run_dir=str(tmp_path / "run"), runtime_monitor=fast_monitor, logger={"backend": []},
-        data={"type": "inline", "rows": [{"prompt": f"{a} + 1"} for a in range(4)]},
-        validate={"validate_before_train": True, "data": {"type": "inline", "rows": [{"prompt": "9 + 1"}]}},
+        data={"type": "inline", "rows": [{"prompt": f"{a} + 1", "answer": str(a + 1)} for a in range(4)]},
+        validate={"validate_before_train": True, "data": {"type": "inline", "rows": [{"prompt": "9 + 1",
+                                                                                        "answer": "10"}]}},
         rollout_worker={"validate_temperature": 0, "sampling": SAMPLING, "evaluator": {"type": "exact_match"},
                         **worker},
         trajectory_pool={"key_list": ["uid"]}, trainer={"total_train_steps": 2},

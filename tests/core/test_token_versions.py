@@ -147,5 +147,5 @@ def test_the_pool_bounds_a_group_by_its_oldest_token():
     for t in (traj("old", 0, [4, 4]), traj("old", 1, [2, 4]), traj("new", 0, [3, 4]), traj("new", 1, [4, 4])):
         assert pool.put_trajectory(t) == "success"
     batch = pool.get_batch(2, "default", 3)
-    assert batch is not None and {t["uid"] for t in batch.to_trajectories()} == {"new"}
+    assert batch is not None and {t["uid"] for t in batch.trajectories} == {"new"}
     assert pool.counters()["stale_rerolled"] == 2

@@ -89,8 +89,8 @@ class CountingTrainer(BaseTrainer):
     TRAIN_SERVICE_BATCH_FORMAT = "counts"
     TRAIN_SERVICE_DEFAULT = "counting"
 
-    def __init__(self, config):
-        super().__init__(config)
+    def __init__(self, config, parts=None):
+        super().__init__(config, parts)
         self.service: CountingService | None = None
         self.results: list[StepResult] = []
 

@@ -98,7 +98,7 @@ def test_dr_grpo_uses_group_centred_advantages_and_the_constant_normaliser(tiny_
         batch = rollouts(engine, 1.0)
     finally:
         engine.close()
-    metrics = trainer.train(batch)
+    metrics = trainer.train(batch).metrics
     assert np.isfinite(metrics["train/loss"]) and seen["max_tokens"] == 5
     rewards = np.array([t["reward"] for t in batch])
     for i, t in enumerate(batch):

@@ -22,6 +22,7 @@ Plus the CLI face of the plugin: ``nexrl plugins --json`` lists what nexrl-grpo 
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -62,6 +63,7 @@ class RunRecord:
         self.batch_versions: list[tuple[int, set[int]]] = []  # (step being trained, versions of its data)
         self.precomputed_old_logprobs: list[bool] = []
         self.advantages: list[list[tuple]] = []  # per step: (uid, reward, recorded advantage) of each trajectory
+        self.rows_untouched: list[bool] = []  # per step: the trajectories were as the pool handed them after train
         self.controller: NexRLController | None = None
         self.summary = None
         self.run_dir: Path | None = None
@@ -96,9 +98,11 @@ def grpo_run(tiny_model_dir, tmp_path_factory) -> RunRecord:
 
     def recording_train(trajectories):
         rec.batch_versions.append((trainer.global_step + 1, {int(t["model_version"]) for t in trajectories}))
-        metrics = train(trajectories)
-        rec.advantages.append([(t["uid"], t["reward"], t.get("advantage")) for t in trajectories])
-        return metrics
+        before = copy.deepcopy(trajectories)
+        output = train(trajectories)
+        rec.rows_untouched.append(trajectories == before)
+        rec.advantages.append([(t["uid"], t["reward"], output.samples[i].advantage) for i, t in enumerate(trajectories)])
+        return output
 
     def recording_prepare(batch):
         batch, metrics = prepare(batch)
@@ -213,8 +217,9 @@ def test_samples_of_the_first_and_last_step_with_their_advantage(grpo_run, capsy
     assert sorted({r["step"] for r in rows}) == [1, STEPS] and len(rows) == 2 * 4  # samples_per_step 4
     for r in rows:
         assert isinstance(r["advantage"], float) and r["response"] and r["prompt"]
-    # each trajectory carries its advantage: GRPO's is centred on its group and orders it as the rewards do
+    # each sample has its advantage: GRPO's is centred on its group and orders it as the rewards do
     assert len(grpo_run.advantages) == STEPS
+    assert grpo_run.rows_untouched == [True] * STEPS  # written beside the trajectories, never into them
     for step in grpo_run.advantages:
         groups: dict[str, list[tuple[float, float]]] = {}
         for uid, reward, advantage in step:

@@ -230,7 +230,7 @@ def test_proximal_logprobs_are_computed_once_per_batch_when_the_weights_move(tin
     forwards = []
     forward = owner.train_service.forward
     owner.train_service.forward = lambda batch: forwards.append(1) or forward(batch)
-    metrics = owner.train([dict(t) for t in behaviour_batch])
+    metrics = owner.train([dict(t) for t in behaviour_batch]).metrics
     assert len(forwards) == passes
     # every weight is pi_prox / pi_behav = 1.5 at the first update (the engine's noise aside)
     if epochs == 1:

@@ -349,10 +349,10 @@ def test_two_ranks_record_each_samples_logprob_gap_as_one(tiny_model_dir):
         trajectories = [dict(t) for t in batch]
         trainer = make_trainer(tiny_model_dir, service={"world_size": world, "micro_batch_size": 3})
         try:
-            trainer.train(trajectories)
+            samples = trainer.train(trajectories).samples
         finally:
             trainer.close()
-        recorded[world] = [t["logprob_gap"] for t in trajectories]
+        recorded[world] = [samples[i].logprob_gap for i in range(len(trajectories))]
     assert [g["position"] for g in recorded[2]] == [g["position"] for g in recorded[1]] == [p for _, p in want]
     assert [g["token"] for g in recorded[2]] == [g["token"] for g in recorded[1]]
     assert [g["max"] for g in recorded[2]] == pytest.approx([g["max"] for g in recorded[1]], abs=1e-5)

@@ -84,7 +84,7 @@ def batch(tiny_model_dir):
 def test_the_critic_value_loss_falls_on_a_fixed_batch(tiny_model_dir, batch):
     # lam = gamma = 1: the targets are the Monte-Carlo returns, fixed while the critic learns them.
     trainer = make_trainer(tiny_model_dir, type="gae", lam=1.0, critic={"lr": 1e-2, "value_clip": None})
-    losses = [trainer.train(batch)["critic/vf_loss"] for _ in range(8)]
+    losses = [trainer.train(batch).metrics["critic/vf_loss"] for _ in range(8)]
     assert max(losses[-3:]) < 0.4 * losses[0] and losses[1] < losses[0], losses
 
 
@@ -105,7 +105,7 @@ def test_critic_warmup_trains_only_the_critic_first(tiny_model_dir, batch):
     for step in range(3):
         actor, critic = _actor(trainer), _critic(trainer)
         trainer.global_step = step  # what BaseTrainer has counted when train() runs
-        metrics = trainer.train(batch)
+        metrics = trainer.train(batch).metrics
         assert not _equal(critic, _critic(trainer))
         assert _equal(actor, _actor(trainer)) == (step < 2), step
         assert metrics["critic/warmup"] == float(step < 2) and ("train/loss" in metrics) == (step >= 2)
@@ -124,7 +124,7 @@ def test_the_critic_is_checkpointed_and_resumed_exactly(tiny_model_dir, batch, t
     resumed.load_model_state(str(tmp_path / "ckpt"))
     assert _equal(_critic(first), _critic(resumed)) and _equal(_actor(first), _actor(resumed))
     # The next step is the same step: critic optimizer state (Adam moments, step count) came back too.
-    want, got = first.train(batch), resumed.train(batch)
+    want, got = first.train(batch).metrics, resumed.train(batch).metrics
     assert _equal(_critic(first), _critic(resumed)) and _equal(_actor(first), _actor(resumed))
     assert got["critic/vf_loss"] == want["critic/vf_loss"] and got["train/loss"] == want["train/loss"]
 
@@ -142,6 +142,6 @@ def test_micro_batched_critic_gives_the_whole_batch_value_loss(tiny_model_dir, b
     split = make_trainer(tiny_model_dir, {"micro_batch_size": 3}, **algorithm)
     assert split.critic.micro_batch_size == 3 and whole.critic.micro_batch_size is None
     for _ in range(2):  # the second step starts from trained (nonzero) values
-        want, got = whole.train(batch), split.train(batch)
+        want, got = whole.train(batch).metrics, split.train(batch).metrics
         for name in ("critic/vf_loss", "critic/loss", "critic/vpred_mean", "critic/values_mean"):
             assert got[name] == pytest.approx(want[name], rel=1e-4, abs=1e-6), name

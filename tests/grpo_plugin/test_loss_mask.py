@@ -139,7 +139,7 @@ def test_a_trajectory_of_several_sequences_is_one_sample_of_its_group(grpo):
 def test_metrics_count_trained_tokens(tiny_model_dir):
     trainer = make_trainer(tiny_model_dir)
     metrics = trainer.train([trajectory("g", [60, 61, 62, 63, 64, 65], 1.0, [1, 1, 0, 0, 0, 1]),
-                             trajectory("g", [70, 71], 0.0)])
+                             trajectory("g", [70, 71], 0.0)]).metrics
     assert metrics["train/trained_tokens"] == 5.0
     assert metrics["train/response_length_mean"] == 2.5  # (3 + 2) trained tokens / 2 trajectories
     assert metrics["train/untrained_response_tokens_mean"] == 1.5  # 3 tool tokens / 2 trajectories
@@ -246,8 +246,9 @@ def test_a_trajectory_of_several_sequences_records_its_largest_gap_and_the_segme
     split = trajectory("g", first["response_token_ids"], 1.0, first["loss_mask"], segments=[first, second])
     plain = trajectory("g", [70, 71], 0.0)
     plain["response_logprobs"] = [lp - 0.1 for lp in own_logprobs(trainer.train_service.model, plain)]
-    trainer.train([split, plain])
-    assert split["logprob_gap"]["segment"] == 1 and split["logprob_gap"]["position"] == 3
-    assert split["logprob_gap"]["max"] == pytest.approx(0.3, abs=1e-5)
-    assert split["logprob_gap"]["token"] == trainer.train_service.tokenizer.decode([66])
-    assert "segment" not in plain["logprob_gap"] and plain["logprob_gap"]["max"] == pytest.approx(0.1, abs=1e-5)
+    samples = trainer.train([split, plain]).samples
+    split_gap, plain_gap = samples[0].logprob_gap, samples[1].logprob_gap
+    assert split_gap["segment"] == 1 and split_gap["position"] == 3
+    assert split_gap["max"] == pytest.approx(0.3, abs=1e-5)
+    assert split_gap["token"] == trainer.train_service.tokenizer.decode([66])
+    assert "segment" not in plain_gap and plain_gap["max"] == pytest.approx(0.1, abs=1e-5)

@@ -226,7 +226,12 @@ def _math_row(question: str, answer: str) -> str:
 
 
 MATH_ROWS = {"math/train.jsonl": _math_row("2 + 3?", "5"), "math/test.jsonl": _math_row("4 + 4?", "8")}
-MATH_EVALUATOR = {"type": "math_rule", "answer_key": "reward_model.ground_truth"}  # where NexRL read the answer
+# NexRL's rule scoring (bp_math): the last \\boxed{} against reward_model.ground_truth, 1 / 0.1 when wrong / 0
+MATH_EVALUATOR = {"type": "math_rule", "answer_key": "reward_model.ground_truth", "extract_order": ["boxed"],
+                  "wrong_answer_reward": 0.1, "after_thinking": True}
+# NexRL's simple worker: the first <answer>...</answer> equal to reward_model.ground_truth
+SIMPLE_EVALUATOR = {"type": "exact_match", "answer_key": "reward_model.ground_truth",
+                    "extract_pattern": "<answer>(.*?)</answer>"}
 
 
 def _math(root: Path) -> None:
@@ -368,17 +373,6 @@ def _lookup(root: Path) -> None:
                   "agent_workspace/evaluator.py": EVALUATOR.format(name="LookupEvaluator")})
 
 
-def _use_nexrl_imports(workspace: Path) -> None:
-    """What the report's import lines say to do."""
-    for path in workspace.glob("*.py"):
-        path.write_text(path.read_text()
-                        .replace("from nexrl.rollout_worker import EvaluationRunResult, Evaluator, "
-                                 "NexAUEvaluationTarget",
-                                 "from nexrl_core import EvaluationRunResult, Evaluator\n"
-                                 "from nexrl_nexau import NexAUEvaluationTarget")
-                        .replace("from nexrl.rollout_worker.base_nexau_rollout_worker import", "from nexrl_nexau import"))
-
-
 # -- math ------------------------------------------------------------------------------------------------
 
 def test_math_self_hosted(cli, pm, tmp_path, machine):
@@ -404,7 +398,9 @@ def test_math_self_hosted(cli, pm, tmp_path, machine):
                           "lr": 3e-6, "grad_clip": 0.8, "warmup_ratio": 0.05, "micro_batch_size": 2}}
     assert recipe["algorithm"] == {"type": "grpo", "use_kl_in_reward": False, "kl_penalty": "kl",
                                    "clip_ratio_low": 0.2, "clip_ratio_high": 0.25, "loss_agg_mode": "token-mean",
-                                   "use_kl_loss": False, "kl_loss_type": "low_var_kl", "ppo_epochs": 1}
+                                   "use_kl_loss": False, "kl_loss_type": "low_var_kl", "ppo_epochs": 1,
+                                   # NexRL's math worker scored a response cut off at max_tokens 0
+                                   "reward_processing": {"overlong": "score", "overlong_reward": 0.0}}
     assert recipe["data"]["path"] == ["${oc.env:NEXRL_DATA_PATH}/math/train.jsonl"]  # oc.env kept as written
     carried = _section(err, "carried over")
     assert "weight.sync_method: disk -> weight.backend: vllm_disk (the trainer writes the weights to " \
@@ -421,9 +417,14 @@ def test_math_self_hosted(cli, pm, tmp_path, machine):
     assert "data.path: '$NEXRL_DATA_PATH/math/train.jsonl': data file not found" in machine_lines
     assert any(line.startswith(f"service.train_service.model_path: '$NEXRL_MODEL_PATH/{MODEL}' is not a model folder")
                for line in machine_lines)
-    assert "rollout_worker.evaluator -> math_rule, answer_key reward_model.ground_truth (rollout_worker.agent_cls " \
-           "single_turn_math: the answer is read where NexRL read it, so the rows stay as they are)" in \
-        _section(err, "set from the rest of the recipe")
+    assert "rollout_worker.evaluator -> math_rule, answer_key reward_model.ground_truth, extract_order boxed, " \
+           "wrong_answer_reward 0.1, after_thinking true (rollout_worker.agent_cls single_turn_math: NexRL scored the " \
+           "last \\boxed{} of the reply (after its `</think>`; none while `<think>` is open) against " \
+           "reward_model.ground_truth: 1 when equal, 0.1 when it is not, 0 without one (NexRL's rule judge_mode); " \
+           "the rows stay as they are)" in _section(err, "set from the rest of the recipe")
+    # NexRL's kl_ctrl did nothing with use_kl_in_reward false; nexrl refuses it there, and says so
+    why = "does nothing without algorithm.use_kl_in_reward: true (set that, or delete algorithm.kl_ctrl)"
+    assert {f"algorithm.kl_ctrl.type: {why}", f"algorithm.kl_ctrl.kl_coef: {why}"} <= set(dropped)
     machine(MATH_ROWS)  # the machine that runs it: now it passes whole
     code, _, err = cli("validate", str(out))
     assert code == 0, err
@@ -431,8 +432,34 @@ def test_math_self_hosted(cli, pm, tmp_path, machine):
     options = {k: v for k, v in recipe["rollout_worker"]["evaluator"].items() if k != "type"}
     evaluator = pm.components("evaluator")["math_rule"].cls(**options)
     row = {"uid": "0:0", **json.loads(MATH_ROWS["math/train.jsonl"])}
+    # what NexRL's bp_math gave: 1 for the right boxed answer, 0.1 for a wrong one, 0 without one
     assert evaluator.evaluate(row, BaseEvaluationTarget("2 + 3 = \\boxed{5}")).reward == 1.0
-    assert evaluator.evaluate(row, BaseEvaluationTarget("2 + 3 = \\boxed{6}")).reward == 0.0
+    assert evaluator.evaluate(row, BaseEvaluationTarget("2 + 3 = \\boxed{6}")).reward == 0.1
+    assert evaluator.evaluate(row, BaseEvaluationTarget("2 + 3 = 5")).reward == 0.0  # NexRL read only \\boxed{}
+    # a thinking model's reply: only what follows </think> answers; an unclosed <think> answers nothing
+    assert evaluator.evaluate(row, BaseEvaluationTarget("<think>\\boxed{6}?</think> \\boxed{5}")).reward == 1.0
+    assert evaluator.evaluate(row, BaseEvaluationTarget("<think>\\boxed{5}?</think> so 5")).reward == 0.0
+    assert evaluator.evaluate(row, BaseEvaluationTarget("<think>it is \\boxed{5}")).reward == 0.0
+    # and the migrated recipe trains 2 steps on those rows (the in-process engine in place of the server)
+    rows = _train(cli, out, tmp_path)
+    assert [r["step"] for r in rows if "train/reward_mean" in r] == [1, 2]
+    assert all(r["train/num_failed"] == 0 for r in rows if "train/reward_mean" in r)  # scored, not failed
+
+
+def _train(cli, out: Path, tmp_path: Path, *extra: str) -> list[dict]:
+    """Run the migrated self-hosted recipe 2 steps with the model served in this process (hf, the
+    in-process weight sync) in place of the vLLM server; the metrics rows."""
+    run_dir = tmp_path / "run"
+    code, _, err = cli("run", str(out), f"run_dir={run_dir}", "trainer.total_train_steps=2", "trainer.save_freq=0",
+                       "+service.train_service.num_threads=1",
+                       "service.inference_service={backend: hf, model_path: ${service.train_service.model_path}, "
+                       "num_threads: 1}", *(f"~service.inference_service.{key}" for key in
+                                            ("url", "api_key", "model", "max_retries")),
+                       "weight.backend=in_process", "~weight.sync_dir", "trajectory_pool.batch_size=4",
+                       "rollout_worker.num_workers=2", "rollout_worker.sampling.max_tokens=8",
+                       "logger.backend=[console]", "logger.level=WARNING", *extra)
+    assert code == 0, err
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_math_tinker(cli, tmp_path, machine, tiny_model_dir):
@@ -443,7 +470,8 @@ def test_math_tinker(cli, tmp_path, machine, tiny_model_dir):
     code, recipe, err = _migrate(cli, tmp_path / "math" / "tinker.yaml", out)
     assert code == 0, err
     assert recipe["trainer"] == {"total_train_steps": 12, "save_freq": 0, "type": "remote_api_grpo"}
-    assert recipe["algorithm"] == {"loss_fn": "importance_sampling"}
+    assert recipe["algorithm"] == {"loss_fn": "importance_sampling",
+                                   "reward_processing": {"overlong": "score", "overlong_reward": 0.0}}
     assert recipe["weight"]["backend"] == "tinker" and "sync_method" not in recipe["weight"]
     assert recipe["service"] == {
         "inference_service": {"backend": "tinker", "max_retries": 2, "tokenizer_path": "???",
@@ -464,8 +492,11 @@ def test_math_tinker(cli, tmp_path, machine, tiny_model_dir):
 
 # -- pig_latin ---------------------------------------------------------------------------------------------
 
-PIG_ROWS = {"pig_latin/train.jsonl": '{"input": "hello world"}\n{"input": "the quick fox"}\n'
-                                     '{"input": "pig latin"}\n{"input": "nexrl migrates"}\n'}
+# NexRL's pig-latin rows: the English input and its translation (NexRL trained on the row's output)
+PIG_ROWS = {"pig_latin/train.jsonl": "".join(
+    json.dumps({"input": text, "output": target}) + "\n"
+    for text, target in (("hello world", "ellohay orldway"), ("the quick fox", "ethay uickqay oxfay"),
+                         ("pig latin", "igpay atinlay"), ("nexrl migrates", "exrlnay igratesmay")))}
 
 
 def test_pig_latin_self_hosted_migrates_and_trains(cli, tmp_path, machine):
@@ -515,23 +546,44 @@ def test_pig_latin_tinker(cli, tmp_path, machine, tiny_model_dir):
 
 # -- the NexAU agent folders ------------------------------------------------------------------------------
 
+def _texts(folder: Path) -> dict[str, str]:
+    return {str(f.relative_to(folder)): f.read_text() for f in sorted(folder.rglob("*")) if f.is_file()}
+
+
 @pytest.mark.parametrize("variant", ["self_hosted", "tinker"])
 def test_nexau_with_a_worker_of_its_own(cli, tmp_path, machine, tiny_model_dir, variant):
     """recipe/nexau_news's shape: the worker class of the workspace (on nexrl-nexau's worker keys),
-    its evaluator, the env script; with Tinker, NexRL's temperature 0.7 becomes 1.0, said in one line."""
+    its evaluator, the env script; with Tinker, NexRL's temperature 0.7 becomes 1.0, said in one line.
+    The workspace's files import NexRL: the new recipe uses copies beside it with nexrl's imports
+    (the originals untouched), so it passes as it is written."""
     root = tmp_path / "headlines"
     _headlines(root)
+    originals = _texts(root)
     out = tmp_path / "new" / "headlines.yaml"
     code, recipe, err = _migrate(cli, root / f"{variant}.yaml", out)
+    assert code == 0, err
+    assert _texts(root) == originals
+    copy = "headlines_workspace/agent_workspace"
     worker = recipe["rollout_worker"]
     assert worker == {"num_workers": 8,  # read from the current folder by the worker: placed by ${recipe_dir}
-                      "nexau_agent_config_path": "${recipe_dir}/../headlines/agent_workspace/agent_config.yaml",
+                      "nexau_agent_config_path": f"${{recipe_dir}}/{copy}/agent_config.yaml",
                       "task_name": "headlines", "max_sequence_length": 2048,
                       "sampling": {"temperature": 0.7 if variant == "self_hosted" else 1.0, "max_tokens": 256},
-                      "evaluator": {"type": "python", "path": "../headlines/agent_workspace/evaluator.py",
-                                    "class": "HeadlineEvaluator"},
-                      "type": "python", "path": "../headlines/agent_workspace/headline_worker.py",
-                      "class": "HeadlineWorker"}
+                      "evaluator": {"type": "python", "path": f"{copy}/evaluator.py", "class": "HeadlineEvaluator"},
+                      "type": "python", "path": f"{copy}/headline_worker.py", "class": "HeadlineWorker"}
+    copied = _texts(tmp_path / "new" / "headlines_workspace")
+    assert set(copied) == {".nexrl-migrate", "agent_workspace/agent_config.yaml", "agent_workspace/evaluator.py",
+                           "agent_workspace/headline_worker.py"}
+    assert copied["agent_workspace/agent_config.yaml"] == originals["agent_workspace/agent_config.yaml"]
+    assert "from nexrl_core import EvaluationRunResult, Evaluator\nfrom nexrl_nexau import NexAUEvaluationTarget\n" \
+        in copied["agent_workspace/evaluator.py"]
+    assert "from nexrl_nexau import BaseNexAURolloutWorker\n" in copied["agent_workspace/headline_worker.py"]
+    assert "from nexrl." not in "".join(copied.values())
+    assert _section(err, "copied next to the new recipe, which uses the copies (the originals are unchanged)") == [
+        f"headlines/agent_workspace -> new/{copy}",
+        f"new/{copy}/evaluator.py: 3 imported names rewritten",
+        f"new/{copy}/headline_worker.py: 1 imported name rewritten"]
+    assert _section(err, "left to rewrite") == []
     dropped = _section(err, "not carried over")
     for key in ("rollout_worker.need_llm_inference", "rollout_worker.tokenizer", "rollout_worker.max_prompt_length"):
         assert any(line.startswith(key + ":") or line.startswith(key + " (") for line in dropped), key
@@ -543,54 +595,142 @@ def test_nexau_with_a_worker_of_its_own(cli, tmp_path, machine, tiny_model_dir, 
     else:
         assert changed == []
         assert "max_prompt_length" not in str(recipe)  # the two max_prompt_length naming each other are gone
+        # NexRL's kl_ctrl with use_kl_in_reward false: refused for that reason, not as an unknown key
+        assert "algorithm.kl_ctrl.kl_coef: does nothing without algorithm.use_kl_in_reward: true (set that, or " \
+               "delete algorithm.kl_ctrl)" in dropped
     script = f"{variant}.env.sh"
     exported = "TINKER_API_KEY" if variant == "tinker" else "LANGFUSE_PUBLIC_KEY"
     note = (f"before nexrl run, source ../headlines/{script} (it exports {exported}, LLM_MODEL, LLM_API_KEY): NexRL's "
             f"launcher sourced this environment.setup_script; nexrl reads the environment it is started in")
     assert _section(err, "for the machine that runs it") == [note]
     assert f"# {note}\n" in out.read_text()
-    imports = _section(err, "imports of NexRL to change in the files the recipe names")
+    imports = _section(err, "imports of NexRL in the files the recipe names, and nexrl's")
     assert any(line.startswith("../headlines/agent_workspace/headline_worker.py:5: from nexrl.rollout_worker."
                                "base_nexau_rollout_worker import BaseNexAURolloutWorker -> from nexrl_nexau import "
                                "BaseNexAURolloutWorker (it runs the agent itself; a subclass overrides "
                                "format_task_query") for line in imports), imports
-    # the workspace's files still import NexRL: the result does not pass yet, and the command says why
-    assert code == 2 and "No module named 'nexrl'" in err.splitlines()[-1]
-    _use_nexrl_imports(root / "agent_workspace")
-    code, recipe, err = _migrate(cli, root / f"{variant}.yaml", out)
-    assert code == 0, err
+    machine_lines = _machine_lines(err)
+    if not importable("nexau"):  # the worker file imports NexAU's tracer: the package that machine installs
+        assert any("No module named 'nexau'" in line for line in machine_lines), machine_lines
     machine(_agent_rows("headlines"))
     overrides = [f"service.inference_service.tokenizer_path={tiny_model_dir}"] if variant == "tinker" else []
     code, _, err = cli("validate", str(out), *overrides)
     if importable("nexau"):
         assert code == 0, err
-    else:  # the worker file imports NexAU's tracer: the package that machine installs
+    else:
         assert code == 2 and "No module named 'nexau'" in err and err.count("error: ") == 1, err
+
+
+def test_the_copy_is_replaced_only_when_migrate_wrote_it(cli, tmp_path):
+    """Migrating again with --force replaces the copy (edits made to the originals since come
+    across); a folder of that name that migrate did not write is never touched."""
+    root = tmp_path / "headlines"
+    _headlines(root)
+    out = tmp_path / "headlines.nexrl.yaml"
+    assert _migrate(cli, root / "self_hosted.yaml", out)[0] == 0
+    evaluator = root / "agent_workspace" / "evaluator.py"
+    evaluator.write_text(evaluator.read_text() + "\nEDITED = True\n")
+    code, _, err = cli("migrate", str(root / "self_hosted.yaml"), "-o", str(out))
+    assert code == 2 and "-o: '" in err and "exists (--force replaces it)" in err
+    assert _migrate(cli, root / "self_hosted.yaml", out)[0] == 0
+    copy = tmp_path / "headlines.nexrl_workspace" / "agent_workspace" / "evaluator.py"
+    assert copy.read_text().endswith("\nEDITED = True\n") and "from nexrl_core import" in copy.read_text()
+
+    mine = tmp_path / "mine"
+    (mine / "headlines.nexrl_workspace").mkdir(parents=True)
+    (mine / "headlines.nexrl_workspace" / "notes.txt").write_text("the user's")
+    code, _, err = cli("migrate", str(root / "self_hosted.yaml"), "-o", str(mine / "headlines.nexrl.yaml"), "--force")
+    assert code == 2 and "was not written by nexrl migrate" in err, err
+    assert _texts(mine) == {"headlines.nexrl_workspace/notes.txt": "the user's"}  # nor the recipe written
+
+
+def test_nexau_workspace_rewritten_in_place_needs_no_copy(cli, tmp_path):
+    """The user who rewrites the originals (``--code DIR --write``, with the recipe in the same
+    command) gets a recipe that names them, and no copy; without -o (the recipe on stdout) nothing
+    is copied, and the command still to run is named, with exit 2."""
+    root = tmp_path / "lookup"
+    _lookup(root)
+    code, out_text, err = cli("migrate", str(root / "self_hosted.yaml"))
+    assert code == 2
+    assert yaml.safe_load(out_text)["rollout_worker"]["nexau_agent_workspace"] == \
+        "${recipe_dir}/lookup/agent_workspace"  # placed for ./migrated.yaml
+    assert _section(err, "left to rewrite") == [
+        "nexrl migrate --code lookup/agent_workspace --write  (rewrites the originals in place; the recipe goes to "
+        "stdout (with -o NEW.yaml, migrate copies them next to it with the imports rewritten))"]
+    assert "No module named 'nexrl'" in err.splitlines()[-1]
+    out = tmp_path / "lookup.nexrl.yaml"
+    code, _, err = cli("migrate", str(root / "self_hosted.yaml"), "-o", str(out), "--code",
+                       str(root / "agent_workspace"), "--write")
+    assert code == 0, err
+    assert "from nexrl_core import EvaluationRunResult" in (root / "agent_workspace" / "evaluator.py").read_text()
+    assert not (tmp_path / "lookup.nexrl_workspace").exists()
+    assert yaml.safe_load(out.read_text())["rollout_worker"]["evaluator"]["path"] == "lookup/agent_workspace/evaluator.py"
 
 
 @pytest.mark.parametrize("variant", ["self_hosted", "tinker"])
 def test_nexau_workspace_with_a_tool(cli, tmp_path, machine, tiny_model_dir, variant):
     """recipe/nexau_deepsearch's shape: the nexau worker on its workspace (agent YAML, tools YAML,
-    tool module, evaluator), each placed for the new file's folder."""
+    tool module, evaluator), copied whole beside the new file (the YAML files name each other by
+    relative paths) with the evaluator's imports rewritten."""
     root = tmp_path / "lookup"
     _lookup(root)
     out = tmp_path / "elsewhere" / "lookup.nexrl.yaml"  # not the current folder
     code, recipe, err = _migrate(cli, root / f"{variant}.yaml", out)
-    worker = recipe["rollout_worker"]
-    assert worker["type"] == "nexau"
-    assert worker["nexau_agent_workspace"] == "${recipe_dir}/../lookup/agent_workspace"
-    assert worker["nexau_agent_config_path"] == "${recipe_dir}/../lookup/agent_workspace/agent_config.yaml"
-    assert worker["evaluator"] == {"type": "python", "path": "../lookup/agent_workspace/evaluator.py",
-                                   "class": "LookupEvaluator"}
-    assert worker["sampling"]["temperature"] == (0.7 if variant == "self_hosted" else 1.0)
-    assert code == 2 and "No module named 'nexrl'" in err.splitlines()[-1]
-    _use_nexrl_imports(root / "agent_workspace")
-    code, recipe, err = _migrate(cli, root / f"{variant}.yaml", out)
     assert code == 0, err
+    worker = recipe["rollout_worker"]
+    copy = "lookup.nexrl_workspace/agent_workspace"
+    assert worker["type"] == "nexau"
+    assert worker["nexau_agent_workspace"] == f"${{recipe_dir}}/{copy}"
+    assert worker["nexau_agent_config_path"] == f"${{recipe_dir}}/{copy}/agent_config.yaml"
+    assert worker["evaluator"] == {"type": "python", "path": f"{copy}/evaluator.py", "class": "LookupEvaluator"}
+    assert worker["sampling"]["temperature"] == (0.7 if variant == "self_hosted" else 1.0)
+    assert set(_texts(tmp_path / "elsewhere" / "lookup.nexrl_workspace")) == {
+        ".nexrl-migrate", "agent_workspace/agent_config.yaml", "agent_workspace/tools/Lookup.yaml",
+        "agent_workspace/lookup_tool.py", "agent_workspace/evaluator.py"}
+    assert "from nexrl." in (root / "agent_workspace" / "evaluator.py").read_text()  # the original as it was
     machine(_agent_rows("lookup"))
     overrides = [f"service.inference_service.tokenizer_path={tiny_model_dir}"] if variant == "tinker" else []
     code, _, err = cli("validate", str(out), *overrides)
     assert code == 0, err
+
+
+def test_the_migrated_nexau_workspace_trains_without_nexau(cli, pm, tmp_path, machine):
+    """recipe/nexau_deepsearch's shape, migrated, trains 2 steps on a tiny model in this process
+    (the in-process engine in place of the vLLM server): the agent runs on nexrl's built-in runner
+    where NexAU is not installed (docs/agents.md), with the workspace's copied evaluator."""
+    from tests.support.tiny_lm import build_model, build_tokenizer
+
+    root = tmp_path / "lookup"
+    _lookup(root)
+    out = tmp_path / "lookup.nexrl.yaml"
+    code, recipe, _ = _migrate(cli, root / "self_hosted.yaml", out)
+    assert code == 0
+    # the workspace's own evaluator (its copy, imports rewritten) scores the rows as it did under NexRL
+    options = {k: v for k, v in recipe["rollout_worker"]["evaluator"].items() if k != "type"}
+    evaluator = pm.components("evaluator")["python"].cls(**options)
+    row = json.loads(_agent_rows("lookup")["lookup/train.jsonl"]) | {"uid": "0:0"}
+    assert evaluator.evaluate(row, BaseEvaluationTarget("It is an <answer>animal</answer>")).reward == 1.0
+    assert evaluator.evaluate(row, BaseEvaluationTarget("It is a <answer>plant</answer>")).reward == 0.0
+    machine(_agent_rows("lookup"))
+    model = tmp_path / "long_context_tiny"  # the agent's tool schemas make prompts longer than 256 tokens
+    tokenizer = build_tokenizer()
+    build_model(tokenizer, max_positions=2048).save_pretrained(model)
+    tokenizer.save_pretrained(model)
+    run_dir = tmp_path / "run"
+    code, _, err = cli("run", str(out), f"run_dir={run_dir}", "trainer.total_train_steps=2",
+                       f"service.train_service.model_path={model}", "+service.train_service.num_threads=1",
+                       "service.inference_service={backend: hf, model_path: ${service.train_service.model_path}, "
+                       "num_threads: 1}", *(f"~service.inference_service.{key}" for key in
+                                            ("url", "api_key", "model", "max_retries")),
+                       "weight.backend=in_process", "~weight.sync_dir", "trajectory_pool.batch_size=4",
+                       "rollout_worker.num_workers=2", "rollout_worker.sampling.max_tokens=8",
+                       "logger.backend=[console]", "logger.level=INFO")
+    assert code == 0, err
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "train/reward_mean" in r] == [1, 2]
+    assert all(r["train/num_failed"] == 0 for r in rows if "train/reward_mean" in r)  # the copied evaluator scored
+    if not importable("nexau"):
+        assert "agents run on nexrl's built-in runner" in (run_dir / "run.log").read_text()
 
 
 def importable(module: str) -> bool:
@@ -781,6 +921,104 @@ def test_on_policy_distillation(cli, pm, tmp_path, machine):
     assert code == 0, err
 
 
+def _opd_tinker() -> dict:
+    """recipe/on_policy_distill's remote-API shape (NexRL's trainer remote_api_opd), on Tinker: one
+    file, the teachers in trainer.teachers, the distillation keys in the train service's config."""
+    recipe = yaml.safe_load(OPD)
+    for key in ("use_distillation_clipping", "train_token_start_pct", "agent_cls", "agent"):
+        recipe["rollout_worker"].pop(key)
+    recipe["rollout_worker"]["type"] = "simple"
+    recipe["data"]["tokenizer_path"] = MODEL  # a name: NexRL fetched the tokenizer
+    recipe["trainer"] = {"type": "remote_api_opd", "max_prompt_length": "${data.max_prompt_length}",
+                         "max_response_length": "${data.max_response_length}",
+                         "teachers": [{"base_model": "Org/Tiny-Teacher", "checkpoint": None},
+                                      {"base_model": "Org/Other-Teacher", "api_key": "${oc.env:OTHER_KEY}"}],
+                         "total_train_steps": 20, "save_freq": 5, "checkpoint_path": "${oc.env:EXPERIMENT_PATH}/ckpt",
+                         "sync_weight_path": "${oc.env:EXPERIMENT_PATH}/sync_weight", "remove_previous_ckpt": False}
+    recipe["weight"].update(sync_method="tinker")
+    recipe["service"] = {
+        "inference_service": {"identifier": "student", "model": MODEL, "max_tokens": "${data.max_response_length}",
+                              "tokenizer": None, "backend": "tinker", "max_retries": 3,
+                              "freeze_for_weight_sync": True, "weight_type": ""},
+        "tinker_service": {"base_url": None, "lora_rank": 32, "api_key": "${oc.env:TINKER_API_KEY}"},
+        "train_service": {"main_actor": {"identifier": "default", "role": "actor", "backend": "tinker", "config": {
+            "loss_fn": "importance_sampling", "learning_rate": "1e-4", "beta1": 0.9, "beta2": 0.95,
+            "weight_decay": "1e-2", "eps": "1e-8", "grad_clip_norm": 1.0, "kl_penalty_coef": 1.0,
+            "kl_discount_factor": 0.0, "entropy_coeff": "1e-4"}}}}
+    return recipe
+
+
+def test_on_policy_distillation_on_tinker(cli, pm, tmp_path, machine, tiny_model_dir, monkeypatch):
+    """NexRL's remote_api_opd on Tinker becomes nexrl's: the first teacher a Tinker sampling client
+    (service.reference_service), kl_penalty_coef the distillation weight, NexRL's temperature 0.8
+    the 1.0 Tinker scores at (said in one line)."""
+    if "remote_api_opd" not in pm.components("trainer"):
+        pytest.xfail("trainer remote_api_opd is not registered here (nexrl-tinker with nexrl-grpo)")
+    (tmp_path / "opd").mkdir()
+    (tmp_path / "opd" / "tinker_opd.yaml").write_text(_yaml(_opd_tinker()))
+    out = tmp_path / "opd.nexrl.yaml"
+    code, recipe, err = _migrate(cli, tmp_path / "opd" / "tinker_opd.yaml", out)
+    assert code == 0, err
+    assert recipe["trainer"] == {"type": "remote_api_opd", "total_train_steps": 20, "save_freq": 5,
+                                 "checkpoint_path": "${oc.env:EXPERIMENT_PATH}/ckpt", "remove_previous_ckpt": False}
+    assert recipe["algorithm"] == {"kl_coef": 1.0}
+    # NexRL's simple worker scored the <answer> tag against reward_model.ground_truth: so does the migrated one
+    assert recipe["rollout_worker"]["evaluator"] == SIMPLE_EVALUATOR
+    evaluator = pm.components("evaluator")["exact_match"].cls(
+        **{k: v for k, v in SIMPLE_EVALUATOR.items() if k != "type"})
+    row = {"uid": "0:0", **json.loads(MATH_ROWS["math/train.jsonl"])}
+    assert evaluator.evaluate(row, BaseEvaluationTarget("2 + 3 makes <answer>5</answer>")).reward == 1.0
+    assert evaluator.evaluate(row, BaseEvaluationTarget("2 + 3 makes <answer>6</answer>")).reward == 0.0
+    assert evaluator.evaluate(row, BaseEvaluationTarget("2 + 3 makes 5")).reward == 0.0
+    assert recipe["service"] == {
+        "inference_service": {"backend": "tinker", "max_retries": 3, "tokenizer_path": "???",
+                              "api_key": "${service.train_service.api_key}"},
+        "train_service": {"backend": "tinker", "lora_rank": 32, "api_key": "${oc.env:TINKER_API_KEY}", "base_url": None,
+                          "lr": 1e-4, "eps": 1e-8, "weight_decay": 1e-2, "grad_clip": 1.0, "betas": [0.9, 0.95],
+                          "base_model": MODEL},
+        "reference_service": {"backend": "tinker", "base_model": "Org/Tiny-Teacher",
+                              "tokenizer_path": "${service.inference_service.tokenizer_path}",
+                              "api_key": "${service.train_service.api_key}"}}  # NexRL's base_url null: Tinker's
+    assert recipe["weight"]["backend"] == "tinker"
+    assert _section(err, "changed to a value nexrl accepts") == [
+        "rollout_worker.sampling.temperature: 0.8 -> 1.0 (the Tinker service scores tokens at temperature 1 only, so "
+        "at another temperature the importance ratio of its loss would compare two different distributions)"]
+    dropped = _section(err, "not carried over")
+    for line in ("service.train_service.config.kl_discount_factor: each token's advantage is its own reverse KL "
+                 "(NexRL's kl_discount_factor 0); no discounted sum of the later tokens' KL",
+                 "service.train_service.config.entropy_coeff: nexrl's losses have no entropy term",
+                 "service.train_service.config.loss_fn: the loss of trainer remote_api_opd (importance_sampling on "
+                 "each token's KL advantage), which takes no algorithm.loss_fn",
+                 "trainer.max_prompt_length: prompts are not cut"):
+        assert line in dropped, dropped
+    assert any(line.startswith("trainer.teachers -> service.reference_service") for line in _section(err, "carried over"))
+    assert "service.inference_service.tokenizer_path: a value is required here (the recipe has '???')" in \
+        _machine_lines(err)  # the teacher's names the student's (the two share one vocabulary)
+    machine({"opd/train.jsonl": MATH_ROWS["math/train.jsonl"], "opd/test.jsonl": MATH_ROWS["math/test.jsonl"]})
+    code, _, err = cli("validate", str(out), f"service.inference_service.tokenizer_path={tiny_model_dir}")
+    assert code == 0, err
+    # and it trains, 2 steps, on the local stand-in of the Tinker service (a student and a teacher)
+    from nexrl_tinker.standin import BaseModel as StandinModel
+    from nexrl_tinker.standin import StandinServer
+    from tests.support.tiny_lm import build_model, build_tokenizer
+
+    tokenizer = build_tokenizer()
+    models = {name: StandinModel(name, build_model(tokenizer, seed=seed), tokenizer)
+              for name, seed in ((MODEL, 0), ("Org/Tiny-Teacher", 1))}
+    with StandinServer(models, state_dir=str(tmp_path / "standin")) as server:
+        monkeypatch.setenv("TINKER_BASE_URL", server.url)  # the migrated recipe's base_url is null: the SDK's
+        run_dir = tmp_path / "run"
+        code, _, err = cli("run", str(out), f"run_dir={run_dir}", "trainer.total_train_steps=2", "trainer.save_freq=0",
+                           f"service.inference_service.tokenizer_path={tiny_model_dir}",
+                           "rollout_worker.sampling.max_tokens=6", "weight.validate_freq=0",
+                           "logger.backend=[console]", "logger.level=WARNING")
+    assert code == 0, err
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["train/num_failed"] == 0 for r in rows if "train/num_failed" in r)  # NexRL's rows scored
+    kl = [r["train/opd_reverse_kl"] for r in rows if "train/opd_reverse_kl" in r]
+    assert len(kl) == 2 and all(k > 0 for k in kl), rows
+
+
 # -- the pieces --------------------------------------------------------------------------------------------
 
 def test_a_reference_loop_in_the_seed_is_taken_out(pm):
@@ -792,6 +1030,29 @@ def test_a_reference_loop_in_the_seed_is_taken_out(pm):
                         "trainer": {"type": "mock"}}, pm)
     assert m.recipe == {"rollout_worker": {"seed": "${seed}"}, "trainer": {"type": "mock"}}  # the run's seed now
     assert m.dropped()["seed"] == "a reference loop (seed -> rollout_worker.seed -> seed): it has no value"
+
+
+def _migrate_recipe(seed: dict, pm):
+    from nexrl_core.cli.migrate import migrate_recipe
+
+    m = migrate_recipe(seed, pm)
+    return m.recipe, {c.seed: c for c in m.changes}, m.dropped()
+
+
+def test_a_kl_controller_nexrl_refuses_is_listed_with_the_checks_reason(pm):
+    """NexRL's kl_ctrl with use_kl_in_reward false did nothing; nexrl refuses it there: each key is
+    listed with that reason, not as unknown. With use_kl_in_reward true it is carried over."""
+    seed = {"trainer": {"type": "self_hosted_grpo",
+                        "algorithm": {"type": "grpo", "use_kl_in_reward": False, "kl_penalty": "kl",
+                                      "kl_ctrl": {"type": "fixed", "kl_coef": 0.002, "kl_reward_coef": 0.002}}}}
+    _, _, dropped = _migrate_recipe(seed, pm)
+    why = "does nothing without algorithm.use_kl_in_reward: true (set that, or delete algorithm.kl_ctrl)"
+    assert dropped["algorithm.kl_ctrl.type"] == why and dropped["algorithm.kl_ctrl.kl_coef"] == why
+    seed["trainer"]["algorithm"]["use_kl_in_reward"] = True
+    recipe, _, dropped = _migrate_recipe(seed, pm)
+    assert recipe["algorithm"]["kl_ctrl"] == {"type": "fixed", "kl_coef": 0.002}
+    assert [k for k in dropped if "kl_ctrl" in k] == ["algorithm.kl_ctrl.kl_reward_coef"]
+    assert dropped["algorithm.kl_ctrl.kl_reward_coef"] == "the reward penalty's coefficient is algorithm.kl_ctrl.kl_coef"
 
 
 def test_numbers_nexrls_loader_reads_as_numbers(pm):

@@ -12,6 +12,7 @@ metrics and the rollout correction, on the tiny Llama.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 from concurrent.futures import ThreadPoolExecutor
@@ -129,10 +130,10 @@ def make_trainer(model_dir: str, service: dict | None = None, **algorithm) -> Se
 def test_mismatch_metrics_see_a_misreported_temperature(tiny_model_dir, engine):
     trainer = make_trainer(tiny_model_dir)
     honest = rollouts(engine, 0.7)
-    metrics = trainer.train(honest)
+    metrics = trainer.train(honest).metrics
     assert metrics["train/rollout_logprob_diff_max"] < 1e-3
     lying = [{**t, "sampling": {**t["sampling"], "temperature": 1.0}} for t in honest]
-    metrics = trainer.train(lying)
+    metrics = trainer.train(lying).metrics
     assert metrics["train/rollout_logprob_diff_mean"] > 0.05 and metrics["train/rollout_kl_k3"] > 1e-3, metrics
     assert metrics["train/rollout_logprob_diff_max"] >= metrics["train/rollout_logprob_diff_mean"]
     assert abs(metrics["train/ppo_kl"]) < 1e-6  # the ratio stays the trainer's own
@@ -143,8 +144,9 @@ def test_micro_batches_report_the_whole_batch_mismatch(tiny_model_dir, engine):
     # A mismatch growing with the row: the batch's max sits in the last micro-batch only.
     batch = [{**t, "response_logprobs": [lp - 0.01 * i * (k + 1) for k, lp in enumerate(t["response_logprobs"])]}
              for i, t in enumerate(rollouts(engine, 0.7))]
-    whole = make_trainer(tiny_model_dir, rollout_correction={"enabled": True}).train(batch)
-    split = make_trainer(tiny_model_dir, service={"micro_batch_size": 3}, rollout_correction={"enabled": True}).train(batch)
+    whole = make_trainer(tiny_model_dir, rollout_correction={"enabled": True}).train(batch).metrics
+    split = make_trainer(tiny_model_dir, service={"micro_batch_size": 3},
+                         rollout_correction={"enabled": True}).train(batch).metrics
     for name in ("rollout_logprob_diff_mean", "rollout_logprob_diff_max", "rollout_kl_k3", "rollout_is_weight_mean",
                  "rollout_is_capped_frac", "ppo_kl", "pg_clipfrac"):
         # Smaller forwards round differently (~1e-6 per log-prob); a max averaged by tokens would be far off.
@@ -156,7 +158,7 @@ def test_greedy_rows_are_scored_at_temperature_one(tiny_model_dir, engine):
     trainer = make_trainer(tiny_model_dir)
     greedy = rollouts(engine, 0.0)
     assert all(t["sampling"]["temperature"] == 0 for t in greedy)
-    metrics = trainer.train(greedy)
+    metrics = trainer.train(greedy).metrics
     assert metrics["train/rollout_logprob_diff_max"] < 1e-3, metrics
 
 
@@ -173,7 +175,7 @@ def test_several_updates_compute_old_logprobs_once_before_the_first(tiny_model_d
     forwards = []
     forward = trainer.train_service.forward
     trainer.train_service.forward = lambda batch: forwards.append(1) or forward(batch)
-    metrics = trainer.train(rollouts(engine, 0.7))
+    metrics = trainer.train(rollouts(engine, 0.7)).metrics
     assert forwards == [1]
     # lr 1e-30: the weights never move, so the precomputed old log-probs are the current ones.
     assert abs(metrics["train/ppo_kl"]) < 1e-6 and metrics["train/pg_clipfrac"] == 0.0
@@ -195,7 +197,7 @@ def test_rollout_correction_weights_each_token_and_caps(tiny_model_dir, engine):
         step = trainer.train_service.optim_step
         # called only by this iteration's train()
         trainer.train_service.optim_step = lambda: (grads.__setitem__(name, _grads(trainer)), step())[1]  # noqa: B023
-        metrics = trainer.train(shifted)
+        metrics = trainer.train(shifted).metrics
         if name == "off":
             assert "train/rollout_is_weight_mean" not in metrics
         elif name == "x1.5":
@@ -229,7 +231,7 @@ def test_a_bf16_engine_shows_in_the_mismatch_metrics_and_the_correction_weighs_i
     finally:
         half.close()
     trainer = make_trainer(tiny_model_dir, rollout_correction={"enabled": True, "cap": 2.0})
-    metrics = trainer.train(batch)
+    metrics = trainer.train(batch).metrics
     assert 1e-3 < metrics["train/rollout_logprob_diff_mean"] < 0.1, metrics
     assert metrics["train/rollout_logprob_diff_max"] > 1e-2 and metrics["train/rollout_kl_k3"] > 1e-6, metrics
     assert metrics["train/rollout_is_weight_mean"] != 1.0
@@ -275,8 +277,11 @@ def test_each_sample_records_its_own_largest_logprob_gap(tiny_model_dir, engine,
     batch = skewed(rollouts(engine, 0.7))
     want = expected_gaps(model, batch)
     trainer = make_trainer(tiny_model_dir, service=service)
-    metrics = trainer.train(batch)
-    got = [t["logprob_gap"] for t in batch]
+    before = copy.deepcopy(batch)
+    output = trainer.train(batch)
+    metrics = output.metrics
+    assert batch == before  # the trainer wrote nothing into the trajectories it was given
+    got = [output.samples[i].logprob_gap for i in range(len(batch))]
     assert [g["max"] for g in got] == pytest.approx([m for m, _ in want], abs=1e-5)
     assert [g["position"] for g in got] == [p for _, p in want] == [i % len(t["response_token_ids"])
                                                                     for i, t in enumerate(batch)]
@@ -291,11 +296,12 @@ def test_several_updates_record_the_gap_of_the_weights_the_step_started_from(tin
     batch = skewed(rollouts(engine, 0.7))
     want = expected_gaps(model, batch)
     trainer = make_trainer(tiny_model_dir, service={"lr": 1e-2}, ppo_epochs=2)
-    trainer.train(batch)
-    assert [t["logprob_gap"]["max"] for t in batch] == pytest.approx([m for m, _ in want], abs=1e-5)
+    samples = trainer.train(batch).samples
+    assert [samples[i].logprob_gap["max"] for i in range(len(batch))] == pytest.approx([m for m, _ in want], abs=1e-5)
 
 
 def test_without_rollout_logprobs_no_sample_records_a_gap(tiny_model_dir, engine):
     batch = [{**t, "response_logprobs": None} for t in rollouts(engine, 0.7)]
-    make_trainer(tiny_model_dir).train(batch)
-    assert not any("logprob_gap" in t for t in batch)
+    samples = make_trainer(tiny_model_dir).train(batch).samples
+    assert len(samples) == len(batch) and all(s.logprob_gap is None and s.advantage is not None
+                                              for s in samples.values())

@@ -237,7 +237,7 @@ def opd_trainer(student: str, teacher: str, algorithm: dict) -> SelfHostedOpdTra
 def first_step(student: str, teacher: str, rollouts: list[Any], algorithm: dict) -> dict[str, float]:
     trainer = opd_trainer(student, teacher, algorithm)
     try:
-        return trainer.train(copy.deepcopy(rollouts))
+        return trainer.train(copy.deepcopy(rollouts)).metrics
     finally:
         trainer.close()
 

@@ -67,7 +67,7 @@ def test_the_served_reference_equals_the_one_in_process_over_two_steps(tiny_mode
         before = {k: v.clone() for k, v in served.reference_service.model.state_dict().items()}
         policy_before = {k: v.clone() for k, v in served.train_service.model.state_dict().items()}
         for step in range(2):
-            a, b = held.train(batch), served.train(batch)
+            a, b = held.train(batch).metrics, served.train(batch).metrics
             for name in KL_METRICS:
                 assert b[name] == pytest.approx(a[name], rel=1e-4, abs=1e-6), (step, name)
         # Step 2 compares a policy that moved against its reference: the KL is no longer zero.

@@ -58,7 +58,7 @@ def grads(trainer: SelfHostedGrpoTrainer, batch: list[dict]) -> tuple[torch.Tens
         captured["g"] = torch.cat([p.grad.reshape(-1) for p in trainer.train_service._params if p.grad is not None])
         return step()
     trainer.train_service.optim_step = capture
-    metrics = trainer.train(batch)
+    metrics = trainer.train(batch).metrics
     return captured["g"], metrics
 
 
@@ -109,7 +109,7 @@ def test_masked_rows_leave_the_loss_and_nothing_else(tiny_model_dir):
 def test_an_all_masked_batch_moves_no_weight(tiny_model_dir):
     trainer = make_trainer(tiny_model_dir, lr=0.1, reward_processing={"mask_flat_groups": True})
     before = [p.detach().clone() for p in trainer.train_service._params]
-    metrics = trainer.train(trajectories({"f": ("math", [1.0] * 4, [False] * 4)}))
+    metrics = trainer.train(trajectories({"f": ("math", [1.0] * 4, [False] * 4)})).metrics
     assert metrics["train/update_skipped"] == 1.0 and metrics["train/math/masked_frac"] == 1.0
     assert all(torch.equal(a, b) for a, b in zip(before, trainer.train_service._params))
 

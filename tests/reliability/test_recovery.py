@@ -272,21 +272,19 @@ def test_without_on_failure_restart_a_failure_stops_the_run(nexrl, tmp_path):
 
 
 def test_the_wait_before_a_restart_doubles_up_to_its_maximum():
+    from nexrl_core.config.schema import ResumeSettings
     from nexrl_core.launch.prologue import Restarts
 
     class Record:
         def note_restart(self, step, error):
             pass
 
-    cfg = OmegaConf.create({"resume": {"on_failure": "restart", "max_restarts": 4, "restart_backoff": 2.0,
-                                       "restart_backoff_max": 5.0, "mode": "from_path", "resume_path": "/x"},
-                            "overwrite_run_dir": False})
-    restarts = Restarts(cfg)
+    restarts = Restarts(ResumeSettings.of({"on_failure": "restart", "max_restarts": 4, "restart_backoff": 2.0,
+                                           "restart_backoff_max": 5.0, "mode": "from_path", "resume_path": "/x"}))
     waits = []
     while restarts.allowed():
         waits.append(restarts.next(0, "boom", Record()))
     assert waits == [2.0, 4.0, 5.0, 5.0]
-    assert cfg.resume.mode == "auto" and cfg.resume.resume_path is None  # the newest checkpoint, not the path
 
 
 # -- one prologue for `nexrl run` and nexrl_core.run() (issue #42 step 3) ------------------------------

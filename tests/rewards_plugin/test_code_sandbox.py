@@ -145,7 +145,7 @@ def test_test_cases_may_come_as_a_json_string(evaluator):
 
 
 @pytest.mark.parametrize("cases, match", [
-    (None, "must be a non-empty list"),
+    (None, r"has no 'test_cases' \(rollout_worker.evaluator.test_cases_key\)$"),
     ([], "must be a non-empty list"),
     ("{not json", "not JSON"),
     ([{"input": "1"}], r"\[0\] must be"),

@@ -1,6 +1,8 @@
-"""math_rule on rows shaped as verl's and NexRL 1.x's public math data (issue 46): the answer at
-``reward_model.ground_truth``, the prompt as chat messages, ``data_source``, ``ability`` and
-``extra_info`` beside it, read from Parquet and JSONL files as users have them."""
+"""The nexrl-rewards evaluators on rows shaped as verl's and NexRL 1.x's public math data (issue
+46): the answer at ``reward_model.ground_truth``, the prompt as chat messages, ``data_source``,
+``ability`` and ``extra_info`` beside it, read from Parquet and JSONL files as users have them.
+Every evaluator's key takes the dotted path (the core's row_field; exact_match and numeric_answer:
+tests/core/test_row_fields.py)."""
 
 from __future__ import annotations
 
@@ -10,8 +12,14 @@ import pytest
 
 import nexrl_rewards.plugin as rewards_plugin
 from nexrl_core import BaseEvaluationTarget
+from nexrl_core.builtins.dataloaders import read_rows
 from nexrl_core.testing import make_recipe, plugin_manager
+from nexrl_rewards.code_sandbox import CodeSandboxEvaluator
+from nexrl_rewards.instruction_following import InstructionFollowingEvaluator
+from nexrl_rewards.llm_judge import LLMJudgeEvaluator
 from nexrl_rewards.math_rule import MathRuleEvaluator
+from tests.rewards_plugin.test_code_sandbox import ADD, SUM_CASES, fenced, runnable_here
+from tests.support.judge import judge_service
 
 VERL = "reward_model.ground_truth"
 
@@ -95,3 +103,59 @@ def test_a_run_on_verl_files_scores_each_row_by_its_ground_truth(run_local, tmp_
     val = summary.validation[0]
     assert val["val/num_samples"] == len(ROWS) and val["val/num_failed"] == 0
     assert val["val/accuracy"] == pytest.approx(sum(r for *_, r in ROWS) / len(ROWS))
+
+
+def through_file(tmp_path, fmt: str, rows: list[dict]) -> list[dict]:
+    """``rows`` written to a Parquet or JSONL file and read back as the file loader reads them."""
+    path = tmp_path / f"rows.{fmt}"
+    if fmt == "parquet":
+        pq = pytest.importorskip("pyarrow.parquet")
+        pa = pytest.importorskip("pyarrow")
+        pq.write_table(pa.Table.from_pylist(rows), path)
+    else:
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return [{"uid": f"{i}:0", **row} for i, row in enumerate(read_rows(str(path)))]
+
+
+FORMATS = ["parquet", "jsonl"]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_judge_reads_the_reference_and_the_question_at_their_paths(judge_server, tmp_path, fmt):
+    row, = through_file(tmp_path, fmt, [verl_row(0, "What is 6 * 7?", "42")])
+    evaluator = LLMJudgeEvaluator(service=judge_service(judge_server), reference_key=VERL,
+                                  question_key="extra_info.question")
+    result = evaluator.evaluate(row, BaseEvaluationTarget("It is 42 <<1>>"))
+    assert result.reward == 1.0 and result.ground_truth == "42"
+    sent = judge_server.last_request("/v1/chat/completions").body["messages"][-1]["content"]
+    assert "Question:\nWhat is 6 * 7?\n" in sent and "Reference answer:\n42\n" in sent
+    with pytest.raises(ValueError, match=rf"^data item '0:0' has no 'answer' \(rollout_worker.evaluator."
+                                         rf"reference_key\); the row has '{VERL}': set rollout_worker.evaluator."
+                                         rf"reference_key: {VERL}$"):
+        LLMJudgeEvaluator(service=judge_service(judge_server)).evaluate(row, BaseEvaluationTarget("42 <<1>>"))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_code_sandbox_reads_the_test_cases_at_their_path(tmp_path, fmt):
+    row = verl_row(0, "Add two numbers read from stdin.", json.dumps(SUM_CASES))  # a JSON column
+    row, = through_file(tmp_path, fmt, [row])
+    evaluator = CodeSandboxEvaluator(test_cases_key=VERL, timeout_s=3.0, **runnable_here())
+    result = evaluator.evaluate(row, BaseEvaluationTarget(fenced(ADD)))
+    assert result.reward == 1.0 and result.extra_info["passed"] == len(SUM_CASES)
+    wrong = evaluator.evaluate(row, BaseEvaluationTarget(fenced("print(0)\n")))
+    assert wrong.reward == 0.0
+    with pytest.raises(ValueError, match=r"^data item '0:0' has no 'test_cases' "
+                                         r"\(rollout_worker.evaluator.test_cases_key\)$"):
+        CodeSandboxEvaluator(timeout_s=3.0, **runnable_here()).evaluate(row, BaseEvaluationTarget(fenced(ADD)))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_instruction_following_reads_the_instructions_at_their_path(tmp_path, fmt):
+    instructions = [{"type": "number_words", "relation": "less than", "num_words": 10}, {"type": "no_comma"}]
+    row, = through_file(tmp_path, fmt, [verl_row(0, "Describe the sea briefly, without commas.",
+                                                 json.dumps(instructions))])
+    evaluator = InstructionFollowingEvaluator(instructions_key=VERL)
+    assert evaluator.evaluate(row, BaseEvaluationTarget("Blue and endless.")).reward == 1.0
+    assert evaluator.evaluate(row, BaseEvaluationTarget("Blue, endless.")).reward == 0.5
+    with pytest.raises(ValueError, match=r"has no 'instructions' \(rollout_worker.evaluator.instructions_key\)"):
+        InstructionFollowingEvaluator().evaluate(row, BaseEvaluationTarget("Blue."))

@@ -5,6 +5,7 @@ Tinker stand-in with the default loss."""
 
 from __future__ import annotations
 
+import copy
 import textwrap
 
 import yaml
@@ -43,8 +44,19 @@ def test_a_remote_trainer_overriding_only_prepare_trajectories_trains(standin, t
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe, sort_keys=False))
     controller = NexRLController(load_recipe(str(path)), plugin_manager=tinker_plugin_manager())
+    train, untouched = controller.trainer.train, []
+
+    def recording_train(trajectories):
+        before = copy.deepcopy(trajectories)
+        output = train(trajectories)
+        untouched.append(trajectories == before)
+        return output
+
+    controller.trainer.train = recording_train
     summary = controller.run()
     assert summary.stopped_by == "finished" and summary.global_step == 2 and summary.errors == []
+    # the guide's _prepare_trajectories sets keys on what it gets: this step's copies, not the pool's rows
+    assert untouched == [True, True]
     steps = [r for r in metrics_rows(tmp_path / "run") if "train/num_trajectories" in r]
     assert len(steps) == 2 and all(r["custom/mean_length"] > 0 and "train/loss_sum" in r for r in steps)
     assert standin.count("POST /api/v1/forward_backward") == 2

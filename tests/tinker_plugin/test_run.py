@@ -138,6 +138,7 @@ def test_nexrl_plugins_lists_the_remote_api_trainers(run_env):
     out = _nexrl("plugins", "--json", env=run_env, timeout=120)
     assert out.returncode == 0, out.stderr
     tinker = next(p for p in json.loads(out.stdout)["plugins"] if p["distribution"] == "nexrl-tinker")
-    assert tinker["components"]["trainer"] == ["remote_api_cross_entropy", "remote_api_grpo"]
+    # remote_api_opd where nexrl-grpo (its distillation keys) is installed, as it is here
+    assert tinker["components"]["trainer"] == ["remote_api_cross_entropy", "remote_api_grpo", "remote_api_opd"]
     assert tinker["components"]["train_service"] == ["tinker"]
     assert tinker["components"]["inference_backend"] == tinker["components"]["weight_sync_backend"] == ["tinker"]

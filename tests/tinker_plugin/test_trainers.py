@@ -12,6 +12,7 @@ training call stopping the run with the request named).
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -243,7 +244,7 @@ def test_reward_processing_per_domain_before_the_advantages_and_masked_samples_l
     assert metrics["train/code/masked_frac"] == 1.0 and metrics["train/truncated_frac"] == 0.5
     assert trainer.algorithm_state()["reward_running"][""]["count"] == 2
     masked_only = [t for t in trajectories if t["uid"] == "c"]
-    assert trainer.train(masked_only)["train/update_skipped"] == 1.0  # nothing to send: no service call
+    assert trainer.train(masked_only).metrics["train/update_skipped"] == 1.0  # nothing to send: no service call
 
 
 def test_ppo_clip_ratios_become_the_services_thresholds(tiny_folder):
@@ -268,11 +269,17 @@ def test_on_policy_rows_give_the_service_a_ratio_of_one(loss_fn, standin, tiny_f
         rows = [{**t, "response_logprobs": lp[-len(t["response_token_ids"]):].tolist()}
                 for t, lp in zip(rows, logprobs)]
         prepared = trainer._prepare_trajectories(rows, {})
-        result = trainer.train(rows)
+        before = copy.deepcopy(rows)
+        output = trainer.train(rows)
+        result = output.metrics
         expected = -sum(sum(t["advantages"]) for t in prepared)
         assert expected != 0  # the two responses differ in length
         assert result["train/loss_sum"] == pytest.approx(expected, abs=1e-4)
         assert result["train/rollout_logprob_diff_max"] < 1e-5
+        assert rows == before  # the gaps and advantages are beside the trajectories, not written into them
+        assert sorted(output.samples) == [0, 1]
+        assert max(output.samples[i].logprob_gap["max"] for i in (0, 1)) == \
+            pytest.approx(result["train/rollout_logprob_diff_max"], abs=1e-12)
     finally:
         trainer.close()
 
@@ -310,7 +317,7 @@ def test_an_agent_rollout_of_several_sequences_trains_one_datum_per_sequence(sta
         adv = 0.5 / (np.std([1.0, 0.0], ddof=1) + 1e-6)
         second_adv = datums[1].loss_fn_inputs["advantages"].to_numpy()[-len(tool):]
         assert second_adv.tolist() == pytest.approx([adv if m else 0.0 for m in second["loss_mask"]])
-        result = trainer.train(rows)
+        result = trainer.train(rows).metrics
         trained = len(first["response_token_ids"]) + sum(second["loss_mask"])
         expected = -(adv * trained - adv * len(plain["response_token_ids"]))
         assert result["train/loss_sum"] == pytest.approx(expected, abs=1e-4)

@@ -102,10 +102,12 @@ def _recipe(tmp_path, model_dir, steps=4, **weight):
     return str(path)
 
 
-def test_the_engine_decodes_the_next_batch_while_the_trainer_steps(cli, tmp_path, tiny_model_dir, monkeypatch):
+@pytest.mark.parametrize("lend", [False, True])
+def test_the_engine_decodes_the_next_batch_while_the_trainer_steps(cli, tmp_path, tiny_model_dir, monkeypatch, lend):
     """Real run (tiny model, hf engine, local torch trainer in one process): a decode batch starts
     inside a training step's interval, on the engine's half of the threads while the trainer's
-    thread runs on the other half; staleness stays within the bound and nothing is re-rolled stale."""
+    thread runs on the other half (with lend_idle_threads, a batch decoded while the trainer waits
+    runs on both); staleness stays within the bound and nothing is re-rolled stale."""
     from nexrl_core.trainer import BaseTrainer
     from nexrl_torch.rollout.engine import HFInferenceEngine
 
@@ -134,7 +136,7 @@ def test_the_engine_decodes_the_next_batch_while_the_trainer_steps(cli, tmp_path
     recipe = _recipe(tmp_path, tiny_model_dir, sync_mode="fully-async", staleness_threshold=1,
                      rollouts_ahead="staleness")
     try:
-        code, out, errors, err = cli("run", recipe)
+        code, out, errors, err = cli("run", recipe, f"+service.inference_service.lend_idle_threads={str(lend).lower()}")
         assert code == 0, err
         assert torch.get_num_threads() == 2  # the engine gave the process its threads back on close
     finally:
@@ -143,8 +145,11 @@ def test_the_engine_decodes_the_next_batch_while_the_trainer_steps(cli, tmp_path
     assert len(steps) == 4
     inside = [g for g in generations if any(s0 < g[0] < s1 for s0, s1, _ in steps)]
     assert inside, (generations, steps)  # decoding began while a step was training
-    assert {threads for _, _, threads in generations} == {1}, (generations, steps)  # decode_threads auto: 1 of 2
-    assert {threads for _, _, threads in steps} == {1}  # the trainer's thread: the other one
+    if lend:  # the first batch decodes before the first step: the trainer lends its thread (test_thread_share)
+        assert 2 in {threads for _, _, threads in generations} <= {1, 2}, (generations, steps)
+    else:
+        assert {threads for _, _, threads in generations} == {1}, (generations, steps)  # decode_threads auto: 1 of 2
+        assert {threads for _, _, threads in steps} == {1}  # the trainer's thread: the other one
 
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     trained = [r for r in rows if "timing/train_s" in r]

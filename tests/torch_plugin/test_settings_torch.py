@@ -81,3 +81,36 @@ def _copy(model: torch.nn.Module) -> torch.nn.Module:
     import copy
 
     return copy.deepcopy(model)
+
+
+def test_a_null_grad_clip_trains_without_clipping(tiny_model_dir, tmp_path, capsys):
+    """``grad_clip: null`` is accepted (its help promised it) and means what ``0`` means."""
+    from tests.grpo_plugin.test_train_service import random_batch, train_step
+    from tests.support.weights import same_weights
+
+    def one_step(grad_clip):
+        # eps 1: Adam's step then scales with the gradient, so a clip shows in the weights
+        service = LocalTorchTrainService({"model_path": tiny_model_dir, "lr": 1e-2, "eps": 1.0, "seed": 3,
+                                          "grad_clip": grad_clip})
+        metrics = train_step(service, random_batch(0))
+        return service, metrics["grad_norm"], service.export_weights(copy=True)
+
+    unclipped_service, norm, unclipped = one_step(None)
+    assert unclipped_service.settings.grad_clip is None and unclipped_service.grad_clip is None
+    _, zero_norm, zero = one_step(0.0)
+    _, clipped_norm, clipped = one_step(norm / 10)
+    assert norm == zero_norm == clipped_norm > 0  # the same gradients: only the clip differs
+    assert same_weights(unclipped, zero) and not same_weights(unclipped, clipped)
+
+    import yaml
+
+    from nexrl_core.cli import main
+    from tests.support.letters import tiny_grpo_recipe
+
+    recipe = tiny_grpo_recipe(tmp_path / "run", tiny_model_dir, group=2, steps=1,
+                              service={"train_service": {"grad_clip": None}})
+    assert recipe["service"]["train_service"]["grad_clip"] is None
+    recipe["rollout_worker"]["evaluator"] = {"type": "exact_match"}  # an installed one: main() loads entry points
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    assert main(["validate", str(path)]) == 0, capsys.readouterr().err

@@ -25,6 +25,7 @@ import ray.exceptions
 
 from ...errors import NexRLError
 from ...runtime.execute import Deferred, ModuleUnavailable, RemoteMethod, RpcTimeout
+from ..base import RoleConfig, built_with
 
 # (actor name, role, index) -> the module built in this process
 _LOCAL_MODULES: dict[tuple[str, str, int], Any] = {}
@@ -54,7 +55,7 @@ class Slot:
     role: str
     index: int
     cls: type
-    config: Any
+    config: RoleConfig
     kwargs: dict[str, Any] = field(default_factory=dict)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -126,7 +127,7 @@ class ModuleHost:
         pm = _process_plugin_manager(setup, content.in_process_plugins)
         _setup_logging(setup)
         for slot in content.slots:
-            module = build_module(slot.cls, slot.config, slot.kwargs, pm)
+            module = build_module(slot.cls, built_with(slot.config), slot.kwargs, pm)
             self._modules[(slot.role, slot.index)] = module
             with _LOCAL_LOCK:
                 _LOCAL_MODULES[(self._actor_name, slot.role, slot.index)] = module

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import secrets
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,12 +22,11 @@ import ray
 import ray.exceptions
 from loguru import logger
 
-from ...config.bound import declared_value
-from ...config.schema import LOGGER
+from ...config.schema import RecipeSettings
 from ...errors import NexRLError
 from ...redaction import known_secrets
 from ...types import NexRLRole
-from ..base import ResourceManager
+from ..base import ResourceManager, RoleConfig
 from .actors import HostPayload, HostSetup, RayActorWrapper, Slot, host_class, public_methods
 from .cluster import Cluster, actor_env, connect, driver_path
 from .settings import UNBOUNDED_METHODS, RaySettings
@@ -68,16 +68,19 @@ class RayResourceManager(ResourceManager):
     poll_interval_s = 0.2
     idle_wait_s = 1.0
 
-    def __init__(self, config: Any = None, plugin_manager: Any = None) -> None:
-        super().__init__(config, plugin_manager)
-        self._settings = RaySettings.from_config(config if config is not None else {})
+    def __init__(self, config: Mapping[str, Any] | None = None, plugin_manager: Any = None,
+                 settings: RecipeSettings | None = None) -> None:
+        settings = RecipeSettings.read(config) if settings is None else settings
+        super().__init__(config, plugin_manager, settings)
+        self._run = settings
+        self._settings = RaySettings.of(settings)
         self._cluster: Cluster | None = None
         self._actors: list[ActorInfo] = []
         self._handles: dict[NexRLRole, list[RayActorWrapper]] = {}
         self._run_id = secrets.token_hex(3)
 
     # -- registration ------------------------------------------------------------------------
-    def register_role(self, role: NexRLRole, cls: type, config: Any, count: int = 1,
+    def register_role(self, role: NexRLRole, cls: type, config: RoleConfig, count: int = 1,
                       colocation_group: str | None = None, kwargs: dict[str, Any] | None = None) -> None:
         """As the base; a role registered without a group takes the one ``ray.colocation`` gives it."""
         if colocation_group is None:
@@ -113,24 +116,21 @@ class RayResourceManager(ResourceManager):
                 plan.slots.append(Slot(role, index, spec.cls, spec.config, dict(spec.kwargs)))
         for plan in order:
             for role in dict.fromkeys(s.role for s in plan.slots):
-                res = self._settings.resources.get(role, {})
-                # null (the declared default; RaySettings drops it) reserves nothing
-                plan.num_cpus += float(res.get("num_cpus") or 0)
-                plan.num_gpus += float(res.get("num_gpus") or 0)
-                plan.memory += float(res.get("memory") or 0)
-                for key, amount in (res.get("resources") or {}).items():
+                res = self._settings.resources.get(role)
+                if res is None:  # the role's reservation is null: nothing
+                    continue
+                plan.num_cpus += res.num_cpus or 0.0  # null (the declared default): none reserved
+                plan.num_gpus += res.num_gpus or 0.0
+                plan.memory += res.memory or 0.0
+                for key, amount in (res.resources or {}).items():
                     plan.custom[key] = plan.custom.get(key, 0.0) + float(amount)
         return order
 
     def _setup(self, plan: ActorPlan) -> HostSetup:
-        cfg = self._config if self._config is not None else {}
-        logger_cfg = cfg.get("logger") or {}
+        run = self._run
         return HostSetup(sys_path=driver_path(), env=actor_env(self._settings, plan.num_cpus or None),
-                         load_plugins=os.environ.get("NEXRL_LOAD_PLUGINS"),
-                         run_dir=str(cfg.get("run_dir")) if cfg.get("run_dir") else None,
-                         log_level=str(declared_value(logger_cfg, "level", LOGGER, "logger")),
-                         seed=int(cfg["seed"]) if cfg.get("seed") is not None else None, niceness=os.nice(0),
-                         secrets=known_secrets())
+                         load_plugins=os.environ.get("NEXRL_LOAD_PLUGINS"), run_dir=run.run_dir or None,
+                         log_level=run.logger.level, seed=run.seed, niceness=os.nice(0), secrets=known_secrets())
 
     def _in_process_plugins(self) -> list[tuple[str, Any, str, str]]:
         if self._pm is None:

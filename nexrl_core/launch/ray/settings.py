@@ -1,16 +1,14 @@
-"""The recipe's ``ray:`` section (declared, with its defaults, in :data:`nexrl_core.config.schema.RAY`,
-and checked there like every core key), read without importing Ray: ``nexrl validate`` checks a
-Ray recipe on a machine without Ray, and says what to install."""
+"""What the Ray launcher does with the recipe's ``ray:`` section (declared, with its defaults, as
+:class:`nexrl_core.config.schema.RaySectionSettings`, and checked there like every core key), read
+without importing Ray: ``nexrl validate`` checks a Ray recipe on a machine without Ray, and says what
+to install."""
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
 
-from ...config.bound import declared_value
-from ...config.options import option_defaults
-from ...config.schema import RAY, ROLLOUT_WORKER
+from ...config.schema import RayResourceSettings, RecipeSettings
 
 #: Calls that last as long as the work they do (model load, checkpoint, weight push, waits on
 #: other modules, stop): not bounded by ``ray.call_timeout``. A module that dies still fails
@@ -24,13 +22,16 @@ UNBOUNDED_METHODS = frozenset({
 
 @dataclass
 class RaySettings:
+    """The declared ``ray`` section as the launcher uses it: the cluster's address with
+    ``$RAY_ADDRESS`` in, each role's reservation typed (a null one left out), the environment as text."""
+
     address: str | None
     num_cpus: float | None
     num_gpus: float | None
     object_store_memory: int | None
     call_timeout: float | None
     colocation: dict[str, str | None]
-    resources: dict[str, dict[str, Any]]
+    resources: dict[str, RayResourceSettings]
     max_concurrency: int | None
     env_vars: dict[str, str]
     num_worker_actors: int = 1
@@ -38,31 +39,20 @@ class RaySettings:
     placement_timeout: float | None = None
 
     @classmethod
-    def from_config(cls, config: Any) -> RaySettings:
-        """From a loaded recipe (every key present); a partial mapping gets the schema's defaults."""
-        section = {**option_defaults(RAY), **(_plain(config.get("ray")) or {})}
-        colocation = {**option_defaults(RAY["colocation"].options), **(section["colocation"] or {})}
-        workers = config.get("rollout_worker") or {}
+    def of(cls, settings: RecipeSettings) -> RaySettings:
+        ray = settings.ray
         return cls(
-            address=section["address"] or os.environ.get("RAY_ADDRESS") or None,
-            num_cpus=section["num_cpus"],
-            num_gpus=section["num_gpus"],
-            object_store_memory=section["object_store_memory"],
-            call_timeout=section["call_timeout"],
-            colocation=colocation,
-            resources={k: {n: a for n, a in (v or {}).items() if a is not None}
-                       for k, v in section["resources"].items()},
-            max_concurrency=section["max_concurrency"],
-            env_vars={str(k): str(v) for k, v in section["env_vars"].items()},
-            num_worker_actors=int(declared_value(workers, "num_actors", ROLLOUT_WORKER, "rollout_worker")),
-            private_network=section["private_network"],
-            placement_timeout=section["placement_timeout"],
+            address=ray.address or os.environ.get("RAY_ADDRESS") or None,
+            num_cpus=ray.num_cpus,
+            num_gpus=ray.num_gpus,
+            object_store_memory=ray.object_store_memory,
+            call_timeout=ray.call_timeout,
+            colocation=dict(ray.colocation),
+            resources={role: RayResourceSettings.of(wants, f"ray.resources.{role}")
+                       for role, wants in ray.resources.items() if wants is not None},
+            max_concurrency=ray.max_concurrency,
+            env_vars={str(k): str(v) for k, v in ray.env_vars.items()},
+            num_worker_actors=settings.rollout_worker.num_actors,
+            private_network=ray.private_network,
+            placement_timeout=ray.placement_timeout,
         )
-
-
-def _plain(section: Any) -> Any:
-    if section is None or isinstance(section, dict):
-        return section
-    from omegaconf import OmegaConf
-
-    return OmegaConf.to_container(section, resolve=True)

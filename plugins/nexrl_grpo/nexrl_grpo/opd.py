@@ -24,7 +24,6 @@ does not involve the teacher and averages to zero over the student's own samples
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -32,15 +31,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from nexrl_core import Batch, ConfigError, Settings, algorithms, setting
+from nexrl_core import Batch, ConfigError, Settings, TrainerParts, setting
 from nexrl_torch.train.service import ROW_OUTPUTS
 
 from .losses import MAX_LOG_RATIO, LossAggMode, LossContext, _aggregate, _clipped_surrogate, masked_mean
+from .opd_settings import DistillationSettings, kl_quantile_mask, range_problems, token_range_mask
 from .trainers import LossFn, SelfHostedTrainer, TrajectoryView, served_log_probs
 
 TEACHER = "service.reference_service"
-# Rounding slack of a fraction times a token count (0.29 * 100 is 28.999999999999996 in floats).
-_FRACTION_EPS = 1e-9
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,30 +52,10 @@ class OpdClip(Settings):
 
 
 @dataclass(frozen=True, kw_only=True)
-class TokenRange(Settings):
-    """Which part of each sample's trained tokens the loss trains on, by position."""
+class OpdSettings(DistillationSettings):
+    """The ``algorithm.*`` keys of ``self_hosted_opd``: the distillation keys every OPD trainer
+    reads (:class:`~nexrl_grpo.opd_settings.DistillationSettings`) and this trainer's loss."""
 
-    start: float = setting(0.0, "first trained token, as a fraction of the sample's trained tokens (0: the first)",
-                           ge=0.0, lt=1.0)
-    end: float = setting(1.0, "end of the range (exclusive), as a fraction of the sample's trained tokens "
-                              "(1: through the last)", gt=0.0, le=1.0)
-
-
-@dataclass(frozen=True, kw_only=True)
-class KlQuantileRange(Settings):
-    """Which of the batch's tokens the loss trains on, by their reverse KL to the teacher."""
-
-    start: float = setting(0.0, "lower quantile of the batch's per-token reverse KL (0: its minimum)", ge=0.0,
-                           lt=1.0)
-    end: float = setting(1.0, "upper quantile (1: its maximum); tokens between the two are trained", gt=0.0, le=1.0)
-
-
-@dataclass(frozen=True, kw_only=True)
-class OpdSettings(Settings):
-    """The ``algorithm.*`` keys of ``self_hosted_opd``."""
-
-    kl_coef: float = setting(1.0, "weight of the per-token reverse KL to the teacher (NexRL's distillation_coeff)",
-                             gt=0.0)
     ppo_epochs: int = setting(1, "updates per batch (1: on-policy, the student's ratio to itself is exactly 1)", ge=1)
     loss_agg_mode: LossAggMode = setting("token-mean", "how per-token losses reduce to the batch loss "
                                                        "(docs/algorithms.md, Aggregation)")
@@ -86,42 +64,9 @@ class OpdSettings(Settings):
                                               needs=".loss_agg_mode == seq-mean-token-sum-norm")
     clip: OpdClip = setting(OpdClip, "clipping of the student's ratio to itself at the step's start; it acts "
                                      "from the second update of a batch on", needs=".ppo_epochs > 1")
-    token_range: TokenRange = setting(TokenRange, "train on part of each sample's tokens, by position "
-                                                  "(NexRL's train_token_start_pct / train_token_end_pct)")
-    kl_quantile_range: KlQuantileRange = setting(KlQuantileRange, "train on the tokens whose reverse KL lies between "
-                                                                  "two quantiles of the batch's (NexRL's "
-                                                                  "advantage_start_pct / advantage_end_pct)")
 
 
 # -- the pieces, on tensors -------------------------------------------------------------------------
-
-def token_range_mask(mask: np.ndarray, start: float, end: float) -> np.ndarray:
-    """``[N, T]`` 0/1: of each row's set tokens (``mask`` > 0, ``n`` of them, in order), those with
-    index ``i`` in ``[floor(start * n), floor(end * n))``; at least the first of them when that is
-    empty, so a row with a trained token keeps one."""
-    out = np.zeros(mask.shape, dtype=np.float32)
-    for row in range(mask.shape[0]):
-        positions = np.nonzero(mask[row] > 0)[0]
-        n = len(positions)
-        if not n:
-            continue
-        first = min(math.floor(start * n + _FRACTION_EPS), n - 1)
-        last = min(max(math.floor(end * n + _FRACTION_EPS), first + 1), n)
-        out[row, positions[first:last]] = 1.0
-    return out
-
-
-def kl_quantile_mask(kl: np.ndarray, mask: np.ndarray, start: float, end: float) -> np.ndarray:
-    """``[N, T]`` 0/1: the set tokens of ``mask`` whose ``kl`` lies between the ``start`` and ``end``
-    quantiles (linear interpolation) of the set tokens' values, both ends included."""
-    chosen = mask > 0
-    if not chosen.any():
-        return np.zeros(mask.shape, dtype=np.float32)
-    values = kl[chosen].astype(np.float64)
-    low, high = np.quantile(values, [start, end])
-    keep = chosen & (kl >= low) & (kl <= high)
-    return keep.astype(np.float32)
-
 
 def reverse_kl_loss(
     log_prob: torch.Tensor,
@@ -182,29 +127,16 @@ class SelfHostedOpdTrainer(SelfHostedTrainer):
     # The teacher is the reference service; this trainer always scores against it.
     REFERENCE_SERVICE_NEEDS = "algorithm.kl_coef > 0"
 
-    def __init__(self, config: Mapping[str, Any]):
-        super().__init__(config)
-        self._settings: OpdSettings | None = None
+    def __init__(self, config: Mapping[str, Any], parts: TrainerParts | None = None):
+        super().__init__(config, parts)
+        # The recipe's `algorithm` section, checked as `nexrl validate` checks it: a bad one fails here.
+        self.settings = self.select_algorithm(OpdSettings)[1]
+        self._ppo_epochs = self.settings.ppo_epochs
         self.teacher: Any = None  # service.reference_service's client
-
-    @property
-    def settings(self) -> OpdSettings:
-        """The recipe's ``algorithm`` section, checked as ``nexrl validate`` checks it (resolved once)."""
-        if self._settings is None:
-            selection = algorithms.select_algorithms(type(self), self._algorithm, self.algorithm_registry)
-            self._settings = OpdSettings.of(selection.options, "algorithm")
-            self._ppo_epochs = self._settings.ppo_epochs
-        return self._settings
 
     @classmethod
     def algorithm_option_problems(cls, options: Mapping[str, Any]) -> list[str]:
-        problems = []
-        for key in ("token_range", "kl_quantile_range"):
-            section = options[key]
-            if section["start"] >= section["end"]:
-                problems.append(f"algorithm.{key}: start ({section['start']}) must be below end ({section['end']}), "
-                                f"or no token is left to train on")
-        return problems
+        return range_problems(options)
 
     @classmethod
     def check_recipe(cls, recipe: dict[str, Any]) -> list[str]:
@@ -218,7 +150,6 @@ class SelfHostedOpdTrainer(SelfHostedTrainer):
                 f"with the student's tokenizer>}})"]
 
     def initialize_workers(self) -> None:
-        self.settings  # noqa: B018 - a bad algorithm section fails before the models load
         super().initialize_workers()
         if self.teacher is None:
             self.teacher = self.create_reference_service()

@@ -22,8 +22,11 @@ from nexrl_core import (
     InferenceError,
     NexRLError,
     Option,
+    SampleResult,
     SamplingParams,
     Settings,
+    TrainerParts,
+    TrainOutput,
     Trajectory,
     algorithms,
     setting,
@@ -45,34 +48,34 @@ OBJECTIVES: tuple[str, ...] = get_args(Objective)
 LossFn = Callable[[torch.Tensor, dict[str, Any]], tuple[torch.Tensor, dict[str, Any]]]
 
 
-def _record_advantages(trajectories: list[Trajectory], advantages: torch.Tensor, mask: torch.Tensor,
-                       row_trajectory: list[int]) -> None:
-    """``trajectory["advantage"]``: the mean advantage over its response tokens (what samples.jsonl
-    and ``nexrl show`` report; one number per sample, as GRPO's is constant over the tokens)."""
-    sums, counts = [0.0] * len(trajectories), [0.0] * len(trajectories)
+def _sample_advantages(advantages: torch.Tensor, mask: torch.Tensor, row_trajectory: list[int]) -> dict[int, float]:
+    """Each sample's mean advantage over its trained tokens, by its index (what samples.jsonl and
+    ``nexrl show`` report; one number per sample, as GRPO's is constant over the tokens)."""
+    sums: dict[int, float] = {}
+    counts: dict[int, float] = {}
     per_row = (advantages * mask).sum(-1).tolist()
     tokens = mask.sum(-1).tolist()
     for row, i in enumerate(row_trajectory):
-        sums[i] += per_row[row]
-        counts[i] += tokens[row]
-    for traj, total, count in zip(trajectories, sums, counts):
-        if count:
-            traj["advantage"] = total / count
+        sums[i] = sums.get(i, 0.0) + per_row[row]
+        counts[i] = counts.get(i, 0.0) + tokens[row]
+    return {i: sums[i] / count for i, count in counts.items() if count}
 
 
-def _record_logprob_gaps(trajectories: list[Trajectory], rows: Mapping[str, list[float]], responses: torch.Tensor,
-                         row_trajectory: list[int], tokenizer: Any) -> None:
-    """``trajectory["logprob_gap"]``: the sample's own largest |trainer - rollout log-prob| over its
-    trained tokens (:func:`nexrl_core.algorithms.sample_logprob_gaps`) with the ``token`` text
-    where it is, from the loss's per-row values."""
+def _sample_logprob_gaps(rows: Mapping[str, list[float]], responses: torch.Tensor, row_trajectory: list[int],
+                         tokenizer: Any) -> dict[int, dict[str, Any]]:
+    """Each sample's own largest |trainer - rollout log-prob| over its trained tokens
+    (:func:`nexrl_core.algorithms.sample_logprob_gaps`) with the ``token`` text where it is, from
+    the loss's per-row values, by the sample's index."""
     if "logprob_gap" not in rows or "logprob_gap_position" not in rows:
-        return
+        return {}
     found = algorithms.sample_logprob_gaps(np.asarray(rows["logprob_gap"]), np.asarray(rows["logprob_gap_position"]),
                                            row_trajectory)
+    out = {}
     for i, (row, record) in found.items():
         if tokenizer is not None:
             record["token"] = tokenizer.decode([int(responses[row, record["position"]])])
-        trajectories[i]["logprob_gap"] = record
+        out[i] = record
+    return out
 
 
 def _per_token(advantages: Any, mask: torch.Tensor) -> torch.Tensor:
@@ -165,9 +168,8 @@ class SelfHostedTrainer(BaseTrainer):
         requires={"weight_sync:state_dict": "it trains new weights in this process, and without a backend that "
                                             "moves them, rollouts keep sampling the initial model"})
 
-    def __init__(self, config: Mapping[str, Any]):
-        super().__init__(config)
-        self._algorithm = self._full_config["algorithm"]
+    def __init__(self, config: Mapping[str, Any], parts: TrainerParts | None = None):
+        super().__init__(config, parts)
         self.train_service: LocalTorchTrainService | None = None
         self.pad_token_id = 0
         self._ppo_epochs = 1
@@ -311,26 +313,27 @@ class SelfHostedTrainer(BaseTrainer):
             return loss, {"pg_loss": float(loss.detach())}
         return loss_fn
 
-    def train(self, trajectories: list[Trajectory]) -> dict[str, float]:
+    def train(self, trajectories: list[Trajectory]) -> TrainOutput:
         t0 = time.perf_counter()
         batch = self._process_trajectories(trajectories)
         lengths = batch.values["response_mask"].sum(-1)  # before a sample-level mask
         response_mask = batch.values["response_mask"]
         batch, metrics = self._prepare_batch(batch)
         metrics = dict(metrics or {})
+        advantages: dict[int, float] = {}
         if "advantages" in batch.values:
             batch.values["advantages"] = _per_token(batch.values["advantages"], response_mask)
-            _record_advantages(trajectories, batch.values["advantages"], response_mask,
-                               batch.metadata["row_trajectory"])
+            advantages = _sample_advantages(batch.values["advantages"], response_mask,
+                                            batch.metadata["row_trajectory"])
         t1 = time.perf_counter()
         tensors = {k: v for k, v in batch.values.items() if isinstance(v, torch.Tensor)}
         # A sample-level mask that left nothing to train on: no optimizer step (Adam's momentum
         # alone would still move the weights).
         skip = not bool(batch.values["response_mask"].any())
         metrics.update({"train/update_skipped": 1.0} if skip else self._update(batch, tensors))
-        if batch.metadata.get(ROW_OUTPUTS):
-            _record_logprob_gaps(trajectories, batch.metadata[ROW_OUTPUTS], batch.values["responses"],
-                                 batch.metadata["row_trajectory"], getattr(self.train_service, "tokenizer", None))
+        gaps = _sample_logprob_gaps(batch.metadata[ROW_OUTPUTS], batch.values["responses"],
+                                    batch.metadata["row_trajectory"], getattr(self.train_service, "tokenizer", None)) \
+            if batch.metadata.get(ROW_OUTPUTS) else {}
         t2 = time.perf_counter()
         meta = batch.metadata
         trained = float(batch.values["response_mask"].sum())
@@ -345,7 +348,9 @@ class SelfHostedTrainer(BaseTrainer):
             "timing/prepare_s": t1 - t0,
             "timing/update_s": t2 - t1,
         })
-        return metrics
+        samples = {i: SampleResult(advantage=advantages.get(i), logprob_gap=gaps.get(i))
+                   for i in sorted(advantages.keys() | gaps.keys())}
+        return TrainOutput(metrics, samples)
 
     def _update(self, batch: Batch, tensors: dict[str, torch.Tensor]) -> dict[str, float]:
         """``ppo_epochs`` updates of the model on the batch; the last one's metrics, as ``train/*``
@@ -433,9 +438,8 @@ class GrpoSettings(Settings):
 
 @dataclass(frozen=True)
 class GrpoAlgorithm:
-    """What a GRPO trainer resolves of its ``algorithm`` section, once: it needs the algorithm
-    registry, which the launcher hands in after construction (a selected function may recommend
-    defaults for the trainer's own keys)."""
+    """What a GRPO trainer builds of its ``algorithm`` section, once, in its constructor (a
+    selected function may recommend defaults for the trainer's own keys)."""
 
     selection: algorithms.AlgorithmSelection
     settings: GrpoSettings
@@ -495,39 +499,22 @@ class SelfHostedGrpoTrainer(SelfHostedTrainer):
                             "weights each token by the sampler's log-prob of it")
         return problems
 
-    def __init__(self, config: Mapping[str, Any]):
-        super().__init__(config)
-        self._resolved: GrpoAlgorithm | None = None
+    def __init__(self, config: Mapping[str, Any], parts: TrainerParts | None = None):
+        super().__init__(config, parts)
+        # selection: the estimator, the loss and every algorithm.* value (theirs included); settings:
+        # this trainer's own keys. A bad algorithm section fails here, before any model loads.
+        selection, settings = self.select_algorithm(GrpoSettings)
+        self.selection, self.settings = selection, settings
+        critic = CriticAlgorithmSettings.own(selection.options, "algorithm") if selection.requires("values") else None
+        self.algorithm = GrpoAlgorithm(selection, settings, critic, algorithms.get_kl_controller(settings.kl_ctrl),
+                                       algorithms.RewardProcessor(settings.reward_processing))
+        self._ppo_epochs = settings.ppo_epochs
         self._ref_model: torch.nn.Module | None = None
         self.reference_service: Any = None  # service.reference_service's client, when declared
         self.critic: CriticService | None = None
 
-    @property
-    def algorithm(self) -> GrpoAlgorithm:
-        """The recipe's estimator and loss, this trainer's typed settings and the state they build
-        (resolved once, when first read: the registry is handed in after construction)."""
-        if self._resolved is None:
-            selection = algorithms.select_algorithms(type(self), self._algorithm, self.algorithm_registry)
-            settings = GrpoSettings.own(selection.options, "algorithm")
-            critic = CriticAlgorithmSettings.own(selection.options, "algorithm") if selection.requires("values") \
-                else None
-            self._resolved = GrpoAlgorithm(selection, settings, critic, algorithms.get_kl_controller(settings.kl_ctrl),
-                                           algorithms.RewardProcessor(settings.reward_processing))
-            self._ppo_epochs = settings.ppo_epochs
-        return self._resolved
-
-    @property
-    def selection(self) -> algorithms.AlgorithmSelection:
-        """The recipe's estimator, loss and every ``algorithm.*`` value (theirs included)."""
-        return self.algorithm.selection
-
-    @property
-    def settings(self) -> GrpoSettings:
-        """This trainer's own ``algorithm.*`` keys, after the selected functions' recommended defaults."""
-        return self.algorithm.settings
-
     def initialize_workers(self) -> None:
-        algorithm = self.algorithm  # a bad algorithm section fails before the model loads
+        algorithm = self.algorithm
         settings = algorithm.settings
         super().initialize_workers()
         policy = self.service

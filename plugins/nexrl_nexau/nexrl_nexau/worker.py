@@ -29,6 +29,7 @@ from nexrl_core import (
     BaseRolloutWorker,
     ConfigError,
     ItemFailure,
+    RolloutParts,
     SamplingParams,
     Settings,
     Trajectory,
@@ -108,8 +109,8 @@ class BaseNexAURolloutWorker(BaseRolloutWorker):
 
     SETTINGS = NexAUWorkerSettings
 
-    def __init__(self, config: Mapping[str, Any]):
-        super().__init__(config)
+    def __init__(self, config: Mapping[str, Any], parts: RolloutParts | None = None):
+        super().__init__(config, parts)
         self.settings = settings = NexAUWorkerSettings.own(self._config, "rollout_worker")
         problems = self.settings_problems(settings)
         if problems:

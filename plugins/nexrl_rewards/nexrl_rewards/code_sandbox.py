@@ -12,7 +12,7 @@ import json
 import re
 from typing import Any
 
-from nexrl_core import BaseEvaluationTarget, ConfigError, EvaluationRunResult, Evaluator
+from nexrl_core import BaseEvaluationTarget, ConfigError, EvaluationRunResult, Evaluator, required_row_field
 
 from .options import KEY, choice, number, whole
 from .sandbox import ISOLATION_MODES, CaseRun, Limits, NamespacesRefused, Sandbox
@@ -84,7 +84,8 @@ class CodeSandboxEvaluator(Evaluator):
                  python: str | None = None):
         """The test cases, the scoring and the sandbox's limits (see docs/rewards.md).
 
-        :param test_cases_key: data field that holds the test cases [{input, output}, ...]
+        :param test_cases_key: data field that holds the test cases [{input, output}, ...]; a dotted path reads
+            a nested field
         :param reward_mode: fraction: the share of cases passed; all_or_nothing: 1 only when all pass
         :param compare: how stdout is compared: trailing_whitespace, exact or whitespace (the tokens)
         :param timeout_s: wall-clock limit per case, in seconds
@@ -170,7 +171,7 @@ class CodeSandboxEvaluator(Evaluator):
 
     def _test_cases(self, data: dict[str, Any]) -> list[dict[str, str]]:
         where = f"data item {data.get('uid')!r}: '{self.test_cases_key}'"
-        cases = data.get(self.test_cases_key)
+        cases = required_row_field(data, self.test_cases_key, f"{KEY}.test_cases_key")
         if isinstance(cases, str):  # a JSON column in a Parquet/JSONL file
             try:
                 cases = json.loads(cases)

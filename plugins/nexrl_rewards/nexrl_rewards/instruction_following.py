@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from nexrl_core import BaseEvaluationTarget, ConfigError, EvaluationRunResult, Evaluator
+from nexrl_core import BaseEvaluationTarget, ConfigError, EvaluationRunResult, Evaluator, row_field
 
 from .options import KEY, choice
 
@@ -512,8 +512,8 @@ class InstructionFollowingEvaluator(Evaluator):
                  after_thinking: bool = True):
         """Where the instructions are and how the reply is scored (see docs/rewards.md).
 
-        :param instructions_key: data field with the list of instructions (rows with IFEval's
-            instruction_id_list and kwargs are read without it)
+        :param instructions_key: data field with the list of instructions; a dotted path reads a nested field
+            (rows with IFEval's instruction_id_list and kwargs are read without it)
         :param mode: strict: the reply as written; loose: also after IFEval's loose changes (first or last line
             dropped, markdown * removed)
         :param reward_mode: fraction: the share of instructions followed; all_or_nothing: 1 only when all are
@@ -538,8 +538,8 @@ class InstructionFollowingEvaluator(Evaluator):
         """The data item's instructions (those of ``ignore_kinds`` left out); ValueError when it has
         none to check or one is malformed."""
         uid = data.get("uid")
-        if data.get(self.instructions_key) is not None:
-            specs = data[self.instructions_key]
+        specs = row_field(data, self.instructions_key)
+        if specs is not None:
             where = f"data item {uid!r} '{self.instructions_key}'"
             if isinstance(specs, str):
                 try:

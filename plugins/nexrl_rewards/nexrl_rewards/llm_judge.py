@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from nexrl_core import (
+    ANSWER_FIELDS,
     BaseEvaluationTarget,
     ConfigError,
     EvaluationRunResult,
@@ -25,6 +26,8 @@ from nexrl_core import (
     InferenceClient,
     SamplingParams,
     get_plugin_manager,
+    required_row_field,
+    row_field,
 )
 
 from .options import KEY as _KEY
@@ -187,8 +190,9 @@ class LLMJudgeEvaluator(Evaluator):
         :param service: required: the judge's inference backend mapping (backend: openai, hf, mock or any plugin's,
             and its keys); one client per distinct mapping is shared by the process's rollout workers
         :param prompt_template: text with {question}, {reference} and {response} (required)
-        :param question_key: data field that fills {question}
-        :param reference_key: data field that fills {reference}
+        :param question_key: data field that fills {question}; a dotted path reads a nested field
+        :param reference_key: data field that fills {reference}; a dotted path reads a nested field
+            (reward_model.ground_truth: verl's and NexRL's math rows)
         :param system_prompt: a system message before the prompt (chat only)
         :param use_chat: send chat messages (false: the text as a completion prompt)
         :param score_range: the scale of a numeric score, mapped to [0, 1]
@@ -252,7 +256,7 @@ class LLMJudgeEvaluator(Evaluator):
             score, found_in = parsed
             passed = score >= self.pass_threshold
             return EvaluationRunResult(
-                reward=score, ground_truth=str(data.get(self.reference_key, "")),
+                reward=score, ground_truth=str(self._reference(data)),
                 metrics={"accuracy": float(passed), "judge_score": score, "judge_attempts": float(attempt + 1)},
                 extra_info={"reason": None if passed else "judged_incorrect", "found_in": found_in,
                             "judge_reply": reply[:_SHOWN_REPLY], "attempts": attempt + 1, "problems": problems})
@@ -263,15 +267,18 @@ class LLMJudgeEvaluator(Evaluator):
         values = {"response": response}
         for name, key in (("question", self.question_key), ("reference", self.reference_key)):
             if "{" + name + "}" in self.prompt_template:
-                if data.get(key) in (None, ""):
-                    raise ValueError(f"data item {data.get('uid')!r} has no '{key}' for the judge prompt's "
-                                     f"{{{name}}} ({_KEY}.{name}_key)")
-                values[name] = _as_text(data[key])
+                values[name] = _as_text(required_row_field(data, key, f"{_KEY}.{name}_key",
+                                                           ANSWER_FIELDS if name == "reference" else ()))
         text = _PLACEHOLDER.sub(lambda m: values[m.group(1)], self.prompt_template)
         if not self.use_chat:
             return text
         messages = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
         return messages + [{"role": "user", "content": text}]
+
+    def _reference(self, data: dict[str, Any]) -> Any:
+        """The reference answer, or "" when the row has none (a template without {reference})."""
+        reference = row_field(data, self.reference_key)
+        return "" if reference is None else reference
 
 
 def _as_text(value: Any) -> str:

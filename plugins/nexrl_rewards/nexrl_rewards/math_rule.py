@@ -10,11 +10,17 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from nexrl_core import BaseEvaluationTarget, ConfigError, EvaluationRunResult, Evaluator
+from nexrl_core import (
+    ANSWER_FIELDS,
+    BaseEvaluationTarget,
+    ConfigError,
+    EvaluationRunResult,
+    Evaluator,
+    required_row_field,
+)
 
 from .extract import EXTRACTORS, as_math, extract_answer
 from .options import KEY, number, whole
-from .rows import field_at, missing_field
 from .verify_pool import shared_pool
 
 # Why a reply scored 0 (extra_info["reason"]); None when it is correct.
@@ -49,6 +55,8 @@ class MathRuleEvaluator(Evaluator):
                  extract_order: Sequence[str] = ("boxed", "final_answer", "last_number"),
                  format_reward: float = 0.0,
                  format_pattern: str = r"\\boxed\{",
+                 wrong_answer_reward: float = 0.0,
+                 after_thinking: bool = False,
                  timeout_s: float = 5.0,
                  verify_workers: int = 2,
                  verify_memory_mb: int = 2048):
@@ -60,6 +68,10 @@ class MathRuleEvaluator(Evaluator):
             last_number
         :param format_reward: added to the reward when the reply matches format_pattern
         :param format_pattern: regular expression searched in the reply
+        :param wrong_answer_reward: the reward of a reply whose answer was found but is not equal (NexRL's math
+            scoring gave 0.1)
+        :param after_thinking: score only the text after the reply's first `</think>`; a reply that opens
+            `<think>` and never closes it has no answer (NexRL's math scoring)
         :param timeout_s: seconds math-verify may spend on one sample
         :param verify_workers: math-verify worker processes (shared by the evaluators of the process)
         :param verify_memory_mb: address-space limit of each math-verify worker, in MB
@@ -75,17 +87,22 @@ class MathRuleEvaluator(Evaluator):
         self.answer_key = answer_key
         self.extract_order = order
         self.format_reward = number(format_reward, "format_reward")
+        self.wrong_answer_reward = number(wrong_answer_reward, "wrong_answer_reward")
+        if not isinstance(after_thinking, bool):
+            raise ConfigError(f"{KEY}.after_thinking: expected true or false, got {after_thinking!r}")
+        self.after_thinking = after_thinking
         self.timeout_s = number(timeout_s, "timeout_s", positive=True)
         self.verify_workers = whole(verify_workers, "verify_workers", low=1)
         self.verify_memory_mb = whole(verify_memory_mb, "verify_memory_mb", low=256)
 
     def evaluate(self, data: dict[str, Any], evaluation_target: BaseEvaluationTarget) -> EvaluationRunResult:
-        truth_value = field_at(data, self.answer_key)
-        if truth_value in (None, ""):
-            # A data problem, not the model's: the sample fails instead of scoring a silent 0.
-            raise missing_field(data, self.answer_key, f"{KEY}.answer_key")
-        truth = str(truth_value)
+        truth = str(required_row_field(data, self.answer_key, f"{KEY}.answer_key", ANSWER_FIELDS))
         reply = evaluation_target.final_answer
+        unclosed = False
+        if self.after_thinking and "</think>" in reply:
+            reply = reply.split("</think>", 2)[1]
+        elif self.after_thinking and "<think>" in reply:
+            reply, unclosed = "", True  # still thinking when it stopped
         format_ok = self._format.search(reply) is not None
         extracted, extracted_by = extract_answer(reply, self.extract_order)
         info: dict[str, Any] = {"reason": None, "extracted": extracted, "extracted_by": extracted_by,
@@ -93,7 +110,8 @@ class MathRuleEvaluator(Evaluator):
         correct = False
         if extracted is None:
             info["reason"] = NO_ANSWER
-            info["detail"] = f"no answer found by {', '.join(self.extract_order)}"
+            info["detail"] = "the reply's <think> is never closed" if unclosed else \
+                f"no answer found by {', '.join(self.extract_order)}"
         else:
             verdict = shared_pool(self.verify_workers, self.verify_memory_mb).check(
                 as_math(truth), as_math(extracted), self.timeout_s)
@@ -112,7 +130,8 @@ class MathRuleEvaluator(Evaluator):
             else:
                 info["reason"] = NOT_EQUIVALENT
                 info["detail"] = f"{verdict['pred'][0]} != {verdict['gold'][0]}"
-        reward = float(correct) + (self.format_reward if format_ok else 0.0)
+        base = 1.0 if correct else self.wrong_answer_reward if extracted is not None else 0.0
+        reward = base + (self.format_reward if format_ok else 0.0)
         return EvaluationRunResult(
             reward=reward, ground_truth=truth,
             metrics={"accuracy": float(correct), "answer_found": float(extracted is not None),

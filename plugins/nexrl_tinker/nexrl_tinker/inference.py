@@ -215,6 +215,47 @@ class TinkerInferenceClient(InferenceClient):
                                 prompt_token_ids=prompt_ids, response_token_ids=tokens,
                                 response_logprobs=logprobs or None, model_version=version)
 
+    def score(self, requests: list[tuple[list[int], list[int], float]]) -> list[list[float]]:
+        """The log-prob of each response token given the prompt and the tokens before it: the
+        sampling client's ``compute_logprobs`` (a teacher's scores of the student's tokens, for
+        ``remote_api_opd``), the requests sent concurrently. Temperature 1 only (or 0, whose
+        log-probs are those at 1): the service scores at no other."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        from tinker import types
+
+        with self._lock:
+            handed = self._sampler is not None
+        if not (handed or self.base_model or self.remote_path):  # what the served-weights probe asks first
+            raise NotImplementedError("the tinker backend has nothing to score with before the tinker weight sync "
+                                      "hands it the trainer's sampler (nor a base_model)")
+        sampler, version = self._current()
+
+        def one(request: tuple[list[int], list[int], float]) -> list[float]:
+            prompt, response, temperature = request
+            if SamplingParams(temperature=float(temperature)).logprob_temperature != 1.0:
+                raise InferenceError(f"the tinker backend scores tokens at temperature 1 only, not {temperature}")
+            if not response:
+                return []
+            if not prompt:
+                raise InferenceError("the tinker backend scores a response after a prompt of at least one token")
+            ids = [int(t) for t in (*prompt, *response)]
+            what = f"compute_logprobs ({len(prompt)} prompt + {len(response)} response tokens, weights v{version})"
+            try:
+                values = self._calls.call(what, lambda: sampler.compute_logprobs(
+                    types.ModelInput.from_ints(ids), prompt_logprobs_last_n=len(response)), repeatable=True)
+            except TinkerRequestError as exc:
+                raise InferenceError(str(exc)) from exc.__cause__
+            scored = list(values or [])[-len(response):]
+            if len(scored) != len(response) or any(v is None for v in scored):
+                raise InferenceError(f"Tinker {what}: no log-prob for some of the {len(response)} response tokens")
+            return [float(v) for v in scored]
+
+        if len(requests) <= 1:
+            return [one(r) for r in requests]
+        with ThreadPoolExecutor(max_workers=min(len(requests), 16), thread_name_prefix="tinker-score") as pool:
+            return list(pool.map(one, requests))
+
     def health_check(self) -> bool:
         """The service answers ``get_server_capabilities`` (as the openai backend's ``GET /models``); a
         failure raises, naming the service and why, which the run's health check reports."""

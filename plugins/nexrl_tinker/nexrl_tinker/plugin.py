@@ -1,5 +1,5 @@
-"""Entry point of nexrl-tinker: registers the remote-API trainers, the tinker train service, and the tinker
-inference and weight-sync backends."""
+"""Entry point of nexrl-tinker: registers the remote-API trainers (on-policy distillation where nexrl-grpo is
+installed), the tinker train service, and the tinker inference and weight-sync backends."""
 
 from nexrl_core import hookimpl
 
@@ -11,7 +11,14 @@ from .weights import TinkerWeightSync
 
 @hookimpl
 def nexrl_trainers():
-    return {"remote_api_grpo": RemoteApiGrpoTrainer, "remote_api_cross_entropy": RemoteApiCrossEntropyTrainer}
+    trainers = {"remote_api_grpo": RemoteApiGrpoTrainer, "remote_api_cross_entropy": RemoteApiCrossEntropyTrainer}
+    try:  # on-policy distillation reads nexrl-grpo's distillation keys (the extra nexrl-tinker[opd])
+        from .opd import RemoteApiOpdTrainer
+    except ModuleNotFoundError as exc:
+        if not (exc.name or "").startswith("nexrl_grpo"):
+            raise
+        return trainers
+    return {**trainers, "remote_api_opd": RemoteApiOpdTrainer}
 
 
 @hookimpl

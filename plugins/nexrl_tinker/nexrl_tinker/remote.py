@@ -96,7 +96,7 @@ def plain_section(section: Mapping[str, Any] | None, path: str) -> dict[str, Any
     """A recipe section as a plain dict, interpolations (``${oc.env:TINKER_API_KEY}``) resolved."""
     if section is None:
         return {}
-    if hasattr(section, "to_dict"):  # a BoundConfig
+    if hasattr(section, "to_dict"):  # a Section (nexrl_core.config.settings)
         return section.to_dict()
     if hasattr(section, "_get_node"):  # an OmegaConf node
         from omegaconf import OmegaConf

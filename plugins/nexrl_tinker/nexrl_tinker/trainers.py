@@ -33,9 +33,12 @@ from nexrl_core import (
     DataError,
     NexRLError,
     Option,
+    SampleResult,
     SamplingParams,
     Settings,
     StepResult,
+    TrainerParts,
+    TrainOutput,
     Trajectory,
     algorithms,
     setting,
@@ -121,9 +124,8 @@ class RemoteApiTrainer(BaseTrainer):
         return "trains on a remote train service (Tinker)"
     ALGORITHM_OPTIONS: dict[str, Option] = {}
 
-    def __init__(self, config: Mapping[str, Any]):
-        super().__init__(config)
-        self._algorithm = self._full_config["algorithm"]
+    def __init__(self, config: Mapping[str, Any], parts: TrainerParts | None = None):
+        super().__init__(config, parts)
         self.train_service: TinkerTrainService | None = None
 
     def initialize_workers(self) -> None:
@@ -147,7 +149,8 @@ class RemoteApiTrainer(BaseTrainer):
     @abstractmethod
     def _prepare_trajectories(self, trajectories: list[Trajectory], metrics: dict[str, Any]) -> list[Trajectory]:
         """Algorithm-specific preparation (advantages...): returns the trajectories to train on,
-        and adds its metrics (``train/...``) to ``metrics``."""
+        and adds its metrics (``train/...``) to ``metrics``. ``trajectories`` are this step's own
+        copies of the pool's (keys may be set on them: the pool's stay as they were)."""
 
     def loss(self) -> tuple[str, dict[str, float] | None]:
         """The service's loss function for this step: its name and ``loss_fn_config``. This
@@ -167,13 +170,20 @@ class RemoteApiTrainer(BaseTrainer):
         """Metrics from the service's per-datum outputs (the log-probs it computed)."""
         return {}
 
+    def _sample_results(self, trajectories: list[Trajectory], datums: list[Any], result: StepResult
+                        ) -> dict[int, SampleResult]:
+        """What the step computed per sample, by the index of the sample in the list :meth:`train`
+        was given (``trajectories`` are the prepared ones)."""
+        return {}
+
     # -- one step ----------------------------------------------------------------------------
-    def train(self, trajectories: list[Trajectory]) -> dict[str, float]:
+    def train(self, trajectories: list[Trajectory]) -> TrainOutput:
         t0 = time.perf_counter()
         metrics: dict[str, float] = {}
-        trajectories = self._prepare_trajectories(trajectories, metrics)
+        # Shallow copies: a _prepare_trajectories written as the seed's guide shows sets keys on them.
+        trajectories = self._prepare_trajectories([cast(Trajectory, dict(t)) for t in trajectories], metrics)
         if not trajectories:  # a sample-level mask left nothing to train on: no optimizer step
-            return {**metrics, "train/update_skipped": 1.0, "timing/prepare_s": time.perf_counter() - t0}
+            return TrainOutput({**metrics, "train/update_skipped": 1.0, "timing/prepare_s": time.perf_counter() - t0})
         datums = self._convert_trajectories_to_datums(trajectories)
         name, config = self.loss()
         t1 = time.perf_counter()
@@ -189,7 +199,7 @@ class RemoteApiTrainer(BaseTrainer):
             "timing/prepare_s": t1 - t0,
             "timing/update_s": t2 - t1,
         })
-        return metrics
+        return TrainOutput(metrics, self._sample_results(trajectories, datums, result))
 
     # -- state --------------------------------------------------------------------------------
     def export_weights(self) -> Any:
@@ -234,16 +244,6 @@ class RemoteGrpoSettings(Settings):
                                              "before advantages; per domain with domains.<name>")
 
 
-@dataclass(frozen=True)
-class RemoteGrpoAlgorithm:
-    """What the trainer resolves of its ``algorithm`` section, once: it needs the algorithm registry,
-    which the launcher hands in after construction."""
-
-    selection: algorithms.AlgorithmSelection
-    settings: RemoteGrpoSettings
-    reward_processor: algorithms.RewardProcessor
-
-
 class RemoteApiGrpoTrainer(RemoteApiTrainer):
     """GRPO-family RL through a remote API: advantages from the core's estimator registry
     (``algorithm.type``, the same functions ``self_hosted_grpo`` uses), grouped by ``uid``; the
@@ -258,10 +258,13 @@ class RemoteApiGrpoTrainer(RemoteApiTrainer):
     ALGORITHM_SELECTORS = {"type": "advantage_estimator"}
     DEFAULT_CLIP_RATIO = 0.2
 
-    def __init__(self, config: Mapping[str, Any]):
-        super().__init__(config)
-        self._resolved: RemoteGrpoAlgorithm | None = None
-        self._prepared_from: list[Trajectory] = []  # this step's pool trajectories, one per prepared one
+    def __init__(self, config: Mapping[str, Any], parts: TrainerParts | None = None):
+        super().__init__(config, parts)
+        # selection: the estimator and every algorithm.* value (its own included); settings: this
+        # trainer's own keys. A bad algorithm section fails here, before the service is built.
+        self.selection, self.settings = self.select_algorithm(RemoteGrpoSettings)
+        self.reward_processor = algorithms.RewardProcessor(self.settings.reward_processing)  # with its running state
+        self._prepared_from: list[int] = []  # the index of the pool's trajectory behind each prepared one
 
     @classmethod
     def algorithm_option_problems(cls, options: Mapping[str, Any]) -> list[str]:
@@ -287,41 +290,11 @@ class RemoteApiGrpoTrainer(RemoteApiTrainer):
         return ("the Tinker service scores tokens at temperature 1 only, so the importance ratio of "
                 "algorithm.loss_fn would compare two different distributions")
 
-    @property
-    def algorithm(self) -> RemoteGrpoAlgorithm:
-        """The recipe's estimator, this trainer's typed settings and the reward processing they build
-        (resolved once, when first read: the registry is handed in after construction)."""
-        if self._resolved is None:
-            selection = algorithms.select_algorithms(type(self), self._algorithm, self.algorithm_registry)
-            settings = RemoteGrpoSettings.own(selection.options, "algorithm")
-            self._resolved = RemoteGrpoAlgorithm(selection, settings,
-                                                 algorithms.RewardProcessor(settings.reward_processing))
-        return self._resolved
-
-    @property
-    def selection(self) -> algorithms.AlgorithmSelection:
-        """The recipe's estimator and every ``algorithm.*`` value (the estimator's included)."""
-        return self.algorithm.selection
-
-    @property
-    def settings(self) -> RemoteGrpoSettings:
-        """This trainer's own ``algorithm.*`` keys."""
-        return self.algorithm.settings
-
-    @property
-    def reward_processor(self) -> algorithms.RewardProcessor:
-        """The reward post-processing of ``algorithm``, with its running state."""
-        return self.algorithm.reward_processor
-
     def algorithm_state(self) -> dict[str, Any]:
         return {"reward_running": self.reward_processor.state_dict()}
 
     def load_algorithm_state(self, state: dict[str, Any]) -> None:
         self.reward_processor.load_state_dict(state.get("reward_running", {}))
-
-    def initialize_workers(self) -> None:
-        self.algorithm  # noqa: B018 - a bad algorithm section fails before the service is built
-        super().initialize_workers()
 
     def loss(self) -> tuple[str, dict[str, float] | None]:
         settings = self.settings
@@ -350,7 +323,7 @@ class RemoteApiGrpoTrainer(RemoteApiTrainer):
         mask = _padded(masks)
         rewards = np.asarray([trajectory_reward(t) for t in trajectories], dtype=np.float64)
         group_ids = [t.get("uid") for t in trajectories]
-        estimate = self.algorithm.selection.bound("type")
+        estimate = self.selection.bound("type")
         # The seed's order, as in self_hosted_grpo: sample-level mask -> reward post-processing (per
         # domain) -> token-level reward -> advantages.
         truncated = np.asarray([algorithms.response_truncated(t, len(t.get("response_token_ids") or []))
@@ -360,12 +333,11 @@ class RemoteApiGrpoTrainer(RemoteApiTrainer):
         token_rewards = algorithms.scores_to_token_level(processed.rewards, mask)
         advantages, _ = estimate(algorithms.AdvantageInputs(token_rewards, mask, group_ids))
         advantages = np.asarray(advantages, dtype=np.float64)
-        # New dicts: the pool's trajectories are left as they were. A masked sample leaves the
-        # loss (it still counted in its group's statistics above).
+        # A masked sample leaves the loss (it still counted in its group's statistics above).
         prepared = [{**t, "advantages": row[:len(m)].tolist()}
                     for t, row, m, keep in zip(trajectories, advantages, masks, processed.sample_mask) if keep]
-        # The pool's trajectory behind each prepared one: samples.jsonl records its log-prob gap.
-        self._prepared_from = [t for t, keep in zip(trajectories, processed.sample_mask) if keep]
+        # The sample behind each prepared one: samples.jsonl records its log-prob gap.
+        self._prepared_from = [i for i, keep in enumerate(processed.sample_mask) if keep]
         _, group_std, _ = algorithms.group_stats(rewards, group_ids)
         valid = mask > 0
         metrics.update({
@@ -378,25 +350,37 @@ class RemoteApiGrpoTrainer(RemoteApiTrainer):
     def _output_metrics(self, trajectories: list[Trajectory], datums: list[Any], result: StepResult
                         ) -> dict[str, float]:
         """The rollout-vs-service log-prob mismatch of the trained tokens (the service's log-probs
-        are those of the weights the step started from); each sample's own largest gap goes to its
-        pool trajectory's ``logprob_gap`` (as the self-hosted trainers record it, without the token's
-        text: this trainer holds no tokenizer)."""
-        owners = [i for i, t in enumerate(trajectories) for _ in _segments(t)]
-        segments = [seg for t in trajectories for seg in _segments(t)]  # one per datum, in order
-        if len(result.outputs) != len(datums) or len(segments) != len(datums):
+        are those of the weights the step started from)."""
+        found = _logprob_rows(trajectories, datums, result)
+        return {} if found is None else algorithms.rollout_mismatch_metrics(*found)
+
+    def _sample_results(self, trajectories: list[Trajectory], datums: list[Any], result: StepResult
+                        ) -> dict[int, SampleResult]:
+        """Each sample's own largest log-prob gap (as the self-hosted trainers record it, without
+        the token's text: this trainer holds no tokenizer)."""
+        found = _logprob_rows(trajectories, datums, result)
+        if found is None or len(self._prepared_from) != len(trajectories):
             return {}
-        trainer, rollout, masks = [], [], []
-        for seg, datum, out in zip(segments, datums, result.outputs):
-            r = len(seg["response_token_ids"])
-            trainer.append(response_values(datum, out["logprobs"], r))
-            rollout.append(np.asarray(seg["response_logprobs"], dtype=np.float64))
-            masks.append(_segment_mask(seg))
-        trainer_lp, rollout_lp, mask = _padded(trainer), _padded(rollout), _padded(masks)
-        gaps, positions = algorithms.rollout_mismatch_per_row(trainer_lp, rollout_lp, mask)
-        if len(self._prepared_from) == len(trajectories):
-            for i, (_, record) in algorithms.sample_logprob_gaps(gaps, positions, owners).items():
-                self._prepared_from[i]["logprob_gap"] = record
-        return algorithms.rollout_mismatch_metrics(trainer_lp, rollout_lp, mask)
+        gaps, positions = algorithms.rollout_mismatch_per_row(*found)
+        owners = [i for i, t in enumerate(trajectories) for _ in _segments(t)]
+        return {self._prepared_from[i]: SampleResult(logprob_gap=record)
+                for i, (_, record) in algorithms.sample_logprob_gaps(gaps, positions, owners).items()}
+
+
+def _logprob_rows(trajectories: list[Trajectory], datums: list[Any], result: StepResult
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """The service's and the rollout's log-probs of each datum's response tokens and its trained
+    tokens, as padded ``[datums, T]`` arrays; None when the outputs do not match the datums."""
+    segments = [seg for t in trajectories for seg in _segments(t)]  # one per datum, in order
+    if len(result.outputs) != len(datums) or len(segments) != len(datums):
+        return None
+    trainer, rollout, masks = [], [], []
+    for seg, datum, out in zip(segments, datums, result.outputs):
+        r = len(seg["response_token_ids"])
+        trainer.append(response_values(datum, out["logprobs"], r))
+        rollout.append(np.asarray(seg["response_logprobs"], dtype=np.float64))
+        masks.append(_segment_mask(seg))
+    return _padded(trainer), _padded(rollout), _padded(masks)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -421,8 +405,8 @@ class RemoteApiCrossEntropyTrainer(RemoteApiTrainer):
     # Its data need not come from the model being trained: it works with any weight sync.
     CAPABILITIES = Capabilities(provides={TRAINER_CAPABILITY})
 
-    def __init__(self, config: Mapping[str, Any]):
-        super().__init__(config)
+    def __init__(self, config: Mapping[str, Any], parts: TrainerParts | None = None):
+        super().__init__(config, parts)
         self.settings = RemoteSftSettings.own(self._config, "trainer")
         # The inference backend's tokenizer settings, where it declares them (tinker, hf).
         inference = self._full_config["service"]["inference_service"]

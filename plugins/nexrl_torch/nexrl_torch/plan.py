@@ -9,11 +9,14 @@ What each term counts, in bytes (P parameters, T trainable ones, L layers, h hid
   linear weights (x 2), a frozen KL reference when the recipe needs one, the activations its
   backward keeps (tokens x L x (10 h + 4 kv + 4 intermediate) elements, bf16 under autocast), the LM
   head's float32 logits (capped as the fused head caps them) and their gradient, and with LoRA the
-  merged weights built at each push;
+  merged weights built at each push; with several ranks, each rank's share of the batch's prompt
+  groups, and under FSDP2 its shards plus what it gathers whole (the root's parameters and two
+  layers' through the forward and backward, one weight at a time when exporting);
 - engine: its weights in its dtype, the KV cache of the requests it decodes at once, and the decode
   step's logits.
 
-Checked against measured peaks in ``benchmarks/qwen3_shape_lora.py`` (CPU: the process's peak RSS).
+Checked against measured peaks in ``benchmarks/qwen3_shape_lora.py`` and, for LoRA on 2 FSDP2
+ranks, ``benchmarks/lora_fsdp_plan.py`` (CPU: each process's peak RSS).
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ class ModelShape:
     layers: int
     kv_dim: int  # key/value width: kv heads x head dim
     intermediate: int  # the MLP width one token goes through (a MoE: its active experts')
+    layer_params: int  # one decoder layer's (what FSDP2 gathers at a time)
+    largest: int  # elements of the largest tensor (the embedding, as a rule)
     model: torch.nn.Module  # the model on the meta device
 
 
@@ -68,10 +73,13 @@ def model_shape(settings: ModelSettings) -> ModelShape:
         head = model.get_output_embeddings()
         linear = sum(m.weight.numel() for m in model.modules()
                      if isinstance(m, torch.nn.Linear) and m is not head)
+        layers = getattr(getattr(model, "model", None), "layers", None) or []
         _SHAPES[path] = ModelShape(
             params=sum(p.numel() for p in model.parameters()), linear_params=linear, vocab=int(text.vocab_size),
             hidden=int(text.hidden_size), layers=int(text.num_hidden_layers), kv_dim=kv_heads * head_dim,
-            intermediate=intermediate, model=model)
+            intermediate=intermediate,
+            layer_params=sum(p.numel() for p in layers[0].parameters()) if len(layers) else 0,
+            largest=max(p.numel() for p in model.parameters()), model=model)
     return _SHAPES[path]
 
 
@@ -147,6 +155,7 @@ def train_service_plan(settings: TrainServiceSettings, inputs: PlanInputs) -> Me
         what = f"weights ({base / 1e6:.0f}M frozen {lora.base_dtype}, {trainable / 1e6:.1f}M adapter float32)"
     else:
         trainable = shape.params
+        base_bytes = 4
         weights = trainable * 4
         what = f"weights ({trainable / 1e6:.0f}M, float32 masters)"
     items = [MemoryItem(device, role, what, weights // shard),
@@ -161,8 +170,18 @@ def train_service_plan(settings: TrainServiceSettings, inputs: PlanInputs) -> Me
     if inputs.frozen_reference:
         items.append(MemoryItem(device, role, "frozen KL reference (a copy of the model)",
                                 shape.params * (2 if autocast and lora is None else 4)))
+    if shard > 1:
+        # FSDP2 gathers the root's parameters (embeddings, final norm) for the whole forward and
+        # backward, and a layer's (the next one prefetched) while it computes.
+        root = shape.params - shape.layers * shape.layer_params
+        unsharded = (root + 2 * shape.layer_params) * base_bytes
+        items.append(MemoryItem(device, role, "parameters FSDP2 gathers (the root's, two layers')",
+                                unsharded - unsharded // shard))
     prompt = prompt_tokens(settings, inputs)
-    rows = min(inputs.batch_size, settings.micro_batch_size or inputs.batch_size)
+    # Each of several ranks trains its share of the batch's prompt groups (shard_rows).
+    groups = math.ceil(inputs.batch_size / max(1, inputs.group_size))
+    rank_rows = min(inputs.batch_size, math.ceil(groups / world) * max(1, inputs.group_size))
+    rows = min(rank_rows, settings.micro_batch_size or rank_rows)
     packed = auto_flag(settings.packing, "packing") != "false"
     tokens = _trained_tokens(inputs, prompt, packed, rows)
     width = 2 if autocast else 4
@@ -178,8 +197,12 @@ def train_service_plan(settings: TrainServiceSettings, inputs: PlanInputs) -> Me
     logits = min(tokens * shape.vocab * 4, _SAVED_LOGITS_BUDGET)
     items.append(MemoryItem(device, role, "LM head logits (float32) and their gradient", 2 * logits))
     if lora is not None:
-        items.append(MemoryItem(device, role, "merged weights built at each push", shape.linear_params * base_bytes,
-                                "W + BA of every adapted linear, sent to the engine"))
+        items.append(MemoryItem(device, role, "merged weights built at each push",
+                                shape.linear_params * base_bytes // shard,
+                                "W + BA of every adapted linear, sent to the engine"
+                                f"{' (each rank its shards, gathered one weight at a time)' if shard > 1 else ''}"))
+    if shard > 1:
+        items.append(MemoryItem(device, role, "a weight gathered whole (export, checkpoint)", shape.largest * 4))
     savings = []
     if lora is None:  # gradients, moments (and autocast's copies) of the base go; adapters and the merge come
         adapters = _adapter_params(shape, LoraSettings())

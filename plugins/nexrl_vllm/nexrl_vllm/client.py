@@ -47,7 +47,6 @@ from loguru import logger
 from omegaconf import DictConfig, OmegaConf
 
 from nexrl_core import (
-    BoundConfig,
     Capabilities,
     CompletionResult,
     ConfigError,
@@ -56,7 +55,6 @@ from nexrl_core import (
     SamplingParams,
     Settings,
     check_options,
-    declared_value,
     parse_tool_calls,
     setting,
 )
@@ -109,16 +107,16 @@ class VLLMServeSettings(Settings):
     log_file: str | None = setting(None, "the server's output (default: <run_dir>/vllm_server.log)")
 
 
-def _bound(config: Any, section: str) -> BoundConfig:
+def _section(config: Mapping[str, Any] | None, section: str) -> Mapping[str, Any]:
     """``config`` as this backend reads it: the core's keys, the OpenAI client's and its own, each
     declared default filled (the values are never re-defaulted here)."""
-    return VLLMClient.bind_config(config, section)
+    return VLLMClient.own_section(config, section)
 
 
-def _value(cfg: BoundConfig, key: str) -> Any:
+def _value(cfg: Mapping[str, Any], key: str) -> Any:
     """A declared key's value, a nested mapping as a plain dict."""
     value = cfg[key]
-    return value.to_dict() if isinstance(value, BoundConfig) else value
+    return dict(value) if isinstance(value, Mapping) else value
 
 
 def _get(mapping: Any, *keys: str) -> Any:
@@ -127,7 +125,7 @@ def _get(mapping: Any, *keys: str) -> Any:
     return mapping
 
 
-def _run_dir(config: Any, relative_key: str = "...run_dir") -> str | None:
+def _run_dir(config: Mapping[str, Any] | None, relative_key: str = "...run_dir") -> str | None:
     """The recipe's run_dir, when the section came from a recipe (a node of the whole config)."""
     if isinstance(config, DictConfig):
         found = OmegaConf.select(config, relative_key, default=None)
@@ -135,11 +133,11 @@ def _run_dir(config: Any, relative_key: str = "...run_dir") -> str | None:
     return None
 
 
-def parse_serve_options(config: Any, section: str = "service.inference_service") -> tuple[ServeOptions | None,
-                                                                                          list[str]]:
+def parse_serve_options(config: Mapping[str, Any] | None,
+                        section: str = "service.inference_service") -> tuple[ServeOptions | None, list[str]]:
     """The managed-server options (None when attaching by ``url``) and every problem found."""
-    run_dir = _run_dir(config)  # off the recipe's node, before binding makes the section a plain one
-    config = _bound(config, section)
+    run_dir = _run_dir(config)  # off the recipe's node, before reading makes the section a plain one
+    config = _section(config, section)
     parsed, problems = VLLMServeSettings.parse(config, section, own=True)
     if parsed is None:
         return None, problems
@@ -208,9 +206,9 @@ class VLLMClient(OpenAICompatibleClient):
     ACCEPTS_WEIGHT_TRANSPORTS = ("vllm",)
 
     @classmethod
-    def check_config(cls, section: Any, key: str) -> list[str]:
+    def check_config(cls, section: Mapping[str, Any], key: str) -> list[str]:
         problems = parse_serve_options(section, key)[1]
-        cfg = _bound(section, key)
+        cfg = _section(section, key)
         client = {name: OpenAICompatibleClient.SETTINGS.options()[name] for name in _CLIENT_KEYS}
         return problems + check_options({name: _value(cfg, name) for name in _CLIENT_KEYS}, client, key)
 
@@ -229,11 +227,11 @@ class VLLMClient(OpenAICompatibleClient):
             return []  # the key checks report these
         temperature, top_p, top_k = params.temperature, params.top_p, params.top_k
         service = _get(recipe, "service", "inference_service")
-        try:
-            mode = declared_value(service if isinstance(service, Mapping) else None, "logprobs_mode",
-                                  VLLMServeSettings.options())
-        except ConfigError:
-            return []
+        serve = VLLMServeSettings.parse(service if isinstance(service, Mapping) else None, "service.inference_service",
+                                        own=True)[0]
+        if serve is None:
+            return []  # the key checks report these
+        mode = serve.logprobs_mode
         if mode == "raw_logprobs" and temperature not in (0, 1):
             return [f"rollout_worker.sampling.temperature: {temperature} with service.inference_service.logprobs_mode "
                     f"raw_logprobs: vLLM then reports log-probs at temperature 1, not at the temperature the "
@@ -247,12 +245,12 @@ class VLLMClient(OpenAICompatibleClient):
                     f"raw_logprobs"]
         return []
 
-    def __init__(self, config: Any):
+    def __init__(self, config: Mapping[str, Any] | None):
         opts, problems = parse_serve_options(config)
-        problems += [p for p in self.check_config(config, "service.inference_service") if p not in problems]
+        problems += [p for p in self.check_config(config or {}, "service.inference_service") if p not in problems]
         if problems:
             raise ConfigError("; ".join(problems))
-        config = _bound(config, "service.inference_service")
+        config = _section(config, "service.inference_service")
         self.server: ManagedVLLMServer | None = None
         if opts is not None:
             if opts.model_path == EMBEDDED_MODEL:

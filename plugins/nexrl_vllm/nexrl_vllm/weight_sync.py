@@ -121,17 +121,17 @@ class _VLLMWeightSync(WeightSyncBackend):
     SETTINGS: type[VLLMSyncSettings] = VLLMSyncSettings
 
     @classmethod
-    def check_config(cls, section: Any, key: str = "weight") -> list[str]:
-        bound = cls.bind_config(section, key)
-        settings, problems = cls.SETTINGS.parse(bound, key, own=True)
-        if settings is not None and bound["partial_rollout"] is True and settings.pause_mode != "abort":
+    def check_config(cls, section: Mapping[str, Any] | None, key: str = "weight") -> list[str]:
+        values = cls.own_section(section, key)
+        settings, problems = cls.SETTINGS.parse(values, key, own=True)
+        if settings is not None and values["partial_rollout"] is True and settings.pause_mode != "abort":
             problems.append(f"{key}.pause_mode: '{settings.pause_mode}' with {key}.partial_rollout: true: a partial "
                             "rollout aborts the requests in flight and continues them from their tokens; leave "
                             "pause_mode at abort")
         return problems
 
-    def __init__(self, config: Any):
-        super().__init__(config)  # self.config: the bound `weight` section
+    def __init__(self, config: Mapping[str, Any] | None):
+        super().__init__(config)  # self.config: the `weight` section, declared defaults filled
         self.settings = self.SETTINGS.own(self.config, "weight")
         problems = self.check_config(self.config, "weight")
         if problems:
@@ -177,7 +177,7 @@ class _VLLMFolderSync(_VLLMWeightSync):
     SETTINGS: type[VLLMFolderSyncSettings] = VLLMFolderSyncSettings
     settings: VLLMFolderSyncSettings
 
-    def __init__(self, config: Any):
+    def __init__(self, config: Mapping[str, Any] | None):
         super().__init__(config)
         sync_dir = self.settings.sync_dir
         if not sync_dir:  # null: next to the run's other files (the recipe's run_dir, read off its node)
@@ -260,7 +260,7 @@ class VLLMLoraWeightSync(_VLLMFolderSync):
         requires={"trainer:state_dict": "it sends the adapter a trainer in this process exports",
                   "inference:vllm": "it loads the adapter through a vLLM server's LoRA routes"})
 
-    def __init__(self, config: Any):
+    def __init__(self, config: Mapping[str, Any] | None):
         super().__init__(config)
         self._client: VLLMClient | None = None
         self._base_model: str | None = None
@@ -309,7 +309,7 @@ class VLLMNcclWeightSync(_VLLMWeightSync):
     # Called with the device of the trainer's tensors (None when they live on the host).
     transport_factory: Callable[[Any], TensorTransport] = NcclTransport
 
-    def __init__(self, config: Any):
+    def __init__(self, config: Mapping[str, Any] | None):
         super().__init__(config)
         self.master_address = self.settings.nccl_master_address
         self.master_port = self.settings.nccl_master_port

@@ -24,6 +24,7 @@ from __future__ import annotations
 import collections
 import itertools
 import json
+import math
 import queue
 import re
 import shutil
@@ -171,6 +172,12 @@ class StandinServer:
     def count(self, key: str) -> int:
         with self._lock:
             return self.stats.get(key, 0)
+
+    def checkpoint_weights(self, tinker_path: str) -> tuple[str, dict[str, Any]]:
+        """The base model a ``tinker://`` checkpoint (weights or sampler) trains and the tensors it
+        holds: what a test compares with a model of its own."""
+        meta, tensors = TrainingRun.read(self._folder_of(tinker_path))
+        return meta["base_model"], tensors
 
     def _bump(self, key: str) -> None:
         with self._lock:
@@ -556,7 +563,11 @@ class StandinServer:
         prompt = request.prompt.to_ints()
         n = int(request.num_samples)
 
-        job = _SampleJob(sampler, prompt, n, request.sampling_params, bool(request.prompt_logprobs))
+        last_n = request.prompt_logprobs_last_n
+        if last_n is not None and not (request.prompt_logprobs and 1 <= last_n <= len(prompt) - 1):
+            raise UserError(f"prompt_logprobs_last_n={last_n}: needs prompt_logprobs and 1 <= it <= "
+                            f"len(prompt) - 1 ({len(prompt) - 1})")
+        job = _SampleJob(sampler, prompt, n, request.sampling_params, bool(request.prompt_logprobs), last_n)
         sequence_ids = [f"{request.sampling_session_id}:{request.seq_id}:{i}" for i in range(n)]
         return self._submit(job, seq=(request.sampling_session_id, request.seq_id), ordered=False, fault=fault,
                             proto=True, extra={"sample_sequence_ids": sequence_ids})
@@ -566,10 +577,12 @@ class _SampleJob:
     """One ``asample`` request; the worker decodes the queued ones of a sampler together
     (:meth:`run_batch`), then each future takes its own result by calling the job."""
 
-    def __init__(self, sampler: _Sampler, prompt: list[int], num_samples: int, sampling: Any, prompt_logprobs: bool):
+    def __init__(self, sampler: _Sampler, prompt: list[int], num_samples: int, sampling: Any, prompt_logprobs: bool,
+                 prompt_logprobs_last_n: int | None = None):
         self.sampler = sampler
         self.num_samples = max(num_samples, 1)
         self._request = (prompt, num_samples, sampling, prompt_logprobs)
+        self._last_n = prompt_logprobs_last_n  # only the prompt's last n tokens are scored (None before them)
         self._outcome: Any = None  # (sequences, prompt logprobs), or the UserError the request got
 
     @staticmethod
@@ -590,7 +603,10 @@ class _SampleJob:
             _SampleJob.run_batch([self])
         if isinstance(self._outcome, Exception):
             raise self._outcome
-        return _sample_response(*self._outcome)
+        sequences, prompt_lps = self._outcome
+        if prompt_lps is not None and self._last_n is not None:
+            prompt_lps = [math.nan] * (len(prompt_lps) - self._last_n) + list(prompt_lps[-self._last_n:])
+        return _sample_response(sequences, prompt_lps)
 
 
 @dataclass

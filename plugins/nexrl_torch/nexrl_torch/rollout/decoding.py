@@ -1,9 +1,13 @@
 """Decoding sessions for the in-process engine: a KV cache plus prefill / step / select.
 
-Two implementations of one interface:
+Three implementations of one interface:
 
 - :class:`HFSession` drives any transformers causal LM through its own forward and
-  ``DynamicCache``.
+  ``DynamicCache`` (growing every step).
+- :class:`StaticHFSession` (the generic static path, :class:`StaticHF`) drives the models off the
+  fast path that transformers runs over a preallocated ``StaticCache`` (the class's own
+  ``_can_compile_fullgraph`` flag and the cache layers built for its config decide); on a GPU its
+  decode steps go through ``torch.compile`` with CUDA graphs. Not batch-invariant.
 - :class:`FastLlamaSession` runs Llama-family models (``llama``, ``qwen2``, ``qwen3`` with its
   per-head q/k norms, ``mistral``), Gemma 3 text (``gemma3_text``: (1 + w) norms, a norm after
   each block's output, scaled embeddings, sliding-window layers with their own rotary base,
@@ -119,9 +123,9 @@ class HFSession:
         return out.logits[:, -1, :]
 
 
-def config_fast_path_problem(model_path: str | None, gguf_file: str | None = None) -> str | None:
-    """What :func:`fast_path_problem` will say, read from the model's config.json before any weight
-    is loaded (None: the fast path should serve it, or the config cannot be read here)."""
+def _model_config(model_path: str | None, gguf_file: str | None = None) -> dict | None:
+    """The model's config.json, read before any weight is loaded (None: a GGUF, the bundled SmolLM2, or
+    no config readable here)."""
     import json
     import os
 
@@ -134,8 +138,16 @@ def config_fast_path_problem(model_path: str | None, gguf_file: str | None = Non
         folder = hub_snapshot(folder, download=False) or ""
     try:
         with open(os.path.join(folder, "config.json")) as f:
-            config = json.load(f)
+            return json.load(f)
     except (OSError, ValueError):
+        return None
+
+
+def config_fast_path_problem(model_path: str | None, gguf_file: str | None = None) -> str | None:
+    """What :func:`fast_path_problem` will say, read from the model's config.json before any weight
+    is loaded (None: the fast path should serve it, or the config cannot be read here)."""
+    config = _model_config(model_path, gguf_file)
+    if config is None:
         return None
     model_type = config.get("model_type")
     if model_type not in FAST_MODEL_TYPES:
@@ -143,6 +155,42 @@ def config_fast_path_problem(model_path: str | None, gguf_file: str | None = Non
     if config.get("use_bidirectional_attention"):
         return "bidirectional attention (use_bidirectional_attention) is not on the fast decoding path"
     return None
+
+
+def config_static_path_problem(config: dict) -> str | None:
+    """What :func:`static_path_problem` will say about a model with this config.json (its class's
+    flags and the cache transformers builds for it; no weight loaded)."""
+    import transformers
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    model_type = config.get("model_type")
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    model_class = getattr(transformers, name, None) if isinstance(name, str) else None
+    if model_class is None:
+        return f"transformers {transformers.__version__} has no causal LM class for model_type {model_type!r}"
+    try:
+        parsed = AutoConfig.for_model(model_type, **{k: v for k, v in config.items() if k != "model_type"})
+    except (ValueError, TypeError, KeyError) as exc:
+        return f"its config does not load ({exc})"
+    return _static_cache_problem(model_class, parsed)
+
+
+def config_decoding_note(model_path: str | None, gguf_file: str | None = None) -> str | None:
+    """What ``nexrl validate`` and ``nexrl run`` say, before any weight is loaded, about the path that
+    will decode the model when the hand-written fast path cannot (None when it can, or no config)."""
+    problem = config_fast_path_problem(model_path, gguf_file)
+    config = _model_config(model_path, gguf_file)
+    if problem is None or config is None:
+        return None
+    static = config_static_path_problem(config)
+    if static is None:
+        return (f"{problem}: the engine decodes through transformers' forward over a static KV cache (the generic "
+                f"path; decode steps compiled with CUDA graphs on a GPU where the model allows it), "
+                f"{GENERIC_NOT_INVARIANT}")
+    why = problem if static in problem else f"{problem}, nor on the static-cache path ({static})"
+    return (f"{why}: the engine decodes through the transformers forward, slower, and runs with several rollout "
+            f"workers are not bit-reproducible (unless max_batch_size: 1)")
 
 
 def fast_path_problem(model: torch.nn.Module) -> str | None:
@@ -1116,6 +1164,247 @@ def cpu_decode_kernels(model: torch.nn.Module, mode: str) -> DecodeKernels | Non
     return None
 
 
+# --------------------------------------------------------------------------- the generic static path
+
+# Cache layers whose state transformers keeps in fixed tensors written in place (full and sliding attention).
+STATIC_CACHE_LAYERS = ("StaticLayer", "StaticSlidingWindowLayer")
+GENERIC_NOT_INVARIANT = ("not batch-invariant (the transformers forward's matmul and attention kernels depend on the "
+                         "batch's shape): with several rollout workers, runs are bit-reproducible only with "
+                         "max_batch_size: 1")
+
+
+def _static_cache_problem(model_class: type, config: Any) -> str | None:
+    """Why transformers cannot run ``model_class`` over a ``StaticCache`` built from ``config`` (None when it can)."""
+    from transformers import StaticCache
+
+    if getattr(config, "is_encoder_decoder", False):
+        return "an encoder-decoder model"
+    if not getattr(model_class, "_can_compile_fullgraph", False):
+        return f"transformers does not mark {model_class.__name__} as compilable over a static cache " \
+               f"(_can_compile_fullgraph)"
+    if getattr(config, "use_bidirectional_attention", False):
+        return "bidirectional attention"
+    try:
+        layers = StaticCache(config=config, max_cache_len=CAPACITY_STEP).layers
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        return f"transformers builds no StaticCache for its config ({exc})"
+    kinds = sorted({type(layer).__name__ for layer in layers} - set(STATIC_CACHE_LAYERS))
+    if kinds or not layers:
+        return f"cache layers {kinds or 'none'} (static path: {', '.join(STATIC_CACHE_LAYERS)})"
+    return None
+
+
+def static_path_problem(model: torch.nn.Module) -> str | None:
+    """Why :class:`StaticHF` cannot serve ``model`` (None when it can): the class's own flags and the
+    cache transformers builds for its config decide, not a list of model types."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return "no config"
+    problem = _static_cache_problem(type(model), config)
+    if problem is None and getattr(config, "_attn_implementation", None) not in ("sdpa", "eager"):
+        return f"attention implementation {config._attn_implementation!r} (static path: sdpa, eager)"
+    if problem is None and any(p.is_meta for p in model.parameters()):
+        return "meta tensors"
+    return problem
+
+
+def compile_problem(model: torch.nn.Module) -> str | None:
+    """Why a decode step of ``model`` over a static cache is not compiled with CUDA graphs (None when it is)."""
+    from transformers import StaticCache
+
+    if any(type(layer).__name__ != "StaticLayer" for layer in StaticCache(config=model.config, max_cache_len=2).layers):
+        return "sliding-window cache layers count their tokens in a Python int (every step would recompile)"
+    return None
+
+
+def _decode_forward(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                    position_ids: torch.Tensor, cache: Any) -> torch.Tensor:
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, past_key_values=cache,
+                use_cache=True, logits_to_keep=1)
+    return out.logits[:, -1, :]
+
+
+class StaticHF:
+    """The generic static path, for models outside :data:`FAST_MODEL_TYPES` that transformers runs over a
+    ``StaticCache`` (:func:`static_path_problem`): the model's own forward, over caches preallocated per
+    layout (rows x capacity) within ``kv_tokens`` and written in place. With ``compiled`` each decode
+    step goes through ``torch.compile`` (on a GPU in ``reduce-overhead`` mode: replayed as CUDA graphs),
+    and layouts are padded (:func:`static_rows`, :func:`static_capacity`) so few shapes, and graphs, exist;
+    ``pad_shapes`` forces that padding without compiling (how the tests reach it on the CPU).
+
+    Not batch-invariant (:data:`GENERIC_NOT_INVARIANT`). It checks itself against :class:`HFSession`
+    once on first use and turns itself off (with a warning) when the logits disagree."""
+
+    def __init__(self, model: torch.nn.Module, *, kv_tokens: int | None = None, compiled: bool = False,
+                 pad_shapes: bool | None = None, release: bool = True):
+        problem = static_path_problem(model)
+        if problem:
+            raise ValueError(f"static-cache decoding path unsupported: {problem}")
+        if kv_tokens is not None and kv_tokens < 1:
+            raise ValueError("kv_tokens must be >= 1")
+        self.model = model
+        self.kv_tokens = kv_tokens
+        self.compiled = compiled
+        self.pad_shapes = compiled if pad_shapes is None else pad_shapes
+        self.release_between_batches = release
+        self.caches: dict[tuple[int, int], Any] = {}  # (rows, capacity) -> StaticCache, reused across batches
+        self.enabled = True
+        self._checked = False
+        self.batch_invariant = False  # by construction: GENERIC_NOT_INVARIANT
+        self.sessions_served = 0  # batches this path decoded (not counting the self-check's)
+        self._step: Any = _decode_forward
+        if compiled:
+            mode = "reduce-overhead" if next(model.parameters()).is_cuda else "default"
+            self._step = torch.compile(_decode_forward, mode=mode, fullgraph=True, dynamic=False)
+
+    def footprint(self, rows: int, capacity: int) -> int:
+        """KV-cache tokens a batch of ``rows`` rows and ``capacity`` columns holds (in its padded layout)."""
+        return StaticLlama.footprint(rows, capacity) if self.pad_shapes else rows * capacity
+
+    def __call__(self, tokens: int | None = None) -> "StaticHFSession | HFSession":
+        if self.enabled and not self._checked:
+            self._checked = True
+            self._self_check()
+        if not self.enabled:
+            return HFSession(self.model)
+        self.sessions_served += 1
+        return StaticHFSession(self)
+
+    def release(self) -> None:
+        if self.release_between_batches:
+            self.caches = {}
+
+    def refresh(self) -> None:
+        """Nothing packed: the model's own forward reads its weights (updated in place: the addresses a
+        captured graph reads stay)."""
+
+    def cache(self, rows: int, capacity: int, keep: Any = None) -> Any:
+        """The cache of this layout, reset, or a new one: the others are dropped first (all but ``keep``,
+        the one a session still reads) when its shapes are not padded or the budget needs the room."""
+        from transformers import StaticCache
+
+        cache = self.caches.get((rows, capacity))
+        if cache is not None:
+            cache.reset()
+            return cache
+        need = rows * capacity
+        if self.kv_tokens is not None and need > self.kv_tokens:
+            raise ValueError(f"a batch of {rows} rows x {capacity} columns needs {need} tokens of KV cache; the "
+                             f"budget holds {self.kv_tokens}")
+        held = sum(r * c for r, c in self.caches)
+        if not self.pad_shapes or (self.kv_tokens is not None and held + need > self.kv_tokens):
+            self.caches = {k: c for k, c in self.caches.items() if c is keep}
+        cache = self.caches[(rows, capacity)] = StaticCache(config=self.model.config, max_cache_len=capacity)
+        return cache
+
+    def step(self, cache: Any, tokens: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Logits ``[rows, vocab]`` of one decode step of every row of ``cache``."""
+        if not self.compiled:
+            return self._step(self.model, tokens[:, None], mask, positions[:, None], cache)
+        if tokens.is_cuda:  # the previous replay's outputs are read by now; the clone outlives the next one
+            torch.compiler.cudagraph_mark_step_begin()
+        return self._step(self.model, tokens[:, None], mask, positions[:, None], cache).clone()
+
+    @torch.inference_mode()
+    def _self_check(self) -> None:
+        """Prefill + two steps of a left-padded 2-row batch against :class:`HFSession`, within
+        :data:`SELF_CHECK_TOLERANCE` of the logits' scale (a low-precision model: :data:`LOW_PRECISION_ULPS`)."""
+        vocab, device = self.model.config.vocab_size, next(self.model.parameters()).device
+        generator = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, vocab, (2, 6), generator=generator).to(device)
+        mask = torch.ones_like(ids)
+        mask[1, :2] = 0
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        steps = torch.randint(0, vocab, (2, 2), generator=generator).to(device)
+
+        def decode(session: Any) -> torch.Tensor:
+            out = [session.prefill(ids, mask, positions, capacity=ids.shape[1] + 2)]
+            out += [session.step(steps[:, t], positions[:, -1] + 1 + t) for t in range(2)]
+            return torch.stack(out)
+
+        ref = decode(HFSession(self.model))
+        got = decode(StaticHFSession(self))
+        self.caches = {}
+        scale = max(float(ref.abs().max()), 1.0)
+        tolerance = max(SELF_CHECK_TOLERANCE, LOW_PRECISION_ULPS * torch.finfo(ref.dtype).eps) * scale
+        worst = float((got - ref).abs().max())
+        if not worst <= tolerance:  # NaN included
+            self.enabled = False
+            logger.warning(f"static-cache decoding path disagrees with the model's own forward (max |diff| {worst:.3g} "
+                           f"at logit scale {scale:.3g}, allowed {tolerance:.3g}); using the transformers forward "
+                           f"with a growing cache")
+
+
+class StaticHFSession:
+    """One batch in a :class:`StaticHF` cache: all rows advance together (one column per step); each
+    row's mask holds its left padding as zeros and ones everywhere after (causality hides the columns
+    not written yet), so a decode step's inputs keep their shape. Finished rows keep their place (they
+    decode a dummy token) until the layout shrinks (padded: to the next power of two; else to at most
+    half its rows); then the live rows are gathered into the smaller layout's cache. Padding rows are
+    copies of a real row (finite keys, a row that sees its own tokens)."""
+
+    def __init__(self, owner: StaticHF):
+        self.o = owner
+        self.cache: Any = None
+        self.mask = torch.empty(0, 0, dtype=torch.long)  # [rows, capacity]
+        self.live: torch.Tensor | None = None  # layout rows the caller's rows map to (None: all, in order)
+        self.rows = self.capacity = self.length = 0
+
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                capacity: int | None = None) -> torch.Tensor:
+        real, width = input_ids.shape
+        capacity = max(capacity or width + CAPACITY_STEP, width + 1)
+        pad = self.o.pad_shapes
+        self.rows, self.capacity = (static_rows(real), static_capacity(capacity)) if pad else (real, capacity)
+        self.cache = self.o.cache(self.rows, self.capacity)
+        fill = torch.zeros(self.rows, dtype=torch.long, device=input_ids.device)  # padding rows copy row 0
+        fill[:real] = torch.arange(real, device=input_ids.device)
+        input_ids, attention_mask, position_ids = input_ids[fill], attention_mask[fill], position_ids[fill]
+        self.mask = attention_mask.new_ones(self.rows, self.capacity)
+        self.mask[:, :width] = attention_mask
+        self.live = None if real == self.rows else torch.arange(real, device=input_ids.device)
+        self.length = width
+        logits = _decode_forward(self.o.model, input_ids, self.mask, position_ids, self.cache)
+        return logits if self.live is None else logits[self.live]
+
+    def _layout_rows(self, n: int) -> int:
+        if self.o.pad_shapes:
+            return static_rows(n)
+        return self.rows if n <= self.rows < 2 * n else n
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep the caller's ``rows`` (indices into the current rows, in their new order; may repeat)."""
+        live = rows if self.live is None else self.live[rows]
+        n, target = len(live), self._layout_rows(len(live))
+        if target == self.rows and len(torch.unique(live)) == n:
+            self.live = None if n == self.rows and torch.equal(live, torch.arange(n, device=live.device)) else live
+            return
+        sources = torch.cat([live, live[:1].expand(target - n)])
+        target_cache = self.cache if target == self.rows else self.o.cache(target, self.capacity, keep=self.cache)
+        for old, new in zip(self.cache.layers, target_cache.layers):
+            keys, values = old.keys[sources], old.values[sources]  # copies: the target may be the same cache
+            if not new.is_initialized:
+                new.lazy_initialization(keys, values)
+            new.keys.copy_(keys)
+            new.values.copy_(values)
+            new.cumulative_length.copy_(old.cumulative_length)
+            if hasattr(old, "cumulative_length_int"):
+                new.cumulative_length_int = old.cumulative_length_int
+        self.mask = self.mask[sources]
+        self.cache, self.rows = target_cache, target
+        self.live = None if n == target else torch.arange(n, device=live.device)
+
+    def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if self.length == self.capacity:
+            raise ValueError(f"static batch full: {self.capacity} columns (pass the capacity the batch needs)")
+        if self.live is not None:  # finished and padding rows decode a dummy token
+            tokens = tokens.new_zeros(self.rows).index_copy_(0, self.live, tokens)
+            positions = positions.new_zeros(self.rows).index_copy_(0, self.live, positions)
+        logits = self.o.step(self.cache, tokens, self.mask, positions)
+        self.length += 1
+        return logits if self.live is None else logits[self.live]
+
+
 class HFDecoder:
     """Sessions through the model's own forward (the same interface as :class:`FastLlama`)."""
 
@@ -1146,8 +1435,10 @@ def make_session_factory(model: torch.nn.Module, mode: Any, rows_hint: int, *, k
     """The engine's decoder: called, it gives a session for one batch; ``footprint(rows, capacity)``
     is the KV-cache tokens such a batch holds; ``release()`` frees what it keeps between batches.
 
-    ``mode`` is ``auto`` (fast path when the model allows it), ``true`` (fast path or a ValueError
-    saying why not) or ``false`` (HF forward). On a GPU the fast path is :class:`StaticLlama` (a
+    ``mode`` is ``auto`` (fast path when the model allows it, else the generic static path
+    :class:`StaticHF` when transformers runs the model over a static cache, else the HF forward
+    with a growing cache; the log says which and why), ``true`` (fast path or a ValueError saying
+    why not) or ``false`` (HF forward, growing cache). On a GPU the fast path is :class:`StaticLlama` (a
     static cache of ``kv_tokens`` tokens; decode steps as CUDA graphs unless ``graphs`` is false);
     on the CPU it is :class:`FastLlama`, with the compiled decode kernels unless ``cpu_kernels`` is
     false (``true``: a ValueError when they cannot be built or cannot run the model)."""
@@ -1173,6 +1464,25 @@ def make_session_factory(model: torch.nn.Module, mode: Any, rows_hint: int, *, k
             return FastLlama(model, rows_hint, kernels=cpu_decode_kernels(model, cpu_kernels))
         if mode == "true":
             raise ValueError(f"fast_path: true, but the fast decoding path cannot run this model: {problem}")
-        logger.info(f"fast decoding path off: {problem} (the transformers forward is not batch-invariant: with "
-                    f"several rollout workers, runs are bit-reproducible only with max_batch_size: 1)")
+        static_problem = static_path_problem(model)
+        if static_problem is None:
+            return _generic_static(model, problem, kv_tokens=kv_tokens, graphs=graphs, release=release)
+        logger.info(f"decoding path: the transformers forward with a growing cache (DynamicCache), slower: not on "
+                    f"the fast path ({problem}) nor on the static-cache path ({static_problem}); "
+                    f"{GENERIC_NOT_INVARIANT}")
     return HFDecoder(model)
+
+
+def _generic_static(model: torch.nn.Module, fast_problem: str, *, kv_tokens: int | None, graphs: str,
+                    release: bool) -> StaticHF:
+    """:class:`StaticHF` for a model off the fast path, compiled with CUDA graphs on a GPU unless
+    ``graphs`` is false or :func:`compile_problem` says why not; eager on the CPU."""
+    on_cuda = next(model.parameters()).is_cuda
+    why_eager = "on the CPU" if not on_cuda else "cuda_graphs: false" if graphs == "false" else compile_problem(model)
+    if on_cuda and graphs == "true" and why_eager is not None:
+        raise ValueError(f"cuda_graphs: true, but this model's decode steps cannot be captured: {why_eager}")
+    logger.info(f"decoding path: transformers' forward over a static KV cache (the generic path; decode steps "
+                f"{'compiled with CUDA graphs' if why_eager is None else f'eager: {why_eager}'}) for model_type "
+                f"{model.config.model_type!r}, not on the hand-written fast path ({fast_problem}); "
+                f"{GENERIC_NOT_INVARIANT}")
+    return StaticHF(model, kv_tokens=kv_tokens, compiled=why_eager is None, release=release)

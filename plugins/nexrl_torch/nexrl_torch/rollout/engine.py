@@ -50,7 +50,15 @@ from nexrl_core import (
     parse_tool_calls,
 )
 
-from ..cpu_threads import release_idle_workers, use_threads
+from ..cpu_threads import (
+    computing,
+    current_share,
+    end_share,
+    follow_share,
+    release_idle_workers,
+    start_share,
+    use_threads,
+)
 from ..logprobs import compute_response_logprobs, position_ids_from_mask, scoring_batch
 from ..models import log_auto_device, model_from_config, own_settings, resolve_device
 from .decoding import kv_budget_tokens, kv_token_bytes, make_session_factory
@@ -123,7 +131,8 @@ class HFInferenceEngine(InferenceClient):
         self._decode_threads_auto = threads == "auto"
         self._decode_threads: int | None = None if threads is None or threads == "auto" else int(threads)
         self._threads_before_share: int | None = None  # torch's default before share_cpus_with_trainer
-        self.decoder = make_session_factory(self.model, settings.fast_path or "auto",
+        self._lend_idle_threads = settings.lend_idle_threads
+        self.decoder = make_session_factory(self.model, settings.fast_path,
                                             rows_hint=min(self.max_batch_size, 16), kv_tokens=self.kv_tokens,
                                             graphs=settings.cuda_graphs, release=settings.release_kv_cache,
                                             cpu_kernels=settings.cpu_kernels)
@@ -146,24 +155,32 @@ class HFInferenceEngine(InferenceClient):
         """A trainer computes in this process while the engine decodes (weight.rollouts_ahead): with
         ``decode_threads: auto`` on the CPU, the engine's thread takes half the torch threads (at least
         1) and torch's default, which the trainer's thread starts with, becomes the rest, so the two
-        teams together hold no more threads than the process had. Returns the engine's count (None:
-        unchanged: another device, or a count set by hand)."""
+        teams together hold no more threads than the process had; with ``lend_idle_threads`` a side
+        computing nothing lends the other its part (:class:`~nexrl_torch.cpu_threads.ThreadShare`).
+        Returns the engine's count (None: unchanged: another device, or a count set by hand)."""
         if not self._decode_threads_auto or self.device.type != "cpu":
             return None
         total = self._threads_before_share = torch.get_num_threads()
         engine = max(1, total // 2)
         torch.set_num_threads(max(1, total - engine))  # this thread's and every later thread's default
         self._decode_threads = engine
+        if total > 1:
+            start_share(total, engine, self._lend_idle_threads)
         from loguru import logger
 
+        lend = " (a side computing nothing lends the other its threads: lend_idle_threads)" \
+            if total > 1 and self._lend_idle_threads else ""
         logger.info(f"inference engine: decodes on {engine} of {total} CPU threads while the trainer steps "
-                    f"beside it on {max(1, total - engine)} (service.inference_service.decode_threads: auto)")
+                    f"beside it on {max(1, total - engine)}{lend} (service.inference_service.decode_threads: auto)")
         return engine
 
     def _use_decode_threads(self) -> None:
         """On the engine's thread: run on ``decode_threads`` when that is set (or was set since).
         Checked every batch: pausing a thread's OpenMP team (cpu_threads) gives it back the
         runtime's default count."""
+        if self._threads_before_share is not None and current_share() is not None:
+            follow_share("engine")
+            return
         wanted = self._decode_threads
         if wanted is not None and self.device.type == "cpu" and torch.get_num_threads() != wanted:
             use_threads(wanted)
@@ -329,7 +346,7 @@ class HFInferenceEngine(InferenceClient):
         """
         self.check_weights(state_dict)
         if not in_flight:
-            with self._model_lock:
+            with self._model_lock, computing("trainer"):  # the caller's thread copies (the trainer's, beside it)
                 self._apply(state_dict, version)
             release_idle_workers()  # the caller (the trainer's thread) goes back to its own work
             return
@@ -340,7 +357,8 @@ class HFInferenceEngine(InferenceClient):
             if self._model_lock.acquire(blocking=False):  # no batch running: take them here
                 try:
                     if self._take_update() is update:
-                        self._apply(update.state_dict, update.version)
+                        with computing("trainer"):
+                            self._apply(update.state_dict, update.version)
                         update.done.set()
                 finally:
                     self._model_lock.release()
@@ -383,6 +401,7 @@ class HFInferenceEngine(InferenceClient):
         if threading.current_thread() is not self._thread:
             self._thread.join()
         if self._threads_before_share is not None:  # the process gets its threads back (a later run in it)
+            end_share()
             torch.set_num_threads(self._threads_before_share)
             self._threads_before_share = None
 
@@ -449,9 +468,9 @@ class HFInferenceEngine(InferenceClient):
         batch = sorted(batch, key=lambda r: (-len(r.prompt_ids), r.prompt_ids))
         self.num_batches += 1
         self.num_requests += len(batch)
-        self._use_decode_threads()
         try:
-            with self._model_lock:
+            with self._model_lock, computing("engine"):
+                self._use_decode_threads()
                 outputs = [out for chunk in self._chunks(batch) for out in self._generate(chunk)]
             for request, (text, reason, ids, logprobs, versions) in zip(batch, outputs):
                 mixed = len(set(versions)) > 1

@@ -27,8 +27,11 @@ class EngineSettings(ModelSettings):
                                               "request came for batch_wait_ms and no caller is tokenizing)", ge=0)
     chat_template: bool = setting(True, "apply the tokenizer's chat template to chat prompts")
     seed: int | None = setting(None, "seed of requests without their own")
-    fast_path: AutoFlag = setting(None, "fused decoding for Llama-family models: auto | true | false",
-                                  check=_auto_flag)
+    fast_path: AutoFlag = setting(None, "the hand-written batch-invariant decoding path (llama, qwen2, qwen3, "
+                                        "mistral, gemma3_text, qwen3_moe): auto (other models: transformers' forward "
+                                        "over a static KV cache where the model supports one, compiled with CUDA "
+                                        "graphs on a GPU) | true (an error when it cannot) | false (the transformers "
+                                        "forward with a growing cache)", check=_auto_flag)
     cpu_kernels: AutoFlag = setting(None, "on the CPU fast path: decode steps (and float32 matmuls) through C++ "
                                           "kernels compiled once per machine with the C++ compiler found (a float32 "
                                           "decode step about a third faster; other bits than torch ops, still "
@@ -50,6 +53,11 @@ class EngineSettings(ModelSettings):
                                                        "half the torch threads (at least 1) and the rest to the "
                                                        "trainer, else all; null: the process's torch threads",
                                                check=_thread_count)
+    lend_idle_threads: bool = setting(False, "with decode_threads auto while a trainer computes beside it: the side "
+                                             "computing nothing (the engine between batches, the trainer between "
+                                             "its passes) lends its threads to the other, which takes them at its "
+                                             "next decode step or layer and gives them back the same way; false: "
+                                             "each keeps its part")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -50,16 +50,13 @@ class HFInferenceBackend(HFInferenceEngine):
     @classmethod
     def recipe_notes(cls, section: Mapping[str, Any]) -> list[str]:
         """What ``nexrl validate`` and ``nexrl run`` say about this engine before it loads: a model
-        its fast decoding path cannot serve (from the model's config.json)."""
-        from .decoding import config_fast_path_problem
+        its fast decoding path cannot serve, and which path will (from the model's config.json)."""
+        from .decoding import config_decoding_note
 
         if section.get("fast_path") is False or str(section.get("fast_path")).lower() == "false":
             return []
-        problem = config_fast_path_problem(section.get("model_path"), section.get("gguf_file"))
-        if problem is None:
-            return []
-        return [f"service.inference_service: {problem}: the engine decodes through the transformers forward, "
-                f"slower, and runs with several rollout workers are not bit-reproducible (unless max_batch_size: 1)"]
+        note = config_decoding_note(section.get("model_path"), section.get("gguf_file"))
+        return [] if note is None else [f"service.inference_service: {note}"]
 
     @classmethod
     def memory_plan(cls, section: Mapping[str, Any], inputs: PlanInputs) -> MemoryPlan:
@@ -69,7 +66,7 @@ class HFInferenceBackend(HFInferenceEngine):
         return engine_plan(HFBackendSettings.own(section, "service.inference_service"), inputs)
 
     def __init__(self, config: Mapping[str, Any]):
-        cfg = type(self).bind_config(config).to_dict()  # plain values, interpolations resolved
+        cfg = type(self).own_section(config).to_dict()  # plain values, interpolations resolved
         cfg["model_path"] = resolve_model_path(cfg.get("model_path"), cfg.get("gguf_file"))
         cfg["gguf_file"] = None  # converted
         with config_errors("service.inference_service"):

@@ -31,9 +31,9 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from nexrl_core import MemoryPlan, NexRLError, Option, PlanInputs, TrainService, algorithms, bind, component_options
+from nexrl_core import MemoryPlan, NexRLError, Option, PlanInputs, TrainService, algorithms
 
-from ..cpu_threads import release_idle_workers
+from ..cpu_threads import computing, follow_share_at_layers, release_idle_workers
 from ..logprobs import (
     compute_response_logprobs,
     compute_response_logprobs_packed,
@@ -95,10 +95,11 @@ def _every_rank(method: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(method)
     def call(self: LocalTorchTrainService, *args: Any, **kwargs: Any) -> Any:
         try:
-            if self.ranks is not None and self.ranks.leader:
-                self.ranks.broadcast_call(method.__name__, args, kwargs)
-                return self.ranks.run(lambda: method(self, *args, **kwargs))
-            return method(self, *args, **kwargs)
+            with computing("trainer"):  # an engine beside it keeps to its threads (cpu_threads.ThreadShare)
+                if self.ranks is not None and self.ranks.leader:
+                    self.ranks.broadcast_call(method.__name__, args, kwargs)
+                    return self.ranks.run(lambda: method(self, *args, **kwargs))
+                return method(self, *args, **kwargs)
         finally:
             release_idle_workers()  # the caller's thread goes back to other work (cpu_threads)
     return call
@@ -151,9 +152,9 @@ class LocalTorchTrainService(TrainService):
 
     def __init__(self, config: Mapping[str, Any] | None = None, *, model: torch.nn.Module | None = None,
                  tokenizer: Any = None, rank_group: RankGroup | None = None):
-        config = bind(config, component_options(type(self)), "service.train_service")  # declared defaults filled
-        self.config = config
-        self.settings = settings = own_settings(TrainServiceSettings, config)
+        self.settings = settings = own_settings(TrainServiceSettings, config or {})
+        # the section with every declared key at its value (defaults filled): what a trainer reads of it
+        self.config = config = {**dict(config or {}), **settings.to_dict()}
         world_size, parallel = settings.world_size, settings.parallel
         if parallel == "auto" and world_size > 1:
             parallel = "fsdp"
@@ -203,7 +204,7 @@ class LocalTorchTrainService(TrainService):
         self.micro_batch_size = settings.micro_batch_size
         self.packing = auto_flag(settings.packing, "packing")
         self.max_tokens_per_pack = settings.max_tokens_per_pack
-        self.grad_clip = settings.grad_clip if settings.grad_clip > 0 else None
+        self.grad_clip = settings.grad_clip if settings.grad_clip is not None and settings.grad_clip > 0 else None
         self.offload_optimizer = settings.offload_optimizer
 
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -220,6 +221,7 @@ class LocalTorchTrainService(TrainService):
             fused=(self.ranks is None and all(p.device.type in ("cpu", "cuda") for p in self._params)) or None,
         )
         self.scheduler = _lr_scheduler(self.optimizer, settings)
+        follow_share_at_layers(model, "trainer")  # an engine beside it may lend or take back threads mid-pass
         release_idle_workers()  # the thread that loaded the model computes no more here
 
     # ------------------------------------------------------------------ ranks
@@ -299,7 +301,7 @@ class LocalTorchTrainService(TrainService):
             mine, shards = self._shard(batch, self.ranks)
             passes = self._pass_count(shards)
             packs = self._packs_per_pass(batch, shards, passes)
-        with self._out_of_memory("forward"), torch.no_grad(), self._autocast():
+        with self._out_of_memory("forward"), torch.no_grad(), self._autocast(), computing("trainer"):
             parts = [self._logprobs(mb, packs[p] if packs else None)
                      for p, mb in enumerate(self._micro_batches(mine, passes, empty_from=batch))]
         mine_out = torch.cat(parts, dim=0).cpu()[:len(mine["input_ids"])]

@@ -35,7 +35,7 @@ class TrainServiceSettings(ModelSettings):
     weight_decay: float = setting(0.0, "AdamW weight decay", ge=0)
     betas: list[float] = setting([0.9, 0.999], "AdamW betas", check=_betas)
     eps: float = setting(1e-8, "AdamW epsilon", gt=0)
-    grad_clip: float = setting(1.0, "gradient-norm clip (<= 0 or null: none)")
+    grad_clip: float | None = setting(1.0, "gradient-norm clip (<= 0 or null: none)")
     seed: int | None = setting(None, "seed of torch, numpy and python RNGs (default: the recipe's seed)")
     micro_batch_size: int | None = setting(None, "rows per forward pass (null: the whole batch)", ge=1)
     packing: AutoFlag = setting(None, "packed sequences without padding: auto | true | false", check=_auto_flag)

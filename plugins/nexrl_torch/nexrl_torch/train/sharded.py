@@ -13,6 +13,7 @@ adapter only.
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -109,7 +110,12 @@ def load_optimizer(service: Any, folder: Path) -> None:
     meta = json.loads((folder / "optimizer.json").read_text())
     if (folder / OPTIMIZER_FOLDER).is_dir():
         target = get_optimizer_state_dict(service.model, service.optimizer)  # this layout, state initialised
-        dcp.load(_flat(target), storage_reader=dcp.HuggingFaceStorageReader(path=str(folder / OPTIMIZER_FOLDER)))
+        # One process reads every shard itself: without no_dist it would join whatever process group
+        # lives in this process (another service's ranks) and wait there for ranks that never come.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)  # that is the intent
+            dcp.load(_flat(target), storage_reader=dcp.HuggingFaceStorageReader(path=str(folder / OPTIMIZER_FOLDER)),
+                     no_dist=service.ranks is None)
         set_optimizer_state_dict(service.model, service.optimizer,
                                  {"state": target["state"], "param_groups": _groups(meta["param_groups"])})
         return

@@ -1,5 +1,6 @@
-"""Bound configuration: a component reads only what it declares, every documented key overrides
-plainly, and the effective configuration (with where each value came from) is visible."""
+"""A component's section: what it reads is declared (typed settings, the core's keys and its own,
+defaults filled, read-only), every documented key overrides plainly, and the effective configuration
+(with where each value came from) is visible."""
 
 from __future__ import annotations
 
@@ -13,40 +14,40 @@ import textwrap
 import pytest
 import yaml
 
-from nexrl_core import BaseRolloutWorker, ConfigError, Option, UndeclaredKey, bind, hookimpl
+from nexrl_core import BaseRolloutWorker, ConfigError, Option, hookimpl
 from nexrl_core.cli.docgen import SECTIONS, flatten_options
-from nexrl_core.config.bound import BoundConfig, bind_component, key_tree
-from nexrl_core.config.schema import CORE_OPTIONS, ROLLOUT_WORKER, TRAJECTORY_POOL
-from nexrl_core.launch.recipe import declared_options, effective_options, load_recipe
+from nexrl_core.config.schema import CORE_OPTIONS, ROLLOUT_WORKER, TRAJECTORY_POOL, RolloutWorkerSettings
+from nexrl_core.config.settings import Section, read_section
+from nexrl_core.launch.recipe import declared_options, effective_options, key_tree, load_recipe
 from nexrl_core.plugins import PluginManager, use_plugin_manager
 from nexrl_core.testing import run_recipe
 
-# -- the bound mapping ---------------------------------------------------------------------------
+# -- the section a component reads ------------------------------------------------------------------
 
 
-def test_an_undeclared_read_is_an_error_naming_the_key():
-    cfg = bind({"batch_size": 8, "group_size": 2}, TRAJECTORY_POOL, "trajectory_pool")
+def test_declared_defaults_are_filled_and_the_section_is_read_only():
+    cfg = read_section({"batch_size": 8}, TRAJECTORY_POOL, "trajectory_pool")
     assert cfg["batch_size"] == 8
-    with pytest.raises(UndeclaredKey) as info:
-        cfg["batch_sise"]
-    assert str(info.value).startswith("trajectory_pool.batch_sise: read but not declared")
-    with pytest.raises(UndeclaredKey):
-        cfg.get("batch_sise", 1)  # a fallback does not make an undeclared key readable
-    with pytest.raises(UndeclaredKey, match="trajectory_pool.dynamic_sampling.enable:"):
-        _ = cfg.dynamic_sampling.enable  # nested sections are bound too
-
-
-def test_declared_defaults_are_filled_and_the_mapping_is_read_only():
-    cfg = bind({"batch_size": 8}, TRAJECTORY_POOL, "trajectory_pool")
     assert cfg["group_size"] == TRAJECTORY_POOL["group_size"].default == 4  # the declaration, not a fallback
-    assert cfg["dynamic_sampling"]["max_replacements"] == 3
+    assert cfg.dynamic_sampling["max_replacements"] == 3 and isinstance(cfg.dynamic_sampling, Section)
     assert cfg.key_list == ["uid"]
-    with pytest.raises(TypeError, match="read-only"):
+    with pytest.raises(TypeError, match="trajectory_pool: a recipe section is read-only"):
         cfg.batch_size = 3
     with pytest.raises(TypeError):
         cfg["batch_size"] = 3  # type: ignore[index]
+    with pytest.raises(TypeError, match="trajectory_pool.dynamic_sampling: a recipe section is read-only"):
+        cfg.dynamic_sampling.enabled = True
     cfg.key_list.append("x")  # a copy: the section is unchanged
     assert cfg.key_list == ["uid"]
+
+
+def test_a_key_the_section_lacks_is_named_where_it_lives():
+    cfg = read_section({"batch_size": 8}, TRAJECTORY_POOL, "trajectory_pool")
+    with pytest.raises(KeyError, match="trajectory_pool.batch_sise: not in the section"):
+        cfg["batch_sise"]
+    with pytest.raises(AttributeError, match="trajectory_pool.dynamic_sampling.enable: not in the section"):
+        _ = cfg.dynamic_sampling.enable
+    assert cfg.get("batch_sise") is None and "batch_sise" not in cfg  # a mapping still
 
 
 def test_a_hand_built_section_gets_the_seed_the_composed_recipe_would():
@@ -54,28 +55,49 @@ def test_a_hand_built_section_gets_the_seed_the_composed_recipe_would():
     declared default, as in a composed recipe that sets neither; other references stay null."""
     root = CORE_OPTIONS["seed"].default
     assert isinstance(root, int) and ROLLOUT_WORKER["seed"].default == "${seed}"
-    assert bind({}, ROLLOUT_WORKER, "rollout_worker")["seed"] == root
-    assert bind({"seed": 5}, ROLLOUT_WORKER, "rollout_worker")["seed"] == 5
-    assert bind({}, {"path": Option("${run_dir}/x", (str, None))})["path"] is None
+    assert read_section({}, ROLLOUT_WORKER, "rollout_worker")["seed"] == root
+    assert RolloutWorkerSettings.own({}, "rollout_worker").seed == root  # the typed reading agrees
+    assert read_section({"seed": 5}, ROLLOUT_WORKER, "rollout_worker")["seed"] == 5
+    assert read_section({}, {"path": Option("${run_dir}/x", (str, None))}, "")["path"] is None
     loader = PluginManager(load_entrypoints=False).resolve("dataloader", "inline", "data")
     section = {"type": "inline", "rows": [{"prompt": "a"}]}
-    assert loader.bind_config(section)["seed"] == root  # data.seed: ${seed}
-    assert loader.bind_config(section, is_validate=True)["seed"] == 0  # not shuffled: declared 0
+    assert loader.own_section(section)["seed"] == root  # data.seed: ${seed}
+    assert loader.own_section(section, is_validate=True)["seed"] == 0  # not shuffled: declared 0
 
 
-def test_a_bound_config_pickles_for_ray_actors():
-    cfg = bind({"batch_size": 8, "group_size": 2}, TRAJECTORY_POOL, "trajectory_pool")
+def test_a_section_that_is_not_a_mapping_is_an_error_naming_it():
+    with pytest.raises(ConfigError, match="rollout_worker: expected a mapping, got list"):
+        read_section([1, 2], ROLLOUT_WORKER, "rollout_worker")  # type: ignore[arg-type]
+
+
+def test_a_section_pickles_for_ray_actors():
+    cfg = read_section({"batch_size": 8, "group_size": 2}, TRAJECTORY_POOL, "trajectory_pool")
     back = pickle.loads(pickle.dumps(cfg))
-    assert isinstance(back, BoundConfig) and back.to_dict() == cfg.to_dict()
-    with pytest.raises(UndeclaredKey):
+    assert isinstance(back, Section) and back.to_dict() == cfg.to_dict()
+    with pytest.raises(KeyError, match="trajectory_pool.nope"):
         back["nope"]
+
+
+class _Greeter(BaseRolloutWorker):
+    OPTIONS = {"greeting": Option("hi", str, "declared")}
+
+    def step(self, task):  # pragma: no cover - never reached
+        return None
+
+
+def test_a_component_reads_its_class_declaration_and_the_cores_typed():
+    worker = _Greeter({"type": "x", "tasks_per_call": 2})
+    assert worker._config["greeting"] == "hi" and worker._config.num_workers == ROLLOUT_WORKER["num_workers"].default
+    assert isinstance(worker.core_settings, RolloutWorkerSettings) and worker.core_settings.tasks_per_call == 2
+    with pytest.raises(ConfigError, match="rollout_worker.num_workers: expected a positive integer, got 0"):
+        _Greeter({"type": "x", "num_workers": 0})  # a bad core value, even in a section built by hand
 
 
 class _ReadsUndeclared(BaseRolloutWorker):
     OPTIONS = {"greeting": Option("hi", str, "declared")}
 
-    def __init__(self, config):
-        super().__init__(config)
+    def __init__(self, config, parts=None):
+        super().__init__(config, parts)
         self.greeting = self._config["greeting"]
         self.other = self._config["not_declared_anywhere"]
 
@@ -91,7 +113,7 @@ class _ReaderPlugin:
 
 
 def test_a_component_reading_an_undeclared_key_fails_naming_it():
-    with pytest.raises(UndeclaredKey, match="rollout_worker.not_declared_anywhere: read but not declared"):
+    with pytest.raises(KeyError, match="rollout_worker.not_declared_anywhere: not in the section"):
         _ReadsUndeclared({"type": "reads_undeclared"})
 
 
@@ -102,7 +124,7 @@ def test_a_run_whose_component_reads_an_undeclared_key_stops_with_the_key(tmp_pa
 
 
 def test_a_mock_run_reads_only_declared_keys(tmp_path):
-    """Every core component is built bound (an undeclared read would raise): the run finishes."""
+    """Every core component reads declared keys (the static checks below): the run finishes."""
     result = run_recipe({"trainer": {"total_train_steps": 2}}, str(tmp_path / "run"))
     assert [r["step"] for r in result.metrics if "train/reward_mean" in r] == [1, 2]
 
@@ -147,7 +169,7 @@ def _fallback_reads(cls: type) -> set[str]:
     return out
 
 
-_KNOWN_FALLBACKS: set[str] = set()  # none: every component reads its bound section
+_KNOWN_FALLBACKS: set[str] = set()  # none: every component reads its declared section
 
 
 def test_components_re_default_nothing():
@@ -352,8 +374,3 @@ def test_group_defaults_compose_and_a_bad_selection_still_reports(tmp_path):
     # an unknown component: nothing to fill, the checks name it
     cfg = load_recipe(str(recipe), ["trainer.type=no_such_trainer"])
     assert cfg.trainer.type == "no_such_trainer"
-
-
-def test_bind_component_uses_the_class_declaration():
-    cfg = bind_component({"type": "x"}, _ReadsUndeclared, ROLLOUT_WORKER, "rollout_worker")
-    assert cfg["greeting"] == "hi" and cfg["num_workers"] == ROLLOUT_WORKER["num_workers"].default

@@ -3,7 +3,8 @@
 One table, three readers: ``nexrl migrate`` rewrites a recipe with it (:mod:`nexrl_core.cli.migrate`),
 ``nexrl validate`` / ``nexrl run`` name the nexrl key when a recipe still holds a seed key
 (:func:`seed_key_hint`), and ``docs/migrating.md`` is generated from it (``scripts/gen_docs.py``),
-so the three never disagree. Standard library only: the option checks import it.
+so the three never disagree. The option checks (below this layer) get :func:`seed_key_hint` and
+:func:`seed_key_suffix` registered when this module loads (importing nexrl_core loads it).
 
 A key rule moves a value from the seed's key to nexrl's (``convert`` turns one value into the
 keys it becomes, or returns the reason it cannot); a rule with no ``nexrl`` key says why nothing
@@ -16,6 +17,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from ..config.options import SEED_KEY_WORDS
 
 POINTER = "nexrl migrate RECIPE.yaml rewrites a NexRL or ROLL recipe"
 LOADERS = ("data", "validate.data")
@@ -237,6 +240,9 @@ def _judge_mode(value: Any, recipe: Mapping[str, Any], ctx: Context) -> dict[str
 
 
 def _tinker_loss(value: Any, recipe: Mapping[str, Any], ctx: Context) -> dict[str, Any] | str:
+    if get_key(recipe, "trainer.type") == "remote_api_opd":
+        return ("the loss of trainer remote_api_opd (importance_sampling on each token's KL advantage), which takes "
+                "no algorithm.loss_fn")
     if value in ("importance_sampling", "ppo"):
         return {"algorithm.loss_fn": value}
     if value == "cross_entropy":
@@ -253,6 +259,32 @@ def _beta2(value: Any, recipe: Mapping[str, Any], ctx: Context) -> dict[str, Any
     if get_key(recipe, "service.train_service.config.beta1") is not None:
         return {}  # carried with beta1
     return {"service.train_service.betas": [0.9, value]}
+
+
+def _teachers(value: Any, recipe: Mapping[str, Any], ctx: Context) -> dict[str, Any] | str:
+    """NexRL's remote_api_opd teachers (a list: NexRL scored with the first only) as the reference
+    service: a Tinker sampling client of the first teacher's base model (or its checkpoint), with
+    the student's tokenizer and the train service's connection unless it names its own."""
+    first = value[0] if isinstance(value, list) and value else None
+    if not isinstance(first, Mapping) or not first.get("base_model"):
+        return f"expected a list of teachers, the first with a base_model; got {value!r}"
+    teacher: dict[str, Any] = {"backend": "tinker", "base_model": first["base_model"]}
+    if first.get("checkpoint"):
+        teacher["model_path"] = first["checkpoint"]
+    teacher["tokenizer_path"] = "${service.inference_service.tokenizer_path}"
+    for key in ("api_key", "base_url"):
+        if first.get(key):
+            teacher[key] = first[key]
+        elif get_key(recipe, f"service.tinker_service.{key}") is not None:
+            teacher[key] = "${service.train_service." + key + "}"
+    return {"service.reference_service": teacher}
+
+
+def _not_carried(why: str) -> Convert:
+    """Taken out with ``why`` (inside a section whose other keys have another reason)."""
+    def convert(value: Any, recipe: Mapping[str, Any], ctx: Context) -> dict[str, Any] | str:
+        return why
+    return convert
 
 
 def _opd_clip_range(value: Any, recipe: Mapping[str, Any], ctx: Context) -> dict[str, Any] | str:
@@ -291,6 +323,10 @@ def _loader_rules(loader: str) -> tuple[KeyRule, ...]:
         KeyRule(f"{loader}.filter_prompts", None, "prompts are not cut, so none is filtered for length"),
     )
 
+
+_NO_ENTROPY = "nexrl's losses have no entropy term"
+_OWN_KL = ("each token's advantage is its own reverse KL (NexRL's kl_discount_factor 0); no discounted sum of the later "
+           "tokens' KL")
 
 KEY_RULES: tuple[KeyRule, ...] = (
     # whole sections first: the rules after them name nexrl's sections
@@ -429,6 +465,18 @@ KEY_RULES: tuple[KeyRule, ...] = (
     KeyRule("service.train_service.config.beta1", "service.train_service.betas", "[beta1, beta2]", convert=_betas),
     KeyRule("service.train_service.config.beta2", "service.train_service.betas", "read with beta1", convert=_beta2),
     KeyRule("service.train_service.config.eps", "service.train_service.eps"),
+    KeyRule("service.train_service.config.weight_decay", "service.train_service.weight_decay"),
+    KeyRule("service.train_service.config.grad_clip_norm", "service.train_service.grad_clip"),
+    # on-policy distillation on Tinker (NexRL's remote_api_opd: recipe/on_policy_distill/weaver_opd.yaml's shape)
+    KeyRule("trainer.teachers", "service.reference_service: {backend: tinker, base_model, tokenizer_path}",
+            "the first teacher (NexRL scored with the first only): a Tinker sampling client of its base_model (its "
+            "checkpoint as model_path) scores the student's tokens, with the student's tokenizer and the train "
+            "service's connection unless it names its own", convert=_teachers),
+    KeyRule("service.train_service.config.kl_penalty_coef", "algorithm.kl_coef", convert=_to("algorithm.kl_coef")),
+    KeyRule("service.train_service.config.kl_discount_factor", None, _OWN_KL, convert=_not_carried(_OWN_KL)),
+    KeyRule("service.train_service.config.entropy_coeff", None, _NO_ENTROPY, convert=_not_carried(_NO_ENTROPY)),
+    KeyRule("trainer.max_prompt_length", None, "prompts are not cut"),
+    KeyRule("trainer.max_response_length", None, "responses are cut at rollout_worker.sampling.max_tokens"),
     KeyRule("service.train_service.config", None, "the rest of NexRL's Tinker optimizer settings have no "
                                                   "counterpart in the tinker train service"),
     KeyRule("service.train_service.actor.micro_batch_size", "service.train_service.micro_batch_size"),
@@ -453,7 +501,7 @@ KEY_RULES: tuple[KeyRule, ...] = (
             convert=_to("algorithm.kl_quantile_range.end")),
     KeyRule("algorithm.do_old_student_log_prob_compute", None, "the student's old log-probs are computed when an "
                                                                "update needs them (ppo_epochs > 1, kl_quantile_range)"),
-    KeyRule("algorithm.entropy_coeff", None, "nexrl's losses have no entropy term"),
+    KeyRule("algorithm.entropy_coeff", None, _NO_ENTROPY),
     KeyRule("algorithm.temperature", None, "log-probs are scored at the rollouts' sampling temperature "
                                            "(rollout_worker.sampling.temperature)"),
     # ROLL's pipeline config (rlvr_config.py), top level
@@ -574,6 +622,42 @@ ADJUSTMENTS: tuple[Adjustment, ...] = (
                     "importance ratio of its loss would compare two different distributions"),
 )
 
+@dataclass(frozen=True)
+class Scoring:
+    """How one of NexRL 1.4's built-in workers scored a response, and the nexrl evaluator (with its
+    options) that scores it the same way on NexRL's rows as they are."""
+
+    worker: str                  # NexRL's rollout_worker.type (agent: with agent_cls single_turn_math)
+    nexrl: dict[str, Any]        # rollout_worker.evaluator
+    how: str                     # NexRL's scoring, in words
+    # NexRL's reward for a response cut off at max_tokens (finish_reason length), whatever it says;
+    # None: scored as any other. nexrl: algorithm.reward_processing.overlong score, overlong_reward
+    cut_off: float | None = None
+
+
+NEXRL_ANSWER = "reward_model.ground_truth"  # where NexRL's workers read a row's answer (verl's rows)
+SCORINGS: tuple[Scoring, ...] = (
+    Scoring("single_turn_math", {"type": "math_rule", "answer_key": NEXRL_ANSWER, "extract_order": ["boxed"],
+                                 "wrong_answer_reward": 0.1, "after_thinking": True},
+            "the last \\boxed{} of the reply (after its `</think>`; none while `<think>` is open) against "
+            "reward_model.ground_truth: 1 when equal, 0.1 when it is not, 0 without one (NexRL's rule judge_mode)",
+            cut_off=0.0),
+    Scoring("simple", {"type": "exact_match", "answer_key": NEXRL_ANSWER, "extract_pattern": "<answer>(.*?)</answer>"},
+            "the first `<answer>...</answer>` of the reply, stripped, equal to reward_model.ground_truth: 1, else 0"),
+)
+
+
+def _scorings_in_words() -> str:
+    """SCORINGS as docs/migrating.md lists them."""
+    def one(scoring: Scoring) -> str:
+        options = ", ".join(f"{k}: {v}" for k, v in scoring.nexrl.items())
+        cut_off = "" if scoring.cut_off is None else \
+            f", with algorithm.reward_processing {{overlong: score, overlong_reward: {scoring.cut_off:g}}}"
+        agent = " (and agent with agent_cls single_turn_math)" if scoring.worker == "single_turn_math" else ""
+        return f"{scoring.worker}{agent}: {scoring.how} -> `{{{options}}}`{cut_off}"
+    return "; ".join(one(s) for s in SCORINGS)
+
+
 # Where the seed's recipe leaves a nexrl key unset and the rest of the recipe decides it.
 WEIGHT_BACKENDS = {"hf": "in_process", "vllm": "vllm_disk", "tinker": "tinker"}
 DERIVED = (
@@ -596,12 +680,14 @@ DERIVED = (
                                                  "fetched the tokenizer by name): set it on the command line"),
     ("service.inference_service.api_key, base_url", "tinker backend: ${service.train_service.api_key} / base_url, "
                                                     "where the train service names them"),
-    ("service.reference_service", "{backend: hf, model_path} from NexRL's train service with role teacher "
-                                  "(on-policy distillation: the teacher only scores the student's tokens)"),
-    ("rollout_worker.evaluator", "for rollout_worker.type single_turn_math, and for the agent worker with "
-                                 "agent_cls single_turn_math: math_rule with answer_key reward_model.ground_truth, "
-                                 "where NexRL read each row's answer (the rows stay as they are); without "
-                                 "nexrl-rewards, numeric_answer, which reads a top-level answer"),
+    ("service.reference_service", "{backend: hf, model_path} from NexRL's train service with role teacher; "
+                                  "{backend: tinker, base_model, tokenizer_path: the student's} from NexRL's "
+                                  "trainer.teachers (remote_api_opd) (on-policy distillation: the teacher only "
+                                  "scores the student's tokens)"),
+    ("rollout_worker.evaluator", "where the recipe names none, the evaluator that scores as NexRL's built-in "
+                                 "worker did, on NexRL's rows as they are: " + _scorings_in_words()
+                                 + "; without nexrl-rewards, math is numeric_answer on reward_model.ground_truth (the "
+                                   "reply's last number)"),
     ("rollout_worker.prompt_key", "data.prompt_key when it is not prompt and the worker reads one"),
 )
 
@@ -611,7 +697,10 @@ LAYOUTS: tuple[Layout, ...] = (
            "rollout_worker.type agent, agent_cls single_turn_math; trainer self_hosted_grpo; SGLang at "
            "${oc.env:INFERENCE_BASE_URL}; weight.sync_method disk with sync_weight_path; "
            "service.train_service.main_actor",
-           "rollout_worker.type simple with evaluator math_rule; trainer self_hosted_grpo on local_torch "
+           "rollout_worker.type simple with evaluator math_rule (answer_key reward_model.ground_truth, extract_order "
+           "[boxed], wrong_answer_reward 0.1, after_thinking: NexRL's rule scoring; reward_processing.overlong "
+           "score: a cut-off "
+           "response 0); trainer self_hosted_grpo on local_torch "
            "(model_path ${oc.env:NEXRL_MODEL_PATH}/..., named once); a vLLM server at url "
            "${oc.env:INFERENCE_BASE_URL}; weight.backend vllm_disk, sync_dir from sync_weight_path; "
            "trajectory_pool.group_size from data.rollout_repeat_n"),
@@ -636,16 +725,18 @@ LAYOUTS: tuple[Layout, ...] = (
            "nexau_agent_config_path agent_workspace/agent_config.yaml, evaluator_module_path "
            "agent_workspace/evaluator.py:NewsEvaluator; temperature 0.7",
            "rollout_worker.type python (the news worker's file and class, on nexrl-nexau's worker keys) with "
-           "evaluator python (path, class), placed for the new file's folder (the agent YAML by ${recipe_dir}/..., "
-           "as the worker reads it from the current folder); the env script named (source it before nexrl run) "
+           "evaluator python (path, class), in a copy of agent_workspace beside the new file (<new "
+           "name>_workspace/, the imports of NexRL rewritten; the agent YAML by ${recipe_dir}/..., as the worker "
+           "reads it from the current folder); the env script named (source it before nexrl run) "
            "with what it exports; the self-hosted and Tinker services as for math; with Tinker, "
            "rollout_worker.sampling.temperature 0.7 -> 1.0"),
     Layout("nexau_deepsearch: self_hosted.yaml / tinker.yaml",
            "rollout_worker.type nexau with nexau_agent_workspace agent_workspace (agent_config.yaml, tools/*.yaml, "
            "web_tool.py, evaluator.py:DeepResearchEvaluator); temperature 0.7",
            "rollout_worker.type nexau with the workspace and agent YAML (by ${recipe_dir}/...) and the evaluator "
-           "placed for the new file's folder (the tools YAML and module stay next to the agent YAML that names "
-           "them); the env script named; the services as for math; with Tinker, "
+           "in a copy of agent_workspace beside the new file (<new name>_workspace/, whole: the tools YAML and "
+           "module stay next to the agent YAML that names them; the imports of NexRL rewritten); the env script "
+           "named; the services as for math; with Tinker, "
            "rollout_worker.sampling.temperature 0.7 -> 1.0"),
     Layout("on_policy_distill: self_hosted_opd_*.yaml (no defaults list)",
            "trainer self_hosted_opd with trainer.algorithm type distillation; service.train_service.student (role "
@@ -653,6 +744,15 @@ LAYOUTS: tuple[Layout, ...] = (
            "trainer self_hosted_opd: algorithm kl_coef, ppo_epochs, clip, token_range, kl_quantile_range from "
            "NexRL's distillation keys; the teacher is service.reference_service {backend: hf, model_path}; "
            "weight.backend vllm_disk (NexRL's network sync is internal; disk is its open-source counterpart)"),
+    Layout("on_policy_distill: the remote-API recipe (weaver_opd.yaml's shape) on Tinker",
+           "trainer remote_api_opd with trainer.teachers [{base_model, checkpoint}]; service.tinker_service; "
+           "main_actor.config with kl_penalty_coef, kl_discount_factor, entropy_coeff; temperature 0.8",
+           "trainer remote_api_opd (nexrl-tinker with nexrl-grpo): the simple worker scores with exact_match "
+           "(extract_pattern `<answer>(.*?)</answer>`, answer_key reward_model.ground_truth), as NexRL's did; "
+           "algorithm.kl_coef from kl_penalty_coef; the "
+           "first teacher is service.reference_service {backend: tinker, base_model, tokenizer_path: the "
+           "student's}; the services as for math: tinker.yaml; rollout_worker.sampling.temperature 0.8 -> 1.0; "
+           "NexRL's Weaver backend is not mapped"),
 )
 
 # -- imports and classes --------------------------------------------------------------------------
@@ -683,7 +783,11 @@ IMPORT_RULES: tuple[ImportRule, ...] = (
     ImportRule("nexrl.trainer.RemoteApiTrainer", "nexrl_tinker.trainers.RemoteApiTrainer"),
     ImportRule("nexrl.trainer.RemoteApiGrpoTrainer", "nexrl_tinker.trainers.RemoteApiGrpoTrainer"),
     ImportRule("nexrl.trainer.RemoteApiCrossEntropyTrainer", "nexrl_tinker.trainers.RemoteApiCrossEntropyTrainer"),
-    ImportRule("nexrl.nexrl_types.Batch", "nexrl_core.Batch"),
+    ImportRule("nexrl.trainer.RemoteApiOpdTrainer", "nexrl_tinker.opd.RemoteApiOpdTrainer"),
+    ImportRule("nexrl.trainer.SelfHostedOpdTrainer", "nexrl_grpo.opd.SelfHostedOpdTrainer"),
+    ImportRule("nexrl.nexrl_types.Batch", "nexrl_core.Batch",
+               "the padded tensors of _prepare_batch; the pool hands the trainer a TrajectoryBatch of "
+               "trajectory rows (no from_trajectories / to_trajectories)"),
     ImportRule("nexrl.nexrl_types.Trajectory", "nexrl_core.Trajectory"),
     ImportRule("nexrl.nexrl_types.ModelTag", "nexrl_core.ModelTag"),
     ImportRule("nexrl.nexrl_types.NexRLRole", "nexrl_core.NexRLRole"),
@@ -765,3 +869,6 @@ def seed_key_suffix(key: str) -> str:
     key (its message already names what replaces it)."""
     known = key in _BY_SEED or any(r.seed.startswith(key + ".") for r in KEY_RULES)
     return f" ({POINTER})" if known else ""
+
+
+SEED_KEY_WORDS.update(hint=seed_key_hint, suffix=seed_key_suffix)
