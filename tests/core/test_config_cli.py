@@ -186,7 +186,7 @@ KEY_PROBLEMS = [
     ("weight: {backend: nccl}\n", "weight.backend: unknown weight sync backend 'nccl'."),
     ("rollout_worker: {evaluator: {type: exact_match, answer_kye: x}}\n",
      "rollout_worker.evaluator.answer_kye: unknown key; did you mean 'rollout_worker.evaluator.answer_key'? "
-     "(evaluator 'exact_match' accepts: answer_key, case_sensitive)"),
+     "(evaluator 'exact_match' accepts: answer_key, case_sensitive, extract_pattern)"),
     ("rollout_worker: {sampling: {max_token: 8}}\n",
      "rollout_worker.sampling.max_token: unknown key; did you mean 'rollout_worker.sampling.max_tokens'?"),
     ("rollout_worker: {sampling: {temprature: 0.7}}\n",

@@ -178,7 +178,7 @@ def test_sampling_keys_are_exactly_the_fields_of_sampling_params():
 def test_a_sampling_key_the_recipe_sets_reaches_the_request(run_local):
     """Every declared sampling key is passed on (none accepted and dropped)."""
     controller, _ = run_local({
-        "data": {"type": "inline", "rows": [{"prompt": "1 + 2"}, {"prompt": "3 + 3"}]},
+        "data": {"type": "inline", "rows": [{"prompt": "1 + 2", "answer": "3"}, {"prompt": "3 + 3", "answer": "6"}]},
         "rollout_worker": {"num_workers": 1, "sampling": {"max_tokens": 1, "temperature": 0.3, "top_p": 0.5,
                                                           "stop": ["x"]}},
         "trajectory_pool": {"batch_size": 2, "group_size": 1, "key_list": []},
