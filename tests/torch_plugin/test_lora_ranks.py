@@ -152,7 +152,9 @@ def same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> bool:
     return set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
 
 
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+# FSDP2 only: its sharded checkpoint is the case that changes with the world size (DDP writes the
+# one-process format, which the one-rank resumes above already read); ~100 s a case on 2 cores.
+@pytest.mark.parametrize("parallel", ["fsdp"])
 def test_a_checkpoint_resumes_on_another_world_size(tiny_model_dir, tmp_path, parallel):
     """Saved by 2 ranks, resumed by 1, and 1 -> 2: the adapter and AdamW's state come back bit for bit
     (whatever the shards), so the next step is the uninterrupted run's within the summation-order noise
