@@ -7,6 +7,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .types import lookup
+
 # Where data rows usually keep the expected answer: verl's and NexRL 1.x's math rows
 # ({"reward_model": {"style": "rule", "ground_truth": "72"}, ...}), and most others.
 ANSWER_FIELDS = ("reward_model.ground_truth", "answer")
@@ -15,14 +17,7 @@ ANSWER_FIELDS = ("reward_model.ground_truth", "answer")
 def row_field(row: Mapping[str, Any], key: str) -> Any:
     """``row[key]`` when the row has that key; else the value a dotted ``key`` names, one mapping
     level per part (``reward_model.ground_truth``); None when there is none."""
-    if key in row:
-        return row[key]
-    value: Any = row
-    for part in key.split("."):
-        if not isinstance(value, Mapping) or part not in value:
-            return None
-        value = value[part]
-    return value
+    return row[key] if key in row else lookup(row, key)
 
 
 def _absent(value: Any) -> bool:

@@ -53,8 +53,6 @@ class BaseRolloutWorker(ThreadedModule):
     A subclass that defines ``__init__`` takes ``parts`` and hands them on.
     """
 
-    CONFIG_KEYS: dict[str, Any] = {}
-
     def __init__(self, config: Mapping[str, Any], parts: RolloutParts | None = None):
         """``parts``: None (built by hand) is no evaluator."""
         super().__init__()

@@ -72,7 +72,6 @@ class BaseTrainer(ThreadedModule):
     ``service.train_service.backend`` selects.
     """
 
-    CONFIG_KEYS: dict[str, Any] = {}
     #: True for a trainer that keeps nothing between steps (the mock trainer): a checkpoint without
     #: files of its own resumes it exactly. Otherwise such a checkpoint is refused, never resumed
     #: from fresh weights.

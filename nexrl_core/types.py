@@ -11,6 +11,16 @@ from typing import Any, TypedDict
 ModelTag = str
 
 
+def lookup(root: Any, dotted: str, default: Any = None) -> Any:
+    """The value the dotted key names in nested mappings (``a.b``: ``root["a"]["b"]``), else ``default``."""
+    node = root
+    for part in dotted.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            return default
+        node = node[part]
+    return node
+
+
 class Trajectory(TypedDict, total=False):
     """One sample of a rollout, as it travels worker -> pool -> trainer (a plain dict at run time).
 

@@ -181,7 +181,7 @@ def _trainer_problems(trainer_cls: type, options: Mapping[str, Any]) -> list[str
 
 def _resolve(trainer_cls: type, section: Mapping[str, Any], registry: AlgorithmRegistry,
              trainer_name: str | None = None) -> tuple[dict[str, AlgorithmFunction], dict[str, Option], list[str]]:
-    own = component_options(trainer_cls, "ALGORITHM_OPTIONS", "ALGORITHM_KEYS") or {}
+    own = component_options(trainer_cls, "ALGORITHM_OPTIONS") or {}
     selectors = dict(getattr(trainer_cls, "ALGORITHM_SELECTORS", {}) or {})
     functions: dict[str, AlgorithmFunction] = {}
     problems: list[str] = []

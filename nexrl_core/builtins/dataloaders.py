@@ -14,7 +14,7 @@ from typing import Any, ClassVar, Literal
 
 from omegaconf import OmegaConf
 
-from ..config.options import Option, option_defaults
+from ..config.options import Option
 from ..config.settings import PlainData, Settings, setting
 from ..dataloader import BaseDataLoader
 from ..errors import ConfigError, DataError
@@ -297,7 +297,6 @@ class ArithmeticDataLoader(BaseDataLoader):
     """
 
     SETTINGS: ClassVar[type[Settings]] = ArithmeticDataSettings
-    CONFIG_KEYS = option_defaults(ArithmeticDataSettings.options())  # deprecated view, for plugins that extend it
 
     @classmethod
     def check_config(cls, section: Mapping[str, Any], key: str) -> list[str]:

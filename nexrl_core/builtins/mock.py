@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
-from ..config.options import Capabilities, option_defaults
+from ..config.options import Capabilities
 from ..config.settings import Settings, setting
 from ..markers import hookimpl
 from ..runtime.inference import CompletionResult, InferenceClient, InferenceError, SamplingParams
@@ -51,7 +51,6 @@ class MockInferenceClient(InferenceClient):
 
     # Its keys are read once, into the attributes below: `self.settings` is left to a subclass's own.
     SETTINGS: ClassVar[type[Settings]] = MockInferenceSettings
-    CONFIG_KEYS = option_defaults(MockInferenceSettings.options())  # deprecated view, for plugins that extend it
 
     def __init__(self, config: Mapping[str, Any]):
         super().__init__(config)
@@ -99,7 +98,6 @@ class MockTrainer(BaseTrainer):
     NO_MODEL_STATE = True  # nothing to save: its checkpoints resume exactly
 
     SETTINGS: ClassVar[type[Settings]] = MockTrainerSettings
-    CONFIG_KEYS = option_defaults(MockTrainerSettings.options())  # deprecated view, for plugins that extend it
 
     def __init__(self, config: Mapping[str, Any], parts: TrainerParts | None = None):
         super().__init__(config, parts)

@@ -70,7 +70,6 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, cast
 
 from loguru import logger
 
-from ..config.options import option_defaults
 from ..config.settings import Settings, setting
 from ..markers import hookimpl
 from ..runtime.inference import CompletionResult, InferenceClient, InferenceError, SamplingParams
@@ -118,7 +117,6 @@ class OpenAICompatibleClient(InferenceClient):
     # Its keys are read once, into the attributes below: `self.settings` is left to a subclass's own
     # (nexrl-vllm's client adds its server's keys).
     SETTINGS: ClassVar[type[Settings]] = OpenAIClientSettings
-    CONFIG_KEYS = option_defaults(OpenAIClientSettings.options())  # deprecated view, for plugins that extend it
 
     @classmethod
     def check_config(cls, section: Mapping[str, Any], key: str) -> list[str]:

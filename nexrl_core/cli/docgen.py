@@ -16,6 +16,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from ..config.options import Option, describe_type, param_docs
+from ..launch.recipe import KIND_WORDS, declared_options
 
 # -- hooks -------------------------------------------------------------------------------------------
 
@@ -41,7 +42,7 @@ def hook_reference() -> str:
            _rst_to_md(inspect.getdoc(hookspecs) or ""), ""]
     out += ["| hook | what it is for |", "|---|---|"]
     for spec in hook_specs():
-        out.append(f"| [`{spec.__name__}`](#{spec.__name__}) | {_cell(_summary(spec))} |")
+        out.append(f"| [`{spec.__name__}`](#{spec.__name__}) | {_cell(_first_paragraph(spec))} |")
     for spec in hook_specs():
         doc = inspect.getdoc(spec) or ""
         body, params, returns = _split_fields(doc)
@@ -55,10 +56,6 @@ def hook_reference() -> str:
         if returns:
             out += ["", f"Returns: {_rst_to_md(returns)}"]
     return "\n".join(out).rstrip() + "\n"
-
-
-def _summary(func: Any) -> str:
-    return _first_paragraph(func)
 
 
 def _first_paragraph(obj: Any) -> str:
@@ -84,11 +81,6 @@ def _rst_to_md(text: str) -> str:
     text = text.replace("``", "`")
     text = re.sub(r"(?m)^(.*)::[ \t]*$", r"\1:", text)  # reST literal-block marker
     return text
-
-
-_KIND_WORDS = {"dataloader": "data loader", "rollout_worker": "rollout worker", "evaluator": "evaluator",
-               "trainer": "trainer", "weight_sync_backend": "weight-sync backend",
-               "inference_backend": "inference backend", "metrics_sink": "metrics sink"}
 
 
 # -- options ----------------------------------------------------------------------------------------------
@@ -136,7 +128,7 @@ def _meaning(opt: Option) -> str:
     if opt.choices:
         parts.append("one of " + ", ".join(f"`{_yaml(c)}`" for c in opt.choices))
     if opt.component is not None:
-        parts.append(f"`{opt.selector}` names the {_KIND_WORDS.get(opt.component, opt.component)}, whose own keys "
+        parts.append(f"`{opt.selector}` names the {KIND_WORDS.get(opt.component, opt.component)}, whose own keys "
                      f"go here too")
     bounds = [f"{sym} {bound:g}" for sym, bound in (("≥", opt.ge), (">", opt.gt), ("≤", opt.le), ("<", opt.lt))
               if bound is not None]
@@ -176,17 +168,11 @@ SECTIONS: dict[str, tuple[str, str]] = {
     "metrics_sink": ("logger.<name>", "logger.backend"),
 }
 
-TITLES = {"dataloader": "Data loaders", "rollout_worker": "Rollout workers", "evaluator": "Evaluators",
-          "trainer": "Trainers", "train_service": "Train services", "weight_sync_backend": "Weight-sync backends",
-          "inference_backend": "Inference backends", "metrics_sink": "Metrics sinks"}
-
-
 def recipe_reference(pm: Any, distributions: Iterable[str] | None = None) -> str:
     """Markdown: the core's keys (``nexrl_core.config.schema``), then the options of every component ``pm``
     knows (only those of ``distributions`` when given), by kind."""
     from ..config.options import component_options
     from ..config.schema import CORE_OPTIONS
-    from ..launch.recipe import declared_options
 
     wanted = set(distributions) if distributions is not None else None
     out = ["# Recipe reference", "",
@@ -208,11 +194,11 @@ def recipe_reference(pm: Any, distributions: Iterable[str] | None = None) -> str
                       if wanted is None or reg.distribution in wanted)
         if not regs:
             continue
-        out += [f"### {TITLES[kind]}", "", f"Selected with `{selector}`; their keys go in `{section}`.", ""]
+        out += [f"### {KIND_WORDS[kind].capitalize()}s", "", f"Selected with `{selector}`; their keys go in `{section}`.", ""]
         for name, reg in regs:
             doc = inspect.getdoc(reg.cls)
             out += [f"#### `{name}` ({reg.distribution})", ""]
-            if doc and doc is not inspect.getdoc(_base_of(reg.cls)):
+            if doc and doc is not inspect.getdoc(reg.cls.__mro__[1]):  # not the docstring it inherits
                 out += [_first_paragraph(reg.cls), ""]
             own = declared_options(kind, reg.cls)
             place = section.replace("<name>", name)
@@ -222,9 +208,8 @@ def recipe_reference(pm: Any, distributions: Iterable[str] | None = None) -> str
                 table = options_table(own, f"{place}.")
                 out += (table or ["No keys of its own."]) + [""]
             if kind == "trainer":
-                for attr, legacy, where in (("ALGORITHM_OPTIONS", "ALGORITHM_KEYS", "algorithm"),
-                                            ("TRAIN_SERVICE_OPTIONS", "TRAIN_SERVICE_KEYS", "service.train_service")):
-                    table = options_table(component_options(reg.cls, attr, legacy), f"{where}.")
+                for attr, where in (("ALGORITHM_OPTIONS", "algorithm"), ("TRAIN_SERVICE_OPTIONS", "service.train_service")):
+                    table = options_table(component_options(reg.cls, attr), f"{where}.")
                     if table:
                         out += [f"`{where}` with this trainer:", ""] + table + [""]
                 for need, options in (getattr(reg.cls, "ALGORITHM_INPUTS", None) or {}).items():
@@ -262,10 +247,6 @@ def _algorithm_functions(pm: Any, wanted: set[str] | None) -> list[str]:
             table = options_table(fn.declared(), "algorithm.")
             out += (table or ["No keys of its own."]) + [""]
     return out
-
-
-def _base_of(cls: type) -> type:
-    return cls.__mro__[1] if len(cls.__mro__) > 1 else object
 
 
 

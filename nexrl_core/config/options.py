@@ -19,9 +19,6 @@ its bases' options). The core's own sections are declared the same way
 An evaluator without ``OPTIONS`` is described by its ``__init__`` signature: each keyword
 parameter is an option, typed by its annotation (or its default's type) and required when
 it has no default.
-
-``CONFIG_KEYS`` (key -> default, the older form) still works: each entry becomes an
-``Option`` typed by its default. It is deprecated in favour of ``OPTIONS``.
 """
 
 from __future__ import annotations
@@ -32,14 +29,14 @@ import math
 import re
 import types
 import typing
-import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from difflib import get_close_matches
 from typing import Any
 
 from ..redaction import add_secret, is_secret_key
+from ..types import lookup
 
 __all__ = ["REQUIRED", "Capabilities", "Option", "check_options", "component_capabilities", "component_options",
            "describe_type", "option_defaults", "options_from_signature", "unmet_needs"]
@@ -128,7 +125,8 @@ class Option:
         elif self.options is not None or self.values is not None:
             spec = _Spec("dict")
         else:
-            spec = _infer(self.default_value())
+            default = self.default_value()  # typed by its default
+            spec = _spec(type(default)) if default is not None else _Spec("any")
         if self.default_value() is None and not self.required and not spec.accepts(None):
             spec = _Spec("union", parts=(spec, _Spec("none")))
         return spec
@@ -165,36 +163,17 @@ def component_capabilities(cls: type) -> Capabilities:
 
 # -- where declarations come from --------------------------------------------------------------
 
-_warned_legacy: set[str] = set()
-
-
-def component_options(cls: type, attr: str = "OPTIONS", legacy: str = "CONFIG_KEYS") -> dict[str, Option] | None:
-    """The options ``cls`` declares (a typed ``SETTINGS`` class, ``OPTIONS``, or the older
-    ``CONFIG_KEYS``), merged along its class hierarchy. None when no class in the hierarchy declares any."""
+def component_options(cls: type, attr: str = "OPTIONS") -> dict[str, Option] | None:
+    """The options ``cls`` declares (a typed ``SETTINGS`` class, or ``OPTIONS``), merged along its
+    class hierarchy. None when no class in the hierarchy declares any."""
     merged: dict[str, Option] = {}
     found = False
     for klass in reversed(cls.__mro__):
         settings = klass.__dict__.get("SETTINGS") if attr == "OPTIONS" else None
-        if settings is not None:  # a typed settings class (nexrl_core.Settings): its fields are the options
-            found = True
-            merged.update(settings.options())
-        own = klass.__dict__.get(attr)
-        old = klass.__dict__.get(legacy) if legacy else None
-        if old is not None:
-            found = True
-            if old and klass.__module__.split(".")[0] != "nexrl_core":
-                name = f"{klass.__module__}.{klass.__qualname__}"
-                if name not in _warned_legacy:
-                    _warned_legacy.add(name)
-                    warnings.warn(f"{name}.{legacy} is deprecated: declare {attr} = {{key: Option(...)}} "
-                                  f"(nexrl_core.Option) to give each key a type, range and help",
-                                  DeprecationWarning, stacklevel=2)
-            # A legacy key adds a loosely typed option; it never replaces a richer declaration.
-            merged.update({k: v if isinstance(v, Option) else Option(v) for k, v in dict(old).items()
-                           if k not in merged})
-        if own is not None:
-            found = True
-            merged.update(own)
+        for table in (settings.options() if settings is not None else None, klass.__dict__.get(attr)):
+            if table is not None:
+                found = True
+                merged.update(table)
     return merged if found else None
 
 
@@ -216,12 +195,9 @@ def options_from_signature(func: Callable[..., Any], skip: tuple[str, ...] = ("s
         if p.kind == p.VAR_KEYWORD:
             return None
         default = REQUIRED if p.default is p.empty else p.default
-        tp = hints.get(name)
-        if tp is None and isinstance(p.annotation, str):
-            tp = None  # unresolvable string annotation
-        elif tp is None and p.annotation is not p.empty:
-            tp = p.annotation
-        out[name] = Option(default, tp, helps.get(name, ""))
+        # an annotation get_type_hints could not resolve: as written, unless it is a string
+        written = None if isinstance(p.annotation, str) or p.annotation is p.empty else p.annotation
+        out[name] = Option(default, hints.get(name, written), helps.get(name, ""))
     return out
 
 
@@ -256,59 +232,106 @@ def option_defaults(options: Mapping[str, Option] | None) -> dict[str, Any]:
 
 # -- checking ----------------------------------------------------------------------------------
 
-def check_options(values: Any, options: Mapping[str, Option] | None, path: str, *,
-                  owner: str = "", allow: frozenset[str] | set[str] = frozenset()) -> list[str]:
-    """Every problem of the mapping ``values`` against ``options``, one line each.
+class Check:
+    """Walks a mapping against its options, one line per problem. The recipe check subclasses it
+    to resolve the components a section selects (:meth:`value`) and word its hints (:meth:`hint`).
 
-    :param values: plain data (dicts/lists/scalars: convert OmegaConf nodes first).
-    :param options: the declared keys; None accepts any key.
-    :param path: dotted recipe path of ``values`` (prefixes every message).
-    :param owner: named in an unknown-key message, e.g. ``"evaluator 'exact_match'"``.
-    :param allow: extra keys that are accepted unchecked (e.g. a selector checked elsewhere).
+    :param root: the whole recipe, what keys that act only with another (``needs``) look up; None:
+        their conditions are not checked.
     """
-    if not isinstance(values, Mapping):
-        return [f"{path}: expected a mapping, got {type_name(values)}{_show(values)}"]
-    if options is None:
-        return []
-    problems: list[str] = []
-    for key, value in values.items():
-        key = str(key)
-        if key in allow:
-            continue
-        opt = options.get(key)
-        full = f"{path}.{key}" if path else key
-        if opt is None:
-            known = [k for k, o in options.items() if o.removed is None]
-            problems.append(unknown_key(key, path, known + list(allow), owner, known if owner else None))
-        elif opt.removed is not None:
-            problems.append(removed_key(full, opt))
-        else:
-            problems += check_value(value, opt, full)
-    for key, opt in options.items():
-        if opt.required and opt.removed is None and values.get(key) is None:
-            full = f"{path}.{key}" if path else key
-            problems.append(f"{full}: required{f' ({opt.help})' if opt.help else ''}")
-    return problems
+
+    def __init__(self, root: Any = None):
+        self.root = root
+
+    def mapping(self, values: Any, options: Mapping[str, Option] | None, path: str, owner: str = "",
+                listed: list[str] | None = None) -> list[str]:
+        """Every problem of the mapping ``values`` against ``options`` (None: any key). ``owner``
+        is named in an unknown-key message (with the keys it accepts, ``listed``)."""
+        if not isinstance(values, Mapping):
+            return [f"{path or 'the recipe'}: expected a mapping, got {type_name(values)}{self.hint(path, values)}"]
+        if options is None:
+            return []
+        problems: list[str] = []
+        for key, value in values.items():
+            key = str(key)
+            full, opt = f"{path}.{key}" if path else key, options.get(key)
+            if opt is None:
+                problems.append(unknown_key(key, path, [k for k, o in options.items() if o.removed is None],
+                                            owner, listed))
+            elif opt.removed is not None:
+                problems.append(removed_key(full, opt))
+            else:
+                problems += self.value(value, opt, full)
+        for key, opt in options.items():
+            if opt.required and opt.removed is None and values.get(key) is None:
+                full = f"{path}.{key}" if path else key
+                problems.append(f"{full}: required{f' ({opt.help})' if opt.help else ''}")
+        if not problems and self.root is not None:  # nested sections are judged as the walk reaches them
+            problems = unmet_needs(values, options, path, self.root, recursive=False)
+        return problems
+
+    def value(self, value: Any, opt: Option, path: str) -> list[str]:
+        """Problems of one value against its option (type, finiteness, range, choices, nested keys).
+
+        A secret's value (``Option(secret=True)``, or a key named like one) is remembered here, as
+        every recipe is checked before a run writes anything, and never quoted in a message."""
+        secret = opt.secret or is_secret_key(path.rsplit(".", 1)[-1])
+        if secret:
+            add_secret(value)
+        spec = opt.spec()
+        if value is None:
+            if opt.required:
+                return []  # reported once, as "required", by mapping()
+            return [] if spec.accepts(None) else [f"{path}: expected {spec.describe()}, got null"]
+        if isinstance(value, str) and value == "???":
+            return [f"{path}: a value is required here (the recipe has '???')"]
+        if opt.options is not None and not isinstance(value, Mapping):
+            return [f"{path}: expected a mapping, got {type_name(value)}{self.hint(path, value)}"]
+        if not spec.accepts(value):
+            shown = "" if secret else f"{_show(value)}{_yaml_hint(value, spec)}"
+            return [f"{path}: expected {spec.describe()}, got {type_name(value)}{shown}"]
+        bad_number = _non_finite(value)
+        if bad_number is not None:
+            return [f"{path}: expected a finite number, got {bad_number}"]
+        for choices in (opt.choices, spec.literal_choices()):
+            if choices is not None and value not in choices:
+                if secret:
+                    return [f"{path}: the value is not one of {', '.join(str(c) for c in choices)}"]
+                return [f"{path}: {value!r} is not one of {', '.join(str(c) for c in choices)}"
+                        f"{_closest(value, choices)}"]
+        if _is_number(value) and not _in_range(float(value), opt):
+            return [f"{path}: expected {_range_words(opt, value)}, got {value!r}"]
+        problems: list[str] = []
+        if opt.options is not None:
+            problems += self.mapping(value, opt.options, path)
+        if opt.values is not None and isinstance(value, Mapping):
+            problems += [p for key, item in value.items() for p in self.value(item, opt.values, f"{path}.{key}")]
+        if not problems and opt.check is not None:
+            message = opt.check(value)
+            if message:
+                problems.append(f"{path}: {message}")
+        return problems
+
+    def hint(self, path: str, value: Any) -> str:
+        return _show(value)
+
+
+def check_options(values: Any, options: Mapping[str, Option] | None, path: str, *, owner: str = "") -> list[str]:
+    """Every problem of the mapping ``values`` (plain data) against ``options`` (None: any key),
+    one line each, prefixed by its dotted ``path``: :meth:`Check.mapping`, which lists the keys
+    an ``owner`` (``"evaluator 'exact_match'"``) accepts."""
+    return Check().mapping(values, options, path, owner,
+                           [k for k, o in (options or {}).items() if o.removed is None] if owner else None)
+
+
+def check_value(value: Any, opt: Option, path: str) -> list[str]:
+    """Problems of one value against its option: :meth:`Check.value`."""
+    return Check().value(value, opt, path)
 
 
 # -- keys that act only together with another ------------------------------------------------------
 
 _MISSING: Any = _Marker("MISSING")
-
-
-def _lookup(root: Any, dotted: str) -> Any:
-    node = root
-    for part in dotted.split("."):
-        if not isinstance(node, Mapping) or part not in node:
-            return _MISSING
-        node = node[part]
-    return node
-
-
-def _literal(text: str) -> Any:
-    import yaml
-
-    return yaml.safe_load(text)
 
 
 def _condition(text: str, section: Mapping[str, Any], options: Mapping[str, Option], path: str,
@@ -321,11 +344,12 @@ def _condition(text: str, section: Mapping[str, Any], options: Mapping[str, Opti
             value = options[key[1:]].default_value()
         key = f"{path}{key}" if path else key[1:]
     else:
-        value = _lookup(root, key)
-        value = None if value is _MISSING else value
+        value = lookup(root, key)
     if not op:
         return bool(value), f"{key}: true"
-    want = _literal(operand)
+    import yaml
+
+    want = yaml.safe_load(operand)
     if op == "==":
         return value == want, f"{key}: {operand}"
     if op == "!=":
@@ -374,47 +398,6 @@ def removed_key(full: str, opt: Option) -> str:
     return f"{full}: no longer a recipe key: {opt.removed}{suffix}"
 
 
-def check_value(value: Any, opt: Option, path: str) -> list[str]:
-    """Problems of one value against its option (type, finiteness, range, choices, nested keys).
-
-    A secret's value (``Option(secret=True)``, or a key named like one) is remembered here, as
-    every recipe is checked before a run writes anything, and never quoted in a message."""
-    secret = opt.secret or is_secret_key(path.rsplit(".", 1)[-1])
-    if secret:
-        add_secret(value)
-    if value is None:
-        if opt.required:
-            return []  # reported once, as "required", by check_options
-        return [] if opt.spec().accepts(None) else [f"{path}: expected {opt.spec().describe()}, got null"]
-    if isinstance(value, str) and value == "???":
-        return [f"{path}: a value is required here (the recipe has '???')"]
-    spec = opt.spec()
-    if not spec.accepts(value):
-        shown = "" if secret else f"{_show(value)}{_yaml_hint(value, spec)}"
-        return [f"{path}: expected {spec.describe()}, got {type_name(value)}{shown}"]
-    bad_number = _non_finite(value)
-    if bad_number is not None:
-        return [f"{path}: expected a finite number, got {bad_number}"]
-    for choices in (opt.choices, spec.literal_choices()):
-        if choices is not None and value not in choices:
-            if secret:
-                return [f"{path}: the value is not one of {', '.join(str(c) for c in choices)}"]
-            return [f"{path}: {value!r} is not one of {', '.join(str(c) for c in choices)}{_closest(value, choices)}"]
-    if _is_number(value) and not _in_range(float(value), opt):
-        return [f"{path}: expected {_range_words(opt, value)}, got {value!r}"]
-    problems: list[str] = []
-    if opt.options is not None and isinstance(value, Mapping):
-        problems += check_options(value, opt.options, path)
-    if opt.values is not None and isinstance(value, Mapping):
-        for key, item in value.items():
-            problems += check_value(item, opt.values, f"{path}.{key}")
-    if not problems and opt.check is not None:
-        message = opt.check(value)
-        if message:
-            problems.append(f"{path}: {message}")
-    return problems
-
-
 def _closest(value: Any, choices: tuple[Any, ...]) -> str:
     by_lower = {str(c).lower(): str(c) for c in choices}
     hit = by_lower.get(str(value).lower())
@@ -442,6 +425,17 @@ def unknown_key(key: str, path: str, known: list[str], owner: str = "", listed: 
 
 # -- type specs -----------------------------------------------------------------------------------
 
+_SCALARS: dict[str, Callable[[Any], bool]] = {
+    "any": lambda v: True, "none": lambda v: v is None, "bool": lambda v: isinstance(v, bool),
+    "int": lambda v: isinstance(v, int) and not isinstance(v, bool), "float": lambda v: _is_number(v),
+    "str": lambda v: isinstance(v, str)}
+_WORDS = {"any": "any value", "none": "null", "bool": "a boolean", "int": "an integer", "float": "a number",
+          "str": "a string", "list": "a list", "dict": "a mapping"}
+_KINDS: dict[Any, str] = {bool: "bool", int: "int", float: "float", str: "str", dict: "dict", list: "list",
+                          tuple: "list", set: "list", frozenset: "list", type(None): "none", None: "none", Any: "any",
+                          object: "any", inspect.Parameter.empty: "any"}
+
+
 class _Spec:
     """A normalised type: kind in any/none/bool/int/float/str/list/dict/union/literal."""
 
@@ -450,146 +444,66 @@ class _Spec:
         self.kind, self.parts, self.item, self.values = kind, parts, item, values
 
     def accepts(self, value: Any) -> bool:
-        k = self.kind
-        if k == "any":
-            return True
-        if k == "none":
-            return value is None
-        if k == "bool":
-            return isinstance(value, bool)
-        if k == "int":
-            return isinstance(value, int) and not isinstance(value, bool)
-        if k == "float":
-            return _is_number(value)
-        if k == "str":
-            return isinstance(value, str)
-        if k == "list":
-            return isinstance(value, (list, tuple)) and (self.item is None or all(self.item.accepts(v) for v in value))
-        if k == "dict":
-            return isinstance(value, Mapping) and (self.item is None or all(self.item.accepts(v)
-                                                                           for v in value.values()))
+        k, item = self.kind, self.item
+        if k in ("list", "dict"):
+            container = (list, tuple) if k == "list" else Mapping
+            items = value.values() if isinstance(value, Mapping) else value
+            return isinstance(value, container) and (item is None or all(item.accepts(v) for v in items))
         if k == "union":
             return any(p.accepts(value) for p in self.parts)
         if k == "literal":
             return any(value == v and type(value) is type(v) for v in self.values) or \
                 (all(isinstance(v, str) for v in self.values) and isinstance(value, str))
-        return True
+        return _SCALARS[k](value)
 
     def literal_choices(self) -> tuple[Any, ...] | None:
         if self.kind == "literal":
             return self.values
-        if self.kind == "union":
-            lits = [p for p in self.parts if p.kind == "literal"]
-            if lits and not any(p.kind not in ("literal", "none") and p.accepts_str() for p in self.parts):
-                return tuple(v for p in lits for v in p.values) + ((None,) if self.accepts(None) else ())
+        lits = [p for p in self.parts if p.kind == "literal"]  # a union
+        if lits and not any(p.kind in ("str", "any") for p in self.parts):
+            return tuple(v for p in lits for v in p.values) + ((None,) if self.accepts(None) else ())
         return None
-
-    def accepts_str(self) -> bool:
-        return self.kind in ("str", "any")
 
     def describe(self) -> str:
         k = self.kind
-        words = {"any": "any value", "none": "null", "bool": "a boolean", "int": "an integer", "float": "a number",
-                 "str": "a string"}
-        if k in words:
-            return words[k]
         if k == "list":
             if self.item is None or self.item.kind == "any":
-                return "a list"
+                return _WORDS[k]
             kinds = [_plural(p.describe()) for p in (self.item.parts if self.item.kind == "union" else (self.item,))]
             return f"a list of {' or '.join(kinds)}"
-        if k == "dict":
-            return "a mapping"
         if k == "literal":
             return "one of " + ", ".join(repr(v) for v in self.values)
         if k == "union":
-            parts = [p.describe() for p in self.parts if p.kind != "none"]
-            text = " or ".join(parts)
+            text = " or ".join(p.describe() for p in self.parts if p.kind != "none")
             return f"{text} or null" if any(p.kind == "none" for p in self.parts) else text
-        return k
+        return _WORDS[k]
 
 
 def _plural(words: str) -> str:
-    for article in ("an ", "a "):
-        if words.startswith(article):
-            words = words[len(article):]
+    words = words.removeprefix("an ").removeprefix("a ")
     return words if words.endswith("s") else words + "s"
 
 
 def _spec(tp: Any) -> _Spec:
-    if isinstance(tp, _Spec):
-        return tp
-    if tp is None or tp is type(None):
-        return _Spec("none")
-    if tp is Any or tp is inspect.Parameter.empty or tp is object:
-        return _Spec("any")
     if isinstance(tp, tuple):
         return _Spec("union", parts=tuple(_spec(t) for t in tp))
-    if isinstance(tp, str):
-        return _spec(_STR_TYPES.get(tp, Any))
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-    if origin is typing.Union or (hasattr(types, "UnionType") and isinstance(tp, types.UnionType)):
+    if isinstance(tp, str):  # a type named in words
+        tp = {"bool": bool, "int": int, "float": float, "str": str, "list": list, "dict": dict}.get(tp, Any)
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is typing.Union or isinstance(tp, types.UnionType):
         return _Spec("union", parts=tuple(_spec(a) for a in args))
     if origin is typing.Literal:
         return _Spec("literal", values=tuple(args))
-    if origin in (list, tuple, set, frozenset) or (origin is not None and _is_sequence(origin)):
-        item = _spec(args[0]) if args and args[0] is not Ellipsis else None
-        return _Spec("list", item=item)
-    if origin is dict or (origin is not None and _is_mapping(origin)):
+    kind = _KINDS.get(origin if origin is not None else tp)
+    if kind is None and isinstance(origin or tp, type):  # an abstract container, or Path (written as a string)
+        cls = origin or tp
+        kind = "dict" if issubclass(cls, Mapping) else "list" if issubclass(cls, Sequence) and not issubclass(
+            cls, str) else "str" if cls.__name__ in ("Path", "PurePath", "PosixPath", "WindowsPath") else None
+    if kind == "list" and origin is not None:
+        return _Spec("list", item=_spec(args[0]) if args and args[0] is not Ellipsis else None)
+    if kind == "dict" and origin is not None:
         return _Spec("dict", item=_spec(args[1]) if len(args) == 2 else None)
-    if tp is bool:
-        return _Spec("bool")
-    if tp is int:
-        return _Spec("int")
-    if tp is float:
-        return _Spec("float")
-    if tp is str:
-        return _Spec("str")
-    if tp in (list, tuple, set, frozenset):
-        return _Spec("list")
-    if tp is dict:
-        return _Spec("dict")
-    if isinstance(tp, type):
-        if _is_mapping(tp):
-            return _Spec("dict")
-        if tp.__name__ in ("Path", "PurePath", "PosixPath", "WindowsPath"):
-            return _Spec("str")
-    return _Spec("any")
-
-
-_STR_TYPES = {"bool": bool, "int": int, "float": float, "str": str, "list": list, "dict": dict}
-
-
-def _is_sequence(origin: Any) -> bool:
-    from collections.abc import Sequence
-    try:
-        return issubclass(origin, Sequence) and not issubclass(origin, str)
-    except TypeError:
-        return False
-
-
-def _is_mapping(origin: Any) -> bool:
-    try:
-        return issubclass(origin, Mapping)
-    except TypeError:
-        return False
-
-
-def _infer(default: Any) -> _Spec:
-    if isinstance(default, bool):
-        return _Spec("bool")
-    if isinstance(default, int):
-        return _Spec("int")
-    if isinstance(default, float):
-        return _Spec("float")
-    if isinstance(default, str):
-        return _Spec("str")
-    if isinstance(default, (list, tuple)):
-        return _Spec("list")
-    if isinstance(default, Mapping):
-        return _Spec("dict")
-    return _Spec("any")
+    return _Spec(kind or "any")
 
 
 def describe_type(opt: Option) -> str:
@@ -606,12 +520,8 @@ def _is_number(value: Any) -> bool:
 def _non_finite(value: Any) -> str | None:
     if isinstance(value, float) and not math.isfinite(value):
         return repr(value)
-    if isinstance(value, (list, tuple)):
-        for v in value:
-            bad = _non_finite(v)
-            if bad is not None:
-                return bad
-    return None
+    bad = [b for b in map(_non_finite, value) if b is not None] if isinstance(value, (list, tuple)) else []
+    return bad[0] if bad else None
 
 
 def _in_range(x: float, opt: Option) -> bool:
@@ -635,21 +545,11 @@ def _range_words(opt: Option, value: Any) -> str:
 
 
 def type_name(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, int):
-        return "an integer"
-    if isinstance(value, float):
-        return "a number"
-    if isinstance(value, str):
-        return "a string"
-    if isinstance(value, (list, tuple)):
-        return "a list"
-    if isinstance(value, Mapping):
-        return "a mapping"
-    return type(value).__name__
+    """What ``value`` is, in the words of the type descriptions (bool before int: a bool is an int)."""
+    kind = next((k for k in ("none", "bool", "int", "float", "str") if _SCALARS[k](value)), None)
+    if kind is None:
+        kind = "list" if isinstance(value, (list, tuple)) else "dict" if isinstance(value, Mapping) else None
+    return _WORDS[kind] if kind else type(value).__name__
 
 
 def _show(value: Any) -> str:

@@ -13,6 +13,7 @@ core keys listed here, and the component reads them itself.
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,16 +77,13 @@ def _launch_mode(value: Any) -> str | None:
     return problem.split(": ", 1)[1] if problem else None
 
 
-def _rollout_limit(value: Any) -> str | None:
-    if value == "batch" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
-        return None
-    return f"expected null, 'batch' or a positive integer, got {value!r}"
-
-
-def _rollouts_ahead(value: Any) -> str | None:
-    if value == "staleness" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
-        return None
-    return f"expected null, 'staleness' or a positive integer, got {value!r}"
+def _positive_or(word: str) -> Callable[[Any], str | None]:
+    """The check of a key that takes ``word`` or a positive integer (null aside)."""
+    def check(value: Any) -> str | None:
+        if value == word or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+            return None
+        return f"expected null, '{word}' or a positive integer, got {value!r}"
+    return check
 
 
 def _reward_range(value: Any) -> str | None:
@@ -204,7 +202,7 @@ class WeightSettings(Settings):
               "(decoding, or waiting in the pool); 'staleness' = max(staleness_threshold, 1) x trajectory_pool."
               "batch_size: the engine generates the next batches while the trainer steps, and none that would come "
               "out too stale to train; null: no bound (what comes out too stale is re-rolled)",
-        check=_rollouts_ahead, needs="weight.sync_mode != sync")
+        check=_positive_or("staleness"), needs="weight.sync_mode != sync")
     model_update_frequency: int = setting(1, "push the trained weights to the inference service every N steps (and "
                                              "before a validation); N > 1 needs an async sync_mode with "
                                              "staleness_threshold >= N", ge=1)
@@ -221,7 +219,7 @@ class WeightSettings(Settings):
         "batch", "sync mode: rollouts started per weight version; 'batch' = trajectory_pool.batch_size (none "
                  "wasted, runs reproducible); N or null (until a batch is ready) start extras, which are waited "
                  "for and re-rolled",
-        check=_rollout_limit, needs="weight.sync_mode == sync")
+        check=_positive_or("batch"), needs="weight.sync_mode == sync")
 
 
 @dataclass(frozen=True, kw_only=True)

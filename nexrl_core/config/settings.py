@@ -59,17 +59,17 @@ PlainData = Union[str, int, float, bool, None, list["PlainData"], dict[str, "Pla
 
 def setting(default: Any = REQUIRED, help: str = "", key: str | None = None, **option: Any) -> Any:
     """One field of a :class:`Settings` class: its default (none given: the recipe must set it), one
-    line of help, and any other :class:`Option` argument. ``key``: the recipe key, where it cannot
+    line of help, and any other :class:`Option` argument (the field's metadata is that Option; its
+    type, the annotation, is added when the class is read). ``key``: the recipe key, where it cannot
     be the field's name (a Python keyword). A mapping with ``options=`` whose default is ``dict``
     defaults to its options' defaults."""
-    meta: dict[str, Any] = {_OPTION: {"default": default, "help": help, **option}}
+    meta: dict[str, Any] = {_OPTION: Option(_UNSET if default is dict else default, help=help, **option)}
     if key is not None:
         meta[_KEY] = key
     if default is REQUIRED:
         return dataclasses.field(metadata=meta)
     if default is dict:  # a mapping of declared keys: each key's default
-        declared = option.get("options")
-        return dataclasses.field(default_factory=lambda: option_defaults(declared), metadata=meta)
+        return dataclasses.field(default_factory=lambda: option_defaults(option.get("options")), metadata=meta)
     if isinstance(default, type) and issubclass(default, Settings):  # a nested section: its own defaults
         return dataclasses.field(default_factory=default, metadata=meta)
     if isinstance(default, (list, dict)):
@@ -220,24 +220,17 @@ def _settings_class(annotation: Any) -> type[Settings] | None:
 
 
 def _field_option(cls: type, field: dataclasses.Field) -> Option:
-    declared = dict(field.metadata.get(_OPTION, {}))
+    """The field's Option (made by :func:`setting`, else by its dataclass default), typed by its annotation."""
+    opt = field.metadata.get(_OPTION) or Option(REQUIRED if field.default is dataclasses.MISSING else field.default)
     annotation = _hints(cls)[field.name]
     nested = _settings_class(annotation)
-    default = declared.pop("default", _UNSET)
-    if default is _UNSET:  # a plain dataclass field, not made by setting()
-        default = field.default if field.default is not dataclasses.MISSING else REQUIRED
-    if default is dict:
-        default = _UNSET  # its options' defaults
-    if declared.get("options") is not None or declared.get("values") is not None:
-        return Option(default, dict, **declared)  # checked key by key, each message naming its key
-    if nested is not None:
-        if default is None or type(None) in typing.get_args(annotation):
-            if default is not None:  # a section that may be null, holding its keys' defaults unless set
-                return Option(_UNSET, (dict, None), options=nested.options(), **declared)
-            return Option(None, (dict, None), options=nested.options(), **declared)
-        return Option(REQUIRED if default is REQUIRED else _UNSET, dict, options=nested.options(), **declared)
-    checked_as = declared.pop("type", annotation)  # ``type=``: a looser check than the annotation, where a
-    return Option(default, checked_as, **declared)  # ``check=`` words the problem better than a type error
+    if opt.options is not None or opt.values is not None:
+        return dataclasses.replace(opt, type=dict)  # checked key by key, each message naming its key
+    if nested is None:  # ``type=``: a looser check than the annotation, where ``check=`` words the problem better
+        return opt if opt.type is not None else dataclasses.replace(opt, type=annotation)
+    nullable = opt.default is None or type(None) in typing.get_args(annotation)
+    default = None if opt.default is None else REQUIRED if opt.required and not nullable else _UNSET
+    return dataclasses.replace(opt, default=default, type=(dict, None) if nullable else dict, options=nested.options())
 
 
 # -- a section as a component reads it ------------------------------------------------------------------

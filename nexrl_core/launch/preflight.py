@@ -18,13 +18,9 @@ from ..runtime.run_log import _inside, earlier_run, writable_dir_problem
 DATA_SECTIONS = ("data", "validate.data")
 
 
-def _section(cfg: DictConfig, dotted: str) -> Any:
-    return OmegaConf.select(cfg, dotted, default=None)
-
-
 def dataloader_config(cfg: DictConfig, which: str) -> DictConfig | None:
     """What the data loader of ``data`` or ``validate.data`` is built with (None: no such section)."""
-    section = _section(cfg, which)
+    section = OmegaConf.select(cfg, which, default=None)
     if section is None:
         return None
     is_validate = which == "validate.data"

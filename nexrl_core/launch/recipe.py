@@ -16,27 +16,27 @@ from dataclasses import replace
 from difflib import get_close_matches
 from typing import Any, cast
 
+import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from ..config.options import (
+    Check,
     Option,
-    check_value,
+    check_options,
     component_capabilities,
     component_options,
-    option_defaults,
     options_from_signature,
-    removed_key,
     type_name,
-    unknown_key,
     unmet_needs,
 )
 from ..config.schema import CORE_OPTIONS, core_defaults
-from ..config.settings import fill_defaults
+from ..config.settings import fill_defaults, plain
 from ..errors import ConfigError, NexRLError
 from ..redaction import add_config_secrets, add_secret, is_secret_key
 from ..runtime.python_class import KINDS as PYTHON_KINDS
-from ..runtime.python_class import PythonClassSettings, load_component_class, loads_from_file
+from ..runtime.python_class import PythonClassSettings, loads_from_file
+from ..types import lookup
 from .compose import Composer, GroupOverride, deep_merge, read_yaml_file
 
 # kind -> words for messages
@@ -66,6 +66,8 @@ def load_recipe(path: str, overrides: list[str] | None = None, raw: Any = None,
     them, even one about a bad override. ``sources``, when given, receives where each value came
     from: dotted key -> ``default``, ``recipe <file>`` or ``override '<text>'`` (a key not listed
     takes the source of its nearest listed parent)."""
+    from ..plugins import peek_plugin_manager
+
     for text in overrides or []:
         key, sep, value = text.partition("=")
         if sep and is_secret_key(key.rsplit(".", 1)[-1]):
@@ -86,7 +88,7 @@ def load_recipe(path: str, overrides: list[str] | None = None, raw: Any = None,
     for layer in layers:
         recipe = deep_merge(recipe, layer)
     for _, ov in value_overrides:  # `section={}`: the section as its defaults (merging {} would keep the recipe's)
-        if not ov.is_delete() and _plain_value(ov.value()) == {}:
+        if not ov.is_delete() and ov.value() == {}:
             _pop_key(recipe, ov.key_or_group)
     recipe_dir = os.path.dirname(os.path.abspath(path))
     resolve_recipe_paths(recipe, recipe_dir)
@@ -95,7 +97,8 @@ def load_recipe(path: str, overrides: list[str] | None = None, raw: Any = None,
     # override may change the selection (trainer.type=...), so it is applied once, leniently, to learn it.
     probe = _create(merged, path)
     _apply_overrides(probe, value_overrides, strict=False)
-    declared = _fill_component_defaults(merged, OmegaConf.to_container(probe, resolve=False))
+    declared = effective_options(OmegaConf.to_container(probe, resolve=False), peek_plugin_manager())
+    fill_defaults(merged, declared)
     cfg = _create(merged, path)
     _apply_overrides(cfg, value_overrides, declared=declared)
     if sources is not None:
@@ -103,11 +106,10 @@ def load_recipe(path: str, overrides: list[str] | None = None, raw: Any = None,
         sources[""] = "default"
         for layer, where in zip(layers, composer.layer_files, strict=True):
             _mark(sources, layer, "", f"recipe {_shown_path(where)}")
-        for text, ov in value_overrides:
-            sources[ov.key_or_group] = f"override '{text}'"
-            for key in [k for k in sources if k.startswith(ov.key_or_group + ".")]:
-                del sources[key]  # a mapping set on the command line replaces what was below it
-    plain = _fill_section_defaults(OmegaConf.to_container(cfg, resolve=False), CORE_OPTIONS)
+        for text, ov in value_overrides:  # a mapping set on the command line replaces what was below it
+            _mark(sources, None, ov.key_or_group, f"override '{text}'")
+    # a section an override brought whose default is null (validate.data) gets its defaults too
+    plain = fill_defaults(cast(dict, OmegaConf.to_container(cfg, resolve=False)), declared)
     # Set before resolving, so a recipe can name files next to it: ${recipe_dir}/data/train.jsonl
     plain["recipe_dir"] = recipe_dir
     try:
@@ -119,8 +121,7 @@ def load_recipe(path: str, overrides: list[str] | None = None, raw: Any = None,
     return cast(DictConfig, resolved)
 
 
-def resolve_recipe_paths(values: Any, recipe_dir: str, options: Mapping[str, Option] | None = None,
-                         pm: Any = None) -> None:
+def resolve_recipe_paths(values: Any, recipe_dir: str, pm: Any = None, options: Mapping[str, Option] | None = None) -> None:
     """In place: each relative path a recipe names (options declared ``path=True``, the core's and
     the selected components') becomes the path next to the recipe when that file or folder exists
     there; otherwise it is left as written (relative to the current folder, or a name such as a
@@ -130,30 +131,16 @@ def resolve_recipe_paths(values: Any, recipe_dir: str, options: Mapping[str, Opt
     if options is None:
         from ..plugins import peek_plugin_manager
 
-        options, pm = CORE_OPTIONS, pm or peek_plugin_manager()  # one manager for the whole walk
         for kind in PYTHON_KINDS:  # a class loaded from a file: its file first, the class's own keys next
             if loads_from_file(kind, values.get(kind)) and isinstance(values[kind].get("path"), str):
                 values[kind]["path"] = _recipe_path(values[kind]["path"], recipe_dir)
-        train_service = _get(values, "service.train_service")
-        trainer_cls = _selected_class(CORE_OPTIONS["trainer"], values.get("trainer"), pm)
-        if isinstance(train_service, dict) and trainer_cls is not None:  # keys of the chosen train service
-            try:
-                declared, _ = _train_service_declared(train_service, trainer_cls, pm)
-            except NexRLError:
-                declared = {}  # an unknown backend: the checks report it
-            resolve_recipe_paths(train_service, recipe_dir, declared, pm)
+        options = effective_options(values, pm or peek_plugin_manager())
     for key, value in list(values.items()):
         opt = options.get(str(key))
-        if opt is None:
-            continue
-        if opt.path:
+        if opt is not None and opt.path:
             values[key] = _recipe_path(value, recipe_dir)
-        elif opt.component is not None and isinstance(value, dict):
-            cls = _selected_class(opt, value, pm)
-            own = declared_options(opt.component, cls) if cls is not None else None
-            resolve_recipe_paths(value, recipe_dir, {**(own or {}), **dict(opt.options or {})}, pm)
-        elif opt.options is not None and isinstance(value, dict):
-            resolve_recipe_paths(value, recipe_dir, opt.options, pm)
+        elif opt is not None and opt.options is not None:
+            resolve_recipe_paths(value, recipe_dir, options=opt.options)
 
 
 def _recipe_path(value: Any, recipe_dir: str) -> Any:
@@ -170,136 +157,81 @@ def _recipe_path(value: Any, recipe_dir: str) -> Any:
     return value
 
 
-def _selected_class(opt: Option, values: Any, pm: Any) -> type | None:
-    """The registered class a component section selects (None when unknown: the checks say so)."""
-    from ..plugins import peek_plugin_manager
+def _select(opt: Option, values: Any, pm: Any, path: str) -> type | str:
+    """The registered class the component section ``values`` at ``path`` selects, or why none is
+    (one resolution for both walks: the options in effect and the checks)."""
+    assert opt.options is not None and opt.component is not None
+    section = _mapping(values)
+    try:
+        return cast(type, pm.resolve_section(opt.component, section, path, opt.selector,
+                                             section.get(opt.selector, opt.options[opt.selector].default_value())))
+    except NexRLError as exc:
+        return str(exc)
 
-    if opt.options is None or opt.component is None:
-        return None
-    section = values if isinstance(values, Mapping) else {}
-    if loads_from_file(opt.component, section):
-        try:
-            return load_component_class(opt.component, section, opt.component)
-        except ConfigError:
-            return None  # the checks say why
-    name = section.get(opt.selector, opt.options[opt.selector].default_value())
-    if not isinstance(name, str):
-        return None
-    registered = (pm or peek_plugin_manager()).components(opt.component).get(name)
-    return registered.cls if registered is not None else None
+
+def _own_options(kind: str, cls: type, section: Mapping[str, Any]) -> dict[str, Option] | None:
+    """The keys a component class accepts beside the core's (None: any, ``**kwargs``); a class
+    loaded from a file (``type: python``) also takes the keys that name it."""
+    own = declared_options(kind, cls)
+    return {**PythonClassSettings.options(), **(own or {})} if loads_from_file(kind, section) else own
 
 
 # -- the declarations of a recipe, with its selections ------------------------------------------------------
 
-def effective_options(values: Any, pm: Any, trainer_cls: type | None = None) -> dict[str, Option]:
+def effective_options(values: Any, pm: Any) -> dict[str, Option]:
     """The options of the recipe ``values`` (plain dicts): the core's, with each selected
-    component's own merged into its section. An unknown component adds nothing (the checks
-    report it). ``trainer_cls``: the trainer class (else the one ``trainer.type`` names).
-    ``pm`` None: no component is looked up; their sections (and ``algorithm``) stay open."""
-    values = values if isinstance(values, Mapping) else {}
-    core = _core_options(values, pm)[0] if pm is not None else dict(CORE_OPTIONS)  # with logger.<sink>
-    out = _effective(values, core, pm)
-    if trainer_cls is not None:
-        trainer = values.get("trainer")
-        own = declared_options("trainer", trainer_cls) or {}
-        out["trainer"] = replace(out["trainer"], options=_effective(trainer, {**own, **dict(core["trainer"].options or {})},
-                                                                    pm))
-    elif pm is not None:
-        trainer_cls = _selected_class(CORE_OPTIONS["trainer"], values.get("trainer"), pm)
-    if trainer_cls is None or pm is None:
-        return out
+    component's own merged into its section, and the trainer's ``algorithm`` and
+    ``service.train_service`` keys. An unknown component adds nothing (the checks report it)."""
     from ..algorithms.registry import algorithm_keys
 
-    algorithm = values.get("algorithm")
-    algorithm = algorithm if isinstance(algorithm, Mapping) else {}
+    values = _mapping(values)
+    out = _effective(values, _core_options(values, pm)[0], pm)  # with logger.<sink>
+    trainer_cls = _select(CORE_OPTIONS["trainer"], values.get("trainer"), pm, "trainer")
+    if isinstance(trainer_cls, str):
+        return out
+    algorithm, service = _mapping(values.get("algorithm")), _mapping(lookup(values, "service.train_service"))
     try:
-        declared, _ = algorithm_keys(trainer_cls, algorithm, pm, _get(values, "trainer.type"))
+        declared = algorithm_keys(trainer_cls, algorithm, pm, lookup(values, "trainer.type"))[0]
+        out["algorithm"] = replace(out["algorithm"], options=_effective(algorithm, declared, pm, "algorithm."))
     except NexRLError:
-        declared = None
-    if declared is not None:
-        out["algorithm"] = replace(out["algorithm"], options=_effective(algorithm, declared, pm))
-    section = _get(values, "service.train_service")
+        pass  # the checks report it
     try:
-        service_keys, _ = _train_service_declared(section if isinstance(section, Mapping) else {}, trainer_cls, pm)
+        declared = _train_service_declared(service, trainer_cls, pm)[0]
+        inner = dict(out["service"].options or {})
+        inner["train_service"] = replace(inner["train_service"],
+                                         options=_effective(service, declared, pm, "service.train_service."))
+        out["service"] = replace(out["service"], options=inner)
     except NexRLError:
-        service_keys = None
-    if service_keys is not None:
-        service = out["service"]
-        inner = dict(service.options or {})
-        inner["train_service"] = replace(inner["train_service"], options=_effective(
-            section if isinstance(section, Mapping) else {}, service_keys, pm))
-        out["service"] = replace(service, options=inner)
+        pass
     return out
 
 
-def _effective(values: Any, options: Mapping[str, Option], pm: Any) -> dict[str, Option]:
-    values = values if isinstance(values, Mapping) else {}
-    return {key: _effective_option(values.get(key), opt, pm) for key, opt in options.items()}
+def _mapping(value: Any) -> Mapping[str, Any]:
+    return value if isinstance(value, Mapping) else {}
 
 
-def _effective_option(value: Any, opt: Option, pm: Any) -> Option:
+def _effective(values: Any, options: Mapping[str, Option], pm: Any, prefix: str = "") -> dict[str, Option]:
+    return {key: _effective_option(_mapping(values).get(key), opt, pm, prefix + key) for key, opt in options.items()}
+
+
+def _effective_option(value: Any, opt: Option, pm: Any, path: str) -> Option:
     if not isinstance(value, Mapping):
         return opt
-    if opt.component is not None and pm is None:  # a part the launcher builds and hands in: not read here
-        return replace(opt, options=None, values=None, type=dict)
     if opt.component is not None and opt.options is not None:
-        cls = _selected_class(opt, value, pm)
-        if cls is not None:
-            own = declared_options(opt.component, cls)
+        cls = _select(opt, value, pm, path)
+        if not isinstance(cls, str):
+            own = _own_options(opt.component, cls, value)
             if own is None:  # **kwargs: any key
                 return replace(opt, options=None, values=None, type=dict)
             opt = replace(opt, options={**own, **dict(opt.options)})
     if opt.options is not None:
-        return replace(opt, options=_effective(value, opt.options, pm))
+        return replace(opt, options=_effective(value, opt.options, pm, path + "."))
     if opt.values is not None:
         # a mapping of named entries, each resolved on its own (a domain's evaluator); options
         # holds the entries present, values any other
-        entries = {str(k): _effective_option(v, opt.values, pm) for k, v in value.items()}
+        entries = {str(k): _effective_option(v, opt.values, pm, f"{path}.{k}") for k, v in value.items()}
         return replace(opt, options=entries)
     return opt
-
-
-def _fill_component_defaults(values: dict[str, Any], selected: Any) -> Any:
-    """In place: the defaults of the components ``selected`` (the recipe with its overrides) names.
-    Returns the declared keys (:func:`key_tree`)."""
-    from ..plugins import peek_plugin_manager
-
-    if not isinstance(selected, dict):
-        return {}
-    options = effective_options(selected, peek_plugin_manager())
-    fill_defaults(values, options)
-    return key_tree(options)
-
-
-ANY = "*"  # in a key tree: any other key, with this subtree
-
-
-def key_tree(options: Mapping[str, Option] | None) -> dict[str, Any] | None:
-    """The keys ``options`` declares (removed ones left out): key -> its own tree, None where any
-    key may follow (a free-form mapping or a plain value)."""
-    if options is None:
-        return None
-    tree: dict[str, Any] = {}
-    for key, opt in options.items():
-        if opt.removed is not None:
-            continue
-        if opt.options is None and opt.values is None:
-            tree[key] = None
-            continue
-        sub = key_tree(opt.options) if opt.options is not None else {}
-        if opt.values is not None and sub is not None:
-            sub[ANY] = key_tree(opt.values.options)
-        tree[key] = sub
-    return tree
-
-
-def _is_declared(tree: Any, dotted: str) -> bool:
-    """``dotted`` is a key the declarations hold (a section that is null by default included)."""
-    for part in dotted.split("."):
-        if not isinstance(tree, dict) or (part not in tree and ANY not in tree):
-            return False
-        tree = tree[part] if part in tree else tree[ANY]
-    return True
 
 
 def _mark(sources: dict[str, str], layer: Any, prefix: str, label: str) -> None:
@@ -333,19 +265,6 @@ def _create(data: Any, path: str) -> DictConfig:
         return OmegaConf.create(data)
     except OmegaConfBaseException as exc:
         raise ConfigError(f"{path}: {str(exc).splitlines()[0]}") from None
-
-
-def _fill_section_defaults(values: Any, options: Mapping[str, Option]) -> Any:
-    """A section present in the recipe whose default is null (validate.data) gets its core defaults."""
-    if not isinstance(values, dict):
-        return values
-    for key, opt in options.items():
-        value = values.get(key)
-        if opt.options is not None and isinstance(value, dict):
-            if opt.default is None:  # not in core_defaults(): the recipe brought the section
-                value = deep_merge(option_defaults(opt.options), value)
-            values[key] = _fill_section_defaults(value, opt.options)
-    return values
 
 
 def _parse_overrides(overrides: list[str], composer: Composer) -> tuple[list[GroupOverride], list[Any]]:
@@ -384,10 +303,10 @@ def _apply_overrides(cfg: DictConfig, overrides: list[Any], strict: bool = True,
         if ov.is_delete():
             _delete(cfg, key, text)
             continue
-        value = _plain_value(ov.value())
+        value = ov.value()
         exists = _has_key(cfg, key)
         if strict and not ov.is_add() and not ov.is_force_add() and not exists and \
-                not (declared and _is_declared(declared, key)):
+                not (declared and _option_at(key, declared, named=True)):
             parent = key.rsplit(".", 1)[0] if "." in key else ""
             raise ConfigError(f"override '{text}': key '{key}' does not exist{_suggest(cfg, key)}; "
                               f"use '+{text}' to add a new key{' under ' + parent if parent else ''}")
@@ -414,23 +333,15 @@ def _section_override_message(text: str, key: str, value: Any) -> str:
             f"(no {key}/{value}.yaml next to the recipe or in nexrl_core/conf); {hint}")
 
 
-def _option_at(dotted: str) -> Option | None:
-    options: Mapping[str, Option] | None = CORE_OPTIONS
-    opt = None
+def _option_at(dotted: str, options: Mapping[str, Option] = CORE_OPTIONS, named: bool = False) -> Option | None:
+    """The option of the dotted key (``named``: an entry the recipe names, a domain, counts)."""
+    opt: Option | None = Option(options=options)
     for part in dotted.split("."):
-        opt = (options or {}).get(part)
-        if opt is None:
+        assert opt is not None
+        opt = (opt.options or {}).get(part) or (opt.values if named else None)
+        if opt is None or (named and opt.removed is not None):
             return None
-        options = opt.options
     return opt
-
-
-def _plain_value(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: _plain_value(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_plain_value(v) for v in value]
-    return value
 
 
 def _has_key(cfg: DictConfig, dotted: str) -> bool:
@@ -455,7 +366,9 @@ def _delete(cfg: DictConfig, key: str, text: str) -> None:
     opt = _option_at(key)
     if opt is None or opt.removed is not None:
         del parent[leaf]
-    elif opt.options is None and not opt.required and _plain_value(_unresolved(parent, leaf)) != opt.default_value():
+    # the value as written (an interpolation as its text, as the declared default holds it)
+    elif opt.options is None and not opt.required and \
+            cast(dict, OmegaConf.to_container(parent, resolve=False))[leaf] != opt.default_value():
         parent[leaf] = opt.default_value()
     elif opt.spec().accepts(None):
         parent[leaf] = None
@@ -466,8 +379,6 @@ def _delete(cfg: DictConfig, key: str, text: str) -> None:
         elif default is None:
             example = f"{key}=<value>"
         else:
-            import yaml
-
             example = f"{key}={yaml.safe_dump(default, default_flow_style=True, width=1000).strip()}".removesuffix(
                 "\n...").strip()
         if default == {}:
@@ -476,14 +387,7 @@ def _delete(cfg: DictConfig, key: str, text: str) -> None:
                           f"cannot be deleted; set it instead, e.g. {example}")
 
 
-def _unresolved(parent: DictConfig, leaf: str) -> Any:
-    """``parent[leaf]`` as written (an interpolation as its text, as the declared default holds it)."""
-    return cast(dict, OmegaConf.to_container(parent, resolve=False))[leaf]
-
-
 def _suggest(cfg: DictConfig, key: str) -> str:
-    from difflib import get_close_matches
-
     parent_key, _, leaf = key.rpartition(".")
     parent = OmegaConf.select(cfg, parent_key) if parent_key else cfg
     if isinstance(parent, DictConfig):
@@ -494,13 +398,6 @@ def _suggest(cfg: DictConfig, key: str) -> str:
 
 
 # -- checking ------------------------------------------------------------------------------------
-
-def plain(cfg: Mapping[str, Any] | None) -> Any:
-    """The recipe as plain dicts and lists (what every check reads)."""
-    if isinstance(cfg, DictConfig):
-        return OmegaConf.to_container(cfg, resolve=True)
-    return cfg
-
 
 def check_config(cfg: Mapping[str, Any], plugin_manager: Any, eval_only: bool = False) -> list[str]:
     """Every problem of the recipe's keys and values, one line each (empty: sound).
@@ -519,8 +416,7 @@ def check_config(cfg: Mapping[str, Any], plugin_manager: Any, eval_only: bool = 
     problems += _domain_checks(values, checker.found)
     trainer_cls = checker.found.get("trainer")
     if trainer_cls is not None:
-        trainer = values.get("trainer")
-        trainer_type = trainer.get("type") if isinstance(trainer, Mapping) else None
+        trainer_type = lookup(values, "trainer.type")
         problems += check_algorithm(values.get("algorithm"), trainer_cls, plugin_manager,
                                     str(trainer_type) if trainer_type else None, root=values)
         problems += _check_train_service(values, trainer_cls, plugin_manager)
@@ -551,7 +447,7 @@ def network_plan(cfg: Mapping[str, Any], plugin_manager: Any) -> Any:
 def _network_plan(values: Mapping[str, Any], found: Mapping[str, type], pm: Any) -> Any:
     from .ray.network import plan
 
-    backend = _get(values, "logger.backend")
+    backend = lookup(values, "logger.backend")
     sinks = []
     for name in [backend] if isinstance(backend, str) else backend if isinstance(backend, list) else []:
         try:
@@ -568,60 +464,22 @@ def require_valid(cfg: Mapping[str, Any], plugin_manager: Any, eval_only: bool =
         raise RecipeProblems(problems)
 
 
-class _Checker:
+class _Checker(Check):
     """Walks the recipe against the declared options; remembers the component classes it resolved."""
 
     def __init__(self, pm: Any, root: Any = None, eval_only: bool = False):
+        super().__init__(root if root is not None else {})
         self.pm = pm
         self.eval_only = eval_only  # nexrl eval trains nothing: the recipe need not name a trainer
-        self.root = root  # the whole recipe: what keys that act only with another look up
         self.found: dict[str, type] = {}
 
-    def mapping(self, values: Any, options: Mapping[str, Option] | None, path: str, owner: str = "",
-                listed: list[str] | None = None) -> list[str]:
-        if not isinstance(values, Mapping):
-            return [f"{path or 'the recipe'}: expected a mapping, got {type_name(values)}"
-                    f"{_section_hint(path, values)}"]
-        if options is None:
-            return []
-        problems: list[str] = []
-        for key, value in values.items():
-            key = str(key)
-            full = f"{path}.{key}" if path else key
-            opt = options.get(key)
-            if opt is None:
-                problems.append(unknown_key(key, path, [k for k, o in options.items() if o.removed is None], owner,
-                                            listed))
-            elif opt.removed is not None:
-                problems.append(removed_key(full, opt))
-            else:
-                problems += self.value(value, opt, full)
-        for key, opt in options.items():
-            if opt.required and opt.removed is None and values.get(key) is None:
-                full = f"{path}.{key}" if path else key
-                problems.append(f"{full}: required{f' ({opt.help})' if opt.help else ''}")
-        if not problems:  # nested sections are judged as the walk reaches them
-            problems = unmet_needs(values, options, path, self.root, recursive=False)
-        return problems
-
-    def value(self, value: Any, opt: Option, full: str) -> list[str]:
-        """Problems of one declared key's value (a component, a nested section, a mapping of
-        named entries, or a plain value)."""
+    def value(self, value: Any, opt: Option, path: str) -> list[str]:
         if opt.component is not None and isinstance(value, Mapping):
-            return self.component(value, opt, full)
-        if opt.options is not None and isinstance(value, Mapping):
-            inner = self.mapping(value, opt.options, full)
-            if opt.check is not None and not inner and (msg := opt.check(value)):
-                inner.append(f"{full}: {msg}")
-            return inner
-        if opt.options is not None and value is not None and not isinstance(value, Mapping):
-            return [f"{full}: expected a mapping, got {type_name(value)}{_section_hint(full, value)}"]
-        if opt.values is not None and isinstance(value, Mapping):
-            inner = [p for key, item in value.items() for p in self.value(item, opt.values, f"{full}.{key}")]
-            if opt.check is not None and not inner and (msg := opt.check(value)):
-                inner.append(f"{full}: {msg}")
-            return inner
-        return check_value(value, opt, full)
+            return self.component(value, opt, path)
+        return super().value(value, opt, path)
+
+    def hint(self, path: str, value: Any) -> str:
+        return _section_hint(path, value)
 
     def component(self, values: Mapping[str, Any], opt: Option, path: str) -> list[str]:
         assert opt.options is not None and opt.component is not None
@@ -632,15 +490,12 @@ class _Checker:
             if self.eval_only and path == "trainer":
                 return []
             return self.mapping({k: v for k, v in values.items() if k in core}, core, path)
-        try:
-            cls = self.pm.resolve_section(opt.component, values, path, selector, name)
-        except NexRLError as exc:
+        cls = _select(opt, values, self.pm, path)
+        if isinstance(cls, str):  # why none is selected
             known = {k: v for k, v in values.items() if k in core and k != selector}
-            return [str(exc)] + self.mapping(known, {k: o for k, o in core.items() if k != selector}, path)
+            return [cls] + self.mapping(known, {k: o for k, o in core.items() if k != selector}, path)
         self.found[path] = cls
-        own = declared_options(opt.component, cls)
-        if loads_from_file(opt.component, values):
-            own = {**PythonClassSettings.options(), **(own or {})}
+        own = _own_options(opt.component, cls, values)
         words = KIND_WORDS.get(opt.component, opt.component)
         if own is None:  # takes any keys (**kwargs): only the core's are checked
             known = {k: v for k, v in values.items() if k in core}
@@ -701,8 +556,8 @@ def _core_options(values: Any, pm: Any) -> tuple[dict[str, Option], list[str]]:
     """The core options, plus a ``logger.<sink>`` section for each chosen sink that declares options;
     and the problems of ``logger.backend`` (sinks that are not registered)."""
     options = dict(CORE_OPTIONS)
-    logger_section = values.get("logger") if isinstance(values, Mapping) else None
-    backend = logger_section.get("backend") if isinstance(logger_section, Mapping) else None
+    logger_section = _mapping(_mapping(values).get("logger"))
+    backend = logger_section.get("backend")
     names = [backend] if isinstance(backend, str) else backend if isinstance(backend, list) else []
     logger_options = dict(options["logger"].options or {})
     problems = []
@@ -715,22 +570,12 @@ def _core_options(values: Any, pm: Any) -> tuple[dict[str, Option], list[str]]:
         own = component_options(cls)
         if own:
             logger_options[str(name)] = Option(options=own, help=f"options of the {name} metrics sink")
-        section = logger_section.get(str(name)) if isinstance(logger_section, Mapping) else None
-        problems += component_check(cls, section if isinstance(section, Mapping) else {}, f"logger.{name}")
+        problems += component_check(cls, _mapping(logger_section.get(str(name))), f"logger.{name}")
     options["logger"] = Option(options=logger_options, help=options["logger"].help)
     return options, problems
 
 
 # -- cross-key rules ----------------------------------------------------------------------------------
-
-def _get(values: Any, dotted: str, default: Any = None) -> Any:
-    node = values
-    for part in dotted.split("."):
-        if not isinstance(node, Mapping) or part not in node:
-            return default
-        node = node[part]
-    return node
-
 
 def _int(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
@@ -738,38 +583,38 @@ def _int(value: Any) -> int | None:
 
 def _cross_checks(values: Mapping[str, Any]) -> list[str]:
     problems = []
-    batch, group = _int(_get(values, "trajectory_pool.batch_size")), _int(_get(values, "trajectory_pool.group_size"))
+    batch, group = _int(lookup(values, "trajectory_pool.batch_size")), _int(lookup(values, "trajectory_pool.group_size"))
     if batch and group and batch > 0 and group > 0 and batch % group:
         problems.append(f"trajectory_pool.batch_size ({batch}) must be a multiple of trajectory_pool.group_size "
                         f"({group}) so groups are never split across batches")
-    if group and group > 1 and _get(values, "trajectory_pool.key_list") == []:
+    if group and group > 1 and lookup(values, "trajectory_pool.key_list") == []:
         problems.append("trajectory_pool.key_list: groups of more than one trajectory need a grouping key "
                         "(e.g. [uid])")
-    if _get(values, "trajectory_pool.dynamic_sampling.enabled") is True and (
-            (group is not None and group < 2) or _get(values, "trajectory_pool.key_list") == []):
+    if lookup(values, "trajectory_pool.dynamic_sampling.enabled") is True and (
+            (group is not None and group < 2) or lookup(values, "trajectory_pool.key_list") == []):
         problems.append("trajectory_pool.dynamic_sampling.enabled: drops groups whose rewards are all equal, so it "
                         "needs groups of several samples (group_size > 1 and a key_list)")
-    if _get(values, "overwrite_run_dir") is True and _get(values, "resume.mode") in ("auto", "from_path"):
+    if lookup(values, "overwrite_run_dir") is True and lookup(values, "resume.mode") in ("auto", "from_path"):
         problems.append(f"overwrite_run_dir: applies to a fresh run only (resume.mode: disable); with resume.mode "
-                        f"'{_get(values, 'resume.mode')}' the earlier run is continued, not moved aside")
-    workers, actors = _int(_get(values, "rollout_worker.num_workers")), _int(_get(values, "rollout_worker.num_actors"))
+                        f"'{lookup(values, 'resume.mode')}' the earlier run is continued, not moved aside")
+    workers, actors = _int(lookup(values, "rollout_worker.num_workers")), _int(lookup(values, "rollout_worker.num_actors"))
     if workers and actors and actors > workers > 0:
         problems.append(f"rollout_worker.num_actors ({actors}) exceeds rollout_worker.num_workers ({workers}): "
                         f"every actor hosts at least one worker")
-    every = _int(_get(values, "weight.model_update_frequency"))
+    every = _int(lookup(values, "weight.model_update_frequency"))
     if every and every > 1:
-        mode, lag = _get(values, "weight.sync_mode") or "sync", _int(_get(values, "weight.staleness_threshold")) or 0
+        mode, lag = lookup(values, "weight.sync_mode") or "sync", _int(lookup(values, "weight.staleness_threshold")) or 0
         if mode == "sync" or lag < every:
             problems.append(f"weight.model_update_frequency: pushing weights every {every} steps lets rollouts lag "
                             f"{every} versions behind the trainer: it needs weight.sync_mode batch-async or "
                             f"fully-async with weight.staleness_threshold >= {every} (now: {mode}, {lag})")
-    if _get(values, "resume.mode") == "from_path" and not _get(values, "resume.resume_path"):
+    if lookup(values, "resume.mode") == "from_path" and not lookup(values, "resume.resume_path"):
         problems.append("resume.resume_path: required when resume.mode is 'from_path'")
-    if isinstance(_get(values, "validate"), Mapping) and _get(values, "validate.data") is None:
-        if _get(values, "validate.validate_before_train") is True:
+    if isinstance(lookup(values, "validate"), Mapping) and lookup(values, "validate.data") is None:
+        if lookup(values, "validate.validate_before_train") is True:
             problems.append("validate.validate_before_train: validation is requested but validate.data is not set "
                             "(add a validation set, or set validate_before_train: false)")
-        freq = _int(_get(values, "weight.validate_freq"))
+        freq = _int(lookup(values, "weight.validate_freq"))
         if freq and freq > 0:
             problems.append(f"weight.validate_freq: validation every {freq} steps is requested but validate.data is "
                             f"not set (add a validation set, or set validate_freq: 0)")
@@ -777,7 +622,7 @@ def _cross_checks(values: Mapping[str, Any]) -> list[str]:
 
 
 def _declared_domains(found: Mapping[str, type], values: Mapping[str, Any], which: str) -> list[str] | None:
-    cls, section = found.get(which), _get(values, which)
+    cls, section = found.get(which), lookup(values, which)
     declared = getattr(cls, "declared_domains", None)
     return declared(section) if declared is not None and isinstance(section, Mapping) else None
 
@@ -791,7 +636,7 @@ def _domain_checks(values: Mapping[str, Any], found: Mapping[str, type]) -> list
     checks = (("rollout_worker.domain_evaluators", both), ("rollout_worker.domain_sampling", both),
               ("algorithm.reward_processing.domains", train))
     for key, known in checks:
-        section = _get(values, key)
+        section = lookup(values, key)
         if known is None or not isinstance(section, Mapping):
             continue
         for name in section:
@@ -807,7 +652,6 @@ def check_algorithm(section: Mapping[str, Any] | None, trainer_cls: type, plugin
     """``algorithm``: the trainer's own keys plus those of the estimator and loss the recipe selects
     by name (:func:`nexrl_core.algorithms.algorithm_keys`, which the trainer's selection also uses)."""
     from ..algorithms.registry import algorithm_keys
-    from ..config.options import check_options
 
     section = section if section is not None else {}
     if not isinstance(section, Mapping):
@@ -826,7 +670,7 @@ def _train_service_declared(section: Mapping[str, Any], trainer_cls: type, plugi
     service the section selects (None for a trainer that drives none: its own declared keys)."""
     from ..runtime.train_service import train_service_class, train_service_options
 
-    own = component_options(trainer_cls, "TRAIN_SERVICE_OPTIONS", "TRAIN_SERVICE_KEYS") or {}
+    own = component_options(trainer_cls, "TRAIN_SERVICE_OPTIONS") or {}
     if not getattr(trainer_cls, "TRAIN_SERVICE_BATCH_FORMAT", None):
         return own, None
     service_cls = train_service_class(trainer_cls, section, plugin_manager, trainer_name)
@@ -836,17 +680,15 @@ def _train_service_declared(section: Mapping[str, Any], trainer_cls: type, plugi
 def _check_train_service(values: Mapping[str, Any], trainer_cls: type, plugin_manager: Any) -> list[str]:
     """``service.train_service``: the keys of the train service it selects (a trainer that drives a
     registered one, see :mod:`nexrl_core.runtime.train_service`), or else the trainer's own declared keys."""
-    from ..config.options import check_options
     from ..runtime.train_service import SECTION, selected_backend
 
-    section = _get(values, SECTION, {})
-    if section is None:
-        section = {}
+    section = lookup(values, SECTION, {})
+    section = {} if section is None else section
     if not isinstance(section, Mapping):
         return []  # the core's check of the section's type reports it
     try:
         declared, service_cls = _train_service_declared(section, trainer_cls, plugin_manager,
-                                                        _get(values, "trainer.type"))
+                                                        lookup(values, "trainer.type"))
     except NexRLError as exc:
         return [str(exc)]
     owner = ""
@@ -872,25 +714,24 @@ def _check_reference_service(values: Mapping[str, Any], found: Mapping[str, type
         return []  # not set, or its selection is already reported
     needs = getattr(trainer_cls, "REFERENCE_SERVICE_NEEDS", None)
     if not needs:
-        return [f"{REFERENCE_SECTION}: trainer '{_get(values, 'trainer.type')}' computes no KL reference, so the "
+        return [f"{REFERENCE_SECTION}: trainer '{lookup(values, 'trainer.type')}' computes no KL reference, so the "
                 f"service would do nothing (delete {REFERENCE_SECTION})"]
     from ..algorithms.registry import algorithm_keys
 
-    algorithm = _get(values, "algorithm")
-    algorithm = dict(algorithm) if isinstance(algorithm, Mapping) else {}
+    algorithm = dict(_mapping(lookup(values, "algorithm")))
     try:  # the algorithm's keys with their defaults (an estimator's recommended ones: KL in reinforce++'s reward)
-        declared, _ = algorithm_keys(trainer_cls, algorithm, pm, _get(values, "trainer.type"))
+        declared, _ = algorithm_keys(trainer_cls, algorithm, pm, lookup(values, "trainer.type"))
     except NexRLError:
         declared = {}
     filled = {k: opt.default_value() for k, opt in declared.items() if opt.removed is None and opt.options is None}
     root = {**values, "algorithm": {**filled, **algorithm}}
-    problems = unmet_needs({"reference_service": _get(values, REFERENCE_SECTION)},
+    problems = unmet_needs({"reference_service": lookup(values, REFERENCE_SECTION)},
                            {"reference_service": Option(None, (dict, None), needs=needs)}, "service", root)
     if problems:
         return problems
     can_score = getattr(backend_cls, "can_score", None)
     if not callable(can_score) or not can_score():
-        return [f"{REFERENCE_SECTION}.backend: inference backend '{_get(values, REFERENCE_SECTION + '.backend')}' "
+        return [f"{REFERENCE_SECTION}.backend: inference backend '{lookup(values, REFERENCE_SECTION + '.backend')}' "
                 f"cannot score given tokens (InferenceClient.score), which a KL reference needs; choose one that "
                 f"can (hf)"]
     return []
@@ -898,16 +739,16 @@ def _check_reference_service(values: Mapping[str, Any], found: Mapping[str, type
 
 # -- do the chosen components fit together? ------------------------------------------------------------
 
-_ROLES = (("trainer", "trainer", "trainer.type", "trainer"),
-          ("service.inference_service", "inference backend", "service.inference_service.backend",
-           "inference_backend"),
-          ("weight", "weight-sync backend", "weight.backend", "weight_sync_backend"))
+# (section, the key that selects it, kind) of the components whose capabilities must fit together
+_ROLES = (("trainer", "trainer.type", "trainer"),
+          ("service.inference_service", "service.inference_service.backend", "inference_backend"),
+          ("weight", "weight.backend", "weight_sync_backend"))
 
 
 def check_capabilities(found: Mapping[str, type], values: Mapping[str, Any], pm: Any = None) -> list[str]:
     """Every capability one of trainer / inference backend / weight-sync backend requires is provided
     by one of them (see :class:`nexrl_core.Capabilities`)."""
-    chosen = [(role, found[path], key, kind) for path, role, key, kind in _ROLES if path in found]
+    chosen = [(KIND_WORDS[kind], found[path], key, kind) for path, key, kind in _ROLES if path in found]
     if len(chosen) < len(_ROLES):
         return []  # an unknown component is already reported
     provided: set[str] = set()
@@ -915,16 +756,16 @@ def check_capabilities(found: Mapping[str, type], values: Mapping[str, Any], pm:
         provided |= component_capabilities(cls).provides
     problems = []
     for role, cls, key, _kind in chosen:
-        name = _get(values, key)
+        name = lookup(values, key)
         for capability, why in component_capabilities(cls).requires.items():
             if capability in provided:
                 continue
-            others = ", ".join(f"{r} '{_get(values, k)}'" for r, _, k, _ in chosen if k != key)
+            others = ", ".join(f"{r} '{lookup(values, k)}'" for r, _, k, _ in chosen if k != key)
             problems.append(f"{key}: {role} '{name}' needs '{capability}' ({why}), which neither {others} "
                             f"provides{_providers(capability, pm)}")
     for key, capability, why in RECIPE_NEEDS:
-        if _get(values, key) is True and capability not in provided:
-            names = ", ".join(f"{r} '{_get(values, k)}'" for r, _, k, _ in chosen)
+        if lookup(values, key) is True and capability not in provided:
+            names = ", ".join(f"{r} '{lookup(values, k)}'" for r, _, k, _ in chosen)
             problems.append(f"{key}: needs '{capability}' ({why}), which none of {names} provides"
                             f"{_providers(capability, pm)}")
     return problems
@@ -943,7 +784,7 @@ def _providers(capability: str, pm: Any) -> str:
     if pm is None:
         return ""
     hits = []
-    for _, _role, key, kind in _ROLES:
+    for _, key, kind in _ROLES:
         for name, reg in sorted(pm.components(kind).items()):
             if capability in component_capabilities(reg.cls).provides:
                 hits.append(f"{key}: {name} ({reg.distribution})")

@@ -383,10 +383,8 @@ def check_plugin(name: str, pm: Any = None, options: Mapping[str, Any] | None = 
                 reports.append(check_evaluator(reg.cls, pm=pm, label=label))
                 continue
             report = ConformanceReport(label)
-            for attr, legacy in (("OPTIONS", "CONFIG_KEYS"), ("ALGORITHM_OPTIONS", "ALGORITHM_KEYS"),
-                                 ("TRAIN_SERVICE_OPTIONS", "TRAIN_SERVICE_KEYS")):
-                report.problems += [f"{attr}: {p}" for p in _declaration_problems(component_options(reg.cls, attr,
-                                                                                                    legacy))]
+            for attr in ("OPTIONS", "ALGORITHM_OPTIONS", "TRAIN_SERVICE_OPTIONS"):
+                report.problems += [f"{attr}: {p}" for p in _declaration_problems(component_options(reg.cls, attr))]
             if kind in ("rollout_worker", "trainer") and not takes_parts(reg.cls):
                 report.notes.append(f"__init__ takes no `parts`: it runs only without an evaluator, a train service "
                                     f"or an algorithm registry ({PARTS_FIX})")

@@ -18,7 +18,7 @@ from nexrl_core import BaseRolloutWorker, ConfigError, Option, hookimpl
 from nexrl_core.cli.docgen import SECTIONS, flatten_options
 from nexrl_core.config.schema import CORE_OPTIONS, ROLLOUT_WORKER, TRAJECTORY_POOL, RolloutWorkerSettings
 from nexrl_core.config.settings import Section, read_section
-from nexrl_core.launch.recipe import declared_options, effective_options, key_tree, load_recipe
+from nexrl_core.launch.recipe import declared_options, effective_options, load_recipe
 from nexrl_core.plugins import PluginManager, use_plugin_manager
 from nexrl_core.testing import run_recipe
 
@@ -196,12 +196,8 @@ def test_components_re_default_nothing():
     assert not {k: v for k, v in found.items() if v}
 
 
-def _all_keys(tree) -> set[str]:
-    keys: set[str] = set()
-    for key, sub in (tree or {}).items():
-        keys.add(key)
-        keys |= _all_keys(sub)
-    return keys
+def _all_keys(options) -> set[str]:
+    return {part for key, _ in flatten_options(options) for part in key.split(".")}
 
 
 @pytest.mark.parametrize("kind, core", [("rollout_worker", ROLLOUT_WORKER), ("dataloader", CORE_OPTIONS["data"].options),
@@ -215,7 +211,7 @@ def test_every_key_a_registered_component_reads_is_declared(kind, core):
         own = declared_options(kind, reg.cls)
         if own is None:
             continue
-        declared = _all_keys(key_tree({**own, **core})) | extra
+        declared = _all_keys({**own, **core}) | extra
         for klass in reg.cls.__mro__:
             if klass.__module__.split(".")[0] in ("nexrl_core", reg.cls.__module__.split(".")[0]) \
                     and klass is not object:
@@ -230,7 +226,7 @@ def test_the_trainers_read_only_declared_keys():
     missing = {}
     for name, reg in pm.components("trainer").items():
         values = {"trainer": {"type": name}}
-        declared = _all_keys(key_tree(effective_options(values, pm)))
+        declared = _all_keys(effective_options(values, pm))
         for klass in reg.cls.__mro__:
             if klass.__module__.startswith(("nexrl_core.trainer", reg.cls.__module__)):
                 bad = _reads(klass) - declared

@@ -169,12 +169,12 @@ def test_eval_errors_are_one_message_on_stderr(tmp_path):
 
 
 PLUGIN = textwrap.dedent("""
-    from nexrl_core import hookimpl
+    from nexrl_core import Option, hookimpl
     from nexrl_core.builtins.mock import MockInferenceClient
 
     class CheckpointMock(MockInferenceClient):
         # the mock model, loadable from a checkpoint path like a real backend
-        CONFIG_KEYS = {**MockInferenceClient.CONFIG_KEYS, "model_path": None}
+        OPTIONS = {"model_path": Option(None, str)}
 
     @hookimpl
     def nexrl_inference_backends():

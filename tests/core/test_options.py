@@ -1,12 +1,11 @@
 """nexrl_core.config.options: declared options (types, ranges, choices, nested mappings, required keys),
-options derived from an annotated constructor, the older CONFIG_KEYS form, capabilities, and the
+options derived from an annotated constructor, inheritance, capabilities, and the
 core schema every recipe key lives in."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import warnings
 from typing import Literal, Optional
 
 import pytest
@@ -115,24 +114,17 @@ def test_options_from_an_annotated_signature():
     assert options_from_signature(Open.__init__) is None  # **kwargs: any key
 
 
-def test_declarations_are_inherited_and_the_older_config_keys_still_work():
+def test_declarations_are_inherited():
     class Base(BaseTrainer):
         OPTIONS = {"a": Option(1, int, ge=0)}
 
     class Child(Base):
         OPTIONS = {"b": Option("x", str)}
 
-    class Legacy(Base):
-        CONFIG_KEYS = {"a": 5, "c": 0.5}  # 'a' keeps its richer declaration from Base
-
-    assert set(component_options(Child)) == {"a", "b"}
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        legacy = component_options(Legacy)
-    assert any("Legacy.CONFIG_KEYS is deprecated" in str(w.message) for w in caught)
-    assert set(legacy) == {"a", "c"}
-    assert check_options({"a": -1, "c": "x"}, legacy, "trainer") == [
-        "trainer.a: expected a non-negative integer, got -1", "trainer.c: expected a number, got a string ('x')"]
+    child = component_options(Child)
+    assert set(child) == {"a", "b"} and component_options(BaseTrainer) is None
+    assert check_options({"a": -1, "b": 2}, child, "trainer") == [
+        "trainer.a: expected a non-negative integer, got -1", "trainer.b: expected a string, got an integer (2)"]
 
 
 def test_every_core_key_has_help_and_a_default_that_passes_its_own_check():

@@ -18,7 +18,7 @@ import os
 import signal
 from typing import Any
 
-from nexrl_core import EvaluationRunResult, Evaluator, hookimpl
+from nexrl_core import EvaluationRunResult, Evaluator, Option, hookimpl
 
 
 class LetterShareEvaluator(Evaluator):
@@ -44,7 +44,7 @@ def _grpo_trainers() -> dict[str, type]:
         return {}
 
     class CrashOnSaveGrpoTrainer(SelfHostedGrpoTrainer):
-        CONFIG_KEYS = {"crash_save_step": 0}
+        OPTIONS = {"crash_save_step": Option(0, int)}
 
         def save_model_state(self, folder: str) -> None:
             super().save_model_state(folder)

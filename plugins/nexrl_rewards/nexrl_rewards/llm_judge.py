@@ -25,6 +25,7 @@ from nexrl_core import (
     Evaluator,
     InferenceClient,
     SamplingParams,
+    component_options,
     get_plugin_manager,
     required_row_field,
     row_field,
@@ -150,9 +151,10 @@ def _build_client(service: Mapping[str, Any]) -> InferenceClient:
     if not backend:
         raise ConfigError(f"{where}.backend: missing; name an inference backend (e.g. openai, hf, mock)")
     cls = get_plugin_manager().resolve("inference_backend", backend, f"{where}.backend")
-    accepted = {"backend", "model_tag", *(getattr(cls, "CONFIG_KEYS", {}) or {})}
+    own = component_options(cls)
+    accepted = {"backend", "model_tag", *(own or {})}
     unknown = sorted(set(service) - accepted)
-    if unknown and getattr(cls, "CONFIG_KEYS", None):
+    if unknown and own:
         raise ConfigError(f"{where}.{unknown[0]}: unknown key for backend '{backend}' "
                           f"(accepted: {', '.join(sorted(accepted))})")
     try:
