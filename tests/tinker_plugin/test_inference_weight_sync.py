@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+import warnings
+
 import pytest
 from omegaconf import OmegaConf
 
@@ -145,7 +148,12 @@ def test_the_client_is_unhealthy_when_the_service_stops_answering(make_standin, 
     standin = make_standin()
     client = make_client(_inference_config(standin, tiny_folder, request_timeout=2.0, max_retries=0))
     assert client.health_check() is True
-    assert _health_problem(client, 10.0) is None
+    threads = threading.active_count()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)  # through the SDK's current API, not a deprecated one
+        for _ in range(5):  # a run checks every few seconds: no thread or connection left behind per check
+            assert _health_problem(client, 10.0) is None
+    assert threading.active_count() <= threads
     standin.stop()
     problem = _health_problem(client, 5.0)
     assert problem is not None and ("health check" in problem or "no answer within" in problem), problem

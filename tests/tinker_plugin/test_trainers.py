@@ -145,6 +145,18 @@ def test_each_recorded_sample_carries_its_own_logprob_gap(grpo_run):
     assert show(str(grpo_run.run_dir)).startswith(str(grpo_run.run_dir / "samples.jsonl"))
 
 
+def test_each_recorded_sample_carries_the_advantage_it_was_trained_with(grpo_run):
+    """samples.jsonl's ``advantage``: the mean of the per-token advantages the service was sent for
+    that sample (GRPO's: one value over its tokens), as self_hosted_grpo records it."""
+    samples = [json.loads(line) for line in (grpo_run.run_dir / "samples.jsonl").read_text().splitlines()]
+    sent = {(step, t["uid"], t["response"]): t["advantages"]
+            for step, prepared in enumerate(grpo_run.prepared, start=1) for t in prepared}
+    assert samples and any(s["advantage"] != 0 for s in samples)
+    for s in samples:
+        trained = sent[(s["step"], s["uid"], s["response"])]
+        assert trained and s["advantage"] == pytest.approx(float(np.mean(trained)), abs=1e-9), s
+
+
 def test_forward_backward_and_optim_step_are_submitted_back_to_back_then_awaited(grpo_run):
     one_step = ["submit forward_backward", "submit optim_step", "wait forward_backward", "wait optim_step"]
     assert grpo_run.events == one_step * STEPS

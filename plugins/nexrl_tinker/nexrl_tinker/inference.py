@@ -259,15 +259,7 @@ class TinkerInferenceClient(InferenceClient):
     def health_check(self) -> bool:
         """The service answers ``get_server_capabilities`` (as the openai backend's ``GET /models``); a
         failure raises, naming the service and why, which the run's health check reports."""
-        with self._lock:
-            service = self._own_service
-        if service is None:
-            service = self._calls.run("connect (health check)", self.connection.service_client)
-            with self._lock:
-                if self._own_service is None:
-                    self._own_service = service
-                service = self._own_service
-        self._calls.call("health check (get_server_capabilities)", service.get_server_capabilities,
+        self._calls.call("health check (get_server_capabilities)", self.connection.server_capabilities,
                          repeatable=False)
         return True
 

@@ -84,6 +84,12 @@ class TinkerConnection:
 
         return tinker.ServiceClient(base_url=self.base_url, api_key=self.api_key)
 
+    def server_capabilities(self) -> Any:
+        """What the service says it serves (no session needed: the SDK's REST client)."""
+        import tinker
+
+        return tinker.RestClient(base_url=self.base_url, api_key=self.api_key).get_server_capabilities().result()
+
     def redact(self, text: str) -> str:
         return text.replace(self.api_key, "***") if self.api_key else text
 

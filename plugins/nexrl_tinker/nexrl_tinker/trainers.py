@@ -265,6 +265,7 @@ class RemoteApiGrpoTrainer(RemoteApiTrainer):
         self.selection, self.settings = self.select_algorithm(RemoteGrpoSettings)
         self.reward_processor = algorithms.RewardProcessor(self.settings.reward_processing)  # with its running state
         self._prepared_from: list[int] = []  # the index of the pool's trajectory behind each prepared one
+        self._advantages: dict[int, float] = {}  # by that index: the mean advantage of its trained tokens
 
     @classmethod
     def algorithm_option_problems(cls, options: Mapping[str, Any]) -> list[str]:
@@ -336,8 +337,11 @@ class RemoteApiGrpoTrainer(RemoteApiTrainer):
         # A masked sample leaves the loss (it still counted in its group's statistics above).
         prepared = [{**t, "advantages": row[:len(m)].tolist()}
                     for t, row, m, keep in zip(trajectories, advantages, masks, processed.sample_mask) if keep]
-        # The sample behind each prepared one: samples.jsonl records its log-prob gap.
+        # The sample behind each prepared one: samples.jsonl records its log-prob gap and its mean
+        # advantage over its trained tokens (as self_hosted_grpo records them).
         self._prepared_from = [i for i, keep in enumerate(processed.sample_mask) if keep]
+        self._advantages = {i: float((advantages[i] * mask[i]).sum() / mask[i].sum())
+                            for i in self._prepared_from if mask[i].any()}
         _, group_std, _ = algorithms.group_stats(rewards, group_ids)
         valid = mask > 0
         metrics.update({
@@ -356,15 +360,17 @@ class RemoteApiGrpoTrainer(RemoteApiTrainer):
 
     def _sample_results(self, trajectories: list[Trajectory], datums: list[Any], result: StepResult
                         ) -> dict[int, SampleResult]:
-        """Each sample's own largest log-prob gap (as the self-hosted trainers record it, without
-        the token's text: this trainer holds no tokenizer)."""
+        """Each sample's mean advantage and its own largest log-prob gap (as the self-hosted trainers
+        record them; the gap without the token's text: this trainer holds no tokenizer)."""
         found = _logprob_rows(trajectories, datums, result)
-        if found is None or len(self._prepared_from) != len(trajectories):
-            return {}
-        gaps, positions = algorithms.rollout_mismatch_per_row(*found)
-        owners = [i for i, t in enumerate(trajectories) for _ in _segments(t)]
-        return {self._prepared_from[i]: SampleResult(logprob_gap=record)
-                for i, (_, record) in algorithms.sample_logprob_gaps(gaps, positions, owners).items()}
+        gaps: dict[int, dict[str, Any]] = {}
+        if found is not None and len(self._prepared_from) == len(trajectories):
+            per_row, positions = algorithms.rollout_mismatch_per_row(*found)
+            owners = [i for i, t in enumerate(trajectories) for _ in _segments(t)]
+            gaps = {self._prepared_from[i]: record
+                    for i, (_, record) in algorithms.sample_logprob_gaps(per_row, positions, owners).items()}
+        return {i: SampleResult(advantage=self._advantages.get(i), logprob_gap=gaps.get(i))
+                for i in sorted(self._advantages.keys() | gaps.keys())}
 
 
 def _logprob_rows(trajectories: list[Trajectory], datums: list[Any], result: StepResult
