@@ -30,6 +30,10 @@ mode's speed over sync's, and whether its final accuracy lies within the seeds' 
         --variant sync_1thread sync +service.train_service.num_threads=1 +service.inference_service.num_threads=1
         # one more mode per --variant, alternated with the others (here: the split with idle threads lent,
         # and each part alone on one thread, the figures an overlap on two cores is bounded by)
+    python benchmarks/async.py --steps 8 --seeds 1 --shapes long_tail --modes sync fully_async_partial \
+        --variant background_push fully_async_partial +weight.background_push=true
+        # the push off the trainer's thread (weight.background_push): "push" is the trainer's share of a
+        # push, "in the background" the time until the engine served it
 
 Results: ``benchmarks/results/async.json`` (``--out``) and a table on stdout.
 """
@@ -124,6 +128,9 @@ def summarize(run_dir: Path) -> dict[str, Any]:
         "train_s_mean": statistics.fmean(r["timing/train_s"] for r in timed) if timed else float("nan"),
         "wait_batch_s_mean": statistics.fmean(r["timing/wait_batch_s"] for r in timed) if timed else float("nan"),
         "weight_sync_s_mean": statistics.fmean(r["timing/weight_sync_s"] for r in timed) if timed else float("nan"),
+        # a background push (weight.background_push): from its start until the engine served it, off the trainer
+        "push_apply_s_mean": statistics.fmean(r["weight/apply_s"] for r in timed if "weight/apply_s" in r)
+        if any("weight/apply_s" in r for r in timed) else float("nan"),
         "staleness_max": max((r.get("train/token_staleness_max", 0.0) for r in steps), default=0.0),
         "stale_rerolled": steps[-1].get("pool/stale_rerolled", 0.0) if steps else 0.0,
         "val_accuracy": curve,
@@ -148,7 +155,8 @@ def run_one(args: argparse.Namespace, shape: str, mode: str, seed: int, work: Pa
               "wall_s": time.perf_counter() - started, "cpu_s": time.process_time() - cpu, **summarize(run_dir)}
     print(f"  {shape:10s} {mode:20s} seed {seed}: {result['steps_per_s']:.3f} steps/s, "
           f"{result['trained_tokens_per_s']:.1f} trained tokens/s (train {result['train_s_mean']:.2f} s, wait "
-          f"{result['wait_batch_s_mean']:.2f} s, push {result['weight_sync_s_mean']:.2f} s a step), val {result['val_accuracy']}, "
+          f"{result['wait_batch_s_mean']:.2f} s, push {result['weight_sync_s_mean']:.2f} s a step, in the background "
+          f"{result['push_apply_s_mean']:.2f} s), val {result['val_accuracy']}, "
           f"token staleness <= {result['staleness_max']:.0f}, {result['stale_rerolled']:.0f} re-rolled stale "
           f"(load {load:.1f} before)", flush=True)
     return result

@@ -1,8 +1,10 @@
 """Generation tokens/s of the in-process engine per model family, on the path that serves it (the
 hand-written fast path, or for families off it the generic static-cache path: transformers' own
-forward over a preallocated ``StaticCache``) and through the transformers forward with its growing
-``DynamicCache``, alternated in one run. With ``--compiled``, those families' static-path decode steps also
-through ``torch.compile`` (what a GPU runs, there with CUDA graphs; on the CPU inductor's C++ code).
+forward over a preallocated ``StaticCache``, forced on the CPU with ``static_cache: true``) and through
+the transformers forward with its growing ``DynamicCache`` (each engine checked to decode through the
+path it is labelled with), alternated in one run (ABBA: every other round in the reverse order). With
+``--compiled``, those families' static-path decode steps also through ``torch.compile`` (what a GPU
+runs, there with CUDA graphs; on the CPU inductor's C++ code).
 
 Each family is a random model built from its config at one common small shape (hidden 1024, 8
 layers, MLP 3072, 16 query / 8 KV heads of 64, SmolLM2's 49,152-word tokenizer, float32), so the
@@ -102,7 +104,9 @@ def main() -> int:
         served = "fast" if problem is None else "static" if static_path_problem(model) is None else None
         compiled = family in args.compiled.split(",") and served == "static"
         paths = ([served] if served else []) + (["static-compiled"] if compiled else []) + ["transformers"]
+        # the static path on the CPU only when forced (static_cache: auto takes it on a GPU)
         engines = {path: HFInferenceEngine({"fast_path": "auto" if path != "transformers" else False,
+                                            "static_cache": path.startswith("static"),
                                             "chat_template": False, "max_batch_size": 16},
                                            model=model, tokenizer=tokenizer) for path in paths}
         if "static-compiled" in engines:
@@ -116,8 +120,9 @@ def main() -> int:
                 measure(engine, 4)  # warm-up: packing, the self-check, first allocations
                 if path == "static-compiled":  # and each compiled layout of a full-length batch
                     measure(engine, args.tokens)
-            for _ in range(args.rounds):
-                for path, engine in engines.items():
+            for round_ in range(args.rounds):  # ABBA: every other round in the reverse order
+                order = list(engines.items())
+                for path, engine in order if round_ % 2 == 0 else order[::-1]:
                     rate, _ = measure(engine, args.tokens)
                     rates[path].append(rate)
             # batch invariance: request 5 alone must sample what it sampled among the 16
@@ -148,7 +153,8 @@ def main() -> int:
     machines = list(dict.fromkeys(row["machine"] for row in rows))
     lines = [f"generation tokens/s per family: 16 requests x up to {args.tokens} tokens, random models at one shape "
              f"(hidden 1024, 8 layers), float32; median of {args.rounds} rounds; the paths of a family alternated "
-             f"in one process (static: transformers' forward over a StaticCache, for families off the fast path)",
+             f"(ABBA) in one process (static: transformers' forward over a StaticCache, for families off the fast "
+             f"path)",
              *[f"machine [{i + 1}]: {m}" for i, m in enumerate(machines)],
              f"{'family':<12} {'params':>7} {'path':<13} {'tokens/s':>9}  {'x transformers':>14}  machine  same tokens "
              f"alone (1 request)"]

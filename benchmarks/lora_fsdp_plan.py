@@ -16,12 +16,12 @@ items and the runtime. Target: each within 20%.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -29,6 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 import qwen3_shape_lora as bench  # noqa: E402
+from _peaks import run_with_peaks  # noqa: E402
 
 SHAPE = {**bench.QWEN3_0_6B, "num_hidden_layers": 8}
 CONFIG = "lora_fsdp2"
@@ -53,67 +54,40 @@ def overrides(model_dir: Path, work: Path, world_size: int = 2) -> list[str]:
 
 def planned(model_dir: Path, work: Path, world_size: int = 2) -> dict[str, int]:
     """The plan's bytes for rank 0's process (its ``cpu`` total) and rank 1's (train service + runtime)."""
-    out = subprocess.run([*bench.CLI, "plan", "recipes/quickstart.yaml", *overrides(model_dir, work, world_size),
-                          "--json"],
-                         cwd=REPO, env=bench.ENV, capture_output=True, text=True)
-    if out.returncode not in (0, 1):
-        raise SystemExit(f"nexrl plan exited {out.returncode}\n{out.stderr[-4000:]}")
-    cpu = json.loads(out.stdout)["devices"]["cpu"]
+    from nexrl_core.cli import main as nexrl
+
+    # `nexrl plan` as a user runs it, in this process (each plan builds the model on the meta device only)
+    text, cwd = io.StringIO(), os.getcwd()
+    os.environ.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    try:
+        os.chdir(REPO)
+        with contextlib.redirect_stdout(text):
+            code = nexrl(["plan", "recipes/quickstart.yaml", *overrides(model_dir, work, world_size), "--json"])
+    finally:
+        os.chdir(cwd)
+    if code not in (0, 1):
+        raise SystemExit(f"nexrl plan exited {code}")
+    cpu = json.loads(text.getvalue())["devices"]["cpu"]
     rank1 = sum(i["bytes"] for i in cpu["items"] if i["role"] in ("train service", "process"))
     return {"rank0": int(cpu["total"]), "rank1": rank1} if world_size == 2 else {"rank0": int(cpu["total"])}
-
-
-def descendants(pid: int) -> list[int]:
-    found, todo = [], [pid]
-    while todo:
-        parent = todo.pop()
-        try:
-            children = Path(f"/proc/{parent}/task/{parent}/children").read_text().split()
-        except OSError:
-            continue
-        found += [int(c) for c in children]
-        todo += [int(c) for c in children]
-    return found
-
-
-def watch(pid: int, stop: threading.Event, peaks: dict[int, int], names: dict[int, str]) -> None:
-    """Every process's VmHWM under ``pid`` (the run and the ranks it spawns), until it exits."""
-    while not stop.is_set():
-        for p in [pid, *descendants(pid)]:
-            try:
-                status = Path(f"/proc/{p}/status").read_text()
-                names.setdefault(p, Path(f"/proc/{p}/cmdline").read_text().replace("\0", " ")[:160])
-            except OSError:
-                continue
-            for line in status.splitlines():
-                if line.startswith("VmHWM:"):
-                    peaks[p] = max(peaks.get(p, 0), int(line.split()[1]) * 1024)
-        stop.wait(0.2)
 
 
 def run_once(model_dir: Path, work: Path, world_size: int = 2) -> dict:
     run_dir = work / f"run-{time.monotonic_ns()}"
     started = time.monotonic()
-    proc = subprocess.Popen([*bench.CLI, "run", "recipes/quickstart.yaml", f"run_dir={run_dir}",
-                             *overrides(model_dir, work, world_size)], cwd=REPO, env=bench.ENV,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    stop, peaks, names = threading.Event(), {}, {}
-    watcher = threading.Thread(target=watch, args=(proc.pid, stop, peaks, names), daemon=True)
-    watcher.start()
-    output = proc.communicate()[0]
-    stop.set()
-    watcher.join()
-    if proc.returncode != 0:
-        raise SystemExit(f"nexrl run exited {proc.returncode}\n{output[-4000:]}")
+    peaks = run_with_peaks([*bench.CLI, "run", "recipes/quickstart.yaml", f"run_dir={run_dir}",
+                            *overrides(model_dir, work, world_size)], REPO, bench.ENV)
+    if peaks.returncode != 0:
+        raise SystemExit(f"nexrl run exited {peaks.returncode}\n{peaks.output[-4000:]}")
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in steps if "train/loss" in r]
     assert [r["step"] for r in steps] == [1, 2], steps
-    peak = {"rank0": round(peaks[proc.pid] / 1e9, 2)}
+    peak = {"rank0": round(peaks.main / 1e9, 2)}
     if world_size == 2:  # the rank: the largest process the run spawned (Python's resource tracker is small)
-        peak["rank1"] = round(max(v for p, v in peaks.items() if p != proc.pid) / 1e9, 2)
+        peak["rank1"] = round(peaks.largest_child() / 1e9, 2)
     return {"config": CONFIG, "world_size": world_size, "peak_rss_gb": peak,
             "run_s": round(time.monotonic() - started, 1),
-            "grad_norm": [round(r["train/grad_norm"], 4) for r in steps]}
+            "grad_norm": [round(r["train/grad_norm"], 4) for r in steps], "load": list(peaks.load)}
 
 
 def main() -> int:

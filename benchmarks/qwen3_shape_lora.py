@@ -31,11 +31,13 @@ import platform
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from _peaks import run_with_peaks  # noqa: E402
 
 # Qwen/Qwen3-0.6B's config.json, less what only matters for its own tokenizer.
 QWEN3_0_6B = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
@@ -75,18 +77,6 @@ def build_model(folder: Path, weights: bool = True) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def peak_rss(pid: int, stop: threading.Event, out: list[int]) -> None:
-    """The process's resident high-water mark (VmHWM), read until it exits."""
-    while not stop.is_set():
-        try:
-            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-                if line.startswith("VmHWM:"):
-                    out[0] = max(out[0], int(line.split()[1]) * 1024)
-        except OSError:
-            return
-        stop.wait(0.2)
-
-
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 CLI = [sys.executable, "-c", "import sys; from nexrl_core.cli import main; sys.exit(main())"]
 
@@ -113,27 +103,19 @@ def planned_bytes(name: str, model_dir: Path, work: Path) -> int:
 def run_once(name: str, model_dir: Path, work: Path) -> dict:
     run_dir = work / f"{name}-{time.monotonic_ns()}"
     overrides = [f"run_dir={run_dir}", *overrides_of(name, model_dir, work)]
-    env, cli = ENV, CLI
     started = time.monotonic()
-    proc = subprocess.Popen([*cli, "run", "recipes/quickstart.yaml", *overrides], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    stop, peak = threading.Event(), [0]
-    watcher = threading.Thread(target=peak_rss, args=(proc.pid, stop, peak), daemon=True)
-    watcher.start()
-    output = proc.communicate()[0]
-    stop.set()
-    watcher.join()
-    if proc.returncode != 0:
-        raise SystemExit(f"{name}: nexrl run exited {proc.returncode}\n{output[-4000:]}")
+    peaks = run_with_peaks([*CLI, "run", "recipes/quickstart.yaml", *overrides], REPO, ENV)
+    if peaks.returncode != 0:
+        raise SystemExit(f"{name}: nexrl run exited {peaks.returncode}\n{peaks.output[-4000:]}")
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "train/loss" in r]
     assert [r["step"] for r in steps] == [1, 2], steps
     parts = {key: [round(r.get(f"timing/{key}", 0.0), 2) for r in steps] for key in PARTS}
-    return {"config": name, "peak_rss_gb": round(peak[0] / 1e9, 2), "plan_gb": round(planned_bytes(name, model_dir,
+    return {"config": name, "peak_rss_gb": round(peaks.main / 1e9, 2), "plan_gb": round(planned_bytes(name, model_dir,
                                                                                                    work) / 1e9, 2),
             "run_s": round(time.monotonic() - started, 1),
             "step_s": [round(sum(parts[k][i] for k in PARTS), 2) for i in range(len(steps))], **parts,
-            "grad_norm": [round(r["train/grad_norm"], 4) for r in steps]}
+            "grad_norm": [round(r["train/grad_norm"], 4) for r in steps], "load": list(peaks.load)}
 
 
 PARTS = ("wait_batch_s", "train_s", "weight_sync_s")  # generation while waiting for the batch, update, push

@@ -18,6 +18,9 @@ taken by the trainer (decoding, or waiting in the pool): the engine generates th
 the trainer steps, and none that would come out staler than the bound (see :meth:`bound_rollouts_ahead`).
 In every mode the trainer gets no trajectory older than ``train_version -
 staleness_threshold`` (0 in sync mode): older groups are re-rolled and counted.
+In the async modes a backend that can pushes in the background (:meth:`WeightSyncBackend.sync_in_background`,
+the in-process engine's ``weight.background_push``): the trainer goes on once the service holds the weights,
+the served version moves when they are in, and a push that fails stops the trainer at its next step.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from __future__ import annotations
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 from loguru import logger
@@ -58,6 +61,16 @@ class WeightSyncBackend(ABC):
     def sync(self, trainer: Any, inference_client: Any, version: int) -> None:
         """Make ``inference_client`` serve the trainer's current weights as ``version``."""
 
+    def sync_in_background(self, trainer: Any, inference_client: Any, version: int, after_apply: Callable[[], None],
+                           on_done: Callable[[BaseException | None], None]) -> bool:
+        """An async mode's push off the trainer's thread: hand ``inference_client`` the trainer's current
+        weights and return once the trainer may go on (its next optimizer step must not change what the
+        service still reads). The service then calls ``after_apply()`` once they are in and before it
+        samples under them (an exception from it fails the push: nothing is sampled under them), and
+        ``on_done(error)`` once, success or not (possibly before this returns). False: this backend
+        cannot (nothing was done; the controller calls :meth:`sync`)."""
+        return False
+
 
 class VersionOnlyWeightSync(WeightSyncBackend):
     """For services that need no weight transfer (test backends, frozen references)."""
@@ -74,6 +87,9 @@ class VersionOnlyWeightSync(WeightSyncBackend):
 # against torch, measured) while on ordinary tokens they agree within 6e-5. Short: its cost is the
 # forward's per-layer overhead (SmolLM2 on 2 CPU cores: about 65 ms a side).
 PROBE: list[tuple[list[int], list[int], float]] = [(list(range(100, 104)), list(range(104, 112)), 1.0)]
+
+
+_STOP_WAIT_S = 30.0  # how long stop() waits for a background push to land
 
 
 def _max_gap(a: list[list[float]], b: list[list[float]]) -> float:
@@ -124,7 +140,10 @@ class WeightSyncController(NexRLModule):
         self._trajectory_pool: TrajectoryPoolHandle | None = None
         self._dataloader: TaskSource | None = None
         self.sync_count = 0
-        self.last_sync_s = 0.0
+        self.last_sync_s = 0.0  # the trainer's part of the last push (all of it unless pushed in the background)
+        self.last_apply_s = 0.0  # the last background push, from its start to the weights served
+        self._pushing: threading.Event | None = None  # set once the background push under way is done
+        self._push_error: str | None = None  # why a background push failed: the trainer stops at its next step
 
     @property
     def sync_mode(self) -> str:
@@ -313,7 +332,8 @@ class WeightSyncController(NexRLModule):
 
     # -- trainer side -------------------------------------------------------------
     def train_worker_notify_step_start(self, worker_name: str, model_tag: ModelTag = DEFAULT_MODEL_TAG) -> None:
-        """The trainer took a batch and is producing the next version."""
+        """The trainer took a batch and is producing the next version (a failed background push stops it here)."""
+        self._raise_push_error()
         with self._cond:
             self._steps_started[model_tag] = self._train_version.get(model_tag, 0) + 1
             self._cond.notify_all()
@@ -327,7 +347,7 @@ class WeightSyncController(NexRLModule):
             version = self._train_version[model_tag]
         validate = self._validate_freq > 0 and version % self._validate_freq == 0
         if version % self._update_every == 0 or validate:  # a validation sees the weights it is named after
-            self.sync_weight_to_rollout_service(model_tag)
+            self.sync_weight_to_rollout_service(model_tag, background=not validate)
         with self._cond:
             self._batch_ready[model_tag] = False
             if validate:
@@ -335,20 +355,32 @@ class WeightSyncController(NexRLModule):
             self._cond.notify_all()
         logger.debug(f"{worker_name} -> weights v{version} ({self._mode})")
 
-    def sync_weight_to_rollout_service(self, model_tag: ModelTag = DEFAULT_MODEL_TAG) -> None:
+    def sync_weight_to_rollout_service(self, model_tag: ModelTag = DEFAULT_MODEL_TAG, background: bool = False) -> None:
+        """Push the trainer's weights as its current version. ``background`` (async modes, a backend that
+        can: :meth:`WeightSyncBackend.sync_in_background`): return once the service holds them; it
+        applies them and answers the served-version probe on its own thread. The trainer's probe is
+        taken here (its weights are the pushed ones until its next optimizer step). A push waits for
+        the one before it; a failed background push stops the trainer at its next step
+        (:meth:`train_worker_notify_step_start`) and marks this module faulty."""
+        self._wait_pushed()
+        self._raise_push_error()
         with self._cond:
             version = self._train_version.get(model_tag, 0)
         pool = self._trajectory_pool
         started = time.perf_counter()
         if pool is not None:
             execute(pool.notify_weight_sync_starting, model_tag)
+        handed = False
         try:
             if self._inference_client is not None:
                 # what the service served before this push: the last push's probe, else asked now
                 before = (self._served_after or self._served_probe()) if self._verify != "false" else None
-                self._backend.sync(self._trainer, self._inference_client, version)
-                if before is not None:
-                    self._verify_served(version, before)
+                if background and self._mode != "sync":
+                    handed = self._push_in_background(model_tag, version, before, started)
+                if not handed:
+                    self._backend.sync(self._trainer, self._inference_client, version)
+                    if before is not None:
+                        self._verify_served(version, before)
         except Exception as exc:
             # rollouts would go on sampling stale weights: nothing to retry here, the run must stop
             self.mark_faulty(f"pushing weights v{version} to the inference service failed: {type(exc).__name__}: {exc}")
@@ -356,6 +388,13 @@ class WeightSyncController(NexRLModule):
         finally:
             if pool is not None:
                 execute(pool.unlock_for_weight_sync, model_tag)
+        if handed:
+            with self._cond:
+                self.last_sync_s = time.perf_counter() - started
+            return
+        self._pushed(model_tag, version, started)
+
+    def _pushed(self, model_tag: ModelTag, version: int, started: float) -> None:
         with self._cond:
             self._rollout_version[model_tag] = version
             self._admitted[model_tag] = 0  # a new version: a new batch of rollouts
@@ -363,11 +402,76 @@ class WeightSyncController(NexRLModule):
             self.last_sync_s = time.perf_counter() - started
             self._cond.notify_all()
 
-    def get_sync_stats(self) -> dict[str, float]:
-        """Pushes so far, how long the last one took (seconds), and its served-version probe
-        (``weight/served_probe_gap``, ``weight/served_version_ok``) when one ran."""
+    def _push_in_background(self, model_tag: ModelTag, version: int, before: list[list[float]] | None,
+                            started: float) -> bool:
+        pushing, probed = threading.Event(), threading.Event()
+        pusher = threading.get_ident()
+        probe: list[list[list[float]] | None] = []
+
+        def trainer_probe() -> None:
+            # on the pushing (trainer's) thread: its weights are the pushed ones until its next step
+            try:
+                probe.append(self._trainer_score())
+            finally:
+                probe.append(None)  # (when it raised: nothing to judge; the trainer hears the error)
+                probed.set()
+
+        def after_apply() -> None:  # the service's side: the weights in, nothing sampled under them yet
+            if before is None:
+                return
+            if threading.get_ident() == pusher and not probed.is_set():  # the service pushed in the foreground
+                trainer_probe()
+            probed.wait()
+            if probe[0] is not None:
+                self._judge_served(version, before, probe[0], execute(self._inference_client.score, PROBE))
+
+        def on_done(error: BaseException | None) -> None:
+            with self._cond:
+                if error is None:
+                    self._rollout_version[model_tag] = version
+                    self._admitted[model_tag] = 0
+                    self.sync_count += 1
+                    self.last_apply_s = time.perf_counter() - started
+                elif not self._stopping:
+                    self._push_error = f"pushing weights v{version} to the inference service failed: " \
+                                       f"{type(error).__name__}: {error}"
+                self._cond.notify_all()
+            if error is not None and not self._stopping:
+                self.mark_faulty(str(self._push_error))
+                logger.error(self._push_error)
+            pushing.set()
+
+        self._pushing = pushing
+        try:
+            handed = self._backend.sync_in_background(self._trainer, self._inference_client, version, after_apply,
+                                                      on_done)
+        except BaseException:
+            pushing.set()
+            raise
+        if not handed:
+            pushing.set()
+        elif before is not None and not probed.is_set():
+            trainer_probe()  # while the service copies the weights; its check waits for this
+        return handed
+
+    def _wait_pushed(self, timeout: float | None = None) -> bool:
+        """Wait for the background push under way, if any (False: still under way after ``timeout``)."""
+        pushing = self._pushing
+        return pushing is None or pushing.wait(timeout)
+
+    def _raise_push_error(self) -> None:
         with self._cond:
-            return {"sync_count": self.sync_count, "last_sync_s": self.last_sync_s, **self.last_probe}
+            error = self._push_error
+        if error is not None:
+            raise NexRLError(error)
+
+    def get_sync_stats(self) -> dict[str, float]:
+        """Pushes so far, how long the last one held the trainer (seconds), and its served-version probe
+        (``weight/served_probe_gap``, ``weight/served_version_ok``) when one ran; after a background push
+        also ``weight/apply_s``: from its start until the service served it."""
+        with self._cond:
+            applied = {"weight/apply_s": self.last_apply_s} if self.last_apply_s else {}
+            return {"sync_count": self.sync_count, "last_sync_s": self.last_sync_s, **applied, **self.last_probe}
 
     # -- served-version probe (weight.verify_served) -----------------------------------
     def _probe_unavailable(self, why: str) -> None:
@@ -390,22 +494,31 @@ class WeightSyncController(NexRLModule):
             self._probe_unavailable(f"the inference service cannot score tokens ({exc})")
             return None
 
-    def _verify_served(self, version: int, before: list[list[float]]) -> None:
-        """After a push: the served model should score :data:`PROBE` as the trainer does (within
-        ``served_probe_tolerance``). Served log-probs that did not move at all while the trainer's
-        moved beyond the tolerance since the last push mean the weights never arrived: the run
-        stops, whatever the mode. (A push of unchanged weights, the first push included, changes
-        nothing served; a bf16 engine scores further from a float32 trainer: neither is an error
-        in ``auto``.)"""
+    def _trainer_score(self) -> list[list[float]] | None:
+        """The trainer's log-probs of :data:`PROBE` (None: it cannot score)."""
         score = getattr(self._trainer, "score", None)
         try:
             if score is None:
                 raise NotImplementedError(type(self._trainer).__name__)
-            trainer = execute(score, PROBE)
+            return execute(score, PROBE)
         except NotImplementedError as exc:
             self._probe_unavailable(f"the trainer cannot score tokens ({exc})")
-            return
-        after = self._served_after = execute(self._inference_client.score, PROBE)
+            return None
+
+    def _verify_served(self, version: int, before: list[list[float]]) -> None:
+        """After a push: the served model should score :data:`PROBE` as the trainer does (:meth:`_judge_served`)."""
+        trainer = self._trainer_score()
+        if trainer is not None:
+            self._judge_served(version, before, trainer, execute(self._inference_client.score, PROBE))
+
+    def _judge_served(self, version: int, before: list[list[float]], trainer: list[list[float]],
+                      after: list[list[float]]) -> None:
+        """The served probe ``after`` a push against the trainer's, within ``served_probe_tolerance``.
+        Served log-probs that did not move at all while the trainer's moved beyond the tolerance since
+        the last push mean the weights never arrived: the run stops, whatever the mode. (A push of
+        unchanged weights, the first push included, changes nothing served; a bf16 engine scores
+        further from a float32 trainer: neither is an error in ``auto``.)"""
+        self._served_after = after
         gap = _max_gap(after, trainer)
         previous, self._trainer_probe = self._trainer_probe, trainer
         moved = previous is not None and _max_gap(trainer, previous) > self._probe_tolerance
@@ -443,7 +556,9 @@ class WeightSyncController(NexRLModule):
             self._cond.notify_all()
 
     def stop(self) -> None:
-        """Release every waiter: the run is ending."""
+        """Release every waiter: the run is ending (a background push under way is given a while to land:
+        the service then serves the trainer's last weights)."""
+        self._wait_pushed(_STOP_WAIT_S)
         with self._cond:
             self._stopping = True
             self._cond.notify_all()

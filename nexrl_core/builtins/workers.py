@@ -7,9 +7,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
-from ..config.options import Option, option_defaults
+from ..config.options import Option
 from ..config.settings import Settings, setting
 from ..errors import ConfigError
+from ..evaluation import row_field
 from ..markers import hookimpl
 from ..rollout_worker import BaseRolloutWorker, ItemFailure, RolloutParts
 from ..runtime.inference import CompletionResult, SamplingParams, sampling_options
@@ -42,7 +43,6 @@ class SimpleRolloutWorker(BaseRolloutWorker):
 
     # Its keys are read once, into the attributes below: `self.settings` is left to a subclass's own.
     SETTINGS: ClassVar[type[Settings]] = SimpleWorkerSettings
-    CONFIG_KEYS = option_defaults(SimpleWorkerSettings.options())  # deprecated view, for plugins that extend it
 
     def __init__(self, config: Mapping[str, Any], parts: RolloutParts | None = None):
         super().__init__(config, parts)
@@ -134,13 +134,14 @@ class PigLatinSettings(Settings):
 
     prompt_key: str = setting("prompt", "task field that holds the source text")
     instruction: str = setting("Translate to Pig Latin: ", "text put before the source in the prompt")
+    target_key: str | None = setting(None, "task field that holds the expected translation (NexRL's rows: output), "
+                                           "dotted for a nested one; null: the translation computed from the source")
 
 
 class PigLatinRolloutWorker(BaseRolloutWorker):
     """Supervised data for the cross-entropy trainer: the target is computed, not sampled."""
 
     SETTINGS: ClassVar[type[Settings]] = PigLatinSettings
-    CONFIG_KEYS = option_defaults(PigLatinSettings.options())  # deprecated view, for plugins that extend it
 
     def __init__(self, config: Mapping[str, Any], parts: RolloutParts | None = None):
         super().__init__(config, parts)
@@ -149,9 +150,13 @@ class PigLatinRolloutWorker(BaseRolloutWorker):
     def step(self, task: dict[str, Any]) -> str | None:
         source = str(task.get(self.settings.prompt_key, ""))
         instruction = self.settings.instruction
+        target_key = self.settings.target_key
+        target = pig_latin(source) if target_key is None else row_field(task, target_key)
+        if target in (None, ""):
+            raise ItemFailure("missing_target", f"task has no '{target_key}' field (rollout_worker.target_key)")
         trajectory = self.base_trajectory(task)
         trajectory.update({"prompt": [{"role": "user", "content": instruction + source}],
-                           "response": pig_latin(source), "reward": 1.0, "score": {"reward": 1.0},
+                           "response": str(target), "reward": 1.0, "score": {"reward": 1.0},
                            "model_version": self._current_version()})
         return self._put_trajectory(trajectory)
 

@@ -463,6 +463,11 @@ def _derive(recipe: dict[str, Any], original: Mapping[str, Any], out: Migration,
         _put(recipe, "rollout_worker.prompt_key", prompt_key)
         out.changes.append(Change("set", "rollout_worker.prompt_key", prompt_key,
                                   "data.prompt_key: the worker reads the prompt from that field"))
+    if worker == "pig_latin" and get_key(recipe, "rollout_worker.target_key") is None and \
+            ctx.declares("rollout_worker", "pig_latin", "target_key"):
+        _put(recipe, "rollout_worker.target_key", "output")
+        out.changes.append(Change("set", "rollout_worker.target_key", "output",
+                                  "NexRL's pig_latin worker trains on each row's output field"))
 
 
 def _train_service_name(recipe: Mapping[str, Any], ctx: _Context) -> str | None:

@@ -689,6 +689,7 @@ DERIVED = (
                                  + "; without nexrl-rewards, math is numeric_answer on reward_model.ground_truth (the "
                                    "reply's last number)"),
     ("rollout_worker.prompt_key", "data.prompt_key when it is not prompt and the worker reads one"),
+    ("rollout_worker.target_key", "output for the pig_latin worker (NexRL's trains on each row's output)"),
 )
 
 # NexRL 1.x's public recipe layouts (recipe/<task>/ of NexRL 1.4), and what each becomes.
@@ -716,7 +717,7 @@ LAYOUTS: tuple[Layout, ...] = (
            "inference service; the model in main_actor.actor.model.path",
            "the same worker and trainer on local_torch; service.inference_service {backend: hf, model_path: "
            "${service.train_service.model_path}} with weight.backend in_process; rollout_worker.prompt_key from "
-           "data.prompt_key"),
+           "data.prompt_key; rollout_worker.target_key output"),
     Layout("pig_latin: tinker.yaml",
            "rollout_worker.type pig_latin; trainer remote_api_cross_entropy; loss_fn cross_entropy",
            "the same worker and trainer on the tinker services (as math: tinker.yaml, without algorithm.loss_fn)"),

@@ -495,8 +495,9 @@ def test_math_tinker(cli, tmp_path, machine, tiny_model_dir):
 # NexRL's pig-latin rows: the English input and its translation (NexRL trained on the row's output)
 PIG_ROWS = {"pig_latin/train.jsonl": "".join(
     json.dumps({"input": text, "output": target}) + "\n"
-    for text, target in (("hello world", "ellohay orldway"), ("the quick fox", "ethay uickqay oxfay"),
-                         ("pig latin", "igpay atinlay"), ("nexrl migrates", "exrlnay igratesmay")))}
+    # hyphenated, unlike nexrl's own pig_latin(): what is trained shows where it came from
+    for text, target in (("hello world", "ello-hay orld-way"), ("the quick fox", "e-thay uick-qay ox-fay"),
+                         ("pig latin", "ig-pay atin-lay"), ("nexrl migrates", "exrl-nay igrates-may")))}
 
 
 def test_pig_latin_self_hosted_migrates_and_trains(cli, tmp_path, machine):
@@ -507,7 +508,8 @@ def test_pig_latin_self_hosted_migrates_and_trains(cli, tmp_path, machine):
     out = tmp_path / "pig.yaml"
     code, recipe, err = _migrate(cli, tmp_path / "pig" / "self_hosted.yaml", out)
     assert code == 0, err
-    assert recipe["rollout_worker"] == {"type": "pig_latin", "num_workers": 8, "prompt_key": "input"}
+    assert recipe["rollout_worker"] == {"type": "pig_latin", "num_workers": 8, "prompt_key": "input",
+                                        "target_key": "output"}
     assert recipe["trainer"]["type"] == "self_hosted_cross_entropy"
     assert recipe["weight"]["backend"] == "in_process"
     assert recipe["service"] == {
@@ -518,7 +520,7 @@ def test_pig_latin_self_hosted_migrates_and_trains(cli, tmp_path, machine):
     assert "weight.sync_method: disk -> weight.backend: in_process (inference backend hf: no files are written)" in \
         _section(err, "carried over")
     assert "rollout_worker.temperature (as rollout_worker.sampling.temperature): unknown key in nexrl (rollout " \
-           "worker 'pig_latin' accepts: prompt_key, instruction)" in _section(err, "not carried over")
+           "worker 'pig_latin' accepts: prompt_key, instruction, target_key)" in _section(err, "not carried over")
     machine(PIG_ROWS)
     code, _, err = cli("validate", str(out))
     assert code == 0, err
@@ -528,6 +530,10 @@ def test_pig_latin_self_hosted_migrates_and_trains(cli, tmp_path, machine):
                        "+service.inference_service.num_threads=1")
     assert code == 0, err
     assert (run_dir / "metrics.jsonl").read_text().count('"train/') >= 1
+    # trained on the rows' own translations, as NexRL did
+    targets = {json.loads(line)["output"] for line in PIG_ROWS["pig_latin/train.jsonl"].splitlines()}
+    trained = [json.loads(line)["response"] for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    assert trained and set(trained) <= targets, trained
 
 
 def test_pig_latin_tinker(cli, tmp_path, machine, tiny_model_dir):

@@ -37,14 +37,22 @@ def _new_weights(engine, seed=1):
 
 
 def _decode_with_update(engine, update):
-    """One request decoded while ``update`` waits for the batch (handed over at its first decode step)."""
-    with engine._model_lock:  # the request's batch waits for it, as it would behind a running one
-        result: list = []
-        caller = threading.Thread(target=lambda: result.append(engine.complete(PROMPT, PARAMS)))
-        caller.start()
-        while engine.num_batches == 0:  # the engine's loop has taken the request into a batch
-            threading.Event().wait(0.001)
-        engine._update = update
+    """One request decoded while ``update`` waits for the batch (handed over once the batch decodes:
+    taken at its first decode-step boundary; pending at a batch's start, it would be taken before
+    the batch's first token)."""
+    calls = []
+    own = engine._use_decode_threads
+
+    def decode_step_starts():  # called once as the batch starts, then at the top of each decode step
+        calls.append(1)
+        if len(calls) == 2:
+            engine._update = update
+        own()
+
+    engine._use_decode_threads = decode_step_starts
+    result: list = []
+    caller = threading.Thread(target=lambda: result.append(engine.complete(PROMPT, PARAMS)))
+    caller.start()
     caller.join(30)
     assert update.done.is_set() and update.error is None
     return result[0]

@@ -28,7 +28,7 @@ def test_the_declared_keys_are_the_settings_fields():
     assert component_options(LocalTorchTrainService)["temperature"].removed  # a removed key, not a setting
     assert set(component_options(HFInferenceBackend)) == set(HFBackendSettings.options())
     assert set(HFBackendSettings.options()) - set(EngineSettings.options()) == {"replicas", "replica_actors"}
-    assert set(component_options(InProcessWeightSync)) == {"partial_rollout_prefix"}
+    assert set(component_options(InProcessWeightSync)) == {"background_push", "partial_rollout_prefix"}
 
 
 def test_the_train_service_reads_its_typed_settings(tiny_model_and_tokenizer):

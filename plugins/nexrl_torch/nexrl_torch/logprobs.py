@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig
 
 
 def compute_response_logprobs(
@@ -254,7 +257,7 @@ def _placeholder_mask(device: torch.device) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def _routed(config: Any, packed: _PackedForward):
+def _routed(config: PreTrainedConfig, packed: _PackedForward):
     """The model's attention goes to :func:`_group_sdpa` over ``packed``'s blocks while inside."""
     previous = config._attn_implementation
     token = _packed_forward.set(packed)
@@ -267,7 +270,7 @@ def _routed(config: Any, packed: _PackedForward):
 
 
 @contextlib.contextmanager
-def _recompute_routed(model: torch.nn.Module, config: Any, packed: _PackedForward):
+def _recompute_routed(model: torch.nn.Module, config: PreTrainedConfig, packed: _PackedForward):
     """While inside, a layer under activation checkpointing hands its checkpoint function a forward
     that enters :func:`_routed` itself: the backward runs that forward again after the packed
     forward has returned (and on another thread on a GPU), where the routing would be gone."""

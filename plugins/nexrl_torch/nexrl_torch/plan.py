@@ -12,8 +12,9 @@ What each term counts, in bytes (P parameters, T trainable ones, L layers, h hid
   merged weights built at each push; with several ranks, each rank's share of the batch's prompt
   groups, and under FSDP2 its shards plus what it gathers whole (the root's parameters and two
   layers' through the forward and backward, one weight at a time when exporting);
-- engine: its weights in its dtype, the KV cache of the requests it decodes at once, and the decode
-  step's logits.
+- engine: its weights in its dtype, the KV cache of the requests it decodes at once, the decode
+  step's logits, and the fast decoding path's own copies of the weights (on the CPU every linear and
+  the LM head prepacked, and at each weight push the largest packed anew before the old is freed).
 
 Checked against measured peaks in ``benchmarks/qwen3_shape_lora.py`` and, for LoRA on 2 FSDP2
 ranks, ``benchmarks/lora_fsdp_plan.py`` (CPU: each process's peak RSS).
@@ -244,11 +245,36 @@ def engine_plan(settings: HFBackendSettings, inputs: PlanInputs) -> MemoryPlan:
              MemoryItem(device, role, "KV cache", kv, f"{at_once} requests at once x {prompt + inputs.max_new_tokens} "
                                                      f"tokens"),
              MemoryItem(device, role, "decode step logits (float32)", at_once * shape.vocab * 4 * 3)]
+    held, refresh, how = _decode_copies(settings, shape, device, dtype)
+    if held:
+        items.append(MemoryItem(device, role, "decode path's weight copies", held, how))
+    if refresh:
+        items.append(MemoryItem(device, role, "repacking at a weight push", refresh,
+                                "the largest matrix packed anew before the old one is freed"))
     savings = []
     if dtype == "float32":
+        held_bf16, refresh_bf16, _ = _decode_copies(settings, shape, device, "bfloat16")
         savings.append(Saving(device, "service.inference_service.dtype: bfloat16 (the engine's weights in bf16)",
-                              shape.params * 2))
+                              shape.params * 2 + held + refresh - held_bf16 - refresh_bf16))
     replicas = settings.replicas
     if replicas > 1:
         items.append(MemoryItem(device, role, f"(each of {replicas} replicas holds this on its own device)", 0))
     return MemoryPlan(items=items, savings=savings, capacity=_capacity(device))
+
+
+def _decode_copies(settings: HFBackendSettings, shape: ModelShape, device: str, dtype: str) -> tuple[int, int, str]:
+    """The fast decoding path's own copies of the weights and what a refresh allocates before it frees
+    (:func:`~.rollout.decoding.decode_copies`), and how they are held: on the CPU every linear and the
+    LM head prepacked, on a GPU the concatenated q/k/v and gate/up; nothing off the fast path."""
+    from .rollout.decoding import decode_copies, fast_path_problem, kernel_problem
+
+    if auto_flag(settings.fast_path, "fast_path") == "false" or fast_path_problem(shape.model, loaded=False):
+        return 0, 0, ""
+    torch_dtype = getattr(torch, dtype)
+    on_cuda = device != "cpu"
+    kernels = not on_cuda and auto_flag(settings.cpu_kernels, "cpu_kernels") != "false" and \
+        kernel_problem(shape.model, planned_dtype=torch_dtype) is None
+    held, refresh = decode_copies(shape.model, on_cuda=on_cuda, dtype=torch_dtype, kernels=kernels)
+    how = "q/k/v and gate/up concatenated" if on_cuda else \
+        f"every linear and the LM head prepacked ({'the compiled kernels' if kernels else 'oneDNN'})"
+    return held, refresh, how

@@ -7,7 +7,9 @@ Three implementations of one interface:
 - :class:`StaticHFSession` (the generic static path, :class:`StaticHF`) drives the models off the
   fast path that transformers runs over a preallocated ``StaticCache`` (the class's own
   ``_can_compile_fullgraph`` flag and the cache layers built for its config decide); on a GPU its
-  decode steps go through ``torch.compile`` with CUDA graphs. Not batch-invariant.
+  decode steps go through ``torch.compile`` with CUDA graphs. Not batch-invariant. By default
+  (``static_cache: auto``) on a CUDA device only: eager on the CPU it decoded 0.92-1.02x as fast
+  as :class:`HFSession` (``benchmarks/results/family_decode_static.json``).
 - :class:`FastLlamaSession` runs Llama-family models (``llama``, ``qwen2``, ``qwen3`` with its
   per-head q/k norms, ``mistral``), Gemma 3 text (``gemma3_text``: (1 + w) norms, a norm after
   each block's output, scaled embeddings, sliding-window layers with their own rotary base,
@@ -62,6 +64,8 @@ from loguru import logger
 from ..models import auto_flag
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedConfig
+
     from nexrl_torch_kernels import DecodeKernels
 
 # The compiled kernels are an optional distribution (nexrl-torch-kernels): without it, torch ops.
@@ -176,25 +180,42 @@ def config_static_path_problem(config: dict) -> str | None:
     return _static_cache_problem(model_class, parsed)
 
 
-def config_decoding_note(model_path: str | None, gguf_file: str | None = None) -> str | None:
+def config_decoding_note(model_path: str | None, gguf_file: str | None = None, *, static_cache: Any = None,
+                         device: Any = None) -> str | None:
     """What ``nexrl validate`` and ``nexrl run`` say, before any weight is loaded, about the path that
-    will decode the model when the hand-written fast path cannot (None when it can, or no config)."""
+    will decode the model when the hand-written fast path cannot (None when it can, or no config):
+    the choice :func:`make_session_factory` makes for ``static_cache`` on ``device`` (recipe values)."""
     problem = config_fast_path_problem(model_path, gguf_file)
     config = _model_config(model_path, gguf_file)
     if problem is None or config is None:
         return None
     static = config_static_path_problem(config)
-    if static is None:
+    try:
+        choice = auto_flag(static_cache, "static_cache")
+    except ValueError:  # the key's own check reports it
+        choice = "auto"
+    if static is None and choice != "false" and (choice == "true" or _cuda_device(device)):
         return (f"{problem}: the engine decodes through transformers' forward over a static KV cache (the generic "
                 f"path; decode steps compiled with CUDA graphs on a GPU where the model allows it), "
                 f"{GENERIC_NOT_INVARIANT}")
+    if static is not None and choice == "true":
+        return f"{problem}, nor on the static-cache path ({static}): static_cache: true will fail when the engine loads"
+    if static is None:
+        static = STATIC_CACHE_OFF if choice == "false" else STATIC_CACHE_CPU
     why = problem if static in problem else f"{problem}, nor on the static-cache path ({static})"
     return (f"{why}: the engine decodes through the transformers forward, slower, and runs with several rollout "
             f"workers are not bit-reproducible (unless max_batch_size: 1)")
 
 
-def fast_path_problem(model: torch.nn.Module) -> str | None:
-    """Why :class:`FastLlama` cannot run ``model`` (None when it can)."""
+def _cuda_device(device: Any) -> bool:
+    """Whether a recipe's ``device`` resolves to a CUDA device here (as the engine will resolve it)."""
+    text = "auto" if device is None else str(device).strip().lower()
+    return torch.cuda.is_available() if text == "auto" else text.startswith("cuda")
+
+
+def fast_path_problem(model: torch.nn.Module, loaded: bool = True) -> str | None:
+    """Why :class:`FastLlama` cannot run ``model`` (None when it can); not ``loaded``: a model built on
+    the meta device to be planned (``nexrl plan``), its layout alone judged."""
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
     if model_type not in FAST_MODEL_TYPES:
@@ -225,7 +246,7 @@ def fast_path_problem(model: torch.nn.Module) -> str | None:
             return f"sliding window {window!r}"
     if getattr(config, "pretraining_tp", 1) not in (None, 1):
         return "pretraining_tp > 1"
-    if any(p.is_meta for p in model.parameters()):
+    if loaded and any(p.is_meta for p in model.parameters()):
         return "meta tensors"
     return None
 
@@ -474,17 +495,18 @@ class _Experts:
         return out.view(h.shape)
 
 
-def kernel_problem(model: torch.nn.Module) -> str | None:
+def kernel_problem(model: torch.nn.Module, planned_dtype: torch.dtype | None = None) -> str | None:
     """Why the compiled decode kernels (:mod:`nexrl_torch_kernels`) cannot run ``model`` on the
-    fast path (None when they can)."""
+    fast path (None when they can); ``planned_dtype``: a model on the meta device that the CPU
+    engine will load in that dtype (``nexrl plan``). Whether they build here is not asked."""
     if nexrl_torch_kernels is None:
         return KERNELS_MISSING
     parameter = next(model.parameters())
-    if parameter.device.type != "cpu":
+    if planned_dtype is None and parameter.device.type != "cpu":
         return f"the model is on {parameter.device}, the kernels are for the CPU"
-    dtypes = nexrl_torch_kernels.DTYPES
-    if parameter.dtype not in dtypes:
-        return f"dtype {parameter.dtype} (kernels: {', '.join(dtypes.values())})"
+    dtypes, dtype = nexrl_torch_kernels.DTYPES, planned_dtype or parameter.dtype
+    if dtype not in dtypes:
+        return f"dtype {dtype} (kernels: {', '.join(dtypes.values())})"
     model_type = model.config.model_type
     if model_type not in KERNEL_MODEL_TYPES:
         return f"model_type {model_type!r}: the kernels compute Llama-shaped layers ({', '.join(KERNEL_MODEL_TYPES)})"
@@ -502,6 +524,36 @@ def kernel_problem(model: torch.nn.Module) -> str | None:
     if attn.head_dim % 2 or inv_freq is None or 2 * inv_freq.numel() != attn.head_dim:
         return "rotary embedding over part of the head"
     return None
+
+
+def decode_copies(model: torch.nn.Module, *, on_cuda: bool, dtype: torch.dtype, kernels: bool) -> tuple[int, int]:
+    """Bytes of the weight copies the fast path keeps beside the model's own (a model of
+    :func:`fast_path_problem`'s layout, in ``dtype``; the meta device will do), and the most one
+    refresh allocates before it frees what it replaces: what ``nexrl plan`` counts for the engine.
+    :class:`_Linear`'s matrices: on the CPU each one packed (the compiled ``kernels``' layout,
+    refreshed in place, or oneDNN's, packed anew from a concatenation at every refresh), the LM head
+    included; unpacked (a GPU, a dtype oneDNN does not pack) only the concatenations of several
+    linears (q/k/v, gate/up), refreshed in place."""
+    size = torch.empty(0, dtype=dtype).element_size()
+    groups: list[tuple[int, int]] = []  # (elements, linears concatenated) of each _Linear
+    for layer in model.model.layers:
+        if hasattr(layer.mlp, "experts"):
+            block = layer.mlp
+            groups.append((block.gate.weight.numel(), 1))
+            groups += [(w[0].numel(), 1) for w in (block.experts.gate_up_proj, block.experts.down_proj)
+                       for _ in range(w.shape[0])]
+        for group in _Layer._linears(layer):
+            if group is not None:
+                groups.append((sum(lin.weight.numel() for lin in group), len(group)))
+    groups.append((model.lm_head.weight.numel(), 1))
+    packed = not on_cuda and (kernels and dtype == torch.float32 or
+                              _onednn_available() and dtype in (torch.float32, torch.bfloat16))
+    if not packed:
+        return sum(n for n, k in groups if k > 1) * size, 0
+    if kernels and dtype == torch.float32:
+        return sum(n for n, _ in groups) * 4, 0
+    # oneDNN: the concatenation (several linears) and the new packed matrix, the old one still held
+    return sum(n for n, _ in groups) * size, max(n * (2 if k > 1 else 1) for n, k in groups) * size
 
 
 class FastLlama:
@@ -1168,12 +1220,15 @@ def cpu_decode_kernels(model: torch.nn.Module, mode: str) -> DecodeKernels | Non
 
 # Cache layers whose state transformers keeps in fixed tensors written in place (full and sliding attention).
 STATIC_CACHE_LAYERS = ("StaticLayer", "StaticSlidingWindowLayer")
+STATIC_CACHE_CPU = ("static_cache: auto takes it on a CUDA device only; eager on the CPU it decoded no faster than "
+                    "the growing cache")
+STATIC_CACHE_OFF = "static_cache: false"
 GENERIC_NOT_INVARIANT = ("not batch-invariant (the transformers forward's matmul and attention kernels depend on the "
                          "batch's shape): with several rollout workers, runs are bit-reproducible only with "
                          "max_batch_size: 1")
 
 
-def _static_cache_problem(model_class: type, config: Any) -> str | None:
+def _static_cache_problem(model_class: type, config: PreTrainedConfig) -> str | None:
     """Why transformers cannot run ``model_class`` over a ``StaticCache`` built from ``config`` (None when it can)."""
     from transformers import StaticCache
 
@@ -1431,20 +1486,26 @@ def graphs_problem(model: torch.nn.Module) -> str | None:
 
 
 def make_session_factory(model: torch.nn.Module, mode: Any, rows_hint: int, *, kv_tokens: int | None = None,
-                         graphs: Any = "auto", release: bool = True, cpu_kernels: Any = "auto"):
+                         graphs: Any = "auto", release: bool = True, cpu_kernels: Any = "auto",
+                         static_cache: Any = "auto"):
     """The engine's decoder: called, it gives a session for one batch; ``footprint(rows, capacity)``
     is the KV-cache tokens such a batch holds; ``release()`` frees what it keeps between batches.
 
-    ``mode`` is ``auto`` (fast path when the model allows it, else the generic static path
-    :class:`StaticHF` when transformers runs the model over a static cache, else the HF forward
-    with a growing cache; the log says which and why), ``true`` (fast path or a ValueError saying
-    why not) or ``false`` (HF forward, growing cache). On a GPU the fast path is :class:`StaticLlama` (a
+    ``mode`` is ``auto`` (fast path when the model allows it, else as ``static_cache`` says: the
+    generic static path :class:`StaticHF` where transformers runs the model over a static cache,
+    else the HF forward with a growing cache; the log says which and why), ``true`` (fast path or a
+    ValueError saying why not) or ``false`` (HF forward, growing cache). ``static_cache``: ``auto``
+    (the static path on a CUDA device only), ``true`` (on any device; a ValueError when the model
+    cannot) or ``false``. On a GPU the fast path is :class:`StaticLlama` (a
     static cache of ``kv_tokens`` tokens; decode steps as CUDA graphs unless ``graphs`` is false);
     on the CPU it is :class:`FastLlama`, with the compiled decode kernels unless ``cpu_kernels`` is
     false (``true``: a ValueError when they cannot be built or cannot run the model)."""
     mode, graphs = auto_flag(mode, "fast_path"), auto_flag(graphs, "cuda_graphs")
-    cpu_kernels = auto_flag(cpu_kernels, "cpu_kernels")
+    cpu_kernels, static_cache = auto_flag(cpu_kernels, "cpu_kernels"), auto_flag(static_cache, "static_cache")
     on_cuda = next(model.parameters()).is_cuda
+    if static_cache == "true" and mode == "false":
+        raise ValueError("static_cache: true needs fast_path: auto (fast_path: false is the transformers forward with "
+                         "a growing cache)")
     if graphs == "true" and (mode == "false" or not on_cuda):
         raise ValueError("cuda_graphs: true needs the fast decoding path (fast_path: auto or true) on a CUDA device")
     if cpu_kernels == "true" and (mode == "false" or on_cuda):
@@ -1465,8 +1526,12 @@ def make_session_factory(model: torch.nn.Module, mode: Any, rows_hint: int, *, k
         if mode == "true":
             raise ValueError(f"fast_path: true, but the fast decoding path cannot run this model: {problem}")
         static_problem = static_path_problem(model)
-        if static_problem is None:
+        if static_problem is not None and static_cache == "true":
+            raise ValueError(f"static_cache: true, but the static-cache path cannot run this model: {static_problem}")
+        if static_problem is None and (static_cache == "true" or (static_cache == "auto" and on_cuda)):
             return _generic_static(model, problem, kv_tokens=kv_tokens, graphs=graphs, release=release)
+        if static_problem is None:
+            static_problem = STATIC_CACHE_OFF if static_cache == "false" else STATIC_CACHE_CPU
         logger.info(f"decoding path: the transformers forward with a growing cache (DynamicCache), slower: not on "
                     f"the fast path ({problem}) nor on the static-cache path ({static_problem}); "
                     f"{GENERIC_NOT_INVARIANT}")

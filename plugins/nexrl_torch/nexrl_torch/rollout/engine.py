@@ -65,6 +65,7 @@ from .decoding import kv_budget_tokens, kv_token_bytes, make_session_factory
 from .settings import EngineSettings
 
 _STOP = object()
+_WAKE = object()  # wakes the idle scheduler: weights handed over to take (push_weights)
 
 
 @dataclass
@@ -81,11 +82,16 @@ class _Request:
 
 @dataclass
 class _Update:
-    """Weights handed to the running batch (``load_weights(..., in_flight=True)``)."""
+    """Weights handed to the running batch (``load_weights(..., in_flight=True)``), or to the engine's
+    own thread (:meth:`HFInferenceEngine.push_weights`; ``in_flight`` False: taken between batches)."""
 
     state_dict: Mapping[str, torch.Tensor]
     version: int
     recompute_prefix: bool
+    in_flight: bool = True
+    release: Callable[[], None] | None = None  # the pusher's tensors are read: its trainer may step on
+    after_apply: Callable[[], None] | None = None  # the weights in, before any token is sampled under them
+    on_done: Callable[[BaseException | None], None] | None = None
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
 
@@ -135,14 +141,16 @@ class HFInferenceEngine(InferenceClient):
         self.decoder = make_session_factory(self.model, settings.fast_path,
                                             rows_hint=min(self.max_batch_size, 16), kv_tokens=self.kv_tokens,
                                             graphs=settings.cuda_graphs, release=settings.release_kv_cache,
-                                            cpu_kernels=settings.cpu_kernels)
+                                            cpu_kernels=settings.cpu_kernels, static_cache=settings.static_cache)
 
         self._queue: queue.Queue = queue.Queue()
-        self._model_lock = threading.Lock()  # generation batches and weight loads take turns
+        # Generation batches and weight loads take turns; re-entrant: a push's after_apply scores on the engine's thread.
+        self._model_lock = threading.RLock()
         self._tokenizer_lock = threading.Lock()  # fast tokenizers are not safe under concurrent use
         self._submit_lock = threading.Lock()  # makes "check open + enqueue" atomic against close()
         self._update: _Update | None = None  # weights the running batch takes at its next decode step
         self._update_lock = threading.Lock()
+        self._failed_update: BaseException | None = None  # weights that did not go in: nothing is served after
         self._open = True
         self._arriving = 0  # callers inside complete() that have not queued their request yet
         self.num_batches = 0  # scheduler counters, for monitoring and benchmarks
@@ -345,26 +353,82 @@ class HFInferenceEngine(InferenceClient):
         computed again under the new weights with ``recompute_prefix``. Returns once they are in.
         """
         self.check_weights(state_dict)
+        self._wait_pending()  # a push not taken yet goes in first: pushes stay in order
         if not in_flight:
             with self._model_lock, computing("trainer"):  # the caller's thread copies (the trainer's, beside it)
                 self._apply(state_dict, version)
             release_idle_workers()  # the caller (the trainer's thread) goes back to its own work
             return
         update = _Update(state_dict, version, recompute_prefix)
-        with self._update_lock:
-            self._update = update
+        self._hand_over(update)
         while not update.done.wait(0.005):
             if self._model_lock.acquire(blocking=False):  # no batch running: take them here
                 try:
                     if self._take_update() is update:
                         with computing("trainer"):
-                            self._apply(update.state_dict, update.version)
-                        update.done.set()
+                            self._install(update)
                 finally:
                     self._model_lock.release()
         if update.error is not None:
             raise update.error
         release_idle_workers()
+
+    def push_weights(self, state_dict: Mapping[str, torch.Tensor], version: int, in_flight: bool = False,
+                     recompute_prefix: bool = False, after_apply: Callable[[], None] | None = None,
+                     on_done: Callable[[BaseException | None], None] | None = None) -> bool:
+        """:meth:`load_weights` without waiting: the engine's own thread copies the tensors, at the
+        running batch's next decode step (``in_flight``), else before its next batch, or at once when
+        idle, and calls ``after_apply`` there (the weights in, no token sampled under them yet: an
+        exception from it fails the push) and ``on_done(error)`` once done. The tensors must stay as
+        they are until read: ``state_dict.hold()`` (:class:`~nexrl_torch.train.service.HeldWeights`)
+        keeps them so, released once copied. A mapping without ``hold`` is loaded here, waiting, as
+        :meth:`load_weights` does (then ``after_apply`` and ``on_done`` run here too). Returns whether
+        the engine took them off the caller's thread. After a failed push the engine serves nothing
+        (requests fail): its weights are no version's."""
+        hold = getattr(state_dict, "hold", None)
+        if not callable(hold):
+            self._push_here(state_dict, version, in_flight, recompute_prefix, after_apply, on_done)
+            return False
+        self.check_weights(state_dict)
+        update = _Update(state_dict, version, recompute_prefix, in_flight=in_flight, release=hold(),
+                         after_apply=after_apply, on_done=on_done)
+        self._hand_over(update)
+        with self._submit_lock:
+            if not self._open:
+                self._drop_update(InferenceError("HFInferenceEngine is closed"))
+            else:
+                self._queue.put(_WAKE)  # an idle scheduler takes them now
+        return True
+
+    def _push_here(self, state_dict: Mapping[str, torch.Tensor], version: int, in_flight: bool,
+                   recompute_prefix: bool, after_apply: Callable[[], None] | None,
+                   on_done: Callable[[BaseException | None], None] | None) -> None:
+        """:meth:`push_weights` on the caller's thread, waiting as :meth:`load_weights` does."""
+        error: BaseException | None = None
+        try:
+            self.load_weights(state_dict, version, in_flight, recompute_prefix)
+            if after_apply is not None:
+                after_apply()
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            if on_done is not None:
+                on_done(error)
+
+    def _wait_pending(self) -> None:
+        while (pending := self._update) is not None and self.health_check():
+            pending.done.wait(0.005)
+
+    def _hand_over(self, update: _Update) -> None:
+        """``update`` is the one the engine takes next (a push not yet taken is waited for first: pushes stay in order)."""
+        while True:
+            with self._update_lock:
+                pending = self._update
+                if pending is None:
+                    self._update = update
+                    return
+            pending.done.wait(0.005)
 
     def _apply(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
         """New weights into the model (the model lock held) and the packed copies the decoder reads."""
@@ -372,10 +436,55 @@ class HFInferenceEngine(InferenceClient):
         self.set_model_version(version)
         self.decoder.refresh()
 
-    def _take_update(self) -> _Update | None:
+    def _install(self, update: _Update) -> None:
+        """``update`` into the model (the model lock held); its pusher hears how it went. A failure
+        leaves the engine serving nothing (its weights are half copied, or failed the check)."""
+        try:
+            try:
+                copy_weights(update.state_dict, [self])
+            finally:
+                if update.release is not None:
+                    update.release()  # read: the trainer may step on while the decoder repacks
+            self.set_model_version(update.version)
+            self.decoder.refresh()
+            if update.after_apply is not None:
+                update.after_apply()
+        except BaseException as exc:
+            update.error = exc
+            self._failed_update = exc
+            raise
+        finally:
+            update.done.set()
+            if update.on_done is not None:
+                update.on_done(update.error)
+
+    def _take_update(self, in_flight_only: bool = False) -> _Update | None:
         with self._update_lock:
-            update, self._update = self._update, None
+            update = self._update
+            if update is None or (in_flight_only and not update.in_flight):
+                return None
+            self._update = None
         return update
+
+    def _take_pending(self) -> None:
+        """On the scheduler's thread: weights pushed and not taken yet go in now (the model lock held)."""
+        update = self._take_update() if self._update is not None else None
+        if update is not None:
+            with computing("engine"):
+                self._use_decode_threads()
+                self._install(update)
+
+    def _drop_update(self, error: BaseException) -> None:
+        """A push the engine will never take (it closed): its pusher hears ``error``."""
+        update = self._take_update()
+        if update is None:
+            return
+        update.error = error
+        if update.release is not None:
+            update.release()
+        update.done.set()
+        if update.on_done is not None:
+            update.on_done(error)
 
     def check_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Names and shapes of ``state_dict`` against the model's (read without touching the tensors)."""
@@ -389,7 +498,7 @@ class HFInferenceEngine(InferenceClient):
                 raise ValueError(f"load_weights: {name} has shape {tuple(shape)}, expected {tuple(own[name].shape)}")
 
     def health_check(self) -> bool:
-        return self._open and self._thread.is_alive()
+        return self._open and self._thread.is_alive() and self._failed_update is None
 
     def close(self) -> None:
         """Stop the scheduler: the batch being generated finishes, requests not started yet fail with InferenceError."""
@@ -400,6 +509,7 @@ class HFInferenceEngine(InferenceClient):
             self._queue.put(_STOP)
         if threading.current_thread() is not self._thread:
             self._thread.join()
+        self._drop_update(InferenceError("HFInferenceEngine is closed"))
         if self._threads_before_share is not None:  # the process gets its threads back (a later run in it)
             end_share()
             torch.set_num_threads(self._threads_before_share)
@@ -414,7 +524,14 @@ class HFInferenceEngine(InferenceClient):
                 if not self._open:
                     self._fail(batch, InferenceError("HFInferenceEngine is closed"))
                     break
-                self._run_batch(batch)
+                if batch:
+                    self._run_batch(batch)
+                else:  # woken for pushed weights
+                    try:
+                        with self._model_lock:
+                            self._take_pending()
+                    except Exception:  # noqa: BLE001 - its pusher has the error; later batches fail with it
+                        pass
                 if self._queue.empty() and not self._arriving:
                     with self._model_lock:
                         self.decoder.release()  # idle: the trainer may use that memory
@@ -423,6 +540,7 @@ class HFInferenceEngine(InferenceClient):
             # However the loop ended, nobody may stay blocked on a request that will never run.
             with self._submit_lock:
                 self._open = False
+            self._drop_update(InferenceError("HFInferenceEngine is closed"))
             leftovers = []
             while True:
                 try:
@@ -437,6 +555,8 @@ class HFInferenceEngine(InferenceClient):
         ``batch_wait_max_ms``. Rollout workers submit one after another (each tokenizes its prompt
         first); a batch cut short would run the late-comers as a second, serial batch."""
         batch = [self._queue.get()]
+        if batch[0] is _WAKE:
+            return []
         start = time.monotonic()
         deadline, cap = start + self.batch_wait_s, start + max(self.batch_wait_max_s, self.batch_wait_s)
         while len(batch) < self.max_batch_size and batch[-1] is not _STOP:
@@ -453,12 +573,12 @@ class HFInferenceEngine(InferenceClient):
             except queue.Empty:
                 continue
             deadline = time.monotonic() + self.batch_wait_s  # each arrival extends the wait
-        return [r for r in batch if r is not _STOP]
+        return [r for r in batch if r is not _STOP and r is not _WAKE]
 
     @staticmethod
     def _fail(requests: list, error: InferenceError) -> None:
         for request in requests:
-            if request is not _STOP:
+            if request is not _STOP and request is not _WAKE:
                 request.error = error
                 request.event.set()
 
@@ -471,6 +591,9 @@ class HFInferenceEngine(InferenceClient):
         try:
             with self._model_lock, computing("engine"):
                 self._use_decode_threads()
+                self._take_pending()  # weights pushed since the last batch: this one samples under them
+                if self._failed_update is not None:
+                    raise RuntimeError(f"the engine serves no weights since a push failed: {self._failed_update}")
                 outputs = [out for chunk in self._chunks(batch) for out in self._generate(chunk)]
             for request, (text, reason, ids, logprobs, versions) in zip(batch, outputs):
                 mixed = len(set(versions)) > 1
@@ -576,15 +699,9 @@ class HFInferenceEngine(InferenceClient):
                 tokens, next_pos = tokens[idx], next_pos[idx]
                 scale, greedy, top_p, top_k, seeds = scale[idx], greedy[idx], top_p[idx], top_k[idx], seeds[idx]
                 active = [active[row] for row in keep]
-            update = self._take_update() if self._update is not None else None
+            update = self._take_update(in_flight_only=True) if self._update is not None else None
             if update is not None:  # weights pushed while this batch decodes (weight.partial_rollout)
-                try:
-                    self._apply(update.state_dict, update.version)
-                except BaseException as exc:  # the pusher hears of it; the batch fails
-                    update.error = exc
-                    raise
-                finally:
-                    update.done.set()
+                self._install(update)  # a failure: the pusher hears of it; the batch fails
                 version = update.version
                 if update.recompute_prefix:  # the prefix's keys and values under the new weights
                     session, logits, next_pos = self._prefill_again(batch, active, tokens_out)

@@ -28,10 +28,15 @@ class EngineSettings(ModelSettings):
     chat_template: bool = setting(True, "apply the tokenizer's chat template to chat prompts")
     seed: int | None = setting(None, "seed of requests without their own")
     fast_path: AutoFlag = setting(None, "the hand-written batch-invariant decoding path (llama, qwen2, qwen3, "
-                                        "mistral, gemma3_text, qwen3_moe): auto (other models: transformers' forward "
-                                        "over a static KV cache where the model supports one, compiled with CUDA "
-                                        "graphs on a GPU) | true (an error when it cannot) | false (the transformers "
-                                        "forward with a growing cache)", check=_auto_flag)
+                                        "mistral, gemma3_text, qwen3_moe): auto (other models: see static_cache) | "
+                                        "true (an error when it cannot) | false (the transformers forward with a "
+                                        "growing cache, for every model)", check=_auto_flag)
+    static_cache: AutoFlag = setting(None, "with fast_path auto, for a model the fast path does not serve: the "
+                                           "transformers forward over a preallocated static KV cache (compiled with "
+                                           "CUDA graphs on a GPU; not batch-invariant) where transformers supports one "
+                                           "for the model: auto (on a CUDA device only: on the CPU it decoded no "
+                                           "faster than the growing cache) | true (also on the CPU; an error when the "
+                                           "model cannot) | false (the growing cache)", check=_auto_flag)
     cpu_kernels: AutoFlag = setting(None, "on the CPU fast path: decode steps (and float32 matmuls) through C++ "
                                           "kernels compiled once per machine with the C++ compiler found (a float32 "
                                           "decode step about a third faster; other bits than torch ops, still "

@@ -23,6 +23,7 @@ import os
 import random
 import shutil
 import tempfile
+import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, cast
@@ -86,6 +87,52 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 # The dict of tensors above with a LossFn. A service taking it also offers ``tokenizer`` (and
 # ``model``, the torch module, which a KL reference is copied from).
 BATCH_FORMAT = "torch_tensors"
+
+
+class _Readers:
+    """Consumers still to read the live parameters (:meth:`HeldWeights.hold`): whatever writes the
+    parameters (an optimizer step, a checkpoint load) waits for them first."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._count = 0
+
+    def hold(self) -> Callable[[], None]:
+        with self._cond:
+            self._count += 1
+        released = threading.Event()
+
+        def release() -> None:
+            if released.is_set():  # once, however often it is called
+                return
+            released.set()
+            with self._cond:
+                self._count -= 1
+                self._cond.notify_all()
+        return release
+
+    def wait(self) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: self._count == 0)
+
+
+class HeldWeights(dict):
+    """:meth:`LocalTorchTrainService.export_weights`' tensors by name. A consumer that reads them after
+    the call returned (the in-process engine copying them at its next decode step, while the trainer
+    goes on) calls :meth:`hold` first and the function it returns once it has read them: the service's
+    next optimizer step waits until then, so the tensors need no copy. Pickled (a transport to another
+    process), a plain dict."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor], readers: _Readers):
+        super().__init__(tensors)
+        self._readers = readers
+
+    def hold(self) -> Callable[[], None]:
+        """Keep the parameters as they are until the returned function is called."""
+        return self._readers.hold()
+
+    def __reduce__(self) -> Any:
+        return dict, (dict(self),)
 
 
 def _every_rank(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -210,6 +257,7 @@ class LocalTorchTrainService(TrainService):
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self._param_names = [n for n, _ in named]
         self._params = [p for _, p in named]
+        self._readers = _Readers()  # consumers of exported live tensors (HeldWeights.hold)
         beta1, beta2 = settings.betas
         self.optimizer = torch.optim.AdamW(
             self._params,
@@ -378,6 +426,7 @@ class LocalTorchTrainService(TrainService):
 
         A non-finite gradient norm skips the step (the weights stay put) and is reported as is.
         """
+        self._readers.wait()  # a consumer still reading the exported weights (HeldWeights.hold) reads these values
         grads = [p for p in self._params if p.grad is not None]
         on_cpu = all(g.device.type == "cpu" for g in grads)  # foreach kernels are slower than a loop on CPU
         with self._out_of_memory("optim_step"):
@@ -473,15 +522,16 @@ class LocalTorchTrainService(TrainService):
         """The model's tensors by name, detached.
 
         Without ``copy`` they alias the live parameters: consume them (e.g. ``load_weights`` of
-        the in-process engine copies them) before the next ``optim_step``.
+        the in-process engine copies them) before the next ``optim_step``, or hold them
+        (:class:`HeldWeights`: the next ``optim_step`` waits for the holder).
         """
         # With adapters, the merged weights: the engine serves them at full decode speed.
         state = merged_state(self.model) if self.adapters is not None else self.model.state_dict()
         if self.ranks is not None and self.ranks.parallel == "fsdp":
-            return GatheredWeights(state)  # gathered weight by weight as the consumer copies them
+            return GatheredWeights(state)  # gathered weight by weight as the consumer copies them (collectives)
         if self.adapters is not None:  # merged tensors are new ones already
-            return {k: v.clone() for k, v in state.items()} if copy else state
-        return {k: v.detach().clone() if copy else v.detach() for k, v in state.items()}
+            return HeldWeights({k: v.clone() for k, v in state.items()} if copy else state, self._readers)
+        return HeldWeights({k: v.detach().clone() if copy else v.detach() for k, v in state.items()}, self._readers)
 
     def export_adapter(self, folder: str | os.PathLike) -> None:
         """The LoRA adapter as it is now, in PEFT's format, into ``folder`` (what a vLLM server loads
@@ -561,6 +611,7 @@ class LocalTorchTrainService(TrainService):
 
             logger.warning(f"{folder}: written by {saved.get('world_size', 1)} rank(s), resumed on {world}: the "
                            f"batch splits differently, so the run will not repeat the original bit for bit")
+        self._readers.wait()  # as optim_step: nobody still reads the exported weights
         if self.ranks is not None and self.ranks.parallel == "fsdp":
             sharded.load_model(self, folder)
         else:
