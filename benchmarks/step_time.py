@@ -12,7 +12,10 @@ Written to run against an older checkout too, for A/B runs of two commits on one
 
     python benchmarks/step_time.py --steps 6 --json /tmp/new.json
     git worktree add /tmp/old <commit>
-    PYTHONPATH=/tmp/old:/tmp/old/plugins/nexrl_grpo python benchmarks/step_time.py --tree /tmp/old --json /tmp/old.json
+    PYTHONPATH=/tmp/old$(printf ':/tmp/old/plugins/%s' nexrl_grpo nexrl_torch nexrl_torch_kernels nexrl_rewards) \
+        python benchmarks/step_time.py --tree /tmp/old --json /tmp/old.json
+
+(every plugin folder the quickstart imports, so that none of this checkout's editable installs is picked up.)
 
 Overrides after the options go to the recipe (``+service.train_service.keep_freed_memory=false``).
 """
