@@ -200,7 +200,9 @@ def test_an_async_run_pushes_off_the_trainer_thread_and_ends_serving_its_last_we
                                                                                        partial):
     from tests.support.weights import same_weights
 
-    cfg = _async_recipe(tmp_path, tiny_model_dir, "run", partial_rollout=partial, background_push=True)
+    # the async default (partial); asked for by name (whole batches)
+    cfg = _async_recipe(tmp_path, tiny_model_dir, "run", partial_rollout=partial,
+                        **({} if partial else {"background_push": True}))
     controller, steps, pushed = _run(tmp_path, cfg)
     assert [r["step"] for r in steps] == [1, 2, 3, 4] and all(r["train/grad_norm"] > 0 for r in steps)
     assert pushed == [True] * 4  # every step's push went to the engine's thread
@@ -245,8 +247,8 @@ def test_an_async_run_whose_background_pushes_never_arrive_trains_nothing_sample
     assert all(r["train/token_staleness_mean"] == r["step"] - 1 for r in steps)
 
 
-def test_pushes_stay_on_the_trainer_thread_unless_asked(tmp_path, tiny_model_dir):
-    cfg = _async_recipe(tmp_path, tiny_model_dir, "default", partial_rollout=True)
+def test_pushes_stay_on_the_trainer_thread_when_asked(tmp_path, tiny_model_dir):
+    cfg = _async_recipe(tmp_path, tiny_model_dir, "foreground", partial_rollout=True, background_push=False)
     controller, steps, pushed = _run(tmp_path, cfg)
     assert [r["step"] for r in steps] == [1, 2, 3, 4] and pushed == []  # never handed to the engine's thread
     assert all("weight/apply_s" not in r for r in steps) and controller.inference_client.model_version() == 4

@@ -230,13 +230,12 @@ class InProcessSyncSettings(Settings):
     """The ``weight`` keys of the in-process sync."""
 
     background_push: bool = setting(
-        False, "async modes: a push hands the trainer's tensors to the engine and returns; the engine copies them "
-               "on its own thread (at its next decode step with weight.partial_rollout, else before its next batch, "
-               "at once when idle) and scores the served-version probe there before sampling under them; the "
-               "trainer's next optimizer step waits until they are copied, so no copy of the weights is made (no "
-               "memory beyond the engine's own). Off by default: on 2 CPU cores the work it moves to the engine's "
-               "thread competes with the trainer's step (1.00-1.09x measured there); false: the trainer waits for "
-               "the copy, the repacking and the probe",
+        True, "async modes: a push hands the trainer's tensors to the engine and returns; the engine copies them "
+              "on its own thread (at its next decode step with weight.partial_rollout, else before its next batch, "
+              "at once when idle) and scores the served-version probe there before sampling under them; the "
+              "trainer's next optimizer step waits until they are copied, so no copy of the weights is made (no "
+              "memory beyond the engine's own); false: the trainer waits for the copy, the repacking and the probe "
+              "(sync mode always does)",
         needs="weight.sync_mode != sync")
     partial_rollout_prefix: Literal["keep", "recompute"] = setting(
         "keep", "after an in-flight update (weight.partial_rollout), the tokens already generated: keep their KV "
