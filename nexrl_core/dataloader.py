@@ -84,11 +84,11 @@ class BaseDataLoader(NexRLModule, ABC):
 
     @classmethod
     def own_section(cls, config: Mapping[str, Any] | None, is_validate: bool = False) -> Section:
-        """``data`` (or ``validate.data``) as this loader reads it (``self._config``): read-only, the
+        """``data`` (or ``validate.data``) as this loader reads it (``self._config``): a copy, the
         core's keys, this loader's own and those the launcher sets
         (:func:`nexrl_core.launch.preflight.dataloader_config`), defaults filled."""
         from .config.options import Option, component_options
-        from .config.schema import DATA, VALIDATE_DATA
+        from .config.schema import DataSettings, ValidateDataSettings
 
         set_by_nexrl = {
             "shuffle": Option(not is_validate, bool, "shuffle each epoch (never for validation)"),
@@ -97,7 +97,7 @@ class BaseDataLoader(NexRLModule, ABC):
         }
         if is_validate:  # not shuffled: a loader that draws its rows declares its own seed (data.seed trains)
             set_by_nexrl["seed"] = Option(0, int, "seed of the rows a validation loader draws")
-        core = VALIDATE_DATA if is_validate else DATA
+        core = (ValidateDataSettings if is_validate else DataSettings).options()
         return read_section(config, {**(component_options(cls) or {}), **core, **set_by_nexrl},
                             "validate.data" if is_validate else "data")
 

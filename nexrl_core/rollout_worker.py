@@ -60,7 +60,7 @@ class BaseRolloutWorker(ThreadedModule):
         from .config.schema import RolloutWorkerSettings
         from .config.settings import read_section
 
-        # The section, read-only (a subclass reads its own keys with its Settings' own(self._config)).
+        # The section, a copy (a subclass reads its own keys with its Settings' own(self._config)).
         self._config = read_section(config, {**(component_options(type(self)) or {}),
                                              **RolloutWorkerSettings.options()}, "rollout_worker")
         #: the core's keys of the section, typed

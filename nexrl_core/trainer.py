@@ -95,7 +95,7 @@ class BaseTrainer(ThreadedModule):
         from .config.schema import CORE_OPTIONS, LoggerSettings, TrainerSettings, TrajectoryPoolSettings
         from .config.settings import read_section
 
-        # Read-only, every core default filled: the recipe (the algorithm, a service's own keys) and the
+        # Copies, every core default filled: the recipe (the algorithm, a service's own keys) and the
         # trainer section with this trainer's own keys too (a subclass reads them with its Settings'
         # own(self._config)). Sections are read alone: a recipe built by hand may lack what a run's
         # prologue sets (run_dir), so the whole is not RecipeSettings.

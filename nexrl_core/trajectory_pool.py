@@ -382,7 +382,7 @@ class TrajectoryPool(NexRLModule):
     def __init__(self, settings: TrajectoryPoolSettings | Mapping[str, Any]):
         """``settings``: the run's (a mapping, as a test writes one, is read as the recipe's section)."""
         super().__init__()
-        self._settings = settings = TrajectoryPoolSettings.read(settings, "trajectory_pool")
+        self._settings = settings = TrajectoryPoolSettings.of(settings, "trajectory_pool")
         batch_size, group_size = settings.batch_size, settings.group_size
         if batch_size % group_size:
             raise ConfigError(f"trajectory_pool.batch_size ({batch_size}) must be a multiple of "

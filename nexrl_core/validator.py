@@ -21,7 +21,7 @@ class Validator(NexRLModule):
     def __init__(self, settings: ValidateSettings | Mapping[str, Any] | None = None):
         """``settings``: the run's (a mapping, as a test writes one, is read as the recipe's section)."""
         super().__init__()
-        settings = ValidateSettings.read(settings, "validate")
+        settings = ValidateSettings.of(settings, "validate")
         self._n_samples = settings.n_samples
         self._success_threshold = settings.success_threshold
         self._state = EvalState()

@@ -34,7 +34,7 @@ from typing import Any, Literal
 from loguru import logger
 
 from .config.options import component_options
-from .config.schema import WEIGHT, WeightSettings
+from .config.schema import WeightSettings
 from .config.settings import Section, read_section
 from .errors import NexRLError
 from .protocols import TaskSource, TrajectoryPoolHandle
@@ -45,13 +45,13 @@ from .types import DEFAULT_MODEL_TAG, ModelTag
 
 class WeightSyncBackend(ABC):
     """How trained weights reach the inference service. Built with the recipe's ``weight`` section:
-    ``self.config`` is that section (read-only, every key the core and this backend declare
+    ``self.config`` is that section (a copy, every key the core and this backend declare
     filled), ``self.core_settings`` the core's keys of it, typed."""
 
     @classmethod
     def own_section(cls, config: Mapping[str, Any] | None, path: str = "weight") -> Section:
         """``config`` as this backend reads it: the core's ``weight`` keys and its own, defaults filled."""
-        return read_section(config, {**(component_options(cls) or {}), **WEIGHT}, path)
+        return read_section(config, {**(component_options(cls) or {}), **WeightSettings.options()}, path)
 
     def __init__(self, config: Mapping[str, Any] | None):
         self.config = type(self).own_section(config)

@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any, TextIO
 
-from ..config.schema import rich_installed
+from ..config.schema import installed
 from ..redaction import scrub
 
 MODES = ("rich", "plain", "off")
@@ -35,7 +35,7 @@ def choose_mode(setting: str, stream: TextIO) -> str:
         tty = stream.isatty()
     except (AttributeError, ValueError):
         tty = False
-    return "rich" if tty and os.environ.get("TERM") != "dumb" and rich_installed() else "plain"
+    return "rich" if tty and os.environ.get("TERM") != "dumb" and installed("rich") else "plain"
 
 
 def format_duration(seconds: float | None) -> str:

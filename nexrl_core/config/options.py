@@ -210,11 +210,8 @@ def param_docs(doc: str) -> dict[str, str]:
         if match:
             name = match.group(1)
             out[name] = match.group(2).strip()
-        elif name is not None and line.strip() and not line.strip().startswith(":"):
-            if line.startswith((" ", "\t")):
-                out[name] += " " + line.strip()
-            else:
-                name = None
+        elif name is not None and line.startswith((" ", "\t")) and line.strip() and not line.strip().startswith(":"):
+            out[name] += " " + line.strip()
         else:
             name = None
     return out
@@ -246,18 +243,18 @@ class Check:
     def mapping(self, values: Any, options: Mapping[str, Option] | None, path: str, owner: str = "",
                 listed: list[str] | None = None) -> list[str]:
         """Every problem of the mapping ``values`` against ``options`` (None: any key). ``owner``
-        is named in an unknown-key message (with the keys it accepts, ``listed``)."""
+        is named in an unknown-key message, with the keys it accepts (``listed``; None: all)."""
         if not isinstance(values, Mapping):
             return [f"{path or 'the recipe'}: expected a mapping, got {type_name(values)}{self.hint(path, values)}"]
         if options is None:
             return []
         problems: list[str] = []
+        known = [k for k, o in options.items() if o.removed is None]
         for key, value in values.items():
             key = str(key)
             full, opt = f"{path}.{key}" if path else key, options.get(key)
             if opt is None:
-                problems.append(unknown_key(key, path, [k for k, o in options.items() if o.removed is None],
-                                            owner, listed))
+                problems.append(unknown_key(key, path, known, owner, known if listed is None else listed))
             elif opt.removed is not None:
                 problems.append(removed_key(full, opt))
             else:
@@ -320,27 +317,18 @@ def check_options(values: Any, options: Mapping[str, Option] | None, path: str, 
     """Every problem of the mapping ``values`` (plain data) against ``options`` (None: any key),
     one line each, prefixed by its dotted ``path``: :meth:`Check.mapping`, which lists the keys
     an ``owner`` (``"evaluator 'exact_match'"``) accepts."""
-    return Check().mapping(values, options, path, owner,
-                           [k for k, o in (options or {}).items() if o.removed is None] if owner else None)
-
-
-def check_value(value: Any, opt: Option, path: str) -> list[str]:
-    """Problems of one value against its option: :meth:`Check.value`."""
-    return Check().value(value, opt, path)
+    return Check().mapping(values, options, path, owner)
 
 
 # -- keys that act only together with another ------------------------------------------------------
-
-_MISSING: Any = _Marker("MISSING")
-
 
 def _condition(text: str, section: Mapping[str, Any], options: Mapping[str, Option], path: str,
                root: Any) -> tuple[bool, str]:
     """Whether one ``or``-alternative holds, and its words (``algorithm.use_kl_loss: true``)."""
     key, op, operand = (text.split(" ", 2) + ["", ""])[:3]
     if key.startswith("."):  # a key of the same mapping: its declared default when the recipe omits it
-        value = section.get(key[1:], _MISSING)
-        if value is _MISSING and key[1:] in options:
+        value = section.get(key[1:])
+        if key[1:] not in section and key[1:] in options:
             value = options[key[1:]].default_value()
         key = f"{path}{key}" if path else key[1:]
     else:
@@ -372,7 +360,7 @@ def unmet_needs(values: Any, options: Mapping[str, Option] | None, path: str, ro
         if opt is None or opt.removed is not None:
             continue
         full = f"{path}.{key}" if path else str(key)
-        if opt.needs is not None and value != opt.default_value() and value is not _MISSING:
+        if opt.needs is not None and value != opt.default_value():
             for need in (opt.needs,) if isinstance(opt.needs, str) else opt.needs:
                 held = [_condition(alt.strip(), values, options, path, root) for alt in need.split(" or ")]
                 if not any(ok for ok, _ in held):

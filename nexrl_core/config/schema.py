@@ -1,13 +1,9 @@
 """Every key the core reads, with its default, type, range and help, declared once as typed
 settings classes: one per section, and :class:`RecipeSettings` for the whole recipe, which the run's
 prologue reads a composed recipe into once (``RecipeSettings.of(cfg)``). The one home of the
-recipe's core defaults (``core_defaults()`` is what a recipe is merged onto); ``CORE_OPTIONS`` and
-the section tables are those classes' Option tables (what ``nexrl validate``, ``nexrl config`` and
-the docs walk).
-
-A section marked ``component=`` selects a registered component with its ``selector`` key;
-the component's own declared options (:mod:`nexrl_core.config.options`) are allowed next to the
-core keys listed here, and the component reads them itself.
+recipe's core defaults (``core_defaults()`` is what a recipe is merged onto); ``CORE_OPTIONS`` is
+its Option table (what ``nexrl validate``, ``nexrl config`` and the docs walk). A section marked
+``component=`` also holds the selected component's own keys, which the component reads itself.
 """
 
 from __future__ import annotations
@@ -52,10 +48,6 @@ def ray_installed() -> bool:
     return installed("ray")
 
 
-def rich_installed() -> bool:
-    return installed("rich")
-
-
 def launch_mode_problem(mode: Any) -> str | None:
     """Why ``launch_mode: mode`` cannot run, or None when it can."""
     if mode == "ray" and not ray_installed():
@@ -69,7 +61,7 @@ def launch_mode_problem(mode: Any) -> str | None:
 
 def progress_problem(setting: Any) -> str | None:
     """``logger.progress``'s check (validate and run): 'rich' needs the rich package."""
-    return RICH_MISSING if setting == "rich" and not rich_installed() else None
+    return RICH_MISSING if setting == "rich" and not installed("rich") else None
 
 
 def _launch_mode(value: Any) -> str | None:
@@ -93,9 +85,8 @@ def _reward_range(value: Any) -> str | None:
 
 
 # -- sections -----------------------------------------------------------------------------------
-# Each section is a typed Settings class (the one declaration); the Option tables below the classes
-# (DATA, WEIGHT, ..., CORE_OPTIONS) are derived from them for what walks declarations.
-
+# Each section is a typed Settings class (the one declaration); its Option table (``.options()``,
+# CORE_OPTIONS for the whole) is derived from it for what walks declarations.
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -437,14 +428,7 @@ class RecipeSettings(Settings):
                                            "a file next to the recipe)")
 
 
-# -- the same declarations as Option tables (what walks declarations reads) ---------------------
-
 CORE_OPTIONS: dict[str, Option] = RecipeSettings.options()
-# the core's keys of the sections a component's own keys share (read_section fills them)
-DATA, VALIDATE_DATA = DataSettings.options(), ValidateDataSettings.options()
-ROLLOUT_WORKER, WEIGHT = RolloutWorkerSettings.options(), WeightSettings.options()
-INFERENCE_SERVICE = InferenceServiceSettings.options()
-TRAJECTORY_POOL, RAY = TrajectoryPoolSettings.options(), RaySectionSettings.options()
 ROOT_OPTIONS.update(CORE_OPTIONS)
 
 

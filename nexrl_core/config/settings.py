@@ -40,11 +40,11 @@ import copy
 import dataclasses
 import re
 import typing
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any, ClassVar, TypeVar, Union
 
 from ..errors import ConfigError
-from .options import _UNSET, REQUIRED, Option, check_options, option_defaults
+from .options import _UNSET, REQUIRED, Check, Option, option_defaults
 
 __all__ = ["PlainData", "Section", "Settings", "fill_defaults", "plain", "read_section", "setting"]
 
@@ -59,10 +59,8 @@ PlainData = Union[str, int, float, bool, None, list["PlainData"], dict[str, "Pla
 
 def setting(default: Any = REQUIRED, help: str = "", key: str | None = None, **option: Any) -> Any:
     """One field of a :class:`Settings` class: its default (none given: the recipe must set it), one
-    line of help, and any other :class:`Option` argument (the field's metadata is that Option; its
-    type, the annotation, is added when the class is read). ``key``: the recipe key, where it cannot
-    be the field's name (a Python keyword). A mapping with ``options=`` whose default is ``dict``
-    defaults to its options' defaults."""
+    line of help, ``key=`` and any other :class:`Option` argument (the field's metadata is that
+    Option; its type, the annotation, is added when the class is read)."""
     meta: dict[str, Any] = {_OPTION: Option(_UNSET if default is dict else default, help=help, **option)}
     if key is not None:
         meta[_KEY] = key
@@ -80,7 +78,7 @@ def setting(default: Any = REQUIRED, help: str = "", key: str | None = None, **o
 class Settings:
     """Base of the typed settings classes: subclass it as ``@dataclass(frozen=True, kw_only=True)``."""
 
-    _options: ClassVar[dict[type, dict[str, Option]]] = {}
+    _options: ClassVar[dict[type[Settings], dict[str, Option]]] = {}
     #: recipe keys no longer read: key -> what to do instead (``nexrl validate`` names it)
     REMOVED: ClassVar[dict[str, str]] = {}
     #: the section also holds sections declared elsewhere (``logger.<sink>``): a parent leaves them out
@@ -95,17 +93,13 @@ class Settings:
         return Settings._options[cls]
 
     @classmethod
-    def read(cls: type[S], section: S | Mapping[str, Any] | None, path: str = "") -> S:
-        """``section`` as this class: as it is when it already is one, else :meth:`of` it."""
+    def of(cls: type[S], section: S | Mapping[str, Any] | None, path: str = "") -> S:
+        """The settings of a recipe section (a mapping; keys it leaves out get their defaults), or
+        ``section`` itself when it already is this class. ConfigError naming every bad key, as
+        ``nexrl validate`` words them."""
         if isinstance(section, cls):
             return section
-        return cls.of(typing.cast("Mapping[str, Any] | None", section), path)
-
-    @classmethod
-    def of(cls: type[S], section: Mapping[str, Any] | None, path: str = "") -> S:
-        """The settings of a recipe section (a mapping; keys it leaves out get their defaults).
-        ConfigError naming every bad key, as ``nexrl validate`` words them."""
-        settings, problems = cls.parse(section, path)
+        settings, problems = cls.parse(typing.cast("Mapping[str, Any] | None", section), path)
         if settings is None:
             raise ConfigError("; ".join(problems))
         return settings
@@ -125,8 +119,8 @@ class Settings:
         if not isinstance(values, dict):
             return None, [f"{path or 'the recipe'}: expected a mapping, got {type(values).__name__}"]
         # filled first: a section the mapping leaves out is its defaults, and any key it requires is named
-        values = fill_defaults(_declared_only(cls, values), cls.options(), resolved=True)
-        problems = check_options(values, _parts_open(cls.options()), path)
+        values = fill_defaults(values, cls.options(), resolved=True)
+        problems = _DeclaredKeys().mapping(values, cls.options(), path)
         return (None, problems) if problems else (cls._build(values), [])
 
     @classmethod
@@ -135,6 +129,7 @@ class Settings:
 
     @classmethod
     def _build(cls: type[S], values: Mapping[str, Any]) -> S:
+        # ``values`` is parse's own copy, every nested default filled
         hints = _hints(cls)
         kwargs: dict[str, Any] = {}
         for field in _fields(cls):
@@ -142,12 +137,7 @@ class Settings:
                 continue  # the dataclass default
             value = values[_key(field)]
             nested = _settings_class(hints[field.name])
-            declared = cls.options()[_key(field)].options
-            if nested is not None and isinstance(value, Mapping):
-                value = nested._build(value)
-            elif declared is not None and isinstance(value, Mapping):  # a mapping of declared keys: their defaults
-                value = fill_defaults(copy.deepcopy(dict(value)), declared, resolved=True)
-            kwargs[field.name] = copy.deepcopy(value) if isinstance(value, (list, dict)) else value
+            kwargs[field.name] = nested._build(value) if nested is not None and isinstance(value, Mapping) else value
         return cls(**kwargs)
 
     def to_dict(self) -> dict[str, Any]:
@@ -169,34 +159,17 @@ def _hints(cls: type) -> dict[str, Any]:
     return _HINTS[cls]
 
 
-def _declared_only(cls: type[Settings], values: dict[str, Any]) -> dict[str, Any]:
-    """``values`` less the keys its nested sections hold for others: a selected component's own
-    (``component=``) or ``logger.<sink>`` (``HOLDS_OTHERS``). The recipe check held those against
-    their owner, which reads them itself."""
-    out = dict(values)
-    hints = _hints(cls)
-    for field in _fields(cls):
-        key, nested = _key(field), _settings_class(hints[field.name])
-        value = out.get(key)
-        if nested is None or not isinstance(value, Mapping):
-            continue
-        if cls.options()[key].component is not None or nested.HOLDS_OTHERS:
-            value = {k: v for k, v in value.items() if k in nested.options()}
-        out[key] = _declared_only(nested, dict(value))
-    return out
+class _DeclaredKeys(Check):
+    """The check of the keys a Settings class declares. A section that selects a component
+    (``component=``) or holds ``logger.<sink>`` (``HOLDS_OTHERS``) also holds keys the recipe check
+    held against their owner, which reads them itself: those are left out here."""
 
-
-def _parts_open(options: Mapping[str, Option]) -> dict[str, Option]:
-    """``options`` with the entries that select a component (``values=Option(component=...)``) open,
-    nested sections' too: the recipe check held each against the component it names, which reads its own keys."""
-    out: dict[str, Option] = {}
-    for key, opt in options.items():
-        if opt.values is not None and opt.values.component is not None:
-            opt = dataclasses.replace(opt, values=dataclasses.replace(opt.values, options=None, type=dict))
-        elif opt.options is not None:
-            opt = dataclasses.replace(opt, options=_parts_open(opt.options))
-        out[key] = opt
-    return out
+    def value(self, value: Any, opt: Option, path: str) -> list[str]:
+        holds_others = opt.component is not None or any(
+            table is opt.options for cls, table in Settings._options.items() if cls.HOLDS_OTHERS)
+        if holds_others and opt.options is not None and isinstance(value, Mapping):
+            value = {key: item for key, item in value.items() if key in opt.options}
+        return super().value(value, opt, path)
 
 
 def _fields(cls: type) -> tuple[dataclasses.Field, ...]:
@@ -235,55 +208,28 @@ def _field_option(cls: type, field: dataclasses.Field) -> Option:
 
 # -- a section as a component reads it ------------------------------------------------------------------
 
-class Section(Mapping[str, Any]):
-    """A recipe section, read-only: what a component that reads a key of its section by name gets
-    (``cfg["key"]``, or ``cfg.key``). A nested mapping reads as a Section too and a list as a copy,
-    so nothing read changes the recipe. Its typed reading is the component's :meth:`Settings.own`."""
+class Section(dict[str, Any]):
+    """A recipe section as a component reads it (``cfg["key"]``): its own copy, nested mappings
+    Sections too. A key it lacks is a KeyError naming where that key would live. Its typed reading
+    is the component's :meth:`Settings.own`."""
 
     def __init__(self, values: Mapping[str, Any], path: str = "") -> None:
-        object.__setattr__(self, "_values", dict(values))
-        object.__setattr__(self, "_path", path)
+        sections = {key: Section(value, f"{path}.{key}" if path else key)
+                    for key, value in values.items() if isinstance(value, Mapping)}
+        super().__init__({**values, **sections})
+        self.path = path
 
-    def __getitem__(self, key: str) -> Any:
-        full = f"{self._path}.{key}" if self._path else key
-        try:
-            value = self._values[key]
-        except KeyError:  # the message names the key where it lives
-            raise KeyError(f"{full}: not in the section (a declared key always is)") from None
-        if isinstance(value, Mapping):
-            return Section(value, full)
-        return copy.deepcopy(value) if isinstance(value, list) else value
-
-    def __getattr__(self, key: str) -> Any:
-        if key.startswith("_"):
-            raise AttributeError(key)
-        try:
-            return self[key]
-        except KeyError as exc:
-            raise AttributeError(str(exc.args[0])) from None
-
-    def __setattr__(self, key: str, value: Any) -> None:
-        raise TypeError(f"{self._path or 'the recipe'}: a recipe section is read-only (set '{key}' in the recipe)")
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._values
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._values)
-
-    def __len__(self) -> int:
-        return len(self._values)
-
-    def __repr__(self) -> str:
-        return f"Section({self._path or '<recipe>'}: {self._values!r})"
+    def __missing__(self, key: str) -> Any:
+        full = f"{self.path}.{key}" if self.path else key
+        raise KeyError(f"{full}: not in the section (a declared key always is)")
 
     def to_dict(self) -> dict[str, Any]:
         """A plain deep copy (what a library that wants a dict gets)."""
-        return copy.deepcopy(self._values)
+        return _plain_copy(self)
 
 
 def read_section(config: Mapping[str, Any] | None, options: Mapping[str, Option], path: str) -> Section:
-    """``config`` (a mapping, a DictConfig, a Section) as a component reads it: read-only, with the
+    """``config`` (a mapping, a DictConfig, a Section) as a component reads it: a copy, with the
     declared default of every key of ``options`` it leaves out."""
     values = plain(config)
     if not isinstance(values, dict):
@@ -295,7 +241,7 @@ def read_section(config: Mapping[str, Any] | None, options: Mapping[str, Option]
 
 def plain(config: object) -> Any:
     """``config`` as plain dicts and lists ({} for None): a DictConfig resolved (ConfigError naming
-    the key that cannot be), a Section or another mapping copied."""
+    the key that cannot be), another mapping copied."""
     from omegaconf import DictConfig, OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
@@ -360,8 +306,6 @@ def _is_plain(value: Any) -> bool:
 
 
 def _plain_copy(value: Any) -> Any:
-    if isinstance(value, Section):
-        return value.to_dict()
     if isinstance(value, Mapping):
         return {k: _plain_copy(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):

@@ -49,7 +49,7 @@ def create_resource_manager(config: Mapping[str, Any], plugin_manager: Any = Non
                             settings: RecipeSettings | None = None) -> ResourceManager:
     """The resource manager of the recipe's ``launch_mode`` (``settings``: ``config`` as the run's
     prologue read it; None: read here)."""
-    settings = RecipeSettings.read(config) if settings is None else settings
+    settings = RecipeSettings.of(config) if settings is None else settings
     problem = launch_mode_problem(settings.launch_mode)
     if problem is not None:
         raise ConfigError(problem)

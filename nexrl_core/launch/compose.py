@@ -22,6 +22,7 @@ core's defaults (:func:`nexrl_core.config.schema.core_defaults`); later layers w
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -190,13 +191,8 @@ class Composer:
             content = {}
         if not isinstance(content, dict):
             raise ConfigError(f"{path}: a config must be a mapping of keys, got {type(content).__name__}")
-        package = entry.package or header
-        if package is None:
-            package = entry.group.replace("/", ".") if entry.group else ""
-        if package == "_global_":
-            package = ""
-        elif package == "_group_":
-            package = (entry.group or "").replace("/", ".")
+        package = entry.package or header or "_group_"  # '_global_': the root; '_group_': the group's path
+        package = {"_global_": "", "_group_": (entry.group or "").replace("/", ".")}.get(package, package)
         self._stack.append(path)
         try:
             group_dir = entry.group or ""
@@ -299,14 +295,10 @@ def yaml_error_message(path: str, exc: yaml.YAMLError) -> str:
     return f"{where}: not valid YAML ({problem})"
 
 
+# '# @package x' among the comment and blank lines a config file opens with
+_PACKAGE_HEADER = re.compile(r"(?:[ \t\r]*(?:#.*)?\n)*?[ \t]*#+[ \t]*@package(.*)")
+
+
 def _package_header(text: str) -> str | None:
-    for line in text.splitlines():
-        stripped = line.strip()
-        if not stripped:
-            continue
-        if not stripped.startswith("#"):
-            return None
-        body = stripped.lstrip("#").strip()
-        if body.startswith("@package"):
-            return body[len("@package"):].strip() or None
-    return None
+    match = _PACKAGE_HEADER.match(text)
+    return (match.group(1).strip() or None) if match else None

@@ -98,15 +98,11 @@ def train_on_override(cfg: DictConfig) -> str:
 def component_notes(cfg: DictConfig, pm: Any) -> list[str]:
     """What the inference backend says about the recipe before it is built (its
     ``recipe_notes(section)``, optional): ``nexrl validate`` and ``nexrl run`` print each as a note."""
+    from .recipe import hook_lines
+
     section = cfg.service.inference_service
     cls = pm.resolve("inference_backend", section.backend, "service.inference_service.backend")
-    notes = getattr(cls, "recipe_notes", None)
-    if not callable(notes):
-        return []
-    try:
-        return [str(n) for n in notes(section) or []]
-    except Exception as exc:  # a plugin bug must not stop a recipe that is sound
-        return [f"service.inference_service: {cls.__name__}.recipe_notes raised {type(exc).__name__}: {exc}"]
+    return hook_lines(cls, "recipe_notes", "service.inference_service", section)  # a raise: a note too
 
 
 def apply_num_train_epochs(cfg: DictConfig, pm: Any, loader: Any = None) -> str | None:

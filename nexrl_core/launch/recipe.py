@@ -9,6 +9,7 @@ resume state).
 
 from __future__ import annotations
 
+import copy
 import inspect
 import os
 from collections.abc import Mapping
@@ -68,6 +69,7 @@ def load_recipe(path: str, overrides: list[str] | None = None, raw: Any = None,
     takes the source of its nearest listed parent)."""
     from ..plugins import peek_plugin_manager
 
+    pm = peek_plugin_manager()
     for text in overrides or []:
         key, sep, value = text.partition("=")
         if sep and is_secret_key(key.rsplit(".", 1)[-1]):
@@ -88,19 +90,20 @@ def load_recipe(path: str, overrides: list[str] | None = None, raw: Any = None,
     for layer in layers:
         recipe = deep_merge(recipe, layer)
     for _, ov in value_overrides:  # `section={}`: the section as its defaults (merging {} would keep the recipe's)
-        if not ov.is_delete() and ov.value() == {}:
-            _pop_key(recipe, ov.key_or_group)
+        parent_key, _, leaf = ov.key_or_group.rpartition(".")
+        parent = lookup(recipe, parent_key) if parent_key else recipe
+        if not ov.is_delete() and ov.value() == {} and isinstance(parent, dict):
+            parent.pop(leaf, None)
     recipe_dir = os.path.dirname(os.path.abspath(path))
-    resolve_recipe_paths(recipe, recipe_dir)
-    merged = deep_merge(core_defaults(), recipe)
+    resolve_recipe_paths(recipe, recipe_dir, pm)
+    values = deep_merge(core_defaults(), recipe)
     # The selected components' defaults go in too, so each of their keys overrides plainly; an
     # override may change the selection (trainer.type=...), so it is applied once, leniently, to learn it.
-    probe = _create(merged, path)
+    probe = copy.deepcopy(values)
     _apply_overrides(probe, value_overrides, strict=False)
-    declared = effective_options(OmegaConf.to_container(probe, resolve=False), peek_plugin_manager())
-    fill_defaults(merged, declared)
-    cfg = _create(merged, path)
-    _apply_overrides(cfg, value_overrides, declared=declared)
+    declared = effective_options(probe, pm)
+    fill_defaults(values, declared)
+    _apply_overrides(values, value_overrides, declared=declared)
     if sources is not None:
         sources.clear()
         sources[""] = "default"
@@ -109,16 +112,16 @@ def load_recipe(path: str, overrides: list[str] | None = None, raw: Any = None,
         for text, ov in value_overrides:  # a mapping set on the command line replaces what was below it
             _mark(sources, None, ov.key_or_group, f"override '{text}'")
     # a section an override brought whose default is null (validate.data) gets its defaults too
-    plain = fill_defaults(cast(dict, OmegaConf.to_container(cfg, resolve=False)), declared)
+    fill_defaults(values, declared)
     # Set before resolving, so a recipe can name files next to it: ${recipe_dir}/data/train.jsonl
-    plain["recipe_dir"] = recipe_dir
+    values["recipe_dir"] = recipe_dir
     try:
-        resolved = OmegaConf.create(OmegaConf.to_container(OmegaConf.create(plain), resolve=True))
+        resolved = OmegaConf.to_container(_create(values, path), resolve=True)
     except OmegaConfBaseException as exc:
         raise ConfigError(f"{getattr(exc, 'full_key', '') or path}: cannot resolve interpolation "
                           f"({str(exc.msg).splitlines()[0]})") from None
-    add_config_secrets(OmegaConf.to_container(resolved))
-    return cast(DictConfig, resolved)
+    add_config_secrets(resolved)
+    return _create(resolved, path)
 
 
 def resolve_recipe_paths(values: Any, recipe_dir: str, pm: Any = None, options: Mapping[str, Option] | None = None) -> None:
@@ -279,50 +282,59 @@ def _parse_overrides(overrides: list[str], composer: Composer) -> tuple[list[Gro
             ov = parser.parse_override(text)
         except HydraException as exc:
             raise ConfigError(f"override '{text}': {str(exc).splitlines()[0]}") from None
+        if ov.is_sweep_override():
+            raise ConfigError(f"override '{text}': one value is needed (a sweep, 'a,b' or a range, runs several "
+                              f"recipes: run each)")
         key = ov.key_or_group
         if "/" in key or ("." not in key and composer.is_group(key)):
-            if ov.is_delete():
-                groups.append(GroupOverride(text, key, None, "delete"))
-                continue
-            value = ov.value()
+            value = None if ov.is_delete() else ov.value()
             if value is not None and not isinstance(value, str):
                 raise ConfigError(f"override '{text}': '{key}' is a config group: give one option name "
                                   f"(available: {', '.join(composer.options(key)) or 'none'})")
-            kind = "add" if ov.is_add() else "set"
-            groups.append(GroupOverride(text, key, value, "delete" if value is None else kind))
+            kind = "delete" if value is None else "add" if ov.is_add() else "set"
+            groups.append(GroupOverride(text, key, value, kind))
         else:
             values.append((text, ov))
     return groups, values
 
 
-def _apply_overrides(cfg: DictConfig, overrides: list[Any], strict: bool = True, declared: Any = None) -> None:
-    """``strict=False``: a key that does not exist is added (to learn what the overrides select);
-    ``declared``: keys that may be set plainly though absent (under a section null by default)."""
+_ABSENT: Any = object()
+
+
+def _apply_overrides(values: dict[str, Any], overrides: list[Any], strict: bool = True,
+                     declared: Any = None) -> None:
+    """In place, on the plain recipe, as OmegaConf.update(merge=True, force_add=True) sets a key: a
+    parent that is missing or not a mapping becomes one ('rows.0': an item of a list), a mapping
+    merges into a mapping. ``strict=False``: a key that does not exist is added (to learn what the
+    overrides select); ``declared``: keys that may be set plainly though absent (under a section
+    null by default)."""
     for text, ov in overrides:
         key = ov.key_or_group
         if ov.is_delete():
-            _delete(cfg, key, text)
+            _delete(values, key, text)
             continue
         value = ov.value()
-        exists = _has_key(cfg, key)
-        if strict and not ov.is_add() and not ov.is_force_add() and not exists and \
+        current = lookup(values, key, _ABSENT)
+        if strict and not ov.is_add() and not ov.is_force_add() and current is _ABSENT and \
                 not (declared and _option_at(key, declared, named=True)):
             parent = key.rsplit(".", 1)[0] if "." in key else ""
-            raise ConfigError(f"override '{text}': key '{key}' does not exist{_suggest(cfg, key)}; "
+            raise ConfigError(f"override '{text}': key '{key}' does not exist{_suggest(values, key)}; "
                               f"use '+{text}' to add a new key{' under ' + parent if parent else ''}")
-        current = OmegaConf.select(cfg, key, throw_on_missing=False) if exists else None
-        if isinstance(current, DictConfig) and not isinstance(value, dict):
+        if isinstance(current, dict) and not isinstance(value, dict):
             raise ConfigError(_section_override_message(text, key, value))
-        OmegaConf.update(cfg, key, value, merge=True, force_add=True)
-
-
-def _pop_key(values: Any, key: str) -> None:
-    """Remove dotted ``key`` from plain nested mappings, if there."""
-    *parents, leaf = key.split(".")
-    for part in parents:
-        values = values.get(part) if isinstance(values, dict) else None
-    if isinstance(values, dict):
-        values.pop(leaf, None)
+        node: Any = values
+        parts = key.split(".")
+        try:
+            for i, part in enumerate(parts):
+                slot: Any = int(part) if isinstance(node, list) else part  # 'rows.0': an item of a list
+                below = node[slot] if isinstance(node, list) else node.get(slot)
+                if i == len(parts) - 1:
+                    node[slot] = deep_merge(below, value)
+                elif not isinstance(below, (dict, list)):
+                    node[slot] = below = {}
+                node = below
+        except (ValueError, IndexError):  # a list index that is not there
+            raise ConfigError(f"override '{text}': key '{key}' does not exist") from None
 
 
 def _section_override_message(text: str, key: str, value: Any) -> str:
@@ -344,31 +356,20 @@ def _option_at(dotted: str, options: Mapping[str, Option] = CORE_OPTIONS, named:
     return opt
 
 
-def _has_key(cfg: DictConfig, dotted: str) -> bool:
-    node: Any = cfg
-    for part in dotted.split("."):
-        # keys(), not `in`: a key whose value is '???' (to be set on the command line) is not "in" a DictConfig
-        if not isinstance(node, DictConfig) or part not in node.keys():
-            return False
-        node = node._get_node(part)
-    return True
-
-
-def _delete(cfg: DictConfig, key: str, text: str) -> None:
+def _delete(values: dict[str, Any], key: str, text: str) -> None:
     """``~key``, as Hydra deletes a key: the value the recipe (or an earlier override) gave a key
     nexrl declares is gone, so its declared default applies. A key every run reads that holds its
     default already is switched off: null where it may be null (``~trainer.checkpoint_path``: no
     checkpoints; a section: none), an error naming what to set where it may not."""
     parent_key, _, leaf = key.rpartition(".")
-    parent = OmegaConf.select(cfg, parent_key) if parent_key else cfg
-    if not isinstance(parent, DictConfig) or leaf not in parent:
+    parent = lookup(values, parent_key) if parent_key else values
+    if not isinstance(parent, dict) or leaf not in parent:
         raise ConfigError(f"override '{text}': key '{key}' does not exist")
     opt = _option_at(key)
     if opt is None or opt.removed is not None:
         del parent[leaf]
     # the value as written (an interpolation as its text, as the declared default holds it)
-    elif opt.options is None and not opt.required and \
-            cast(dict, OmegaConf.to_container(parent, resolve=False))[leaf] != opt.default_value():
+    elif opt.options is None and not opt.required and parent[leaf] != opt.default_value():
         parent[leaf] = opt.default_value()
     elif opt.spec().accepts(None):
         parent[leaf] = None
@@ -387,10 +388,10 @@ def _delete(cfg: DictConfig, key: str, text: str) -> None:
                           f"cannot be deleted; set it instead, e.g. {example}")
 
 
-def _suggest(cfg: DictConfig, key: str) -> str:
+def _suggest(values: dict[str, Any], key: str) -> str:
     parent_key, _, leaf = key.rpartition(".")
-    parent = OmegaConf.select(cfg, parent_key) if parent_key else cfg
-    if isinstance(parent, DictConfig):
+    parent = lookup(values, parent_key) if parent_key else values
+    if isinstance(parent, dict):
         hit = get_close_matches(leaf, [str(k) for k in parent.keys()], n=1)
         if hit:
             return f" (did you mean '{(parent_key + '.') if parent_key else ''}{hit[0]}'?)"
@@ -406,54 +407,48 @@ def check_config(cfg: Mapping[str, Any], plugin_manager: Any, eval_only: bool = 
     whether the trainer, inference backend and weight-sync backend fit together. Files (data,
     run directory, resume state) are checked by :func:`nexrl_core.launch.preflight.check_files`.
     """
+    from .ray.network import plan
+
     values = plain(cfg)
-    checker = _Checker(plugin_manager, values, eval_only)
-    options, problems = _core_options(values, plugin_manager)
-    problems += checker.mapping(values, options, "")
+    found, sinks, problems = _check_keys(values, plugin_manager, eval_only)
     if not isinstance(values, Mapping):
         return problems
     problems += _cross_checks(values)
-    problems += _domain_checks(values, checker.found)
-    trainer_cls = checker.found.get("trainer")
+    problems += _domain_checks(values, found)
+    trainer_cls = found.get("trainer")
     if trainer_cls is not None:
         trainer_type = lookup(values, "trainer.type")
         problems += check_algorithm(values.get("algorithm"), trainer_cls, plugin_manager,
                                     str(trainer_type) if trainer_type else None, root=values)
         problems += _check_train_service(values, trainer_cls, plugin_manager)
-        problems += _check_reference_service(values, checker.found, plugin_manager)
-    for path, cls in checker.found.items():  # each component's rules across sections, the trainer's included
-        problems += _recipe_check(path, cls, values)
+        problems += _check_reference_service(values, found, plugin_manager)
+    for path, cls in found.items():  # each component's rules across sections, the trainer's included
+        problems += hook_lines(cls, "check_recipe", path, values)
     if not eval_only:
-        problems += check_capabilities(checker.found, values, plugin_manager)
-        net = _network_plan(values, checker.found, plugin_manager)
+        problems += check_capabilities(found, values, plugin_manager)
+        net = plan(values, found, sinks)
         problems += [net.problem] if net.problem else []
     return problems
+
+
+def _check_keys(values: Any, pm: Any, eval_only: bool = False) -> tuple[dict[str, type], list[type], list[str]]:
+    """The component classes the recipe selects (dotted section -> class), its metrics sinks' classes,
+    and the problems of its keys."""
+    checker = _Checker(pm, values, eval_only)
+    options, sinks, problems = _core_options(values, pm)
+    problems += checker.mapping(values, options, "")
+    return checker.found, sinks, problems
 
 
 def network_plan(cfg: Mapping[str, Any], plugin_manager: Any) -> Any:
     """``ray.private_network`` decided for a recipe (:mod:`nexrl_core.launch.ray.network`), as
     :func:`check_config` decides it."""
-    from .ray.network import Plan, requested
+    from .ray.network import Plan, plan, requested
 
     values = plain(cfg)
     if not requested(values):
         return Plan()
-    checker = _Checker(plugin_manager, values)
-    options, _ = _core_options(values, plugin_manager)
-    checker.mapping(values, options, "")
-    return _network_plan(values, checker.found, plugin_manager)
-
-
-def _network_plan(values: Mapping[str, Any], found: Mapping[str, type], pm: Any) -> Any:
-    from .ray.network import plan
-
-    backend = lookup(values, "logger.backend")
-    sinks = []
-    for name in [backend] if isinstance(backend, str) else backend if isinstance(backend, list) else []:
-        try:
-            sinks.append(pm.resolve("metrics_sink", name, "logger.backend"))
-        except NexRLError:
-            pass  # reported by check_config
+    found, sinks, _ = _check_keys(values, plugin_manager)
     return plan(values, found, sinks)
 
 
@@ -483,53 +478,44 @@ class _Checker(Check):
 
     def component(self, values: Mapping[str, Any], opt: Option, path: str) -> list[str]:
         assert opt.options is not None and opt.component is not None
-        selector = opt.selector
-        name = values.get(selector, opt.options[selector].default_value())
-        core = dict(opt.options)
-        if name is None and opt.options[selector].required:  # mock components are asked for by name
-            if self.eval_only and path == "trainer":
-                return []
-            return self.mapping({k: v for k, v in values.items() if k in core}, core, path)
+        selector, core = opt.selector, dict(opt.options)
+        name = values.get(selector, core[selector].default_value())
+        if name is None and core[selector].required:  # mock components are asked for by name
+            return [] if self.eval_only and path == "trainer" else self._core_keys(values, core, path)
         cls = _select(opt, values, self.pm, path)
         if isinstance(cls, str):  # why none is selected
-            known = {k: v for k, v in values.items() if k in core and k != selector}
-            return [cls] + self.mapping(known, {k: o for k, o in core.items() if k != selector}, path)
+            return [cls] + self._core_keys(values, {k: o for k, o in core.items() if k != selector}, path)
         self.found[path] = cls
         own = _own_options(opt.component, cls, values)
-        words = KIND_WORDS.get(opt.component, opt.component)
         if own is None:  # takes any keys (**kwargs): only the core's are checked
-            known = {k: v for k, v in values.items() if k in core}
-            return self.mapping(known, core, path)
-        merged = {**own, **core}
-        problems = self.mapping(values, merged, path, owner=f"{words} '{name}'",
+            return self._core_keys(values, core, path)
+        problems = self.mapping(values, {**own, **core}, path,
+                                owner=f"{KIND_WORDS.get(opt.component, opt.component)} '{name}'",
                                 listed=[k for k, o in own.items() if o.removed is None and k not in core])
         return problems or component_check(cls, values, path)
+
+    def _core_keys(self, values: Mapping[str, Any], core: dict[str, Option], path: str) -> list[str]:
+        return self.mapping({k: v for k, v in values.items() if k in core}, core, path)
 
 
 def component_check(cls: type, values: Mapping[str, Any], path: str, hook: str = "check_config") -> list[str]:
     """A component's own rules, run once its declared options are sound:
     ``cls.check_config(section, key) -> ["<key>.<option>: why", ...]`` (the constructor should raise
     the same, so validate and run agree)."""
+    return hook_lines(cls, hook, path, dict(values), path)
+
+
+def hook_lines(cls: type, hook: str, path: str, *args: Any) -> list[str]:
+    """The lines ``cls.<hook>(*args)`` returns, optional: a component's own rules (``check_config``,
+    above; ``check_recipe(recipe)``, its rules across sections, which must cope with values of the
+    wrong type, as the key checks report them) or notes. A hook that raises is one line at ``path``."""
     check = getattr(cls, hook, None)
     if not callable(check):
         return []
     try:
-        return [str(p) for p in check(dict(values), path) or []]
+        return [str(p) for p in check(*args) or []]
     except Exception as exc:  # a plugin bug must not hide the recipe's problems behind a traceback
         return [f"{path}: {cls.__name__}.{hook} raised {type(exc).__name__}: {exc}"]
-
-
-def _recipe_check(path: str, cls: type, values: Mapping[str, Any]) -> list[str]:
-    """A component's rules across sections (a trainer is built with the whole recipe; an inference
-    backend may depend on the sampling it serves): ``cls.check_recipe(recipe) -> ["<key>: why", ...]``,
-    optional; it must cope with values of the wrong type, which the key checks report."""
-    check = getattr(cls, "check_recipe", None)
-    if not callable(check):
-        return []
-    try:
-        return [str(p) for p in check(values) or []]
-    except Exception as exc:  # a plugin bug must not hide the recipe's problems behind a traceback
-        return [f"{path}: {cls.__name__}.check_recipe raised {type(exc).__name__}: {exc}"]
 
 
 def declared_options(kind: str, cls: type) -> dict[str, Option] | None:
@@ -552,27 +538,29 @@ def _section_hint(path: str, value: Any) -> str:
     return ""
 
 
-def _core_options(values: Any, pm: Any) -> tuple[dict[str, Option], list[str]]:
+def _core_options(values: Any, pm: Any) -> tuple[dict[str, Option], list[type], list[str]]:
     """The core options, plus a ``logger.<sink>`` section for each chosen sink that declares options;
-    and the problems of ``logger.backend`` (sinks that are not registered)."""
+    the chosen sinks' classes; and the problems of ``logger.backend`` (sinks that are not registered)."""
     options = dict(CORE_OPTIONS)
     logger_section = _mapping(_mapping(values).get("logger"))
     backend = logger_section.get("backend")
     names = [backend] if isinstance(backend, str) else backend if isinstance(backend, list) else []
     logger_options = dict(options["logger"].options or {})
-    problems = []
+    sinks: list[type] = []
+    problems: list[str] = []
     for name in names:
         try:
             cls = pm.resolve("metrics_sink", name, "logger.backend")
         except NexRLError as exc:
             problems.append(str(exc))
             continue
+        sinks.append(cls)
         own = component_options(cls)
         if own:
             logger_options[str(name)] = Option(options=own, help=f"options of the {name} metrics sink")
         problems += component_check(cls, _mapping(logger_section.get(str(name))), f"logger.{name}")
     options["logger"] = Option(options=logger_options, help=options["logger"].help)
-    return options, problems
+    return options, sinks, problems
 
 
 # -- cross-key rules ----------------------------------------------------------------------------------
@@ -691,9 +679,7 @@ def _check_train_service(values: Mapping[str, Any], trainer_cls: type, plugin_ma
                                                         lookup(values, "trainer.type"))
     except NexRLError as exc:
         return [str(exc)]
-    owner = ""
-    if service_cls is not None:
-        owner = f"train service '{selected_backend(trainer_cls, section)}'"
+    owner = f"train service '{selected_backend(trainer_cls, section)}'" if service_cls is not None else ""
     problems = check_options(section, declared, SECTION, owner=owner) or unmet_needs(section, declared, SECTION, values)
     if not problems and service_cls is not None:
         problems += component_check(service_cls, section, SECTION)
@@ -748,24 +734,20 @@ _ROLES = (("trainer", "trainer.type", "trainer"),
 def check_capabilities(found: Mapping[str, type], values: Mapping[str, Any], pm: Any = None) -> list[str]:
     """Every capability one of trainer / inference backend / weight-sync backend requires is provided
     by one of them (see :class:`nexrl_core.Capabilities`)."""
-    chosen = [(KIND_WORDS[kind], found[path], key, kind) for path, key, kind in _ROLES if path in found]
+    chosen = [(KIND_WORDS[kind], found[path], key) for path, key, kind in _ROLES if path in found]
     if len(chosen) < len(_ROLES):
         return []  # an unknown component is already reported
-    provided: set[str] = set()
-    for _, cls, _, _ in chosen:
-        provided |= component_capabilities(cls).provides
+    provided = set().union(*(component_capabilities(cls).provides for _, cls, _ in chosen))
     problems = []
-    for role, cls, key, _kind in chosen:
-        name = lookup(values, key)
+    for role, cls, key in chosen:
         for capability, why in component_capabilities(cls).requires.items():
-            if capability in provided:
-                continue
-            others = ", ".join(f"{r} '{lookup(values, k)}'" for r, _, k, _ in chosen if k != key)
-            problems.append(f"{key}: {role} '{name}' needs '{capability}' ({why}), which neither {others} "
-                            f"provides{_providers(capability, pm)}")
+            if capability not in provided:
+                others = ", ".join(f"{r} '{lookup(values, k)}'" for r, _, k in chosen if k != key)
+                problems.append(f"{key}: {role} '{lookup(values, key)}' needs '{capability}' ({why}), which "
+                                f"neither {others} provides{_providers(capability, pm)}")
     for key, capability, why in RECIPE_NEEDS:
         if lookup(values, key) is True and capability not in provided:
-            names = ", ".join(f"{r} '{lookup(values, k)}'" for r, _, k, _ in chosen)
+            names = ", ".join(f"{r} '{lookup(values, k)}'" for r, _, k in chosen)
             problems.append(f"{key}: needs '{capability}' ({why}), which none of {names} provides"
                             f"{_providers(capability, pm)}")
     return problems
@@ -783,9 +765,7 @@ RECIPE_NEEDS = (
 def _providers(capability: str, pm: Any) -> str:
     if pm is None:
         return ""
-    hits = []
-    for _, key, kind in _ROLES:
-        for name, reg in sorted(pm.components(kind).items()):
-            if capability in component_capabilities(reg.cls).provides:
-                hits.append(f"{key}: {name} ({reg.distribution})")
+    hits = [f"{key}: {name} ({reg.distribution})" for _, key, kind in _ROLES
+            for name, reg in sorted(pm.components(kind).items())
+            if capability in component_capabilities(reg.cls).provides]
     return f"; it is provided by {', '.join(hits)}" if hits else ""

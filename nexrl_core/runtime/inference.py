@@ -188,11 +188,11 @@ class InferenceClient(ABC):
 
     @classmethod
     def own_section(cls, config: Mapping[str, Any] | None, path: str = "service.inference_service") -> Section:
-        """``config`` as this backend reads it (:attr:`config`): read-only, the core's
+        """``config`` as this backend reads it (:attr:`config`): a copy, the core's
         ``service.inference_service`` keys and this backend's own, defaults filled."""
-        from ..config.schema import INFERENCE_SERVICE
+        from ..config.schema import InferenceServiceSettings
 
-        return read_section(config, {**(component_options(cls) or {}), **INFERENCE_SERVICE}, path)
+        return read_section(config, {**(component_options(cls) or {}), **InferenceServiceSettings.options()}, path)
 
     def __init__(self, config: Mapping[str, Any] | None):
         # Subclasses read their own keys with their Settings' own(self.config).

@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..config.options import Option, check_options, check_value
+from ..config.options import Check, Option, check_options
 from ..evaluation import BaseEvaluationTarget, EvaluationRunResult, Evaluator
 from ..launch.parts import PARTS_FIX, takes_parts
 
@@ -203,7 +203,7 @@ def _declaration_problems(declared: Mapping[str, Any] | None) -> list[str]:
             continue
         try:
             default = opt.default_value()
-            wrong = check_value(default, opt, f"OPTIONS['{key}']")
+            wrong = Check().value(default, opt, f"OPTIONS['{key}']")
         except Exception as exc:
             wrong = [f"OPTIONS['{key}']: its declaration cannot be read ({type(exc).__name__}: {exc})"]
         problems += [f"{w} (the declared default fails its own declaration)" for w in wrong]

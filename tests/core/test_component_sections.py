@@ -1,5 +1,5 @@
 """A component's section: what it reads is declared (typed settings, the core's keys and its own,
-defaults filled, read-only), every documented key overrides plainly, and the effective configuration
+defaults filled, its own copy), every documented key overrides plainly, and the effective configuration
 (with where each value came from) is visible."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import yaml
 
 from nexrl_core import BaseRolloutWorker, ConfigError, Option, hookimpl
 from nexrl_core.cli.docgen import SECTIONS, flatten_options
-from nexrl_core.config.schema import CORE_OPTIONS, ROLLOUT_WORKER, TRAJECTORY_POOL, RolloutWorkerSettings
+from nexrl_core.config.schema import CORE_OPTIONS, RolloutWorkerSettings, TrajectoryPoolSettings
 from nexrl_core.config.settings import Section, read_section
 from nexrl_core.launch.recipe import declared_options, effective_options, load_recipe
 from nexrl_core.plugins import PluginManager, use_plugin_manager
@@ -24,30 +24,30 @@ from nexrl_core.testing import run_recipe
 
 # -- the section a component reads ------------------------------------------------------------------
 
+ROLLOUT_WORKER, TRAJECTORY_POOL = RolloutWorkerSettings.options(), TrajectoryPoolSettings.options()
 
-def test_declared_defaults_are_filled_and_the_section_is_read_only():
-    cfg = read_section({"batch_size": 8}, TRAJECTORY_POOL, "trajectory_pool")
+
+def test_declared_defaults_are_filled_in_the_components_own_copy():
+    recipe = {"batch_size": 8, "key_list": ["uid"]}
+    cfg = read_section(recipe, TRAJECTORY_POOL, "trajectory_pool")
     assert cfg["batch_size"] == 8
     assert cfg["group_size"] == TRAJECTORY_POOL["group_size"].default == 4  # the declaration, not a fallback
-    assert cfg.dynamic_sampling["max_replacements"] == 3 and isinstance(cfg.dynamic_sampling, Section)
-    assert cfg.key_list == ["uid"]
-    with pytest.raises(TypeError, match="trajectory_pool: a recipe section is read-only"):
-        cfg.batch_size = 3
-    with pytest.raises(TypeError):
-        cfg["batch_size"] = 3  # type: ignore[index]
-    with pytest.raises(TypeError, match="trajectory_pool.dynamic_sampling: a recipe section is read-only"):
-        cfg.dynamic_sampling.enabled = True
-    cfg.key_list.append("x")  # a copy: the section is unchanged
-    assert cfg.key_list == ["uid"]
+    assert cfg["dynamic_sampling"]["max_replacements"] == 3 and isinstance(cfg["dynamic_sampling"], Section)
+    cfg["key_list"].append("x")
+    cfg["dynamic_sampling"]["enabled"] = True
+    assert recipe == {"batch_size": 8, "key_list": ["uid"]}  # a copy: the recipe is unchanged
+    assert read_section(recipe, TRAJECTORY_POOL, "trajectory_pool")["dynamic_sampling"]["enabled"] is False
 
 
 def test_a_key_the_section_lacks_is_named_where_it_lives():
     cfg = read_section({"batch_size": 8}, TRAJECTORY_POOL, "trajectory_pool")
     with pytest.raises(KeyError, match="trajectory_pool.batch_sise: not in the section"):
         cfg["batch_sise"]
-    with pytest.raises(AttributeError, match="trajectory_pool.dynamic_sampling.enable: not in the section"):
-        _ = cfg.dynamic_sampling.enable
+    with pytest.raises(KeyError, match="trajectory_pool.dynamic_sampling.enable: not in the section"):
+        cfg["dynamic_sampling"]["enable"]
     assert cfg.get("batch_sise") is None and "batch_sise" not in cfg  # a mapping still
+    with pytest.raises(KeyError, match="^'seed: not in the section"):
+        read_section({}, {}, "")["seed"]  # the recipe's root: the key alone
 
 
 def test_a_hand_built_section_gets_the_seed_the_composed_recipe_would():
@@ -73,9 +73,10 @@ def test_a_section_that_is_not_a_mapping_is_an_error_naming_it():
 def test_a_section_pickles_for_ray_actors():
     cfg = read_section({"batch_size": 8, "group_size": 2}, TRAJECTORY_POOL, "trajectory_pool")
     back = pickle.loads(pickle.dumps(cfg))
-    assert isinstance(back, Section) and back.to_dict() == cfg.to_dict()
-    with pytest.raises(KeyError, match="trajectory_pool.nope"):
-        back["nope"]
+    assert isinstance(back, Section) and back == cfg and back.to_dict() == cfg.to_dict()
+    assert type(back.to_dict()["dynamic_sampling"]) is dict  # plain data, for a library that wants it
+    with pytest.raises(KeyError, match="trajectory_pool.dynamic_sampling.nope"):
+        back["dynamic_sampling"]["nope"]
 
 
 class _Greeter(BaseRolloutWorker):
@@ -87,7 +88,8 @@ class _Greeter(BaseRolloutWorker):
 
 def test_a_component_reads_its_class_declaration_and_the_cores_typed():
     worker = _Greeter({"type": "x", "tasks_per_call": 2})
-    assert worker._config["greeting"] == "hi" and worker._config.num_workers == ROLLOUT_WORKER["num_workers"].default
+    assert worker._config["greeting"] == "hi"
+    assert worker._config["num_workers"] == ROLLOUT_WORKER["num_workers"].default
     assert isinstance(worker.core_settings, RolloutWorkerSettings) and worker.core_settings.tasks_per_call == 2
     with pytest.raises(ConfigError, match="rollout_worker.num_workers: expected a positive integer, got 0"):
         _Greeter({"type": "x", "num_workers": 0})  # a bad core value, even in a section built by hand

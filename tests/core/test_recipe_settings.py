@@ -15,20 +15,18 @@ from nexrl_core.config.schema import CORE_OPTIONS, RecipeSettings, WeightSetting
 from nexrl_core.launch.recipe import load_recipe
 from nexrl_core.testing import make_recipe, write_recipe
 
-TABLES = {"DATA": schema.DataSettings, "VALIDATE_DATA": schema.ValidateDataSettings,
-          "ROLLOUT_WORKER": schema.RolloutWorkerSettings, "TRAJECTORY_POOL": schema.TrajectoryPoolSettings,
-          "WEIGHT": WeightSettings, "INFERENCE_SERVICE": schema.InferenceServiceSettings,
-          "RAY": schema.RaySectionSettings}
+SECTIONS = {"data": schema.DataSettings, "rollout_worker": schema.RolloutWorkerSettings,
+            "trajectory_pool": schema.TrajectoryPoolSettings, "weight": WeightSettings, "ray": schema.RaySectionSettings}
 
 
 def test_every_core_table_is_its_settings_class():
     assert CORE_OPTIONS is RecipeSettings.options()
-    for name, cls in TABLES.items():
-        assert getattr(schema, name) is cls.options(), name
-    for key in ("data", "weight", "trajectory_pool", "ray"):  # each section of the root is its class's table
-        assert CORE_OPTIONS[key].options is getattr(schema, key.upper()), key
+    for key, cls in SECTIONS.items():  # each section of the root is its class's table
+        assert CORE_OPTIONS[key].options is cls.options(), key
+    assert CORE_OPTIONS["validate"].options["data"].options is schema.ValidateDataSettings.options()
+    assert CORE_OPTIONS["service"].options["inference_service"].options is schema.InferenceServiceSettings.options()
     # removed keys stay declared as such (nexrl validate names what to do instead)
-    assert schema.TRAJECTORY_POOL["type"].removed and schema.WEIGHT["type"].removed
+    assert schema.TrajectoryPoolSettings.options()["type"].removed and WeightSettings.options()["type"].removed
     assert CORE_OPTIONS["validate"].options["eval"].removed
 
 

@@ -70,7 +70,7 @@ class RayResourceManager(ResourceManager):
 
     def __init__(self, config: Mapping[str, Any] | None = None, plugin_manager: Any = None,
                  settings: RecipeSettings | None = None) -> None:
-        settings = RecipeSettings.read(config) if settings is None else settings
+        settings = RecipeSettings.of(config) if settings is None else settings
         super().__init__(config, plugin_manager, settings)
         self._run = settings
         self._settings = RaySettings.of(settings)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...config.options import option_defaults
-from ...config.schema import RAY
+from ...config.schema import RaySectionSettings
 from ._netns import MARKER
 
 KEY = "ray.private_network"
@@ -78,7 +78,7 @@ def requested(values: Mapping[str, Any]) -> bool:
 
 
 def _ray_section(values: Mapping[str, Any]) -> dict[str, Any]:
-    return {**option_defaults(RAY), **(values.get("ray") or {})}
+    return {**option_defaults(RaySectionSettings.options()), **(values.get("ray") or {})}
 
 
 def plan(values: Mapping[str, Any], found: Mapping[str, type], sinks: list[type]) -> Plan:
