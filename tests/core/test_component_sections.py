@@ -305,23 +305,39 @@ def test_the_documented_keys_include_those_the_issue_names():
 
 
 def test_every_documented_key_overrides_with_plain_key_value(tmp_path):
+    """Every key set to its default, as ``key=value``: one load per selection for all its keys (set
+    to their defaults, they cannot act on each other); a selection whose load fails is loaded again
+    key by key, to name the keys that fail."""
+    from omegaconf import OmegaConf
+
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text("trainer: {type: mock}\n")
-    failed = {}
-    for key, overrides, value in _CASES:
-        try:
-            with use_plugin_manager(_PM):  # every installed plugin, whatever an earlier test made the default
-                cfg = load_recipe(str(recipe), overrides)
-        except ConfigError as exc:
-            failed[key] = str(exc)
-            continue
-        from omegaconf import OmegaConf
 
-        got = OmegaConf.select(cfg, key)
-        got = OmegaConf.to_container(got) if OmegaConf.is_config(got) else got
-        want = value[1:-1].replace("\\'", "'") if value.startswith("'") else yaml.safe_load(value)
-        if want != got and "${" not in value:
-            failed[key] = f"{overrides}: {got!r}"
+    def load(overrides: list[str]):
+        with use_plugin_manager(_PM):  # every installed plugin, whatever an earlier test made the default
+            return load_recipe(str(recipe), overrides)
+
+    selections: dict[tuple[str, ...], list[tuple[str, str, str]]] = {}
+    for key, overrides, value in _CASES:
+        selections.setdefault(tuple(overrides[:-1]), []).append((key, overrides[-1], value))
+    failed = {}
+    for select, cases in selections.items():
+        try:
+            loaded = [(load([*select, *(override for _, override, _ in cases)]), cases)]
+        except ConfigError:
+            loaded = []
+            for case in cases:
+                try:
+                    loaded.append((load([*select, case[1]]), [case]))
+                except ConfigError as exc:
+                    failed[case[0]] = str(exc)
+        for cfg, checked in loaded:
+            for key, override, value in checked:
+                got = OmegaConf.select(cfg, key)
+                got = OmegaConf.to_container(got) if OmegaConf.is_config(got) else got
+                want = value[1:-1].replace("\\'", "'") if value.startswith("'") else yaml.safe_load(value)
+                if want != got and "${" not in value:
+                    failed[key] = f"{[*select, override]}: {got!r}"
     assert not failed, failed
 
 

@@ -87,10 +87,18 @@ def rows(path: Path) -> list[dict]:
 # ----------------------------------------------------------------------------- a run, off a terminal
 
 
-def test_plain_progress_header_footer_and_the_run_directory(tmp_path):
-    recipe = write_recipe(tmp_path)
+@pytest.fixture(scope="module")
+def plain_run(tmp_path_factory):
+    """`nexrl run` of the recipe for 5 steps, off a terminal: (recipe, the finished process, when it
+    started). One run for the tests that only read its output and its run directory."""
+    folder = tmp_path_factory.mktemp("plain_run")
+    recipe = write_recipe(folder)
     started = time.time()
-    run = nexrl(tmp_path, "run", recipe, "trainer.total_train_steps=5")
+    return recipe, nexrl(folder, "run", recipe, "trainer.total_train_steps=5"), started
+
+
+def test_plain_progress_header_footer_and_the_run_directory(plain_run, tmp_path):
+    recipe, run, started = plain_run
     assert run.returncode == 0, run.stderr
     err = run.stderr
     assert not ANSI.search(err), "no control codes when stderr is not a terminal"
@@ -98,7 +106,7 @@ def test_plain_progress_header_footer_and_the_run_directory(tmp_path):
     # header: recipe, run_dir, model, plugins with versions
     header = err.split("validation @ step 0")[0]
     assert f"recipe      {recipe} trainer.total_train_steps=5" in header
-    assert f"run_dir     {tmp_path / 'run'}" in header
+    assert f"run_dir     {recipe.parent / 'run'}" in header
     assert "model       " in header
     assert f"nexrl-core {version('nexrl-core')}" in header
     # one line per training step with step/total, ETA, step time, throughput, reward, val, staleness, failed
@@ -114,7 +122,7 @@ def test_plain_progress_header_footer_and_the_run_directory(tmp_path):
     assert "INFO    step 1:" not in err
     # footer: where things are, how to go on
     footer = err.split("finished: 5/5 steps in ")[1]
-    run_dir = tmp_path / "run"
+    run_dir = recipe.parent / "run"
     assert f"checkpoints  {run_dir / 'checkpoints' / 'global_step_5'}" in footer
     assert f"plot         {run_dir / 'metrics.png'}" in footer
     assert f"samples      nexrl show {run_dir}" in footer
@@ -276,17 +284,17 @@ def test_secrets_never_reach_config_yaml(tmp_path):
 # ----------------------------------------------------------------------------- plot
 
 
-def test_nexrl_plot_draws_a_finished_runs_metrics(tmp_path):
-    recipe = write_recipe(tmp_path)
-    assert nexrl(tmp_path, "run", recipe).returncode == 0
+def test_nexrl_plot_draws_a_finished_runs_metrics(plain_run, tmp_path):
+    recipe, run, _ = plain_run
+    assert run.returncode == 0, run.stderr
     out = tmp_path / "figs" / "demo.png"
-    plot = nexrl(tmp_path, "plot", tmp_path / "run", "-o", out)
+    plot = nexrl(tmp_path, "plot", recipe.parent / "run", "-o", out)
     assert plot.returncode == 0, plot.stderr
     assert plot.stdout.strip() == str(out)
     assert out.read_bytes()[:4] == b"\x89PNG"
 
 
-def test_nexrl_plot_problems_are_short_messages(tmp_path):
+def test_nexrl_plot_problems_are_short_messages(plain_run, tmp_path):
     missing = nexrl(tmp_path, "plot", tmp_path / "nowhere")
     assert missing.returncode == 2 and "no such run directory" in missing.stderr
     (tmp_path / "empty").mkdir()
@@ -296,10 +304,10 @@ def test_nexrl_plot_problems_are_short_messages(tmp_path):
     shadow = tmp_path / "shadow" / "matplotlib"
     shadow.mkdir(parents=True)
     (shadow / "__init__.py").write_text("raise ImportError('No module named matplotlib')\n")
-    recipe = write_recipe(tmp_path / "r")
-    assert nexrl(tmp_path, "run", recipe).returncode == 0
+    recipe, run, _ = plain_run
+    assert run.returncode == 0, run.stderr
     env = clean_env(tmp_path, PYTHONPATH=os.pathsep.join([str(tmp_path / "shadow"), str(REPO)]))
-    no_mpl = nexrl(tmp_path, "plot", tmp_path / "r" / "run", env=env)
+    no_mpl = nexrl(tmp_path, "plot", recipe.parent / "run", env=env)
     assert no_mpl.returncode == 1
     assert "pip install 'nexrl-core[plot]'" in no_mpl.stderr and "Traceback" not in no_mpl.stderr
 

@@ -43,8 +43,17 @@ def service(model_dir, **extra):
                                    "packing": False, **extra})
 
 
-def step(svc, batch):
-    metrics = svc.forward_backward(batch, loss_fn)
+def with_rows(log_probs, mb):
+    """:func:`loss_fn` with per-row values (ROW_OUTPUTS) beside its metrics: the same gradients."""
+    from nexrl_torch.train.service import ROW_OUTPUTS
+
+    loss, metrics = loss_fn(log_probs, mb)
+    metrics[ROW_OUTPUTS] = {"first_token": log_probs[:, 0].detach(), "row_sum": mb["input_ids"].sum(-1)}
+    return loss, metrics
+
+
+def step(svc, batch, loss=loss_fn):
+    metrics = svc.forward_backward(batch, loss)
     metrics.update(svc.optim_step())
     return metrics
 
@@ -65,17 +74,40 @@ def test_rows_go_to_ranks_by_whole_groups_balanced_by_tokens():
 @pytest.mark.parametrize("parallel", ["fsdp", "ddp"])
 def test_two_ranks_reach_the_weights_of_one(tiny_model_dir, parallel):
     """Two optimizer steps on the same global batches, with micro-batches (rank 1 has fewer rows and
-    runs an empty pass for the collectives): weights, loss and gradient norm agree to float tolerance."""
+    runs an empty pass for the collectives): weights, loss and gradient norm agree to float tolerance.
+    A loss's per-row values (ROW_OUTPUTS) come back in the batch's row order (each rank has whole
+    groups, out of row order: rank 0 puts every value back at its row). FSDP2's export gathers each
+    weight as the engine copies it (never a second whole model), in one pass that the other ranks
+    follow; pickled, it gathers everything first. (One process group for all of it: each costs seconds.)"""
+    import pickle
+
+    from nexrl_torch.rollout.engine import HFInferenceEngine
+    from nexrl_torch.train.distributed import GatheredWeights
+    from nexrl_torch.train.service import ROW_OUTPUTS
+
     batches = [make_batch(seed=s) for s in (0, 1)]
+    shards = shard_rows(batches[0]["prompt_groups"].tolist(), batches[0]["attention_mask"].sum(-1).tolist(), 2)
+    assert [r for rows in shards for r in rows] != list(range(5))  # rank order is not row order
     one = service(tiny_model_dir, micro_batch_size=2)
-    want = [step(one, b) for b in batches]
+    want = [step(one, b, with_rows) for b in batches]
+    engine = HFInferenceEngine({"model_path": tiny_model_dir}) if parallel == "fsdp" else None
     two = service(tiny_model_dir, micro_batch_size=2, world_size=2, parallel=parallel)
     try:
-        got = [step(two, b) for b in batches]
+        got = [step(two, b, with_rows) for b in batches]
         logprobs = two.forward(batches[0])
+        if engine is not None:
+            gathered = two.export_weights()
+            assert isinstance(gathered, GatheredWeights)
+            assert gathered.shapes == {k: tuple(v.shape) for k, v in one.export_weights().items()}
+            engine.load_weights(gathered, 1)
+            with pytest.raises(RuntimeError, match="already iterated"):
+                gathered.drain()
+            sent = pickle.loads(pickle.dumps(two.export_weights()))  # what Ray's object store would carry
         exported = weights(two)
     finally:
         two.close()
+        if engine is not None:
+            engine.close()
     reference = weights(one)
     assert set(exported) == set(reference)
     for name, tensor in reference.items():
@@ -88,6 +120,16 @@ def test_two_ranks_reach_the_weights_of_one(tiny_model_dir, parallel):
         assert g["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-4)
         assert g["nll"] == pytest.approx(w["nll"], rel=1e-5)
     torch.testing.assert_close(logprobs, one.forward(batches[0]), atol=1e-5, rtol=1e-4)
+    rows_two, rows_one = got[0][ROW_OUTPUTS], want[0][ROW_OUTPUTS]  # the first step's: the same weights
+    assert rows_two["row_sum"] == rows_one["row_sum"] == batches[0]["input_ids"].sum(-1).tolist()
+    assert rows_two["first_token"] == pytest.approx(rows_one["first_token"], abs=1e-5)
+    assert len(set(rows_one["first_token"])) == 5
+    if engine is not None:
+        served = engine.model.state_dict()
+        for name, tensor in reference.items():
+            torch.testing.assert_close(served[name], tensor, atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(sent[name], tensor, atol=1e-5, rtol=1e-4)
+        assert engine.model_version() == 1
 
 
 def make_packable_batch(seed: int = 0) -> dict:
@@ -133,10 +175,16 @@ def test_two_ranks_with_packing_reach_the_weights_of_one(tiny_model_dir, paralle
 
 
 def test_sharded_checkpoint_resumes_exactly_and_on_another_world_size(tiny_model_dir, tmp_path, reset_loguru):
+    """2 ranks -> 2 ranks bit for bit, 2 -> 1 and 1 -> 2 (a one-process checkpoint spreads over the
+    shards) to float tolerance, with the warning in the log."""
     from nexrl_core.runtime.run_log import LOG_FILE, setup_logging
 
     setup_logging(str(tmp_path), level="INFO")
     first, second = make_batch(seed=0), make_batch(seed=1)
+    one = service(tiny_model_dir)  # the one-process run of the same batches
+    step(one, first)
+    one.save_checkpoint(tmp_path / "one_process")
+    step(one, second)
     folder = tmp_path / "global_step_1"
     straight = service(tiny_model_dir, world_size=2)
     try:
@@ -156,33 +204,23 @@ def test_sharded_checkpoint_resumes_exactly_and_on_another_world_size(tiny_model
         assert resumed.load_checkpoint(folder) == {"algorithm": {"kl_coef": 0.5}}
         step(resumed, second)
         got = weights(resumed)
+        # 1 -> 2, in the same group (a process group costs seconds): the load replaces every state it trained
+        resumed.load_checkpoint(tmp_path / "one_process")
+        step(resumed, second)
+        spread = weights(resumed)
     finally:
         resumed.close()
     assert all(torch.equal(got[k], want[k]) for k in want)  # same world size: the same bits
+    for name, tensor in weights(one).items():
+        torch.testing.assert_close(spread[name], tensor, atol=1e-5, rtol=1e-4)
 
     alone = service(tiny_model_dir)
     alone.load_checkpoint(folder)
     step(alone, second)
     for name, tensor in weights(alone).items():
         torch.testing.assert_close(tensor, want[name], atol=1e-5, rtol=1e-4)
-    assert "written by 2 rank(s), resumed on 1" in (tmp_path / LOG_FILE).read_text()
-
-
-def test_a_one_process_checkpoint_spreads_over_the_shards(tiny_model_dir, tmp_path):
-    first, second = make_batch(seed=0), make_batch(seed=1)
-    one = service(tiny_model_dir)
-    step(one, first)
-    one.save_checkpoint(tmp_path / "ckpt")
-    step(one, second)
-    two = service(tiny_model_dir, world_size=2)
-    try:
-        two.load_checkpoint(tmp_path / "ckpt")
-        step(two, second)
-        got = weights(two)
-    finally:
-        two.close()
-    for name, tensor in weights(one).items():
-        torch.testing.assert_close(got[name], tensor, atol=1e-5, rtol=1e-4)
+    log = (tmp_path / LOG_FILE).read_text()
+    assert "written by 2 rank(s), resumed on 1" in log and "written by 1 rank(s), resumed on 2" in log
 
 
 def test_a_rank_that_dies_is_named(tiny_model_dir):
@@ -249,37 +287,6 @@ def test_a_grpo_run_on_two_ranks(tmp_path, tiny_model_dir, monkeypatch, capfd, r
     assert not [p for p in multiprocessing.active_children() if p.name.startswith("nexrl-train-rank")]
 
 
-def test_the_engine_loads_sharded_weights_one_at_a_time(tiny_model_dir):
-    """An FSDP2 service's export gathers each weight as the engine copies it (never a second whole
-    model), in one pass that the other ranks follow; pickled, it gathers everything first."""
-    import pickle
-
-    from nexrl_torch.rollout.engine import HFInferenceEngine
-    from nexrl_torch.train.distributed import GatheredWeights
-
-    one = service(tiny_model_dir)
-    step(one, make_batch())
-    engine = HFInferenceEngine({"model_path": tiny_model_dir})
-    two = service(tiny_model_dir, world_size=2)
-    try:
-        step(two, make_batch())
-        exported = two.export_weights()
-        assert isinstance(exported, GatheredWeights)
-        assert exported.shapes == {k: tuple(v.shape) for k, v in one.export_weights().items()}
-        engine.load_weights(exported, 1)
-        with pytest.raises(RuntimeError, match="already iterated"):
-            exported.drain()
-        sent = pickle.loads(pickle.dumps(two.export_weights()))  # what Ray's object store would carry
-    finally:
-        two.close()
-        engine.close()
-    served = engine.model.state_dict()
-    for name, tensor in one.export_weights().items():
-        torch.testing.assert_close(served[name], tensor, atol=1e-5, rtol=1e-4)
-        torch.testing.assert_close(sent[name], tensor, atol=1e-5, rtol=1e-4)
-    assert engine.model_version() == 1
-
-
 def test_one_rank_through_the_fsdp_code_matches_the_plain_service(tiny_model_dir):
     """`parallel: fsdp` with world_size 1: the same code as N ranks (a one-process group, the model
     sharded over one rank, packing kept), the plain service's weights (what gpu_check times on a GPU)."""
@@ -301,30 +308,6 @@ def test_one_rank_through_the_fsdp_code_matches_the_plain_service(tiny_model_dir
     # scale, so a gradient scaled by any constant (halved by a wrong world-size average, say) gives
     # nearly the same update and passes the weight comparison above. Only the norm catches that.
     assert got_metrics["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
-
-
-def test_per_row_outputs_come_back_in_the_batchs_row_order(tiny_model_dir):
-    """A loss's per-row values (ROW_OUTPUTS) from two ranks (whole groups each, out of row order,
-    micro-batches of 2): rank 0 puts every value back at its row."""
-    from nexrl_torch.train.service import ROW_OUTPUTS
-
-    def with_rows(log_probs, mb):
-        loss, metrics = loss_fn(log_probs, mb)
-        metrics[ROW_OUTPUTS] = {"first_token": log_probs[:, 0].detach(), "row_sum": mb["input_ids"].sum(-1)}
-        return loss, metrics
-
-    batch = make_batch()
-    shards = shard_rows(batch["prompt_groups"].tolist(), batch["attention_mask"].sum(-1).tolist(), 2)
-    assert [r for rows in shards for r in rows] != list(range(5))  # rank order is not row order
-    want = service(tiny_model_dir, micro_batch_size=2).forward_backward(batch, with_rows)[ROW_OUTPUTS]
-    two = service(tiny_model_dir, micro_batch_size=2, world_size=2)
-    try:
-        got = two.forward_backward(batch, with_rows)[ROW_OUTPUTS]
-    finally:
-        two.close()
-    assert got["row_sum"] == want["row_sum"] == batch["input_ids"].sum(-1).tolist()
-    assert got["first_token"] == pytest.approx(want["first_token"], abs=1e-5)
-    assert len(set(want["first_token"])) == 5
 
 
 def test_two_ranks_record_each_samples_logprob_gap_as_one(tiny_model_dir):

@@ -122,18 +122,19 @@ def test_extra_rollouts_do_not_change_what_is_trained(reference8, recipe, start_
     assert_same_as_reference(tmp_path / "run", reference8, counters_and_position=False)
 
 
-@pytest.mark.parametrize("kill_when", ["checkpoint_1", "metrics_4"])
-def test_sigkill_with_eight_rollout_workers_then_auto_resume_is_bit_exact(reference8, recipe, start_run, tmp_path,
-                                                                           kill_when):
-    """Killed as soon as step 1's checkpoint is complete (the weight push and step 2's rollouts
-    are starting), or as soon as step 4's metrics are written (its checkpoint may or may not be
-    complete; the save, the push, a validation and step 5's rollouts follow)."""
+def test_sigkill_with_eight_rollout_workers_then_auto_resume_is_bit_exact(reference8, recipe, start_run, tmp_path):
+    """Killed as soon as step 1's checkpoint is complete (the weight push and step 2's rollouts are
+    starting) and resumed; that run killed as soon as step 4's metrics are written (its checkpoint
+    may or may not be complete; the save, the push, a validation and step 5's rollouts follow) and
+    resumed again."""
     run_dir = tmp_path / "run"
-    done = {"checkpoint_1": _complete(run_dir / "checkpoints", 1),
-            "metrics_4": lambda: sum("train/reward_mean" in r for r in _rows_if_any(run_dir)) >= 4}[kill_when]
     first = start_run(recipe, WORKERS)
-    first.wait_for(done)
+    first.wait_for(_complete(run_dir / "checkpoints", 1))
     first.kill()
+    second = start_run(recipe, WORKERS, "resume.mode=auto")
+    second.wait_for(lambda: sum("train/reward_mean" in r for r in _rows_if_any(run_dir)) >= 4)
+    second.kill()
+    assert "resumed from" in second.output()
     resumed = run_to_end(start_run, recipe, WORKERS, "resume.mode=auto")
     assert "resumed from" in resumed.output()
     assert_same_as_reference(run_dir, reference8)
@@ -182,24 +183,13 @@ def _rows_if_any(run_dir: Path) -> list[dict]:
     return rows
 
 
-def test_from_path_resume_of_an_older_checkpoint_is_bit_exact(reference, recipe, start_run, tmp_path):
-    """Killed after step 3; resumed from step 2 by path: step 3 is trained again and its
-    checkpoint replaced, metrics rows after step 2 are dropped and written again."""
-    ckpt = tmp_path / "run" / "checkpoints"
-    first = start_run(recipe)
-    first.wait_for(_complete(ckpt, 3))
-    first.kill()
-
-    resumed = run_to_end(start_run, recipe, "resume.mode=from_path", f"resume.resume_path={ckpt / 'global_step_2'}")
-    assert f"resumed from {ckpt / 'global_step_2'} at step 2" in resumed.output()
-    assert_same_as_reference(tmp_path / "run", reference)
-    assert sorted(os.listdir(ckpt)) == [f"global_step_{s}" for s in range(1, STEPS + 1)]
-
-
-def test_crash_while_saving_never_leaves_a_checkpoint_auto_picks(reference, recipe, start_run, tmp_path):
-    """SIGKILL in the middle of writing step 3's checkpoint (model files written, state not):
-    only a .tmp_global_step_* folder is left, `auto` resumes from step 2, the next save removes
-    the leftovers, and the run still ends exactly like the uninterrupted one."""
+def test_crash_while_saving_never_leaves_a_checkpoint_auto_picks_and_from_path_resumes_an_older_one(
+        reference, recipe, start_run, tmp_path):
+    """SIGKILL in the middle of writing step 3's checkpoint (model files written, state not): only a
+    .tmp_global_step_* folder is left, `auto` resumes from step 2 and the next save removes the
+    leftovers. That run killed after step 4, then resumed from step 2 by path: steps 3 and 4 are
+    trained again and their checkpoints replaced, metrics rows after step 2 are dropped and written
+    again. The run still ends exactly like the uninterrupted one."""
     ckpt = tmp_path / "run" / "checkpoints"
     crashing = start_run(recipe, "trainer.type=crash_on_save_grpo", "+trainer.crash_save_step=3")
     assert crashing.wait() == -9, crashing.output()[-4000:]
@@ -210,9 +200,15 @@ def test_crash_while_saving_never_leaves_a_checkpoint_auto_picks(reference, reci
     assert any((ckpt / n / "model.safetensors").exists() for n in leftovers)  # it died mid-save, not before
     assert find_latest_checkpoint(str(ckpt)) == str(ckpt / "global_step_2")
 
-    resumed = run_to_end(start_run, recipe, "resume.mode=auto")
+    auto = start_run(recipe, "resume.mode=auto")
+    auto.wait_for(_complete(ckpt, 4))
+    auto.kill()
+    assert f"resumed from {ckpt / 'global_step_2'} at step 2" in auto.output()
+    assert "removed incomplete checkpoint folders" in auto.output()
+    assert not [n for n in os.listdir(ckpt) if n.lstrip(".").startswith("tmp_global_step_3_")]
+
+    resumed = run_to_end(start_run, recipe, "resume.mode=from_path", f"resume.resume_path={ckpt / 'global_step_2'}")
     assert f"resumed from {ckpt / 'global_step_2'} at step 2" in resumed.output()
-    assert "removed incomplete checkpoint folders" in resumed.output()
     assert sorted(os.listdir(ckpt)) == [f"global_step_{s}" for s in range(1, STEPS + 1)]
     assert_same_as_reference(tmp_path / "run", reference)
 

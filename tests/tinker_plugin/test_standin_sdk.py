@@ -279,6 +279,7 @@ def test_concurrent_sample_requests_are_decoded_as_one_batch(make_standin, token
         with pytest.raises(tinker.RequestFailedError, match="outside the vocabulary"):
             bad.result()
         assert standin.count("sample_batches") == 1
+        standin.sample_batch_wait_s = 0.005  # the default: each request below goes alone (no 1 s wait for others)
         alone = []
         for p, sp in zip(prompts, params):
             alone.append(sampler.sample(types.ModelInput.from_ints(p), 2, sp).result())
