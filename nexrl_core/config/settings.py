@@ -209,19 +209,28 @@ def _field_option(cls: type, field: dataclasses.Field) -> Option:
 # -- a section as a component reads it ------------------------------------------------------------------
 
 class Section(dict[str, Any]):
-    """A recipe section as a component reads it (``cfg["key"]``): its own copy, nested mappings
-    Sections too. A key it lacks is a KeyError naming where that key would live. Its typed reading
-    is the component's :meth:`Settings.own`."""
+    """A recipe section as a component reads it (``cfg["key"]``, or ``cfg.key`` where the key is not
+    a dict method's name): its own copy, nested mappings Sections too. A key it lacks is a KeyError
+    (AttributeError) naming where that key would live. Its typed reading is the component's
+    :meth:`Settings.own`."""
 
     def __init__(self, values: Mapping[str, Any], path: str = "") -> None:
         sections = {key: Section(value, f"{path}.{key}" if path else key)
                     for key, value in values.items() if isinstance(value, Mapping)}
         super().__init__({**values, **sections})
-        self.path = path
+        self._path = path  # underscored: ``cfg.path`` is a recipe key (a data file), not this
 
     def __missing__(self, key: str) -> Any:
-        full = f"{self.path}.{key}" if self.path else key
+        full = f"{self._path}.{key}" if self._path else key
         raise KeyError(f"{full}: not in the section (a declared key always is)")
+
+    def __getattr__(self, key: str) -> Any:
+        if key.startswith("_"):
+            raise AttributeError(key)
+        try:
+            return self[key]
+        except KeyError as exc:
+            raise AttributeError(exc.args[0]) from None
 
     def to_dict(self) -> dict[str, Any]:
         """A plain deep copy (what a library that wants a dict gets)."""

@@ -48,6 +48,12 @@ def test_a_key_the_section_lacks_is_named_where_it_lives():
     assert cfg.get("batch_sise") is None and "batch_sise" not in cfg  # a mapping still
     with pytest.raises(KeyError, match="^'seed: not in the section"):
         read_section({}, {}, "")["seed"]  # the recipe's root: the key alone
+    # as attributes too (components written against NexRL's DictConfig read cfg.key)
+    assert cfg.batch_size == 8 and cfg.dynamic_sampling.max_replacements == 3
+    with pytest.raises(AttributeError, match="trajectory_pool.dynamic_sampling.enable: not in the section"):
+        cfg.dynamic_sampling.enable  # noqa: B018
+    data = read_section({"path": "rows.jsonl"}, {"path": Option(None, str)}, "data")
+    assert data.path == "rows.jsonl"  # a key named path, not the section's own place
 
 
 def test_a_hand_built_section_gets_the_seed_the_composed_recipe_would():
