@@ -13,6 +13,7 @@ from __future__ import annotations
 import inspect
 import re
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
 from ..config.options import Option, describe_type, param_docs
@@ -254,92 +255,37 @@ def _algorithm_functions(pm: Any, wanted: set[str] | None) -> list[str]:
 
 def migration_reference() -> str:
     """Markdown: the NexRL / ROLL -> nexrl table that ``nexrl migrate`` follows and ``nexrl validate``
-    quotes (:mod:`nexrl_core.cli.migration_table`)."""
+    quotes (:mod:`nexrl_core.cli.migration_table`), its tables filled into the prose of ``migrating.md``
+    beside this module (each ``{{name}}`` line)."""
     from . import migration_table as t
 
     def code(text: Any) -> str:
         return "—" if text is None else f"`{_yaml(text) if not isinstance(text, str) else text}`"
 
-    def keys(source: str) -> list[str]:
-        rows = [f"| {source} key | nexrl key | note |", "|---|---|---|"]
-        return rows + [f"| `{r.seed}` | {code(r.nexrl)} | {_cell(r.why)} |" for r in t.KEY_RULES if r.source == source]
+    def table(header: str, rows: Iterable[str]) -> str:
+        columns = header.count("|") - 1
+        return "\n".join([header, "|" + "---|" * columns, *rows])
 
-    out = ["# Migrating from NexRL (and ROLL)", "",
-           "Generated from `nexrl_core/cli/migration_table.py` by `python scripts/gen_docs.py`; "
-           "`tests/docs/test_reference_docs.py` fails when this page is out of date. The same table drives "
-           "`nexrl migrate` and the hints of `nexrl validate`, so the three agree.", "",
-           "## Running it", "", "```bash", "nexrl migrate recipe/my_task/my_task.yaml -o my_task.nexrl.yaml",
-           "```", "",
-           "The recipe's defaults list is composed first (as `nexrl run` composes one; NexRL 1.x's "
-           "`defaults: [common, _self_]`), and NexRL 1.x's named train services (`service.train_service.main_actor`, "
-           "`.student`, `.teacher`) become the train service and the reference service. Then, in this order: "
-           "keys move to nexrl's ([Keys](#keys)), values become nexrl's ([Values](#values)), the weight-sync "
-           "backend is chosen, keys whose value needs converting are converted, what the rest of the recipe "
-           "decides is set ([Set from the rest of the recipe](#set-from-the-rest-of-the-recipe)), `${...}` "
-           "references follow the keys they name (one to a key that is not carried over becomes its value; "
-           "`${oc.env:...}` is kept as written), every key nexrl still rejects is taken out, and a value nexrl "
-           "refuses becomes the nearest one it accepts ([Changed to a value nexrl accepts]"
-           "(#changed-to-a-value-nexrl-accepts)). Relative paths that name files next to the old recipe (or under "
-           "`$NEXRL_PATH`, where NexRL looked) are rewritten for the new file's folder. What each of NexRL's "
-           "public recipe layouts becomes: [NexRL 1.x recipe layouts](#nexrl-1x-recipe-layouts).", "",
-           "On stderr it lists what was carried over, what was set, each value changed (one line: what and why), "
-           "each key not carried over with the reason, each import of NexRL in the Python files the recipe names "
-           "with nexrl's ([Imports and classes](#imports-and-classes)). It never edits those files (`--code`, "
-           "below, does): where the ones beside the recipe import NexRL, it copies their folder (the NexAU "
-           "`agent_workspace/`, whole: its YAML files name each other by relative paths) next to the new recipe "
-           "as `<new name>_workspace/`, rewrites the copies' imports as `--code` would, and points the new recipe "
-           "at the copies; what it could not rewrite is listed under `left to rewrite`. Without `-o` (the recipe "
-           "on stdout) nothing is copied and the `nexrl migrate --code DIR --write` command still to run is "
-           "named; a copy folder is replaced (`--force`) only when `nexrl migrate` wrote it. NexRL's "
-           "`environment.setup_script` is named with the variables it exports (source it before `nexrl run`), "
-           "in the report and at the top of the new file. Last it checks the result as `nexrl validate` does, "
-           "an unset `${oc.env:NAME}` standing for itself: exit 0 when it passes up to what only the machine "
-           "that runs it supplies (environment variables, data files, model and tokenizer folders, keys, a "
-           "package a workspace file imports: listed), 2 with the problems when it does not (the file is "
-           "written either way). Without `-o` the recipe goes to stdout; `--force` replaces an existing `-o` "
-           "file.", "",
-           "`nexrl validate` and `nexrl run` name nexrl's key when a recipe still holds a key of this table:", "",
-           "```"]
-    out += [f"error: {key}: {t.seed_key_hint(key)}" for key in ("dataloader", "adv_estimator")]
-    out += ["```", "", "## Keys", "",
-            "A key with no nexrl key is taken out only where nexrl rejects it (a loader that generates rows "
-            "takes `validate.data.seed`).", "", "### NexRL", ""] + keys("NexRL")
-    out += ["", "### ROLL", "", "Top-level keys of ROLL's RLVR pipeline config.", ""] + keys("ROLL")
-    out += ["", "### Unchanged", "", "These keys mean the same in nexrl: "
-            + ", ".join(f"`{k}`" for k in t.SAME_KEYS) + ".", "",
-            "### Set from the rest of the recipe", "", "| nexrl key | set to |", "|---|---|"]
-    out += [f"| `{key}` | {_cell(text)} |" for key, text in t.DERIVED]
-    out += ["", "## Values", "", "| key | NexRL value | nexrl value | note |", "|---|---|---|---|"]
-    out += [f"| `{r.key}` | {code(r.seed)} | {code(r.nexrl)} | {_cell(r.why)} |" for r in t.VALUE_RULES]
-    out += ["", "### Changed to a value nexrl accepts", "",
-            "A NexRL value `nexrl validate` refuses is replaced by the nearest one it accepts, and the report says "
-            "so in one line.", "", "| key | nexrl writes | why |", "|---|---|---|"]
-    out += [f"| `{r.key}` | {code(r.nexrl)} | {_cell(r.why)} |" for r in t.ADJUSTMENTS]
-    out += ["", "## NexRL 1.x recipe layouts", "",
-            "NexRL 1.4's `recipe/<task>/` folders, and what `nexrl migrate` makes of each "
-            "(`tests/grpo_plugin/test_migrate_nexrl_layouts.py` migrates and validates a recipe of each shape). "
-            "Each exits 0, with what the machine that runs it supplies listed; the agent folders with their "
-            "workspace copied beside the new recipe, its imports of NexRL rewritten (the originals unchanged).",
-            "", "| layout | NexRL | nexrl |", "|---|---|---|"]
-    out += [f"| {_cell(r.name)} | {_cell(r.shape)} | {_cell(r.becomes)} |" for r in t.LAYOUTS]
-    out += ["", "## Imports and classes", "",
-            "`nexrl migrate` lists each of these it finds in the Python files a recipe names (an evaluator's, "
-            "a worker's, the NexAU workspace's).", "",
-            "```bash", "nexrl migrate --code my_project/          # the rewrite, as a unified diff on stdout",
-            "nexrl migrate --code my_project/ --write  # applied to the files", "```", "",
-            "`--code DIR` rewrites them in every Python file under DIR (a single file too; hidden folders, "
-            "`__pycache__` and installed packages are left out): `from nexrl.x import Name` becomes the import "
-            "of nexrl's name, bound to the name the file used (`from nexrl_core import FileDataLoader as "
-            "TorchDataLoader`), so the rest of the file is unchanged; a name is looked up by its module and "
-            "name, else by its name alone (NexRL exports its classes from several modules); comments inside a "
-            "multi-line import are kept above it. Without `--write` no file changes. Left for you, on stderr: "
-            "a name with no nexrl counterpart (its import is kept as it was), `import nexrl...` (change what "
-            "is used through it), `from nexrl... import *`, and each file that cannot be parsed (named, never "
-            "touched). Exit 0 when nothing is left, 2 when something is. With a recipe too, `-o` is needed "
-            "(stdout holds the diff).",
-            "", "| NexRL | nexrl | note |", "|---|---|---|"]
-    out += [f"| `{r.seed}` | {code(r.nexrl)} | {_cell(r.why)} |" for r in t.IMPORT_RULES]
-    out += ["", "## Metric names", "", "| NexRL / ROLL | nexrl | note |", "|---|---|---|"]
-    out += [f"| `{r.seed}`{' (ROLL)' if r.source == 'ROLL' else ''} | {code(r.nexrl)} | {_cell(r.why)} |"
-            for r in t.METRIC_RULES]
-    return "\n".join(out).rstrip() + "\n"
+    def keys(source: str) -> str:
+        return table(f"| {source} key | nexrl key | note |",
+                     (f"| `{r.seed}` | {code(r.nexrl)} | {_cell(r.why)} |" for r in t.KEY_RULES if r.source == source))
+
+    blocks = {
+        "hints": "\n".join(f"error: {key}: {t.seed_key_hint(key)}" for key in ("dataloader", "adv_estimator")),
+        "keys_NexRL": keys("NexRL"), "keys_ROLL": keys("ROLL"),
+        "same_keys": "These keys mean the same in nexrl: " + ", ".join(f"`{k}`" for k in t.SAME_KEYS) + ".",
+        "derived": table("| nexrl key | set to |", (f"| `{key}` | {_cell(text)} |" for key, text in t.DERIVED)),
+        "values": table("| key | NexRL value | nexrl value | note |",
+                        (f"| `{r.key}` | {code(r.seed)} | {code(r.nexrl)} | {_cell(r.why)} |" for r in t.VALUE_RULES)),
+        "adjustments": table("| key | nexrl writes | why |",
+                             (f"| `{r.key}` | {code(r.nexrl)} | {_cell(r.why)} |" for r in t.ADJUSTMENTS)),
+        "layouts": table("| layout | NexRL | nexrl |",
+                         (f"| {_cell(r.name)} | {_cell(r.shape)} | {_cell(r.becomes)} |" for r in t.LAYOUTS)),
+        "imports": table("| NexRL | nexrl | note |",
+                         (f"| `{r.seed}` | {code(r.nexrl)} | {_cell(r.why)} |" for r in t.IMPORT_RULES)),
+        "metrics": table("| NexRL / ROLL | nexrl | note |",
+                         (f"| `{r.seed}`{' (ROLL)' if r.source == 'ROLL' else ''} | {code(r.nexrl)} | {_cell(r.why)} |"
+                          for r in t.METRIC_RULES)),
+    }
+    prose = (Path(__file__).parent / "migrating.md").read_text(encoding="utf-8")
+    return re.sub(r"(?m)^\{\{(\w+)\}\}$", lambda match: blocks[match.group(1)], prose).rstrip() + "\n"

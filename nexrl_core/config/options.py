@@ -1,13 +1,6 @@
-"""Declared options: what a recipe mapping may hold, with type, default, range and help.
-
-A component declares the keys of its recipe section as a class attribute::
-
-    class MyLoader(BaseDataLoader):
-        OPTIONS = {
-            "path": Option(REQUIRED, str, "JSONL file to read"),
-            "max_rows": Option(None, int, "stop after this many rows", ge=1),
-            "split": Option("train", str, "which half", choices=("train", "validation")),
-        }
+"""Declared options: what a recipe mapping may hold, with type, default, range and help. A
+component declares the keys of its recipe section as ``OPTIONS = {"key": Option(...)}`` or as a
+typed ``SETTINGS`` class (:mod:`.settings`; both: docs/plugins.md, "Declaring options").
 
 ``nexrl validate`` and ``nexrl run`` check a recipe against these declarations with the same
 function (:func:`check_options`): unknown keys (with a "did you mean"), wrong types,

@@ -1,20 +1,6 @@
-"""Typed settings: a component's recipe keys declared once, as a frozen dataclass.
-
-::
-
-    @dataclass(frozen=True, kw_only=True)
-    class ServerSettings(Settings):
-        host: str = setting("127.0.0.1", "where the server listens")
-        port: int | None = setting(None, "its port (null: a free one)", ge=1, le=65535)
-        dtype: Literal["auto", "float32", "bfloat16"] = setting("auto", "the weights' precision")
-        model_path: str = setting(help="the model folder")  # no default: the recipe must set it
-
-    class MyBackend(InferenceClient):
-        SETTINGS = ServerSettings
-
-        def __init__(self, config):
-            super().__init__(config)
-            self.settings = ServerSettings.own(self.config)  # typed: self.settings.port is int | None
+"""Typed settings: a component's recipe keys declared once, as a frozen dataclass subclassing
+:class:`Settings` (an example: docs/plugins.md, "Declaring options"); the component reads its section
+with ``MySettings.own(section)``.
 
 A field's annotation is its type (``bool``, ``int``, ``float``, ``str``, ``list[str]``,
 ``dict[str, str]``, ``X | None``, ``Literal[...]``, a nested :class:`Settings` class, whose
