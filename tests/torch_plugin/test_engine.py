@@ -79,14 +79,23 @@ def test_a_wave_of_requests_longer_than_a_moment_is_still_one_batch(make_engine)
 
     engine = make_engine(batch_wait_ms=150)  # 15x the gap: a busy machine stretches 10 ms sleeps
     params = SamplingParams(max_tokens=2, temperature=0)
-    results, threads = [], []
+    results, threads, arrivals = [], [], []
+
+    def submit() -> None:
+        arrivals.append(time.monotonic())
+        results.append(engine.complete("hello", params))
+
     for _ in range(30):  # 30 arrivals 10 ms apart: 0.3 s
-        threads.append(threading.Thread(target=lambda: results.append(engine.complete("hello", params))))
+        threads.append(threading.Thread(target=submit))
         threads[-1].start()
         time.sleep(0.01)
     for thread in threads:
         thread.join()
-    assert len(results) == 30 and engine.num_batches == 1
+    # One batch, unless the machine was so loaded that an arrival really came later than the wait
+    # after the one before (or all of them took longer than batch_wait_max_ms): each such cut is one more.
+    arrivals.sort()
+    late = sum(b - a > 0.15 for a, b in zip(arrivals, arrivals[1:])) + int((arrivals[-1] - arrivals[0]) / 0.5)
+    assert len(results) == 30 and engine.num_batches <= 1 + late
 
 
 def test_batched_greedy_equals_one_by_one(make_engine):
