@@ -90,8 +90,7 @@ def load_recipe(path: str, overrides: list[str] | None = None, raw: Any = None,
     for layer in layers:
         recipe = deep_merge(recipe, layer)
     for _, ov in value_overrides:  # `section={}`: the section as its defaults (merging {} would keep the recipe's)
-        parent_key, _, leaf = ov.key_or_group.rpartition(".")
-        parent = lookup(recipe, parent_key) if parent_key else recipe
+        parent, leaf = _parent(recipe, ov.key_or_group)
         if not ov.is_delete() and ov.value() == {} and isinstance(parent, dict):
             parent.pop(leaf, None)
     recipe_dir = os.path.dirname(os.path.abspath(path))
@@ -361,8 +360,7 @@ def _delete(values: dict[str, Any], key: str, text: str) -> None:
     nexrl declares is gone, so its declared default applies. A key every run reads that holds its
     default already is switched off: null where it may be null (``~trainer.checkpoint_path``: no
     checkpoints; a section: none), an error naming what to set where it may not."""
-    parent_key, _, leaf = key.rpartition(".")
-    parent = lookup(values, parent_key) if parent_key else values
+    parent, leaf = _parent(values, key)
     if not isinstance(parent, dict) or leaf not in parent:
         raise ConfigError(f"override '{text}': key '{key}' does not exist")
     opt = _option_at(key)
@@ -389,13 +387,15 @@ def _delete(values: dict[str, Any], key: str, text: str) -> None:
 
 
 def _suggest(values: dict[str, Any], key: str) -> str:
+    parent, leaf = _parent(values, key)
+    hit = get_close_matches(leaf, [str(k) for k in parent], n=1) if isinstance(parent, dict) else []
+    return f" (did you mean '{key[:len(key) - len(leaf)]}{hit[0]}'?)" if hit else ""
+
+
+def _parent(values: dict[str, Any], key: str) -> tuple[Any, str]:
+    """The mapping that holds the dotted ``key`` (None when there is none) and its last part."""
     parent_key, _, leaf = key.rpartition(".")
-    parent = lookup(values, parent_key) if parent_key else values
-    if isinstance(parent, dict):
-        hit = get_close_matches(leaf, [str(k) for k in parent.keys()], n=1)
-        if hit:
-            return f" (did you mean '{(parent_key + '.') if parent_key else ''}{hit[0]}'?)"
-    return ""
+    return (lookup(values, parent_key) if parent_key else values), leaf
 
 
 # -- checking ------------------------------------------------------------------------------------
