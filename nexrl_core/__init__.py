@@ -26,7 +26,7 @@ from .launch.processes import (
     start_objects,
     start_processes,
 )
-from .markers import hookimpl
+from .markers import Lazy, hookimpl
 from .plugins import PluginManager, get_plugin_manager
 from .rollout_worker import BaseRolloutWorker, ItemFailure, RolloutParts
 from .runtime.activity import ActivityTracker, ActivityTrackerProxy
@@ -74,7 +74,7 @@ __all__ = [
     "ActivityTracker", "ActivityTrackerProxy", "BaseDataLoader", "BaseEvaluationTarget", "BaseRolloutWorker",
     "BaseTrainer", "Batch", "Capabilities", "CompletionResult", "ConfigError", "DataError", "Deferred",
     "ErrorReporter", "ErrorSeverity", "EvaluationRunResult", "Evaluator", "FileDataLoader",
-    "GroupedTrajectoryStore", "HierarchicalTrajectoryStore", "InferenceClient", "InferenceError", "ItemFailure",
+    "GroupedTrajectoryStore", "HierarchicalTrajectoryStore", "InferenceClient", "InferenceError", "ItemFailure", "Lazy",
     "MemoryItem", "MemoryPlan", "MetricsSink", "PlanInputs", "Saving",
     "ModelTag", "ModuleUnavailable", "NexRLController", "NexRLError", "NexRLModule", "NexRLRole",
     "OpenAICompatibleClient", "Option", "PluginError", "PluginManager", "REQUIRED", "RpcTimeout", "RunFailed",

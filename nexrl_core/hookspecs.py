@@ -7,7 +7,10 @@ A plugin is a module named by an entry point in the ``nexrl`` group::
 
 whose functions are marked with ``@nexrl_core.hookimpl`` and named after the
 specs below. Every component hook returns ``dict[str, type]``: the name a
-recipe uses in ``type:`` mapped to the class that implements it.
+recipe uses in ``type:`` mapped to the class that implements it, or to
+``nexrl_core.Lazy("module:Class")``, which is imported when a recipe selects the
+name: a plugin whose classes need torch or an SDK then costs nothing to recipes
+of other components. The algorithm hooks take ``Lazy`` paths to functions alike.
 
 A registered class declares the keys of its recipe section as ``OPTIONS = {key:
 nexrl_core.Option(...)}`` (an evaluator may instead rely on its annotated ``__init__``),

@@ -16,6 +16,7 @@ from loguru import logger
 from . import hookspecs
 from .algorithms.registry import ALGORITHM_KINDS, option_defaults, unknown_name_error
 from .errors import PluginError
+from .markers import Lazy
 
 ENTRY_POINT_GROUP = "nexrl"
 CORE_DISTRIBUTION = "nexrl-core"
@@ -54,9 +55,33 @@ class PluginLoadFailure:
 
 @dataclass
 class Registration:
-    cls: Any  # the class (components) or function (algorithm kinds)
+    """One registered name. ``target`` is what the hook returned: the class (components) or
+    function (algorithm kinds), or a :class:`~nexrl_core.Lazy` path to it."""
+
+    target: Any
     distribution: str
     plugin: str
+    kind: str = ""
+    name: str = ""
+    _loaded: Any = field(default=None, init=False, repr=False, compare=False)
+
+    @property
+    def cls(self) -> Any:
+        """The class or function; a lazy one is imported and checked at the first read (PluginError
+        naming the plugin when that fails)."""
+        if not isinstance(self.target, Lazy):
+            return self.target
+        if self._loaded is None:
+            where = f"plugin '{self.plugin}' ({self.distribution}) registers {self.kind} '{self.name}' as {self.target!r}"
+            try:
+                loaded = self.target.load()
+            except Exception as exc:
+                raise PluginError(f"{where}, which failed to import: {type(exc).__name__}: {exc}") from exc
+            why = registration_problem(self.kind, loaded)
+            if why:
+                raise PluginError(f"{where}, {why}")
+            self._loaded = loaded
+        return self._loaded
 
 
 @dataclass
@@ -76,6 +101,25 @@ def _import_base(path: str) -> type | None:
         return None
     module, _, name = path.partition(":")
     return getattr(__import__(module, fromlist=[name]), name)
+
+
+def registration_problem(kind: str, obj: Any) -> str | None:
+    """Why ``obj`` cannot be registered as ``kind`` (a key of :data:`KINDS` or of
+    :data:`ALGORITHM_KINDS`), or None; a :class:`~nexrl_core.Lazy` is checked once imported."""
+    if isinstance(obj, Lazy):
+        return None if obj.well_formed() else "which is not a 'module:attribute' path"
+    if kind in ALGORITHM_KINDS:
+        if isinstance(obj, type) or not callable(obj):
+            return "which is not a function"
+        try:
+            option_defaults(obj)
+        except (TypeError, ValueError) as exc:
+            return f"whose options cannot be read: {exc}"
+        return None
+    base = _import_base(KINDS[kind][1])
+    if not isinstance(obj, type) or (base is not None and not issubclass(obj, base)):
+        return f"which is not a subclass of {base.__name__ if base else 'a class'}"
+    return None
 
 
 class PluginManager:
@@ -158,29 +202,14 @@ class PluginManager:
     # -- components and algorithm functions --------------------------------------------
     def components(self, kind: str) -> dict[str, Registration]:
         """Registered classes of one component kind (a key of :data:`KINDS`), by name."""
-        hook_name, base_path = KINDS[kind]
-        base = _import_base(base_path)
-
-        def problem(obj: Any) -> str | None:
-            if not isinstance(obj, type) or (base is not None and not issubclass(obj, base)):
-                return f"which is not a subclass of {base.__name__ if base else 'a class'}"
-            return None
-        return self._collect(kind, hook_name, "dict[str, type]", problem)
+        return self._collect(kind, KINDS[kind][0], "dict[str, type]")
 
     def functions(self, kind: str) -> dict[str, Registration]:
         """Registered functions of one algorithm kind (a key of :data:`ALGORITHM_KINDS`), by name;
         ``Registration.cls`` holds the function."""
-        def problem(obj: Any) -> str | None:
-            if isinstance(obj, type) or not callable(obj):
-                return "which is not a function"
-            try:
-                option_defaults(obj)
-            except (TypeError, ValueError) as exc:
-                return f"whose options cannot be read: {exc}"
-            return None
-        return self._collect(kind, ALGORITHM_KINDS[kind], "dict[str, function]", problem)
+        return self._collect(kind, ALGORITHM_KINDS[kind], "dict[str, function]")
 
-    def _collect(self, kind: str, hook_name: str, expected: str, problem: Any) -> dict[str, Registration]:
+    def _collect(self, kind: str, hook_name: str, expected: str) -> dict[str, Registration]:
         if kind in self._cache:
             return self._cache[kind]
         found: dict[str, Registration] = {}
@@ -197,16 +226,16 @@ class PluginManager:
                           f"expected {expected}")
                 continue
             for name, obj in answer.items():
-                why = problem(obj)
+                why = registration_problem(kind, obj)
                 if why:
                     self._bad(f"plugin '{impl.plugin_name}' ({dist}) registers {kind} '{name}' as {obj!r}, {why}")
                     continue
-                if name in found and found[name].cls is not obj:
+                if name in found and not _same_target(found[name].target, obj):
                     raise PluginError(f"two plugins register the {kind} name '{name}': "
-                                      f"{found[name].distribution} ({_qualname(found[name].cls)}) and {dist} "
+                                      f"{found[name].distribution} ({_qualname(found[name].target)}) and {dist} "
                                       f"({_qualname(obj)}); uninstall one or restrict loading with "
                                       f"NEXRL_LOAD_PLUGINS")
-                found[name] = Registration(obj, dist, impl.plugin_name)
+                found[name] = Registration(obj, dist, impl.plugin_name, kind, name)
         self._cache[kind] = found
         return found
 
@@ -267,21 +296,37 @@ class PluginManager:
         return f"plugin '{plugin}'" + (f" ({record.distribution})" if record is not None else "")
 
     def describe(self) -> list[dict[str, Any]]:
-        """One entry per plugin: distribution, version, hooks and registered names."""
+        """One entry per plugin: distribution, version, hooks and registered names (a lazy
+        registration is imported: one that fails is listed as a bad registration instead)."""
         out = []
         for record in self.records.values():
             components: dict[str, list[str]] = {}
             for kind in (*KINDS, *ALGORITHM_KINDS):
                 registry = self.functions(kind) if kind in ALGORITHM_KINDS else self.components(kind)
-                names = sorted(n for n, r in registry.items() if r.plugin == record.name)
+                names = sorted(n for n, r in registry.items() if r.plugin == record.name and self._imports(r))
                 if names:
                     components[kind] = names
             out.append({"name": record.name, "distribution": record.distribution, "version": record.version,
                         "hooks": record.hooks, "components": components})
         return out
 
+    def _imports(self, registration: Registration) -> bool:
+        """Whether the registration's class or function imports: a lazy one is imported here, and
+        reported as a bad registration when that fails."""
+        try:
+            return registration.cls is not None
+        except PluginError as exc:
+            self._bad(str(exc))
+            return False
+
+
+def _same_target(a: Any, b: Any) -> bool:
+    return a == b if isinstance(a, Lazy) and isinstance(b, Lazy) else a is b
+
 
 def _qualname(obj: Any) -> str:
+    if isinstance(obj, Lazy):
+        return obj.path
     return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', repr(obj))}"
 
 

@@ -41,7 +41,7 @@ from typing import Any
 
 from ..config.options import Option, check_options, component_options, param_docs
 from ..config.settings import plain
-from ..errors import ConfigError
+from ..errors import ConfigError, PluginError
 
 # kind -> hook that registers it
 ALGORITHM_KINDS: dict[str, str] = {
@@ -124,18 +124,17 @@ def unknown_name_error(kind: str, name: Any, key: str, available: Mapping[str, s
 
 
 class AlgorithmRegistry:
-    """The registered functions of every kind, by name. Holds plain functions, so it pickles
-    (by reference) into another process with the trainer."""
+    """The registered functions of every kind, by name: an :class:`AlgorithmFunction`, or the
+    plugin manager's registration (its ``cls`` imported when a recipe first selects the name). Holds
+    plain functions, so it pickles (by reference) into another process with the trainer."""
 
-    def __init__(self, functions: Mapping[str, Mapping[str, AlgorithmFunction]], notes: str = ""):
+    def __init__(self, functions: Mapping[str, Mapping[str, Any]], notes: str = ""):
         self._functions = {kind: dict(functions.get(kind, {})) for kind in ALGORITHM_KINDS}
         self._notes = notes
 
     @classmethod
     def from_plugin_manager(cls, plugin_manager: Any) -> AlgorithmRegistry:
-        functions = {kind: {name: AlgorithmFunction.create(kind, name, reg.cls, reg.distribution)
-                            for name, reg in plugin_manager.functions(kind).items()}
-                     for kind in ALGORITHM_KINDS}
+        functions = {kind: plugin_manager.functions(kind) for kind in ALGORITHM_KINDS}
         notes = "".join(f" Plugin '{f.name}' ({f.distribution}) failed to load: {f.error}."
                         for f in plugin_manager.failures)
         return cls(functions, notes)
@@ -148,6 +147,12 @@ class AlgorithmRegistry:
         if found is None:
             available = {n: f.distribution for n, f in self._functions[kind].items()}
             raise unknown_name_error(kind, name, key, available, self._notes)
+        if not isinstance(found, AlgorithmFunction):  # a plugin's registration: its function read once
+            try:
+                found = AlgorithmFunction.create(kind, name, found.cls, found.distribution)
+            except PluginError as exc:
+                raise ConfigError(f"{key}: {exc}") from exc
+            self._functions[kind][name] = found
         return found
 
 

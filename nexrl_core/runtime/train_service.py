@@ -148,18 +148,18 @@ def train_service_class(trainer_cls: type, section: Mapping[str, Any] | None, pl
     ConfigError naming ``<path>.backend`` when it is not registered or takes batches the trainer
     does not build."""
     name = selected_backend(trainer_cls, section)
+    selected = plugin_manager.components("train_service").get(name) if isinstance(name, str) else None
+    if selected is not None and getattr(selected.cls, "BATCH_FORMAT", None) == _format(trainer_cls):
+        return selected.cls  # the other services stay unimported (a lazy registration: torch, an SDK)
     fitting = _fitting(trainer_cls, plugin_manager)
-    if isinstance(name, str) and name in fitting:
-        return fitting[name].cls
-    other = plugin_manager.components("train_service").get(name) if isinstance(name, str) else None
-    if other is None and isinstance(name, str):  # not registered at all: said as for any component
+    if selected is None and isinstance(name, str):  # not registered at all: said as for any component
         plugin_manager.resolve("train_service", name, f"{path}.backend")
     trainer_words = f"trainer '{trainer_name or trainer_cls.__name__}'"
     choices = ", ".join(fitting) or "none (install the plugin that provides one)"
     text = f"{path}.backend: {name!r} is not one of {choices}"
-    if other is not None:
+    if selected is not None:
         raise ConfigError(f"{text}: {trainer_words} builds {_format(trainer_cls)} batches, and train service "
-                          f"'{name}' ({other.distribution}) takes {getattr(other.cls, 'BATCH_FORMAT', '?')} batches")
+                          f"'{name}' ({selected.distribution}) takes {getattr(selected.cls, 'BATCH_FORMAT', '?')} batches")
     hit = get_close_matches(str(name), list(fitting), n=1)
     raise ConfigError(text + (f"; did you mean {hit[0]!r}?" if hit else f" (the train services {trainer_words} "
                                                                          f"can drive)"))

@@ -226,6 +226,74 @@ def test_bad_registrations_are_reported_and_skipped(site, write_dist, monkeypatc
         pm.resolve("trainer", "wrongbase", "trainer.type")
 
 
+LAZY_PLUGIN = """
+from nexrl_core import Lazy, hookimpl
+
+
+@hookimpl
+def nexrl_trainers():
+    return {{"lazy": Lazy("{impl}:LazyTrainer"), "missing": Lazy("{impl}_gone:LazyTrainer"),
+            "wrongbase": Lazy("{impl}:NotATrainer"), "no_path": Lazy("{impl}")}}
+
+
+@hookimpl
+def nexrl_advantage_estimators():
+    return {{"lazy_adv": Lazy("{impl}:scaled"), "missing_adv": Lazy("{impl}_gone:scaled")}}
+"""
+
+LAZY_IMPL = """
+from nexrl_core.trainer import BaseTrainer
+
+
+class LazyTrainer(BaseTrainer):
+    def train(self, trajectories):
+        return {}
+
+
+class NotATrainer:
+    pass
+
+
+def scaled(data, *, scale: float = 2.0):
+    return data, data
+"""
+
+
+def test_a_lazy_registration_is_imported_when_selected_and_checked_then(site, write_dist, monkeypatch):
+    from nexrl_core.algorithms import AlgorithmRegistry
+
+    mod = _mod()
+    impl = f"{mod}_impl"
+    write_dist(site, "nexrl-lazy", {"lazy": mod}, {mod: LAZY_PLUGIN.format(impl=impl), impl: LAZY_IMPL})
+    _only(monkeypatch, "nexrl-lazy")
+    pm = PluginManager()
+
+    trainers = pm.components("trainer")
+    assert {"lazy", "missing", "wrongbase"} <= set(trainers) and "no_path" not in trainers
+    assert "not a 'module:attribute' path" in "\n".join(pm.bad_registrations)
+    assert impl not in sys.modules  # listed by name, nothing imported
+    cls = pm.resolve("trainer", "lazy", "trainer.type")
+    assert cls.__name__ == "LazyTrainer" and cls.__module__ == impl
+    with pytest.raises(PluginError, match=r"^plugin 'lazy' \(nexrl-lazy\) registers trainer 'missing' as "
+                                          r"Lazy\(path='nxt_\w+_gone:LazyTrainer'\), which failed to import: "
+                                          r"ModuleNotFoundError"):
+        pm.resolve("trainer", "missing", "trainer.type")
+    with pytest.raises(PluginError, match="registers trainer 'wrongbase' .*, which is not a subclass of BaseTrainer"):
+        pm.resolve("trainer", "wrongbase", "trainer.type")
+
+    registry = AlgorithmRegistry.from_plugin_manager(pm)
+    assert registry.get("advantage_estimator", "lazy_adv", "algorithm.type").options == {"scale": 2.0}
+    with pytest.raises(ConfigError, match=r"^algorithm.type: plugin 'lazy' \(nexrl-lazy\) registers "
+                                          r"advantage_estimator 'missing_adv' .*, which failed to import"):
+        registry.get("advantage_estimator", "missing_adv", "algorithm.type")
+
+    # what `nexrl plugins` lists: every registration imported, the broken ones reported instead
+    (described,) = [p for p in pm.describe() if p["name"] == "lazy"]
+    assert described["components"] == {"trainer": ["lazy"], "advantage_estimator": ["lazy_adv"]}
+    bad = "\n".join(pm.bad_registrations)
+    assert all(f"'{name}'" in bad for name in ("missing", "wrongbase", "no_path", "missing_adv"))
+
+
 def test_resolve_unknown_name_lists_available_names_with_distribution(core_pm):
     with pytest.raises(ConfigError) as info:
         core_pm.resolve("trainer", "mokc", "trainer.type")

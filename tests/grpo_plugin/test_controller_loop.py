@@ -297,6 +297,28 @@ def test_cli_plugins_and_validate_quickstart():
     assert "ok" in v_out
 
 
+def test_a_recipe_of_other_components_never_imports_torch(tmp_path):
+    """nexrl-grpo and nexrl-torch register their classes by path: with every installed plugin
+    loaded, `nexrl validate` of a recipe on the mock components never imports torch; selecting
+    nexrl-grpo's trainer does."""
+    from nexrl_core.testing import make_recipe, write_recipe
+
+    recipe = write_recipe(make_recipe(run_dir=str(tmp_path / "run")), tmp_path / "recipe.yaml")
+    code = ("import sys\n"
+            "from nexrl_core.cli import main\n"
+            f"assert main(['validate', {recipe!r}]) == 0\n"
+            "print('torch' in sys.modules)\n"
+            "from nexrl_core.plugins import get_plugin_manager\n"
+            "get_plugin_manager().resolve('trainer', 'self_hosted_grpo', 'trainer.type')\n"
+            "print('torch' in sys.modules)\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("NEXRL_LOAD_PLUGINS", None)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[-2:] == ["False", "True"], proc.stdout
+
+
 def test_export_writes_a_from_pretrained_folder_without_optimizer_state(grpo_run, tmp_path, capsys):
     """`nexrl export CHECKPOINT OUT`: the model and tokenizer of a checkpoint, no optimizer or RNG state."""
     from transformers import AutoModelForCausalLM, AutoTokenizer

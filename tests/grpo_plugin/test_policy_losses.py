@@ -307,6 +307,15 @@ def test_value_loss_matches_reference(batch, mode, clip):
     assert metrics["vf_clipfrac"] == pytest.approx(clipfrac, abs=TOL)
 
 
+def test_the_registered_losses_are_those_of_the_losses_module():
+    """nexrl-grpo registers its losses by path (torch is imported when a recipe selects one): the
+    names and functions are losses.POLICY_LOSSES'."""
+    registry = algorithms.AlgorithmRegistry.from_plugin_manager(PluginManager())
+    grpo = [n for n in registry.names("policy_loss") if registry.get("policy_loss", n, "x").distribution == "nexrl-grpo"]
+    assert grpo == sorted(losses.POLICY_LOSSES)
+    assert all(registry.get("policy_loss", n, "x").fn is losses.POLICY_LOSSES[n] for n in grpo)
+
+
 def test_new_losses_are_registered_with_their_options():
     registry = algorithms.AlgorithmRegistry.from_plugin_manager(PluginManager())
     assert {"ppo_clip", "dual_clip", "gspo", "topr"} <= set(registry.names("policy_loss"))
